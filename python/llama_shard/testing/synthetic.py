@@ -33,6 +33,7 @@ class SyntheticSpec:
     tied_embeddings: bool = True
     f16: bool = False           # store matrices as F16 (norms stay F32, as converters do)
     seed: int = 1234
+    embd_scale: float = 0.1     # small next to the layers' contributions, so greedy text is not a copy of its input
     architecture: str = "llama"  # another name writes the same tensors under that architecture
 
     @property
@@ -75,7 +76,7 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
     w.add_tokenizer_model("none")
 
     # tensors in the order converters write them: token_embd first, output last
-    w.add_tensor("token_embd.weight", mat(spec.n_vocab, spec.n_embd, scale=1.0))
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, spec.n_embd, scale=spec.embd_scale))
     for il in range(spec.n_layer):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", norm_weight(spec.n_embd))

@@ -1,0 +1,282 @@
+"""The pure-numpy executable specification of shard execution.
+
+`ReferenceModel` reads the same GGUF file as the native engine with the `gguf` package
+(quantized tensors are dequantized) and implements a dense Llama: RMSNorm, grouped-query attention,
+llama.cpp's RoPE convention for the architecture (adjacent pairs for `llama`), SwiGLU, tied or untied
+LM head, eps and rope theta from the file. It has a stateless whole-model forward and, through
+`ReferenceShard`, a KV-cached forward over a layer range with the same boundary contract as the
+native engine: the head embeds tokens, non-tail shards return the unnormalized residual of every
+token, the tail normalizes and returns logits.
+
+Numerics: computation is float64; K and V are rounded through float16 when cached, as the native
+engine's f16 KV cache does. The stated tolerance against llama.cpp on F32 models is in
+`NATIVE_LOGIT_ATOL` (absolute, on logits); greedy tokens are identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from .errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
+
+#: absolute tolerance on logits between the native engine and this reference on synthetic F32 models
+NATIVE_LOGIT_ATOL = 2e-2
+
+#: architectures this reference implements (their RoPE convention and tensor layout)
+REFERENCE_ARCHITECTURES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceHparams:
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    rms_eps: float
+    rope_theta: float
+
+
+def _field_value(reader: GGUFReader, key: str, default=None):
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+
+class ReferenceModel:
+    """A dense Llama read from a GGUF file; weights as float64 numpy arrays (numpy row-major order)."""
+
+    def __init__(self, hparams: ReferenceHparams, tok_embd: np.ndarray, layers: list[LayerWeights],
+                 output_norm: np.ndarray, output: np.ndarray):
+        self.hparams = hparams
+        self.tok_embd = tok_embd
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "ReferenceModel":
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        reader = GGUFReader(str(path))
+        arch = _field_value(reader, "general.architecture")
+        if arch not in REFERENCE_ARCHITECTURES:
+            raise UncertifiedArchitectureError(f"the numpy reference implements {REFERENCE_ARCHITECTURES}, not {arch!r}")
+        tensors = {t.name: t for t in reader.tensors}
+
+        def get(name: str) -> np.ndarray:
+            t = tensors[name]
+            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+
+        n_layer = int(_field_value(reader, f"{arch}.block_count"))
+        n_embd = int(_field_value(reader, f"{arch}.embedding_length"))
+        n_head = int(_field_value(reader, f"{arch}.attention.head_count"))
+        n_head_kv = int(_field_value(reader, f"{arch}.attention.head_count_kv", n_head))
+        head_dim = int(_field_value(reader, f"{arch}.attention.key_length", n_embd // n_head))
+        tok_embd = get("token_embd.weight")
+        hp = ReferenceHparams(
+            architecture=arch,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=int(_field_value(reader, f"{arch}.feed_forward_length")),
+            n_vocab=tok_embd.shape[0],
+            rms_eps=float(_field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(_field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        )
+        layers = []
+        for il in range(n_layer):
+            p = f"blk.{il}."
+            layers.append(LayerWeights(
+                attn_norm=get(p + "attn_norm.weight"), wq=get(p + "attn_q.weight"), wk=get(p + "attn_k.weight"),
+                wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"), ffn_norm=get(p + "ffn_norm.weight"),
+                w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight")))
+        output = get("output.weight") if "output.weight" in tensors else tok_embd
+        return cls(hp, tok_embd, layers, get("output_norm.weight"), output)
+
+    # --- building blocks ---------------------------------------------------------------------
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hparams.rms_eps) * weight
+
+    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """llama.cpp's normal RoPE (the `llama` convention): rotate adjacent pairs (x[2i], x[2i+1])."""
+        hd = x.shape[-1]
+        inv_freq = self.hparams.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (n, hd/2)
+        cos = np.cos(angles)[:, None, :]
+        sin = np.sin(angles)[:, None, :]
+        x0 = x[..., 0::2]
+        x1 = x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x0 * cos - x1 * sin
+        out[..., 1::2] = x0 * sin + x1 * cos
+        return out
+
+    def embed(self, tokens) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= self.hparams.n_vocab:
+            raise InvalidInputError("tokens must be a non-empty 1-D sequence of ids inside the vocabulary")
+        return self.tok_embd[ids]
+
+    def layer(self, il: int, x: np.ndarray, positions: np.ndarray,
+              past_k: np.ndarray | None = None, past_v: np.ndarray | None = None,
+              kv_round=np.float16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One transformer block over rows `x` at absolute `positions`.
+
+        Attends to `past_k`/`past_v` (n_past, n_head_kv, head_dim) followed by the new rows, with a
+        causal mask on absolute positions. Returns (x_out, k_new, v_new); k_new/v_new are the new
+        rows' position-encoded K and V as cached (rounded through `kv_round`).
+        """
+        hp = self.hparams
+        w = self.layers[il]
+        n = x.shape[0]
+        h = self.rms_norm(x, w.attn_norm)
+        q = (h @ w.wq.T).reshape(n, hp.n_head, hp.head_dim)
+        k = (h @ w.wk.T).reshape(n, hp.n_head_kv, hp.head_dim)
+        v = (h @ w.wv.T).reshape(n, hp.n_head_kv, hp.head_dim)
+        q = self.rope(q, positions)
+        k = self.rope(k, positions)
+        if kv_round is not None:
+            k = k.astype(kv_round).astype(np.float64)
+            v = v.astype(kv_round).astype(np.float64)
+        if past_k is not None and past_k.shape[0] > 0:
+            keys = np.concatenate([past_k, k], axis=0)
+            values = np.concatenate([past_v, v], axis=0)
+            n_past = past_k.shape[0]
+        else:
+            keys, values, n_past = k, v, 0
+        key_pos = np.concatenate([np.arange(n_past), positions])
+        group = hp.n_head // hp.n_head_kv
+        keys_h = np.repeat(keys, group, axis=1)      # (n_kv_total, n_head, hd)
+        values_h = np.repeat(values, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, keys_h) / np.sqrt(hp.head_dim)
+        mask = key_pos[None, :] > positions[:, None]  # (n, n_kv_total)
+        scores = np.where(mask[None, :, :], -np.inf, scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, values_h).reshape(n, hp.n_head * hp.head_dim)
+        x = x + attn @ w.wo.T
+        h2 = self.rms_norm(x, w.ffn_norm)
+        gate = h2 @ w.w_gate.T
+        ffn = (gate / (1.0 + np.exp(-gate)) * (h2 @ w.w_up.T)) @ w.w_down.T
+        return x + ffn, k, v
+
+    def lm_head(self, x: np.ndarray) -> np.ndarray:
+        return self.rms_norm(x, self.output_norm) @ self.output.T
+
+    # --- whole-model, stateless ----------------------------------------------------------------
+
+    def forward(self, tokens) -> np.ndarray:
+        """Logits (n_tokens, n_vocab) of every position, recomputed from scratch (no cache)."""
+        x = self.embed(tokens)
+        positions = np.arange(x.shape[0])
+        for il in range(self.hparams.n_layer):
+            x, _, _ = self.layer(il, x, positions)
+        return self.lm_head(x)
+
+    def greedy(self, prompt, n_steps: int) -> list[int]:
+        """Greedy continuation by stateless recompute: the slow, obviously-correct oracle."""
+        seq = list(prompt)
+        out = []
+        for _ in range(n_steps):
+            nxt = int(np.argmax(self.forward(seq)[-1]))
+            out.append(nxt)
+            seq.append(nxt)
+        return out
+
+
+class SequenceKv:
+    """K/V of one sequence for the owned layers of a shard: {layer: (k, v)}, rows = positions 0..len-1."""
+
+    def __init__(self, model: ReferenceModel, owned_layers: range):
+        hp = model.hparams
+        empty = np.zeros((0, hp.n_head_kv, hp.head_dim))
+        self.layers = {il: (empty, empty) for il in owned_layers}
+
+    @property
+    def seq_len(self) -> int:
+        first = next(iter(self.layers.values()))
+        return first[0].shape[0]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.seq_len:
+            raise InvalidInputError(f"cannot truncate a sequence of {self.seq_len} to {length}")
+        self.layers = {il: (k[:length], v[:length]) for il, (k, v) in self.layers.items()}
+
+    def nbytes(self, dtype_bytes: int = 2) -> int:
+        return sum(k.size + v.size for k, v in self.layers.values()) * dtype_bytes
+
+
+class ReferenceShard:
+    """KV-cached execution of layers [first, last] with the native engine's boundary contract."""
+
+    def __init__(self, model: ReferenceModel, first: int | None = None, last: int | None = None):
+        n_layer = model.hparams.n_layer
+        first = 0 if first is None else first
+        last = n_layer - 1 if last is None else last
+        if not 0 <= first <= last < n_layer:
+            raise InvalidInputError(f"layer range [{first}, {last}] is not inside [0, {n_layer - 1}]")
+        self.model = model
+        self.first = first
+        self.last = last
+        self.is_head = first == 0
+        self.is_tail = last == n_layer - 1
+
+    @property
+    def owned_layers(self) -> range:
+        return range(self.first, self.last + 1)
+
+    def new_sequence(self) -> SequenceKv:
+        return SequenceKv(self.model, self.owned_layers)
+
+    def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None) -> np.ndarray:
+        """Appends the input to `seq` and returns residual rows (non-tail) or the last token's logits (tail)."""
+        if (tokens is None) == (hidden is None):
+            raise InvalidInputError("pass exactly one of tokens or hidden")
+        if tokens is not None:
+            if not self.is_head:
+                raise InvalidInputError("token ids sent to a non-head shard")
+            x = self.model.embed(tokens)
+        else:
+            if self.is_head:
+                raise InvalidInputError("hidden state sent to the head shard")
+            x = np.asarray(hidden, dtype=np.float64)
+            if x.ndim != 2 or x.shape[1] != self.model.hparams.n_embd or x.shape[0] == 0:
+                raise InvalidInputError(f"hidden must have shape (n_tokens, {self.model.hparams.n_embd})")
+        start = seq.seq_len
+        positions = np.arange(start, start + x.shape[0])
+        new_layers = {}
+        for il in self.owned_layers:
+            past_k, past_v = seq.layers[il]
+            x, k, v = self.model.layer(il, x, positions, past_k, past_v)
+            new_layers[il] = (np.concatenate([past_k, k]), np.concatenate([past_v, v]))
+        seq.layers = new_layers  # committed only once every layer succeeded
+        if self.is_tail:
+            return self.model.lm_head(x[-1:])[0].astype(np.float32)
+        return x.astype(np.float32)
