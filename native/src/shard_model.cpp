@@ -228,10 +228,10 @@ std::string shard_model::detokenize(const std::vector<int32_t> & tokens) const {
     }
     std::string text(tokens.size() * 8 + 16, '\0');
     int32_t n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), text.data(), (int32_t) text.size(),
-                                 /*remove_special*/ false, /*unparse_special*/ false);
+                                 /*remove_special*/ false, /*unparse_special*/ true);
     if (n < 0) {
         text.resize((size_t) -n);
-        n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), text.data(), (int32_t) text.size(), false, false);
+        n = llama_detokenize(vocab_, tokens.data(), (int32_t) tokens.size(), text.data(), (int32_t) text.size(), false, true);
     }
     if (n < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "detokenization failed");

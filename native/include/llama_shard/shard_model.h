@@ -69,7 +69,7 @@ public:
 
     // text -> token ids; adds BOS the way llama.cpp does by default and parses special tokens
     std::vector<int32_t> tokenize(const std::string & text) const;
-    // token ids -> text; ids outside the vocabulary throw
+    // token ids -> text, special tokens rendered as their text; ids outside the vocabulary throw
     std::string detokenize(const std::vector<int32_t> & tokens) const;
     // the GGUF's chat template, empty when it has none
     std::string chat_template() const;

