@@ -5,6 +5,7 @@
 // allocated as numpy arrays and written by the engine directly. The GIL is released around every
 // call that computes or loads. shard_error is translated to the classes of llama_shard.errors.
 
+#include "llama_shard/hot_kv_engine.h"
 #include "llama_shard/shard_context.h"
 #include "llama_shard/shard_model.h"
 
@@ -80,6 +81,37 @@ py::array_t<float> hidden_from_python(const py::object & obj, int32_t n_embd) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "hidden must be C-contiguous (use numpy.ascontiguousarray)");
     }
     return py::array_t<float>::ensure(arr);
+}
+
+// one step's input from Python, owning whatever the shard_input points at
+struct py_input {
+    shard_input          input;
+    std::vector<int32_t> tokens;
+    py::array_t<float>   hidden;
+};
+
+void parse_input(py_input & p, const shard_model_info & info, const py::object & tokens, const py::object & hidden) {
+    if (!tokens.is_none() && !hidden.is_none()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "pass exactly one of tokens or hidden, not both");
+    }
+    if (!tokens.is_none()) {
+        p.tokens = tokens_from_python(tokens, info.n_vocab);
+        if (p.tokens.empty()) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "empty input: at least one token is required");
+        }
+        p.input.tokens   = p.tokens.data();
+        p.input.n_tokens = (int64_t) p.tokens.size();
+    } else if (!hidden.is_none()) {
+        p.hidden            = hidden_from_python(hidden, info.n_embd);
+        p.input.hidden      = p.hidden.data();
+        p.input.n_tokens    = p.hidden.shape(0);
+        p.input.hidden_cols = p.hidden.shape(1);
+    }
+}
+
+py::array_t<float> output_array(const shard_model_info & info, int64_t n_tokens) {
+    return info.is_tail ? py::array_t<float>(std::vector<py::ssize_t>{info.n_vocab})
+                        : py::array_t<float>(std::vector<py::ssize_t>{(py::ssize_t) n_tokens, info.n_embd});
 }
 
 } // namespace
@@ -171,36 +203,16 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("forward", [](shard_context & self, int32_t seq_id, int32_t pos, const py::object & tokens, const py::object & hidden) {
                  const shard_model_info & info = self.model().info();
-                 shard_input input;
-                 std::vector<int32_t> token_ids;
-                 py::array_t<float> hidden_arr;
-                 if (!tokens.is_none() && !hidden.is_none()) {
-                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "pass exactly one of tokens or hidden, not both");
-                 }
-                 if (!tokens.is_none()) {
-                     token_ids      = tokens_from_python(tokens, info.n_vocab);
-                     input.tokens   = token_ids.data();
-                     input.n_tokens = (int64_t) token_ids.size();
-                     if (token_ids.empty()) {
-                         input.tokens = nullptr;
-                         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "empty input: at least one token is required");
-                     }
-                 } else if (!hidden.is_none()) {
-                     hidden_arr        = hidden_from_python(hidden, info.n_embd);
-                     input.hidden      = hidden_arr.data();
-                     input.n_tokens    = hidden_arr.shape(0);
-                     input.hidden_cols = hidden_arr.shape(1);
-                 }
+                 py_input p;
+                 parse_input(p, info, tokens, hidden);
                  // validate before allocating the output: a bad n_tokens must not size an allocation
                  self.validate_seq_id(seq_id);
-                 self.validate_input(input);
-                 py::array_t<float> out = info.is_tail
-                     ? py::array_t<float>(std::vector<py::ssize_t>{info.n_vocab})
-                     : py::array_t<float>(std::vector<py::ssize_t>{(py::ssize_t) input.n_tokens, info.n_embd});
+                 self.validate_input(p.input);
+                 py::array_t<float> out = output_array(info, p.input.n_tokens);
                  float * dst = out.mutable_data();
                  {
                      py::gil_scoped_release release;
-                     self.forward(seq_id, pos, input, dst);
+                     self.forward(seq_id, pos, p.input, dst);
                  }
                  return out;
              },
@@ -213,4 +225,129 @@ PYBIND11_MODULE(_native, m) {
                  py::gil_scoped_release release;
                  return self.seq_pos_max(seq_id);
              }, py::arg("seq_id"));
+
+    py::class_<hot_kv_result>(m, "StepResult")
+        .def_property_readonly("status", [](const hot_kv_result & r) { return std::string(shard_status_name(r.status)); })
+        .def_property_readonly("miss", [](const hot_kv_result & r) { return std::string(shard_miss_reason_name(r.miss)); })
+        .def_readonly("seq_len", &hot_kv_result::seq_len)
+        .def_readonly("seq_id", &hot_kv_result::seq_id)
+        .def_readonly("current_epoch", &hot_kv_result::current_epoch)
+        .def_readonly("changed", &hot_kv_result::changed)
+        .def_readonly("detail", &hot_kv_result::detail)
+        .def("__repr__", [](const hot_kv_result & r) {
+            return std::string("StepResult(") + shard_status_name(r.status) + ", miss=" + shard_miss_reason_name(r.miss) +
+                   ", seq_len=" + std::to_string(r.seq_len) + ")";
+        });
+
+    py::class_<hot_kv_engine>(m, "HotKvEngine")
+        .def(py::init([](const shard_model & model, int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens,
+                         double ttl_seconds, int32_t n_batch, std::optional<int32_t> n_threads, int32_t recent_capacity) {
+                 hot_kv_config cfg;
+                 cfg.max_sessions    = max_sessions;
+                 cfg.context_tokens  = context_tokens;
+                 cfg.budget_tokens   = budget_tokens;
+                 cfg.ttl_seconds     = ttl_seconds;
+                 cfg.n_batch         = n_batch;
+                 cfg.n_threads       = n_threads.value_or(0);
+                 cfg.recent_capacity = recent_capacity;
+                 py::gil_scoped_release release;
+                 return std::make_unique<hot_kv_engine>(model, cfg);
+             }),
+             py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
+             py::arg("ttl_seconds"), py::arg("n_batch") = 512, py::arg("n_threads") = py::none(),
+             py::arg("recent_capacity") = 4096, py::keep_alive<1, 2>())
+        .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
+        .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
+                 py::gil_scoped_release release;
+                 return e.open(sid, epoch, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
+        .def("prefill", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t start_pos,
+                           const py::object & tokens, const py::object & hidden) {
+                 const shard_model_info & info = e.model().info();
+                 py_input p;
+                 parse_input(p, info, tokens, hidden);
+                 if (p.input.n_tokens < 1 || p.input.n_tokens > e.config().n_batch) {
+                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
+                         std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(p.input.n_tokens));
+                 }
+                 py::array_t<float> out = output_array(info, p.input.n_tokens);
+                 float * dst = out.mutable_data();
+                 hot_kv_result r;
+                 {
+                     py::gil_scoped_release release;
+                     r = e.prefill(sid, epoch, start_pos, p.input, dst, now);
+                 }
+                 return std::make_pair(r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none()));
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("start_pos") = -1,
+             py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
+        .def("decode", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t expected_seq_len,
+                          const py::object & tokens, const py::object & hidden) {
+                 const shard_model_info & info = e.model().info();
+                 py_input p;
+                 parse_input(p, info, tokens, hidden);
+                 if (p.input.n_tokens < 1 || p.input.n_tokens > e.config().n_batch) {
+                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
+                         std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(p.input.n_tokens));
+                 }
+                 py::array_t<float> out = output_array(info, p.input.n_tokens);
+                 float * dst = out.mutable_data();
+                 hot_kv_result r;
+                 {
+                     py::gil_scoped_release release;
+                     r = e.decode(sid, epoch, expected_seq_len, p.input, dst, now);
+                 }
+                 return std::make_pair(r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none()));
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("expected_seq_len") = -1,
+             py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
+        .def("truncate", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t length, double now) {
+                 py::gil_scoped_release release;
+                 return e.truncate(sid, epoch, length, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("length"), py::arg("now"))
+        .def("release", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
+                 py::gil_scoped_release release;
+                 return e.release(sid, epoch, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
+        .def("resolve", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
+                 py::gil_scoped_release release;
+                 return e.resolve(sid, epoch, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
+        .def("sweep", [](hot_kv_engine & e, double now) {
+                 py::gil_scoped_release release;
+                 return e.sweep(now);
+             }, py::arg("now"))
+        .def("check_invariants", [](const hot_kv_engine & e) {
+                 py::gil_scoped_release release;
+                 e.check_invariants();
+             })
+        .def("sessions", [](const hot_kv_engine & e) {
+                 py::list out;
+                 for (const auto & s : e.sessions()) {
+                     out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used));
+                 }
+                 return out;
+             })
+        .def("stats", [](const hot_kv_engine & e) {
+                 const hot_kv_stats st = e.stats();
+                 py::dict misses;
+                 for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
+                     misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];
+                 }
+                 py::dict d;
+                 d["live_sessions"] = st.live_sessions;
+                 d["max_sessions"] = st.max_sessions;
+                 d["reserved_tokens"] = st.reserved_tokens;
+                 d["budget_tokens"] = st.budget_tokens;
+                 d["context_tokens"] = st.context_tokens;
+                 d["kv_bytes_per_token"] = st.kv_bytes_per_token;
+                 d["reserved_bytes"] = st.reserved_bytes;
+                 d["evictions_ttl"] = st.evictions_ttl;
+                 d["evictions_lru"] = st.evictions_lru;
+                 d["releases"] = st.releases;
+                 d["supersessions"] = st.supersessions;
+                 d["steps"] = st.steps;
+                 d["tokens_computed"] = st.tokens_computed;
+                 d["recent_keys"] = st.recent_keys;
+                 d["misses"] = misses;
+                 return d;
+             });
 }

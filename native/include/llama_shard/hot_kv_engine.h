@@ -1,0 +1,198 @@
+#pragma once
+
+// hot_kv_engine: the Hot KV state of one shard. Maps each (route_session_id, route_epoch) to a
+// distinct llama_seq_id of one bounded shard_context and owns every cache mutation.
+//
+// Invariants (check_invariants() verifies them; tests call it after every step):
+//  - at most one live epoch per session id; live sessions <= max_sessions; each holds a distinct
+//    seq id in [0, max_sessions), and free ids + live ids are exactly that range;
+//  - a session's length is the number of positions llama.cpp holds for its seq id (0..len-1), and
+//    reserved_tokens, the sum of the lengths, equals the cells the context holds;
+//  - reserved_tokens <= budget_tokens <= the context's cells, and every length <= context_tokens,
+//    so llama_decode never lacks a KV slot once admission said yes;
+//  - the table of recently dropped keys holds at most recent_capacity entries.
+//
+// Admission is by token reservation. Before a step computes, the engine checks that the session's
+// new length fits context_tokens and budget_tokens on its own (otherwise: BUDGET_EXCEEDED and
+// nothing changes), then evicts least-recently-used sessions other than the requester until the
+// step fits. A new session that finds max_sessions live evicts the LRU session the same way.
+//
+// Expected outcomes are values (shard_status + shard_miss_reason); caller mistakes throw
+// shard_error(SHARD_ERRC_INVALID_ARGUMENT) before any state changes. Time is passed in by the
+// caller (`now`, seconds on any monotonic scale), which makes the clock injectable.
+
+#include "llama_shard/shard_context.h"
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace llama_shard {
+
+enum shard_status {
+    SHARD_STATUS_OK,
+    SHARD_STATUS_CACHE_MISS,       // see the miss reason; the head re-prefills from token zero
+    SHARD_STATUS_STALE_EPOCH,      // the request's epoch is older than the session's current one
+    SHARD_STATUS_BUDGET_EXCEEDED,  // the step cannot fit even with every other session evicted
+};
+
+enum shard_miss_reason {
+    SHARD_MISS_NONE,
+    SHARD_MISS_UNKNOWN_SESSION,
+    SHARD_MISS_EVICTED_TTL,
+    SHARD_MISS_EVICTED_LRU,
+    SHARD_MISS_RELEASED,
+    SHARD_MISS_SUPERSEDED_EPOCH,
+    SHARD_MISS_SEQ_LEN_MISMATCH,
+    SHARD_MISS_COUNT,
+};
+
+const char * shard_status_name(shard_status status);
+const char * shard_miss_reason_name(shard_miss_reason reason);
+
+struct hot_kv_config {
+    int32_t max_sessions    = 8;
+    int32_t context_tokens  = 2048;   // most tokens one session may hold
+    int64_t budget_tokens   = 8192;   // most tokens all sessions together may hold
+    double  ttl_seconds     = 600.0;  // idle time after which a session is evicted; <= 0 disables
+    int32_t n_batch         = 512;    // most tokens in one step
+    int32_t n_threads       = 0;      // 0 = the model's
+    int32_t recent_capacity = 4096;   // remembered dropped keys (bounded: a flood cannot grow memory)
+};
+
+struct hot_kv_result {
+    shard_status      status = SHARD_STATUS_OK;
+    shard_miss_reason miss   = SHARD_MISS_NONE;
+    int32_t seq_len       = 0;   // the session's length after the call (0 when not live)
+    int32_t seq_id        = -1;  // the llama_seq_id serving the session (-1 when not live)
+    int64_t current_epoch = -1;  // on STALE_EPOCH: the session's current epoch
+    bool    changed       = false;  // release: whether something was released
+    std::string detail;          // why, for anything but OK
+};
+
+struct hot_kv_session_info {
+    std::string session_id;
+    int64_t     epoch;
+    int32_t     seq_id;
+    int32_t     seq_len;
+    double      last_used;
+};
+
+struct hot_kv_stats {
+    int32_t  live_sessions;
+    int32_t  max_sessions;
+    int64_t  reserved_tokens;
+    int64_t  budget_tokens;
+    int32_t  context_tokens;
+    uint64_t kv_bytes_per_token;
+    uint64_t reserved_bytes;      // reserved_tokens * kv_bytes_per_token
+    uint64_t evictions_ttl;
+    uint64_t evictions_lru;
+    uint64_t releases;
+    uint64_t supersessions;
+    uint64_t steps;
+    uint64_t tokens_computed;
+    int32_t  recent_keys;
+    std::array<uint64_t, SHARD_MISS_COUNT> misses;  // by reason
+};
+
+class hot_kv_engine {
+public:
+    hot_kv_engine(const shard_model & model, const hot_kv_config & config);
+
+    hot_kv_engine(const hot_kv_engine &) = delete;
+    hot_kv_engine & operator=(const hot_kv_engine &) = delete;
+
+    const shard_model &   model()  const { return model_; }
+    const hot_kv_config & config() const { return config_; }
+    int64_t output_size(int64_t n_tokens) const { return ctx_->output_size(n_tokens); }
+
+    // makes (sid, epoch) live with length 0 if it is not; a newer epoch supersedes the live one
+    hot_kv_result open(const std::string & sid, int64_t epoch, double now);
+
+    // appends `input` at start_pos (< 0: at the session's length); an earlier start truncates
+    // first, a later one is a SEQ_LEN_MISMATCH miss. A session that is not live is created when
+    // start_pos <= 0. On OK, writes output_size(n_tokens) floats to `out`.
+    hot_kv_result prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
+                          float * out, double now);
+
+    // appends `input` at the session's length; expected_seq_len >= 0 must equal it (else a miss)
+    hot_kv_result decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
+                         float * out, double now);
+
+    // drops positions >= length; length must be in [0, seq_len]
+    hot_kv_result truncate(const std::string & sid, int64_t epoch, int32_t length, double now);
+
+    // releases exactly (sid, epoch); an older epoch is stale and releases nothing
+    hot_kv_result release(const std::string & sid, int64_t epoch, double now);
+
+    // the session's length, or the miss a step would get
+    hot_kv_result resolve(const std::string & sid, int64_t epoch, double now);
+
+    // evicts every session idle longer than ttl_seconds; returns how many
+    int32_t sweep(double now);
+
+    hot_kv_stats stats() const;
+    std::vector<hot_kv_session_info> sessions() const;
+
+    // throws std::logic_error naming the first violated invariant
+    void check_invariants() const;
+
+private:
+    struct session {
+        int64_t epoch;
+        int32_t seq_id;
+        int32_t seq_len;
+        double  last_used;
+        std::list<std::string>::iterator lru_pos;
+    };
+
+    struct dropped {
+        int64_t           epoch;
+        shard_miss_reason reason;
+        uint64_t          stamp;  // matches recent_order_ entries; older order entries are stale
+    };
+
+    // --- helpers; all run with mutex_ held ---
+    void     validate_key(const std::string & sid, int64_t epoch) const;
+    int32_t  sweep_locked(double now);
+    void     drop_locked(const std::string & sid, shard_miss_reason reason);
+    void     remember_locked(const std::string & sid, int64_t epoch, shard_miss_reason reason);
+    bool     evict_lru_locked(const std::string & keep);
+    void     touch_locked(session & s, double now);
+    session & create_locked(const std::string & sid, int64_t epoch, double now);
+
+    // classifies (sid, epoch): returns the live session of that exact key, or null with `res` saying
+    // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
+    // A newer epoch than the live one drops the live state (supersession).
+    session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
+    hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
+
+    // admission + compute for a step of `input` at `start` on live session `s`
+    hot_kv_result step_locked(const std::string & sid, session & s, int32_t start, const shard_input & input,
+                              float * out, double now);
+
+    const shard_model &            model_;
+    hot_kv_config                  config_;
+    std::unique_ptr<shard_context> ctx_;
+
+    mutable std::mutex mutex_;
+    std::unordered_map<std::string, session> live_;
+    std::list<std::string>                   lru_;       // front = least recently used
+    std::vector<int32_t>                     free_ids_;
+    int64_t                                  reserved_ = 0;
+
+    std::unordered_map<std::string, dropped>         recent_;
+    std::deque<std::pair<std::string, uint64_t>>     recent_order_;
+    uint64_t                                         recent_stamp_ = 0;
+
+    hot_kv_stats counters_{};
+};
+
+} // namespace llama_shard

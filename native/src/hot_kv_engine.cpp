@@ -1,0 +1,494 @@
+#include "llama_shard/hot_kv_engine.h"
+
+#include <algorithm>
+#include <cassert>
+#include <stdexcept>
+
+namespace llama_shard {
+
+const char * shard_status_name(shard_status status) {
+    switch (status) {
+        case SHARD_STATUS_OK:              return "OK";
+        case SHARD_STATUS_CACHE_MISS:      return "CACHE_MISS";
+        case SHARD_STATUS_STALE_EPOCH:     return "STALE_EPOCH";
+        case SHARD_STATUS_BUDGET_EXCEEDED: return "BUDGET_EXCEEDED";
+    }
+    return "UNKNOWN";
+}
+
+const char * shard_miss_reason_name(shard_miss_reason reason) {
+    switch (reason) {
+        case SHARD_MISS_NONE:             return "NONE";
+        case SHARD_MISS_UNKNOWN_SESSION:  return "UNKNOWN_SESSION";
+        case SHARD_MISS_EVICTED_TTL:      return "EVICTED_TTL";
+        case SHARD_MISS_EVICTED_LRU:      return "EVICTED_LRU";
+        case SHARD_MISS_RELEASED:         return "RELEASED";
+        case SHARD_MISS_SUPERSEDED_EPOCH: return "SUPERSEDED_EPOCH";
+        case SHARD_MISS_SEQ_LEN_MISMATCH: return "SEQ_LEN_MISMATCH";
+        case SHARD_MISS_COUNT:            break;
+    }
+    return "UNKNOWN";
+}
+
+static std::string str(int64_t v) { return std::to_string(v); }
+
+static constexpr size_t MAX_SESSION_ID_BYTES = 256;
+
+//
+// construction
+//
+
+hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config) : model_(model), config_(config) {
+    if (config.max_sessions < 1 || config.max_sessions > 256) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "max_sessions must be in [1, 256]");
+    }
+    if (config.context_tokens < 1 || config.budget_tokens < 1 || config.n_batch < 1 || config.n_threads < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens, budget_tokens and n_batch must be >= 1");
+    }
+    if (config.budget_tokens > (int64_t) 1 << 24) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "budget_tokens must be <= 16777216");
+    }
+    if (config.recent_capacity < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
+    }
+    shard_context_params cp;
+    cp.n_ctx     = (int32_t) config.budget_tokens;  // the budget is the context's cell count
+    cp.n_seq_max = config.max_sessions;
+    cp.n_batch   = std::min<int32_t>(config.n_batch, (int32_t) config.budget_tokens);
+    cp.n_threads = config.n_threads;
+    ctx_ = std::make_unique<shard_context>(model, cp);
+    config_.n_batch = ctx_->n_batch();
+
+    free_ids_.reserve((size_t) config.max_sessions);
+    for (int32_t id = config.max_sessions - 1; id >= 0; --id) {
+        free_ids_.push_back(id);  // pop_back hands out 0 first
+    }
+    counters_.max_sessions       = config.max_sessions;
+    counters_.budget_tokens      = config.budget_tokens;
+    counters_.context_tokens     = config.context_tokens;
+    counters_.kv_bytes_per_token = model.info().kv_bytes_per_token;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bookkeeping helpers (mutex_ held)
+// ---------------------------------------------------------------------------------------------
+
+void hot_kv_engine::validate_key(const std::string & sid, int64_t epoch) const {
+    if (sid.empty() || sid.size() > MAX_SESSION_ID_BYTES) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "session id must be 1 to 256 bytes");
+    }
+    if (epoch < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "route epoch must be >= 0, got " + str(epoch));
+    }
+}
+
+void hot_kv_engine::remember_locked(const std::string & sid, int64_t epoch, shard_miss_reason reason) {
+    if (config_.recent_capacity == 0) {
+        return;
+    }
+    const uint64_t stamp = ++recent_stamp_;
+    recent_[sid] = dropped{epoch, reason, stamp};
+    recent_order_.emplace_back(sid, stamp);
+    // forget the oldest keys; an order entry whose stamp no longer matches was superseded
+    while (recent_.size() > (size_t) config_.recent_capacity || recent_order_.size() > 2 * (size_t) config_.recent_capacity) {
+        auto [old_sid, old_stamp] = recent_order_.front();
+        recent_order_.pop_front();
+        auto it = recent_.find(old_sid);
+        if (it != recent_.end() && it->second.stamp == old_stamp) {
+            recent_.erase(it);
+        }
+    }
+}
+
+void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason) {
+    auto it = live_.find(sid);
+    assert(it != live_.end());
+    session & s = it->second;
+    ctx_->seq_rm(s.seq_id, 0);
+    reserved_ -= s.seq_len;
+    free_ids_.push_back(s.seq_id);
+    lru_.erase(s.lru_pos);
+    const int64_t epoch = s.epoch;
+    live_.erase(it);
+    remember_locked(sid, epoch, reason);
+    switch (reason) {
+        case SHARD_MISS_EVICTED_TTL:      counters_.evictions_ttl++; break;
+        case SHARD_MISS_EVICTED_LRU:      counters_.evictions_lru++; break;
+        case SHARD_MISS_RELEASED:         counters_.releases++;      break;
+        case SHARD_MISS_SUPERSEDED_EPOCH: counters_.supersessions++; break;
+        default: break;
+    }
+}
+
+bool hot_kv_engine::evict_lru_locked(const std::string & keep) {
+    for (const std::string & sid : lru_) {
+        if (sid != keep) {
+            const std::string victim = sid;  // drop_locked erases the list node
+            drop_locked(victim, SHARD_MISS_EVICTED_LRU);
+            return true;
+        }
+    }
+    return false;
+}
+
+int32_t hot_kv_engine::sweep_locked(double now) {
+    if (config_.ttl_seconds <= 0) {
+        return 0;
+    }
+    int32_t n = 0;
+    // lru_ is ordered by last use, so the expired sessions are a prefix of it
+    while (!lru_.empty()) {
+        const std::string sid = lru_.front();
+        if (now - live_.at(sid).last_used <= config_.ttl_seconds) {
+            break;
+        }
+        drop_locked(sid, SHARD_MISS_EVICTED_TTL);
+        ++n;
+    }
+    return n;
+}
+
+void hot_kv_engine::touch_locked(session & s, double now) {
+    // a clock that goes backwards must not reorder the LRU list against last_used
+    s.last_used = std::max(s.last_used, now);
+    lru_.splice(lru_.end(), lru_, s.lru_pos);
+}
+
+hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, int64_t epoch, double now) {
+    assert(live_.count(sid) == 0);
+    if (free_ids_.empty()) {
+        evict_lru_locked(sid);
+    }
+    assert(!free_ids_.empty());
+    const int32_t seq_id = free_ids_.back();
+    free_ids_.pop_back();
+    const double last_used = lru_.empty() ? now : std::max(now, live_.at(lru_.back()).last_used);
+    lru_.push_back(sid);
+    session & s = live_[sid];
+    s = session{epoch, seq_id, 0, last_used, std::prev(lru_.end())};
+    recent_.erase(sid);  // live again: its dropped record no longer applies
+    return s;
+}
+
+hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string detail) {
+    counters_.misses[reason]++;
+    hot_kv_result res;
+    res.status = SHARD_STATUS_CACHE_MISS;
+    res.miss   = reason;
+    res.detail = std::move(detail);
+    return res;
+}
+
+hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res) {
+    res = hot_kv_result{};
+    auto it = live_.find(sid);
+    if (it != live_.end()) {
+        session & s = it->second;
+        if (epoch == s.epoch) {
+            return &s;
+        }
+        if (epoch < s.epoch) {
+            res.status        = SHARD_STATUS_STALE_EPOCH;
+            res.current_epoch = s.epoch;
+            res.detail        = "route epoch " + str(epoch) + " is older than the session's current epoch " + str(s.epoch);
+            return nullptr;
+        }
+        // a newer epoch: the route moved; the older state is dropped
+        drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH);
+        res.status = SHARD_STATUS_CACHE_MISS;
+        res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
+        res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";
+        return nullptr;
+    }
+    auto rit = recent_.find(sid);
+    if (rit != recent_.end()) {
+        if (epoch < rit->second.epoch) {
+            res.status        = SHARD_STATUS_STALE_EPOCH;
+            res.current_epoch = rit->second.epoch;
+            res.detail        = "route epoch " + str(epoch) + " is older than the session's last epoch " + str(rit->second.epoch);
+            return nullptr;
+        }
+        if (epoch == rit->second.epoch) {
+            res.status = SHARD_STATUS_CACHE_MISS;
+            res.miss   = rit->second.reason;
+            res.detail = std::string("the session's state was dropped: ") + shard_miss_reason_name(rit->second.reason);
+            return nullptr;
+        }
+    }
+    res.status = SHARD_STATUS_CACHE_MISS;
+    res.miss   = SHARD_MISS_UNKNOWN_SESSION;
+    res.detail = "no cached state for this session and epoch";
+    return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// requests
+// ---------------------------------------------------------------------------------------------
+
+hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    sweep_locked(now);
+    hot_kv_result res;
+    session * s = identify_locked(sid, epoch, res);
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return res;
+    }
+    if (s == nullptr) {
+        s = &create_locked(sid, epoch, now);
+    }
+    touch_locked(*s, now);
+    res = hot_kv_result{};
+    res.seq_len = s->seq_len;
+    res.seq_id  = s->seq_id;
+    return res;
+}
+
+hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
+                                     float * out, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    ctx_->validate_input(input);
+    sweep_locked(now);
+    hot_kv_result res;
+    session * s = identify_locked(sid, epoch, res);
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return res;
+    }
+    if (s == nullptr) {
+        if (start_pos > 0) {
+            // nothing cached to continue from: the head must re-prefill from token zero
+            counters_.misses[res.miss]++;
+            return res;
+        }
+        // refuse before creating (and possibly evicting for the session cap) what cannot fit
+        if (input.n_tokens > config_.context_tokens || input.n_tokens > config_.budget_tokens) {
+            hot_kv_result r;
+            r.status = SHARD_STATUS_BUDGET_EXCEEDED;
+            r.detail = str(input.n_tokens) + " tokens exceed context_tokens " + str(config_.context_tokens) +
+                       " or budget_tokens " + str(config_.budget_tokens);
+            return r;
+        }
+        s = &create_locked(sid, epoch, now);
+        start_pos = 0;
+    }
+    const int32_t start = start_pos < 0 ? s->seq_len : start_pos;
+    if (start > s->seq_len) {
+        return miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                           "start position " + str(start) + " is past the cached length " + str(s->seq_len));
+    }
+    return step_locked(sid, *s, start, input, out, now);
+}
+
+hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
+                                    float * out, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    ctx_->validate_input(input);
+    sweep_locked(now);
+    hot_kv_result res;
+    session * s = identify_locked(sid, epoch, res);
+    if (s == nullptr) {
+        if (res.status == SHARD_STATUS_CACHE_MISS) {
+            counters_.misses[res.miss]++;
+        }
+        return res;
+    }
+    if (expected_seq_len >= 0 && expected_seq_len != s->seq_len) {
+        return miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                           "expected past length " + str(expected_seq_len) + ", cached length is " + str(s->seq_len));
+    }
+    return step_locked(sid, *s, s->seq_len, input, out, now);
+}
+
+hot_kv_result hot_kv_engine::step_locked(const std::string & sid, session & s, int32_t start, const shard_input & input,
+                                         float * out, double now) {
+    assert(start >= 0 && start <= s.seq_len);
+    const int64_t new_len = (int64_t) start + input.n_tokens;
+    if (new_len > config_.context_tokens || new_len > config_.budget_tokens) {
+        hot_kv_result r;
+        r.status  = SHARD_STATUS_BUDGET_EXCEEDED;
+        r.seq_len = s.seq_len;
+        r.seq_id  = s.seq_id;
+        r.detail  = "the session would hold " + str(new_len) + " tokens; context_tokens is " + str(config_.context_tokens) +
+                    " and budget_tokens " + str(config_.budget_tokens);
+        return r;
+    }
+    // make room: evict least-recently-used sessions other than this one (always enough, see above)
+    while (reserved_ - s.seq_len + new_len > config_.budget_tokens) {
+        const bool evicted = evict_lru_locked(sid);
+        assert(evicted);
+        (void) evicted;
+    }
+    if (start < s.seq_len) {
+        ctx_->seq_rm(s.seq_id, start);
+        reserved_ -= s.seq_len - start;
+        s.seq_len = start;
+    }
+    touch_locked(s, now);
+    // shard_context::forward rolls back its own positions if llama_decode fails
+    ctx_->forward(s.seq_id, start, input, out);
+    s.seq_len = (int32_t) new_len;
+    reserved_ += input.n_tokens;
+    counters_.steps++;
+    counters_.tokens_computed += (uint64_t) input.n_tokens;
+
+    hot_kv_result res;
+    res.seq_len = s.seq_len;
+    res.seq_id  = s.seq_id;
+    return res;
+}
+
+hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    if (length < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "truncate length must be >= 0, got " + str(length));
+    }
+    sweep_locked(now);
+    hot_kv_result res;
+    session * s = identify_locked(sid, epoch, res);
+    if (s == nullptr) {
+        if (res.status == SHARD_STATUS_CACHE_MISS) {
+            counters_.misses[res.miss]++;
+        }
+        return res;
+    }
+    if (length > s->seq_len) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "cannot truncate a session of " + str(s->seq_len) + " tokens to " + str(length));
+    }
+    if (length < s->seq_len) {
+        ctx_->seq_rm(s->seq_id, length);
+        reserved_ -= s->seq_len - length;
+        s->seq_len = length;
+    }
+    touch_locked(*s, now);
+    res = hot_kv_result{};
+    res.seq_len = s->seq_len;
+    res.seq_id  = s->seq_id;
+    return res;
+}
+
+hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    sweep_locked(now);
+    hot_kv_result res;
+    auto it = live_.find(sid);
+    if (it != live_.end()) {
+        if (epoch < it->second.epoch) {
+            // a stale release must not erase the current epoch
+            res.status        = SHARD_STATUS_STALE_EPOCH;
+            res.current_epoch = it->second.epoch;
+            res.detail        = "route epoch " + str(epoch) + " is older than the session's current epoch " + str(it->second.epoch);
+            return res;
+        }
+        if (epoch == it->second.epoch) {
+            drop_locked(sid, SHARD_MISS_RELEASED);
+            res.changed = true;
+        }
+        return res;
+    }
+    auto rit = recent_.find(sid);
+    if (rit != recent_.end() && epoch < rit->second.epoch) {
+        res.status        = SHARD_STATUS_STALE_EPOCH;
+        res.current_epoch = rit->second.epoch;
+        res.detail        = "route epoch " + str(epoch) + " is older than the session's last epoch " + str(rit->second.epoch);
+    }
+    return res;  // releasing what is not cached is a no-op
+}
+
+hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_key(sid, epoch);
+    sweep_locked(now);
+    hot_kv_result res;
+    session * s = identify_locked(sid, epoch, res);
+    if (s == nullptr) {
+        if (res.status == SHARD_STATUS_CACHE_MISS) {
+            counters_.misses[res.miss]++;
+        }
+        return res;
+    }
+    res.seq_len = s->seq_len;
+    res.seq_id  = s->seq_id;
+    return res;
+}
+
+int32_t hot_kv_engine::sweep(double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return sweep_locked(now);
+}
+
+// ---------------------------------------------------------------------------------------------
+// introspection
+// ---------------------------------------------------------------------------------------------
+
+hot_kv_stats hot_kv_engine::stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    hot_kv_stats st = counters_;
+    st.live_sessions   = (int32_t) live_.size();
+    st.reserved_tokens = reserved_;
+    st.reserved_bytes  = (uint64_t) reserved_ * counters_.kv_bytes_per_token;
+    st.recent_keys     = (int32_t) recent_.size();
+    return st;
+}
+
+std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<hot_kv_session_info> out;
+    out.reserve(live_.size());
+    for (const std::string & sid : lru_) {
+        const session & s = live_.at(sid);
+        out.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used});
+    }
+    return out;
+}
+
+void hot_kv_engine::check_invariants() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto fail = [](const std::string & what) { throw std::logic_error("hot_kv_engine invariant violated: " + what); };
+
+    if ((int32_t) live_.size() > config_.max_sessions) fail("more live sessions than max_sessions");
+    if (lru_.size() != live_.size()) fail("LRU list and session map disagree");
+    if (live_.size() + free_ids_.size() != (size_t) config_.max_sessions) fail("seq ids leaked or duplicated");
+
+    std::vector<bool> used((size_t) config_.max_sessions, false);
+    int64_t sum = 0;
+    for (const auto & [sid, s] : live_) {
+        if (s.seq_id < 0 || s.seq_id >= config_.max_sessions) fail("seq id out of range");
+        if (used[(size_t) s.seq_id]) fail("seq id used twice");
+        used[(size_t) s.seq_id] = true;
+        if (s.seq_len < 0 || s.seq_len > config_.context_tokens) fail("session length outside [0, context_tokens]");
+        if (*s.lru_pos != sid) fail("LRU position does not point at its session");
+        if (ctx_->seq_pos_max(s.seq_id) != s.seq_len - 1) {
+            fail("session '" + sid + "' has length " + str(s.seq_len) + " but llama.cpp holds positions up to " +
+                 str(ctx_->seq_pos_max(s.seq_id)));
+        }
+        sum += s.seq_len;
+    }
+    for (int32_t id : free_ids_) {
+        if (id < 0 || id >= config_.max_sessions || used[(size_t) id]) fail("free seq id is in use or out of range");
+        used[(size_t) id] = true;
+        if (ctx_->seq_pos_max(id) != -1) fail("a free seq id still holds positions");
+    }
+    if (sum != reserved_) fail("reserved tokens != sum of session lengths");
+    if (reserved_ > config_.budget_tokens) fail("reserved tokens exceed the budget");
+    if (ctx_->n_cells_used() != reserved_) {
+        fail("llama.cpp holds " + str(ctx_->n_cells_used()) + " cells but " + str(reserved_) + " are reserved");
+    }
+    double prev = -1e300;
+    for (const std::string & sid : lru_) {
+        const double t = live_.at(sid).last_used;
+        if (t < prev) fail("LRU order disagrees with last_used");
+        prev = t;
+    }
+    if (recent_.size() > (size_t) config_.recent_capacity) fail("the table of dropped keys outgrew its capacity");
+    for (const auto & [sid, d] : recent_) {
+        (void) d;
+        if (live_.count(sid)) fail("a live session is also in the dropped table");
+    }
+}
+
+} // namespace llama_shard
