@@ -6,25 +6,62 @@
   several sequences; `.forward(seq_id, pos, tokens=... | hidden=...)` runs the owned layers and returns
   the residual of every token (non-tail, float32 (n_tokens, n_embd)) or the last token's logits
   (tail, float32 (n_vocab,)); `.seq_rm(seq_id, p0)` drops a sequence's suffix.
-- `llama_shard.reference` is the pure-numpy executable specification.
+- `HotKvStateManager(model, config, clock)` keeps per-session KV for the owned layers, keyed by
+  (route_session_id, route_epoch), inside a token budget; `KvBoundaryAdapter(model, manager)` runs
+  cached prefill/decode steps through it and returns boundary bundles, tail outputs or cache misses.
+- `llama_shard.reference` is the pure-numpy executable specification (model and Hot KV engine).
 """
 from __future__ import annotations
 
 from . import errors
-from ._native import ModelInfo, ShardContext, ShardModel, certified_architectures
+from ._native import HotKvEngine, ModelInfo, ShardContext, ShardModel, certified_architectures
 from .errors import (
     CapacityError,
     ComputeError,
+    IncompatibleCacheRecipeError,
     InvalidInputError,
+    KvBudgetExceededError,
+    KvCacheMissError,
     LlamaShardError,
     ModelLoadError,
+    StaleRouteEpochError,
     UncertifiedArchitectureError,
 )
+from .hot_kv import (
+    BoundaryBundle,
+    CacheMiss,
+    CacheMissReason,
+    HotKvStateConfig,
+    KvCacheRecipe,
+    ManualClock,
+    SessionInfo,
+    TailOutput,
+    certified_architecture,
+    kv_recipe_for,
+)
+from .manager import HotKvStateManager, KvBoundaryAdapter
 from .models import embedded_model_path
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HotKvStateManager",
+    "KvBoundaryAdapter",
+    "HotKvStateConfig",
+    "ManualClock",
+    "CacheMiss",
+    "CacheMissReason",
+    "SessionInfo",
+    "BoundaryBundle",
+    "TailOutput",
+    "KvCacheRecipe",
+    "kv_recipe_for",
+    "certified_architecture",
+    "StaleRouteEpochError",
+    "IncompatibleCacheRecipeError",
+    "KvBudgetExceededError",
+    "KvCacheMissError",
+    "HotKvEngine",
     "ShardModel",
     "ShardContext",
     "ModelInfo",

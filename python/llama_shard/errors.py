@@ -30,6 +30,36 @@ class ComputeError(LlamaShardError, RuntimeError):
     """llama.cpp failed a computation; every position the call added was removed again."""
 
 
+
+
+# --- the Hot KV State contract (names kept from the seed contract) ---------------------------
+
+
+class StaleRouteEpochError(LlamaShardError):
+    """The request's route epoch is older than the session's current epoch; nothing was changed."""
+
+    def __init__(self, message: str, current_epoch: int | None = None):
+        super().__init__(message)
+        self.current_epoch = current_epoch
+
+
+class IncompatibleCacheRecipeError(LlamaShardError):
+    """The request's KV recipe does not match this shard's (architecture, dtype, geometry, range)."""
+
+
+class KvBudgetExceededError(LlamaShardError):
+    """The step cannot fit the session or token budget even with every other session evicted."""
+
+
+class KvCacheMissError(LlamaShardError):
+    """Raised by `get()` where a value API would return a CacheMiss; carries it as `.miss`."""
+
+    def __init__(self, miss):
+        super().__init__(f"cache miss for ({miss.session_id!r}, {miss.route_epoch}): {miss.reason.value}"
+                         + (f" ({miss.detail})" if miss.detail else ""))
+        self.miss = miss
+
+
 __all__ = [
     "LlamaShardError",
     "InvalidInputError",
@@ -37,4 +67,8 @@ __all__ = [
     "UncertifiedArchitectureError",
     "CapacityError",
     "ComputeError",
+    "StaleRouteEpochError",
+    "IncompatibleCacheRecipeError",
+    "KvBudgetExceededError",
+    "KvCacheMissError",
 ]

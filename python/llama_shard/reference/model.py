@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from .errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
+from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
 
 #: absolute tolerance on logits between the native engine and this reference on synthetic F32 models
 NATIVE_LOGIT_ATOL = 2e-2
@@ -211,6 +211,23 @@ class ReferenceModel:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceShardInfo:
+    architecture: str
+    n_layer: int
+    first: int
+    last: int
+    is_head: bool
+    is_tail: bool
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+
+
 class SequenceKv:
     """K/V of one sequence for the owned layers of a shard: {layer: (k, v)}, rows = positions 0..len-1."""
 
@@ -251,6 +268,16 @@ class ReferenceShard:
     @property
     def owned_layers(self) -> range:
         return range(self.first, self.last + 1)
+
+    @property
+    def info(self) -> "ReferenceShardInfo":
+        """The same description the native `ShardModel.info` gives (fields used by the contract)."""
+        hp = self.model.hparams
+        return ReferenceShardInfo(
+            architecture=hp.architecture, n_layer=hp.n_layer, first=self.first, last=self.last,
+            is_head=self.is_head, is_tail=self.is_tail, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
+            n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, kv_dtype="f16",
+            kv_bytes_per_token=2 * 2 * hp.n_head_kv * hp.head_dim * (self.last - self.first + 1))
 
     def new_sequence(self) -> SequenceKv:
         return SequenceKv(self.model, self.owned_layers)

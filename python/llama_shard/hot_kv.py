@@ -1,0 +1,273 @@
+"""The Hot KV State contract: keys, configuration, recipes, misses and the values a step returns.
+
+A shard keeps KV state for many route sessions, each keyed by `(route_session_id, route_epoch)`.
+Expected outcomes are values: a step that cannot be served from cache returns a `CacheMiss` with
+a reason, and the head re-prefills from token zero. A stale epoch, an incompatible KV recipe and a
+step that cannot fit even alone raise (the seed contract's exceptions); caller mistakes raise
+`InvalidInputError`. Both the native engine and the numpy reference engine satisfy this contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from .errors import InvalidInputError, UncertifiedArchitectureError
+
+# ---------------------------------------------------------------------------------------------
+# misses
+# ---------------------------------------------------------------------------------------------
+
+
+class CacheMissReason(str, enum.Enum):
+    """Why a request could not be served from cache."""
+
+    UNKNOWN_SESSION = "unknown-session"
+    EVICTED_TTL = "evicted-ttl"
+    EVICTED_LRU = "evicted-lru"
+    RELEASED = "released"
+    SUPERSEDED_EPOCH = "superseded-epoch"
+    SEQ_LEN_MISMATCH = "seq-len-mismatch"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheMiss:
+    """An explicit, serializable cache miss: the head must re-prefill the route from token zero."""
+
+    session_id: str
+    route_epoch: int
+    reason: CacheMissReason
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"session_id": self.session_id, "route_epoch": self.route_epoch, "reason": self.reason.value,
+                "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+    """A live session: its key, cached length and the llama_seq_id (or reference slot) serving it."""
+
+    session_id: str
+    route_epoch: int
+    seq_len: int
+    seq_id: int
+    owned_layers: tuple[int, ...]
+    bytes_per_token: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.seq_len * self.bytes_per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryBundle:
+    """What a non-tail shard hands to the next: the unnormalized residual of every input token."""
+
+    session_id: str
+    route_epoch: int
+    start_pos: int
+    hidden: np.ndarray  # float32 (n_tokens, n_embd)
+
+    def __post_init__(self):
+        h = self.hidden
+        if not isinstance(h, np.ndarray) or h.dtype != np.float32 or h.ndim != 2:
+            raise InvalidInputError("a boundary bundle carries a float32 (n_tokens, n_embd) array")
+
+
+@dataclasses.dataclass(frozen=True)
+class TailOutput:
+    """What the tail returns for a step: the last token's logits and the greedy next token."""
+
+    session_id: str
+    route_epoch: int
+    seq_len: int
+    logits: np.ndarray  # float32 (n_vocab,)
+    token_id: int
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration and clock
+# ---------------------------------------------------------------------------------------------
+
+ENV_PREFIX = "MESHNET_HOT_KV_"
+
+
+@dataclasses.dataclass(frozen=True)
+class HotKvStateConfig:
+    """Bounds of the Hot KV state of one shard.
+
+    max_sessions: live sessions at most (each holds one llama_seq_id);
+    context_tokens: tokens one session may hold; budget_tokens: tokens all sessions may hold
+    together (the context's cell count); ttl_seconds: idle time before a session is evicted
+    (0 disables TTL).
+    """
+
+    max_sessions: int = 8
+    context_tokens: int = 2048
+    budget_tokens: int = 8192
+    ttl_seconds: float = 600.0
+
+    def __post_init__(self):
+        for name in ("max_sessions", "context_tokens", "budget_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_sessions > 256:
+            raise InvalidInputError(f"max_sessions must be <= 256 (llama.cpp's sequence limit), got {self.max_sessions}")
+        if self.budget_tokens > 1 << 24:
+            raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
+        ttl = self.ttl_seconds
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not np.isfinite(ttl) or ttl < 0:
+            raise InvalidInputError(f"ttl_seconds must be a finite number >= 0, got {ttl!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
+        """Reads MESHNET_HOT_KV_{MAX_SESSIONS,CONTEXT_TOKENS,BUDGET_TOKENS,TTL_SECONDS}; unset keeps the default."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            key = ENV_PREFIX + field.name.upper()
+            raw = env.get(key)
+            if raw is None or raw.strip() == "":
+                continue
+            try:
+                values[field.name] = float(raw) if field.name == "ttl_seconds" else int(raw.strip(), 10)
+            except ValueError:
+                raise InvalidInputError(f"{key}={raw!r} is not a valid {'number' if field.name == 'ttl_seconds' else 'integer'}") from None
+        try:
+            return cls(**values)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"bad {ENV_PREFIX}* configuration: {e}") from None
+
+
+class ManualClock:
+    """A clock for tests: time moves only when advanced."""
+
+    def __init__(self, start: float = 0.0):
+        self._now = float(start)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise InvalidInputError("a clock only moves forward")
+        with self._lock:
+            self._now += float(seconds)
+
+
+def monotonic_clock() -> float:
+    return time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------
+# the KV recipe
+# ---------------------------------------------------------------------------------------------
+
+#: architecture names (GGUF and Hugging Face) -> the certified canonical architecture
+ARCHITECTURE_ALIASES = {
+    "llama": "llama",
+    "llamaforcausallm": "llama",
+    "dense-llama": "llama",
+    "mistral": "llama",
+    "mistralforcausallm": "llama",
+    "qwen2": "qwen2",
+    "qwen2forcausallm": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3forcausallm": "qwen3",
+}
+
+KV_DTYPE_BYTES = {"f16": 2, "float16": 2, "f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2}
+KV_DTYPE_CANONICAL = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}
+
+
+def certified_architecture(name: str) -> str:
+    """The canonical certified architecture for `name`, or UncertifiedArchitectureError."""
+    canonical = ARCHITECTURE_ALIASES.get(str(name).strip().lower())
+    if canonical is None:
+        raise UncertifiedArchitectureError(
+            f"architecture {name!r} is not certified for shard KV state (certified: llama, qwen2, qwen3 and their aliases)")
+    return canonical
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheRecipe:
+    """The identity of a shard's KV layout; two shards can share cached state only if compatible."""
+
+    architecture_adapter: str
+    kv_dtype: str
+    n_kv_heads: int
+    head_dim: int
+    total_layers: int
+    start_layer: int
+    end_layer: int
+
+    def __post_init__(self):
+        certified_architecture(self.architecture_adapter)  # fails closed
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise InvalidInputError(f"unknown kv dtype {self.kv_dtype!r}")
+        if not (0 <= self.start_layer <= self.end_layer < self.total_layers) or self.n_kv_heads < 1 or self.head_dim < 1:
+            raise InvalidInputError(f"inconsistent KV recipe {self}")
+
+    @property
+    def owned_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.start_layer, self.end_layer + 1))
+
+    def canonical(self) -> dict:
+        return {
+            "architecture": certified_architecture(self.architecture_adapter),
+            "kv_dtype": KV_DTYPE_CANONICAL.get(self.kv_dtype, self.kv_dtype),
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "total_layers": self.total_layers,
+            "start_layer": self.start_layer,
+            "end_layer": self.end_layer,
+        }
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def is_compatible(self, other: "KvCacheRecipe") -> bool:
+        return self.fingerprint() == other.fingerprint()
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes per cached token over the owned layers."""
+        return 2 * self.n_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype] * len(self.owned_layers)
+
+
+def kv_recipe_for(shard) -> KvCacheRecipe:
+    """The recipe of a native `ShardModel` or a reference shard (anything with the same info)."""
+    info = shard.info
+    return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=info.kv_dtype, n_kv_heads=info.n_head_kv,
+                         head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks shared by every manager (before anything reaches an engine)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_key(session_id, route_epoch) -> None:
+    if not isinstance(session_id, str):
+        raise InvalidInputError(f"route_session_id must be a str, got {type(session_id).__name__}")
+    if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > 256:
+        raise InvalidInputError("route_session_id must be 1 to 256 bytes")
+    check_count("route_epoch", route_epoch, upper=2**62)
+
+
+def check_count(name: str, value, upper: int = 2**31 - 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidInputError(f"{name} must be an integer, got {type(value).__name__}")
+    if not 0 <= int(value) <= upper:
+        raise InvalidInputError(f"{name} must be in [0, {upper}], got {value}")

@@ -1,0 +1,368 @@
+"""The Hot KV state machine in plain Python over numpy K/V: the specification of the native engine.
+
+`ReferenceHotKvEngine` has the interface of the native `HotKvEngine` (native/include/llama_shard/
+hot_kv_engine.h) and the same rules, step for step: identity (stale epochs, supersession), token-
+reservation admission, LRU eviction by session cap and by budget (never the requester), TTL
+eviction, the bounded table of recently dropped keys, and seq id assignment from a free pool.
+Each live session holds a `SequenceKv` with K/V for the owned layers only.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from .model import ReferenceShard, SequenceKv
+
+OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = "OK", "CACHE_MISS", "STALE_EPOCH", "BUDGET_EXCEEDED"
+MISS_REASONS = ("UNKNOWN_SESSION", "EVICTED_TTL", "EVICTED_LRU", "RELEASED", "SUPERSEDED_EPOCH", "SEQ_LEN_MISMATCH")
+
+
+@dataclasses.dataclass
+class StepResult:
+    status: str = OK
+    miss: str = "NONE"
+    seq_len: int = 0
+    seq_id: int = -1
+    current_epoch: int = -1
+    changed: bool = False
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class _Session:
+    epoch: int
+    seq_id: int
+    kv: SequenceKv
+    last_used: float
+
+    @property
+    def seq_len(self) -> int:
+        return self.kv.seq_len
+
+
+@dataclasses.dataclass
+class _Dropped:
+    epoch: int
+    reason: str
+    stamp: int
+
+
+class ReferenceHotKvEngine:
+    def __init__(self, shard: ReferenceShard, max_sessions: int, context_tokens: int, budget_tokens: int,
+                 ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096):
+        if not 1 <= max_sessions <= 256:
+            raise InvalidInputError("max_sessions must be in [1, 256]")
+        if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
+            raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
+        self.shard = shard
+        self.max_sessions = max_sessions
+        self.context_tokens = context_tokens
+        self.budget_tokens = budget_tokens
+        self.ttl_seconds = ttl_seconds
+        self.n_batch = min(n_batch, budget_tokens)
+        self.recent_capacity = recent_capacity
+        self._live: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()  # LRU order
+        self._free_ids = list(range(max_sessions - 1, -1, -1))
+        self._reserved = 0
+        self._recent: dict[str, _Dropped] = {}
+        self._recent_order: collections.deque[tuple[str, int]] = collections.deque()
+        self._stamp = 0
+        self._counters = collections.Counter()
+        self._misses = collections.Counter()
+
+    # --- validation ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _validate_key(sid: str, epoch: int) -> None:
+        if not sid or len(sid.encode("utf-8", "surrogatepass")) > 256:
+            raise InvalidInputError("session id must be 1 to 256 bytes")
+        if epoch < 0:
+            raise InvalidInputError(f"route epoch must be >= 0, got {epoch}")
+
+    def _validate_input(self, tokens, hidden) -> tuple[list[int] | None, np.ndarray | None, int]:
+        info = self.shard.info
+        if (tokens is None) == (hidden is None):
+            raise InvalidInputError("pass exactly one of tokens (head shard) or hidden (non-head shard)")
+        if tokens is not None:
+            arr = np.asarray(tokens)
+            if arr.ndim != 1:
+                raise InvalidInputError("tokens must be one-dimensional")
+            if arr.size and arr.dtype.kind not in "iu":
+                raise InvalidInputError("tokens must be integers")
+            if not info.is_head:
+                raise InvalidInputError("token ids sent to a non-head shard")
+            n = int(arr.size)
+            if n < 1:
+                raise InvalidInputError("empty input: at least one token is required")
+            if n > self.n_batch:
+                raise InvalidInputError(f"a step takes 1 to n_batch ({self.n_batch}) tokens, got {n}")
+            if arr.min() < 0 or arr.max() >= info.n_vocab:
+                raise InvalidInputError("token id outside the vocabulary")
+            return [int(t) for t in arr], None, n
+        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
+            raise InvalidInputError("hidden must be a numpy float32 array")
+        if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
+            raise InvalidInputError(f"hidden must have shape (n_tokens, {info.n_embd})")
+        if not hidden.flags.c_contiguous:
+            raise InvalidInputError("hidden must be C-contiguous")
+        if info.is_head:
+            raise InvalidInputError("hidden state sent to the head shard: send token ids")
+        n = int(hidden.shape[0])
+        if n < 1 or n > self.n_batch:
+            raise InvalidInputError(f"a step takes 1 to n_batch ({self.n_batch}) tokens, got {n}")
+        if not np.isfinite(hidden).all():
+            raise InvalidInputError("hidden state contains a non-finite value")
+        return None, hidden, n
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def _remember(self, sid: str, epoch: int, reason: str) -> None:
+        if self.recent_capacity == 0:
+            return
+        self._stamp += 1
+        self._recent[sid] = _Dropped(epoch, reason, self._stamp)
+        self._recent_order.append((sid, self._stamp))
+        while len(self._recent) > self.recent_capacity or len(self._recent_order) > 2 * self.recent_capacity:
+            old_sid, old_stamp = self._recent_order.popleft()
+            d = self._recent.get(old_sid)
+            if d is not None and d.stamp == old_stamp:
+                del self._recent[old_sid]
+
+    def _drop(self, sid: str, reason: str) -> None:
+        s = self._live.pop(sid)
+        self._reserved -= s.seq_len
+        self._free_ids.append(s.seq_id)
+        self._remember(sid, s.epoch, reason)
+        key = {"EVICTED_TTL": "evictions_ttl", "EVICTED_LRU": "evictions_lru", "RELEASED": "releases",
+               "SUPERSEDED_EPOCH": "supersessions"}.get(reason)
+        if key:
+            self._counters[key] += 1
+
+    def _evict_lru(self, keep: str) -> bool:
+        for sid in self._live:
+            if sid != keep:
+                self._drop(sid, "EVICTED_LRU")
+                return True
+        return False
+
+    def _sweep(self, now: float) -> int:
+        if self.ttl_seconds <= 0:
+            return 0
+        n = 0
+        while self._live:
+            sid, s = next(iter(self._live.items()))
+            if now - s.last_used <= self.ttl_seconds:
+                break
+            self._drop(sid, "EVICTED_TTL")
+            n += 1
+        return n
+
+    def _touch(self, sid: str, s: _Session, now: float) -> None:
+        s.last_used = max(s.last_used, now)
+        self._live.move_to_end(sid)
+
+    def _create(self, sid: str, epoch: int, now: float) -> _Session:
+        if not self._free_ids:
+            self._evict_lru(sid)
+        seq_id = self._free_ids.pop()
+        last_used = now if not self._live else max(now, next(reversed(self._live.values())).last_used)
+        s = _Session(epoch, seq_id, self.shard.new_sequence(), last_used)
+        self._live[sid] = s
+        self._recent.pop(sid, None)
+        return s
+
+    def _miss(self, reason: str, detail: str) -> StepResult:
+        self._misses[reason] += 1
+        return StepResult(status=CACHE_MISS, miss=reason, detail=detail)
+
+    def _identify(self, sid: str, epoch: int) -> tuple[_Session | None, StepResult]:
+        s = self._live.get(sid)
+        if s is not None:
+            if epoch == s.epoch:
+                return s, StepResult()
+            if epoch < s.epoch:
+                return None, StepResult(status=STALE_EPOCH, current_epoch=s.epoch,
+                                        detail=f"route epoch {epoch} is older than the session's current epoch {s.epoch}")
+            self._drop(sid, "SUPERSEDED_EPOCH")
+            return None, StepResult(status=CACHE_MISS, miss="SUPERSEDED_EPOCH",
+                                    detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
+        d = self._recent.get(sid)
+        if d is not None:
+            if epoch < d.epoch:
+                return None, StepResult(status=STALE_EPOCH, current_epoch=d.epoch,
+                                        detail=f"route epoch {epoch} is older than the session's last epoch {d.epoch}")
+            if epoch == d.epoch:
+                return None, StepResult(status=CACHE_MISS, miss=d.reason,
+                                        detail=f"the session's state was dropped: {d.reason}")
+        return None, StepResult(status=CACHE_MISS, miss="UNKNOWN_SESSION", detail="no cached state for this session and epoch")
+
+    # --- requests (same signatures as the native HotKvEngine) -------------------------------------
+
+    def open(self, session_id: str, epoch: int, now: float) -> StepResult:
+        self._validate_key(session_id, epoch)
+        self._sweep(now)
+        s, res = self._identify(session_id, epoch)
+        if res.status == STALE_EPOCH:
+            return res
+        if s is None:
+            s = self._create(session_id, epoch, now)
+        self._touch(session_id, s, now)
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+
+    def prefill(self, session_id: str, epoch: int, now: float, start_pos: int = -1, tokens=None, hidden=None):
+        self._validate_key(session_id, epoch)
+        toks, hid, n = self._validate_input(tokens, hidden)
+        self._sweep(now)
+        s, res = self._identify(session_id, epoch)
+        if res.status == STALE_EPOCH:
+            return res, None
+        if s is None:
+            if start_pos > 0:
+                self._misses[res.miss] += 1
+                return res, None
+            if n > self.context_tokens or n > self.budget_tokens:
+                return StepResult(status=BUDGET_EXCEEDED, detail=f"{n} tokens exceed context_tokens "
+                                  f"{self.context_tokens} or budget_tokens {self.budget_tokens}"), None
+            s = self._create(session_id, epoch, now)
+            start_pos = 0
+        start = s.seq_len if start_pos < 0 else start_pos
+        if start > s.seq_len:
+            return self._miss("SEQ_LEN_MISMATCH", f"start position {start} is past the cached length {s.seq_len}"), None
+        return self._step(session_id, s, start, toks, hid, n, now)
+
+    def decode(self, session_id: str, epoch: int, now: float, expected_seq_len: int = -1, tokens=None, hidden=None):
+        self._validate_key(session_id, epoch)
+        toks, hid, n = self._validate_input(tokens, hidden)
+        self._sweep(now)
+        s, res = self._identify(session_id, epoch)
+        if s is None:
+            if res.status == CACHE_MISS:
+                self._misses[res.miss] += 1
+            return res, None
+        if expected_seq_len >= 0 and expected_seq_len != s.seq_len:
+            return self._miss("SEQ_LEN_MISMATCH",
+                              f"expected past length {expected_seq_len}, cached length is {s.seq_len}"), None
+        return self._step(session_id, s, s.seq_len, toks, hid, n, now)
+
+    def _step(self, sid: str, s: _Session, start: int, toks, hid, n: int, now: float):
+        new_len = start + n
+        if new_len > self.context_tokens or new_len > self.budget_tokens:
+            return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
+                              detail=f"the session would hold {new_len} tokens; context_tokens is "
+                                     f"{self.context_tokens} and budget_tokens {self.budget_tokens}"), None
+        while self._reserved - s.seq_len + new_len > self.budget_tokens:
+            evicted = self._evict_lru(sid)
+            assert evicted
+        if start < s.seq_len:
+            self._reserved -= s.seq_len - start
+            s.kv.truncate(start)
+        self._touch(sid, s, now)
+        out = self.shard.forward(s.kv, tokens=toks, hidden=hid)
+        self._reserved += n
+        self._counters["steps"] += 1
+        self._counters["tokens_computed"] += n
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id), out
+
+    def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
+        self._validate_key(session_id, epoch)
+        if length < 0:
+            raise InvalidInputError(f"truncate length must be >= 0, got {length}")
+        self._sweep(now)
+        s, res = self._identify(session_id, epoch)
+        if s is None:
+            if res.status == CACHE_MISS:
+                self._misses[res.miss] += 1
+            return res
+        if length > s.seq_len:
+            raise InvalidInputError(f"cannot truncate a session of {s.seq_len} tokens to {length}")
+        if length < s.seq_len:
+            self._reserved -= s.seq_len - length
+            s.kv.truncate(length)
+        self._touch(session_id, s, now)
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+
+    def release(self, session_id: str, epoch: int, now: float) -> StepResult:
+        self._validate_key(session_id, epoch)
+        self._sweep(now)
+        s = self._live.get(session_id)
+        if s is not None:
+            if epoch < s.epoch:
+                return StepResult(status=STALE_EPOCH, current_epoch=s.epoch,
+                                  detail=f"route epoch {epoch} is older than the session's current epoch {s.epoch}")
+            if epoch == s.epoch:
+                self._drop(session_id, "RELEASED")
+                return StepResult(changed=True)
+            return StepResult()
+        d = self._recent.get(session_id)
+        if d is not None and epoch < d.epoch:
+            return StepResult(status=STALE_EPOCH, current_epoch=d.epoch,
+                              detail=f"route epoch {epoch} is older than the session's last epoch {d.epoch}")
+        return StepResult()
+
+    def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
+        self._validate_key(session_id, epoch)
+        self._sweep(now)
+        s, res = self._identify(session_id, epoch)
+        if s is None:
+            if res.status == CACHE_MISS:
+                self._misses[res.miss] += 1
+            return res
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+
+    def sweep(self, now: float) -> int:
+        return self._sweep(now)
+
+    # --- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        bpt = self.shard.info.kv_bytes_per_token
+        return {
+            "live_sessions": len(self._live), "max_sessions": self.max_sessions,
+            "reserved_tokens": self._reserved, "budget_tokens": self.budget_tokens,
+            "context_tokens": self.context_tokens, "kv_bytes_per_token": bpt,
+            "reserved_bytes": self._reserved * bpt,
+            "evictions_ttl": self._counters["evictions_ttl"], "evictions_lru": self._counters["evictions_lru"],
+            "releases": self._counters["releases"], "supersessions": self._counters["supersessions"],
+            "steps": self._counters["steps"], "tokens_computed": self._counters["tokens_computed"],
+            "recent_keys": len(self._recent),
+            "misses": {r: self._misses[r] for r in MISS_REASONS},
+        }
+
+    def sessions(self) -> list[tuple[str, int, int, int, float]]:
+        return [(sid, s.epoch, s.seq_id, s.seq_len, s.last_used) for sid, s in self._live.items()]
+
+    def session_kv(self, session_id: str) -> SequenceKv:
+        """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
+        return self._live[session_id].kv
+
+    def check_invariants(self) -> None:
+        def fail(what: str):
+            raise AssertionError(f"reference engine invariant violated: {what}")
+
+        if len(self._live) > self.max_sessions:
+            fail("more live sessions than max_sessions")
+        ids = [s.seq_id for s in self._live.values()]
+        if sorted(ids + self._free_ids) != list(range(self.max_sessions)):
+            fail("seq ids leaked or duplicated")
+        owned = set(self.shard.owned_layers)
+        for sid, s in self._live.items():
+            if set(s.kv.layers) != owned:
+                fail("a session holds K/V for layers it does not own")
+            if any(k.shape[0] != s.seq_len or v.shape[0] != s.seq_len for k, v in s.kv.layers.values()):
+                fail("owned layers disagree on the session length")
+            if s.seq_len > self.context_tokens:
+                fail("session longer than context_tokens")
+        if sum(s.seq_len for s in self._live.values()) != self._reserved:
+            fail("reserved tokens != sum of session lengths")
+        if self._reserved > self.budget_tokens:
+            fail("reserved tokens exceed the budget")
+        times = [s.last_used for s in self._live.values()]
+        if times != sorted(times):
+            fail("LRU order disagrees with last_used")
+        if len(self._recent) > self.recent_capacity:
+            fail("the table of dropped keys outgrew its capacity")
+        if any(sid in self._live for sid in self._recent):
+            fail("a live session is also in the dropped table")
