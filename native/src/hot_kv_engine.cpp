@@ -51,10 +51,12 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (config.recent_capacity < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
     }
+    // the context has at least budget_tokens cells, so admission (which keeps the reserved tokens
+    // within the budget) guarantees llama_decode a KV slot; at least n_batch so a batch is valid
     shard_context_params cp;
-    cp.n_ctx     = (int32_t) config.budget_tokens;  // the budget is the context's cell count
+    cp.n_ctx     = (int32_t) std::max<int64_t>(config.budget_tokens, config.n_batch);
     cp.n_seq_max = config.max_sessions;
-    cp.n_batch   = std::min<int32_t>(config.n_batch, (int32_t) config.budget_tokens);
+    cp.n_batch   = config.n_batch;
     cp.n_threads = config.n_threads;
     ctx_ = std::make_unique<shard_context>(model, cp);
     config_.n_batch = ctx_->n_batch();
@@ -100,7 +102,7 @@ void hot_kv_engine::remember_locked(const std::string & sid, int64_t epoch, shar
     }
 }
 
-void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason) {
+void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
     auto it = live_.find(sid);
     assert(it != live_.end());
     session & s = it->second;
@@ -108,7 +110,7 @@ void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reaso
     reserved_ -= s.seq_len;
     free_ids_.push_back(s.seq_id);
     lru_.erase(s.lru_pos);
-    const int64_t epoch = s.epoch;
+    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : s.epoch;
     live_.erase(it);
     remember_locked(sid, epoch, reason);
     switch (reason) {
@@ -193,8 +195,9 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
             res.detail        = "route epoch " + str(epoch) + " is older than the session's current epoch " + str(s.epoch);
             return nullptr;
         }
-        // a newer epoch: the route moved; the older state is dropped
-        drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH);
+        // a newer epoch: the route moved; the older state is dropped, and the newer epoch is what
+        // later requests are judged against (older ones are stale, this one re-prefills)
+        drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
         res.status = SHARD_STATUS_CACHE_MISS;
         res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
         res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";

@@ -162,7 +162,9 @@ private:
     // --- helpers; all run with mutex_ held ---
     void     validate_key(const std::string & sid, int64_t epoch) const;
     int32_t  sweep_locked(double now);
-    void     drop_locked(const std::string & sid, shard_miss_reason reason);
+    // frees the session's cells, seq id and reservation; remembers (sid, remembered_epoch or its
+    // own epoch when < 0) with `reason` for later requests
+    void     drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
     void     remember_locked(const std::string & sid, int64_t epoch, shard_miss_reason reason);
     bool     evict_lru_locked(const std::string & keep);
     void     touch_locked(session & s, double now);

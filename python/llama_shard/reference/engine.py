@@ -62,7 +62,7 @@ class ReferenceHotKvEngine:
         self.context_tokens = context_tokens
         self.budget_tokens = budget_tokens
         self.ttl_seconds = ttl_seconds
-        self.n_batch = min(n_batch, budget_tokens)
+        self.n_batch = n_batch
         self.recent_capacity = recent_capacity
         self._live: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()  # LRU order
         self._free_ids = list(range(max_sessions - 1, -1, -1))
@@ -131,11 +131,11 @@ class ReferenceHotKvEngine:
             if d is not None and d.stamp == old_stamp:
                 del self._recent[old_sid]
 
-    def _drop(self, sid: str, reason: str) -> None:
+    def _drop(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
         s = self._live.pop(sid)
         self._reserved -= s.seq_len
         self._free_ids.append(s.seq_id)
-        self._remember(sid, s.epoch, reason)
+        self._remember(sid, remembered_epoch if remembered_epoch >= 0 else s.epoch, reason)
         key = {"EVICTED_TTL": "evictions_ttl", "EVICTED_LRU": "evictions_lru", "RELEASED": "releases",
                "SUPERSEDED_EPOCH": "supersessions"}.get(reason)
         if key:
@@ -186,7 +186,7 @@ class ReferenceHotKvEngine:
             if epoch < s.epoch:
                 return None, StepResult(status=STALE_EPOCH, current_epoch=s.epoch,
                                         detail=f"route epoch {epoch} is older than the session's current epoch {s.epoch}")
-            self._drop(sid, "SUPERSEDED_EPOCH")
+            self._drop(sid, "SUPERSEDED_EPOCH", epoch)
             return None, StepResult(status=CACHE_MISS, miss="SUPERSEDED_EPOCH",
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
         d = self._recent.get(sid)
