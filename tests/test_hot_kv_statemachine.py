@@ -1,0 +1,186 @@
+"""Model-based test: a hypothesis state machine drives the native engine and the numpy reference
+engine in lockstep with random operations and requires the same outcome for every step (result
+kind, miss reason, error type, lengths, reserved tokens, tail tokens, counters) and both engines'
+invariants after every step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from llama_shard import (
+    CacheMiss,
+    HotKvStateConfig,
+    HotKvStateManager,
+    KvBoundaryAdapter,
+    KvCacheRecipe,
+    LlamaShardError,
+    ManualClock,
+    ShardModel,
+    TailOutput,
+)
+from llama_shard.reference import NATIVE_LOGIT_ATOL, ReferenceModel, ReferenceShard
+from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+SIDS = ["a", "b", "c", "d"]
+CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0)
+VOCAB = 320
+
+
+def outcome(call):
+    """('value', summary) or ('error', exception class name)."""
+    try:
+        out = call()
+    except LlamaShardError as e:
+        return ("error", type(e).__name__), None
+    if isinstance(out, CacheMiss):
+        return ("miss", out.reason.name), None
+    if isinstance(out, TailOutput):
+        return ("tail", out.seq_len), out
+    if hasattr(out, "seq_len"):
+        return ("session", out.seq_len, out.seq_id), None
+    return ("value", out), None
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    path = None
+
+    @initialize()
+    def setup(self):
+        cls = type(self)
+        if cls.native_model is None:
+            cls.native_model = ShardModel(str(cls.path), None, 1)
+            cls.reference_shard = ReferenceShard(ReferenceModel.from_gguf(cls.path))
+        self.clock = ManualClock()
+        self.native = HotKvStateManager(cls.native_model, CONFIG, self.clock, n_batch=8, recent_capacity=8)
+        self.reference = HotKvStateManager(cls.reference_shard, CONFIG, self.clock, n_batch=8, recent_capacity=8)
+        self.native_ad = KvBoundaryAdapter(cls.native_model, self.native)
+        self.reference_ad = KvBoundaryAdapter(cls.reference_shard, self.reference)
+        self.epochs = {sid: 0 for sid in SIDS}
+        self.last_token = {sid: 1 for sid in SIDS}
+
+    native_model = None
+    reference_shard = None
+
+    def both(self, fn):
+        a, out_a = outcome(lambda: fn(self.native, self.native_ad))
+        b, out_b = outcome(lambda: fn(self.reference, self.reference_ad))
+        assert a == b, f"native {a} != reference {b}"
+        if out_a is not None:
+            gap = float(np.abs(out_a.logits - out_b.logits).max())
+            assert gap < NATIVE_LOGIT_ATOL, gap
+            if out_a.token_id != out_b.token_id:  # only a near-tie may pick differently
+                top = np.sort(out_b.logits)[-2:]
+                assert top[1] - top[0] < 2 * NATIVE_LOGIT_ATOL, (out_a.token_id, out_b.token_id)
+            for sid in SIDS:
+                if sid == out_a.session_id:
+                    self.last_token[sid] = out_b.token_id
+        return a
+
+    sid = st.sampled_from(SIDS)
+
+    @rule(sid=sid)
+    def open(self, sid):
+        self.both(lambda m, ad: m.open(sid, self.epochs[sid]))
+
+    @rule(sid=sid, n=st.integers(1, 6), start=st.sampled_from([None, 0, 1, 3, 9]), seed=st.integers(0, 999))
+    def prefill(self, sid, n, start, seed):
+        tokens = [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, n)]
+        self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=tokens, start_pos=start))
+
+    @rule(sid=sid, expected=st.sampled_from(["none", "right", "wrong"]))
+    def decode(self, sid, expected):
+        def call(m, ad):
+            exp = None
+            if expected != "none":
+                r = m.resolve(sid, self.epochs[sid])
+                length = r.seq_len if not isinstance(r, CacheMiss) else 0
+                exp = length if expected == "right" else length + 2
+            return ad.decode(sid, self.epochs[sid], token_ids=[self.last_token[sid]], expected_seq_len=exp)
+        self.both(call)
+
+    @rule(sid=sid, length=st.integers(0, 14))
+    def truncate(self, sid, length):
+        self.both(lambda m, ad: m.truncate(sid, self.epochs[sid], length))
+
+    @rule(sid=sid)
+    def release(self, sid):
+        self.both(lambda m, ad: m.release(sid, self.epochs[sid]))
+
+    @rule(sid=sid)
+    def resolve(self, sid):
+        self.both(lambda m, ad: m.resolve(sid, self.epochs[sid]))
+
+    @rule(sid=sid, n=st.integers(1, 3))
+    def new_epoch(self, sid, n):
+        self.epochs[sid] += 1
+        self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[7] * n, start_pos=0))
+
+    @rule(sid=sid, op=st.sampled_from(["decode", "prefill", "release", "truncate", "open"]))
+    def stale_epoch(self, sid, op):
+        e = self.epochs[sid] - 1
+        if e < 0:
+            return
+        calls = {
+            "decode": lambda m, ad: ad.decode(sid, e, token_ids=[1]),
+            "prefill": lambda m, ad: ad.prefill(sid, e, token_ids=[1]),
+            "release": lambda m, ad: m.release(sid, e),
+            "truncate": lambda m, ad: m.truncate(sid, e, 0),
+            "open": lambda m, ad: m.open(sid, e),
+        }
+        self.both(calls[op])
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0]))
+    def advance_clock(self, seconds):
+        self.clock.advance(seconds)
+
+    @rule()
+    def sweep(self):
+        self.both(lambda m, ad: m.sweep())
+
+    @rule(sid=sid, n=st.integers(13, 30))
+    def over_budget_prefill(self, sid, n):
+        tokens = [3] * min(n, 8)
+        # 8 tokens at a start past the context limit, or a long chunk on a full session
+        self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=tokens))
+
+    @rule(sid=sid)
+    def recipe_mismatch(self, sid):
+        other = KvCacheRecipe(architecture_adapter="llama", kv_dtype="f16", n_kv_heads=2, head_dim=16, total_layers=6,
+                              start_layer=0, end_layer=2)
+        self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1], recipe=other))
+
+    @rule(sid=sid, bad=st.sampled_from(["empty", "oov", "negative_epoch", "too_long", "hidden_to_head"]))
+    def bad_input(self, sid, bad):
+        calls = {
+            "empty": lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[]),
+            "oov": lambda m, ad: ad.decode(sid, self.epochs[sid], token_ids=[VOCAB]),
+            "negative_epoch": lambda m, ad: m.open(sid, -1),
+            "too_long": lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1] * 9),
+            "hidden_to_head": lambda m, ad: ad.decode(sid, self.epochs[sid], boundary=np.zeros((1, 64), np.float32)),
+        }
+        assert self.both(calls[bad]) == ("error", "InvalidInputError")
+
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "native"):
+            return
+        self.native.check_invariants()
+        self.reference.check_invariants()
+        assert self.native.session_keys() == self.reference.session_keys()
+        assert self.native.stats() == self.reference.stats()
+
+
+@pytest.fixture(scope="module")
+def machine(model_dir):
+    LockstepMachine.path = write_synthetic_gguf(model_dir / "lockstep.gguf", SyntheticSpec(seed=11))
+    LockstepMachine.native_model = None
+    return LockstepMachine
+
+
+def test_native_engine_and_reference_agree_step_for_step(machine):
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(machine, settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                                         suppress_health_check=list(HealthCheck)))
