@@ -182,8 +182,10 @@ PYBIND11_MODULE(_native, m) {
              }, py::arg("ids"));
 
     py::class_<shard_context>(m, "ShardContext")
-        .def(py::init([](const shard_model & model, int32_t n_ctx, int32_t n_seq_max, int32_t n_batch, std::optional<int32_t> n_threads) {
+        .def(py::init([](const shard_model & model, int32_t n_ctx, int32_t n_seq_max, int32_t n_batch, std::optional<int32_t> n_threads,
+                         bool kv_unified) {
                  shard_context_params params;
+                 params.kv_unified = kv_unified;
                  params.n_ctx     = n_ctx;
                  params.n_seq_max = n_seq_max;
                  params.n_batch   = n_batch;
@@ -192,11 +194,13 @@ PYBIND11_MODULE(_native, m) {
                  return std::make_unique<shard_context>(model, params);
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_seq_max") = 4, py::arg("n_batch") = 512,
-             py::arg("n_threads") = py::none(),
+             py::arg("n_threads") = py::none(), py::arg("kv_unified") = true,
              py::keep_alive<1, 2>())  // the context keeps its model alive
         .def_property_readonly("n_ctx", &shard_context::n_ctx)
         .def_property_readonly("n_seq_max", &shard_context::n_seq_max)
         .def_property_readonly("n_batch", &shard_context::n_batch)
+        .def_property_readonly("n_ctx_seq", &shard_context::n_ctx_seq)
+        .def_property_readonly("kv_unified", &shard_context::kv_unified)
         .def_property_readonly("n_cells_used", [](const shard_context & self) {
                  py::gil_scoped_release release;
                  return self.n_cells_used();

@@ -51,12 +51,20 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (config.recent_capacity < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
     }
-    // the context has at least budget_tokens cells, so admission (which keeps the reserved tokens
-    // within the budget) guarantees llama_decode a KV slot; at least n_batch so a batch is valid
+    // One KV stream per session (kv_unified = false): a session's cells stay in position order
+    // whatever other sessions do, so its results are bit-identical to running alone (in a shared
+    // pool, cells freed by another session get reused out of order and change attention's
+    // summation order). Each stream holds context_tokens cells (llama.cpp pads to 256), and
+    // admission keeps every session within context_tokens, so llama_decode always finds a slot.
+    // KV memory is bounded by max_sessions x context_tokens; budget_tokens bounds what is held.
+    if (config.context_tokens > (1 << 20)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens must be <= 1048576");
+    }
     shard_context_params cp;
-    cp.n_ctx     = (int32_t) std::max<int64_t>(config.budget_tokens, config.n_batch);
-    cp.n_seq_max = config.max_sessions;
-    cp.n_batch   = config.n_batch;
+    cp.n_ctx      = std::max(config.context_tokens, config.n_batch) * config.max_sessions;
+    cp.n_seq_max  = config.max_sessions;
+    cp.n_batch    = config.n_batch;
+    cp.kv_unified = false;
     cp.n_threads = config.n_threads;
     ctx_ = std::make_unique<shard_context>(model, cp);
     config_.n_batch = ctx_->n_batch();

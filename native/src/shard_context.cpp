@@ -39,7 +39,7 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     cparams.n_seq_max       = (uint32_t) params.n_seq_max;
     cparams.n_threads       = params.n_threads > 0 ? params.n_threads : model.n_threads();
     cparams.n_threads_batch = cparams.n_threads;
-    cparams.kv_unified      = true;   // one pool of cells shared by all sequences, batch order kept
+    cparams.kv_unified      = params.kv_unified;
     cparams.embeddings      = !info.is_tail;  // a non-tail shard returns the residual of every token
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
     cparams.type_k          = GGML_TYPE_F16;
@@ -54,6 +54,8 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     n_ctx_     = (int32_t) llama_n_ctx(ctx_);
     n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
     n_batch_   = (int32_t) llama_n_batch(ctx_);
+    n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
+    kv_unified_ = params.kv_unified;
     batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd);
 }
 
@@ -141,10 +143,16 @@ void shard_context::forward_locked(int32_t seq_id, int32_t pos, const shard_inpu
             "start position " + str(pos) + " does not continue sequence " + str(seq_id) + " (next position is " + str(next) +
             "); remove the suffix with seq_rm first");
     }
-    const int64_t n_used = n_cells_used_unlocked();
-    if (n_used + input.n_tokens > n_ctx_) {
+    if (kv_unified_) {
+        const int64_t n_used = n_cells_used_unlocked();
+        if (n_used + input.n_tokens > n_ctx_) {
+            throw shard_error(SHARD_ERRC_CAPACITY,
+                "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(input.n_tokens) + " more do not fit");
+        }
+    } else if ((int64_t) pos + input.n_tokens > n_ctx_seq_) {
         throw shard_error(SHARD_ERRC_CAPACITY,
-            "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(input.n_tokens) + " more do not fit");
+            "sequence " + str(seq_id) + " holds " + str(pos) + " of its " + str(n_ctx_seq_) + " cells; " +
+            str(input.n_tokens) + " more do not fit");
     }
 
     llama_batch & batch = batch_->batch;

@@ -8,8 +8,8 @@
 //    seq id in [0, max_sessions), and free ids + live ids are exactly that range;
 //  - a session's length is the number of positions llama.cpp holds for its seq id (0..len-1), and
 //    reserved_tokens, the sum of the lengths, equals the cells the context holds;
-//  - reserved_tokens <= budget_tokens <= the context's cells, and every length <= context_tokens,
-//    so llama_decode never lacks a KV slot once admission said yes;
+//  - reserved_tokens <= budget_tokens, and every length <= context_tokens <= the cells of the
+//    session's own KV stream, so llama_decode never lacks a KV slot once admission said yes;
 //  - the table of recently dropped keys holds at most recent_capacity entries.
 //
 // Admission is by token reservation. Before a step computes, the engine checks that the session's

@@ -3,8 +3,11 @@
 // shard_context: one bounded llama_context over a shard_model, holding several sequences.
 //
 // Invariants:
-//  - n_ctx cells are shared by all sequences (kv_unified); n_seq_max sequences; at most n_batch
-//    tokens per forward call (more would trip a GGML_ASSERT in llama_decode, so it is refused here);
+//  - kv_unified: n_ctx cells shared by all sequences; otherwise each of the n_seq_max sequences has
+//    its own stream of n_ctx_seq cells, so its cells stay in position order whatever the other
+//    sequences do, and its results do not depend on them to the bit (attention sums in cell order);
+//  - at most n_batch tokens per forward call (more would trip a GGML_ASSERT in llama_decode, so it
+//    is refused here);
 //  - a sequence's positions are contiguous from 0: forward() must start exactly at the sequence's
 //    next position (seq_pos_max + 1); to rewrite a suffix, seq_rm() it first;
 //  - head shards take token ids, non-head shards take float32 hidden rows (n_tokens x n_embd);
@@ -28,6 +31,7 @@ struct shard_context_params {
     int32_t n_seq_max = 4;     // sequences
     int32_t n_batch   = 512;   // most tokens in one forward call
     int32_t n_threads = 0;     // 0 = the model's thread count
+    bool    kv_unified = true; // one pool of cells for all sequences, or one stream per sequence
 };
 
 // what one forward call consumes: exactly one of tokens / hidden
@@ -50,6 +54,8 @@ public:
     int32_t n_ctx()     const { return n_ctx_; }
     int32_t n_seq_max() const { return n_seq_max_; }
     int32_t n_batch()   const { return n_batch_; }
+    int32_t n_ctx_seq() const { return n_ctx_seq_; }  // cells one sequence can hold
+    bool    kv_unified() const { return kv_unified_; }
 
     // floats forward() writes: n_tokens * n_embd (non-tail) or n_vocab (tail)
     int64_t output_size(int64_t n_tokens) const;
@@ -81,6 +87,8 @@ private:
     int32_t             n_ctx_ = 0;
     int32_t             n_seq_max_ = 0;
     int32_t             n_batch_ = 0;
+    int32_t             n_ctx_seq_ = 0;
+    bool                kv_unified_ = true;
     mutable std::mutex  mutex_;
 
     struct batch_buffers;
