@@ -1,0 +1,185 @@
+// Hot KV engine conformance without Python: lifecycle, admission, LRU/TTL eviction, stale epochs,
+// supersession, miss reasons, the bounded table of dropped keys, and check_invariants() after every
+// step. Expected outcomes are values; caller mistakes throw and change nothing.
+
+#include "llama_shard/hot_kv_engine.h"
+#include "test-common.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace llama_shard;
+
+namespace {
+
+struct harness {
+    shard_model   model;
+    hot_kv_engine engine;
+    std::vector<float> out;
+    double now = 0.0;
+
+    harness(const std::string & path, hot_kv_config cfg)
+        : model([&] {
+              shard_model_params mp;
+              mp.path = path;
+              mp.n_threads = 2;
+              return mp;
+          }()),
+          engine(model, cfg), out(1 << 16) {}
+
+    hot_kv_result prefill(const std::string & sid, int64_t epoch, std::vector<int32_t> toks, int32_t start = -1) {
+        shard_input in;
+        in.tokens = toks.data();
+        in.n_tokens = (int64_t) toks.size();
+        hot_kv_result r = engine.prefill(sid, epoch, start, in, out.data(), now);
+        engine.check_invariants();
+        return r;
+    }
+    hot_kv_result decode(const std::string & sid, int64_t epoch, int32_t tok, int32_t expected = -1) {
+        shard_input in;
+        in.tokens = &tok;
+        in.n_tokens = 1;
+        hot_kv_result r = engine.decode(sid, epoch, expected, in, out.data(), now);
+        engine.check_invariants();
+        return r;
+    }
+    bool is_miss(const hot_kv_result & r, shard_miss_reason why) {
+        return r.status == SHARD_STATUS_CACHE_MISS && r.miss == why;
+    }
+};
+
+hot_kv_config config(int32_t sessions, int32_t context, int64_t budget, double ttl) {
+    hot_kv_config c;
+    c.max_sessions = sessions;
+    c.context_tokens = context;
+    c.budget_tokens = budget;
+    c.ttl_seconds = ttl;
+    c.n_batch = 16;
+    c.recent_capacity = 8;
+    return c;
+}
+
+void lifecycle(const std::string & path) {
+    harness h(path, config(4, 32, 64, 0));
+    // reference for the truncation check below: [1, 2, 3] then [4] in a session of its own
+    CHECK(h.prefill("ref", 0, {1, 2, 3}).status == SHARD_STATUS_OK);
+    CHECK(h.prefill("ref", 0, {4}).status == SHARD_STATUS_OK);
+    std::vector<float> first(h.out.begin(), h.out.begin() + 320);
+    CHECK(h.engine.release("ref", 0, h.now).changed);
+    CHECK(h.prefill("a", 0, {1, 2, 3, 4}).status == SHARD_STATUS_OK);
+    CHECK(h.decode("a", 0, 5).seq_len == 5);
+    CHECK(h.decode("a", 0, 6, /*expected*/ 5).seq_len == 6);
+    CHECK(h.is_miss(h.decode("a", 0, 7, /*expected*/ 9), SHARD_MISS_SEQ_LEN_MISMATCH));
+    CHECK(h.engine.truncate("a", 0, 3, h.now).seq_len == 3);
+    CHECK(h.prefill("a", 0, {4}).seq_len == 4);  // the truncated cache computes what a fresh one does
+    CHECK(std::memcmp(first.data(), h.out.data(), 320 * sizeof(float)) == 0);
+    CHECK(h.prefill("a", 0, {1, 2}, /*start*/ 0).seq_len == 2);  // earlier start truncates first
+    CHECK(h.is_miss(h.prefill("a", 0, {1}, /*start*/ 7), SHARD_MISS_SEQ_LEN_MISMATCH));
+    CHECK(h.engine.resolve("a", 0, h.now).seq_len == 2);
+    CHECK(h.engine.release("a", 0, h.now).changed);
+    CHECK(h.is_miss(h.engine.resolve("a", 0, h.now), SHARD_MISS_RELEASED));
+    CHECK(h.is_miss(h.decode("a", 0, 1), SHARD_MISS_RELEASED));
+    CHECK(!h.engine.release("a", 0, h.now).changed);
+    CHECK(h.is_miss(h.decode("nobody", 0, 1), SHARD_MISS_UNKNOWN_SESSION));
+    CHECK(h.is_miss(h.prefill("nobody", 0, {1}, 3), SHARD_MISS_UNKNOWN_SESSION));
+    CHECK(h.engine.stats().reserved_tokens == 0);
+    h.engine.check_invariants();
+}
+
+void epochs(const std::string & path) {
+    harness h(path, config(4, 32, 64, 0));
+    CHECK(h.prefill("s", 3, {1, 2, 3}).status == SHARD_STATUS_OK);
+    CHECK(h.decode("s", 2, 1).status == SHARD_STATUS_STALE_EPOCH);
+    CHECK(h.decode("s", 2, 1).current_epoch == 3);
+    CHECK(h.engine.release("s", 1, h.now).status == SHARD_STATUS_STALE_EPOCH);
+    CHECK(h.engine.resolve("s", 3, h.now).seq_len == 3);  // the stale release erased nothing
+    CHECK(h.is_miss(h.decode("s", 4, 1), SHARD_MISS_SUPERSEDED_EPOCH));
+    CHECK(h.engine.stats().live_sessions == 0 && h.engine.stats().reserved_tokens == 0);
+    CHECK(h.engine.resolve("s", 3, h.now).status == SHARD_STATUS_STALE_EPOCH);
+    CHECK(h.is_miss(h.engine.resolve("s", 4, h.now), SHARD_MISS_SUPERSEDED_EPOCH));
+    CHECK(h.prefill("s", 4, {1, 2}).status == SHARD_STATUS_OK);
+    CHECK(h.engine.open("s", 5, h.now).seq_len == 0);  // open at a newer epoch supersedes and starts empty
+    CHECK(h.engine.stats().supersessions == 2);
+}
+
+void admission_and_eviction(const std::string & path) {
+    harness h(path, config(2, 16, 24, 10));
+    h.prefill("a", 0, {1});
+    h.now = 1;
+    h.prefill("b", 0, {2});
+    h.now = 2;
+    h.decode("a", 0, 3);  // a is the most recent
+    h.now = 3;
+    CHECK(h.prefill("c", 0, {4}).status == SHARD_STATUS_OK);  // session cap: evicts b
+    CHECK(h.is_miss(h.engine.resolve("b", 0, h.now), SHARD_MISS_EVICTED_LRU));
+    // budget: a holds 2, c 1; a step of 16 for c needs 16 <= 24 - 2: fits without eviction
+    std::vector<int32_t> sixteen(15, 7);
+    CHECK(h.prefill("c", 0, sixteen).seq_len == 16);
+    CHECK(h.engine.stats().live_sessions == 2);
+    // a needs 2 + 8 = 10 more than 24 - 16 allows: c (least recent) is evicted, never the requester
+    h.now = 4;
+    std::vector<int32_t> eight(8, 9);
+    CHECK(h.prefill("a", 0, eight).seq_len == 10);
+    CHECK(h.is_miss(h.engine.resolve("c", 0, h.now), SHARD_MISS_EVICTED_LRU));
+    // alone too big: refused, nothing changes
+    const hot_kv_stats before = h.engine.stats();
+    std::vector<int32_t> big(16, 1);
+    CHECK(h.prefill("d", 0, big).status == SHARD_STATUS_OK);  // 16 fits context 16 and budget (evicts a)
+    CHECK(h.is_miss(h.engine.resolve("a", 0, h.now), SHARD_MISS_EVICTED_LRU));
+    CHECK(h.decode("d", 0, 1).status == SHARD_STATUS_BUDGET_EXCEEDED);  // 17 > context_tokens
+    CHECK(h.engine.resolve("d", 0, h.now).seq_len == 16);
+    (void) before;
+    // TTL
+    h.now = 100;
+    CHECK(h.is_miss(h.decode("d", 0, 1), SHARD_MISS_EVICTED_TTL));
+    CHECK(h.engine.stats().evictions_ttl == 1 && h.engine.stats().reserved_tokens == 0);
+    h.prefill("e", 0, {1});
+    h.now = 200;
+    CHECK(h.engine.sweep(h.now) == 1);
+    CHECK(h.engine.stats().misses[SHARD_MISS_EVICTED_LRU] == 3);
+    h.engine.check_invariants();
+}
+
+void bounded_and_invalid(const std::string & path) {
+    harness h(path, config(2, 16, 24, 0));
+    for (int i = 0; i < 100; ++i) {
+        h.engine.open("flood-" + std::to_string(i), 0, h.now);
+    }
+    CHECK(h.engine.stats().recent_keys <= 8);
+    h.engine.check_invariants();
+
+    h.prefill("k", 0, {1, 2});
+    const int64_t reserved = h.engine.stats().reserved_tokens;
+    std::vector<int32_t> oov = {1, 100000};
+    shard_input in;
+    in.tokens = oov.data();
+    in.n_tokens = 2;
+    CHECK_THROWS(h.engine.prefill("k", 0, -1, in, h.out.data(), h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK_THROWS(h.engine.prefill("", 0, -1, in, h.out.data(), h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK_THROWS(h.engine.open("k", -1, h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK_THROWS(h.engine.truncate("k", 0, 3, h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK_THROWS(h.engine.truncate("k", 0, -1, h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    in.n_tokens = 0;
+    CHECK_THROWS(h.engine.decode("k", 0, -1, in, h.out.data(), h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK(h.engine.stats().reserved_tokens == reserved);
+    CHECK(h.engine.resolve("k", 0, h.now).seq_len == 2);
+    h.engine.check_invariants();
+
+    hot_kv_config bad = config(0, 16, 24, 0);
+    CHECK_THROWS(hot_kv_engine(h.model, bad), SHARD_ERRC_INVALID_ARGUMENT);
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
+        return 2;
+    }
+    lifecycle(argv[1]);
+    epochs(argv[1]);
+    admission_and_eviction(argv[1]);
+    bounded_and_invalid(argv[1]);
+    return finish("test-hot-kv");
+}

@@ -1,0 +1,89 @@
+"""Configuration from the environment, and bad input through the manager: a clear exception and no
+state change, on both engines (the native cases run in a subprocess so an abort would fail)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_isolated
+from llama_shard import HotKvStateConfig, InvalidInputError
+
+
+def test_config_from_env_reads_every_variable():
+    env = {"MESHNET_HOT_KV_MAX_SESSIONS": "12", "MESHNET_HOT_KV_CONTEXT_TOKENS": "1024",
+           "MESHNET_HOT_KV_BUDGET_TOKENS": "4096", "MESHNET_HOT_KV_TTL_SECONDS": "2.5"}
+    assert HotKvStateConfig.from_env(env) == HotKvStateConfig(max_sessions=12, context_tokens=1024,
+                                                              budget_tokens=4096, ttl_seconds=2.5)
+    assert HotKvStateConfig.from_env({}) == HotKvStateConfig()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("MESHNET_HOT_KV_MAX_SESSIONS", "many"), ("MESHNET_HOT_KV_MAX_SESSIONS", "0"), ("MESHNET_HOT_KV_MAX_SESSIONS", "1000"),
+    ("MESHNET_HOT_KV_CONTEXT_TOKENS", "-5"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "1.5"), ("MESHNET_HOT_KV_TTL_SECONDS", "nan"),
+    ("MESHNET_HOT_KV_TTL_SECONDS", "-1"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "99999999999"),
+])
+def test_bad_env_value_is_a_clear_startup_error(key, value):
+    with pytest.raises(InvalidInputError) as e:
+        HotKvStateConfig.from_env({key: value})
+    assert key.split("MESHNET_HOT_KV_")[1].lower() in str(e.value) or key in str(e.value)
+
+
+CASES = """
+import numpy as np
+import llama_shard as ls
+from llama_shard import errors
+{make}
+mgr = ls.HotKvStateManager(shard, ls.HotKvStateConfig(max_sessions=4, context_tokens=32, budget_tokens=64), ls.ManualClock())
+ad = ls.KvBoundaryAdapter(shard, mgr)
+ad.prefill("s", 1, token_ids=[1, 2, 3])
+tail = ls.KvBoundaryAdapter(tshard, ls.HotKvStateManager(tshard, None, ls.ManualClock()))
+def snapshot():
+    return (mgr.session_keys(), mgr.stats())
+before = snapshot()
+cases = {{
+    "empty token list": lambda: ad.prefill("s", 1, token_ids=[]),
+    "negative length": lambda: mgr.truncate("s", 1, -1),
+    "huge length": lambda: mgr.truncate("s", 1, 2**40),
+    "truncate beyond the length": lambda: mgr.truncate("s", 1, 4),
+    "non-string session id": lambda: mgr.open(17, 1),
+    "bytes session id": lambda: mgr.open(b"s", 1),
+    "empty session id": lambda: mgr.open("", 1),
+    "overlong session id": lambda: mgr.open("x" * 300, 1),
+    "negative epoch": lambda: ad.decode("s", -1, token_ids=[1]),
+    "bool epoch": lambda: mgr.resolve("s", True),
+    "float epoch": lambda: mgr.resolve("s", 1.0),
+    "negative start_pos": lambda: ad.prefill("s", 1, token_ids=[1], start_pos=-3),
+    "negative expected length": lambda: ad.decode("s", 1, token_ids=[1], expected_seq_len=-2),
+    "token out of vocabulary": lambda: ad.decode("s", 1, token_ids=[10**6]),
+    "tokens to a non-head shard": lambda: tail.prefill("s", 1, token_ids=[1]),
+    "hidden of the wrong width": lambda: tail.prefill("s", 1, boundary=np.zeros((2, 63), np.float32)),
+    "hidden of the wrong dtype": lambda: tail.prefill("s", 1, boundary=np.zeros((2, 64), np.float64)),
+    "hidden to the head": lambda: ad.decode("s", 1, boundary=np.zeros((1, 64), np.float32)),
+    "batch longer than n_batch": lambda: ad.decode("s", 1, token_ids=[1] * 513),
+    "recipe of the wrong type": lambda: mgr.open("s", 1, recipe="llama"),
+}}
+for name, call in cases.items():
+    try:
+        call()
+    except errors.InvalidInputError as e:
+        assert str(e)
+        print("OK", name, "|", e)
+    else:
+        raise SystemExit("no exception for " + name)
+    assert snapshot() == before, name
+mgr.check_invariants()
+print("ALL", len(cases))
+"""
+
+MAKE = {
+    "native": "shard = ls.ShardModel({path!r}, None, 1)\ntshard = ls.ShardModel({path!r}, (3, 5), 1)",
+    "reference": ("from llama_shard.reference import ReferenceModel, ReferenceShard\n"
+                  "ref = ReferenceModel.from_gguf({path!r})\nshard = ReferenceShard(ref)\ntshard = ReferenceShard(ref, 3, 5)"),
+}
+
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_bad_input_through_the_manager_changes_nothing(synthetic_model, engine):
+    code = CASES.format(make=MAKE[engine].format(path=str(synthetic_model)))
+    res = run_isolated(code)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
+    assert "ALL 20" in res.stdout
