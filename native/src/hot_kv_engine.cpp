@@ -141,6 +141,11 @@ bool hot_kv_engine::evict_lru_locked(const std::string & keep) {
     return false;
 }
 
+double hot_kv_engine::tick_locked(double now) {
+    clock_ = std::max(clock_, now);
+    return clock_;
+}
+
 int32_t hot_kv_engine::sweep_locked(double now) {
     if (config_.ttl_seconds <= 0) {
         return 0;
@@ -159,8 +164,7 @@ int32_t hot_kv_engine::sweep_locked(double now) {
 }
 
 void hot_kv_engine::touch_locked(session & s, double now) {
-    // a clock that goes backwards must not reorder the LRU list against last_used
-    s.last_used = std::max(s.last_used, now);
+    s.last_used = now;  // engine time is monotone (tick_locked), so the list stays ordered by last_used
     lru_.splice(lru_.end(), lru_, s.lru_pos);
 }
 
@@ -172,10 +176,9 @@ hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, i
     assert(!free_ids_.empty());
     const int32_t seq_id = free_ids_.back();
     free_ids_.pop_back();
-    const double last_used = lru_.empty() ? now : std::max(now, live_.at(lru_.back()).last_used);
     lru_.push_back(sid);
     session & s = live_[sid];
-    s = session{epoch, seq_id, 0, last_used, std::prev(lru_.end())};
+    s = session{epoch, seq_id, 0, now, std::prev(lru_.end())};
     recent_.erase(sid);  // live again: its dropped record no longer applies
     return s;
 }
@@ -239,6 +242,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
 hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     sweep_locked(now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
@@ -259,6 +263,7 @@ hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int
                                      float * out, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     ctx_->validate_input(input);
     sweep_locked(now);
     hot_kv_result res;
@@ -295,6 +300,7 @@ hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int3
                                     float * out, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     ctx_->validate_input(input);
     sweep_locked(now);
     hot_kv_result res;
@@ -353,6 +359,7 @@ hot_kv_result hot_kv_engine::step_locked(const std::string & sid, session & s, i
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     if (length < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "truncate length must be >= 0, got " + str(length));
     }
@@ -384,6 +391,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
 hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     sweep_locked(now);
     hot_kv_result res;
     auto it = live_.find(sid);
@@ -413,6 +421,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
 hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_key(sid, epoch);
+    now = tick_locked(now);
     sweep_locked(now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
@@ -429,7 +438,7 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
 
 int32_t hot_kv_engine::sweep(double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return sweep_locked(now);
+    return sweep_locked(tick_locked(now));
 }
 
 // ---------------------------------------------------------------------------------------------

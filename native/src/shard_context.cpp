@@ -128,74 +128,126 @@ void shard_context::validate_input(const shard_input & input) const {
 
 void shard_context::forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out) {
     std::lock_guard<std::mutex> lock(mutex_);
-    forward_locked(seq_id, pos, input, out);
+    forward_batch_locked({batch_item{seq_id, pos, input, out}});
 }
 
-void shard_context::forward_locked(int32_t seq_id, int32_t pos, const shard_input & input, float * out) {
-    validate_seq_id(seq_id);
-    validate_input(input);
-    const shard_model_info & info = model_.info();
+int32_t shard_context::forward_batch(const std::vector<batch_item> & items) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return forward_batch_locked(items);
+}
 
+uint64_t shard_context::n_decode_calls() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return n_decode_calls_;
+}
+
+int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & items) {
+    const shard_model_info & info = model_.info();
     llama_memory_t mem = llama_get_memory(ctx_);
-    const int32_t next = llama_memory_seq_pos_max(mem, seq_id) + 1;
-    if (pos != next) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
-            "start position " + str(pos) + " does not continue sequence " + str(seq_id) + " (next position is " + str(next) +
-            "); remove the suffix with seq_rm first");
+
+    // --- validate everything before anything reaches llama.cpp ---
+    if (items.empty()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "empty batch");
+    }
+    std::vector<bool> seen((size_t) n_seq_max_, false);
+    int64_t n_new = 0;
+    for (const batch_item & it : items) {
+        validate_seq_id(it.seq_id);
+        validate_input(it.input);
+        if (seen[(size_t) it.seq_id]) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "sequence " + str(it.seq_id) + " appears twice in one batch");
+        }
+        seen[(size_t) it.seq_id] = true;
+        const int32_t next = llama_memory_seq_pos_max(mem, it.seq_id) + 1;
+        if (it.pos != next) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                "start position " + str(it.pos) + " does not continue sequence " + str(it.seq_id) + " (next position is " +
+                str(next) + "); remove the suffix with seq_rm first");
+        }
+        if (!kv_unified_ && (int64_t) it.pos + it.input.n_tokens > n_ctx_seq_) {
+            throw shard_error(SHARD_ERRC_CAPACITY,
+                "sequence " + str(it.seq_id) + " holds " + str(it.pos) + " of its " + str(n_ctx_seq_) + " cells; " +
+                str(it.input.n_tokens) + " more do not fit");
+        }
+        n_new += it.input.n_tokens;
     }
     if (kv_unified_) {
         const int64_t n_used = n_cells_used_unlocked();
-        if (n_used + input.n_tokens > n_ctx_) {
+        if (n_used + n_new > n_ctx_) {
             throw shard_error(SHARD_ERRC_CAPACITY,
-                "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(input.n_tokens) + " more do not fit");
+                "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(n_new) + " more do not fit");
         }
-    } else if ((int64_t) pos + input.n_tokens > n_ctx_seq_) {
-        throw shard_error(SHARD_ERRC_CAPACITY,
-            "sequence " + str(seq_id) + " holds " + str(pos) + " of its " + str(n_ctx_seq_) + " cells; " +
-            str(input.n_tokens) + " more do not fit");
     }
 
+    auto roll_back = [&](const std::string & why, shard_errc code) {
+        for (const batch_item & it : items) {
+            llama_memory_seq_rm(mem, it.seq_id, it.pos, -1);
+        }
+        throw shard_error(code, why);
+    };
+
+    // --- pack items into llama_decode calls of at most n_batch tokens ---
     llama_batch & batch = batch_->batch;
-    const int32_t n = (int32_t) input.n_tokens;
-    batch.n_tokens = n;
-    for (int32_t i = 0; i < n; ++i) {
-        batch.pos[i]       = pos + i;
-        batch.n_seq_id[i]  = 1;
-        batch.seq_id[i][0] = seq_id;
-        batch.logits[i]    = info.is_tail ? (i == n - 1) : 1;
-    }
-    if (input.tokens != nullptr) {
-        std::memcpy(batch.token, input.tokens, sizeof(int32_t) * (size_t) n);
-    } else {
-        std::memcpy(batch.embd, input.hidden, sizeof(float) * (size_t) n * (size_t) info.n_embd);
-    }
-
-    const int32_t ret = llama_decode(ctx_, batch);
-    if (ret != 0) {
-        // earlier ubatches of this call may have stayed in the cache: remove everything it added
-        llama_memory_seq_rm(mem, seq_id, pos, -1);
-        const std::string why = shard_last_llama_error();
-        throw shard_error(ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE,
-            "llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why));
-    }
-
-    if (info.is_tail) {
-        const float * logits = llama_get_logits_ith(ctx_, n - 1);
-        if (logits == nullptr) {
-            llama_memory_seq_rm(mem, seq_id, pos, -1);
-            throw shard_error(SHARD_ERRC_COMPUTE, "llama.cpp returned no logits");
+    int32_t n_calls = 0;
+    size_t first = 0;
+    while (first < items.size()) {
+        size_t last = first;
+        int32_t n = 0;
+        while (last < items.size() && n + items[last].input.n_tokens <= n_batch_) {
+            n += (int32_t) items[last].input.n_tokens;
+            ++last;
         }
-        std::memcpy(out, logits, sizeof(float) * (size_t) info.n_vocab);
-    } else {
-        for (int32_t i = 0; i < n; ++i) {
-            const float * row = llama_get_embeddings_ith(ctx_, i);
-            if (row == nullptr) {
-                llama_memory_seq_rm(mem, seq_id, pos, -1);
-                throw shard_error(SHARD_ERRC_COMPUTE, "llama.cpp returned no hidden state for row " + str(i));
+        batch.n_tokens = n;
+        int32_t row = 0;
+        for (size_t k = first; k < last; ++k) {
+            const batch_item & it = items[k];
+            const int32_t m = (int32_t) it.input.n_tokens;
+            for (int32_t i = 0; i < m; ++i, ++row) {
+                batch.pos[row]       = it.pos + i;
+                batch.n_seq_id[row]  = 1;
+                batch.seq_id[row][0] = it.seq_id;
+                batch.logits[row]    = info.is_tail ? (i == m - 1) : 1;
             }
-            std::memcpy(out + (size_t) i * info.n_embd, row, sizeof(float) * (size_t) info.n_embd);
+            if (it.input.tokens != nullptr) {
+                std::memcpy(batch.token + (row - m), it.input.tokens, sizeof(int32_t) * (size_t) m);
+            } else {
+                std::memcpy(batch.embd + (size_t) (row - m) * info.n_embd, it.input.hidden,
+                            sizeof(float) * (size_t) m * (size_t) info.n_embd);
+            }
         }
+        const int32_t ret = llama_decode(ctx_, batch);
+        ++n_decode_calls_;
+        ++n_calls;
+        if (ret != 0) {
+            const std::string why = shard_last_llama_error();
+            roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
+                      ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
+        }
+        // read this call's outputs before the next decode overwrites them
+        row = 0;
+        for (size_t k = first; k < last; ++k) {
+            const batch_item & it = items[k];
+            const int32_t m = (int32_t) it.input.n_tokens;
+            if (info.is_tail) {
+                const float * logits = llama_get_logits_ith(ctx_, row + m - 1);
+                if (logits == nullptr) {
+                    roll_back("llama.cpp returned no logits", SHARD_ERRC_COMPUTE);
+                }
+                std::memcpy(it.out, logits, sizeof(float) * (size_t) info.n_vocab);
+            } else {
+                for (int32_t i = 0; i < m; ++i) {
+                    const float * h = llama_get_embeddings_ith(ctx_, row + i);
+                    if (h == nullptr) {
+                        roll_back("llama.cpp returned no hidden state", SHARD_ERRC_COMPUTE);
+                    }
+                    std::memcpy(it.out + (size_t) i * info.n_embd, h, sizeof(float) * (size_t) info.n_embd);
+                }
+            }
+            row += m;
+        }
+        first = last;
     }
+    return n_calls;
 }
 
 bool shard_context::seq_rm(int32_t seq_id, int32_t p0) {

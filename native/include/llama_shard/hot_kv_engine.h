@@ -161,6 +161,9 @@ private:
 
     // --- helpers; all run with mutex_ held ---
     void     validate_key(const std::string & sid, int64_t epoch) const;
+    // callers read their clocks before they get the lock, so `now` can arrive out of order across
+    // threads; the engine keeps its own time monotone so the LRU order always matches last_used
+    double   tick_locked(double now);
     int32_t  sweep_locked(double now);
     // frees the session's cells, seq id and reservation; remembers (sid, remembered_epoch or its
     // own epoch when < 0) with `reason` for later requests
@@ -189,6 +192,7 @@ private:
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;
     int64_t                                  reserved_ = 0;
+    double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

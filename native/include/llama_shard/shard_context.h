@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <vector>
 
 struct llama_context;
 
@@ -63,6 +64,23 @@ public:
     // runs the owned layers over `input` for `seq_id` starting at `pos`; writes output_size() floats to `out`
     void forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out);
 
+    // one item of a batched forward: a distinct sequence, its start position, input and output
+    struct batch_item {
+        int32_t     seq_id;
+        int32_t     pos;
+        shard_input input;
+        float *     out;
+    };
+
+    // runs several sequences together, packing them into as few llama_decode calls as n_batch
+    // allows (an item is never split). All items are validated first; if any llama_decode fails,
+    // every position of every item is removed again before the error is thrown. Returns the
+    // number of llama_decode calls made.
+    int32_t forward_batch(const std::vector<batch_item> & items);
+
+    // llama_decode calls made by this context so far
+    uint64_t n_decode_calls() const;
+
     // removes positions [p0, inf) of `seq_id`; returns false if llama.cpp refused (never for a valid id)
     bool seq_rm(int32_t seq_id, int32_t p0);
 
@@ -79,7 +97,7 @@ public:
     llama_context * raw() const { return ctx_; }
 
 private:
-    void    forward_locked(int32_t seq_id, int32_t pos, const shard_input & input, float * out);
+    int32_t forward_batch_locked(const std::vector<batch_item> & items);
     int64_t n_cells_used_unlocked() const;
 
     const shard_model & model_;
@@ -88,6 +106,7 @@ private:
     int32_t             n_seq_max_ = 0;
     int32_t             n_batch_ = 0;
     int32_t             n_ctx_seq_ = 0;
+    uint64_t            n_decode_calls_ = 0;
     bool                kv_unified_ = true;
     mutable std::mutex  mutex_;
 

@@ -70,6 +70,7 @@ class ReferenceHotKvEngine:
         self._recent: dict[str, _Dropped] = {}
         self._recent_order: collections.deque[tuple[str, int]] = collections.deque()
         self._stamp = 0
+        self._clock = float("-inf")  # latest `now` seen: engine time never goes back
         self._counters = collections.Counter()
         self._misses = collections.Counter()
 
@@ -160,16 +161,19 @@ class ReferenceHotKvEngine:
             n += 1
         return n
 
+    def _tick(self, now: float) -> float:
+        self._clock = max(self._clock, now)
+        return self._clock
+
     def _touch(self, sid: str, s: _Session, now: float) -> None:
-        s.last_used = max(s.last_used, now)
+        s.last_used = now
         self._live.move_to_end(sid)
 
     def _create(self, sid: str, epoch: int, now: float) -> _Session:
         if not self._free_ids:
             self._evict_lru(sid)
         seq_id = self._free_ids.pop()
-        last_used = now if not self._live else max(now, next(reversed(self._live.values())).last_used)
-        s = _Session(epoch, seq_id, self.shard.new_sequence(), last_used)
+        s = _Session(epoch, seq_id, self.shard.new_sequence(), now)
         self._live[sid] = s
         self._recent.pop(sid, None)
         return s
@@ -203,6 +207,7 @@ class ReferenceHotKvEngine:
 
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         self._sweep(now)
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
@@ -214,6 +219,7 @@ class ReferenceHotKvEngine:
 
     def prefill(self, session_id: str, epoch: int, now: float, start_pos: int = -1, tokens=None, hidden=None):
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         toks, hid, n = self._validate_input(tokens, hidden)
         self._sweep(now)
         s, res = self._identify(session_id, epoch)
@@ -235,6 +241,7 @@ class ReferenceHotKvEngine:
 
     def decode(self, session_id: str, epoch: int, now: float, expected_seq_len: int = -1, tokens=None, hidden=None):
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         toks, hid, n = self._validate_input(tokens, hidden)
         self._sweep(now)
         s, res = self._identify(session_id, epoch)
@@ -268,6 +275,7 @@ class ReferenceHotKvEngine:
 
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         if length < 0:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
         self._sweep(now)
@@ -286,6 +294,7 @@ class ReferenceHotKvEngine:
 
     def release(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         self._sweep(now)
         s = self._live.get(session_id)
         if s is not None:
@@ -304,6 +313,7 @@ class ReferenceHotKvEngine:
 
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._validate_key(session_id, epoch)
+        now = self._tick(now)
         self._sweep(now)
         s, res = self._identify(session_id, epoch)
         if s is None:
@@ -313,7 +323,7 @@ class ReferenceHotKvEngine:
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
 
     def sweep(self, now: float) -> int:
-        return self._sweep(now)
+        return self._sweep(self._tick(now))
 
     # --- introspection ---------------------------------------------------------------------------
 
