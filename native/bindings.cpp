@@ -303,6 +303,67 @@ PYBIND11_MODULE(_native, m) {
                  return std::make_pair(r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none()));
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("expected_seq_len") = -1,
              py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
+        .def("step", [](hot_kv_engine & e, const py::list & requests, double now) {
+                 // requests: (session_id, epoch, "prefill" | "decode", position, tokens, hidden) tuples
+                 const shard_model_info & info = e.model().info();
+                 const size_t n = requests.size();
+                 std::vector<py_input> inputs(n);
+                 std::vector<py::object> outs(n, py::none());
+                 std::vector<hot_kv_result> results(n);
+                 std::vector<hot_kv_request> batch;
+                 std::vector<size_t> batch_index;
+                 for (size_t i = 0; i < n; ++i) {
+                     try {
+                         py::tuple t = py::cast<py::tuple>(requests[i]);
+                         if (t.size() != 6) {
+                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a request is (session_id, epoch, kind, position, tokens, hidden)");
+                         }
+                         hot_kv_request req;
+                         req.session_id = py::cast<std::string>(t[0]);
+                         req.epoch      = py::cast<int64_t>(t[1]);
+                         const std::string kind = py::cast<std::string>(t[2]);
+                         if (kind != "prefill" && kind != "decode") {
+                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kind must be 'prefill' or 'decode'");
+                         }
+                         req.kind     = kind == "prefill" ? HOT_KV_STEP_PREFILL : HOT_KV_STEP_DECODE;
+                         req.position = py::cast<int32_t>(t[3]);
+                         parse_input(inputs[i], info, t[4], t[5]);
+                         if (inputs[i].input.n_tokens < 1 || inputs[i].input.n_tokens > e.config().n_batch) {
+                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
+                                 std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(inputs[i].input.n_tokens));
+                         }
+                         req.input = inputs[i].input;
+                         py::array_t<float> out = output_array(info, req.input.n_tokens);
+                         req.out = out.mutable_data();
+                         outs[i] = out;
+                         batch.push_back(std::move(req));
+                         batch_index.push_back(i);
+                     } catch (const shard_error & err) {
+                         results[i].status = SHARD_STATUS_INVALID_INPUT;
+                         results[i].detail = err.what();
+                     } catch (const py::cast_error & err) {
+                         results[i].status = SHARD_STATUS_INVALID_INPUT;
+                         results[i].detail = std::string("malformed request: ") + err.what();
+                     }
+                 }
+                 if (!batch.empty()) {
+                     std::vector<hot_kv_result> got;
+                     {
+                         py::gil_scoped_release release;
+                         got = e.step(batch, now);
+                     }
+                     for (size_t k = 0; k < got.size(); ++k) {
+                         results[batch_index[k]] = got[k];
+                     }
+                 }
+                 py::list answer;
+                 for (size_t i = 0; i < n; ++i) {
+                     const bool ok = results[i].status == SHARD_STATUS_OK;
+                     answer.append(py::make_tuple(results[i], ok ? outs[i] : py::object(py::none())));
+                 }
+                 return answer;
+             }, py::arg("requests"), py::arg("now"))
+        .def_property_readonly("n_decode_calls", &hot_kv_engine::n_decode_calls)
         .def("truncate", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t length, double now) {
                  py::gil_scoped_release release;
                  return e.truncate(sid, epoch, length, now);

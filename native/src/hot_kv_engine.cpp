@@ -12,6 +12,8 @@ const char * shard_status_name(shard_status status) {
         case SHARD_STATUS_CACHE_MISS:      return "CACHE_MISS";
         case SHARD_STATUS_STALE_EPOCH:     return "STALE_EPOCH";
         case SHARD_STATUS_BUDGET_EXCEEDED: return "BUDGET_EXCEEDED";
+        case SHARD_STATUS_INVALID_INPUT:   return "INVALID_INPUT";
+        case SHARD_STATUS_COMPUTE_ERROR:   return "COMPUTE_ERROR";
     }
     return "UNKNOWN";
 }
@@ -131,8 +133,12 @@ void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reaso
 }
 
 bool hot_kv_engine::evict_lru_locked(const std::string & keep) {
+    return evict_lru_except_locked({keep});
+}
+
+bool hot_kv_engine::evict_lru_except_locked(const std::vector<std::string> & keep) {
     for (const std::string & sid : lru_) {
-        if (sid != keep) {
+        if (std::find(keep.begin(), keep.end(), sid) == keep.end()) {
             const std::string victim = sid;  // drop_locked erases the list node
             drop_locked(victim, SHARD_MISS_EVICTED_LRU);
             return true;
@@ -261,99 +267,198 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
 
 hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
                                      float * out, double now) {
+    hot_kv_request req;
+    req.session_id = sid;
+    req.epoch      = epoch;
+    req.kind       = HOT_KV_STEP_PREFILL;
+    req.position   = start_pos;
+    req.input      = input;
+    req.out        = out;
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
-    ctx_->validate_input(input);
-    sweep_locked(now);
-    hot_kv_result res;
-    session * s = identify_locked(sid, epoch, res);
-    if (res.status == SHARD_STATUS_STALE_EPOCH) {
-        return res;
-    }
-    if (s == nullptr) {
-        if (start_pos > 0) {
-            // nothing cached to continue from: the head must re-prefill from token zero
-            counters_.misses[res.miss]++;
-            return res;
-        }
-        // refuse before creating (and possibly evicting for the session cap) what cannot fit
-        if (input.n_tokens > config_.context_tokens || input.n_tokens > config_.budget_tokens) {
-            hot_kv_result r;
-            r.status = SHARD_STATUS_BUDGET_EXCEEDED;
-            r.detail = str(input.n_tokens) + " tokens exceed context_tokens " + str(config_.context_tokens) +
-                       " or budget_tokens " + str(config_.budget_tokens);
-            return r;
-        }
-        s = &create_locked(sid, epoch, now);
-        start_pos = 0;
-    }
-    const int32_t start = start_pos < 0 ? s->seq_len : start_pos;
-    if (start > s->seq_len) {
-        return miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                           "start position " + str(start) + " is past the cached length " + str(s->seq_len));
-    }
-    return step_locked(sid, *s, start, input, out, now);
+    return single_locked(req, now);
 }
 
 hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                                     float * out, double now) {
+    hot_kv_request req;
+    req.session_id = sid;
+    req.epoch      = epoch;
+    req.kind       = HOT_KV_STEP_DECODE;
+    req.position   = expected_seq_len;
+    req.input      = input;
+    req.out        = out;
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
-    ctx_->validate_input(input);
-    sweep_locked(now);
-    hot_kv_result res;
-    session * s = identify_locked(sid, epoch, res);
-    if (s == nullptr) {
-        if (res.status == SHARD_STATUS_CACHE_MISS) {
-            counters_.misses[res.miss]++;
-        }
-        return res;
-    }
-    if (expected_seq_len >= 0 && expected_seq_len != s->seq_len) {
-        return miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                           "expected past length " + str(expected_seq_len) + ", cached length is " + str(s->seq_len));
-    }
-    return step_locked(sid, *s, s->seq_len, input, out, now);
+    return single_locked(req, now);
 }
 
-hot_kv_result hot_kv_engine::step_locked(const std::string & sid, session & s, int32_t start, const shard_input & input,
-                                         float * out, double now) {
-    assert(start >= 0 && start <= s.seq_len);
-    const int64_t new_len = (int64_t) start + input.n_tokens;
-    if (new_len > config_.context_tokens || new_len > config_.budget_tokens) {
-        hot_kv_result r;
-        r.status  = SHARD_STATUS_BUDGET_EXCEEDED;
-        r.seq_len = s.seq_len;
-        r.seq_id  = s.seq_id;
-        r.detail  = "the session would hold " + str(new_len) + " tokens; context_tokens is " + str(config_.context_tokens) +
-                    " and budget_tokens " + str(config_.budget_tokens);
-        return r;
+// a single request: caller mistakes and compute failures are exceptions, as everywhere else
+hot_kv_result hot_kv_engine::single_locked(const hot_kv_request & req, double now) {
+    validate_key(req.session_id, req.epoch);
+    ctx_->validate_input(req.input);
+    hot_kv_result res = step_locked({req}, now)[0];
+    if (res.status == SHARD_STATUS_INVALID_INPUT) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, res.detail);
     }
-    // make room: evict least-recently-used sessions other than this one (always enough, see above)
-    while (reserved_ - s.seq_len + new_len > config_.budget_tokens) {
-        const bool evicted = evict_lru_locked(sid);
-        assert(evicted);
-        (void) evicted;
+    if (res.status == SHARD_STATUS_COMPUTE_ERROR) {
+        throw shard_error(SHARD_ERRC_COMPUTE, res.detail);
     }
-    if (start < s.seq_len) {
-        ctx_->seq_rm(s.seq_id, start);
-        reserved_ -= s.seq_len - start;
-        s.seq_len = start;
-    }
-    touch_locked(s, now);
-    // shard_context::forward rolls back its own positions if llama_decode fails
-    ctx_->forward(s.seq_id, start, input, out);
-    s.seq_len = (int32_t) new_len;
-    reserved_ += input.n_tokens;
-    counters_.steps++;
-    counters_.tokens_computed += (uint64_t) input.n_tokens;
-
-    hot_kv_result res;
-    res.seq_len = s.seq_len;
-    res.seq_id  = s.seq_id;
     return res;
+}
+
+std::vector<hot_kv_result> hot_kv_engine::step(const std::vector<hot_kv_request> & requests, double now) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return step_locked(requests, now);
+}
+
+std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_request> & requests, double now) {
+    now = tick_locked(now);
+    std::vector<hot_kv_result> results(requests.size());
+
+    // 1. validate every request before anything changes; a bad one is answered on its own
+    std::vector<std::string> participants;
+    std::vector<bool> valid(requests.size(), false);
+    for (size_t i = 0; i < requests.size(); ++i) {
+        const hot_kv_request & req = requests[i];
+        try {
+            validate_key(req.session_id, req.epoch);
+            ctx_->validate_input(req.input);
+            if (req.out == nullptr) {
+                throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "no output buffer");
+            }
+            if (std::find(participants.begin(), participants.end(), req.session_id) != participants.end()) {
+                throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "session '" + req.session_id + "' appears twice in one step");
+            }
+            participants.push_back(req.session_id);
+            valid[i] = true;
+        } catch (const shard_error & e) {
+            results[i].status = SHARD_STATUS_INVALID_INPUT;
+            results[i].detail = e.what();
+        }
+    }
+
+    // 2. time passes, then identity and admission, request by request
+    sweep_locked(now);
+    std::vector<planned> plan;
+    for (size_t i = 0; i < requests.size(); ++i) {
+        if (valid[i]) {
+            admit_locked(requests[i], participants, now, plan, i, results[i]);
+        }
+    }
+    if (plan.empty()) {
+        return results;
+    }
+
+    // 3. compute everything admitted together
+    std::vector<shard_context::batch_item> items;
+    items.reserve(plan.size());
+    for (const planned & p : plan) {
+        const hot_kv_request & req = requests[p.index];
+        items.push_back({p.s->seq_id, p.start, req.input, req.out});
+    }
+    try {
+        ctx_->forward_batch(items);  // rolls back every position it added if a decode fails
+    } catch (const shard_error & e) {
+        for (const planned & p : plan) {
+            reserved_ -= requests[p.index].input.n_tokens;
+            hot_kv_result & r = results[p.index];
+            r = hot_kv_result{};
+            r.status  = SHARD_STATUS_COMPUTE_ERROR;
+            r.seq_len = p.s->seq_len;
+            r.seq_id  = p.s->seq_id;
+            r.detail  = e.what();
+        }
+        return results;
+    }
+    for (const planned & p : plan) {
+        const int64_t n = requests[p.index].input.n_tokens;
+        p.s->seq_len = p.start + (int32_t) n;
+        counters_.steps++;
+        counters_.tokens_computed += (uint64_t) n;
+        hot_kv_result & r = results[p.index];
+        r = hot_kv_result{};
+        r.seq_len = p.s->seq_len;
+        r.seq_id  = p.s->seq_id;
+    }
+    return results;
+}
+
+bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
+                                 std::vector<planned> & plan, size_t index, hot_kv_result & res) {
+    const std::string & sid = req.session_id;
+    const int64_t n = req.input.n_tokens;
+    auto budget_exceeded = [&](const std::string & why, const session * s) {
+        res = hot_kv_result{};
+        res.status = SHARD_STATUS_BUDGET_EXCEEDED;
+        res.detail = why;
+        if (s != nullptr) {
+            res.seq_len = s->seq_len;
+            res.seq_id  = s->seq_id;
+        }
+        return false;
+    };
+
+    session * s = identify_locked(sid, req.epoch, res);
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return false;
+    }
+    int32_t start = 0;
+    if (req.kind == HOT_KV_STEP_PREFILL) {
+        if (s == nullptr) {
+            if (req.position > 0) {
+                // nothing cached to continue from: the head must re-prefill from token zero
+                counters_.misses[res.miss]++;
+                return false;
+            }
+            // refuse before creating (and possibly evicting for the session cap) what cannot fit
+            if (n > config_.context_tokens || n > config_.budget_tokens) {
+                return budget_exceeded(str(n) + " tokens exceed context_tokens " + str(config_.context_tokens) +
+                                       " or budget_tokens " + str(config_.budget_tokens), nullptr);
+            }
+            if (free_ids_.empty() && !evict_lru_except_locked(participants)) {
+                return budget_exceeded("all " + str(config_.max_sessions) + " sessions take part in this step", nullptr);
+            }
+            s = &create_locked(sid, req.epoch, now);
+        }
+        start = req.position < 0 ? s->seq_len : req.position;
+        if (start > s->seq_len) {
+            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                              "start position " + str(start) + " is past the cached length " + str(s->seq_len));
+            return false;
+        }
+    } else {
+        if (s == nullptr) {
+            counters_.misses[res.miss]++;
+            return false;
+        }
+        if (req.position >= 0 && req.position != s->seq_len) {
+            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                              "expected past length " + str(req.position) + ", cached length is " + str(s->seq_len));
+            return false;
+        }
+        start = s->seq_len;
+    }
+
+    const int64_t new_len = (int64_t) start + n;
+    if (new_len > config_.context_tokens || new_len > config_.budget_tokens) {
+        return budget_exceeded("the session would hold " + str(new_len) + " tokens; context_tokens is " +
+                               str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens), s);
+    }
+    // tokens admitted earlier in this step are already reserved (reserved_ includes them)
+    while (reserved_ - s->seq_len + new_len > config_.budget_tokens) {
+        if (!evict_lru_except_locked(participants)) {
+            return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
+        }
+    }
+    if (start < s->seq_len) {
+        ctx_->seq_rm(s->seq_id, start);
+        reserved_ -= s->seq_len - start;
+        s->seq_len = start;
+    }
+    touch_locked(*s, now);
+    reserved_ += n;  // reserved now, held once computed, returned if the compute fails
+    plan.push_back({index, s, start});
+    res = hot_kv_result{};
+    return true;
 }
 
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {

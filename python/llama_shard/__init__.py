@@ -41,12 +41,14 @@ from .hot_kv import (
 )
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .models import embedded_model_path
+from .scheduler import StepScheduler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HotKvStateManager",
     "KvBoundaryAdapter",
+    "StepScheduler",
     "HotKvStateConfig",
     "ManualClock",
     "CacheMiss",

@@ -16,7 +16,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ._native import HotKvEngine, ShardModel
-from .errors import IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError, KvCacheMissError, StaleRouteEpochError
+from .errors import (
+    ComputeError,
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    KvCacheMissError,
+    StaleRouteEpochError,
+)
 from .hot_kv import (
     BoundaryBundle,
     CacheMiss,
@@ -70,6 +77,10 @@ class HotKvStateManager:
             raise StaleRouteEpochError(f"({sid!r}, {epoch}): {r.detail}", current_epoch=r.current_epoch)
         if r.status == "BUDGET_EXCEEDED":
             raise KvBudgetExceededError(f"({sid!r}, {epoch}): {r.detail}")
+        if r.status == "INVALID_INPUT":
+            raise InvalidInputError(r.detail)
+        if r.status == "COMPUTE_ERROR":
+            raise ComputeError(f"({sid!r}, {epoch}): {r.detail}")
         raise AssertionError(f"unknown engine status {r.status}")
 
     def check_recipe(self, recipe: KvCacheRecipe | None) -> None:
@@ -118,23 +129,18 @@ class HotKvStateManager:
         """Evicts every session idle longer than ttl_seconds now; returns how many."""
         return int(self.engine.sweep(self.clock()))
 
-    # --- steps (used by KvBoundaryAdapter) --------------------------------------------------------
+    # --- steps (used by KvBoundaryAdapter and StepScheduler) --------------------------------------
 
-    def prefill_step(self, session_id, route_epoch, start_pos, tokens, hidden):
-        check_key(session_id, route_epoch)
-        if start_pos is not None:
-            check_count("start_pos", start_pos)
-        r, out = self.engine.prefill(session_id, int(route_epoch), self.clock(),
-                                     -1 if start_pos is None else int(start_pos), tokens=tokens, hidden=hidden)
-        return r, out
+    def step_batch(self, requests: Sequence[tuple]) -> list[tuple]:
+        """One batched engine step. requests: (session_id, epoch, "prefill" | "decode", position,
+        tokens, hidden) with position = start_pos (prefill) or expected_seq_len (decode), -1 for
+        none; returns one (engine result, output or None) per request, each answered on its own."""
+        return self.engine.step(list(requests), self.clock())
 
-    def decode_step(self, session_id, route_epoch, expected_seq_len, tokens, hidden):
-        check_key(session_id, route_epoch)
-        if expected_seq_len is not None:
-            check_count("expected_seq_len", expected_seq_len)
-        r, out = self.engine.decode(session_id, int(route_epoch), self.clock(),
-                                    -1 if expected_seq_len is None else int(expected_seq_len), tokens=tokens, hidden=hidden)
-        return r, out
+    @property
+    def n_decode_calls(self) -> int:
+        """llama_decode calls the engine made (batched steps make fewer than tokens computed)."""
+        return int(self.engine.n_decode_calls)
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -169,13 +175,20 @@ class KvBoundaryAdapter:
     (n_tokens, n_embd) array). A non-tail shard returns a BoundaryBundle for the next shard, the tail
     a TailOutput with the last token's logits and its greedy token; a step that cannot be served
     from cache returns a CacheMiss.
+
+    With a `StepScheduler`, concurrent callers' steps are batched together (continuous batching) and
+    prefills are cut into the scheduler's prefill_chunk pieces; without one, every call is its own
+    engine step. `prefill_async` / `decode_async` await the same steps from asyncio.
     """
 
-    def __init__(self, model, manager: HotKvStateManager):
+    def __init__(self, model, manager: HotKvStateManager, scheduler=None):
         if manager.model is not model:
             raise InvalidInputError("the adapter's model must be the manager's model")
+        if scheduler is not None and scheduler.manager is not manager:
+            raise InvalidInputError("the scheduler must drive this adapter's manager")
         self.model = model
         self.manager = manager
+        self.scheduler = scheduler
 
     @staticmethod
     def _hidden(boundary) -> np.ndarray | None:
@@ -192,17 +205,101 @@ class KvBoundaryAdapter:
                               token_id=int(np.argmax(out)))
         return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=r.seq_len - out.shape[0], hidden=out)
 
+    # --- the requests a step is made of -----------------------------------------------------------
+
+    def _prefill_requests(self, session_id, route_epoch, token_ids, boundary, start_pos):
+        """The prefill as (request, n_rows) chunks: one without a scheduler, prefill_chunk-sized with one."""
+        check_key(session_id, route_epoch)
+        if start_pos is not None:
+            check_count("start_pos", start_pos)
+        hidden = self._hidden(boundary)
+        chunk = self.scheduler.prefill_chunk if self.scheduler is not None else None
+        data = token_ids if token_ids is not None else hidden
+        n = len(data) if data is not None and hasattr(data, "__len__") else 0
+        first = -1 if start_pos is None else int(start_pos)
+        if chunk is None or n <= chunk or (token_ids is not None and hidden is not None):
+            return [(session_id, int(route_epoch), "prefill", first, token_ids, hidden)]
+        pieces = []
+        for k in range(0, n, chunk):
+            part = data[k:k + chunk]
+            if hidden is not None:
+                part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
+            pos = first if k == 0 else -1
+            pieces.append((session_id, int(route_epoch), "prefill", pos,
+                           part if token_ids is not None else None, part if hidden is not None else None))
+        return pieces
+
+    def _decode_request(self, session_id, route_epoch, token_ids, boundary, expected_seq_len):
+        check_key(session_id, route_epoch)
+        if expected_seq_len is not None:
+            check_count("expected_seq_len", expected_seq_len)
+        return (session_id, int(route_epoch), "decode", -1 if expected_seq_len is None else int(expected_seq_len),
+                token_ids, self._hidden(boundary))
+
+    def _run(self, request):
+        if self.scheduler is None:
+            (r, out), = self.manager.step_batch([request])
+            return r, out
+        return self.scheduler.submit(*request).result()
+
+    def _combine(self, sid, epoch, answers):
+        """Maps chunk answers to one outcome; hidden rows of every chunk are concatenated."""
+        outs = []
+        for r, out in answers:
+            result = self._finish(sid, epoch, r, out)
+            if isinstance(result, CacheMiss):
+                return result
+            outs.append(result)
+        if len(outs) == 1 or self.model.info.is_tail:
+            return outs[-1]
+        return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=outs[0].start_pos,
+                              hidden=np.concatenate([o.hidden for o in outs]))
+
+    # --- public API -------------------------------------------------------------------------------
+
     def prefill(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
                 boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch)."""
         self.manager.check_recipe(recipe)
-        r, out = self.manager.prefill_step(session_id, route_epoch, start_pos, token_ids, self._hidden(boundary))
-        return self._finish(session_id, route_epoch, r, out)
+        answers = []
+        for req in self._prefill_requests(session_id, route_epoch, token_ids, boundary, start_pos):
+            answers.append(self._run(req))
+            if answers[-1][0].status != "OK":
+                break
+        return self._combine(session_id, route_epoch, answers)
 
     def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
                boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends decode token(s) at the cached length; expected_seq_len must match it when given."""
         self.manager.check_recipe(recipe)
-        r, out = self.manager.decode_step(session_id, route_epoch, expected_seq_len, token_ids, self._hidden(boundary))
+        r, out = self._run(self._decode_request(session_id, route_epoch, token_ids, boundary, expected_seq_len))
         return self._finish(session_id, route_epoch, r, out)
 
+    async def prefill_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
+                            start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
+        """`prefill` for asyncio callers: needs a scheduler; the event loop is never blocked."""
+        import asyncio
+
+        self._require_scheduler()
+        self.manager.check_recipe(recipe)
+        answers = []
+        for req in self._prefill_requests(session_id, route_epoch, token_ids, boundary, start_pos):
+            answers.append(await asyncio.wrap_future(self.scheduler.submit(*req)))
+            if answers[-1][0].status != "OK":
+                break
+        return self._combine(session_id, route_epoch, answers)
+
+    async def decode_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
+                           expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
+        """`decode` for asyncio callers: needs a scheduler; the event loop is never blocked."""
+        import asyncio
+
+        self._require_scheduler()
+        self.manager.check_recipe(recipe)
+        req = self._decode_request(session_id, route_epoch, token_ids, boundary, expected_seq_len)
+        r, out = await asyncio.wrap_future(self.scheduler.submit(*req))
+        return self._finish(session_id, route_epoch, r, out)
+
+    def _require_scheduler(self):
+        if self.scheduler is None:
+            raise InvalidInputError("the async API needs a StepScheduler (KvBoundaryAdapter(model, manager, scheduler))")

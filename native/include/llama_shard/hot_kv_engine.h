@@ -40,6 +40,23 @@ enum shard_status {
     SHARD_STATUS_CACHE_MISS,       // see the miss reason; the head re-prefills from token zero
     SHARD_STATUS_STALE_EPOCH,      // the request's epoch is older than the session's current one
     SHARD_STATUS_BUDGET_EXCEEDED,  // the step cannot fit even with every other session evicted
+    SHARD_STATUS_INVALID_INPUT,    // step() only: this request was invalid (single calls throw)
+    SHARD_STATUS_COMPUTE_ERROR,    // step() only: llama_decode failed; the step was rolled back
+};
+
+enum hot_kv_step_kind {
+    HOT_KV_STEP_PREFILL,
+    HOT_KV_STEP_DECODE,
+};
+
+// one session's part of a batched step
+struct hot_kv_request {
+    std::string      session_id;
+    int64_t          epoch    = 0;
+    hot_kv_step_kind kind     = HOT_KV_STEP_DECODE;
+    int32_t          position = -1;  // prefill: start position (-1: append); decode: expected past length (-1: unchecked)
+    shard_input      input;
+    float *          out      = nullptr;  // output_size(input.n_tokens) floats, written on OK
 };
 
 enum shard_miss_reason {
@@ -126,6 +143,16 @@ public:
     hot_kv_result decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                          float * out, double now);
 
+    // a batched step: every request is answered on its own (a miss, a stale epoch, an invalid or
+    // over-budget request does not spoil the others); the admitted ones are admitted in order,
+    // evicting LRU sessions that take no part in the step, and computed together in as few
+    // llama_decode calls as n_batch allows. A compute failure rolls back every position the step
+    // added and answers COMPUTE_ERROR to every admitted request. A session may appear once.
+    std::vector<hot_kv_result> step(const std::vector<hot_kv_request> & requests, double now);
+
+    // llama_decode calls made so far (batching makes this smaller than the steps answered)
+    uint64_t n_decode_calls() const { return ctx_->n_decode_calls(); }
+
     // drops positions >= length; length must be in [0, seq_len]
     hot_kv_result truncate(const std::string & sid, int64_t epoch, int32_t length, double now);
 
@@ -179,9 +206,20 @@ private:
     session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
     hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
 
-    // admission + compute for a step of `input` at `start` on live session `s`
-    hot_kv_result step_locked(const std::string & sid, session & s, int32_t start, const shard_input & input,
-                              float * out, double now);
+    // a request that passed identity and admission, waiting for compute
+    struct planned {
+        size_t    index;  // into the requests / results
+        session * s;
+        int32_t   start;
+    };
+
+    // identity + admission for one validated request; on success appends to `plan` (the session is
+    // truncated to its start and touched), otherwise returns the answer
+    bool admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
+                      std::vector<planned> & plan, size_t index, hot_kv_result & res);
+    bool evict_lru_except_locked(const std::vector<std::string> & keep);
+    std::vector<hot_kv_result> step_locked(const std::vector<hot_kv_request> & requests, double now);
+    hot_kv_result single_locked(const hot_kv_request & req, double now);
 
     const shard_model &            model_;
     hot_kv_config                  config_;

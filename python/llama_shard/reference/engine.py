@@ -17,6 +17,7 @@ from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
 
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = "OK", "CACHE_MISS", "STALE_EPOCH", "BUDGET_EXCEEDED"
+INVALID_INPUT, COMPUTE_ERROR = "INVALID_INPUT", "COMPUTE_ERROR"
 MISS_REASONS = ("UNKNOWN_SESSION", "EVICTED_TTL", "EVICTED_LRU", "RELEASED", "SUPERSEDED_EPOCH", "SEQ_LEN_MISMATCH")
 
 
@@ -29,6 +30,18 @@ class StepResult:
     current_epoch: int = -1
     changed: bool = False
     detail: str = ""
+
+
+@dataclasses.dataclass
+class StepRequest:
+    """One session's part of a batched step (the native hot_kv_request)."""
+
+    session_id: str
+    epoch: int
+    kind: str  # "prefill" | "decode"
+    position: int = -1  # prefill: start position (-1: append); decode: expected past length (-1: unchecked)
+    tokens: object = None
+    hidden: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -71,6 +84,7 @@ class ReferenceHotKvEngine:
         self._recent_order: collections.deque[tuple[str, int]] = collections.deque()
         self._stamp = 0
         self._clock = float("-inf")  # latest `now` seen: engine time never goes back
+        self.n_decode_calls = 0
         self._counters = collections.Counter()
         self._misses = collections.Counter()
 
@@ -78,6 +92,8 @@ class ReferenceHotKvEngine:
 
     @staticmethod
     def _validate_key(sid: str, epoch: int) -> None:
+        if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise InvalidInputError("a request's key is (str session id, int epoch)")
         if not sid or len(sid.encode("utf-8", "surrogatepass")) > 256:
             raise InvalidInputError("session id must be 1 to 256 bytes")
         if epoch < 0:
@@ -143,8 +159,11 @@ class ReferenceHotKvEngine:
             self._counters[key] += 1
 
     def _evict_lru(self, keep: str) -> bool:
+        return self._evict_lru_except([keep])
+
+    def _evict_lru_except(self, keep: list[str]) -> bool:
         for sid in self._live:
-            if sid != keep:
+            if sid not in keep:
                 self._drop(sid, "EVICTED_LRU")
                 return True
         return False
@@ -218,60 +237,95 @@ class ReferenceHotKvEngine:
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
 
     def prefill(self, session_id: str, epoch: int, now: float, start_pos: int = -1, tokens=None, hidden=None):
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
-        toks, hid, n = self._validate_input(tokens, hidden)
-        self._sweep(now)
-        s, res = self._identify(session_id, epoch)
-        if res.status == STALE_EPOCH:
-            return res, None
-        if s is None:
-            if start_pos > 0:
-                self._misses[res.miss] += 1
-                return res, None
-            if n > self.context_tokens or n > self.budget_tokens:
-                return StepResult(status=BUDGET_EXCEEDED, detail=f"{n} tokens exceed context_tokens "
-                                  f"{self.context_tokens} or budget_tokens {self.budget_tokens}"), None
-            s = self._create(session_id, epoch, now)
-            start_pos = 0
-        start = s.seq_len if start_pos < 0 else start_pos
-        if start > s.seq_len:
-            return self._miss("SEQ_LEN_MISMATCH", f"start position {start} is past the cached length {s.seq_len}"), None
-        return self._step(session_id, s, start, toks, hid, n, now)
+        return self._single(StepRequest(session_id, epoch, "prefill", start_pos, tokens, hidden), now)
 
     def decode(self, session_id: str, epoch: int, now: float, expected_seq_len: int = -1, tokens=None, hidden=None):
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
-        toks, hid, n = self._validate_input(tokens, hidden)
-        self._sweep(now)
-        s, res = self._identify(session_id, epoch)
-        if s is None:
-            if res.status == CACHE_MISS:
-                self._misses[res.miss] += 1
-            return res, None
-        if expected_seq_len >= 0 and expected_seq_len != s.seq_len:
-            return self._miss("SEQ_LEN_MISMATCH",
-                              f"expected past length {expected_seq_len}, cached length is {s.seq_len}"), None
-        return self._step(session_id, s, s.seq_len, toks, hid, n, now)
+        return self._single(StepRequest(session_id, epoch, "decode", expected_seq_len, tokens, hidden), now)
 
-    def _step(self, sid: str, s: _Session, start: int, toks, hid, n: int, now: float):
+    def _single(self, req: "StepRequest", now: float):
+        self._validate_key(req.session_id, req.epoch)
+        self._validate_input(req.tokens, req.hidden)
+        (res, out), = self.step([req], now)
+        if res.status == INVALID_INPUT:
+            raise InvalidInputError(res.detail)
+        return res, out
+
+    def step(self, requests: list["StepRequest"], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
+        """A batched step with the native engine's rules (see hot_kv_engine.h, step())."""
+        requests = [r if isinstance(r, StepRequest) else StepRequest(*r) for r in requests]
+        now = self._tick(now)
+        results: list[StepResult | None] = [None] * len(requests)
+        inputs: list = [None] * len(requests)
+        participants: list[str] = []
+        for i, req in enumerate(requests):
+            try:
+                self._validate_key(req.session_id, req.epoch)
+                inputs[i] = self._validate_input(req.tokens, req.hidden)
+                if req.session_id in participants:
+                    raise InvalidInputError(f"session '{req.session_id}' appears twice in one step")
+                participants.append(req.session_id)
+            except InvalidInputError as e:
+                results[i] = StepResult(status=INVALID_INPUT, detail=str(e))
+        self._sweep(now)
+        plan = []
+        for i, req in enumerate(requests):
+            if results[i] is None:
+                results[i] = self._admit(req, inputs[i][2], participants, now, plan, i)
+        outs: list[np.ndarray | None] = [None] * len(requests)
+        if plan:
+            self.n_decode_calls += 1  # what one native step costs at least
+        for i, s, start in plan:  # the reference computes one session at a time
+            toks, hid, n = inputs[i]
+            outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid)
+            self._counters["steps"] += 1
+            self._counters["tokens_computed"] += n
+            results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+        return list(zip(results, outs))
+
+    def _admit(self, req: "StepRequest", n: int, participants: list[str], now: float, plan: list, index: int):
+        sid = req.session_id
+        s, res = self._identify(sid, req.epoch)
+        if res.status == STALE_EPOCH:
+            return res
+        if req.kind == "prefill":
+            if s is None:
+                if req.position > 0:
+                    self._misses[res.miss] += 1
+                    return res
+                if n > self.context_tokens or n > self.budget_tokens:
+                    return StepResult(status=BUDGET_EXCEEDED, detail=f"{n} tokens exceed context_tokens "
+                                      f"{self.context_tokens} or budget_tokens {self.budget_tokens}")
+                if not self._free_ids and not self._evict_lru_except(participants):
+                    return StepResult(status=BUDGET_EXCEEDED,
+                                      detail=f"all {self.max_sessions} sessions take part in this step")
+                s = self._create(sid, req.epoch, now)
+            start = s.seq_len if req.position < 0 else req.position
+            if start > s.seq_len:
+                return self._miss("SEQ_LEN_MISMATCH", f"start position {start} is past the cached length {s.seq_len}")
+        else:
+            if s is None:
+                self._misses[res.miss] += 1
+                return res
+            if req.position >= 0 and req.position != s.seq_len:
+                return self._miss("SEQ_LEN_MISMATCH",
+                                  f"expected past length {req.position}, cached length is {s.seq_len}")
+            start = s.seq_len
         new_len = start + n
         if new_len > self.context_tokens or new_len > self.budget_tokens:
             return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
                               detail=f"the session would hold {new_len} tokens; context_tokens is "
-                                     f"{self.context_tokens} and budget_tokens {self.budget_tokens}"), None
+                                     f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
         while self._reserved - s.seq_len + new_len > self.budget_tokens:
-            evicted = self._evict_lru(sid)
-            assert evicted
+            if not self._evict_lru_except(participants):
+                return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
+                                  detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
         if start < s.seq_len:
             self._reserved -= s.seq_len - start
             s.kv.truncate(start)
         self._touch(sid, s, now)
-        out = self.shard.forward(s.kv, tokens=toks, hidden=hid)
         self._reserved += n
-        self._counters["steps"] += 1
-        self._counters["tokens_computed"] += n
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id), out
+        plan.append((index, s, start))
+        return None
 
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
         self._validate_key(session_id, epoch)

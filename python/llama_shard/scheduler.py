@@ -1,0 +1,116 @@
+"""Continuous batching: concurrent callers' steps coalesced into batched engine steps.
+
+Callers (threads, or asyncio tasks through `KvBoundaryAdapter.*_async`) submit one step each and
+wait on a future; a single worker thread takes what has arrived, waits at most `window_s` after the
+oldest pending request for others to join, and runs one `HotKvStateManager.step_batch` with at most
+one request per session and at most `max_batch_tokens` tokens. The engine packs the step into as
+few llama_decode calls as its n_batch allows. Long prefills are cut into `prefill_chunk`-token
+pieces by the adapter, so a long prompt does not stall the decoders sharing the worker.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future
+
+from .errors import InvalidInputError
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: tuple          # (session_id, epoch, kind, position, tokens, hidden)
+    n_tokens: int
+    future: Future
+    arrived: float
+
+
+class StepScheduler:
+    """Coalesces concurrent steps of different sessions into batched engine steps."""
+
+    def __init__(self, manager, *, window_s: float = 0.002, max_batch_tokens: int | None = None,
+                 prefill_chunk: int = 64):
+        if window_s < 0 or prefill_chunk < 1:
+            raise InvalidInputError("window_s must be >= 0 and prefill_chunk >= 1")
+        self.manager = manager
+        self.window_s = float(window_s)
+        self.max_batch_tokens = int(max_batch_tokens or manager.engine.n_batch)
+        self.prefill_chunk = int(min(prefill_chunk, self.max_batch_tokens))
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0            # batched steps run
+        self.requests = 0         # requests answered
+
+    # --- submission ------------------------------------------------------------------------------
+
+    def submit(self, session_id, epoch, kind: str, position: int, tokens=None, hidden=None) -> Future:
+        n = len(tokens) if tokens is not None else (int(hidden.shape[0]) if hasattr(hidden, "shape") and hidden.ndim == 2 else 1)
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="llama-shard-scheduler", daemon=True)
+                self._thread.start()
+            self._pending.append(_Pending((session_id, epoch, kind, position, tokens, hidden), max(n, 1), fut,
+                                          time.monotonic()))
+            self._cv.notify()
+        return fut
+
+    def close(self) -> None:
+        """Finishes what was submitted, then stops the worker."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the worker ------------------------------------------------------------------------------
+
+    def _take(self) -> list[_Pending] | None:
+        with self._cv:
+            while not self._pending and not self._closed:
+                self._cv.wait()
+            if not self._pending:
+                return None
+            deadline = self._pending[0].arrived + self.window_s
+            while not self._closed:
+                sessions = {p.request[0] for p in self._pending}
+                tokens = sum(p.n_tokens for p in self._pending)
+                remaining = deadline - time.monotonic()
+                # everyone who can share a step is here, or the window is over
+                if remaining <= 0 or tokens >= self.max_batch_tokens or len(sessions) >= self.manager.config.max_sessions:
+                    break
+                self._cv.wait(remaining)
+            batch, seen, tokens, keep = [], set(), 0, collections.deque()
+            while self._pending:
+                p = self._pending.popleft()
+                sid = p.request[0]
+                fits = not batch or tokens + p.n_tokens <= self.max_batch_tokens
+                if sid in seen or not fits:
+                    keep.append(p)  # one request per session per step; the rest waits its turn
+                    continue
+                seen.add(sid)
+                tokens += p.n_tokens
+                batch.append(p)
+            self._pending = keep
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                answers = self.manager.step_batch([p.request for p in batch])
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+                for p in batch:
+                    p.future.set_exception(e)
+                continue
+            self.steps += 1
+            self.requests += len(batch)
+            for p, answer in zip(batch, answers):
+                p.future.set_result(answer)
