@@ -295,9 +295,14 @@ class ReferenceHotKvEngine:
                 if n > self.context_tokens or n > self.budget_tokens:
                     return StepResult(status=BUDGET_EXCEEDED, detail=f"{n} tokens exceed context_tokens "
                                       f"{self.context_tokens} or budget_tokens {self.budget_tokens}")
-                if not self._free_ids and not self._evict_lru_except(participants):
+                # decide before changing anything: a refused request creates and evicts nothing
+                others = [o for k, o in self._live.items() if k not in participants]
+                if not self._free_ids and not others:
                     return StepResult(status=BUDGET_EXCEEDED,
                                       detail=f"all {self.max_sessions} sessions take part in this step")
+                if self._reserved + n - sum(o.seq_len for o in others) > self.budget_tokens:
+                    return StepResult(status=BUDGET_EXCEEDED,
+                                      detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
                 s = self._create(sid, req.epoch, now)
             start = s.seq_len if req.position < 0 else req.position
             if start > s.seq_len:
@@ -315,10 +320,13 @@ class ReferenceHotKvEngine:
             return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
                               detail=f"the session would hold {new_len} tokens; context_tokens is "
                                      f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
+        evictable = sum(o.seq_len for k, o in self._live.items() if k not in participants)
+        if self._reserved - s.seq_len + new_len - evictable > self.budget_tokens:
+            return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
+                              detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
         while self._reserved - s.seq_len + new_len > self.budget_tokens:
-            if not self._evict_lru_except(participants):
-                return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
-                                  detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
+            evicted = self._evict_lru_except(participants)
+            assert evicted
         if start < s.seq_len:
             self._reserved -= s.seq_len - start
             s.kv.truncate(start)
