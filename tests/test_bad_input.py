@@ -136,3 +136,21 @@ else:
     res = run_isolated(code)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr[-2000:]}"
     assert f"RAISED {exc}" in res.stdout
+
+
+def test_more_sequences_than_n_batch_does_not_abort(synthetic_model):
+    """llama.cpp asserts when n_seq_max outputs exceed n_outputs_max (n_batch by default)."""
+    res = run_isolated(f"""
+import llama_shard as ls
+m = ls.ShardModel({str(synthetic_model)!r}, (0, 2), 1)
+c = ls.ShardContext(m, n_ctx=512, n_seq_max=40, n_batch=4)
+for s in range(40):
+    assert c.forward(s, 0, tokens=[s + 1]).shape == (1, 64)
+mgr = ls.HotKvStateManager(m, ls.HotKvStateConfig(max_sessions=64, context_tokens=8, budget_tokens=512), ls.ManualClock(), n_batch=2)
+ad = ls.KvBoundaryAdapter(m, mgr)
+for s in range(64):
+    ad.prefill(f"s{{s}}", 0, token_ids=[1, 2])
+mgr.check_invariants()
+print("OK")
+""")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]

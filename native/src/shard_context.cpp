@@ -2,6 +2,7 @@
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -37,6 +38,9 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     cparams.n_batch         = (uint32_t) params.n_batch;
     cparams.n_ubatch        = (uint32_t) params.n_batch;
     cparams.n_seq_max       = (uint32_t) params.n_seq_max;
+    // llama.cpp reserves outputs for max(n_outputs, n_seq_max) and asserts that fits n_outputs_max
+    // (default n_batch): more sequences than n_batch would abort at the first decode
+    cparams.n_outputs_max   = (uint32_t) std::max(params.n_batch, params.n_seq_max);
     cparams.n_threads       = params.n_threads > 0 ? params.n_threads : model.n_threads();
     cparams.n_threads_batch = cparams.n_threads;
     cparams.kv_unified      = params.kv_unified;

@@ -1,0 +1,306 @@
+"""Side-by-side benchmark against stock llama.cpp from the same pin, in one run.
+
+    python -m llama_shard.bench [--model PATH] [--threads 2] [--no-stock] [--json OUT]
+
+Stock `llama-bench` and `llama-batched-bench` are built from the same pinned source (the patches
+are gated: without a shard range they behave as upstream) by the opt-in CMake option
+LLAMA_SHARD_BUILD_STOCK_BENCH in build/stock-bench, or found through LLAMA_SHARD_STOCK_BIN_DIR.
+Every figure is measured in this run on the same model, threads and shapes, and reported with its
+ratio to the peer (see ../shared/design/BENCHMARKS.md). The default model is the embedded SmolLM2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._native import ShardModel
+from .hot_kv import HotKvStateConfig, ManualClock
+from .manager import HotKvStateManager
+from .models import gguf_layer_count, require_embedded_model
+
+REPO = Path(__file__).resolve().parents[2]
+STOCK_TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+@dataclasses.dataclass
+class Row:
+    metric: str
+    ours: float | None
+    peer: float | None
+    unit: str
+    target: str = ""
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or self.peer in (None, 0):
+            return None
+        return self.ours / self.peer
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the peer: stock llama.cpp tools from the same pin
+# ---------------------------------------------------------------------------------------------
+
+def find_stock_tools(build: bool = True) -> dict[str, Path] | None:
+    candidates = []
+    if os.environ.get("LLAMA_SHARD_STOCK_BIN_DIR"):
+        candidates.append(Path(os.environ["LLAMA_SHARD_STOCK_BIN_DIR"]))
+    candidates += [REPO / "build" / "stock-bench" / "bin"]
+    for d in candidates:
+        found = {t: d / t for t in STOCK_TOOLS}
+        if all(p.is_file() for p in found.values()):
+            return found
+    if not build or not (REPO / "CMakeLists.txt").is_file():
+        return None
+    build_dir = REPO / "build" / "stock-bench"
+    _log(f"building stock {', '.join(STOCK_TOOLS)} from the pinned llama.cpp in {build_dir} (a few minutes)")
+    cmake = shutil.which("cmake") or "cmake"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
+                    "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DPython_EXECUTABLE={sys.executable}"], check=True,
+                   stdout=sys.stderr)
+    subprocess.run([cmake, "--build", str(build_dir), "--target", *STOCK_TOOLS, "-j", str(os.cpu_count() or 2)],
+                   check=True, stdout=sys.stderr)
+    found = {t: build_dir / "bin" / t for t in STOCK_TOOLS}
+    return found if all(p.is_file() for p in found.values()) else None
+
+
+def stock_llama_bench(tool: Path, model: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
+    out = subprocess.run([str(tool), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+                          "-r", str(reps), "-o", "json"], capture_output=True, text=True, check=True).stdout
+    res = {}
+    for entry in json.loads(out):
+        key = "pp" if entry["n_prompt"] > 0 else "tg"
+        res[key] = float(entry["avg_ts"])
+    return res
+
+
+def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
+    out = subprocess.run([str(tool), "-m", str(model), "-t", str(threads), "-c", "4096", "-b", "512", "-ub", "512",
+                          "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)),
+                          "--output-format", "jsonl"], capture_output=True, text=True, check=True)
+    res = {}
+    for line in (out.stdout + "\n" + out.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and "speed_tg" in line:
+            d = json.loads(line)
+            res[int(d["pl"])] = {"pp": float(d["speed_pp"]), "tg": float(d["speed_tg"])}
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-shard, same shapes
+# ---------------------------------------------------------------------------------------------
+
+def _manager(model: ShardModel, sessions: int, context: int, threads: int, n_batch: int = 512) -> HotKvStateManager:
+    cfg = HotKvStateConfig(max_sessions=sessions, context_tokens=context, budget_tokens=sessions * context, ttl_seconds=0)
+    return HotKvStateManager(model, cfg, ManualClock(), n_batch=n_batch, n_threads=threads)
+
+
+def ours_prefill_and_tg(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, vocab: int) -> dict:
+    """llama-bench's shapes: a fresh n_prompt-token prompt; n_gen single-token decodes from empty."""
+    model = ShardModel(str(path), None, threads)
+    mgr = _manager(model, 1, max(n_prompt, n_gen) + 8, threads)
+    rng = np.random.default_rng(0)
+    pp_times, tg_times = [], []
+    for r in range(reps + 1):  # the first round warms up, as llama-bench does
+        prompt = rng.integers(0, vocab, n_prompt).tolist()
+        t0 = time.perf_counter()
+        mgr.step_batch([("pp", 0, "prefill", 0, prompt, None)])
+        t1 = time.perf_counter()
+        mgr.release("pp", 0)
+        tok = int(rng.integers(0, vocab))
+        t2 = time.perf_counter()
+        mgr.step_batch([("tg", 0, "prefill", 0, [tok], None)])
+        for _ in range(n_gen - 1):
+            mgr.step_batch([("tg", 0, "decode", -1, [tok], None)])
+        t3 = time.perf_counter()
+        mgr.release("tg", 0)
+        if r:
+            pp_times.append(t1 - t0)
+            tg_times.append(t3 - t2)
+    return {"pp": n_prompt / float(np.mean(pp_times)), "tg": n_gen / float(np.mean(tg_times))}
+
+
+def ours_batched(path: Path, threads: int, npp: int, ntg: int, npl: list[int], vocab: int) -> dict[int, dict]:
+    """llama-batched-bench's shapes: npl separate prompts of npp tokens, then ntg steps of npl tokens."""
+    model = ShardModel(str(path), None, threads)
+    res = {}
+    rng = np.random.default_rng(1)
+    for pl in npl:
+        mgr = _manager(model, pl, npp + ntg, threads)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(pl)]
+        t0 = time.perf_counter()
+        mgr.step_batch([(f"s{j}", 0, "prefill", 0, prompts[j], None) for j in range(pl)])
+        t1 = time.perf_counter()
+        for _ in range(ntg):
+            mgr.step_batch([(f"s{j}", 0, "decode", -1, [int(rng.integers(0, vocab))], None) for j in range(pl)])
+        t2 = time.perf_counter()
+        res[pl] = {"pp": pl * npp / (t1 - t0), "tg": pl * ntg / (t2 - t1)}
+        del mgr
+    return res
+
+
+def ours_pipeline(path: Path, threads: int, split: list[tuple[int, int]], npp: int, ntg: int, vocab: int) -> float:
+    """Decode tokens/s of one session through in-process shards, one after the other."""
+    shards = [ShardModel(str(path), r, threads) for r in split] if split else [ShardModel(str(path), None, threads)]
+    mgrs = [_manager(m, 1, npp + ntg + 8, threads) for m in shards]
+    rng = np.random.default_rng(2)
+
+    def step(kind, tokens):
+        (r, out), = mgrs[0].step_batch([("p", 0, kind, -1, tokens, None)])
+        for m in mgrs[1:]:
+            (r, out), = m.step_batch([("p", 0, kind, -1, None, out)])
+        return out
+
+    step("prefill", rng.integers(0, vocab, npp).tolist())
+    t0 = time.perf_counter()
+    for _ in range(ntg):
+        step("decode", [int(rng.integers(0, vocab))])
+    return ntg / (time.perf_counter() - t0)
+
+
+_RSS_PROBE = """
+import json, sys
+import llama_shard as ls
+def rss():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) * 1024
+layers = json.loads(sys.argv[2])
+r0 = rss()
+m = ls.ShardModel(sys.argv[1], tuple(layers) if layers else None, 1)
+print(json.dumps({"rss": rss() - r0, "weights": m.info.weight_bytes, "kv": m.info.kv_bytes_per_token}))
+"""
+
+
+def ours_memory(path: Path, layers) -> dict:
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path), json.dumps(layers)], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: int, cycles: int = 200) -> dict[int, float]:
+    """Microseconds per open + 1-token prefill + release with `n` other sessions live (one-layer head shard)."""
+    model = ShardModel(str(path), (0, 0), threads)
+    res = {}
+    for n in live_counts:
+        mgr = _manager(model, n + 1, 16, threads, n_batch=16)
+        for i in range(n):
+            mgr.step_batch([(f"live-{i}", 0, "prefill", 0, [i % vocab], None)])
+        t0 = time.perf_counter()
+        for c in range(cycles):
+            sid = f"cycle-{c}"
+            mgr.open(sid, 0)
+            mgr.step_batch([(sid, 0, "prefill", 0, [c % vocab], None)])
+            mgr.release(sid, 0)
+        res[n] = (time.perf_counter() - t0) / cycles * 1e6
+        mgr.check_invariants()
+        del mgr
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+
+def run(path: Path, threads: int, stock: dict | None, quick: bool) -> list[Row]:
+    n_layer = gguf_layer_count(path)
+    vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
+    npp, ntg, reps = (16, 8, 1) if quick else (128, 64, 3)
+    npl = [1, 4] if quick else [1, 4, 8, 16]
+    live = [10, 50] if quick else [10, 100, 250]
+    rows: list[Row] = []
+
+    _log("llama-shard: prefill and single-session decode")
+    ours = ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab)
+    peer = stock_llama_bench(stock["llama-bench"], path, threads, npp, ntg, reps) if stock else {}
+    rows.append(Row(f"prefill pp{npp} (llama-bench)", ours["pp"], peer.get("pp"), "tok/s", ">= 0.95"))
+    rows.append(Row(f"decode tg{ntg}, 1 session (llama-bench)", ours["tg"], peer.get("tg"), "tok/s", ">= 0.95"))
+
+    _log("llama-shard: concurrent sessions")
+    ours_b = ours_batched(path, threads, npp, ntg, npl, vocab)
+    peer_b = stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl) if stock else {}
+    for pl in npl:
+        rows.append(Row(f"aggregate decode, {pl} sessions (batched-bench)", ours_b[pl]["tg"],
+                        peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95" if pl in (1, 4, 8) else ""))
+
+    _log("llama-shard: 2-shard in-process pipeline")
+    half = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)]
+    whole_tg = ours_pipeline(path, threads, [], npp, ntg, vocab)
+    split_tg = ours_pipeline(path, threads, half, npp, ntg, vocab)
+    rows.append(Row(f"decode through 2 shards {half[0][0]}-{half[0][1]},{half[1][0]}-{half[1][1]} vs whole",
+                    split_tg, whole_tg, "tok/s", ">= 0.90", "peer: the whole model in llama-shard"))
+
+    _log("memory")
+    whole_m = ours_memory(path, None)
+    for r in half:
+        m = ours_memory(path, list(r))
+        rows.append(Row(f"resident memory of shard {r[0]}-{r[1]} vs whole", m["rss"] / 2**20, whole_m["rss"] / 2**20,
+                        "MiB", "<= 0.60", f"weights {m['weights'] / 2**20:.1f} of {whole_m['weights'] / 2**20:.1f} MiB"))
+        rows.append(Row(f"KV bytes/token of shard {r[0]}-{r[1]} vs whole", m["kv"], whole_m["kv"], "B", "",
+                        "owned layers only"))
+
+    _log("session operations")
+    ops = ours_session_ops(path, threads, live, vocab)
+    base = ops[live[0]]
+    for n in live:
+        rows.append(Row(f"open+prefill(1)+release with {n} live sessions", ops[n], base, "us", "<= 2.0",
+                        f"peer: the same with {live[0]} live"))
+    return rows
+
+
+def format_table(rows: list[Row], header: str) -> str:
+    lines = [header, "",
+             "| metric | llama-shard | peer | ratio | target |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        ours = "n/a" if r.ours is None else f"{r.ours:,.1f} {r.unit}"
+        peer = "n/a" if r.peer is None else f"{r.peer:,.1f} {r.unit}"
+        ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
+        target = r.target + (f" ({r.note})" if r.note else "")
+        lines.append(f"| {r.metric} | {ours} | {peer} | {ratio} | {target} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llama_shard.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-stock", action="store_true", help="skip stock llama.cpp (ratios n/a)")
+    ap.add_argument("--no-build", action="store_true", help="use stock tools only if already built")
+    ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    path = Path(args.model) if args.model else require_embedded_model()
+    stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
+    if stock is None and not args.no_stock:
+        _log("stock llama.cpp tools not available: peer columns are n/a")
+    rows = run(path, args.threads, stock, args.quick)
+    cmd = "python -m llama_shard.bench" + (f" --model {args.model}" if args.model else "") + f" --threads {args.threads}"
+    header = (f"{path.name}, {args.threads} threads, {os.cpu_count()} CPUs; peer: stock llama.cpp "
+              f"(pinned llama-cpp-python 0.3.36 = upstream 0c1e57098) unless noted; command: `{cmd}`")
+    print(format_table(rows, header))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
