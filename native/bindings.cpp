@@ -221,6 +221,30 @@ PYBIND11_MODULE(_native, m) {
                  return out;
              },
              py::arg("seq_id"), py::arg("pos"), py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
+        .def("forward_batch", [](shard_context & self, const py::list & items) {
+                 // items: (seq_id, pos, tokens, hidden) tuples of distinct sequences; one output each
+                 const shard_model_info & info = self.model().info();
+                 std::vector<py_input> inputs(items.size());
+                 std::vector<shard_context::batch_item> batch;
+                 py::list outs;
+                 for (size_t i = 0; i < items.size(); ++i) {
+                     py::tuple t = py::cast<py::tuple>(items[i]);
+                     if (t.size() != 4) {
+                         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "an item is (seq_id, pos, tokens, hidden)");
+                     }
+                     parse_input(inputs[i], info, t[2], t[3]);
+                     self.validate_input(inputs[i].input);
+                     py::array_t<float> out = output_array(info, inputs[i].input.n_tokens);
+                     batch.push_back({py::cast<int32_t>(t[0]), py::cast<int32_t>(t[1]), inputs[i].input, out.mutable_data()});
+                     outs.append(out);
+                 }
+                 {
+                     py::gil_scoped_release release;
+                     self.forward_batch(batch);
+                 }
+                 return outs;
+             }, py::arg("items"))
+        .def_property_readonly("n_decode_calls", &shard_context::n_decode_calls)
         .def("seq_rm", [](shard_context & self, int32_t seq_id, int32_t p0) {
                  py::gil_scoped_release release;
                  return self.seq_rm(seq_id, p0);

@@ -175,6 +175,32 @@ def ours_pipeline(path: Path, threads: int, split: list[tuple[int, int]], npp: i
     return ntg / (time.perf_counter() - t0)
 
 
+def kv_layout_comparison(path: Path, threads: int, lengths: list[int], ntg: int, vocab: int) -> dict[bool, float]:
+    """Aggregate decode tokens/s of sessions with different cached lengths, one llama_decode per step,
+    in one pool of cells shared by all sequences (kv_unified) vs one stream per sequence."""
+    from ._native import ShardContext
+
+    model = ShardModel(str(path), None, threads)
+    rng = np.random.default_rng(4)
+    res = {}
+    for unified in (True, False):
+        n = len(lengths)
+        per_seq = max(lengths) + ntg + 8
+        n_ctx = (sum(lengths) + n * (ntg + 8)) if unified else per_seq * n
+        n_batch = min(512, n_ctx)
+        ctx = ShardContext(model, n_ctx=n_ctx, n_seq_max=n, n_batch=n_batch, n_threads=threads, kv_unified=unified)
+        for s, length in enumerate(lengths):
+            for start in range(0, length, n_batch):
+                chunk = rng.integers(0, vocab, min(n_batch, length - start)).tolist()
+                ctx.forward(s, start, tokens=chunk)
+        t0 = time.perf_counter()
+        for i in range(ntg):
+            ctx.forward_batch([(s, lengths[s] + i, [int(rng.integers(0, vocab))], None) for s in range(n)])
+        res[unified] = n * ntg / (time.perf_counter() - t0)
+        del ctx
+    return res
+
+
 _RSS_PROBE = """
 import json, sys
 import llama_shard as ls
@@ -238,7 +264,7 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool) -> list[Row]:
     ours_b = ours_batched(path, threads, npp, ntg, npl, vocab)
     peer_b = stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl) if stock else {}
     for pl in npl:
-        rows.append(Row(f"aggregate decode, {pl} sessions (batched-bench)", ours_b[pl]["tg"],
+        rows.append(Row(f"aggregate decode, {pl} session{'s' if pl > 1 else ''} (batched-bench)", ours_b[pl]["tg"],
                         peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95" if pl in (1, 4, 8) else ""))
 
     _log("llama-shard: 2-shard in-process pipeline")
@@ -256,6 +282,12 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool) -> list[Row]:
                         "MiB", "<= 0.60", f"weights {m['weights'] / 2**20:.1f} of {whole_m['weights'] / 2**20:.1f} MiB"))
         rows.append(Row(f"KV bytes/token of shard {r[0]}-{r[1]} vs whole", m["kv"], whole_m["kv"], "B", "",
                         "owned layers only"))
+
+    _log("KV layout: one shared pool vs one stream per session")
+    lengths = [16, 32, 48, 64] if quick else [64, 128, 256, 384, 512, 768, 1024, 1536]
+    layout = kv_layout_comparison(path, threads, lengths, ntg, vocab)
+    rows.append(Row(f"decode, {len(lengths)} sessions of {lengths[0]}-{lengths[-1]} cached tokens: per-session streams vs shared pool",
+                    layout[False], layout[True], "tok/s", "choice", "peer: kv_unified=true in llama-shard"))
 
     _log("session operations")
     ops = ours_session_ops(path, threads, live, vocab)
