@@ -171,6 +171,9 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_threads", &shard_model::n_threads)
         .def_property_readonly("token_eos", &shard_model::token_eos)
         .def_property_readonly("chat_template", &shard_model::chat_template)
+        .def("apply_chat_template", [](const shard_model & self, const std::vector<std::pair<std::string, std::string>> & messages,
+                                       bool add_assistant) { return self.apply_chat_template(messages, add_assistant); },
+             py::arg("messages"), py::arg("add_assistant") = true)
         .def("tokenize", [](const shard_model & self, const std::string & text) {
                  py::gil_scoped_release release;
                  return self.tokenize(text);

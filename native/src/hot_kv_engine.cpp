@@ -414,20 +414,23 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
                 return budget_exceeded(str(n) + " tokens exceed context_tokens " + str(config_.context_tokens) +
                                        " or budget_tokens " + str(config_.budget_tokens), nullptr);
             }
-            // decide before changing anything: a refused request creates and evicts nothing
-            int64_t evictable = 0;
-            int32_t n_evictable = 0;
-            for (const auto & [other, o] : live_) {
-                if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
-                    evictable += o.seq_len;
-                    ++n_evictable;
+            // decide before changing anything: a refused request creates and evicts nothing (the
+            // scan of evictable sessions runs only when something has to be evicted)
+            if (free_ids_.empty() || reserved_ + n > config_.budget_tokens) {
+                int64_t evictable = 0;
+                int32_t n_evictable = 0;
+                for (const auto & [other, o] : live_) {
+                    if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
+                        evictable += o.seq_len;
+                        ++n_evictable;
+                    }
                 }
-            }
-            if (free_ids_.empty() && n_evictable == 0) {
-                return budget_exceeded("all " + str(config_.max_sessions) + " sessions take part in this step", nullptr);
-            }
-            if (reserved_ + n - evictable > config_.budget_tokens) {
-                return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), nullptr);
+                if (free_ids_.empty() && n_evictable == 0) {
+                    return budget_exceeded("all " + str(config_.max_sessions) + " sessions take part in this step", nullptr);
+                }
+                if (reserved_ + n - evictable > config_.budget_tokens) {
+                    return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), nullptr);
+                }
             }
             s = &create_locked(sid, req.epoch, now);
         }
@@ -457,14 +460,16 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
     }
     // tokens admitted earlier in this step are already reserved (reserved_ includes them); decide
     // whether evicting every session outside the step would be enough before evicting any
-    int64_t evictable = 0;
-    for (const auto & [other, o] : live_) {
-        if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
-            evictable += o.seq_len;
+    if (reserved_ - s->seq_len + new_len > config_.budget_tokens) {
+        int64_t evictable = 0;
+        for (const auto & [other, o] : live_) {
+            if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
+                evictable += o.seq_len;
+            }
         }
-    }
-    if (reserved_ - s->seq_len + new_len - evictable > config_.budget_tokens) {
-        return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
+        if (reserved_ - s->seq_len + new_len - evictable > config_.budget_tokens) {
+            return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
+        }
     }
     while (reserved_ - s->seq_len + new_len > config_.budget_tokens) {
         const bool evicted = evict_lru_except_locked(participants);

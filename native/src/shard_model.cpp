@@ -245,6 +245,31 @@ std::string shard_model::chat_template() const {
     return tmpl ? std::string(tmpl) : std::string();
 }
 
+std::string shard_model::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                             bool add_assistant) const {
+    const char * tmpl = llama_model_chat_template(model_, nullptr);
+    if (tmpl == nullptr) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "this model has no chat template");
+    }
+    std::vector<llama_chat_message> chat;
+    size_t total = 0;
+    for (const auto & [role, content] : messages) {
+        chat.push_back({role.c_str(), content.c_str()});
+        total += role.size() + content.size();
+    }
+    std::string out(2 * total + 256, '\0');
+    int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+    if (n > (int32_t) out.size()) {
+        out.resize((size_t) n);
+        n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+    }
+    if (n < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "llama.cpp does not support this model's chat template");
+    }
+    out.resize((size_t) n);
+    return out;
+}
+
 int32_t shard_model::token_eos() const {
     return llama_vocab_eos(vocab_);
 }

@@ -246,7 +246,7 @@ def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: in
 # the table
 # ---------------------------------------------------------------------------------------------
 
-def run(path: Path, threads: int, stock: dict | None, quick: bool) -> list[Row]:
+def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int = 2) -> list[Row]:
     n_layer = gguf_layer_count(path)
     vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
     npp, ntg, reps = (16, 8, 1) if quick else (128, 64, 3)
@@ -254,23 +254,40 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool) -> list[Row]:
     live = [10, 50] if quick else [10, 100, 250]
     rows: list[Row] = []
 
+    # the machine is shared and noisy: every pair is measured `repeat` times, alternating project
+    # and peer, and each side's best is kept
+    def best(runs: list[dict]) -> dict:
+        out: dict = {}
+        for r in runs:
+            for k, v in r.items():
+                out[k] = max(out.get(k, v), v) if not isinstance(v, dict) else best([out.get(k, {}), v])
+        return out
+
     _log("llama-shard: prefill and single-session decode")
-    ours = ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab)
-    peer = stock_llama_bench(stock["llama-bench"], path, threads, npp, ntg, reps) if stock else {}
+    ours_runs, peer_runs = [], []
+    for _ in range(repeat):
+        ours_runs.append(ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab))
+        if stock:
+            peer_runs.append(stock_llama_bench(stock["llama-bench"], path, threads, npp, ntg, reps))
+    ours, peer = best(ours_runs), best(peer_runs)
     rows.append(Row(f"prefill pp{npp} (llama-bench)", ours["pp"], peer.get("pp"), "tok/s", ">= 0.95"))
     rows.append(Row(f"decode tg{ntg}, 1 session (llama-bench)", ours["tg"], peer.get("tg"), "tok/s", ">= 0.95"))
 
     _log("llama-shard: concurrent sessions")
-    ours_b = ours_batched(path, threads, npp, ntg, npl, vocab)
-    peer_b = stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl) if stock else {}
+    ours_runs, peer_runs = [], []
+    for _ in range(repeat):
+        ours_runs.append(ours_batched(path, threads, npp, ntg, npl, vocab))
+        if stock:
+            peer_runs.append(stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl))
+    ours_b, peer_b = best(ours_runs), best(peer_runs)
     for pl in npl:
         rows.append(Row(f"aggregate decode, {pl} session{'s' if pl > 1 else ''} (batched-bench)", ours_b[pl]["tg"],
                         peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95" if pl in (1, 4, 8) else ""))
 
     _log("llama-shard: 2-shard in-process pipeline")
     half = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)]
-    whole_tg = ours_pipeline(path, threads, [], npp, ntg, vocab)
-    split_tg = ours_pipeline(path, threads, half, npp, ntg, vocab)
+    whole_tg = max(ours_pipeline(path, threads, [], npp, ntg, vocab) for _ in range(repeat))
+    split_tg = max(ours_pipeline(path, threads, half, npp, ntg, vocab) for _ in range(repeat))
     rows.append(Row(f"decode through 2 shards {half[0][0]}-{half[0][1]},{half[1][0]}-{half[1][1]} vs whole",
                     split_tg, whole_tg, "tok/s", ">= 0.90", "peer: the whole model in llama-shard"))
 
@@ -318,14 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stock", action="store_true", help="skip stock llama.cpp (ratios n/a)")
     ap.add_argument("--no-build", action="store_true", help="use stock tools only if already built")
     ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    ap.add_argument("--repeat", type=int, default=2, help="measure each pair this many times, keep each side's best")
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
     stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
     if stock is None and not args.no_stock:
         _log("stock llama.cpp tools not available: peer columns are n/a")
-    rows = run(path, args.threads, stock, args.quick)
-    cmd = "python -m llama_shard.bench" + (f" --model {args.model}" if args.model else "") + f" --threads {args.threads}"
+    rows = run(path, args.threads, stock, args.quick, max(1, args.repeat))
+    cmd = ("python -m llama_shard.bench" + (f" --model {args.model}" if args.model else "") +
+           f" --threads {args.threads} --repeat {args.repeat}")
     header = (f"{path.name}, {args.threads} threads, {os.cpu_count()} CPUs; peer: stock llama.cpp "
               f"(pinned llama-cpp-python 0.3.36 = upstream 0c1e57098) unless noted; command: `{cmd}`")
     print(format_table(rows, header))

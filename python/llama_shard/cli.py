@@ -1,7 +1,11 @@
 """The `llama-shard` command line.
 
-    llama-shard generate [--model PATH] [--split 0-14,15-29] --prompt TEXT [--max-tokens N] [--verify]
+    llama-shard serve --model PATH --layers A-B [--host --port --threads --max-sessions --context-tokens
+                      --budget-tokens --ttl --metrics-port]
+    llama-shard generate (--route A-B@host:port,C-D@host:port | [--model PATH] [--split 0-14,15-29])
+                         --prompt TEXT [--chat] [--max-tokens N] [--verify]
     llama-shard inspect [PATH]
+    llama-shard demo [--model PATH]
 
 Generated text goes to stdout as it is produced; status and figures go to stderr.
 """
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import LlamaShardError
+from .errors import InvalidInputError, LlamaShardError
 from .models import gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
 
@@ -28,7 +32,61 @@ def _model_path(arg: str | None) -> Path:
     return Path(arg) if arg else require_embedded_model()
 
 
+def _prompt_ids(model, text: str, chat: bool) -> list[int]:
+    if chat:
+        text = model.apply_chat_template([("user", text)], True)
+    return model.tokenize(text)
+
+
+def _parse_route(text: str) -> list[str]:
+    """'0-14@127.0.0.1:5001,15-29@127.0.0.1:5002' -> addresses in order (ranges checked against Info)."""
+    addresses = []
+    for part in text.split(","):
+        rng, sep, addr = part.strip().partition("@")
+        if not sep or not addr:
+            raise InvalidInputError(f"bad route entry {part!r}: use FIRST-LAST@HOST:PORT")
+        addresses.append((parse_split(rng)[0], addr))
+    return addresses
+
+
+def cmd_generate_route(args: argparse.Namespace) -> int:
+    from .route import RemoteStage, RouteClient
+
+    entries = _parse_route(args.route)
+    stages = [RemoteStage(addr) for _, addr in entries]
+    for (rng, addr), st in zip(entries, stages):
+        if (st.info.first, st.info.last) != rng:
+            raise InvalidInputError(f"{addr} serves layers {st.info.first}-{st.info.last}, not {rng[0]}-{rng[1]}")
+    client = RouteClient(stages)
+    # the tokenizer runs on the head side, from the same GGUF the workers serve
+    path = _model_path(args.model)
+    from ._native import ShardModel
+    vocab = ShardModel(str(path), (0, 0), 1)
+    prompt = _prompt_ids(vocab, args.prompt, args.chat)
+    session = client.session()
+    tokens: list[int] = []
+    printed = ""
+    t0 = time.perf_counter()
+    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,)):
+        if token == vocab.token_eos:
+            break
+        tokens.append(token)
+        text = vocab.detokenize(tokens)
+        if text.startswith(printed):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write("\n")
+    dt = time.perf_counter() - t0
+    _status(f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers; {session.reprefills} re-prefill(s)")
+    session.release()
+    client.close()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.route:
+        return cmd_generate_route(args)
     path = _model_path(args.model)
     _status(f"model: {path}")
     t0 = time.perf_counter()
@@ -46,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _status(f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
             + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models))
 
-    prompt = pipe.head.tokenize(args.prompt)
+    prompt = _prompt_ids(pipe.head, args.prompt, args.chat)
     if not prompt:
         _status("the prompt tokenizes to nothing")
         return 2
@@ -124,6 +182,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .hot_kv import HotKvStateConfig
+    from .worker import ShardWorker, WorkerOptions
+
+    env = HotKvStateConfig.from_env()  # MESHNET_HOT_KV_* are the defaults; flags override them
+    config = HotKvStateConfig(
+        max_sessions=args.max_sessions if args.max_sessions is not None else env.max_sessions,
+        context_tokens=args.context_tokens if args.context_tokens is not None else env.context_tokens,
+        budget_tokens=args.budget_tokens if args.budget_tokens is not None else env.budget_tokens,
+        ttl_seconds=args.ttl if args.ttl is not None else env.ttl_seconds)
+    layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
+    _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
+    worker = ShardWorker(str(_model_path(args.model)), layers, config,
+                         WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                                       threads=args.threads, n_batch=args.batch))
+    worker.start()
+    return worker.serve_until_signal()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_model_path(args.model), threads=args.threads, max_tokens=args.max_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -137,7 +220,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ctx", type=int, default=2048, help="KV cells per shard")
     g.add_argument("--batch", type=int, default=512, help="tokens per forward call")
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
+    g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
+    g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve a layer range over gRPC")
+    sv.add_argument("--model", help="GGUF file (default: the embedded model)")
+    sv.add_argument("--layers", help="owned layers FIRST-LAST (default: all)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    sv.add_argument("--port", type=int, default=50551)
+    sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (default: off)")
+    sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
+    sv.add_argument("--max-sessions", type=int, default=None, help="default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
+    sv.add_argument("--context-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
+    sv.add_argument("--budget-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_BUDGET_TOKENS or 8192")
+    sv.add_argument("--ttl", type=float, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
+    sv.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="two workers on loopback split the model; four chat sessions run through them")
+    d.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
+    d.add_argument("--threads", type=int, default=1, help="threads per worker")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.set_defaults(func=cmd_demo)
 
     i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")

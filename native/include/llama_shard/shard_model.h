@@ -73,6 +73,11 @@ public:
     std::string detokenize(const std::vector<int32_t> & tokens) const;
     // the GGUF's chat template, empty when it has none
     std::string chat_template() const;
+    // formats (role, content) messages with the GGUF's chat template (llama.cpp's built-in
+    // templates, no jinja); add_assistant ends with the assistant turn's opening. Throws
+    // SHARD_ERRC_INVALID_ARGUMENT when the model has no template llama.cpp recognises.
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    bool add_assistant) const;
     int32_t token_eos() const;
 
     llama_model * raw() const { return model_; }

@@ -1,0 +1,162 @@
+"""`llama-shard demo`: the whole thing working, end to end, on the embedded model.
+
+Starts two workers on loopback that split the model in half (each a `llama-shard serve` process),
+runs four concurrent chat sessions through them, streams their text, shows each worker's sessions
+and budget, releases the sessions and shows the budget returned, then shuts the workers down with
+SIGTERM and reports their exit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ._native import ShardModel
+from .models import gguf_layer_count
+from .route import RemoteStage, RouteClient
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def start_worker(model: Path, first: int, last: int, threads: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
+           "--port", str(port), "--threads", str(threads), "--max-sessions", "8", "--context-tokens", "512",
+           "--budget-tokens", "2048"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {address} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"worker {address} did not become ready in {timeout_s}s")
+
+
+def _show_workers(stages) -> None:
+    for st in stages:
+        info = st.stats()
+        sessions = ", ".join(f"{s.session_id}({s.seq_len})" for s in info.sessions) or "none"
+        _say(f"  worker {info.first:>2}-{info.last:<2} @ {st.address}: {info.live_sessions} live session(s) "
+             f"[{sessions}]; {info.reserved_tokens} of {info.budget_tokens} budget tokens reserved "
+             f"({info.reserved_tokens * info.kv_bytes_per_token / 2**20:.2f} MiB KV)")
+
+
+def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
+    n_layer = gguf_layer_count(model)
+    half = n_layer // 2
+    ranges = [(0, half - 1), (half, n_layer - 1)]
+    _say(f"llama-shard demo: {model.name}, {n_layer} layers split {ranges[0][0]}-{ranges[0][1]} | {ranges[1][0]}-{ranges[1][1]}")
+    procs = []
+    try:
+        t0 = time.perf_counter()
+        for first, last in ranges:
+            proc, addr = start_worker(model, first, last, threads)
+            procs.append((proc, addr))
+            _say(f"  starting worker {first}-{last} on {addr} ...")
+        for (proc, addr), (first, last) in zip(procs, ranges):
+            wait_serving(proc, addr)
+            _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
+
+        stages = [RemoteStage(addr) for _, addr in procs]
+        client = RouteClient(stages)
+        vocab = ShardModel(str(model), (0, 0), 1)  # tokenizer and chat template on the head side
+        eos = vocab.token_eos
+
+        _say(f"\nfour concurrent chat sessions through both workers (greedy, up to {max_tokens} tokens):")
+        sessions = [client.session(f"chat-{i + 1}") for i in range(len(QUESTIONS))]
+        texts = {i: [] for i in range(len(QUESTIONS))}
+        lock = threading.Lock()
+        lines_done = {i: 0 for i in range(len(QUESTIONS))}
+
+        def on_token(i: int, tokens: list[int]) -> None:
+            text = vocab.detokenize([t for t in tokens if t != eos])
+            with lock:  # stream each session's text line by line as it is produced
+                lines = text.split("\n")
+                for line in lines[lines_done[i]:-1]:
+                    _say(f"  [chat-{i + 1}] {line}")
+                lines_done[i] = len(lines) - 1
+                texts[i] = text
+
+        def run(i: int) -> None:
+            prompt = vocab.tokenize(vocab.apply_chat_template([("user", QUESTIONS[i])], True))
+            got: list[int] = []
+            sessions[i].generate(prompt, max_tokens, stop=(eos,), on_token=lambda t: (got.append(t), on_token(i, got)))
+
+        for i, q in enumerate(QUESTIONS):
+            _say(f"  [chat-{i + 1}] user: {q}")
+        t1 = time.perf_counter()
+        threads_ = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        dt = time.perf_counter() - t1
+        for i in range(len(QUESTIONS)):  # the last (unterminated) line of each answer
+            last = texts[i].split("\n")[-1]
+            if last.strip():
+                _say(f"  [chat-{i + 1}] {last}")
+        n_tokens = sum(len(s.history) for s in sessions)
+        _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {n_tokens} tokens held per worker")
+        _show_workers(stages)
+
+        for s in sessions:
+            s.release()
+        _say("\nafter releasing the sessions:")
+        _show_workers(stages)
+        client.close()
+    finally:
+        _say("\nshutting the workers down (SIGTERM):")
+        for proc, addr in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, addr in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            report = [ln for ln in (proc.stderr.read() or "").splitlines() if "shut down" in ln]
+            _say(f"  worker {addr}: exit {proc.returncode}" + (f" - {report[-1].split(': ', 1)[-1]}" if report else ""))
+    return 0 if all(p.returncode == 0 for p, _ in procs) else 1
+
+
+if __name__ == "__main__":
+    from .models import require_embedded_model
+
+    raise SystemExit(run_demo(Path(os.environ.get("LLAMA_SHARD_MODEL", "")) if os.environ.get("LLAMA_SHARD_MODEL")
+                              else require_embedded_model()))

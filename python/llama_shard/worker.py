@@ -1,0 +1,269 @@
+"""The shard worker: one engine served over gRPC (`llama-shard serve`).
+
+- `ShardService` (proto/shard.proto): every expected outcome is a typed reply; a gRPC status is
+  used only for transport matters (deadline, size limit, shutting down).
+- Concurrent RPCs are coalesced into batched engine steps by a `StepScheduler`.
+- Standard gRPC health service (`grpc.health.v1`), SERVING once the model is loaded.
+- Prometheus metrics (`prometheus-client`) on --metrics-port: live sessions, reserved and budget
+  tokens, evictions and misses by reason, step latency, batch size.
+- Binds to loopback unless told otherwise; request size limits; SIGTERM/SIGINT: stop accepting,
+  finish in-flight steps, release every session, report, exit 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ._native import ShardModel
+from .errors import (
+    ComputeError,
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    LlamaShardError,
+    StaleRouteEpochError,
+)
+from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, TailOutput
+from .manager import HotKvStateManager, KvBoundaryAdapter
+from .proto import shard_pb2 as pb
+from .proto import shard_pb2_grpc as pb_grpc
+from .scheduler import StepScheduler
+from .wire import decode_tensor, encode_tensor
+
+SERVICE_NAME = "llama_shard.v1.ShardService"
+
+
+@dataclasses.dataclass
+class WorkerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0: any free port (see ShardWorker.port)
+    metrics_port: int | None = None    # None: no metrics endpoint
+    threads: int | None = None
+    n_batch: int = 512
+    batch_window_s: float = 0.002
+    max_message_bytes: int = 64 * 2**20
+    grace_s: float = 5.0
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time: nothing to keep in sync on the hot path."""
+
+    def __init__(self, manager: HotKvStateManager, labels: dict[str, str]):
+        self.manager = manager
+        self.labels = labels
+
+    def collect(self):
+        st = self.manager.stats()
+        names, values = list(self.labels), list(self.labels.values())
+        for name, key, doc in [("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
+                               ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
+                               ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
+                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)")]:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, st[key])
+            yield g
+        ev = CounterMetricFamily("llama_shard_evictions", "Sessions evicted, by reason", labels=names + ["reason"])
+        ev.add_metric(values + ["ttl"], st["evictions_ttl"])
+        ev.add_metric(values + ["lru"], st["evictions_lru"])
+        yield ev
+        ms = CounterMetricFamily("llama_shard_cache_misses", "Cache misses returned, by reason", labels=names + ["reason"])
+        for reason, n in st["misses"].items():
+            ms.add_metric(values + [reason], n)
+        yield ms
+
+
+class ShardServicer(pb_grpc.ShardServiceServicer):
+    def __init__(self, model: ShardModel, manager: HotKvStateManager, scheduler: StepScheduler, registry: CollectorRegistry):
+        self.model = model
+        self.info = model.info
+        self.manager = manager
+        self.adapter = KvBoundaryAdapter(model, manager, scheduler)
+        self.scheduler = scheduler
+        self.fingerprint = manager.recipe.fingerprint()
+        self.stopping = threading.Event()
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
+                                      registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+        self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
+                                     registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def Prefill(self, request, context):
+        return self._step("prefill", request, context)
+
+    def Decode(self, request, context):
+        return self._step("decode", request, context)
+
+    def _step(self, kind: str, req, context) -> pb.StepReply:
+        if self.stopping.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the step started")
+        t0 = time.perf_counter()
+        with self._lock:
+            self.in_flight += 1
+        try:
+            reply = self._run_step(kind, req)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+        n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
+        self.step_seconds.labels(kind).observe(time.perf_counter() - t0)
+        self.step_tokens.labels(kind).observe(n)
+        return reply
+
+    def _run_step(self, kind: str, req) -> pb.StepReply:
+        try:
+            if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
+                return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE,
+                                    detail="the request's KV recipe fingerprint does not match this shard's")
+            if len(req.token_ids) and req.HasField("hidden"):
+                raise InvalidInputError("send token_ids or hidden, not both")
+            tokens = list(req.token_ids) if len(req.token_ids) else None
+            hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.engine.n_batch)
+                      if req.HasField("hidden") else None)
+            if tokens is None and hidden is None:
+                raise InvalidInputError("a step needs token_ids (head) or hidden (other shards)")
+            position = req.position if req.HasField("position") else None
+            if kind == "prefill":
+                out = self.adapter.prefill(req.session_id, req.route_epoch, token_ids=tokens, boundary=hidden,
+                                           start_pos=position)
+            else:
+                out = self.adapter.decode(req.session_id, req.route_epoch, token_ids=tokens, boundary=hidden,
+                                          expected_seq_len=position)
+        except StaleRouteEpochError as e:
+            return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(e), current_epoch=e.current_epoch or 0)
+        except KvBudgetExceededError as e:
+            return pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
+        except IncompatibleCacheRecipeError as e:
+            return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE, detail=str(e))
+        except InvalidInputError as e:
+            return pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(e))
+        except (ComputeError, LlamaShardError) as e:
+            return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=str(e))
+        if isinstance(out, CacheMiss):
+            return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
+        if isinstance(out, TailOutput):
+            return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=out.token_id,
+                                logits=encode_tensor(out.logits.reshape(1, -1)))
+        assert isinstance(out, BoundaryBundle)
+        return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.start_pos + out.hidden.shape[0],
+                            hidden=encode_tensor(out.hidden, req.reply_dtype))
+
+    # --- sessions --------------------------------------------------------------------------------
+
+    def _session_call(self, fn, *args) -> pb.SessionReply:
+        try:
+            out = fn(*args)
+        except StaleRouteEpochError as e:
+            return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(e), current_epoch=e.current_epoch or 0)
+        except InvalidInputError as e:
+            return pb.SessionReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(e))
+        if isinstance(out, CacheMiss):
+            return pb.SessionReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
+        if isinstance(out, bool):
+            return pb.SessionReply(outcome=pb.OUTCOME_OK, released=out)
+        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len)
+
+    def Truncate(self, request, context):
+        return self._session_call(self.manager.truncate, request.session_id, request.route_epoch, request.length)
+
+    def Release(self, request, context):
+        return self._session_call(self.manager.release, request.session_id, request.route_epoch)
+
+    def Resolve(self, request, context):
+        return self._session_call(self.manager.resolve, request.session_id, request.route_epoch)
+
+    def Info(self, request, context):
+        st = self.manager.stats()
+        info = self.info
+        return pb.InfoReply(
+            model_name=self.model.path.rsplit("/", 1)[-1], architecture=info.architecture, n_layer=info.n_layer,
+            first=info.first, last=info.last, n_embd=info.n_embd, n_vocab=info.n_vocab,
+            recipe_fingerprint=self.fingerprint, max_sessions=st["max_sessions"], context_tokens=st["context_tokens"],
+            budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
+            kv_bytes_per_token=st["kv_bytes_per_token"],
+            sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n)
+                      for sid, ep, _, n, _ in self.manager.engine.sessions()],
+            misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"])
+
+
+class ShardWorker:
+    """Loads a shard, serves it, and shuts down gracefully."""
+
+    def __init__(self, model_path: str, layers: tuple[int, int] | None, config: HotKvStateConfig,
+                 options: WorkerOptions = WorkerOptions()):
+        self.options = options
+        self.model = ShardModel(str(model_path), layers, options.threads)
+        self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads)
+        self.scheduler = StepScheduler(self.manager, window_s=options.batch_window_s)
+        self.registry = CollectorRegistry()
+        info = self.model.info
+        self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
+        self.servicer = ShardServicer(self.model, self.manager, self.scheduler, self.registry)
+        self.health = health.HealthServicer()
+        limit = options.max_message_bytes
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {options.host}:{options.port}")
+        self.metrics_port = None
+        if options.metrics_port is not None:
+            server, _ = start_http_server(options.metrics_port, addr=options.host, registry=self.registry)
+            self.metrics_port = server.server_port
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    def start(self) -> "ShardWorker":
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self) -> dict:
+        """Stops accepting, finishes in-flight steps, releases every session; returns a report."""
+        if self._stopped.is_set():
+            return {}
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.servicer.stopping.set()
+        self.server.stop(self.options.grace_s).wait()
+        self.scheduler.close()
+        keys = self.manager.session_keys()
+        released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
+        st = self.manager.stats()
+        return {"released_sessions": released, "reserved_tokens_after": st["reserved_tokens"]}
+
+    def serve_until_signal(self) -> int:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        info = self.model.info
+        print(f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
+              f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else ""),
+              file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            pass
+        report = self.stop()
+        print(f"llama-shard worker: shut down; released {report['released_sessions']} session(s), "
+              f"{report['reserved_tokens_after']} tokens still reserved", file=sys.stderr, flush=True)
+        return 0
