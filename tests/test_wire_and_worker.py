@@ -1,0 +1,275 @@
+"""The shard worker over gRPC, on loopback, with SmolLM2 split in two worker processes: exact
+tokens against the whole model in-process, failure and restart of a worker, epochs on the wire,
+malformed requests, metrics, health, graceful shutdown, and the demo."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from llama_shard.demo import _free_port, wait_serving
+from llama_shard.pipeline import LocalPipeline
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.route import RemoteStage, RouteClient, RouteError
+from llama_shard.wire import decode_tensor, encode_tensor
+
+from conftest import REPO
+
+
+def test_generated_code_matches_the_proto(tmp_path):
+    from llama_shard.proto import generate
+
+    generate.generate(tmp_path)
+    for name in generate.GENERATED:
+        assert (tmp_path / name).read_text() == (generate.HERE / name).read_text(), \
+            f"{name} is stale: run python -m llama_shard.proto.generate"
+
+
+def test_tensor_round_trip_and_float16_cost():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 64)) * 4).astype(np.float32)
+    assert decode_tensor(encode_tensor(x), 64, 8).tobytes() == x.tobytes()
+    half = decode_tensor(encode_tensor(x, pb.DTYPE_FLOAT16), 64, 8)
+    rel = float(np.abs(half - x).max() / np.abs(x).max())
+    assert rel < 1e-3  # float16 rounding: relative error <= 2^-11 of the largest value
+    from llama_shard import InvalidInputError
+    bad = encode_tensor(x)
+    bad.data = bad.data[:-3]
+    for t in (bad, pb.Tensor(shape=[5, 63], data=x.tobytes()), pb.Tensor(shape=[320], data=x.tobytes()),
+              pb.Tensor(shape=[5, 64], dtype=7, data=x.tobytes())):
+        with pytest.raises(InvalidInputError):
+            decode_tensor(t, 64, 8)
+
+
+# --- workers on loopback ------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, model, layers: str, port: int | None = None, extra: tuple = ()):
+        self.port = port or _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = _free_port()
+        cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", layers,
+               "--port", str(self.port), "--threads", "1", "--max-sessions", "8", "--context-tokens", "256",
+               "--budget-tokens", "2048", "--metrics-port", str(self.metrics_port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        wait_serving(self.proc, self.address)
+
+    def stop(self, sig=signal.SIGTERM, timeout=30) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode, self.proc.stderr.read()
+
+
+PROMPTS = ["The capital of France is", "Once upon a time,", "def fib(n):", "The three primary colors are",
+           "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
+N_TOKENS = 20
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def whole_tokens(embedded_model):
+    pipe = LocalPipeline(embedded_model, None, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2)
+    return {p: [t for t, _ in pipe.generate(pipe.head.tokenize(p), N_TOKENS)] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model):
+    from llama_shard import ShardModel
+    return ShardModel(str(embedded_model), (0, 0), 1)
+
+
+@pytest.fixture(scope="module")
+def workers(embedded_model):
+    head, tail = Worker(embedded_model, "0-14"), Worker(embedded_model, "15-29")
+    yield head, tail
+    for w in (head, tail):
+        w.stop()
+
+
+def test_two_workers_give_the_whole_models_tokens_to_eight_concurrent_sessions(workers, whole_tokens, tokenizer):
+    head, tail = workers
+    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
+    results, errors = {}, []
+
+    def run(i, p):
+        try:
+            s = client.session(f"conc-{i}")
+            results[p] = s.generate(tokenizer.tokenize(p), N_TOKENS)
+            s.release()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    dt = time.perf_counter() - t0
+    print(f"8 sessions x {N_TOKENS} tokens through 2 workers on loopback: {8 * N_TOKENS / dt:.1f} tok/s aggregate")
+    assert not errors, errors
+    assert results == whole_tokens
+    client.close()
+
+
+def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedded_model, whole_tokens, tokenizer):
+    head, tail = Worker(embedded_model, "0-14"), Worker(embedded_model, "15-29")
+    try:
+        client = RouteClient([RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)])
+        session = client.session("survivor")
+        prompt = PROMPTS[0]
+        stream = session.stream(tokenizer.tokenize(prompt), N_TOKENS)
+        got = [next(stream) for _ in range(8)]
+        tail.stop(signal.SIGKILL)
+        with pytest.raises(RouteError) as e:
+            got.append(next(stream))
+        assert "UNAVAILABLE" in str(e.value)
+        # the same worker comes back on the same port, with an empty cache
+        tail = Worker(embedded_model, "15-29", port=tail.port)
+        out = session._step("decode", [got[-1]])  # the next step: a miss on the tail, then a re-prefill
+        assert session.reprefills == 1
+        got.append(out.token_id)
+        while len(got) < N_TOKENS:
+            got.append(session._step("decode", [got[-1]]).token_id)
+        assert got == whole_tokens[prompt]
+    finally:
+        head.stop()
+        tail.stop()
+
+
+def test_epoch_change_mid_session_continues_with_the_same_tokens(workers, whole_tokens, tokenizer):
+    head, tail = workers
+    stages = [RemoteStage(head.address), RemoteStage(tail.address)]
+    client = RouteClient(stages)
+    s = client.session("mover")
+    stream = s.stream(tokenizer.tokenize(PROMPTS[1]), N_TOKENS)
+    got = [next(stream) for _ in range(5)]
+    client.change_route([RemoteStage(head.address), RemoteStage(tail.address)])  # new route, new epoch
+    got += list(stream)
+    assert got == whole_tokens[PROMPTS[1]]
+    assert s.epoch == 1 and s.reprefills == 1
+    # the old epoch's state was superseded on both workers: a stale request is a typed reply
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+    r = stub.Decode(pb.StepRequest(session_id="mover", route_epoch=0, token_ids=[1]), timeout=10)
+    assert r.outcome == pb.OUTCOME_STALE_EPOCH and r.current_epoch == 1
+    s.release()
+
+
+def test_malformed_requests_get_typed_replies_and_the_worker_keeps_serving(workers):
+    head, tail = workers
+    tail_stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(tail.address))
+    head_stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+    x = np.zeros((2, 576), np.float32)
+    cases = {
+        "wrong shape": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 575], data=x.tobytes())),
+        "wrong dtype": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], dtype=9, data=x.tobytes())),
+        "truncated bytes": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], data=x.tobytes()[:-1])),
+        "tokens to a non-head": pb.StepRequest(session_id="m", route_epoch=0, token_ids=[1, 2]),
+        "no input": pb.StepRequest(session_id="m", route_epoch=0),
+        "empty session id": pb.StepRequest(session_id="", route_epoch=0, hidden=encode_tensor(x)),
+        "negative epoch": pb.StepRequest(session_id="m", route_epoch=-4, hidden=encode_tensor(x)),
+        "NaN rows": pb.StepRequest(session_id="m", route_epoch=0, hidden=encode_tensor(np.full((1, 576), np.nan, np.float32))),
+    }
+    for name, req in cases.items():
+        r = tail_stub.Prefill(req, timeout=10)
+        assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT, name
+        assert r.detail, name
+    r = head_stub.Prefill(pb.StepRequest(session_id="m", route_epoch=0, token_ids=[10**6]), timeout=10)
+    assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT
+    r = head_stub.Prefill(pb.StepRequest(session_id="m", route_epoch=0, token_ids=[1], recipe_fingerprint="0" * 64), timeout=10)
+    assert r.outcome == pb.OUTCOME_INCOMPATIBLE_RECIPE
+    # unknown fields: a newer client's message parses, extra fields are ignored
+    raw = pb.StepRequest(session_id="u", route_epoch=0, token_ids=[1, 2]).SerializeToString() + b"\xf8\x07\x01"
+    ch = grpc.insecure_channel(head.address)
+    call = ch.unary_unary("/llama_shard.v1.ShardService/Prefill", request_serializer=lambda b: b,
+                          response_deserializer=pb.StepReply.FromString)
+    assert call(raw, timeout=10).outcome == pb.OUTCOME_OK
+    # garbage bytes are a clean gRPC status, not a crash
+    with pytest.raises(grpc.RpcError) as e:
+        call(b"\xff\xff\xff\xff", timeout=10)
+    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
+    # an oversized message is refused by the transport
+    big = pb.StepRequest(session_id="m", route_epoch=0,
+                         hidden=pb.Tensor(shape=[70000, 576], data=b"\0" * (65 * 2**20)))
+    with pytest.raises(grpc.RpcError) as e:
+        tail_stub.Prefill(big, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # and the worker still serves
+    assert head_stub.Resolve(pb.SessionRequest(session_id="u", route_epoch=0), timeout=10).seq_len == 2
+    head_stub.Release(pb.SessionRequest(session_id="u", route_epoch=0), timeout=10)
+
+
+def test_release_racing_decode_is_safe(workers, tokenizer):
+    head, tail = workers
+    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
+    stop = threading.Event()
+    errors = []
+
+    def releaser():
+        stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+        while not stop.is_set():
+            stub.Release(pb.SessionRequest(session_id="racer", route_epoch=0), timeout=10)
+            time.sleep(0.002)
+
+    t = threading.Thread(target=releaser)
+    t.start()
+    try:
+        s = client.session("racer")
+        s.generate(tokenizer.tokenize(PROMPTS[2]), 12)  # misses are re-prefilled; nothing breaks
+    except RouteError as e:
+        errors.append(e)  # giving up after repeated misses is a clean, typed failure
+    finally:
+        stop.set()
+        t.join()
+    info = RemoteStage(head.address).stats()
+    assert info.reserved_tokens == sum(x.seq_len for x in info.sessions)
+    assert all("still a cache miss" in str(e) for e in errors)
+
+
+def test_metrics_and_health(workers):
+    head, _ = workers
+    text = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("llama_shard_live_sessions", "llama_shard_reserved_tokens", "llama_shard_budget_tokens",
+                 "llama_shard_cache_misses_total", "llama_shard_evictions_total", "llama_shard_step_seconds_bucket"):
+        assert name in text, name
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(head.address))
+    r = stub.Check(health_pb2.HealthCheckRequest(service="llama_shard.v1.ShardService"), timeout=10)
+    assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_with_live_sessions_exits_zero_and_reports(embedded_model, tokenizer):
+    w = Worker(embedded_model, "0-29")
+    client = RouteClient([RemoteStage(w.address)])
+    for i in range(3):
+        client.session(f"live-{i}").generate(tokenizer.tokenize(PROMPTS[i]), 4)
+    t0 = time.perf_counter()
+    code, err = w.stop(signal.SIGTERM)
+    assert code == 0
+    assert time.perf_counter() - t0 < 10
+    assert "released 3 session(s)" in err
+
+
+def test_demo_runs_end_to_end():
+    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "demo", "--max-tokens", "16"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "four concurrent chat sessions" in out and "[chat-1]" in out and "Paris" in out
+    assert out.count("0 live session(s) [none]; 0 of 2048 budget tokens reserved") == 2
+    assert out.count(": exit 0") == 2
