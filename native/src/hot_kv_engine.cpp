@@ -336,7 +336,11 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
         }
     }
 
-    // 2. time passes, then identity and admission, request by request
+    // 2. time passes, then identity and admission, request by request (a step with nothing valid
+    // in it changes nothing, not even by time)
+    if (participants.empty()) {
+        return results;
+    }
     sweep_locked(now);
     std::vector<planned> plan;
     for (size_t i = 0; i < requests.size(); ++i) {

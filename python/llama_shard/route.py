@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -91,7 +92,9 @@ class RemoteStage:
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                                               ("grpc.max_send_message_length", 64 * 2**20)])
+                                                               ("grpc.max_send_message_length", 64 * 2**20),
+                                                               ("grpc.initial_reconnect_backoff_ms", 100),
+                                                               ("grpc.max_reconnect_backoff_ms", 1000)])
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         try:
             r = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
@@ -100,11 +103,17 @@ class RemoteStage:
         self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})")
         self.fingerprint = r.recipe_fingerprint
 
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
+    def _call(self, method, request, attempts: int = 4):
+        # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly; a step
+        # that did run twice is caught by its expected position and re-prefilled, never doubled
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                    time.sleep(0.25 * (attempt + 1))
+                    continue
+                raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
     def step(self, kind, sid, epoch, position, tokens=None, hidden=None) -> StepOutcome:
         req = pb.StepRequest(session_id=sid, route_epoch=epoch, recipe_fingerprint=self.fingerprint,

@@ -266,6 +266,8 @@ class ReferenceHotKvEngine:
                 participants.append(req.session_id)
             except InvalidInputError as e:
                 results[i] = StepResult(status=INVALID_INPUT, detail=str(e))
+        if not participants:  # a step with nothing valid in it changes nothing, not even by time
+            return [(r, None) for r in results]
         self._sweep(now)
         plan = []
         for i, req in enumerate(requests):
