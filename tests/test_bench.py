@@ -15,6 +15,13 @@ import json
 print(json.dumps([{{"n_prompt": 16, "n_gen": 0, "avg_ts": 1000.0}}, {{"n_prompt": 0, "n_gen": 8, "avg_ts": 100.0}}]))
 """
 
+FAKE_RPC_SERVER = """#!{python}
+import socket, sys, time
+args = sys.argv
+s = socket.socket(); s.bind(("127.0.0.1", int(args[args.index("-p") + 1]))); s.listen()
+time.sleep(60)
+"""
+
 FAKE_BATCHED_BENCH = """#!{python}
 import sys
 args = sys.argv
@@ -27,12 +34,13 @@ for pl in npl:
 def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in [("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH)]:
+    for name, body in [("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH),
+                       ("ggml-rpc-server", FAKE_RPC_SERVER)]:
         p = bin_dir / name
         p.write_text(textwrap.dedent(body.format(python=sys.executable)))
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
     out_json = tmp_path / "rows.json"
-    env = dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir))
+    env = dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir))
     res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
                           "--no-build", "--json", str(out_json)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -40,6 +48,7 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path):
     rows = {r["metric"]: r for r in json.loads(out_json.read_text())}
     assert rows["prefill pp16 (llama-bench)"]["peer"] == 1000.0
     assert rows["aggregate decode, 4 sessions (batched-bench)"]["peer"] == 200.0
+    assert rows["2 workers x 1 thread on loopback, 2 sessions (vs RPC split)"]["peer"] == 100.0
     for r in rows.values():
         assert r["ours"] and r["ours"] > 0, r
         assert r["ratio"] is not None, r

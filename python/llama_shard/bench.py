@@ -55,28 +55,33 @@ def _log(msg: str) -> None:
 # the peer: stock llama.cpp tools from the same pin
 # ---------------------------------------------------------------------------------------------
 
-def find_stock_tools(build: bool = True) -> dict[str, Path] | None:
+def find_stock_tools(build: bool = True, rpc: bool = False) -> dict[str, Path] | None:
+    """The stock tools from the pinned source; with rpc=True, an RPC-enabled build (GGML_RPC=ON)
+    with ggml-rpc-server, for llama.cpp's own way of splitting a model across processes."""
+    tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else STOCK_TOOLS
+    name = "stock-rpc" if rpc else "stock-bench"
     candidates = []
-    if os.environ.get("LLAMA_SHARD_STOCK_BIN_DIR"):
-        candidates.append(Path(os.environ["LLAMA_SHARD_STOCK_BIN_DIR"]))
-    candidates += [REPO / "build" / "stock-bench" / "bin"]
+    env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else "LLAMA_SHARD_STOCK_BIN_DIR")
+    if env:
+        candidates.append(Path(env))
+    candidates += [REPO / "build" / name / "bin"]
     for d in candidates:
-        found = {t: d / t for t in STOCK_TOOLS}
+        found = {t: d / t for t in tools}
         if all(p.is_file() for p in found.values()):
             return found
     if not build or not (REPO / "CMakeLists.txt").is_file():
         return None
-    build_dir = REPO / "build" / "stock-bench"
-    _log(f"building stock {', '.join(STOCK_TOOLS)} from the pinned llama.cpp in {build_dir} (a few minutes)")
+    build_dir = REPO / "build" / name
+    _log(f"building stock {', '.join(tools)} from the pinned llama.cpp in {build_dir} (a few minutes)")
     cmake = shutil.which("cmake") or "cmake"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
-                    "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DPython_EXECUTABLE={sys.executable}"], check=True,
-                   stdout=sys.stderr)
-    subprocess.run([cmake, "--build", str(build_dir), "--target", *STOCK_TOOLS, "-j", str(os.cpu_count() or 2)],
+                    "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
+                    f"-DPython_EXECUTABLE={sys.executable}"], check=True, stdout=sys.stderr)
+    subprocess.run([cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],
                    check=True, stdout=sys.stderr)
-    found = {t: build_dir / "bin" / t for t in STOCK_TOOLS}
+    found = {t: build_dir / "bin" / t for t in tools}
     return found if all(p.is_file() for p in found.values()) else None
 
 
@@ -90,10 +95,11 @@ def stock_llama_bench(tool: Path, model: Path, threads: int, n_prompt: int, n_ge
     return res
 
 
-def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
+def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: int, npl: list[int],
+                        extra: tuple = ()) -> dict[int, dict]:
     out = subprocess.run([str(tool), "-m", str(model), "-t", str(threads), "-c", "4096", "-b", "512", "-ub", "512",
                           "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)),
-                          "--output-format", "jsonl"], capture_output=True, text=True, check=True)
+                          "--output-format", "jsonl", *extra], capture_output=True, text=True, check=True)
     res = {}
     for line in (out.stdout + "\n" + out.stderr).splitlines():
         line = line.strip()
@@ -201,6 +207,77 @@ def kv_layout_comparison(path: Path, threads: int, lengths: list[int], ntg: int,
     return res
 
 
+def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:
+    """llama.cpp's RPC backend: ggml-rpc-server (1 thread) holds the second half of the layers,
+    llama-batched-bench (1 thread) the rest; the halves run one after the other."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    server = subprocess.Popen([str(tools["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as sk:
+                if sk.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        return stock_batched_bench(tools["llama-batched-bench"], model, 1, npp, ntg, npl,
+                                   ("--rpc", f"127.0.0.1:{port}", "-ngl", str(n_layer - n_layer // 2)))
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int) -> dict[int, float]:
+    """Two `llama-shard serve` processes on loopback (1 thread each) split the model in half; `pl`
+    sessions decode concurrently through them, so both workers compute at once (pipelining)."""
+    import threading
+
+    from .demo import start_worker, wait_serving
+    from .route import RemoteStage, RouteClient
+
+    half = n_layer // 2
+    procs = [start_worker(path, 0, half - 1, 1), start_worker(path, half, n_layer - 1, 1)]
+    res = {}
+    try:
+        for proc, addr in procs:
+            wait_serving(proc, addr)
+        client = RouteClient([RemoteStage(addr) for _, addr in procs])
+        rng = np.random.default_rng(5)
+        for pl in npl:
+            sessions = [client.session(f"pipe-{pl}-{j}") for j in range(pl)]
+            barrier = threading.Barrier(pl + 1)
+            done = threading.Barrier(pl + 1)
+
+            def run(j):
+                out = sessions[j]._step("prefill", rng.integers(0, vocab, npp).tolist())
+                barrier.wait()
+                for _ in range(ntg):
+                    out = sessions[j]._step("decode", [int(out.token_id)])
+                done.wait()
+
+            threads = [threading.Thread(target=run, args=(j,)) for j in range(pl)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            done.wait()
+            res[pl] = pl * ntg / (time.perf_counter() - t0)
+            for t in threads:
+                t.join()
+            for sess in sessions:
+                sess.release()
+        client.close()
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(30)
+    return res
+
+
 _RSS_PROBE = """
 import json, sys
 import llama_shard as ls
@@ -246,7 +323,8 @@ def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: in
 # the table
 # ---------------------------------------------------------------------------------------------
 
-def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int = 2) -> list[Row]:
+def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int = 2,
+        rpc_tools: dict | None = None) -> list[Row]:
     n_layer = gguf_layer_count(path)
     vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
     npp, ntg, reps = (16, 8, 1) if quick else (128, 64, 3)
@@ -290,6 +368,16 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     split_tg = max(ours_pipeline(path, threads, half, npp, ntg, vocab) for _ in range(repeat))
     rows.append(Row(f"decode through 2 shards {half[0][0]}-{half[0][1]},{half[1][0]}-{half[1][1]} vs whole",
                     split_tg, whole_tg, "tok/s", ">= 0.90", "peer: the whole model in llama-shard"))
+
+    _log("two worker processes on loopback vs llama.cpp's RPC split")
+    pipe_npl = [1, 8] if not quick else [2]
+    ours_p = max((ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab) for _ in range(repeat)),
+                 key=lambda d: d[pipe_npl[-1]])
+    peer_p = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl) if rpc_tools else {}
+    for pl in pipe_npl:
+        rows.append(Row(f"2 workers x 1 thread on loopback, {pl} session{'s' if pl > 1 else ''} (vs RPC split)",
+                        ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl == 8 else "",
+                        "peer: ggml-rpc-server + llama-batched-bench, 1 thread each"))
 
     _log("memory")
     whole_m = ours_memory(path, None)
@@ -340,9 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
     stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
+    rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
     if stock is None and not args.no_stock:
         _log("stock llama.cpp tools not available: peer columns are n/a")
-    rows = run(path, args.threads, stock, args.quick, max(1, args.repeat))
+    rows = run(path, args.threads, stock, args.quick, max(1, args.repeat), rpc_tools)
     cmd = ("python -m llama_shard.bench" + (f" --model {args.model}" if args.model else "") +
            f" --threads {args.threads} --repeat {args.repeat}")
     header = (f"{path.name}, {args.threads} threads, {os.cpu_count()} CPUs; peer: stock llama.cpp "

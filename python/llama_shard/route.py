@@ -87,8 +87,10 @@ class LocalStage:
 class RemoteStage:
     """A worker reached over gRPC."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, wire_dtype: int = pb.DTYPE_FLOAT32):
+    def __init__(self, address: str, *, timeout_s: float = 60.0, wire_dtype: int = pb.DTYPE_FLOAT32,
+                 return_logits: bool = False):
         self.address = address
+        self.return_logits = return_logits
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20),
@@ -117,7 +119,7 @@ class RemoteStage:
 
     def step(self, kind, sid, epoch, position, tokens=None, hidden=None) -> StepOutcome:
         req = pb.StepRequest(session_id=sid, route_epoch=epoch, recipe_fingerprint=self.fingerprint,
-                             reply_dtype=self.wire_dtype)
+                             reply_dtype=self.wire_dtype, return_logits=self.return_logits)
         if position is not None:
             req.position = position
         if tokens is not None:
@@ -129,9 +131,10 @@ class RemoteStage:
             return StepOutcome(miss=reply.miss_reason)
         if reply.outcome != pb.OUTCOME_OK:
             raise RouteError(f"worker {self.info.name}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
-        if reply.HasField("logits"):
-            return StepOutcome(logits=decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0],
-                               token_id=reply.token_id)
+        if self.info.last == self.info.n_layer - 1:  # the tail: the token, and the logits if asked
+            logits = (decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0]
+                      if reply.HasField("logits") else None)
+            return StepOutcome(logits=logits, token_id=reply.token_id)
         return StepOutcome(hidden=decode_tensor(reply.hidden, self.info.n_embd, 1 << 20))
 
     def release(self, sid, epoch) -> None:

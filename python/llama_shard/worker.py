@@ -156,8 +156,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if isinstance(out, CacheMiss):
             return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, TailOutput):
-            return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=out.token_id,
-                                logits=encode_tensor(out.logits.reshape(1, -1)))
+            reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=out.token_id)
+            if req.return_logits:  # n_vocab floats per step: only when asked
+                reply.logits.CopyFrom(encode_tensor(out.logits.reshape(1, -1)))
+            return reply
         assert isinstance(out, BoundaryBundle)
         return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.start_pos + out.hidden.shape[0],
                             hidden=encode_tensor(out.hidden, req.reply_dtype))
