@@ -25,7 +25,7 @@ import numpy as np
 from ._native import ShardModel
 from .hot_kv import HotKvStateConfig, ManualClock
 from .manager import HotKvStateManager
-from .models import gguf_layer_count, require_embedded_model
+from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 
 REPO = Path(__file__).resolve().parents[2]
 STOCK_TOOLS = ("llama-bench", "llama-batched-bench")
@@ -231,16 +231,19 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
         server.wait(10)
 
 
-def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int) -> dict[int, float]:
-    """Two `llama-shard serve` processes on loopback (1 thread each) split the model in half; `pl`
-    sessions decode concurrently through them, so both workers compute at once (pipelining)."""
+def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
+                     max_batch_sessions: int | None = None) -> dict[int, float]:
+    """Two `llama-shard serve` processes on loopback (1 thread each) split the model where per-token
+    compute balances (the tail also runs the LM head); `pl` sessions decode concurrently through
+    them, so both workers compute at once (pipelining)."""
     import threading
 
     from .demo import start_worker, wait_serving
     from .route import RemoteStage, RouteClient
 
-    half = n_layer // 2
-    procs = [start_worker(path, 0, half - 1, 1), start_worker(path, half, n_layer - 1, 1)]
+    cut = compute_balanced_cut(path)
+    extra = ("--max-batch-sessions", str(max_batch_sessions)) if max_batch_sessions else ()
+    procs = [start_worker(path, 0, cut - 1, 1, extra), start_worker(path, cut, n_layer - 1, 1, extra)]
     res = {}
     try:
         for proc, addr in procs:
@@ -374,10 +377,13 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     ours_p = max((ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab) for _ in range(repeat)),
                  key=lambda d: d[pipe_npl[-1]])
     peer_p = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl) if rpc_tools else {}
+    cut = compute_balanced_cut(path)
     for pl in pipe_npl:
-        rows.append(Row(f"2 workers x 1 thread on loopback, {pl} session{'s' if pl > 1 else ''} (vs RPC split)",
+        rows.append(Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n_layer - 1}), {pl} session"
+                        f"{'s' if pl > 1 else ''} (vs RPC split)",
                         ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl == 8 else "",
-                        "peer: ggml-rpc-server + llama-batched-bench, 1 thread each"))
+                        f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
+                        "llama-batched-bench, 1 thread each"))
 
     _log("memory")
     whole_m = ours_memory(path, None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidInputError, LlamaShardError
-from .models import gguf_layer_count, require_embedded_model
+from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
 
 
@@ -179,6 +179,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             start = c + 1
         bounds.append((start, n_layer - 1))
         print(f"suggested {n_shards}-shard split: " + ",".join(f"{a}-{b}" for a, b in bounds))
+    cut = compute_balanced_cut(path)
+    print(f"compute-balanced 2-shard split (the tail also runs the LM head): 0-{cut - 1},{cut}-{n_layer - 1}")
     return 0
 
 
@@ -196,7 +198,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                                       threads=args.threads, n_batch=args.batch))
+                                       threads=args.threads, n_batch=args.batch,
+                                       batch_window_s=args.batch_window_ms / 1000.0,
+                                       max_batch_sessions=args.max_batch_sessions))
     worker.start()
     return worker.serve_until_signal()
 
@@ -232,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--threads", type=int, default=None)
     sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
+    sv.add_argument("--batch-window-ms", type=float, default=2.0, help="how long a step waits for others to join")
+    sv.add_argument("--max-batch-sessions", type=int, default=None,
+                    help="most sessions per batched step (below the concurrency, it keeps pipeline stages busy at once)")
     sv.add_argument("--max-sessions", type=int, default=None, help="default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
     sv.add_argument("--context-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
     sv.add_argument("--budget-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_BUDGET_TOKENS or 8192")

@@ -41,11 +41,11 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def start_worker(model: Path, first: int, last: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_worker(model: Path, first: int, last: int, threads: int, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
            "--port", str(port), "--threads", str(threads), "--max-sessions", "8", "--context-tokens", "512",
-           "--budget-tokens", "2048"]
+           "--budget-tokens", "2048", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"127.0.0.1:{port}"
 

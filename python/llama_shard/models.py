@@ -47,3 +47,26 @@ def gguf_layer_count(path: str | Path) -> int:
         return int(reader.get_field(f"{arch}.block_count").contents())
     except (OSError, ValueError, AttributeError, KeyError) as e:
         raise ModelLoadError(f"cannot read the layer count of {path}: {e}") from e
+
+
+def compute_balanced_cut(path: str | Path) -> int:
+    """The first layer of the tail for a 2-shard split that balances per-token compute: each layer
+    costs its weight bytes, and the tail also pays for the LM head (output.weight, or the tied
+    token_embd), which the head's embedding lookup does not."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.get_field("general.architecture").contents()
+    n_layer = int(reader.get_field(f"{arch}.block_count").contents())
+    per_layer = [0] * n_layer
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
+    for name, n in tensors.items():
+        if name.startswith("blk."):
+            per_layer[int(name.split(".")[1])] += n
+    lm_head = tensors.get("output.weight", tensors.get("token_embd.weight", 0))
+    best, best_cost = 1, float("inf")
+    for cut in range(1, n_layer):
+        cost = max(sum(per_layer[:cut]), sum(per_layer[cut:]) + lm_head)
+        if cost < best_cost:
+            best, best_cost = cut, cost
+    return best

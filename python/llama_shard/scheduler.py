@@ -30,12 +30,16 @@ class StepScheduler:
     """Coalesces concurrent steps of different sessions into batched engine steps."""
 
     def __init__(self, manager, *, window_s: float = 0.002, max_batch_tokens: int | None = None,
-                 prefill_chunk: int = 64):
-        if window_s < 0 or prefill_chunk < 1:
-            raise InvalidInputError("window_s must be >= 0 and prefill_chunk >= 1")
+                 prefill_chunk: int = 64, max_batch_sessions: int | None = None):
+        if window_s < 0 or prefill_chunk < 1 or (max_batch_sessions is not None and max_batch_sessions < 1):
+            raise InvalidInputError("window_s must be >= 0, prefill_chunk and max_batch_sessions >= 1")
         self.manager = manager
         self.window_s = float(window_s)
         self.max_batch_tokens = int(max_batch_tokens or manager.engine.n_batch)
+        # a cap below the number of sessions keeps groups of sessions out of phase, so the shards of
+        # a pipeline work on different groups at the same time instead of taking turns
+        self.max_batch_sessions = int(max_batch_sessions or manager.config.max_sessions)
+        self._last_batch = 0
         self.prefill_chunk = int(min(prefill_chunk, self.max_batch_tokens))
         self._pending: collections.deque[_Pending] = collections.deque()
         self._cv = threading.Condition()
@@ -76,20 +80,23 @@ class StepScheduler:
                 self._cv.wait()
             if not self._pending:
                 return None
-            deadline = self._pending[0].arrived + self.window_s
+            # wait for others only when there are others: a lone caller (last step had one request
+            # and nobody else is queued) pays no window
+            window = self.window_s if (self._last_batch > 1 or len(self._pending) > 1) else 0.0
+            deadline = self._pending[0].arrived + window
             while not self._closed:
                 sessions = {p.request[0] for p in self._pending}
                 tokens = sum(p.n_tokens for p in self._pending)
                 remaining = deadline - time.monotonic()
                 # everyone who can share a step is here, or the window is over
-                if remaining <= 0 or tokens >= self.max_batch_tokens or len(sessions) >= self.manager.config.max_sessions:
+                if remaining <= 0 or tokens >= self.max_batch_tokens or len(sessions) >= self.max_batch_sessions:
                     break
                 self._cv.wait(remaining)
             batch, seen, tokens, keep = [], set(), 0, collections.deque()
             while self._pending:
                 p = self._pending.popleft()
                 sid = p.request[0]
-                fits = not batch or tokens + p.n_tokens <= self.max_batch_tokens
+                fits = not batch or (tokens + p.n_tokens <= self.max_batch_tokens and len(batch) < self.max_batch_sessions)
                 if sid in seen or not fits:
                     keep.append(p)  # one request per session per step; the rest waits its turn
                     continue
@@ -97,6 +104,7 @@ class StepScheduler:
                 tokens += p.n_tokens
                 batch.append(p)
             self._pending = keep
+            self._last_batch = len(batch)
             return batch
 
     def _run(self) -> None:

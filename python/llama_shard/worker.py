@@ -50,6 +50,7 @@ class WorkerOptions:
     threads: int | None = None
     n_batch: int = 512
     batch_window_s: float = 0.002
+    max_batch_sessions: int | None = None  # None: up to max_sessions per step
     max_message_bytes: int = 64 * 2**20
     grace_s: float = 5.0
 
@@ -210,7 +211,8 @@ class ShardWorker:
         self.options = options
         self.model = ShardModel(str(model_path), layers, options.threads)
         self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads)
-        self.scheduler = StepScheduler(self.manager, window_s=options.batch_window_s)
+        self.scheduler = StepScheduler(self.manager, window_s=options.batch_window_s,
+                                       max_batch_sessions=options.max_batch_sessions)
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
