@@ -114,6 +114,33 @@ py::array_t<float> output_array(const shard_model_info & info, int64_t n_tokens)
                         : py::array_t<float>(std::vector<py::ssize_t>{(py::ssize_t) n_tokens, info.n_embd});
 }
 
+// an engine step's size is checked before its output is allocated
+void check_step_size(const hot_kv_engine & e, const shard_input & input) {
+    if (input.n_tokens < 1 || input.n_tokens > e.config().n_batch) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" + std::to_string(e.config().n_batch) +
+                          ") tokens, got " + std::to_string(input.n_tokens));
+    }
+}
+
+// one prefill or decode on the engine: (result, output or None)
+std::pair<hot_kv_result, py::object> single_step(hot_kv_engine & e, hot_kv_step_kind kind, const std::string & sid,
+                                                 int64_t epoch, double now, int32_t position, const py::object & tokens,
+                                                 const py::object & hidden) {
+    const shard_model_info & info = e.model().info();
+    py_input p;
+    parse_input(p, info, tokens, hidden);
+    check_step_size(e, p.input);
+    py::array_t<float> out = output_array(info, p.input.n_tokens);
+    float * dst = out.mutable_data();
+    hot_kv_result r;
+    {
+        py::gil_scoped_release release;
+        r = kind == HOT_KV_STEP_PREFILL ? e.prefill(sid, epoch, position, p.input, dst, now)
+                                        : e.decode(sid, epoch, position, p.input, dst, now);
+    }
+    return {r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none())};
+}
+
 } // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -294,40 +321,12 @@ PYBIND11_MODULE(_native, m) {
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
         .def("prefill", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t start_pos,
                            const py::object & tokens, const py::object & hidden) {
-                 const shard_model_info & info = e.model().info();
-                 py_input p;
-                 parse_input(p, info, tokens, hidden);
-                 if (p.input.n_tokens < 1 || p.input.n_tokens > e.config().n_batch) {
-                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
-                         std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(p.input.n_tokens));
-                 }
-                 py::array_t<float> out = output_array(info, p.input.n_tokens);
-                 float * dst = out.mutable_data();
-                 hot_kv_result r;
-                 {
-                     py::gil_scoped_release release;
-                     r = e.prefill(sid, epoch, start_pos, p.input, dst, now);
-                 }
-                 return std::make_pair(r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none()));
+                 return single_step(e, HOT_KV_STEP_PREFILL, sid, epoch, now, start_pos, tokens, hidden);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("start_pos") = -1,
              py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
         .def("decode", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t expected_seq_len,
                           const py::object & tokens, const py::object & hidden) {
-                 const shard_model_info & info = e.model().info();
-                 py_input p;
-                 parse_input(p, info, tokens, hidden);
-                 if (p.input.n_tokens < 1 || p.input.n_tokens > e.config().n_batch) {
-                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
-                         std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(p.input.n_tokens));
-                 }
-                 py::array_t<float> out = output_array(info, p.input.n_tokens);
-                 float * dst = out.mutable_data();
-                 hot_kv_result r;
-                 {
-                     py::gil_scoped_release release;
-                     r = e.decode(sid, epoch, expected_seq_len, p.input, dst, now);
-                 }
-                 return std::make_pair(r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none()));
+                 return single_step(e, HOT_KV_STEP_DECODE, sid, epoch, now, expected_seq_len, tokens, hidden);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("expected_seq_len") = -1,
              py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
         .def("step", [](hot_kv_engine & e, const py::list & requests, double now) {
@@ -355,10 +354,7 @@ PYBIND11_MODULE(_native, m) {
                          req.kind     = kind == "prefill" ? HOT_KV_STEP_PREFILL : HOT_KV_STEP_DECODE;
                          req.position = py::cast<int32_t>(t[3]);
                          parse_input(inputs[i], info, t[4], t[5]);
-                         if (inputs[i].input.n_tokens < 1 || inputs[i].input.n_tokens > e.config().n_batch) {
-                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" +
-                                 std::to_string(e.config().n_batch) + ") tokens, got " + std::to_string(inputs[i].input.n_tokens));
-                         }
+                         check_step_size(e, inputs[i].input);
                          req.input = inputs[i].input;
                          py::array_t<float> out = output_array(info, req.input.n_tokens);
                          req.out = out.mutable_data();

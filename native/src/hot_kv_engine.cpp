@@ -147,6 +147,13 @@ bool hot_kv_engine::evict_lru_except_locked(const std::vector<std::string> & kee
     return false;
 }
 
+double hot_kv_engine::begin_locked(const std::string & sid, int64_t epoch, double now) {
+    validate_key(sid, epoch);
+    now = tick_locked(now);
+    sweep_locked(now);
+    return now;
+}
+
 double hot_kv_engine::tick_locked(double now) {
     clock_ = std::max(clock_, now);
     return clock_;
@@ -247,9 +254,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
 
 hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
-    sweep_locked(now);
+    now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
@@ -494,12 +499,10 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
 
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
     if (length < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "truncate length must be >= 0, got " + str(length));
     }
-    sweep_locked(now);
+    now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
     if (s == nullptr) {
@@ -526,9 +529,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
 
 hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
-    sweep_locked(now);
+    now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     auto it = live_.find(sid);
     if (it != live_.end()) {
@@ -556,9 +557,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
 
 hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    validate_key(sid, epoch);
-    now = tick_locked(now);
-    sweep_locked(now);
+    now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
     if (s == nullptr) {

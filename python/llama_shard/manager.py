@@ -68,7 +68,8 @@ class HotKvStateManager:
                            owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token())
 
     @staticmethod
-    def _raise_or_miss(sid: str, epoch: int, r) -> CacheMiss | None:
+    def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
+        """None for OK, the CacheMiss for a miss; raises the contract's exception for the rest."""
         if r.status == "OK":
             return None
         if r.status == "CACHE_MISS":
@@ -98,26 +99,26 @@ class HotKvStateManager:
         check_key(session_id, route_epoch)
         self.check_recipe(recipe)
         r = self.engine.open(session_id, int(route_epoch), self.clock())
-        self._raise_or_miss(session_id, route_epoch, r)
+        self.outcome(session_id, route_epoch, r)
         return self._session(session_id, route_epoch, r)
 
     def truncate(self, session_id: str, route_epoch: int, length: int) -> SessionInfo | CacheMiss:
         check_key(session_id, route_epoch)
         check_count("length", length)
         r = self.engine.truncate(session_id, int(route_epoch), int(length), self.clock())
-        return self._raise_or_miss(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+        return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
 
     def release(self, session_id: str, route_epoch: int) -> bool:
         """Releases exactly this epoch's state; True if something was released."""
         check_key(session_id, route_epoch)
         r = self.engine.release(session_id, int(route_epoch), self.clock())
-        self._raise_or_miss(session_id, route_epoch, r)
+        self.outcome(session_id, route_epoch, r)
         return bool(r.changed)
 
     def resolve(self, session_id: str, route_epoch: int) -> SessionInfo | CacheMiss:
         check_key(session_id, route_epoch)
         r = self.engine.resolve(session_id, int(route_epoch), self.clock())
-        return self._raise_or_miss(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+        return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
 
     def get(self, session_id: str, route_epoch: int) -> SessionInfo:
         out = self.resolve(session_id, route_epoch)
@@ -197,7 +198,7 @@ class KvBoundaryAdapter:
         return boundary.hidden if isinstance(boundary, BoundaryBundle) else boundary
 
     def _finish(self, sid: str, epoch: int, r, out):
-        miss = self.manager._raise_or_miss(sid, epoch, r)
+        miss = self.manager.outcome(sid, epoch, r)
         if miss is not None:
             return miss
         if self.model.info.is_tail:

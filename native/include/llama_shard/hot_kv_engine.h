@@ -191,6 +191,8 @@ private:
     // callers read their clocks before they get the lock, so `now` can arrive out of order across
     // threads; the engine keeps its own time monotone so the LRU order always matches last_used
     double   tick_locked(double now);
+    // the prelude of every single-session request: validate the key, advance time, TTL sweep
+    double   begin_locked(const std::string & sid, int64_t epoch, double now);
     int32_t  sweep_locked(double now);
     // frees the session's cells, seq id and reservation; remembers (sid, remembered_epoch or its
     // own epoch when < 0) with `reason` for later requests
