@@ -231,6 +231,16 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
         server.wait(10)
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one when pid is None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
                      max_batch_sessions: int | None = None) -> dict[int, float]:
     """Two `llama-shard serve` processes on loopback (1 thread each) split the model where per-token
@@ -266,9 +276,16 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
             for t in threads:
                 t.start()
             barrier.wait()
+            cpu0 = [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()]
             t0 = time.perf_counter()
             done.wait()
-            res[pl] = pl * ntg / (time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            cpu = [b - a for a, b in zip(cpu0, [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()])]
+            res[pl] = pl * ntg / wall
+            # where the time goes: CPU seconds of each worker and of this client during the decode
+            _log(f"pipeline profile, {pl} session(s), {pl * ntg} tokens in {wall:.2f}s wall: CPU head "
+                 f"{cpu[0]:.2f}s, tail {cpu[1]:.2f}s, client {cpu[2]:.2f}s "
+                 f"({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores)")
             for t in threads:
                 t.join()
             for sess in sessions:
