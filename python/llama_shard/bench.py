@@ -277,15 +277,20 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
                 t.start()
             barrier.wait()
             cpu0 = [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()]
+            eng0 = [s.stats() for s in client.stages]
             t0 = time.perf_counter()
             done.wait()
             wall = time.perf_counter() - t0
             cpu = [b - a for a, b in zip(cpu0, [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()])]
+            eng = [(b.engine_busy_seconds - a.engine_busy_seconds, b.engine_steps - a.engine_steps,
+                    b.engine_requests - a.engine_requests) for a, b in zip(eng0, [s.stats() for s in client.stages])]
             res[pl] = pl * ntg / wall
-            # where the time goes: CPU seconds of each worker and of this client during the decode
+            # where the time goes: CPU seconds of each worker and of this client during the decode,
+            # and how long each worker's engine was busy, in how many steps of how many requests
             _log(f"pipeline profile, {pl} session(s), {pl * ntg} tokens in {wall:.2f}s wall: CPU head "
                  f"{cpu[0]:.2f}s, tail {cpu[1]:.2f}s, client {cpu[2]:.2f}s "
-                 f"({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores)")
+                 f"({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
+                 + ", ".join(f"{b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)" for b, n, r in eng))
             for t in threads:
                 t.join()
             for sess in sessions:

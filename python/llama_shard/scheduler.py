@@ -47,6 +47,7 @@ class StepScheduler:
         self._thread: threading.Thread | None = None
         self.steps = 0            # batched steps run
         self.requests = 0         # requests answered
+        self.busy_seconds = 0.0   # wall time inside engine steps
 
     # --- submission ------------------------------------------------------------------------------
 
@@ -112,12 +113,15 @@ class StepScheduler:
             batch = self._take()
             if batch is None:
                 return
+            t0 = time.perf_counter()
             try:
                 answers = self.manager.step_batch([p.request for p in batch])
             except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
                 for p in batch:
                     p.future.set_exception(e)
                 continue
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
             self.steps += 1
             self.requests += len(batch)
             for p, answer in zip(batch, answers):

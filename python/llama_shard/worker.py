@@ -200,7 +200,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n)
                       for sid, ep, _, n, _ in self.manager.engine.sessions()],
-            misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"])
+            misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
+            engine_busy_seconds=self.scheduler.busy_seconds, engine_steps=self.scheduler.steps,
+            engine_requests=self.scheduler.requests)
 
 
 class ShardWorker:
