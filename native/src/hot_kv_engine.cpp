@@ -36,6 +36,17 @@ static std::string str(int64_t v) { return std::to_string(v); }
 
 static constexpr size_t MAX_SESSION_ID_BYTES = 256;
 
+// the answer to a request whose epoch is older than the session's `current` ("current" while the
+// session is live, "last" when only its dropped record remains)
+static hot_kv_result stale_result(int64_t epoch, int64_t current, const char * which) {
+    hot_kv_result res;
+    res.status        = SHARD_STATUS_STALE_EPOCH;
+    res.current_epoch = current;
+    res.detail        = "route epoch " + std::to_string(epoch) + " is older than the session's " + which + " epoch " +
+                        std::to_string(current);
+    return res;
+}
+
 //
 // construction
 //
@@ -214,9 +225,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
             return &s;
         }
         if (epoch < s.epoch) {
-            res.status        = SHARD_STATUS_STALE_EPOCH;
-            res.current_epoch = s.epoch;
-            res.detail        = "route epoch " + str(epoch) + " is older than the session's current epoch " + str(s.epoch);
+            res = stale_result(epoch, s.epoch, "current");
             return nullptr;
         }
         // a newer epoch: the route moved; the older state is dropped, and the newer epoch is what
@@ -230,9 +239,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
     auto rit = recent_.find(sid);
     if (rit != recent_.end()) {
         if (epoch < rit->second.epoch) {
-            res.status        = SHARD_STATUS_STALE_EPOCH;
-            res.current_epoch = rit->second.epoch;
-            res.detail        = "route epoch " + str(epoch) + " is older than the session's last epoch " + str(rit->second.epoch);
+            res = stale_result(epoch, rit->second.epoch, "last");
             return nullptr;
         }
         if (epoch == rit->second.epoch) {
@@ -534,11 +541,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
     auto it = live_.find(sid);
     if (it != live_.end()) {
         if (epoch < it->second.epoch) {
-            // a stale release must not erase the current epoch
-            res.status        = SHARD_STATUS_STALE_EPOCH;
-            res.current_epoch = it->second.epoch;
-            res.detail        = "route epoch " + str(epoch) + " is older than the session's current epoch " + str(it->second.epoch);
-            return res;
+            return stale_result(epoch, it->second.epoch, "current");  // a stale release must not erase the current epoch
         }
         if (epoch == it->second.epoch) {
             drop_locked(sid, SHARD_MISS_RELEASED);
@@ -548,9 +551,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
     }
     auto rit = recent_.find(sid);
     if (rit != recent_.end() && epoch < rit->second.epoch) {
-        res.status        = SHARD_STATUS_STALE_EPOCH;
-        res.current_epoch = rit->second.epoch;
-        res.detail        = "route epoch " + str(epoch) + " is older than the session's last epoch " + str(rit->second.epoch);
+        return stale_result(epoch, rit->second.epoch, "last");
     }
     return res;  // releasing what is not cached is a no-op
 }

@@ -32,6 +32,11 @@ class StepResult:
     detail: str = ""
 
 
+def _stale(epoch: int, current: int, which: str) -> StepResult:
+    return StepResult(status=STALE_EPOCH, current_epoch=current,
+                      detail=f"route epoch {epoch} is older than the session's {which} epoch {current}")
+
+
 @dataclasses.dataclass
 class StepRequest:
     """One session's part of a batched step (the native hot_kv_request)."""
@@ -207,16 +212,14 @@ class ReferenceHotKvEngine:
             if epoch == s.epoch:
                 return s, StepResult()
             if epoch < s.epoch:
-                return None, StepResult(status=STALE_EPOCH, current_epoch=s.epoch,
-                                        detail=f"route epoch {epoch} is older than the session's current epoch {s.epoch}")
+                return None, _stale(epoch, s.epoch, "current")
             self._drop(sid, "SUPERSEDED_EPOCH", epoch)
             return None, StepResult(status=CACHE_MISS, miss="SUPERSEDED_EPOCH",
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
         d = self._recent.get(sid)
         if d is not None:
             if epoch < d.epoch:
-                return None, StepResult(status=STALE_EPOCH, current_epoch=d.epoch,
-                                        detail=f"route epoch {epoch} is older than the session's last epoch {d.epoch}")
+                return None, _stale(epoch, d.epoch, "last")
             if epoch == d.epoch:
                 return None, StepResult(status=CACHE_MISS, miss=d.reason,
                                         detail=f"the session's state was dropped: {d.reason}")
@@ -363,16 +366,14 @@ class ReferenceHotKvEngine:
         s = self._live.get(session_id)
         if s is not None:
             if epoch < s.epoch:
-                return StepResult(status=STALE_EPOCH, current_epoch=s.epoch,
-                                  detail=f"route epoch {epoch} is older than the session's current epoch {s.epoch}")
+                return _stale(epoch, s.epoch, "current")
             if epoch == s.epoch:
                 self._drop(session_id, "RELEASED")
                 return StepResult(changed=True)
             return StepResult()
         d = self._recent.get(session_id)
         if d is not None and epoch < d.epoch:
-            return StepResult(status=STALE_EPOCH, current_epoch=d.epoch,
-                              detail=f"route epoch {epoch} is older than the session's last epoch {d.epoch}")
+            return _stale(epoch, d.epoch, "last")
         return StepResult()
 
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
