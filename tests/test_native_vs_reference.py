@@ -45,6 +45,7 @@ def test_native_matches_numpy_reference(synthetic_model, reference, split, promp
     got = list(pipe.generate(prompt, 16))
     assert [t for t, _ in got] == ref_tokens
     worst = max(float(np.abs(a - b).max()) for (_, a), b in zip(got, ref_logits))
+    print(f"split {split}, prompt {prompt}: max |native - numpy| logit difference {worst:.4f}")
     assert worst < NATIVE_LOGIT_ATOL, f"max |native - numpy| = {worst}"
 
 
