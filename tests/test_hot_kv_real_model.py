@@ -122,13 +122,13 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
     route = Route(embedded_model)
     victim = 3
     results, misses = {}, {}
-    reached = threading.Event()
+    reached, released = threading.Event(), threading.Event()
 
     def one(i):
         def on_step(step):
             if i == victim and step == 4:
                 reached.set()
-                time.sleep(0.05)  # let the releaser run while this session is mid-decode
+                released.wait(60)  # the victim is mid-decode while another thread releases it
         results[i], misses[i] = route.generate(f"sess-{i}", PROMPTS[i], N_STEPS, on_step)
 
     def releaser():
@@ -136,6 +136,7 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
         assert route.head_mgr.release(f"sess-{victim}", 0)
         assert route.tail_mgr.release(f"sess-{victim}", 0)
         assert ("sess-%d" % victim, 0) not in route.head_mgr.session_keys()
+        released.set()
 
     rel = threading.Thread(target=releaser)
     rel.start()

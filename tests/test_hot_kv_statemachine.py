@@ -182,5 +182,8 @@ def machine(model_dir):
 
 def test_native_engine_and_reference_agree_step_for_step(machine):
     from hypothesis.stateful import run_state_machine_as_test
-    run_state_machine_as_test(machine, settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+    # derandomized: CI replays the same 100 programs every run (explore more locally by raising
+    # max_examples or dropping derandomize)
+    run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                                         derandomize=True, database=None,
                                                          suppress_health_check=list(HealthCheck)))
