@@ -32,3 +32,21 @@ def test_generate_split_matches_whole_model(embedded_model):
     assert res.returncode == 0, res.stderr
     assert "tokens identical: True; logits bit-identical: True" in res.stderr
     assert "Paris" in res.stdout
+
+
+def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
+    import socket
+    res = run_cli("serve", "--model", str(synthetic_model), "--layers", "two-five")
+    assert res.returncode == 2 and "bad layer range" in res.stderr
+    res = run_cli("serve", "--model", str(synthetic_model), "--layers", "0-9")
+    assert res.returncode == 2 and "not inside" in res.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = run_cli("serve", "--model", str(synthetic_model), "--port", str(port))
+    assert res.returncode == 2 and "cannot bind" in res.stderr
+    env_res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model)],
+                             capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, "MESHNET_HOT_KV_MAX_SESSIONS": "lots"})
+    assert env_res.returncode == 2 and "MESHNET_HOT_KV_MAX_SESSIONS" in env_res.stderr

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except LlamaShardError as e:
+    except (LlamaShardError, OSError) as e:
         _status(f"error: {e}")
         return 2
 

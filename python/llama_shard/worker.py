@@ -226,7 +226,10 @@ class ShardWorker:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
+            raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
         if self.port == 0:
             raise OSError(f"cannot bind {options.host}:{options.port}")
         self.metrics_port = None
