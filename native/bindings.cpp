@@ -114,12 +114,16 @@ py::array_t<float> output_array(const shard_model_info & info, int64_t n_tokens)
                         : py::array_t<float>(std::vector<py::ssize_t>{(py::ssize_t) n_tokens, info.n_embd});
 }
 
-// an engine step's size is checked before its output is allocated
-void check_step_size(const hot_kv_engine & e, const shard_input & input) {
-    if (input.n_tokens < 1 || input.n_tokens > e.config().n_batch) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" + std::to_string(e.config().n_batch) +
+// a step's size is checked before its output is allocated
+void check_batch_size(const shard_input & input, int32_t n_batch) {
+    if (input.n_tokens < 1 || input.n_tokens > n_batch) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step takes 1 to n_batch (" + std::to_string(n_batch) +
                           ") tokens, got " + std::to_string(input.n_tokens));
     }
+}
+
+void check_step_size(const hot_kv_engine & e, const shard_input & input) {
+    check_batch_size(input, e.config().n_batch);
 }
 
 // one prefill or decode on the engine: (result, output or None)
@@ -239,9 +243,8 @@ PYBIND11_MODULE(_native, m) {
                  const shard_model_info & info = self.model().info();
                  py_input p;
                  parse_input(p, info, tokens, hidden);
-                 // validate before allocating the output: a bad n_tokens must not size an allocation
-                 self.validate_seq_id(seq_id);
-                 self.validate_input(p.input);
+                 // a bad n_tokens must not size an allocation; the rest is validated by forward()
+                 check_batch_size(p.input, self.n_batch());
                  py::array_t<float> out = output_array(info, p.input.n_tokens);
                  float * dst = out.mutable_data();
                  {
@@ -263,7 +266,7 @@ PYBIND11_MODULE(_native, m) {
                          throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "an item is (seq_id, pos, tokens, hidden)");
                      }
                      parse_input(inputs[i], info, t[2], t[3]);
-                     self.validate_input(inputs[i].input);
+                     check_batch_size(inputs[i].input, self.n_batch());
                      py::array_t<float> out = output_array(info, inputs[i].input.n_tokens);
                      batch.push_back({py::cast<int32_t>(t[0]), py::cast<int32_t>(t[1]), inputs[i].input, out.mutable_data()});
                      outs.append(out);

@@ -277,37 +277,33 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
     return res;
 }
 
-hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
-                                     float * out, double now) {
+static hot_kv_request single_request(const std::string & sid, int64_t epoch, hot_kv_step_kind kind, int32_t position,
+                                     const shard_input & input, float * out) {
     hot_kv_request req;
     req.session_id = sid;
     req.epoch      = epoch;
-    req.kind       = HOT_KV_STEP_PREFILL;
-    req.position   = start_pos;
+    req.kind       = kind;
+    req.position   = position;
     req.input      = input;
     req.out        = out;
+    return req;
+}
+
+hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
+                                     float * out, double now) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return single_locked(req, now);
+    return single_locked(single_request(sid, epoch, HOT_KV_STEP_PREFILL, start_pos, input, out), now);
 }
 
 hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                                     float * out, double now) {
-    hot_kv_request req;
-    req.session_id = sid;
-    req.epoch      = epoch;
-    req.kind       = HOT_KV_STEP_DECODE;
-    req.position   = expected_seq_len;
-    req.input      = input;
-    req.out        = out;
     std::lock_guard<std::mutex> lock(mutex_);
-    return single_locked(req, now);
+    return single_locked(single_request(sid, epoch, HOT_KV_STEP_DECODE, expected_seq_len, input, out), now);
 }
 
 // a single request: caller mistakes and compute failures are exceptions, as everywhere else
 hot_kv_result hot_kv_engine::single_locked(const hot_kv_request & req, double now) {
-    validate_key(req.session_id, req.epoch);
-    ctx_->validate_input(req.input);
-    hot_kv_result res = step_locked({req}, now)[0];
+    hot_kv_result res = step_locked({req}, now)[0];  // validates first; an invalid step changes nothing
     if (res.status == SHARD_STATUS_INVALID_INPUT) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, res.detail);
     }
@@ -372,7 +368,8 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
         items.push_back({p.s->seq_id, p.start, req.input, req.out});
     }
     try {
-        ctx_->forward_batch(items);  // rolls back every position it added if a decode fails
+        // inputs were validated above; forward_batch rolls back every position it added if a decode fails
+        ctx_->forward_batch(items, /*inputs_validated*/ true);
     } catch (const shard_error & e) {
         for (const planned & p : plan) {
             reserved_ -= requests[p.index].input.n_tokens;

@@ -132,12 +132,12 @@ void shard_context::validate_input(const shard_input & input) const {
 
 void shard_context::forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out) {
     std::lock_guard<std::mutex> lock(mutex_);
-    forward_batch_locked({batch_item{seq_id, pos, input, out}});
+    forward_batch_locked({batch_item{seq_id, pos, input, out}}, false);
 }
 
-int32_t shard_context::forward_batch(const std::vector<batch_item> & items) {
+int32_t shard_context::forward_batch(const std::vector<batch_item> & items, bool inputs_validated) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return forward_batch_locked(items);
+    return forward_batch_locked(items, inputs_validated);
 }
 
 uint64_t shard_context::n_decode_calls() const {
@@ -145,7 +145,7 @@ uint64_t shard_context::n_decode_calls() const {
     return n_decode_calls_;
 }
 
-int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & items) {
+int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) {
     const shard_model_info & info = model_.info();
     llama_memory_t mem = llama_get_memory(ctx_);
 
@@ -157,7 +157,9 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
     int64_t n_new = 0;
     for (const batch_item & it : items) {
         validate_seq_id(it.seq_id);
-        validate_input(it.input);
+        if (!inputs_validated) {
+            validate_input(it.input);
+        }
         if (seen[(size_t) it.seq_id]) {
             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "sequence " + str(it.seq_id) + " appears twice in one batch");
         }

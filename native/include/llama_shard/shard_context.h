@@ -76,7 +76,9 @@ public:
     // allows (an item is never split). All items are validated first; if any llama_decode fails,
     // every position of every item is removed again before the error is thrown. Returns the
     // number of llama_decode calls made.
-    int32_t forward_batch(const std::vector<batch_item> & items);
+    // inputs_validated: the caller already ran validate_input on every item (it is not repeated;
+    // sequence ids and positions are always checked)
+    int32_t forward_batch(const std::vector<batch_item> & items, bool inputs_validated = false);
 
     // llama_decode calls made by this context so far
     uint64_t n_decode_calls() const;
@@ -97,7 +99,7 @@ public:
     llama_context * raw() const { return ctx_; }
 
 private:
-    int32_t forward_batch_locked(const std::vector<batch_item> & items);
+    int32_t forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated);
     int64_t n_cells_used_unlocked() const;
 
     const shard_model & model_;

@@ -185,6 +185,19 @@ class ReferenceHotKvEngine:
             n += 1
         return n
 
+    def _begin(self, session_id: str, epoch: int, now: float) -> float:
+        """The prelude of every single-session request (the native begin_locked)."""
+        self._validate_key(session_id, epoch)
+        now = self._tick(now)
+        self._sweep(now)
+        return now
+
+    def _counted(self, res: StepResult) -> StepResult:
+        """A miss that is returned is counted; stale answers are not misses."""
+        if res.status == CACHE_MISS:
+            self._misses[res.miss] += 1
+        return res
+
     def _tick(self, now: float) -> float:
         self._clock = max(self._clock, now)
         return self._clock
@@ -228,9 +241,7 @@ class ReferenceHotKvEngine:
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
-        self._sweep(now)
+        now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
             return res
@@ -341,16 +352,12 @@ class ReferenceHotKvEngine:
         return None
 
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
         if length < 0:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
-        self._sweep(now)
+        now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if s is None:
-            if res.status == CACHE_MISS:
-                self._misses[res.miss] += 1
-            return res
+            return self._counted(res)
         if length > s.seq_len:
             raise InvalidInputError(f"cannot truncate a session of {s.seq_len} tokens to {length}")
         if length < s.seq_len:
@@ -360,9 +367,7 @@ class ReferenceHotKvEngine:
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
 
     def release(self, session_id: str, epoch: int, now: float) -> StepResult:
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
-        self._sweep(now)
+        self._begin(session_id, epoch, now)
         s = self._live.get(session_id)
         if s is not None:
             if epoch < s.epoch:
@@ -377,14 +382,10 @@ class ReferenceHotKvEngine:
         return StepResult()
 
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
-        self._validate_key(session_id, epoch)
-        now = self._tick(now)
-        self._sweep(now)
+        self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if s is None:
-            if res.status == CACHE_MISS:
-                self._misses[res.miss] += 1
-            return res
+            return self._counted(res)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
 
     def sweep(self, now: float) -> int:
