@@ -129,7 +129,9 @@ void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reaso
     session & s = it->second;
     ctx_->seq_rm(s.seq_id, 0);
     reserved_ -= s.seq_len;
-    free_ids_.push_back(s.seq_id);
+    // kept in descending order: the lowest free id is handed out next, so live sessions hold a
+    // compact run of ids and a batched step over them is one ubatch (see shard_context::forward_batch)
+    free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), s.seq_id, std::greater<int32_t>()), s.seq_id);
     lru_.erase(s.lru_pos);
     const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : s.epoch;
     live_.erase(it);
@@ -621,6 +623,7 @@ void hot_kv_engine::check_invariants() const {
         }
         sum += s.seq_len;
     }
+    if (!std::is_sorted(free_ids_.begin(), free_ids_.end(), std::greater<int32_t>())) fail("free seq ids are not in descending order");
     for (int32_t id : free_ids_) {
         if (id < 0 || id >= config_.max_sessions || used[(size_t) id]) fail("free seq id is in use or out of range");
         used[(size_t) id] = true;

@@ -193,20 +193,30 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
     };
 
     // --- pack items into llama_decode calls of at most n_batch tokens ---
+    // With one KV stream per sequence, llama.cpp puts into one ubatch (one graph computation) only
+    // sequences whose ids follow each other in batch order (split_equal, sequential): items go in
+    // ascending seq_id order, so a run of consecutive ids costs one pass over the weights, not one each.
+    std::vector<size_t> order(items.size());
+    for (size_t k = 0; k < order.size(); ++k) {
+        order[k] = k;
+    }
+    if (!kv_unified_) {
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].seq_id < items[b].seq_id; });
+    }
     llama_batch & batch = batch_->batch;
     int32_t n_calls = 0;
     size_t first = 0;
     while (first < items.size()) {
         size_t last = first;
         int32_t n = 0;
-        while (last < items.size() && n + items[last].input.n_tokens <= n_batch_) {
-            n += (int32_t) items[last].input.n_tokens;
+        while (last < items.size() && n + items[order[last]].input.n_tokens <= n_batch_) {
+            n += (int32_t) items[order[last]].input.n_tokens;
             ++last;
         }
         batch.n_tokens = n;
         int32_t row = 0;
         for (size_t k = first; k < last; ++k) {
-            const batch_item & it = items[k];
+            const batch_item & it = items[order[k]];
             const int32_t m = (int32_t) it.input.n_tokens;
             for (int32_t i = 0; i < m; ++i, ++row) {
                 batch.pos[row]       = it.pos + i;
@@ -232,7 +242,7 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
         // read this call's outputs before the next decode overwrites them
         row = 0;
         for (size_t k = first; k < last; ++k) {
-            const batch_item & it = items[k];
+            const batch_item & it = items[order[k]];
             const int32_t m = (int32_t) it.input.n_tokens;
             if (info.is_tail) {
                 const float * logits = llama_get_logits_ith(ctx_, row + m - 1);

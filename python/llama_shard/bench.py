@@ -242,18 +242,20 @@ def _cpu_seconds(pid: int | None = None) -> float:
 
 
 def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
-                     max_batch_sessions: int | None = None) -> dict[int, float]:
+                     micro_batches: int = 2) -> dict[int, float]:
     """Two `llama-shard serve` processes on loopback (1 thread each) split the model where per-token
-    compute balances (the tail also runs the LM head); `pl` sessions decode concurrently through
-    them, so both workers compute at once (pipelining)."""
+    compute balances (the tail also runs the LM head). `pl` sessions are dealt into `micro_batches`
+    groups of consecutive sessions; each group steps through the route on its own thread, one
+    StepBatch message per worker per step, so while the tail computes one group the head computes
+    the other (pipelining). Like llama-batched-bench, prompts are prefilled first and only the
+    decode is timed."""
     import threading
 
     from .demo import start_worker, wait_serving
-    from .route import RemoteStage, RouteClient
+    from .route import RemoteStage, RouteClient, RouteError
 
     cut = compute_balanced_cut(path)
-    extra = ("--max-batch-sessions", str(max_batch_sessions)) if max_batch_sessions else ()
-    procs = [start_worker(path, 0, cut - 1, 1, extra), start_worker(path, cut, n_layer - 1, 1, extra)]
+    procs = [start_worker(path, 0, cut - 1, 1), start_worker(path, cut, n_layer - 1, 1)]
     res = {}
     try:
         for proc, addr in procs:
@@ -262,37 +264,49 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
         rng = np.random.default_rng(5)
         for pl in npl:
             sessions = [client.session(f"pipe-{pl}-{j}") for j in range(pl)]
-            barrier = threading.Barrier(pl + 1)
-            done = threading.Barrier(pl + 1)
+            n_groups = max(1, min(micro_batches, pl))
+            groups = [list(range(g * pl // n_groups, (g + 1) * pl // n_groups)) for g in range(n_groups)]
+            last_token: dict[int, int] = {}
+            failures: list[RouteError] = []
 
-            def run(j):
-                out = sessions[j]._step("prefill", rng.integers(0, vocab, npp).tolist())
-                barrier.wait()
-                for _ in range(ntg):
-                    out = sessions[j]._step("decode", [int(out.token_id)])
-                done.wait()
+            def step(kind: str, group: list[int], feeds: list[list[int]]) -> None:
+                outs = client.step_sessions(kind, [sessions[i] for i in group], feeds)
+                for i, out in zip(group, outs):
+                    if isinstance(out, RouteError):
+                        raise out
+                    last_token[i] = int(out.token_id)
 
-            threads = [threading.Thread(target=run, args=(j,)) for j in range(pl)]
-            for t in threads:
-                t.start()
-            barrier.wait()
+            for group in groups:  # sessions open in order: each group holds consecutive seq ids
+                step("prefill", group, [rng.integers(0, vocab, npp).tolist() for _ in group])
+
+            def decode(group: list[int]) -> None:
+                try:
+                    for _ in range(ntg):
+                        step("decode", group, [[last_token[i]] for i in group])
+                except RouteError as e:
+                    failures.append(e)
+
+            threads = [threading.Thread(target=decode, args=(g,)) for g in groups]
             cpu0 = [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()]
             eng0 = [s.stats() for s in client.stages]
             t0 = time.perf_counter()
-            done.wait()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
             wall = time.perf_counter() - t0
+            if failures:
+                raise failures[0]
             cpu = [b - a for a, b in zip(cpu0, [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()])]
             eng = [(b.engine_busy_seconds - a.engine_busy_seconds, b.engine_steps - a.engine_steps,
                     b.engine_requests - a.engine_requests) for a, b in zip(eng0, [s.stats() for s in client.stages])]
             res[pl] = pl * ntg / wall
             # where the time goes: CPU seconds of each worker and of this client during the decode,
             # and how long each worker's engine was busy, in how many steps of how many requests
-            _log(f"pipeline profile, {pl} session(s), {pl * ntg} tokens in {wall:.2f}s wall: CPU head "
-                 f"{cpu[0]:.2f}s, tail {cpu[1]:.2f}s, client {cpu[2]:.2f}s "
+            _log(f"pipeline profile, {pl} session(s) in {n_groups} micro-batch(es), {pl * ntg} tokens in "
+                 f"{wall:.2f}s wall: CPU head {cpu[0]:.2f}s, tail {cpu[1]:.2f}s, client {cpu[2]:.2f}s "
                  f"({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
                  + ", ".join(f"{b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)" for b, n, r in eng))
-            for t in threads:
-                t.join()
             for sess in sessions:
                 sess.release()
         client.close()

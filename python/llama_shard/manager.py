@@ -22,6 +22,7 @@ from .errors import (
     InvalidInputError,
     KvBudgetExceededError,
     KvCacheMissError,
+    LlamaShardError,
     StaleRouteEpochError,
 )
 from .hot_kv import (
@@ -237,12 +238,6 @@ class KvBoundaryAdapter:
         return (session_id, int(route_epoch), "decode", -1 if expected_seq_len is None else int(expected_seq_len),
                 token_ids, self._hidden(boundary))
 
-    def _run(self, request):
-        if self.scheduler is None:
-            (r, out), = self.manager.step_batch([request])
-            return r, out
-        return self.scheduler.submit(*request).result()
-
     def _combine(self, sid, epoch, answers):
         """Maps chunk answers to one outcome; hidden rows of every chunk are concatenated."""
         outs = []
@@ -262,19 +257,76 @@ class KvBoundaryAdapter:
                 boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch)."""
         self.manager.check_recipe(recipe)
-        answers = []
-        for req in self._prefill_requests(session_id, route_epoch, token_ids, boundary, start_pos):
-            answers.append(self._run(req))
-            if answers[-1][0].status != "OK":
-                break
-        return self._combine(session_id, route_epoch, answers)
+        return self._one(("prefill", session_id, route_epoch, token_ids, boundary, start_pos))
 
     def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
                boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends decode token(s) at the cached length; expected_seq_len must match it when given."""
         self.manager.check_recipe(recipe)
-        r, out = self._run(self._decode_request(session_id, route_epoch, token_ids, boundary, expected_seq_len))
-        return self._finish(session_id, route_epoch, r, out)
+        return self._one(("decode", session_id, route_epoch, token_ids, boundary, expected_seq_len))
+
+    def _one(self, step: tuple):
+        out, = self.step_many([step])
+        if isinstance(out, LlamaShardError):
+            raise out
+        return out
+
+    def step_many(self, steps: Sequence[tuple]) -> list:
+        """Several sessions' steps run together (a micro-batch): each step is
+        (kind, session_id, route_epoch, token_ids, boundary, position) with kind "prefill" (position:
+        start_pos) or "decode" (position: expected_seq_len), position None for none. With a scheduler
+        the steps share batched engine steps (prefills chunk by chunk); returns, in order, what
+        `prefill`/`decode` would have returned for each, or the LlamaShardError it would have raised."""
+        n = len(steps)
+        results: list = [None] * n
+        chunks: list[list[tuple]] = [[] for _ in range(n)]
+        seen: set = set()
+        for i, (kind, sid, epoch, tokens, boundary, position) in enumerate(steps):
+            try:
+                if isinstance(sid, str):
+                    if sid in seen:
+                        raise InvalidInputError(f"session {sid!r} has more than one step in this batch")
+                    seen.add(sid)
+                if kind == "prefill":
+                    chunks[i] = self._prefill_requests(sid, epoch, tokens, boundary, position)
+                elif kind == "decode":
+                    chunks[i] = [self._decode_request(sid, epoch, tokens, boundary, position)]
+                else:
+                    raise InvalidInputError(f"a step is 'prefill' or 'decode', not {kind!r}")
+            except LlamaShardError as e:
+                results[i] = e
+        answers: list[list] = [[] for _ in range(n)]
+        for k in range(max((len(c) for c in chunks), default=0)):
+            # the k-th chunk of every step still going; a step stops at its first answer that is not OK
+            active = [i for i in range(n) if results[i] is None and k < len(chunks[i])
+                      and (not answers[i] or answers[i][-1][0].status == "OK")]
+            if not active:
+                break
+            requests = [chunks[i][k] for i in active]
+            if self.scheduler is None:
+                got = self.manager.step_batch(requests)
+            else:
+                # a lone step coalesces with other callers' (window); a micro-batch starts at once
+                futures = (self.scheduler.submit_many(requests) if len(requests) > 1
+                           else [self.scheduler.submit(*requests[0])])
+                got = []
+                for fut in futures:
+                    try:
+                        got.append(fut.result())
+                    except LlamaShardError as e:
+                        got.append(e)
+            for i, answer in zip(active, got):
+                if isinstance(answer, LlamaShardError):
+                    results[i] = answer
+                else:
+                    answers[i].append(answer)
+        for i, (kind, sid, epoch, *_rest) in enumerate(steps):
+            if results[i] is None:
+                try:
+                    results[i] = self._combine(sid, epoch, answers[i])
+                except LlamaShardError as e:
+                    results[i] = e
+        return results
 
     async def prefill_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
                             start_pos: int | None = None, recipe: KvCacheRecipe | None = None):

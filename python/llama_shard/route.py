@@ -6,6 +6,11 @@ recipes must agree (checked up front). A `RouteSession` keeps its token history 
 when any shard answers with a cache miss, it re-prefills the whole route from token zero (the
 seeds' degrade rule) and carries on with the same tokens. Changing the route moves every session
 to a new epoch, so state cached under the old route is superseded, never reused by mistake.
+
+Several sessions can step together (`RouteClient.step_sessions`): each stage then gets one message
+for the group (a micro-batch, one batched engine step). `RouteClient.generate_many` splits its
+sessions into one micro-batch per stage, each driven by its own thread, so while the tail computes
+one group the head computes the next: every worker is busy at once (pipelining).
 """
 from __future__ import annotations
 
@@ -63,13 +68,15 @@ class LocalStage:
         i = model.info
         self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}")
 
-    def step(self, kind, sid, epoch, position, tokens=None, hidden=None) -> StepOutcome:
-        fn = self.adapter.prefill if kind == "prefill" else self.adapter.decode
-        kw = {"start_pos": position} if kind == "prefill" else {"expected_seq_len": position}
-        try:
-            out = fn(sid, epoch, token_ids=tokens, boundary=hidden, **kw)
-        except LlamaShardError as e:
-            raise RouteError(f"{self.info.name}: {type(e).__name__}: {e}") from e
+    def step_many(self, items: Sequence[tuple]) -> list:
+        """items: (kind, session_id, epoch, position, tokens, hidden); one StepOutcome or RouteError each."""
+        outs = self.adapter.step_many([(kind, sid, epoch, tokens, hidden, position)
+                                       for kind, sid, epoch, position, tokens, hidden in items])
+        return [self._outcome(out) for out in outs]
+
+    def _outcome(self, out):
+        if isinstance(out, LlamaShardError):
+            return RouteError(f"{self.info.name}: {type(out).__name__}: {out}")
         if isinstance(out, CacheMiss):
             return StepOutcome(miss=out.reason.name)
         if isinstance(out, TailOutput):
@@ -117,7 +124,7 @@ class RemoteStage:
                     continue
                 raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
-    def step(self, kind, sid, epoch, position, tokens=None, hidden=None) -> StepOutcome:
+    def _request(self, sid, epoch, position, tokens, hidden) -> pb.StepRequest:
         req = pb.StepRequest(session_id=sid, route_epoch=epoch, recipe_fingerprint=self.fingerprint,
                              reply_dtype=self.wire_dtype, return_logits=self.return_logits)
         if position is not None:
@@ -126,11 +133,29 @@ class RemoteStage:
             req.token_ids.extend(int(t) for t in tokens)
         if hidden is not None:
             req.hidden.CopyFrom(encode_tensor(hidden, self.wire_dtype))
-        reply = self._call(self.stub.Prefill if kind == "prefill" else self.stub.Decode, req)
+        return req
+
+    def step_many(self, items: Sequence[tuple]) -> list:
+        """items: (kind, session_id, epoch, position, tokens, hidden); one StepOutcome or RouteError
+        each. One step goes as Prefill/Decode (the worker may batch it with other clients' steps),
+        several as one StepBatch message; RouteError is raised when the worker cannot be reached."""
+        if len(items) == 1:
+            kind, *rest = items[0]
+            replies = [self._call(self.stub.Prefill if kind == "prefill" else self.stub.Decode, self._request(*rest))]
+        else:
+            kinds = {"prefill": pb.STEP_KIND_PREFILL, "decode": pb.STEP_KIND_DECODE}
+            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[kind], step=self._request(*rest))
+                                               for kind, *rest in items])
+            replies = list(self._call(self.stub.StepBatch, batch).replies)
+            if len(replies) != len(items):
+                raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(items)} steps")
+        return [self._outcome(reply) for reply in replies]
+
+    def _outcome(self, reply):
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             return StepOutcome(miss=reply.miss_reason)
         if reply.outcome != pb.OUTCOME_OK:
-            raise RouteError(f"worker {self.info.name}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
+            return RouteError(f"worker {self.info.name}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
         if self.info.last == self.info.n_layer - 1:  # the tail: the token, and the logits if asked
             logits = (decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0]
                       if reply.HasField("logits") else None)
@@ -181,6 +206,133 @@ class RouteClient:
     def session(self, session_id: str | None = None) -> "RouteSession":
         return RouteSession(self, session_id or f"route-session-{next(self._ids)}")
 
+    # --- stepping ----------------------------------------------------------------------------------
+
+    def _through_route(self, kind: str, items: list[tuple]) -> list:
+        """items: (session, position, tokens). Each stage gets one message for the sessions still
+        going; a session stops at its first miss or error. One StepOutcome or RouteError each."""
+        results: list = [None] * len(items)
+        hidden: dict[int, np.ndarray] = {}
+        going = list(range(len(items)))
+        for k, stage in enumerate(list(self.stages)):
+            requests = [(kind, items[i][0].session_id, items[i][0].epoch, items[i][1],
+                         items[i][2] if k == 0 else None, hidden[i] if k else None) for i in going]
+            try:
+                outs = stage.step_many(requests)
+            except RouteError as e:  # the worker is unreachable: every session in the message fails
+                for i in going:
+                    results[i] = e
+                return results
+            going_next = []
+            for i, out in zip(going, outs):
+                results[i] = out
+                if isinstance(out, StepOutcome) and out.miss is None:
+                    hidden[i] = out.hidden
+                    going_next.append(i)
+            going = going_next
+        return results
+
+    def step_sessions(self, kind: str, sessions: Sequence["RouteSession"], new_tokens: Sequence[Sequence[int]]) -> list:
+        """One step of several sessions (distinct) through the route, one message per stage.
+
+        Prefill appends `new_tokens` at, and decode expects, the length the route already holds.
+        A session that misses anywhere (or whose route changed) is re-prefilled from token zero with
+        its history plus its new tokens (the seeds' degrade rule), together with the others that
+        missed. Returns one StepOutcome (the tail's) or RouteError per session, in order."""
+        if len({id(s) for s in sessions}) != len(sessions) or len(new_tokens) != len(sessions):
+            raise InvalidInputError("step_sessions takes distinct sessions and one token list each")
+        new = [list(t) for t in new_tokens]
+        results: list = [None] * len(sessions)
+        missed, last_miss, normal = [], {}, []
+        for i, sess in enumerate(sessions):
+            if sess.epoch != self.epoch:
+                sess.epoch = self.epoch  # the route changed: re-prefill under the new epoch
+                missed.append(i)
+                last_miss[i] = "SUPERSEDED_EPOCH"
+            else:
+                normal.append(i)
+        outs = self._through_route(kind, [(sessions[i], len(sessions[i].history), new[i]) for i in normal])
+        for i, out in zip(normal, outs):
+            if isinstance(out, StepOutcome) and out.miss is not None:
+                missed.append(i)
+                last_miss[i] = out.miss
+            else:
+                results[i] = out
+                if isinstance(out, StepOutcome):
+                    sessions[i].history.extend(new[i])
+        for _ in range(self.max_reprefills):
+            if not missed:
+                break
+            full = {i: sessions[i].history + new[i] for i in missed}
+            for i in missed:
+                sessions[i].reprefills += 1
+            outs = self._through_route("prefill", [(sessions[i], 0, full[i]) for i in missed])
+            still = []
+            for i, out in zip(missed, outs):
+                if isinstance(out, StepOutcome) and out.miss is not None:
+                    still.append(i)
+                    last_miss[i] = out.miss
+                else:
+                    results[i] = out
+                    if isinstance(out, StepOutcome):
+                        sessions[i].history = full[i]
+            missed = still
+        for i in missed:
+            results[i] = RouteError(f"session {sessions[i].session_id}: still a cache miss ({last_miss[i]}) after "
+                                    f"{self.max_reprefills} re-prefills")
+        return results
+
+    def generate_many(self, sessions: Sequence["RouteSession"], prompts: Sequence[Sequence[int]], max_tokens: int,
+                      stop: Sequence[int] = (), micro_batches: int | None = None,
+                      on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+        """Greedy generation for several sessions at once; returns each one's tokens.
+
+        The sessions are dealt into `micro_batches` groups (default: one per stage), each driven by
+        its own thread, one message per stage per step: while one group is on the tail, the next is
+        on the head, so every worker computes at once. on_token(index, token) is called as tokens
+        arrive (from those threads). Raises the first RouteError after every group has finished."""
+        if len(prompts) != len(sessions) or any(not p for p in prompts):
+            raise InvalidInputError("generate_many takes one non-empty prompt per session")
+        n_groups = max(1, min(len(sessions), micro_batches or len(self.stages)))
+        groups = [list(range(g, len(sessions), n_groups)) for g in range(n_groups)]
+        generated: list[list[int]] = [[] for _ in sessions]
+        errors: list[Exception] = []
+
+        def drive(group: list[int]) -> None:
+            try:
+                run_group(group)
+            except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+        def run_group(group: list[int]) -> None:
+            going, kind, feed = list(group), "prefill", {i: list(prompts[i]) for i in group}
+            while going:
+                outs = self.step_sessions(kind, [sessions[i] for i in going], [feed[i] for i in going])
+                still = []
+                for i, out in zip(going, outs):
+                    if isinstance(out, RouteError):
+                        errors.append(out)
+                        continue
+                    token = int(out.token_id)
+                    generated[i].append(token)
+                    if on_token:
+                        on_token(i, token)
+                    if token not in stop and len(generated[i]) < max_tokens:
+                        still.append(i)
+                        feed[i] = [token]
+                going, kind = still, "decode"
+
+        if max_tokens < 1:
+            return generated
+        threads = [threading.Thread(target=drive, args=(g,), name=f"route-group-{k}") for k, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return generated
+
     def close(self) -> None:
         for s in self.stages:
             s.close()
@@ -196,35 +348,11 @@ class RouteSession:
         self.epoch = client.epoch
         self.reprefills = 0
 
-    def _through_route(self, kind: str, position: int | None, tokens: list[int]) -> StepOutcome:
-        out = StepOutcome()
-        for i, stage in enumerate(self.client.stages):
-            out = stage.step(kind, self.session_id, self.epoch, position,
-                             tokens=tokens if i == 0 else None, hidden=out.hidden if i else None)
-            if out.miss is not None:
-                return out
-        return out
-
     def _step(self, kind: str, new_tokens: list[int]) -> StepOutcome:
-        if self.epoch != self.client.epoch:
-            self.epoch = self.client.epoch  # the route changed: re-prefill under the new epoch
-            out = StepOutcome(miss="SUPERSEDED_EPOCH")
-        else:
-            # prefill appends at, and decode expects, the length the route already holds
-            out = self._through_route(kind, len(self.history), new_tokens)
-        if out.miss is None:
-            self.history.extend(new_tokens)
-            return out
-        # degrade rule: re-prefill the whole history plus the new tokens from token zero
-        for _ in range(self.client.max_reprefills):
-            self.reprefills += 1
-            full = self.history + new_tokens
-            out = self._through_route("prefill", 0, full)
-            if out.miss is None:
-                self.history = full
-                return out
-        raise RouteError(f"session {self.session_id}: still a cache miss ({out.miss}) after "
-                         f"{self.client.max_reprefills} re-prefills")
+        out, = self.client.step_sessions(kind, [self], [new_tokens])
+        if isinstance(out, RouteError):
+            raise out
+        return out
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None) -> list[int]:

@@ -4,8 +4,10 @@ Callers (threads, or asyncio tasks through `KvBoundaryAdapter.*_async`) submit o
 wait on a future; a single worker thread takes what has arrived, waits at most `window_s` after the
 oldest pending request for others to join, and runs one `HotKvStateManager.step_batch` with at most
 one request per session and at most `max_batch_tokens` tokens. The engine packs the step into as
-few llama_decode calls as its n_batch allows. Long prefills are cut into `prefill_chunk`-token
-pieces by the adapter, so a long prompt does not stall the decoders sharing the worker.
+few llama_decode calls as its n_batch allows. A group submitted together (`submit_many`: a
+micro-batch its client already formed) starts at once with whatever else is pending: it pays no
+window. Long prefills are cut into `prefill_chunk`-token pieces by the adapter, so a long prompt
+does not stall the decoders sharing the worker.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class _Pending:
     n_tokens: int
     future: Future
     arrived: float
+    grouped: bool = False   # part of a micro-batch submitted together: no window to wait for
 
 
 class StepScheduler:
@@ -36,8 +39,8 @@ class StepScheduler:
         self.manager = manager
         self.window_s = float(window_s)
         self.max_batch_tokens = int(max_batch_tokens or manager.engine.n_batch)
-        # a cap below the number of sessions keeps groups of sessions out of phase, so the shards of
-        # a pipeline work on different groups at the same time instead of taking turns
+        # a cap on sessions per step bounds a step's latency (micro-batches for pipelining are
+        # formed by the client: RouteClient.generate_many)
         self.max_batch_sessions = int(max_batch_sessions or manager.config.max_sessions)
         self._last_batch = 0
         self.prefill_chunk = int(min(prefill_chunk, self.max_batch_tokens))
@@ -52,18 +55,28 @@ class StepScheduler:
     # --- submission ------------------------------------------------------------------------------
 
     def submit(self, session_id, epoch, kind: str, position: int, tokens=None, hidden=None) -> Future:
-        n = len(tokens) if tokens is not None else (int(hidden.shape[0]) if hasattr(hidden, "shape") and hidden.ndim == 2 else 1)
-        fut: Future = Future()
+        return self._enqueue([(session_id, epoch, kind, position, tokens, hidden)], grouped=False)[0]
+
+    def submit_many(self, requests) -> list[Future]:
+        """A micro-batch of requests (one per session), queued together and started without a window."""
+        return self._enqueue(list(requests), grouped=True)
+
+    def _enqueue(self, requests: list[tuple], grouped: bool) -> list[Future]:
+        now = time.monotonic()
+        pending = []
+        for req in requests:
+            tokens, hidden = req[4], req[5]
+            n = len(tokens) if tokens is not None else (int(hidden.shape[0]) if hasattr(hidden, "shape") and hidden.ndim == 2 else 1)
+            pending.append(_Pending(tuple(req), max(n, 1), Future(), now, grouped))
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="llama-shard-scheduler", daemon=True)
                 self._thread.start()
-            self._pending.append(_Pending((session_id, epoch, kind, position, tokens, hidden), max(n, 1), fut,
-                                          time.monotonic()))
+            self._pending.extend(pending)
             self._cv.notify()
-        return fut
+        return [p.future for p in pending]
 
     def close(self) -> None:
         """Finishes what was submitted, then stops the worker."""
@@ -82,9 +95,10 @@ class StepScheduler:
             if not self._pending:
                 return None
             # wait for others only when there are others: a lone caller (last step had one request
-            # and nobody else is queued) pays no window
-            window = self.window_s if (self._last_batch > 1 or len(self._pending) > 1) else 0.0
-            deadline = self._pending[0].arrived + window
+            # and nobody else is queued) pays no window, nor does a micro-batch formed by its client
+            head = self._pending[0]
+            window = self.window_s if not head.grouped and (self._last_batch > 1 or len(self._pending) > 1) else 0.0
+            deadline = head.arrived + window
             while not self._closed:
                 sessions = {p.request[0] for p in self._pending}
                 tokens = sum(p.n_tokens for p in self._pending)
@@ -113,16 +127,20 @@ class StepScheduler:
             batch = self._take()
             if batch is None:
                 return
-            t0 = time.perf_counter()
-            try:
-                answers = self.manager.step_batch([p.request for p in batch])
-            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
-                for p in batch:
-                    p.future.set_exception(e)
-                continue
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
+            self._execute(batch)
+
+    def _execute(self, batch: list[_Pending]) -> None:
+        """Runs one engine step and answers every request in it."""
+        t0 = time.perf_counter()
+        try:
+            answers = self.manager.step_batch([p.request for p in batch])
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+            for p in batch:
+                p.future.set_exception(e)
+            return
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
             self.steps += 1
             self.requests += len(batch)
-            for p, answer in zip(batch, answers):
-                p.future.set_result(answer)
+        for p, answer in zip(batch, answers):
+            p.future.set_result(answer)

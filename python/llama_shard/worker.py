@@ -101,12 +101,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     # --- steps ---------------------------------------------------------------------------------
 
     def Prefill(self, request, context):
-        return self._step("prefill", request, context)
+        return self._serve(context, "prefill", [("prefill", request)])[0]
 
     def Decode(self, request, context):
-        return self._step("decode", request, context)
+        return self._serve(context, "decode", [("decode", request)])[0]
 
-    def _step(self, kind: str, req, context) -> pb.StepReply:
+    def StepBatch(self, request, context):
+        kinds = {pb.STEP_KIND_PREFILL: "prefill", pb.STEP_KIND_DECODE: "decode"}
+        items = [(kinds.get(s.kind), s.step) for s in request.steps]
+        return pb.StepBatchReply(replies=self._serve(context, "batch", items))
+
+    def _serve(self, context, label: str, items: list[tuple]) -> list[pb.StepReply]:
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
@@ -116,44 +121,64 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self._lock:
             self.in_flight += 1
         try:
-            reply = self._run_step(kind, req)
+            replies = self._run_steps(items)
         finally:
             with self._lock:
                 self.in_flight -= 1
-        n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
-        self.step_seconds.labels(kind).observe(time.perf_counter() - t0)
-        self.step_tokens.labels(kind).observe(n)
-        return reply
+        self.step_seconds.labels(label).observe(time.perf_counter() - t0)
+        for kind, req in items:
+            n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
+            self.step_tokens.labels(kind or "invalid").observe(n)
+        return replies
 
-    def _run_step(self, kind: str, req) -> pb.StepReply:
-        try:
-            if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
-                return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE,
-                                    detail="the request's KV recipe fingerprint does not match this shard's")
-            if len(req.token_ids) and req.HasField("hidden"):
-                raise InvalidInputError("send token_ids or hidden, not both")
-            tokens = list(req.token_ids) if len(req.token_ids) else None
-            hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.engine.n_batch)
-                      if req.HasField("hidden") else None)
-            if tokens is None and hidden is None:
-                raise InvalidInputError("a step needs token_ids (head) or hidden (other shards)")
-            position = req.position if req.HasField("position") else None
-            if kind == "prefill":
-                out = self.adapter.prefill(req.session_id, req.route_epoch, token_ids=tokens, boundary=hidden,
-                                           start_pos=position)
-            else:
-                out = self.adapter.decode(req.session_id, req.route_epoch, token_ids=tokens, boundary=hidden,
-                                          expected_seq_len=position)
-        except StaleRouteEpochError as e:
-            return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(e), current_epoch=e.current_epoch or 0)
-        except KvBudgetExceededError as e:
-            return pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
-        except IncompatibleCacheRecipeError as e:
-            return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE, detail=str(e))
-        except InvalidInputError as e:
-            return pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(e))
-        except (ComputeError, LlamaShardError) as e:
-            return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=str(e))
+    def _run_steps(self, items: list[tuple]) -> list[pb.StepReply]:
+        """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own."""
+        replies: list = [None] * len(items)
+        parsed = []
+        limit = self.manager.config.max_sessions
+        for i, (kind, req) in enumerate(items):
+            try:
+                if len(items) > limit:
+                    raise InvalidInputError(f"a batch takes at most {limit} steps (this shard's max sessions)")
+                parsed.append((i, self._parse_step(kind, req)))
+            except LlamaShardError as e:
+                replies[i] = self._reply(req, e)
+        outs = self.adapter.step_many([step for _, step in parsed]) if parsed else []
+        for (i, _), out in zip(parsed, outs):
+            replies[i] = self._reply(items[i][1], out)
+        return replies
+
+    def _parse_step(self, kind: str | None, req) -> tuple:
+        """The adapter's step tuple for a request, checked; raises the contract's error otherwise."""
+        if kind not in ("prefill", "decode"):
+            raise InvalidInputError("a batched step needs kind STEP_KIND_PREFILL or STEP_KIND_DECODE")
+        if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
+            raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
+        if len(req.token_ids) and req.HasField("hidden"):
+            raise InvalidInputError("send token_ids or hidden, not both")
+        if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
+            raise InvalidInputError(f"unknown reply_dtype {req.reply_dtype}")
+        tokens = list(req.token_ids) if len(req.token_ids) else None
+        hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.engine.n_batch)
+                  if req.HasField("hidden") else None)
+        if tokens is None and hidden is None:
+            raise InvalidInputError("a step needs token_ids (head) or hidden (other shards)")
+        position = req.position if req.HasField("position") else None
+        return (kind, req.session_id, req.route_epoch, tokens, hidden, position)
+
+    @staticmethod
+    def _reply(req, out) -> pb.StepReply:
+        """The typed reply for a step's outcome, or for the contract error it raised."""
+        if isinstance(out, StaleRouteEpochError):
+            return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(out), current_epoch=out.current_epoch or 0)
+        if isinstance(out, KvBudgetExceededError):
+            return pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(out))
+        if isinstance(out, IncompatibleCacheRecipeError):
+            return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE, detail=str(out))
+        if isinstance(out, InvalidInputError):
+            return pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(out))
+        if isinstance(out, (ComputeError, LlamaShardError)):
+            return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=str(out))
         if isinstance(out, CacheMiss):
             return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, TailOutput):
@@ -263,15 +288,17 @@ class ShardWorker:
         return {"released_sessions": released, "reserved_tokens_after": st["reserved_tokens"]}
 
     def serve_until_signal(self) -> int:
-        stop = threading.Event()
+        # the handler only records the signal: Event.set() from a handler can deadlock on the lock
+        # the interrupted Event.wait() in this same thread holds
+        received: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _frame: received.append(signum))
         info = self.model.info
         print(f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
               f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else ""),
               file=sys.stderr, flush=True)
-        while not stop.wait(0.5):
-            pass
+        while not received:
+            time.sleep(0.1)
         report = self.stop()
         print(f"llama-shard worker: shut down; released {report['released_sessions']} session(s), "
               f"{report['reserved_tokens_after']} tokens still reserved", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dllama_shard/proto/shard.proto\x12\x0ellama_shard.v1\"K\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.llama_shard.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf4\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x06hidden\x18\x04 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12\x15\n\x08position\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\x12recipe_fingerprint\x18\x06 \x01(\t\x12*\n\x0breply_dtype\x18\x07 \x01(\x0e\x32\x15.llama_shard.v1.DType\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x42\x0b\n\t_position\"\xe4\x01\n\tStepReply\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.llama_shard.v1.Outcome\x12\x13\n\x0bmiss_reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07seq_len\x18\x04 \x01(\x05\x12\x15\n\rcurrent_epoch\x18\x05 \x01(\x03\x12&\n\x06hidden\x18\x06 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12&\n\x06logits\x18\x07 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12\x10\n\x08token_id\x18\x08 \x01(\x05\"9\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\"J\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x05\"\x97\x01\n\x0cSessionReply\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.llama_shard.v1.Outcome\x12\x13\n\x0bmiss_reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07seq_len\x18\x04 \x01(\x05\x12\x15\n\rcurrent_epoch\x18\x05 \x01(\x03\x12\x10\n\x08released\x18\x06 \x01(\x08\"\r\n\x0bInfoRequest\"\xc0\x04\n\tInfoReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0f\n\x07n_layer\x18\x03 \x01(\x05\x12\r\n\x05\x66irst\x18\x04 \x01(\x05\x12\x0c\n\x04last\x18\x05 \x01(\x05\x12\x0e\n\x06n_embd\x18\x06 \x01(\x05\x12\x0f\n\x07n_vocab\x18\x07 \x01(\x05\x12\x1a\n\x12recipe_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\x05\x12\x15\n\rbudget_tokens\x18\x0b \x01(\x03\x12\x15\n\rlive_sessions\x18\x0c \x01(\x05\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x0e \x01(\x04\x12-\n\x08sessions\x18\x0f \x03(\x0b\x32\x1b.llama_shard.v1.SessionInfo\x12\x35\n\x06misses\x18\x10 \x03(\x0b\x32%.llama_shard.v1.InfoReply.MissesEntry\x12\x15\n\revictions_lru\x18\x11 \x01(\x04\x12\x15\n\revictions_ttl\x18\x12 \x01(\x04\x12\x1b\n\x13\x65ngine_busy_seconds\x18\x13 \x01(\x01\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x17\n\x0f\x65ngine_requests\x18\x15 \x01(\x04\x1a-\n\x0bMissesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x0f\n\x07seq_len\x18\x03 \x01(\x05*\xbc\x01\n\x07Outcome\x12\x0e\n\nOUTCOME_OK\x10\x00\x12\x16\n\x12OUTCOME_CACHE_MISS\x10\x01\x12\x17\n\x13OUTCOME_STALE_EPOCH\x10\x02\x12\x1f\n\x1bOUTCOME_INCOMPATIBLE_RECIPE\x10\x03\x12\x1b\n\x17OUTCOME_BUDGET_EXCEEDED\x10\x04\x12\x1c\n\x18OUTCOME_INVALID_ARGUMENT\x10\x05\x12\x14\n\x10OUTCOME_INTERNAL\x10\x06*-\n\x05\x44Type\x12\x11\n\rDTYPE_FLOAT32\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x32\xb0\x03\n\x0cShardService\x12\x41\n\x07Prefill\x12\x1b.llama_shard.v1.StepRequest\x1a\x19.llama_shard.v1.StepReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.llama_shard.v1.StepRequest\x1a\x19.llama_shard.v1.StepReply\x12I\n\x08Truncate\x12\x1f.llama_shard.v1.TruncateRequest\x1a\x1c.llama_shard.v1.SessionReply\x12G\n\x07Release\x12\x1e.llama_shard.v1.SessionRequest\x1a\x1c.llama_shard.v1.SessionReply\x12G\n\x07Resolve\x12\x1e.llama_shard.v1.SessionRequest\x1a\x1c.llama_shard.v1.SessionReply\x12>\n\x04Info\x12\x1b.llama_shard.v1.InfoRequest\x1a\x19.llama_shard.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dllama_shard/proto/shard.proto\x12\x0ellama_shard.v1\"K\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.llama_shard.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf4\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x06hidden\x18\x04 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12\x15\n\x08position\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\x12recipe_fingerprint\x18\x06 \x01(\t\x12*\n\x0breply_dtype\x18\x07 \x01(\x0e\x32\x15.llama_shard.v1.DType\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x42\x0b\n\t_position\"\xe4\x01\n\tStepReply\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.llama_shard.v1.Outcome\x12\x13\n\x0bmiss_reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07seq_len\x18\x04 \x01(\x05\x12\x15\n\rcurrent_epoch\x18\x05 \x01(\x03\x12&\n\x06hidden\x18\x06 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12&\n\x06logits\x18\x07 \x01(\x0b\x32\x16.llama_shard.v1.Tensor\x12\x10\n\x08token_id\x18\x08 \x01(\x05\"`\n\x0b\x42\x61tchedStep\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.llama_shard.v1.StepKind\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x1b.llama_shard.v1.StepRequest\">\n\x10StepBatchRequest\x12*\n\x05steps\x18\x01 \x03(\x0b\x32\x1b.llama_shard.v1.BatchedStep\"<\n\x0eStepBatchReply\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.llama_shard.v1.StepReply\"9\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\"J\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x05\"\x97\x01\n\x0cSessionReply\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.llama_shard.v1.Outcome\x12\x13\n\x0bmiss_reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07seq_len\x18\x04 \x01(\x05\x12\x15\n\rcurrent_epoch\x18\x05 \x01(\x03\x12\x10\n\x08released\x18\x06 \x01(\x08\"\r\n\x0bInfoRequest\"\xc0\x04\n\tInfoReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0f\n\x07n_layer\x18\x03 \x01(\x05\x12\r\n\x05\x66irst\x18\x04 \x01(\x05\x12\x0c\n\x04last\x18\x05 \x01(\x05\x12\x0e\n\x06n_embd\x18\x06 \x01(\x05\x12\x0f\n\x07n_vocab\x18\x07 \x01(\x05\x12\x1a\n\x12recipe_fingerprint\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\x05\x12\x15\n\rbudget_tokens\x18\x0b \x01(\x03\x12\x15\n\rlive_sessions\x18\x0c \x01(\x05\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x0e \x01(\x04\x12-\n\x08sessions\x18\x0f \x03(\x0b\x32\x1b.llama_shard.v1.SessionInfo\x12\x35\n\x06misses\x18\x10 \x03(\x0b\x32%.llama_shard.v1.InfoReply.MissesEntry\x12\x15\n\revictions_lru\x18\x11 \x01(\x04\x12\x15\n\revictions_ttl\x18\x12 \x01(\x04\x12\x1b\n\x13\x65ngine_busy_seconds\x18\x13 \x01(\x01\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x17\n\x0f\x65ngine_requests\x18\x15 \x01(\x04\x1a-\n\x0bMissesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"G\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0broute_epoch\x18\x02 \x01(\x03\x12\x0f\n\x07seq_len\x18\x03 \x01(\x05*\xbc\x01\n\x07Outcome\x12\x0e\n\nOUTCOME_OK\x10\x00\x12\x16\n\x12OUTCOME_CACHE_MISS\x10\x01\x12\x17\n\x13OUTCOME_STALE_EPOCH\x10\x02\x12\x1f\n\x1bOUTCOME_INCOMPATIBLE_RECIPE\x10\x03\x12\x1b\n\x17OUTCOME_BUDGET_EXCEEDED\x10\x04\x12\x1c\n\x18OUTCOME_INVALID_ARGUMENT\x10\x05\x12\x14\n\x10OUTCOME_INTERNAL\x10\x06*-\n\x05\x44Type\x12\x11\n\rDTYPE_FLOAT32\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01*R\n\x08StepKind\x12\x19\n\x15STEP_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11STEP_KIND_PREFILL\x10\x01\x12\x14\n\x10STEP_KIND_DECODE\x10\x02\x32\xff\x03\n\x0cShardService\x12\x41\n\x07Prefill\x12\x1b.llama_shard.v1.StepRequest\x1a\x19.llama_shard.v1.StepReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.llama_shard.v1.StepRequest\x1a\x19.llama_shard.v1.StepReply\x12M\n\tStepBatch\x12 .llama_shard.v1.StepBatchRequest\x1a\x1e.llama_shard.v1.StepBatchReply\x12I\n\x08Truncate\x12\x1f.llama_shard.v1.TruncateRequest\x1a\x1c.llama_shard.v1.SessionReply\x12G\n\x07Release\x12\x1e.llama_shard.v1.SessionRequest\x1a\x1c.llama_shard.v1.SessionReply\x12G\n\x07Resolve\x12\x1e.llama_shard.v1.SessionRequest\x1a\x1c.llama_shard.v1.SessionReply\x12>\n\x04Info\x12\x1b.llama_shard.v1.InfoRequest\x1a\x19.llama_shard.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INFOREPLY_MISSESENTRY']._loaded_options = None
   _globals['_INFOREPLY_MISSESENTRY']._serialized_options = b'8\001'
-  _globals['_OUTCOME']._serialized_start=1561
-  _globals['_OUTCOME']._serialized_end=1749
-  _globals['_DTYPE']._serialized_start=1751
-  _globals['_DTYPE']._serialized_end=1796
+  _globals['_OUTCOME']._serialized_start=1785
+  _globals['_OUTCOME']._serialized_end=1973
+  _globals['_DTYPE']._serialized_start=1975
+  _globals['_DTYPE']._serialized_end=2020
+  _globals['_STEPKIND']._serialized_start=2022
+  _globals['_STEPKIND']._serialized_end=2104
   _globals['_TENSOR']._serialized_start=49
   _globals['_TENSOR']._serialized_end=124
   _globals['_STEPREQUEST']._serialized_start=127
   _globals['_STEPREQUEST']._serialized_end=371
   _globals['_STEPREPLY']._serialized_start=374
   _globals['_STEPREPLY']._serialized_end=602
-  _globals['_SESSIONREQUEST']._serialized_start=604
-  _globals['_SESSIONREQUEST']._serialized_end=661
-  _globals['_TRUNCATEREQUEST']._serialized_start=663
-  _globals['_TRUNCATEREQUEST']._serialized_end=737
-  _globals['_SESSIONREPLY']._serialized_start=740
-  _globals['_SESSIONREPLY']._serialized_end=891
-  _globals['_INFOREQUEST']._serialized_start=893
-  _globals['_INFOREQUEST']._serialized_end=906
-  _globals['_INFOREPLY']._serialized_start=909
-  _globals['_INFOREPLY']._serialized_end=1485
-  _globals['_INFOREPLY_MISSESENTRY']._serialized_start=1440
-  _globals['_INFOREPLY_MISSESENTRY']._serialized_end=1485
-  _globals['_SESSIONINFO']._serialized_start=1487
-  _globals['_SESSIONINFO']._serialized_end=1558
-  _globals['_SHARDSERVICE']._serialized_start=1799
-  _globals['_SHARDSERVICE']._serialized_end=2231
+  _globals['_BATCHEDSTEP']._serialized_start=604
+  _globals['_BATCHEDSTEP']._serialized_end=700
+  _globals['_STEPBATCHREQUEST']._serialized_start=702
+  _globals['_STEPBATCHREQUEST']._serialized_end=764
+  _globals['_STEPBATCHREPLY']._serialized_start=766
+  _globals['_STEPBATCHREPLY']._serialized_end=826
+  _globals['_SESSIONREQUEST']._serialized_start=828
+  _globals['_SESSIONREQUEST']._serialized_end=885
+  _globals['_TRUNCATEREQUEST']._serialized_start=887
+  _globals['_TRUNCATEREQUEST']._serialized_end=961
+  _globals['_SESSIONREPLY']._serialized_start=964
+  _globals['_SESSIONREPLY']._serialized_end=1115
+  _globals['_INFOREQUEST']._serialized_start=1117
+  _globals['_INFOREQUEST']._serialized_end=1130
+  _globals['_INFOREPLY']._serialized_start=1133
+  _globals['_INFOREPLY']._serialized_end=1709
+  _globals['_INFOREPLY_MISSESENTRY']._serialized_start=1664
+  _globals['_INFOREPLY_MISSESENTRY']._serialized_end=1709
+  _globals['_SESSIONINFO']._serialized_start=1711
+  _globals['_SESSIONINFO']._serialized_end=1782
+  _globals['_SHARDSERVICE']._serialized_start=2107
+  _globals['_SHARDSERVICE']._serialized_end=2618
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class ShardServiceStub:
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.StepRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.StepBatch = channel.unary_unary(
+                '/llama_shard.v1.ShardService/StepBatch',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.StepBatchRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.StepBatchReply.FromString,
+                _registered_method=True)
         self.Truncate = channel.unary_unary(
                 '/llama_shard.v1.ShardService/Truncate',
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.TruncateRequest.SerializeToString,
@@ -78,6 +83,15 @@ class ShardServiceServicer:
 
     def Decode(self, request, context):
         """Appends decode token(s) at the cached length; `position`, when set, is the expected past length.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepBatch(self, request, context):
+        """Several sessions' steps in one message (a micro-batch), run together in one batched engine step
+        where they fit; each is answered on its own, in order. A head driving many sessions sends each
+        stage one message per micro-batch instead of one per session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +133,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.StepRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.StepReply.SerializeToString,
+            ),
+            'StepBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepBatch,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.StepBatchRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.StepBatchReply.SerializeToString,
             ),
             'Truncate': grpc.unary_unary_rpc_method_handler(
                     servicer.Truncate,
@@ -195,6 +214,33 @@ class ShardService:
             '/llama_shard.v1.ShardService/Decode',
             llama__shard_dot_proto_dot_shard__pb2.StepRequest.SerializeToString,
             llama__shard_dot_proto_dot_shard__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_shard.v1.ShardService/StepBatch',
+            llama__shard_dot_proto_dot_shard__pb2.StepBatchRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.StepBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ Each live session holds a `SequenceKv` with K/V for the owned layers only.
 """
 from __future__ import annotations
 
+import bisect
+
 import collections
 import dataclasses
 
@@ -156,7 +158,7 @@ class ReferenceHotKvEngine:
     def _drop(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
         s = self._live.pop(sid)
         self._reserved -= s.seq_len
-        self._free_ids.append(s.seq_id)
+        bisect.insort(self._free_ids, s.seq_id, key=lambda i: -i)  # descending: the lowest id is reused first
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else s.epoch, reason)
         key = {"EVICTED_TTL": "evictions_ttl", "EVICTED_LRU": "evictions_lru", "RELEASED": "releases",
                "SUPERSEDED_EPOCH": "supersessions"}.get(reason)
@@ -421,6 +423,8 @@ class ReferenceHotKvEngine:
         if len(self._live) > self.max_sessions:
             fail("more live sessions than max_sessions")
         ids = [s.seq_id for s in self._live.values()]
+        if self._free_ids != sorted(self._free_ids, reverse=True):
+            fail("free seq ids are not in descending order")
         if sorted(ids + self._free_ids) != list(range(self.max_sessions)):
             fail("seq ids leaked or duplicated")
         owned = set(self.shard.owned_layers)
