@@ -191,3 +191,36 @@ def test_smollm2_batched_and_one_at_a_time_agree(embedded_model):
     worst = max(float(np.abs(a - b).max()) for i in range(8) for a, b in zip(logits[i], ref_logits[i]))
     print(f"max |batched - one at a time| logit difference: {worst:.2e}")
     assert worst < 1e-3
+
+
+def test_a_micro_batch_runs_as_one_step_without_waiting_for_a_window(manager, synthetic_model):
+    """step_many: a client's micro-batch is one engine step that starts at once (no batching
+    window), each step answered on its own, prefills chunked, duplicates refused."""
+    import time
+
+    from llama_shard import InvalidInputError
+
+    sched = StepScheduler(manager, window_s=5.0, prefill_chunk=4)
+    adapter = KvBoundaryAdapter(manager.model, manager, sched)
+    t0 = time.perf_counter()
+    outs = adapter.step_many([("prefill", f"m{i}", 0, PROMPTS[i], None, None) for i in range(4)]
+                             + [("decode", "m-unknown", 0, [1], None, None), ("prefill", "m0", 0, [1], None, None),
+                                ("sideways", "m9", 0, [1], None, None)])
+    assert time.perf_counter() - t0 < 2.0  # a 5 s window was never waited for
+    assert all(isinstance(o, TailOutput) for o in outs[:4])
+    assert isinstance(outs[4], CacheMiss)
+    assert isinstance(outs[5], InvalidInputError) and "more than one step" in str(outs[5])
+    assert isinstance(outs[6], InvalidInputError)
+    # chunks of 4: the first step has every first chunk and the miss, the second the rest of the
+    # 5- and 6-token prompts
+    assert sched.steps == 2 and sched.requests == 5 + 2
+    ref = ReferenceModel.from_gguf(synthetic_model)
+    tokens = {i: [o.token_id] for i, o in enumerate(outs[:4])}
+    for _ in range(3):
+        outs = adapter.step_many([("decode", f"m{i}", 0, [tokens[i][-1]], None, None) for i in range(4)])
+        for i, o in enumerate(outs):
+            tokens[i].append(o.token_id)
+    assert sched.steps == 5
+    assert [tokens[i] for i in range(4)] == [ref.greedy(PROMPTS[i], 4) for i in range(4)]
+    sched.close()
+    manager.check_invariants()

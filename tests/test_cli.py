@@ -19,6 +19,18 @@ def test_inspect_synthetic_model(synthetic_model):
     assert "KV bytes/token (f16): 128 per layer, 768 for the whole model" in res.stdout
 
 
+@pytest.mark.model
+def test_compute_balanced_cut_counts_weight_elements_not_bytes(embedded_model):
+    """SmolLM2 Q4_1 keeps its tied 49152 x 576 embedding in Q8_0: by bytes the LM head looks like
+    14 layers and the cut lands at 22 (measured: the head then takes 1.4x the tail's time at 4
+    tokens per step); by elements (multiply-adds per token) it is 8 layers, and the cut is 19."""
+    from llama_shard.models import compute_balanced_cut
+
+    assert compute_balanced_cut(embedded_model) == 19
+    res = run_cli("inspect", str(embedded_model))
+    assert "compute-balanced 2-shard split (the tail also runs the LM head): 0-18,19-29" in res.stdout
+
+
 def test_generate_reports_a_missing_model_clearly(tmp_path):
     res = run_cli("generate", "--model", str(tmp_path / "missing.gguf"))
     assert res.returncode == 2

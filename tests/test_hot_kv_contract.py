@@ -249,6 +249,32 @@ def test_release_one_session_leaves_others_intact_and_returns_memory(make_shard,
     manager.check_invariants()
 
 
+def test_freed_seq_ids_are_reused_lowest_first_and_batches_run_in_any_order(make_shard, reference_model):
+    """Live sessions keep a compact run of seq ids (the lowest free id is handed out first), and a
+    batched step gives every session its own tokens whatever order its requests come in (the native
+    context runs them in ascending seq id order: one ubatch per run of consecutive ids)."""
+    shard = make_shard()
+    manager = manager_for(shard, max_sessions=4)
+    adapter = KvBoundaryAdapter(shard, manager)
+    seq = {f"s{i}": adapter.prefill(f"s{i}", 0, token_ids=PROMPTS[i]) and manager.get(f"s{i}", 0).seq_id
+           for i in range(3)}
+    assert seq == {"s0": 0, "s1": 1, "s2": 2}
+    manager.release("s2", 0)
+    manager.release("s0", 0)
+    outs = manager.step_batch([(f"n{i}", 0, "prefill", 0, PROMPTS[i], None) for i in (3, 2, 0)])
+    assert [r.status for r, _ in outs] == ["OK"] * 3
+    assert [manager.get(f"n{i}", 0).seq_id for i in (3, 2, 0)] == [0, 2, 3]
+    tokens = {i: [int(np.argmax(out))] for i, (_, out) in zip((3, 2, 0), outs)}
+    for _ in range(3):
+        order = (0, 3, 2)  # not the seq id order
+        outs = manager.step_batch([(f"n{i}", 0, "decode", -1, [tokens[i][-1]], None) for i in order])
+        for i, (_, out) in zip(order, outs):
+            tokens[i].append(int(np.argmax(out)))
+    for i in (3, 2, 0):
+        assert tokens[i] == reference_model.greedy(PROMPTS[i], 4)
+    manager.check_invariants()
+
+
 # --- identity ----------------------------------------------------------------------------------
 
 

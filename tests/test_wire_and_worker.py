@@ -127,6 +127,64 @@ def test_two_workers_give_the_whole_models_tokens_to_eight_concurrent_sessions(w
     client.close()
 
 
+def test_micro_batched_route_gives_the_whole_models_tokens(workers, whole_tokens, tokenizer):
+    """generate_many: 8 sessions in 2 micro-batches, one StepBatch message per worker per step."""
+    head, tail = workers
+    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
+    before = [s.stats() for s in client.stages]
+    sessions = [client.session(f"mb-{i}") for i in range(len(PROMPTS))]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    got = client.generate_many(sessions, [tokenizer.tokenize(p) for p in PROMPTS], N_TOKENS, micro_batches=2,
+                               on_token=lambda i, t: streamed[i].append(t))
+    after = [s.stats() for s in client.stages]
+    assert {p: g for p, g in zip(PROMPTS, got)} == whole_tokens
+    assert [streamed[i] for i in range(len(PROMPTS))] == got
+    for b, a in zip(before, after):
+        steps, requests = a.engine_steps - b.engine_steps, a.engine_requests - b.engine_requests
+        # every decode step of a micro-batch is one engine step of its 4 sessions (prefills go in
+        # prefill_chunk pieces): far fewer steps than requests
+        assert requests >= 8 * N_TOKENS and steps <= requests / 3, (steps, requests)
+    for s in sessions:
+        s.release()
+    client.close()
+
+
+def test_step_batch_answers_each_step_on_its_own(workers, tokenizer):
+    head, _ = workers
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+    ids = tokenizer.tokenize(PROMPTS[0])
+
+    def step(kind, sid, **kw):
+        return pb.BatchedStep(kind=kind, step=pb.StepRequest(session_id=sid, route_epoch=0, **kw))
+
+    r = stub.StepBatch(pb.StepBatchRequest(steps=[
+        step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),
+        step(pb.STEP_KIND_PREFILL, "sb-b", token_ids=[10**6]),            # bad token: only this one fails
+        step(pb.STEP_KIND_UNSPECIFIED, "sb-c", token_ids=ids),            # no kind
+        step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),                # the same session twice
+        step(pb.STEP_KIND_DECODE, "sb-gone", token_ids=[1]),              # unknown session: a miss
+        step(pb.STEP_KIND_PREFILL, "sb-d", token_ids=ids, reply_dtype=5),  # unknown reply dtype
+        step(pb.STEP_KIND_PREFILL, "sb-e", token_ids=ids, reply_dtype=pb.DTYPE_FLOAT16),
+    ]), timeout=30)
+    outcomes = [pb.Outcome.Name(x.outcome) for x in r.replies]
+    assert outcomes == ["OUTCOME_OK", "OUTCOME_INVALID_ARGUMENT", "OUTCOME_INVALID_ARGUMENT",
+                        "OUTCOME_INVALID_ARGUMENT", "OUTCOME_CACHE_MISS", "OUTCOME_INVALID_ARGUMENT", "OUTCOME_OK"]
+    assert r.replies[4].miss_reason == "UNKNOWN_SESSION"
+    a, e = decode_tensor(r.replies[0].hidden, 576, 512), decode_tensor(r.replies[6].hidden, 576, 512)
+    assert a.shape == e.shape == (len(ids), 576)
+    assert float(np.abs(a - e).max()) <= 1e-3 * float(np.abs(a).max())  # float16 on request
+    # nothing was created for the refused steps
+    live = {x.session_id for x in stub.Info(pb.InfoRequest(), timeout=10).sessions}
+    assert {"sb-a", "sb-e"} <= live and not live & {"sb-b", "sb-c", "sb-d", "sb-gone"}
+    # more steps than the shard has sessions: every step refused, nothing changed
+    r = stub.StepBatch(pb.StepBatchRequest(steps=[step(pb.STEP_KIND_DECODE, f"sb-many-{i}", token_ids=[1])
+                                                  for i in range(9)]), timeout=30)
+    assert {x.outcome for x in r.replies} == {pb.OUTCOME_INVALID_ARGUMENT}
+    assert not stub.StepBatch(pb.StepBatchRequest(), timeout=10).replies
+    for sid in ("sb-a", "sb-e"):
+        stub.Release(pb.SessionRequest(session_id=sid, route_epoch=0), timeout=10)
+
+
 def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedded_model, whole_tokens, tokenizer):
     head, tail = Worker(embedded_model, "0-14"), Worker(embedded_model, "15-29")
     try:
@@ -147,6 +205,20 @@ def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedd
         while len(got) < N_TOKENS:
             got.append(session._step("decode", [got[-1]]).token_id)
         assert got == whole_tokens[prompt]
+        # a micro-batch whose sessions all miss on a restarted tail is re-prefilled together
+        group = [client.session(f"group-{i}") for i in range(3)]
+        prompts = [tokenizer.tokenize(p) for p in PROMPTS[1:4]]
+        outs = client.step_sessions("prefill", group, prompts)
+        tail.stop(signal.SIGKILL)
+        tail = Worker(embedded_model, "15-29", port=tail.port)
+        history = [list(p) + [o.token_id] for p, o in zip(prompts, outs)]
+        for _ in range(4):
+            outs = client.step_sessions("decode", group, [[h[-1]] for h in history])
+            for h, o in zip(history, outs):
+                h.append(o.token_id)
+        assert [s.reprefills for s in group] == [1, 1, 1]
+        for h, p, prompt_ids in zip(history, PROMPTS[1:4], prompts):
+            assert h[len(prompt_ids):] == whole_tokens[p][:5]
     finally:
         head.stop()
         tail.stop()
