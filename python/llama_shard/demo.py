@@ -1,7 +1,7 @@
 """`llama-shard demo`: the whole thing working, end to end, on the embedded model.
 
 Starts two workers on loopback that split the model in half (each a `llama-shard serve` process),
-runs four concurrent chat sessions through them, streams their text, shows each worker's sessions
+runs four concurrent chat sessions through them (two micro-batches, pipelined), streams their text, shows each worker's sessions
 and budget, releases the sessions and shows the budget returned, then shuts the workers down with
 SIGTERM and reports their exit.
 """
@@ -103,28 +103,24 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
         lock = threading.Lock()
         lines_done = {i: 0 for i in range(len(QUESTIONS))}
 
-        def on_token(i: int, tokens: list[int]) -> None:
-            text = vocab.detokenize([t for t in tokens if t != eos])
+        generated: dict[int, list[int]] = {i: [] for i in range(len(QUESTIONS))}
+
+        def on_token(i: int, token: int) -> None:
             with lock:  # stream each session's text line by line as it is produced
+                generated[i].append(token)
+                text = vocab.detokenize([t for t in generated[i] if t != eos])
                 lines = text.split("\n")
                 for line in lines[lines_done[i]:-1]:
                     _say(f"  [chat-{i + 1}] {line}")
                 lines_done[i] = len(lines) - 1
                 texts[i] = text
 
-        def run(i: int) -> None:
-            prompt = vocab.tokenize(vocab.apply_chat_template([("user", QUESTIONS[i])], True))
-            got: list[int] = []
-            sessions[i].generate(prompt, max_tokens, stop=(eos,), on_token=lambda t: (got.append(t), on_token(i, got)))
-
         for i, q in enumerate(QUESTIONS):
             _say(f"  [chat-{i + 1}] user: {q}")
+        prompts = [vocab.tokenize(vocab.apply_chat_template([("user", q)], True)) for q in QUESTIONS]
         t1 = time.perf_counter()
-        threads_ = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]
-        for t in threads_:
-            t.start()
-        for t in threads_:
-            t.join()
+        # two micro-batches of two sessions: while the tail computes one, the head computes the other
+        client.generate_many(sessions, prompts, max_tokens, stop=(eos,), micro_batches=2, on_token=on_token)
         dt = time.perf_counter() - t1
         for i in range(len(QUESTIONS)):  # the last (unterminated) line of each answer
             last = texts[i].split("\n")[-1]
