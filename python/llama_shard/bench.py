@@ -410,9 +410,12 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
 
     _log("two worker processes on loopback vs llama.cpp's RPC split")
     pipe_npl = [1, 8] if not quick else [2]
-    ours_p = max((ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab) for _ in range(repeat)),
-                 key=lambda d: d[pipe_npl[-1]])
-    peer_p = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl) if rpc_tools else {}
+    ours_runs, peer_runs = [], []
+    for _ in range(repeat):
+        ours_runs.append(ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab))
+        if rpc_tools:
+            peer_runs.append(stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl))
+    ours_p, peer_p = best(ours_runs), best(peer_runs)
     cut = compute_balanced_cut(path)
     for pl in pipe_npl:
         rows.append(Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n_layer - 1}), {pl} session"
