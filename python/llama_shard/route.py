@@ -287,14 +287,17 @@ class RouteClient:
                       on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """Greedy generation for several sessions at once; returns each one's tokens.
 
-        The sessions are dealt into `micro_batches` groups (default: one per stage), each driven by
+        The sessions are split into `micro_batches` groups (default: one per stage), each driven by
         its own thread, one message per stage per step: while one group is on the tail, the next is
         on the head, so every worker computes at once. on_token(index, token) is called as tokens
         arrive (from those threads). Raises the first RouteError after every group has finished."""
         if len(prompts) != len(sessions) or any(not p for p in prompts):
             raise InvalidInputError("generate_many takes one non-empty prompt per session")
-        n_groups = max(1, min(len(sessions), micro_batches or len(self.stages)))
-        groups = [list(range(g, len(sessions), n_groups)) for g in range(n_groups)]
+        n = len(sessions)
+        n_groups = max(1, min(n, micro_batches or len(self.stages)))
+        # consecutive sessions per group: opened in one step, they get consecutive seq ids on every
+        # worker, and a step over consecutive ids is one ubatch (one pass over the weights) there
+        groups = [list(range(g * n // n_groups, (g + 1) * n // n_groups)) for g in range(n_groups)]
         generated: list[list[int]] = [[] for _ in sessions]
         errors: list[Exception] = []
 

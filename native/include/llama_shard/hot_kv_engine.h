@@ -10,7 +10,11 @@
 //    reserved_tokens, the sum of the lengths, equals the cells the context holds;
 //  - reserved_tokens <= budget_tokens, and every length <= context_tokens <= the cells of the
 //    session's own KV stream, so llama_decode never lacks a KV slot once admission said yes;
-//  - the table of recently dropped keys holds at most recent_capacity entries.
+//  - the table of recently dropped keys holds at most recent_capacity entries;
+//  - free ids are kept in descending order and the lowest is handed out first, so live sessions
+//    hold a compact run of ids: with one KV stream per sequence, llama.cpp computes sequences in
+//    one ubatch only when their ids are consecutive (shard_context::forward_batch orders a step by
+//    id), and a session opened next to its micro-batch neighbours shares their ubatches.
 //
 // Admission is by token reservation. Before a step computes, the engine checks that the session's
 // new length fits context_tokens and budget_tokens on its own (otherwise: BUDGET_EXCEEDED and
