@@ -241,26 +241,41 @@ def _cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _engine_counters(stage) -> tuple[float, int, int]:
+    """(seconds busy, steps, requests) of a stage's engine: a worker's Info, or a local scheduler."""
+    if hasattr(stage, "scheduler"):
+        return stage.scheduler.busy_seconds, stage.scheduler.steps, stage.scheduler.requests
+    info = stage.stats()
+    return info.engine_busy_seconds, info.engine_steps, info.engine_requests
+
+
 def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
-                     micro_batches: int = 2) -> dict[int, float]:
-    """Two `llama-shard serve` processes on loopback (1 thread each) split the model where per-token
-    compute balances (the tail also runs the LM head). `pl` sessions are dealt into `micro_batches`
-    groups of consecutive sessions; each group steps through the route on its own thread, one
-    StepBatch message per worker per step, so while the tail computes one group the head computes
-    the other (pipelining). Like llama-batched-bench, prompts are prefilled first and only the
-    decode is timed."""
+                     micro_batches: int = 2, local_head: bool = False) -> dict[int, float]:
+    """Two 1-thread workers split the model where per-token compute balances (the tail also runs
+    the LM head): two `llama-shard serve` processes on loopback driven by this process, or, with
+    local_head, the head in this process (a LocalStage, as llama-batched-bench keeps its half
+    local) and the tail in one `serve` process. `pl` sessions are dealt into `micro_batches` groups
+    of consecutive sessions; each group steps through the route on its own thread, one message per
+    worker per step, so while the tail computes one group the head computes the other
+    (pipelining). Like llama-batched-bench, prompts are prefilled first and only the decode is
+    timed."""
     import threading
 
     from .demo import start_worker, wait_serving
-    from .route import RemoteStage, RouteClient, RouteError
+    from .route import LocalStage, RemoteStage, RouteClient, RouteError
 
     cut = compute_balanced_cut(path)
-    procs = [start_worker(path, 0, cut - 1, 1), start_worker(path, cut, n_layer - 1, 1)]
+    ranges = [(0, cut - 1), (cut, n_layer - 1)]
+    procs = [start_worker(path, first, last, 1) for first, last in ranges[1 if local_head else 0:]]
     res = {}
     try:
         for proc, addr in procs:
             wait_serving(proc, addr)
-        client = RouteClient([RemoteStage(addr) for _, addr in procs])
+        stages = [RemoteStage(addr) for _, addr in procs]
+        if local_head:
+            config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as start_worker's
+            stages.insert(0, LocalStage(ShardModel(str(path), ranges[0], 1), config))
+        client = RouteClient(stages)
         rng = np.random.default_rng(5)
         for pl in npl:
             sessions = [client.session(f"pipe-{pl}-{j}") for j in range(pl)]
@@ -288,7 +303,7 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
 
             threads = [threading.Thread(target=decode, args=(g,)) for g in groups]
             cpu0 = [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()]
-            eng0 = [s.stats() for s in client.stages]
+            eng0 = [_engine_counters(s) for s in client.stages]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
@@ -298,14 +313,15 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
             if failures:
                 raise failures[0]
             cpu = [b - a for a, b in zip(cpu0, [_cpu_seconds(proc.pid) for proc, _ in procs] + [_cpu_seconds()])]
-            eng = [(b.engine_busy_seconds - a.engine_busy_seconds, b.engine_steps - a.engine_steps,
-                    b.engine_requests - a.engine_requests) for a, b in zip(eng0, [s.stats() for s in client.stages])]
+            eng = [tuple(b - a for a, b in zip(before, _engine_counters(s))) for before, s in zip(eng0, client.stages)]
             res[pl] = pl * ntg / wall
-            # where the time goes: CPU seconds of each worker and of this client during the decode,
-            # and how long each worker's engine was busy, in how many steps of how many requests
-            _log(f"pipeline profile, {pl} session(s) in {n_groups} micro-batch(es), {pl * ntg} tokens in "
-                 f"{wall:.2f}s wall: CPU head {cpu[0]:.2f}s, tail {cpu[1]:.2f}s, client {cpu[2]:.2f}s "
-                 f"({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
+            # where the time goes: CPU seconds of each process during the decode, and how long each
+            # worker's engine was busy, in how many steps of how many requests
+            names = (["tail", "client + head"] if local_head else ["head", "tail", "client"])
+            _log(f"pipeline profile ({'local head' if local_head else 'two worker processes'}), {pl} session(s) in "
+                 f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall: CPU "
+                 + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
+                 + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
                  + ", ".join(f"{b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)" for b, n, r in eng))
             for sess in sessions:
                 sess.release()
@@ -410,19 +426,24 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
 
     _log("two worker processes on loopback vs llama.cpp's RPC split")
     pipe_npl = [1, 8] if not quick else [2]
-    ours_runs, peer_runs = [], []
+    ours_runs, local_runs, peer_runs = [], [], []
     for _ in range(repeat):
         ours_runs.append(ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab))
+        local_runs.append(ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, local_head=True))
         if rpc_tools:
             peer_runs.append(stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl))
-    ours_p, peer_p = best(ours_runs), best(peer_runs)
+    ours_p, local_p, peer_p = best(ours_runs), best(local_runs), best(peer_runs)
     cut = compute_balanced_cut(path)
+    peer_note = (f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
+                 "llama-batched-bench, 1 thread each")
     for pl in pipe_npl:
         rows.append(Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n_layer - 1}), {pl} session"
                         f"{'s' if pl > 1 else ''} (vs RPC split)",
-                        ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl == 8 else "",
-                        f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
-                        "llama-batched-bench, 1 thread each"))
+                        ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl == 8 else "", peer_note))
+    pl = pipe_npl[-1]
+    rows.append(Row(f"head 0-{cut - 1} in the client process + 1 worker {cut}-{n_layer - 1} on loopback, 1 thread each, "
+                    f"{pl} sessions (vs RPC split: the same topology)", local_p[pl], peer_p.get(pl, {}).get("tg"),
+                    "tok/s", ">= 1.6", peer_note))
 
     _log("memory")
     whole_m = ours_memory(path, None)
