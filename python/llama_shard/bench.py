@@ -322,7 +322,8 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
                  f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall: CPU "
                  + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
                  + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
-                 + ", ".join(f"{b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)" for b, n, r in eng))
+                 + ", ".join(f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
+                             for stage, (b, n, r) in zip(("head", "tail"), eng)))
             for sess in sessions:
                 sess.release()
         client.close()
