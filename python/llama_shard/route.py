@@ -251,32 +251,29 @@ class RouteClient:
                 last_miss[i] = "SUPERSEDED_EPOCH"
             else:
                 normal.append(i)
-        outs = self._through_route(kind, [(sessions[i], len(sessions[i].history), new[i]) for i in normal])
-        for i, out in zip(normal, outs):
-            if isinstance(out, StepOutcome) and out.miss is not None:
-                missed.append(i)
-                last_miss[i] = out.miss
-            else:
-                results[i] = out
-                if isinstance(out, StepOutcome):
-                    sessions[i].history.extend(new[i])
-        for _ in range(self.max_reprefills):
-            if not missed:
-                break
-            full = {i: sessions[i].history + new[i] for i in missed}
-            for i in missed:
-                sessions[i].reprefills += 1
-            outs = self._through_route("prefill", [(sessions[i], 0, full[i]) for i in missed])
-            still = []
-            for i, out in zip(missed, outs):
+
+        def settle(indices: list[int], outs: list) -> list[int]:
+            """Records answers (a success extends the history by the new tokens); returns the misses."""
+            misses = []
+            for i, out in zip(indices, outs):
                 if isinstance(out, StepOutcome) and out.miss is not None:
-                    still.append(i)
+                    misses.append(i)
                     last_miss[i] = out.miss
                 else:
                     results[i] = out
                     if isinstance(out, StepOutcome):
-                        sessions[i].history = full[i]
-            missed = still
+                        sessions[i].history = sessions[i].history + new[i]
+            return misses
+
+        missed += settle(normal, self._through_route(
+            kind, [(sessions[i], len(sessions[i].history), new[i]) for i in normal]))
+        for _ in range(self.max_reprefills):
+            if not missed:
+                break
+            for i in missed:
+                sessions[i].reprefills += 1
+            missed = settle(missed, self._through_route(
+                "prefill", [(sessions[i], 0, sessions[i].history + new[i]) for i in missed]))
         for i in missed:
             results[i] = RouteError(f"session {sessions[i].session_id}: still a cache miss ({last_miss[i]}) after "
                                     f"{self.max_reprefills} re-prefills")
