@@ -205,12 +205,12 @@ def test_a_micro_batch_runs_as_one_step_without_waiting_for_a_window(manager, sy
     t0 = time.perf_counter()
     outs = adapter.step_many([("prefill", f"m{i}", 0, PROMPTS[i], None, None) for i in range(4)]
                              + [("decode", "m-unknown", 0, [1], None, None), ("prefill", "m0", 0, [1], None, None),
-                                ("sideways", "m9", 0, [1], None, None)])
+                                ("sideways", "m9", 0, [1], None, None), ("decode", "m8"), "not a step"])
     assert time.perf_counter() - t0 < 2.0  # a 5 s window was never waited for
     assert all(isinstance(o, TailOutput) for o in outs[:4])
     assert isinstance(outs[4], CacheMiss)
     assert isinstance(outs[5], InvalidInputError) and "more than one step" in str(outs[5])
-    assert isinstance(outs[6], InvalidInputError)
+    assert all(isinstance(o, InvalidInputError) for o in outs[6:9])
     # chunks of 4: the first step has every first chunk and the miss, the second the rest of the
     # 5- and 6-token prompts
     assert sched.steps == 2 and sched.requests == 5 + 2

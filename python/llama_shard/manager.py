@@ -281,8 +281,11 @@ class KvBoundaryAdapter:
         results: list = [None] * n
         chunks: list[list[tuple]] = [[] for _ in range(n)]
         seen: set = set()
-        for i, (kind, sid, epoch, tokens, boundary, position) in enumerate(steps):
+        for i, step in enumerate(steps):
             try:
+                if not isinstance(step, tuple) or len(step) != 6:
+                    raise InvalidInputError("a step is (kind, session_id, route_epoch, token_ids, boundary, position)")
+                kind, sid, epoch, tokens, boundary, position = step
                 if isinstance(sid, str):
                     if sid in seen:
                         raise InvalidInputError(f"session {sid!r} has more than one step in this batch")
@@ -320,10 +323,10 @@ class KvBoundaryAdapter:
                     results[i] = answer
                 else:
                     answers[i].append(answer)
-        for i, (kind, sid, epoch, *_rest) in enumerate(steps):
+        for i, step in enumerate(steps):
             if results[i] is None:
                 try:
-                    results[i] = self._combine(sid, epoch, answers[i])
+                    results[i] = self._combine(step[1], step[2], answers[i])
                 except LlamaShardError as e:
                     results[i] = e
         return results
