@@ -107,6 +107,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._serve(context, "decode", [("decode", request)])[0]
 
     def StepBatch(self, request, context):
+        limit = self.manager.config.max_sessions
+        if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}")
         kinds = {pb.STEP_KIND_PREFILL: "prefill", pb.STEP_KIND_DECODE: "decode"}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
         return pb.StepBatchReply(replies=self._serve(context, "batch", items))
@@ -135,11 +139,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own."""
         replies: list = [None] * len(items)
         parsed = []
-        limit = self.manager.config.max_sessions
         for i, (kind, req) in enumerate(items):
             try:
-                if len(items) > limit:
-                    raise InvalidInputError(f"a batch takes at most {limit} steps (this shard's max sessions)")
                 parsed.append((i, self._parse_step(kind, req)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
