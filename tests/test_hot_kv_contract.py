@@ -275,6 +275,24 @@ def test_freed_seq_ids_are_reused_lowest_first_and_batches_run_in_any_order(make
     manager.check_invariants()
 
 
+def test_sessions_opened_by_one_step_take_consecutive_seq_ids(make_shard):
+    """After churn the free ids are {1, 5, 6, 7}: three sessions opened by one step take the run
+    5-7 (one ubatch on the native engine), not 1, 5, 6; a lone new session takes the lowest id."""
+    shard = make_shard()
+    manager = manager_for(shard, max_sessions=8)
+    manager.step_batch([(f"old{i}", 0, "prefill", 0, PROMPTS[i % 4], None) for i in range(8)])
+    assert [manager.get(f"old{i}", 0).seq_id for i in range(8)] == list(range(8))
+    for i in (1, 5, 6, 7):
+        manager.release(f"old{i}", 0)
+    outs = manager.step_batch([("old0", 0, "decode", -1, [3], None)]
+                              + [(f"new{i}", 0, "prefill", 0, PROMPTS[i], None) for i in range(3)])
+    assert [r.status for r, _ in outs] == ["OK"] * 4
+    assert [manager.get(f"new{i}", 0).seq_id for i in range(3)] == [5, 6, 7]
+    manager.step_batch([("lone", 0, "prefill", 0, PROMPTS[3], None)])
+    assert manager.get("lone", 0).seq_id == 1
+    manager.check_invariants()
+
+
 # --- identity ----------------------------------------------------------------------------------
 
 

@@ -199,14 +199,45 @@ hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, i
     if (free_ids_.empty()) {
         evict_lru_locked(sid);
     }
-    assert(!free_ids_.empty());
-    const int32_t seq_id = free_ids_.back();
-    free_ids_.pop_back();
+    const int32_t seq_id = take_free_id_locked();
     lru_.push_back(sid);
     session & s = live_[sid];
     s = session{epoch, seq_id, 0, now, std::prev(lru_.end())};
     recent_.erase(sid);  // live again: its dropped record no longer applies
     return s;
+}
+
+int32_t hot_kv_engine::take_free_id_locked() {
+    assert(!free_ids_.empty());
+    auto take = [&](std::vector<int32_t>::iterator it) {
+        const int32_t id = *it;
+        free_ids_.erase(it);
+        last_created_id_ = id;
+        new_in_step_ = std::max(new_in_step_ - 1, 0);
+        return id;
+    };
+    if (last_created_id_ >= 0) {  // next to the session this step created before
+        auto it = std::find(free_ids_.begin(), free_ids_.end(), last_created_id_ + 1);
+        if (it != free_ids_.end()) {
+            return take(it);
+        }
+    }
+    if (new_in_step_ > 1) {  // the lowest run long enough for the step's remaining new sessions
+        int32_t run_start = -1;
+        int32_t run_len   = 0;
+        for (auto it = free_ids_.rbegin(); it != free_ids_.rend(); ++it) {  // ascending ids
+            if (run_len > 0 && *it == run_start + run_len) {
+                ++run_len;
+            } else {
+                run_start = *it;
+                run_len   = 1;
+            }
+            if (run_len >= new_in_step_) {
+                return take(std::find(free_ids_.begin(), free_ids_.end(), run_start));
+            }
+        }
+    }
+    return take(std::prev(free_ids_.end()));  // the lowest
 }
 
 hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string detail) {
@@ -270,6 +301,8 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
         return res;
     }
     if (s == nullptr) {
+        new_in_step_     = 0;  // outside a step: the lowest free id
+        last_created_id_ = -1;
         s = &create_locked(sid, epoch, now);
     }
     touch_locked(*s, now);
@@ -352,12 +385,22 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
         return results;
     }
     sweep_locked(now);
+    new_in_step_     = 0;  // prefills of sessions not live under that epoch: the ids to place together
+    last_created_id_ = -1;
+    for (size_t i = 0; i < requests.size(); ++i) {
+        if (valid[i] && requests[i].kind == HOT_KV_STEP_PREFILL) {
+            auto it = live_.find(requests[i].session_id);
+            new_in_step_ += (it == live_.end() || it->second.epoch != requests[i].epoch) ? 1 : 0;
+        }
+    }
     std::vector<planned> plan;
     for (size_t i = 0; i < requests.size(); ++i) {
         if (valid[i]) {
             admit_locked(requests[i], participants, now, plan, i, results[i]);
         }
     }
+    new_in_step_     = 0;
+    last_created_id_ = -1;
     if (plan.empty()) {
         return results;
     }

@@ -11,10 +11,12 @@
 //  - reserved_tokens <= budget_tokens, and every length <= context_tokens <= the cells of the
 //    session's own KV stream, so llama_decode never lacks a KV slot once admission said yes;
 //  - the table of recently dropped keys holds at most recent_capacity entries;
-//  - free ids are kept in descending order and the lowest is handed out first, so live sessions
-//    hold a compact run of ids: with one KV stream per sequence, llama.cpp computes sequences in
-//    one ubatch only when their ids are consecutive (shard_context::forward_batch orders a step by
-//    id), and a session opened next to its micro-batch neighbours shares their ubatches.
+//  - free ids are kept in descending order. With one KV stream per sequence, llama.cpp computes
+//    sequences in one ubatch only when their ids are consecutive (shard_context::forward_batch
+//    orders a step by id), so ids are placed to keep a micro-batch contiguous: a session created
+//    by a step takes the id after the one the step created before it when that is free, else the
+//    start of the lowest run of free ids long enough for the step's remaining new sessions, else
+//    the lowest free id (outside a step: the lowest free id).
 //
 // Admission is by token reservation. Before a step computes, the engine checks that the session's
 // new length fits context_tokens and budget_tokens on its own (otherwise: BUDGET_EXCEEDED and
@@ -205,6 +207,7 @@ private:
     bool     evict_lru_locked(const std::string & keep);
     void     touch_locked(session & s, double now);
     session & create_locked(const std::string & sid, int64_t epoch, double now);
+    int32_t  take_free_id_locked();
 
     // classifies (sid, epoch): returns the live session of that exact key, or null with `res` saying
     // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
@@ -234,7 +237,11 @@ private:
     mutable std::mutex mutex_;
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
-    std::vector<int32_t>                     free_ids_;
+    std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
+    // id placement within one step: the step's sessions still to be created, and the id the step
+    // created last (-1: none), so that sessions opened together take consecutive ids
+    int32_t                                  new_in_step_ = 0;
+    int32_t                                  last_created_id_ = -1;
     int64_t                                  reserved_ = 0;
     double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
 

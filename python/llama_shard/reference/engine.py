@@ -85,7 +85,9 @@ class ReferenceHotKvEngine:
         self.n_batch = n_batch
         self.recent_capacity = recent_capacity
         self._live: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()  # LRU order
-        self._free_ids = list(range(max_sessions - 1, -1, -1))
+        self._free_ids = list(range(max_sessions - 1, -1, -1))  # descending: [-1] is the lowest
+        self._new_in_step = 0        # id placement within one step (see _take_free_id)
+        self._last_created_id = -1
         self._reserved = 0
         self._recent: dict[str, _Dropped] = {}
         self._recent_order: collections.deque[tuple[str, int]] = collections.deque()
@@ -211,11 +213,34 @@ class ReferenceHotKvEngine:
     def _create(self, sid: str, epoch: int, now: float) -> _Session:
         if not self._free_ids:
             self._evict_lru(sid)
-        seq_id = self._free_ids.pop()
+        seq_id = self._take_free_id()
         s = _Session(epoch, seq_id, self.shard.new_sequence(), now)
         self._live[sid] = s
         self._recent.pop(sid, None)
         return s
+
+    def _take_free_id(self) -> int:
+        """As the native engine: the id after the one this step created last, else the start of the
+        lowest run of free ids long enough for the step's remaining new sessions, else the lowest."""
+        free = self._free_ids
+        if self._last_created_id >= 0 and self._last_created_id + 1 in free:
+            seq_id = self._last_created_id + 1
+        else:
+            seq_id = free[-1]
+            if self._new_in_step > 1:
+                run_start, run_len = -1, 0
+                for i in reversed(free):  # ascending ids
+                    if run_len > 0 and i == run_start + run_len:
+                        run_len += 1
+                    else:
+                        run_start, run_len = i, 1
+                    if run_len >= self._new_in_step:
+                        seq_id = run_start
+                        break
+        free.remove(seq_id)
+        self._last_created_id = seq_id
+        self._new_in_step = max(self._new_in_step - 1, 0)
+        return seq_id
 
     def _miss(self, reason: str, detail: str) -> StepResult:
         self._misses[reason] += 1
@@ -248,6 +273,7 @@ class ReferenceHotKvEngine:
         if res.status == STALE_EPOCH:
             return res
         if s is None:
+            self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
             s = self._create(session_id, epoch, now)
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
@@ -285,10 +311,16 @@ class ReferenceHotKvEngine:
         if not participants:  # a step with nothing valid in it changes nothing, not even by time
             return [(r, None) for r in results]
         self._sweep(now)
+        # prefills of sessions not live under that epoch: their ids are placed together
+        self._new_in_step = sum(1 for i, req in enumerate(requests)
+                                if results[i] is None and req.kind == "prefill"
+                                and (req.session_id not in self._live or self._live[req.session_id].epoch != req.epoch))
+        self._last_created_id = -1
         plan = []
         for i, req in enumerate(requests):
             if results[i] is None:
                 results[i] = self._admit(req, inputs[i][2], participants, now, plan, i)
+        self._new_in_step, self._last_created_id = 0, -1
         outs: list[np.ndarray | None] = [None] * len(requests)
         if plan:
             self.n_decode_calls += 1  # what one native step costs at least
