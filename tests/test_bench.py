@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 FAKE_LLAMA_BENCH = """#!{python}
 import json
 print(json.dumps([{{"n_prompt": 16, "n_gen": 0, "avg_ts": 1000.0}}, {{"n_prompt": 0, "n_gen": 8, "avg_ts": 100.0}}]))
@@ -31,7 +33,9 @@ for pl in npl:
 """
 
 
-def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path):
+@pytest.fixture
+def fake_stock_env(tmp_path) -> dict:
+    """An environment whose stock llama.cpp tools are the fakes above."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in [("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH),
@@ -39,8 +43,12 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path):
         p = bin_dir / name
         p.write_text(textwrap.dedent(body.format(python=sys.executable)))
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir))
+
+
+def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_stock_env):
     out_json = tmp_path / "rows.json"
-    env = dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir))
+    env = fake_stock_env
     res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
                           "--no-build", "--json", str(out_json)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -55,3 +63,18 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path):
         assert r["ratio"] is not None, r
     kv = [r for m, r in rows.items() if m.startswith("KV bytes/token")]
     assert kv and all(abs(r["ratio"] - 0.5) < 1e-9 for r in kv)
+
+
+def test_pipeline_study_prints_rounds_the_spread_and_the_compute_bound(synthetic_model, fake_stock_env):
+    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
+                          "--no-build", "--pipeline-study", "2"], capture_output=True, text=True, timeout=600,
+                         env=fake_stock_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "4-session step, alone: layers 0-" in out and "4-session step, together: layers 0-" in out
+    assert "compute bound with free transport" in out
+    assert "round 1: two workers" in out and "round 2: two workers" in out
+    # the fake RPC split reports 50 tok/s per session: 400 at 8 sessions
+    assert "RPC split 400.0 tok/s" in out
+    assert "two workers / RPC split: min" in out and "local head / RPC split: min" in out
+    assert "compute bound / best RPC split:" in out

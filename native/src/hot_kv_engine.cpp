@@ -240,6 +240,14 @@ int32_t hot_kv_engine::take_free_id_locked() {
     return take(std::prev(free_ids_.end()));  // the lowest
 }
 
+hot_kv_engine::session * hot_kv_engine::identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res) {
+    session * s = identify_locked(sid, epoch, res);
+    if (s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
+        counters_.misses[res.miss]++;
+    }
+    return s;
+}
+
 hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string detail) {
     counters_.misses[reason]++;
     hot_kv_result res;
@@ -553,11 +561,8 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
     }
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_locked(sid, epoch, res);
+    session * s = identify_counted_locked(sid, epoch, res);
     if (s == nullptr) {
-        if (res.status == SHARD_STATUS_CACHE_MISS) {
-            counters_.misses[res.miss]++;
-        }
         return res;
     }
     if (length > s->seq_len) {
@@ -602,11 +607,8 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
     std::lock_guard<std::mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_locked(sid, epoch, res);
+    session * s = identify_counted_locked(sid, epoch, res);
     if (s == nullptr) {
-        if (res.status == SHARD_STATUS_CACHE_MISS) {
-            counters_.misses[res.miss]++;
-        }
         return res;
     }
     res.seq_len = s->seq_len;

@@ -1,6 +1,7 @@
 """Side-by-side benchmark against stock llama.cpp from the same pin, in one run.
 
     python -m llama_shard.bench [--model PATH] [--threads 2] [--no-stock] [--json OUT]
+    python -m llama_shard.bench --pipeline-study ROUNDS [--micro-batches 2]   # the pipelining target only
 
 Stock `llama-bench` and `llama-batched-bench` are built from the same pinned source (the patches
 are gated: without a shard range they behave as upstream) by the opt-in CMake option
@@ -379,6 +380,26 @@ def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: in
 # the table
 # ---------------------------------------------------------------------------------------------
 
+def best(runs: list[dict]) -> dict:
+    """Each figure's best over runs (nested dicts merged key by key)."""
+    out: dict = {}
+    for r in runs:
+        for k, v in r.items():
+            out[k] = max(out.get(k, v), v) if not isinstance(v, dict) else best([out.get(k, {}), v])
+    return out
+
+
+def alternate(repeat: int, *measures) -> list[dict]:
+    """The machine is shared and noisy: every measure (None or False: skipped, giving {}) runs
+    `repeat` times, taking turns with the others, and each one's best is kept."""
+    runs: list[list[dict]] = [[] for _ in measures]
+    for _ in range(repeat):
+        for out, measure in zip(runs, measures):
+            if measure:
+                out.append(measure())
+    return [best(r) for r in runs]
+
+
 def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int = 2,
         rpc_tools: dict | None = None) -> list[Row]:
     n_layer = gguf_layer_count(path)
@@ -388,32 +409,16 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     live = [10, 50] if quick else [10, 100, 250]
     rows: list[Row] = []
 
-    # the machine is shared and noisy: every pair is measured `repeat` times, alternating project
-    # and peer, and each side's best is kept
-    def best(runs: list[dict]) -> dict:
-        out: dict = {}
-        for r in runs:
-            for k, v in r.items():
-                out[k] = max(out.get(k, v), v) if not isinstance(v, dict) else best([out.get(k, {}), v])
-        return out
-
     _log("llama-shard: prefill and single-session decode")
-    ours_runs, peer_runs = [], []
-    for _ in range(repeat):
-        ours_runs.append(ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab))
-        if stock:
-            peer_runs.append(stock_llama_bench(stock["llama-bench"], path, threads, npp, ntg, reps))
-    ours, peer = best(ours_runs), best(peer_runs)
+    ours, peer = alternate(repeat, lambda: ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab),
+                           stock and (lambda: stock_llama_bench(stock["llama-bench"], path, threads, npp, ntg, reps)))
     rows.append(Row(f"prefill pp{npp} (llama-bench)", ours["pp"], peer.get("pp"), "tok/s", ">= 0.95"))
     rows.append(Row(f"decode tg{ntg}, 1 session (llama-bench)", ours["tg"], peer.get("tg"), "tok/s", ">= 0.95"))
 
     _log("llama-shard: concurrent sessions")
-    ours_runs, peer_runs = [], []
-    for _ in range(repeat):
-        ours_runs.append(ours_batched(path, threads, npp, ntg, npl, vocab))
-        if stock:
-            peer_runs.append(stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl))
-    ours_b, peer_b = best(ours_runs), best(peer_runs)
+    ours_b, peer_b = alternate(repeat, lambda: ours_batched(path, threads, npp, ntg, npl, vocab),
+                               stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], path, threads,
+                                                                      npp, ntg, npl)))
     for pl in npl:
         rows.append(Row(f"aggregate decode, {pl} session{'s' if pl > 1 else ''} (batched-bench)", ours_b[pl]["tg"],
                         peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95" if pl in (1, 4, 8) else ""))
@@ -427,13 +432,10 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
 
     _log("two worker processes on loopback vs llama.cpp's RPC split")
     pipe_npl = [1, 8] if not quick else [2]
-    ours_runs, local_runs, peer_runs = [], [], []
-    for _ in range(repeat):
-        ours_runs.append(ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab))
-        local_runs.append(ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, local_head=True))
-        if rpc_tools:
-            peer_runs.append(stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl))
-    ours_p, local_p, peer_p = best(ours_runs), best(local_runs), best(peer_runs)
+    ours_p, local_p, peer_p = alternate(
+        repeat, lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab),
+        lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, local_head=True),
+        rpc_tools and (lambda: stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl)))
     cut = compute_balanced_cut(path)
     peer_note = (f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
                  "llama-batched-bench, 1 thread each")
@@ -470,6 +472,98 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# the pipelining study: the spread of the target ratio, and its compute bound
+# ---------------------------------------------------------------------------------------------
+
+def _stage_step_ms(path: str, layers: tuple[int, int], seconds: float, start=None, out=None) -> float:
+    """ms per decode step of 4 sessions (128 cached tokens, kept near that) on one shard, 1 thread.
+    With `start` (an Event) the timing begins when it is set; the result also goes to `out`."""
+    model = ShardModel(path, layers, 1)
+    mgr = _manager(model, 4, 512, 1)
+    rng = np.random.default_rng(0)
+    head = model.info.is_head
+
+    def inputs(n):
+        if head:
+            return rng.integers(0, model.info.n_vocab, n).tolist(), None
+        return None, rng.standard_normal((n, model.info.n_embd)).astype(np.float32)
+
+    mgr.step_batch([(f"s{j}", 0, "prefill", 0, *inputs(128)) for j in range(4)])
+    if start is not None:
+        start.wait()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            mgr.step_batch([(f"s{j}", 0, "decode", -1, *inputs(1)) for j in range(4)])
+            steps += 1
+        for j in range(4):
+            mgr.truncate(f"s{j}", 0, 128)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    if out is not None:
+        out.put((layers, ms))
+    return ms
+
+
+def stage_costs(path: Path, ranges: list[tuple[int, int]], seconds: float) -> dict[str, list[float]]:
+    """Each stage's 4-session step time alone, then with both stages computing at once (two
+    processes), which is what a pipeline does."""
+    import multiprocessing as mp
+
+    alone = [_stage_step_ms(str(path), r, seconds) for r in ranges]
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_stage_step_ms, args=(str(path), r, seconds, start, out)) for r in ranges]
+    for pr in procs:
+        pr.start()
+    time.sleep(5.0)  # both load and prefill before the timing starts (a few hundred ms here)
+    start.set()
+    together = dict(out.get(timeout=300) for _ in procs)
+    for pr in procs:
+        pr.join()
+    return {"alone": alone, "together": [together[r] for r in ranges]}
+
+
+def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batches: int = 2, quick: bool = False) -> str:
+    """The 8-session pipelining ratio over `rounds` alternating rounds (two worker processes; the
+    head in this process + one worker; llama.cpp's RPC split), and the compute bound."""
+    import statistics
+
+    n_layer = gguf_layer_count(path)
+    vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
+    cut = compute_balanced_cut(path)
+    ranges = [(0, cut - 1), (cut, n_layer - 1)]
+    lines = [f"{path.name}: pipelining at 8 sessions, 1 thread per worker, cut {cut}, "
+             f"{micro_batches} micro-batches, {rounds} alternating rounds", ""]
+    npp, ntg, seconds = (16, 8, 0.3) if quick else (128, 64, 4.0)
+    costs = stage_costs(path, ranges, seconds)
+    for name, ms in costs.items():
+        lines.append(f"4-session step, {name}: " + ", ".join(f"layers {a}-{b} {m:.1f} ms" for (a, b), m in zip(ranges, ms)))
+    # two micro-batches of 4 keep each stage on one 4-session step at a time: 8 tokens per 2 steps
+    bound = 8 / (2 * max(costs["together"]) / 1e3) if micro_batches == 2 else None
+    if bound:
+        lines.append(f"compute bound with free transport: 8 tokens per 2 x {max(costs['together']):.1f} ms = {bound:.1f} tok/s")
+    ratios: dict[str, list[float]] = {"two workers": [], "local head": []}
+    peers: list[float] = []
+    for k in range(rounds):
+        two = ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches)[8]
+        local = ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches, local_head=True)[8]
+        peer = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, [8])[8]["tg"] if rpc_tools else None
+        lines.append(f"round {k + 1}: two workers {two:.1f}, local head {local:.1f}, RPC split "
+                     + (f"{peer:.1f} tok/s; ratios {two / peer:.3f}, {local / peer:.3f}" if peer else "n/a"))
+        if peer:
+            peers.append(peer)
+            ratios["two workers"].append(two / peer)
+            ratios["local head"].append(local / peer)
+    for name, r in ratios.items():
+        if r:
+            lines.append(f"{name} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
+                         f"{sum(x >= 1.6 for x in r)} of {len(r)} rounds >= 1.6")
+    if peers and bound:
+        lines.append(f"compute bound / best RPC split: {bound:.1f} / {max(peers):.1f} = {bound / max(peers):.3f}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row], header: str) -> str:
     lines = [header, "",
              "| metric | llama-shard | peer | ratio | target |",
@@ -492,10 +586,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     ap.add_argument("--repeat", type=int, default=2, help="measure each pair this many times, keep each side's best")
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--pipeline-study", type=int, metavar="ROUNDS",
+                    help="only the 8-session pipelining comparison, ROUNDS alternating rounds, with its compute bound")
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches for --pipeline-study")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
-    stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
     rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
+    if args.pipeline_study:
+        print(pipeline_study(path, args.pipeline_study, rpc_tools, args.micro_batches, args.quick))
+        return 0
+    stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
     if stock is None and not args.no_stock:
         _log("stock llama.cpp tools not available: peer columns are n/a")
     rows = run(path, args.threads, stock, args.quick, max(1, args.repeat), rpc_tools)

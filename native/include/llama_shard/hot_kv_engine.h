@@ -213,6 +213,8 @@ private:
     // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
     // A newer epoch than the live one drops the live state (supersession).
     session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
+    // identify_locked for a request answered at once (truncate, resolve): a miss it returns is counted
+    session * identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
     hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
 
     // a request that passed identity and admission, waiting for compute
