@@ -65,7 +65,7 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
     assert kv and all(abs(r["ratio"] - 0.5) < 1e-9 for r in kv)
 
 
-def test_pipeline_study_prints_rounds_the_spread_and_the_compute_bound(synthetic_model, fake_stock_env):
+def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model, fake_stock_env):
     res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
                           "--no-build", "--pipeline-study", "2"], capture_output=True, text=True, timeout=600,
                          env=fake_stock_env)
@@ -74,7 +74,11 @@ def test_pipeline_study_prints_rounds_the_spread_and_the_compute_bound(synthetic
     assert "4-session step, alone: layers 0-" in out and "4-session step, together: layers 0-" in out
     assert "compute bound with free transport" in out
     assert "round 1: two workers" in out and "round 2: two workers" in out
-    # the fake RPC split reports 50 tok/s per session: 400 at 8 sessions
-    assert "RPC split 400.0 tok/s" in out
-    assert "two workers / RPC split: min" in out and "local head / RPC split: min" in out
+    assert ", local head " in out and ", in process " in out
+    # the fake batched-bench reports 50 tok/s per session: the RPC split 400 at 8 sessions, the
+    # whole model 200 at 4, so the ceiling is 2 x 200 / 400
+    assert "RPC split 400.0, stock whole model at 4 sessions 200.0 tok/s" in out
+    for name in ("two workers", "local head", "in process"):
+        assert f"{name} / RPC split: min" in out
+    assert "ceiling (2 x stock whole model at 4 sessions) / RPC split: min 1.000, median 1.000, max 1.000" in out
     assert "compute bound / best RPC split:" in out

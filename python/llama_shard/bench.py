@@ -250,12 +250,17 @@ def _engine_counters(stage) -> tuple[float, int, int]:
     return info.engine_busy_seconds, info.engine_steps, info.engine_requests
 
 
+TOPOLOGIES = {"two workers": 2, "local head": 1, "in process": 0}  # name -> stages served by workers
+
+
 def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
-                     micro_batches: int = 2, local_head: bool = False) -> dict[int, float]:
-    """Two 1-thread workers split the model where per-token compute balances (the tail also runs
-    the LM head): two `llama-shard serve` processes on loopback driven by this process, or, with
-    local_head, the head in this process (a LocalStage, as llama-batched-bench keeps its half
-    local) and the tail in one `serve` process. `pl` sessions are dealt into `micro_batches` groups
+                     micro_batches: int = 2, topology: str = "two workers") -> dict[int, float]:
+    """Two 1-thread stages split the model where per-token compute balances (the tail also runs
+    the LM head). Topologies: "two workers", two `llama-shard serve` processes on loopback driven
+    by this process; "local head", the head in this process (a LocalStage, as llama-batched-bench
+    keeps its half local) and the tail in one `serve` process; "in process", both stages are
+    LocalStages here: the same client and engines with no gRPC and no second process, which shows
+    what the transport costs. `pl` sessions are dealt into `micro_batches` groups
     of consecutive sessions; each group steps through the route on its own thread, one message per
     worker per step, so while the tail computes one group the head computes the other
     (pipelining). Like llama-batched-bench, prompts are prefilled first and only the decode is
@@ -267,15 +272,15 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
 
     cut = compute_balanced_cut(path)
     ranges = [(0, cut - 1), (cut, n_layer - 1)]
-    procs = [start_worker(path, first, last, 1) for first, last in ranges[1 if local_head else 0:]]
+    n_workers = TOPOLOGIES[topology]
+    procs = [start_worker(path, first, last, 1) for first, last in ranges[len(ranges) - n_workers:]]
     res = {}
     try:
         for proc, addr in procs:
             wait_serving(proc, addr)
-        stages = [RemoteStage(addr) for _, addr in procs]
-        if local_head:
-            config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as start_worker's
-            stages.insert(0, LocalStage(ShardModel(str(path), ranges[0], 1), config))
+        config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as start_worker's
+        stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:len(ranges) - n_workers]]
+                  + [RemoteStage(addr) for _, addr in procs])
         client = RouteClient(stages)
         rng = np.random.default_rng(5)
         for pl in npl:
@@ -318,8 +323,9 @@ def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int
             res[pl] = pl * ntg / wall
             # where the time goes: CPU seconds of each process during the decode, and how long each
             # worker's engine was busy, in how many steps of how many requests
-            names = (["tail", "client + head"] if local_head else ["head", "tail", "client"])
-            _log(f"pipeline profile ({'local head' if local_head else 'two worker processes'}), {pl} session(s) in "
+            n_local = len(ranges) - n_workers
+            names = ["head", "tail"][n_local:] + [" + ".join(["client", *["head", "tail"][:n_local]])]
+            _log(f"pipeline profile ({topology}), {pl} session(s) in "
                  f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall: CPU "
                  + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
                  + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
@@ -434,7 +440,7 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     pipe_npl = [1, 8] if not quick else [2]
     ours_p, local_p, peer_p = alternate(
         repeat, lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab),
-        lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, local_head=True),
+        lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, topology="local head"),
         rpc_tools and (lambda: stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl)))
     cut = compute_balanced_cut(path)
     peer_note = (f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
@@ -525,8 +531,12 @@ def stage_costs(path: Path, ranges: list[tuple[int, int]], seconds: float) -> di
 
 
 def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batches: int = 2, quick: bool = False) -> str:
-    """The 8-session pipelining ratio over `rounds` alternating rounds (two worker processes; the
-    head in this process + one worker; llama.cpp's RPC split), and the compute bound."""
+    """The 8-session pipelining ratio over `rounds` alternating rounds, for each topology (two
+    worker processes; the head in this process + one worker; both stages in this process, no
+    gRPC) against llama.cpp's RPC split, with two bounds: the compute bound from our own stage
+    times, and the pipelining ceiling from stock llama.cpp in the same round (a perfect two-stage
+    pipeline of 4-session micro-batches runs each half of the model on its own core, so it makes
+    twice the whole model's 4-session decode rate)."""
     import statistics
 
     n_layer = gguf_layer_count(path)
@@ -543,21 +553,28 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
     bound = 8 / (2 * max(costs["together"]) / 1e3) if micro_batches == 2 else None
     if bound:
         lines.append(f"compute bound with free transport: 8 tokens per 2 x {max(costs['together']):.1f} ms = {bound:.1f} tok/s")
-    ratios: dict[str, list[float]] = {"two workers": [], "local head": []}
+    ratios: dict[str, list[float]] = {name: [] for name in [*TOPOLOGIES, "ceiling"]}
     peers: list[float] = []
     for k in range(rounds):
-        two = ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches)[8]
-        local = ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches, local_head=True)[8]
-        peer = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, [8])[8]["tg"] if rpc_tools else None
-        lines.append(f"round {k + 1}: two workers {two:.1f}, local head {local:.1f}, RPC split "
-                     + (f"{peer:.1f} tok/s; ratios {two / peer:.3f}, {local / peer:.3f}" if peer else "n/a"))
-        if peer:
+        ours = {name: ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches, topology=name)[8]
+                for name in TOPOLOGIES}
+        line = f"round {k + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in ours.items())
+        if rpc_tools:
+            peer = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, [8])[8]["tg"]
+            whole4 = stock_batched_bench(rpc_tools["llama-batched-bench"], path, 1, npp, ntg, [4])[4]["tg"]
             peers.append(peer)
-            ratios["two workers"].append(two / peer)
-            ratios["local head"].append(local / peer)
+            for name, v in ours.items():
+                ratios[name].append(v / peer)
+            ratios["ceiling"].append(2 * whole4 / peer)
+            line += (f"; RPC split {peer:.1f}, stock whole model at 4 sessions {whole4:.1f} tok/s; ratios "
+                     + ", ".join(f"{r[-1]:.3f}" for r in ratios.values()))
+        else:
+            line += "; RPC split n/a"
+        lines.append(line)
     for name, r in ratios.items():
         if r:
-            lines.append(f"{name} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
+            label = "ceiling (2 x stock whole model at 4 sessions)" if name == "ceiling" else name
+            lines.append(f"{label} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
                          f"{sum(x >= 1.6 for x in r)} of {len(r)} rounds >= 1.6")
     if peers and bound:
         lines.append(f"compute bound / best RPC split: {bound:.1f} / {max(peers):.1f} = {bound / max(peers):.3f}")
