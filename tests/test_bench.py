@@ -76,8 +76,8 @@ def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model
     assert "round 1: two workers" in out and "round 2: two workers" in out
     assert ", local head " in out and ", in process " in out
     # the fake batched-bench reports 50 tok/s per session: the RPC split 400 at 8 sessions, the
-    # whole model 200 at 4, so the ceiling is 2 x 200 / 400
-    assert "RPC split 400.0, stock whole model at 4 sessions 200.0 tok/s" in out
+    # whole model 200 at 4 (400 at 8), so the ceiling is 2 x 200 / 400
+    assert "RPC split 400.0, stock whole model at 4 sessions 200.0 (8: 400.0) tok/s" in out
     for name in ("two workers", "local head", "in process"):
         assert f"{name} / RPC split: min" in out
     assert "ceiling (2 x stock whole model at 4 sessions) / RPC split: min 1.000, median 1.000, max 1.000" in out

@@ -561,12 +561,13 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
         line = f"round {k + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in ours.items())
         if rpc_tools:
             peer = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, [8])[8]["tg"]
-            whole4 = stock_batched_bench(rpc_tools["llama-batched-bench"], path, 1, npp, ntg, [4])[4]["tg"]
+            whole = stock_batched_bench(rpc_tools["llama-batched-bench"], path, 1, npp, ntg, [4, 8])
+            whole4 = whole[4]["tg"]
             peers.append(peer)
             for name, v in ours.items():
                 ratios[name].append(v / peer)
             ratios["ceiling"].append(2 * whole4 / peer)
-            line += (f"; RPC split {peer:.1f}, stock whole model at 4 sessions {whole4:.1f} tok/s; ratios "
+            line += (f"; RPC split {peer:.1f}, stock whole model at 4 sessions {whole4:.1f} (8: {whole[8]['tg']:.1f}) tok/s; ratios "
                      + ", ".join(f"{r[-1]:.3f}" for r in ratios.values()))
         else:
             line += "; RPC split n/a"
