@@ -253,7 +253,7 @@ def _engine_counters(stage) -> tuple[float, int, int]:
 TOPOLOGIES = {"two workers": 2, "local head": 1, "in process": 0}  # name -> stages served by workers
 
 
-def ours_two_workers(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
+def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
                      micro_batches: int = 2, topology: str = "two workers") -> dict[int, float]:
     """Two 1-thread stages split the model where per-token compute balances (the tail also runs
     the LM head). Topologies: "two workers", two `llama-shard serve` processes on loopback driven
@@ -439,8 +439,8 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     _log("two worker processes on loopback vs llama.cpp's RPC split")
     pipe_npl = [1, 8] if not quick else [2]
     ours_p, local_p, peer_p = alternate(
-        repeat, lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl, vocab),
-        lambda: ours_two_workers(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, topology="local head"),
+        repeat, lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl, vocab),
+        lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, topology="local head"),
         rpc_tools and (lambda: stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl)))
     cut = compute_balanced_cut(path)
     peer_note = (f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
@@ -556,7 +556,7 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
     ratios: dict[str, list[float]] = {name: [] for name in [*TOPOLOGIES, "ceiling"]}
     peers: list[float] = []
     for k in range(rounds):
-        ours = {name: ours_two_workers(path, n_layer, npp, ntg, [8], vocab, micro_batches, topology=name)[8]
+        ours = {name: ours_two_stages(path, n_layer, npp, ntg, [8], vocab, micro_batches, topology=name)[8]
                 for name in TOPOLOGIES}
         line = f"round {k + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in ours.items())
         if rpc_tools:
