@@ -272,14 +272,14 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
 
     cut = compute_balanced_cut(path)
     ranges = [(0, cut - 1), (cut, n_layer - 1)]
-    n_workers = TOPOLOGIES[topology]
-    procs = [start_worker(path, first, last, 1) for first, last in ranges[len(ranges) - n_workers:]]
+    n_local = len(ranges) - TOPOLOGIES[topology]  # the first n_local stages run in this process
+    procs = [start_worker(path, first, last, 1) for first, last in ranges[n_local:]]
     res = {}
     try:
         for proc, addr in procs:
             wait_serving(proc, addr)
         config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as start_worker's
-        stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:len(ranges) - n_workers]]
+        stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]]
                   + [RemoteStage(addr) for _, addr in procs])
         client = RouteClient(stages)
         rng = np.random.default_rng(5)
@@ -323,10 +323,9 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
             res[pl] = pl * ntg / wall
             # where the time goes: CPU seconds of each process during the decode, and how long each
             # worker's engine was busy, in how many steps of how many requests
-            n_local = len(ranges) - n_workers
             names = ["head", "tail"][n_local:] + [" + ".join(["client", *["head", "tail"][:n_local]])]
             _log(f"pipeline profile ({topology}), {pl} session(s) in "
-                 f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall: CPU "
+                 f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall ({wall / ntg * 1e3:.1f} ms per round): CPU "
                  + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
                  + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
                  + ", ".join(f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
