@@ -8,6 +8,7 @@
 #include "llama_shard/hot_kv_engine.h"
 #include "llama_shard/shard_context.h"
 #include "llama_shard/shard_model.h"
+#include "llama_shard/step_loop.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -122,27 +123,63 @@ void check_batch_size(const shard_input & input, int32_t n_batch) {
     }
 }
 
-void check_step_size(const hot_kv_engine & e, const shard_input & input) {
-    check_batch_size(input, e.config().n_batch);
+// an optional int attribute of a Step: -1 for None
+int32_t optional_position(const py::object & value, const char * name) {
+    if (value.is_none()) {
+        return -1;
+    }
+    const int64_t v = py::cast<int64_t>(value);
+    if (v < 0 || v > std::numeric_limits<int32_t>::max()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string(name) + " must be in [0, 2^31), got " + std::to_string(v));
+    }
+    return (int32_t) v;
 }
 
-// one prefill or decode on the engine: (result, output or None)
-std::pair<hot_kv_result, py::object> single_step(hot_kv_engine & e, hot_kv_step_kind kind, const std::string & sid,
-                                                 int64_t epoch, double now, int32_t position, const py::object & tokens,
-                                                 const py::object & hidden) {
-    const shard_model_info & info = e.model().info();
-    py_input p;
-    parse_input(p, info, tokens, hidden);
-    check_step_size(e, p.input);
-    py::array_t<float> out = output_array(info, p.input.n_tokens);
-    float * dst = out.mutable_data();
-    hot_kv_result r;
-    {
-        py::gil_scoped_release release;
-        r = kind == HOT_KV_STEP_PREFILL ? e.prefill(sid, epoch, position, p.input, dst, now)
-                                        : e.decode(sid, epoch, position, p.input, dst, now);
+// a ticket for a llama_shard.Step (kind, session_id, route_epoch, token_ids, hidden, start_pos,
+// expected_seq_len): validated, its input copied into the ticket (the loop thread never touches a
+// Python object), not queued yet
+std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_model_info & info, const py::object & step,
+                                         double now, int notify_fd) {
+    auto t = std::make_shared<step_ticket>();
+    try {
+        t->kind       = py::cast<hot_kv_step_kind>(step.attr("kind"));
+        t->session_id = py::cast<std::string>(step.attr("session_id"));
+        t->epoch      = py::cast<int64_t>(step.attr("route_epoch"));
+        t->position   = t->kind == HOT_KV_STEP_PREFILL ? optional_position(step.attr("start_pos"), "start_pos")
+                                                       : optional_position(step.attr("expected_seq_len"), "expected_seq_len");
+        py_input p;
+        parse_input(p, info, step.attr("token_ids"), step.attr("hidden"));
+        if (p.input.n_tokens < 1) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step needs token ids (head) or hidden rows (other shards)");
+        }
+        t->n_tokens = p.input.n_tokens;
+        if (p.input.tokens != nullptr) {
+            t->tokens = std::move(p.tokens);
+        } else {
+            t->hidden.assign(p.input.hidden, p.input.hidden + p.input.n_tokens * info.n_embd);
+        }
+    } catch (const py::cast_error & e) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string("malformed step: ") + e.what());
     }
-    return {r, r.status == SHARD_STATUS_OK ? py::object(out) : py::object(py::none())};
+    t->now       = now;
+    t->notify_fd = notify_fd;
+    t->out_cols  = info.is_tail ? 0 : info.n_embd;
+    loop.check_ticket(*t);
+    return t;
+}
+
+// the ticket's output as a numpy array over the ticket's own buffer (no copy; the array keeps the
+// ticket alive), or None unless the step completed OK
+py::object ticket_output(const std::shared_ptr<step_ticket> & t, const py::object & self) {
+    if (!t->done() || t->result().status != SHARD_STATUS_OK) {
+        return py::none();
+    }
+    const auto f = (py::ssize_t) sizeof(float);
+    if (t->out_cols == 0) {
+        return py::array_t<float>({(py::ssize_t) t->out.size()}, {f}, t->out.data(), self);
+    }
+    const auto cols = (py::ssize_t) t->out_cols;
+    return py::array_t<float>({(py::ssize_t) t->out.size() / cols, cols}, {cols * f, f}, t->out.data(), self);
 }
 
 } // namespace
@@ -287,9 +324,30 @@ PYBIND11_MODULE(_native, m) {
                  return self.seq_pos_max(seq_id);
              }, py::arg("seq_id"));
 
+    py::enum_<shard_status>(m, "Status", "What the engine answered for a request")
+        .value("OK", SHARD_STATUS_OK)
+        .value("CACHE_MISS", SHARD_STATUS_CACHE_MISS)
+        .value("STALE_EPOCH", SHARD_STATUS_STALE_EPOCH)
+        .value("BUDGET_EXCEEDED", SHARD_STATUS_BUDGET_EXCEEDED)
+        .value("INVALID_INPUT", SHARD_STATUS_INVALID_INPUT)
+        .value("COMPUTE_ERROR", SHARD_STATUS_COMPUTE_ERROR);
+
+    py::enum_<shard_miss_reason>(m, "MissReason", "Why a request could not be served from cache")
+        .value("NONE", SHARD_MISS_NONE)
+        .value("UNKNOWN_SESSION", SHARD_MISS_UNKNOWN_SESSION)
+        .value("EVICTED_TTL", SHARD_MISS_EVICTED_TTL)
+        .value("EVICTED_LRU", SHARD_MISS_EVICTED_LRU)
+        .value("RELEASED", SHARD_MISS_RELEASED)
+        .value("SUPERSEDED_EPOCH", SHARD_MISS_SUPERSEDED_EPOCH)
+        .value("SEQ_LEN_MISMATCH", SHARD_MISS_SEQ_LEN_MISMATCH);
+
+    py::enum_<hot_kv_step_kind>(m, "StepKind", "A step appends a prompt chunk (PREFILL) or decode token(s) (DECODE)")
+        .value("PREFILL", HOT_KV_STEP_PREFILL)
+        .value("DECODE", HOT_KV_STEP_DECODE);
+
     py::class_<hot_kv_result>(m, "StepResult")
-        .def_property_readonly("status", [](const hot_kv_result & r) { return std::string(shard_status_name(r.status)); })
-        .def_property_readonly("miss", [](const hot_kv_result & r) { return std::string(shard_miss_reason_name(r.miss)); })
+        .def_readonly("status", &hot_kv_result::status)
+        .def_readonly("miss", &hot_kv_result::miss)
         .def_readonly("seq_len", &hot_kv_result::seq_len)
         .def_readonly("seq_id", &hot_kv_result::seq_id)
         .def_readonly("current_epoch", &hot_kv_result::current_epoch)
@@ -299,6 +357,62 @@ PYBIND11_MODULE(_native, m) {
             return std::string("StepResult(") + shard_status_name(r.status) + ", miss=" + shard_miss_reason_name(r.miss) +
                    ", seq_len=" + std::to_string(r.seq_len) + ")";
         });
+
+    py::class_<step_ticket, std::shared_ptr<step_ticket>>(m, "StepTicket",
+        "A step queued on a StepLoop: wait() for it (the GIL is released), then read result and output")
+        .def_readonly("session_id", &step_ticket::session_id)
+        .def("done", &step_ticket::done)
+        .def("wait", [](step_ticket & t, std::optional<double> timeout) {
+                 py::gil_scoped_release release;  // safe: the ticket is kept alive by the caller's reference
+                 if (!timeout) {
+                     t.wait();
+                     return true;
+                 }
+                 return t.wait_for(*timeout);
+             }, py::arg("timeout") = py::none(), "Blocks until the step completed (or timeout seconds); True when done")
+        .def_property_readonly("result", &step_ticket::result)
+        .def_property_readonly("output", [](const py::object & self) {
+                 return ticket_output(self.cast<std::shared_ptr<step_ticket>>(), self);
+             }, "The output (no copy; None unless the step completed OK): hidden rows, or the tail's logits");
+
+    py::class_<step_loop>(m, "StepLoop", "Continuous batching: a native thread forms engine steps from what is pending")
+        .def(py::init([](hot_kv_engine & engine, int32_t max_step_tokens, int32_t max_step_sessions, int32_t prefill_chunk,
+                         double gather_s) {
+                 step_loop_config cfg;
+                 cfg.max_step_tokens   = max_step_tokens;
+                 cfg.max_step_sessions = max_step_sessions;
+                 cfg.prefill_chunk     = prefill_chunk;
+                 cfg.gather_s          = gather_s;
+                 return std::make_unique<step_loop>(engine, cfg);
+             }),
+             py::arg("engine"), py::arg("max_step_tokens") = 0, py::arg("max_step_sessions") = 0,
+             py::arg("prefill_chunk") = 64, py::arg("gather_s") = 0.002,
+             py::keep_alive<1, 2>())  // the loop keeps its engine alive
+        .def_property_readonly("max_step_tokens", [](const step_loop & l) { return l.config().max_step_tokens; })
+        .def_property_readonly("max_step_sessions", [](const step_loop & l) { return l.config().max_step_sessions; })
+        .def_property_readonly("prefill_chunk", [](const step_loop & l) { return l.config().prefill_chunk; })
+        .def("ticket", [](const step_loop & l, const hot_kv_engine & e, const py::object & step, double now, int notify_fd) {
+                 return make_ticket(l, e.model().info(), step, now, notify_fd);
+             }, py::arg("engine"), py::arg("step"), py::arg("now"), py::arg("notify_fd") = -1,
+             "A ticket for a Step (validated and copied; raises InvalidInputError); not queued yet")
+        .def("submit", [](step_loop & l, const std::vector<std::shared_ptr<step_ticket>> & tickets) {
+                 l.submit_many(tickets);  // a short lock: no GIL release needed
+             }, py::arg("tickets"), "Queues tickets together (a micro-batch shares a step when the caps allow)")
+        .def("close", [](step_loop & l) {
+                 py::gil_scoped_release release;  // pending steps finish first; none of them needs the GIL
+                 l.close();
+             })
+        .def("stats", [](const step_loop & l) {
+                 const step_loop_stats st = l.stats();
+                 py::dict d;
+                 d["steps"] = st.steps;
+                 d["requests"] = st.requests;
+                 d["chunks"] = st.chunks;
+                 d["tokens"] = st.tokens;
+                 d["busy_seconds"] = st.busy_seconds;
+                 d["pending"] = st.pending;
+                 return d;
+             });
 
     py::class_<hot_kv_engine>(m, "HotKvEngine")
         .def(py::init([](const shard_model & model, int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens,
@@ -322,73 +436,6 @@ PYBIND11_MODULE(_native, m) {
                  py::gil_scoped_release release;
                  return e.open(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
-        .def("prefill", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t start_pos,
-                           const py::object & tokens, const py::object & hidden) {
-                 return single_step(e, HOT_KV_STEP_PREFILL, sid, epoch, now, start_pos, tokens, hidden);
-             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("start_pos") = -1,
-             py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
-        .def("decode", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now, int32_t expected_seq_len,
-                          const py::object & tokens, const py::object & hidden) {
-                 return single_step(e, HOT_KV_STEP_DECODE, sid, epoch, now, expected_seq_len, tokens, hidden);
-             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"), py::arg("expected_seq_len") = -1,
-             py::arg("tokens") = py::none(), py::arg("hidden") = py::none())
-        .def("step", [](hot_kv_engine & e, const py::list & requests, double now) {
-                 // requests: (session_id, epoch, "prefill" | "decode", position, tokens, hidden) tuples
-                 const shard_model_info & info = e.model().info();
-                 const size_t n = requests.size();
-                 std::vector<py_input> inputs(n);
-                 std::vector<py::object> outs(n, py::none());
-                 std::vector<hot_kv_result> results(n);
-                 std::vector<hot_kv_request> batch;
-                 std::vector<size_t> batch_index;
-                 for (size_t i = 0; i < n; ++i) {
-                     try {
-                         py::tuple t = py::cast<py::tuple>(requests[i]);
-                         if (t.size() != 6) {
-                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a request is (session_id, epoch, kind, position, tokens, hidden)");
-                         }
-                         hot_kv_request req;
-                         req.session_id = py::cast<std::string>(t[0]);
-                         req.epoch      = py::cast<int64_t>(t[1]);
-                         const std::string kind = py::cast<std::string>(t[2]);
-                         if (kind != "prefill" && kind != "decode") {
-                             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kind must be 'prefill' or 'decode'");
-                         }
-                         req.kind     = kind == "prefill" ? HOT_KV_STEP_PREFILL : HOT_KV_STEP_DECODE;
-                         req.position = py::cast<int32_t>(t[3]);
-                         parse_input(inputs[i], info, t[4], t[5]);
-                         check_step_size(e, inputs[i].input);
-                         req.input = inputs[i].input;
-                         py::array_t<float> out = output_array(info, req.input.n_tokens);
-                         req.out = out.mutable_data();
-                         outs[i] = out;
-                         batch.push_back(std::move(req));
-                         batch_index.push_back(i);
-                     } catch (const shard_error & err) {
-                         results[i].status = SHARD_STATUS_INVALID_INPUT;
-                         results[i].detail = err.what();
-                     } catch (const py::cast_error & err) {
-                         results[i].status = SHARD_STATUS_INVALID_INPUT;
-                         results[i].detail = std::string("malformed request: ") + err.what();
-                     }
-                 }
-                 if (!batch.empty()) {
-                     std::vector<hot_kv_result> got;
-                     {
-                         py::gil_scoped_release release;
-                         got = e.step(batch, now);
-                     }
-                     for (size_t k = 0; k < got.size(); ++k) {
-                         results[batch_index[k]] = got[k];
-                     }
-                 }
-                 py::list answer;
-                 for (size_t i = 0; i < n; ++i) {
-                     const bool ok = results[i].status == SHARD_STATUS_OK;
-                     answer.append(py::make_tuple(results[i], ok ? outs[i] : py::object(py::none())));
-                 }
-                 return answer;
-             }, py::arg("requests"), py::arg("now"))
         .def_property_readonly("n_decode_calls", &hot_kv_engine::n_decode_calls)
         .def("truncate", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t length, double now) {
                  py::gil_scoped_release release;
@@ -411,14 +458,23 @@ PYBIND11_MODULE(_native, m) {
                  e.check_invariants();
              })
         .def("sessions", [](const hot_kv_engine & e) {
+                 std::vector<hot_kv_session_info> live;
+                 {
+                     py::gil_scoped_release release;  // the engine mutex can be held for a whole step
+                     live = e.sessions();
+                 }
                  py::list out;
-                 for (const auto & s : e.sessions()) {
+                 for (const auto & s : live) {
                      out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used));
                  }
                  return out;
              })
         .def("stats", [](const hot_kv_engine & e) {
-                 const hot_kv_stats st = e.stats();
+                 hot_kv_stats st;
+                 {
+                     py::gil_scoped_release release;  // the engine mutex can be held for a whole step
+                     st = e.stats();
+                 }
                  py::dict misses;
                  for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
                      misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];

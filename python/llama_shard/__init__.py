@@ -9,12 +9,26 @@
 - `HotKvStateManager(model, config, clock)` keeps per-session KV for the owned layers, keyed by
   (route_session_id, route_epoch), inside a token budget; `KvBoundaryAdapter(model, manager)` runs
   cached prefill/decode steps through it and returns boundary bundles, tail outputs or cache misses.
+  Concurrent callers (threads or asyncio tasks) are batched by the engine's native step loop.
+- `Step` is the one step type from the adapter through the engines to the wire.
 - `llama_shard.reference` is the pure-numpy executable specification (model and Hot KV engine).
 """
 from __future__ import annotations
 
 from . import errors
-from ._native import HotKvEngine, ModelInfo, ShardContext, ShardModel, certified_architectures
+from ._native import (
+    HotKvEngine,
+    MissReason,
+    ModelInfo,
+    ShardContext,
+    ShardModel,
+    Status,
+    StepKind,
+    StepLoop,
+    StepResult,
+    StepTicket,
+    certified_architectures,
+)
 from .errors import (
     CapacityError,
     ComputeError,
@@ -35,20 +49,26 @@ from .hot_kv import (
     KvCacheRecipe,
     ManualClock,
     SessionInfo,
+    Step,
     TailOutput,
     certified_architecture,
     kv_recipe_for,
 )
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .models import embedded_model_path
-from .scheduler import StepScheduler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HotKvStateManager",
     "KvBoundaryAdapter",
-    "StepScheduler",
+    "Step",
+    "StepKind",
+    "Status",
+    "MissReason",
+    "StepResult",
+    "StepTicket",
+    "StepLoop",
     "HotKvStateConfig",
     "ManualClock",
     "CacheMiss",

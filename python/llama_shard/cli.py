@@ -199,8 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        threads=args.threads, n_batch=args.batch,
-                                       batch_window_s=args.batch_window_ms / 1000.0,
-                                       max_batch_sessions=args.max_batch_sessions))
+                                       gather_s=args.gather_ms / 1000.0,
+                                       max_step_sessions=args.max_step_sessions,
+                                       prefill_chunk=args.prefill_chunk))
     worker.start()
     return worker.serve_until_signal()
 
@@ -236,9 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--threads", type=int, default=None)
     sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
-    sv.add_argument("--batch-window-ms", type=float, default=2.0, help="how long a step waits for others to join")
-    sv.add_argument("--max-batch-sessions", type=int, default=None,
-                    help="most sessions per batched step (below the concurrency, it keeps pipeline stages busy at once)")
+    sv.add_argument("--gather-ms", type=float, default=2.0,
+                    help="longest wait after a step for its sessions to send their next step (0: never wait)")
+    sv.add_argument("--max-step-sessions", type=int, default=None,
+                    help="most sessions per engine step (default: max sessions)")
+    sv.add_argument("--prefill-chunk", type=int, default=64,
+                    help="most tokens of one prompt per engine step while other sessions wait")
     sv.add_argument("--max-sessions", type=int, default=None, help="default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
     sv.add_argument("--context-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
     sv.add_argument("--budget-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_BUDGET_TOKENS or 8192")

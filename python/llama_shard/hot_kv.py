@@ -15,10 +15,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._native import MissReason, Status, StepKind
 from .errors import InvalidInputError, UncertifiedArchitectureError
 
 # ---------------------------------------------------------------------------------------------
@@ -49,6 +50,65 @@ class CacheMiss:
     def to_dict(self) -> dict:
         return {"session_id": self.session_id, "route_epoch": self.route_epoch, "reason": self.reason.value,
                 "detail": self.detail}
+
+
+# ---------------------------------------------------------------------------------------------
+# the step: one request type from the adapter through the engines to the wire
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One session's step: append a prompt chunk (`StepKind.PREFILL`) or decode token(s)
+    (`StepKind.DECODE`). The head sends `token_ids`, other shards `hidden` (float32
+    (n_tokens, n_embd)). `start_pos` (prefill only): where the chunk goes, None for the cached
+    length, 0 to re-prefill from scratch. `expected_seq_len` (decode only): the cached length the
+    step must find, None for unchecked. Constructing one validates it (InvalidInputError)."""
+
+    kind: StepKind
+    session_id: str
+    route_epoch: int
+    token_ids: Sequence[int] | np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    start_pos: int | None = None
+    expected_seq_len: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.kind, StepKind):
+            raise InvalidInputError(f"a step's kind is StepKind.PREFILL or StepKind.DECODE, not {self.kind!r}")
+        check_key(self.session_id, self.route_epoch)
+        if (self.token_ids is None) == (self.hidden is None):
+            raise InvalidInputError("a step needs token_ids (head) or hidden (other shards), not both")
+        if self.kind == StepKind.PREFILL:
+            if self.expected_seq_len is not None:
+                raise InvalidInputError("expected_seq_len belongs to a decode; a prefill takes start_pos")
+            if self.start_pos is not None:
+                check_count("start_pos", self.start_pos)
+        else:
+            if self.start_pos is not None:
+                raise InvalidInputError("start_pos belongs to a prefill; a decode takes expected_seq_len")
+            if self.expected_seq_len is not None:
+                check_count("expected_seq_len", self.expected_seq_len)
+
+    @classmethod
+    def prefill(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None, start_pos: int | None = None) -> "Step":
+        return cls(StepKind.PREFILL, session_id, route_epoch, token_ids, hidden, start_pos=start_pos)
+
+    @classmethod
+    def decode(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None,
+               expected_seq_len: int | None = None) -> "Step":
+        return cls(StepKind.DECODE, session_id, route_epoch, token_ids, hidden, expected_seq_len=expected_seq_len)
+
+    @property
+    def position(self) -> int:
+        """The engine's one integer: start_pos (prefill) or expected_seq_len (decode), -1 for None."""
+        value = self.start_pos if self.kind == StepKind.PREFILL else self.expected_seq_len
+        return -1 if value is None else int(value)
+
+    @property
+    def n_tokens(self) -> int:
+        data = self.token_ids if self.token_ids is not None else self.hidden
+        return len(data) if hasattr(data, "__len__") else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,27 @@
 """HotKvStateManager and KvBoundaryAdapter: the seed contract over a Hot KV engine.
 
-The manager is thin: it checks arguments, reads the clock, calls the engine (the native
-`HotKvEngine` for a `ShardModel`, or the numpy `ReferenceHotKvEngine` for a `ReferenceShard`), and
-turns the engine's status into the contract's values and exceptions:
+The manager is thin: it checks arguments, reads the clock, hands steps to the engine and turns the
+engine's status into the contract's values and exceptions:
 
     OK -> SessionInfo / BoundaryBundle / TailOutput      CACHE_MISS -> CacheMiss(reason)
     STALE_EPOCH -> StaleRouteEpochError                   BUDGET_EXCEEDED -> KvBudgetExceededError
 
-All state lives in the engine, which serialises calls itself; the manager holds none.
+Steps always go through a queue: for a native `ShardModel`, the native `StepLoop` (continuous
+batching: concurrent callers share engine steps, long prefills are chunked; callers wait without
+the GIL); for the numpy `ReferenceShard`, the same rules run synchronously in `_ReferenceLoop`.
+All session state lives in the engine, which serialises calls itself; the manager holds none.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._native import HotKvEngine, ShardModel
+from ._native import HotKvEngine, MissReason, ShardModel, Status, StepKind, StepLoop
 from .errors import (
     ComputeError,
     IncompatibleCacheRecipeError,
@@ -32,6 +38,7 @@ from .hot_kv import (
     HotKvStateConfig,
     KvCacheRecipe,
     SessionInfo,
+    Step,
     TailOutput,
     check_count,
     check_key,
@@ -39,17 +46,28 @@ from .hot_kv import (
     monotonic_clock,
 )
 
-_REASONS = {r.name: r for r in CacheMissReason}
+_REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
 
 
 class HotKvStateManager:
-    """The Hot KV state of one shard: (route_session_id, route_epoch) -> cached KV of the owned layers."""
+    """The Hot KV state of one shard: (route_session_id, route_epoch) -> cached KV of the owned layers.
+
+    Step options: `n_batch` (most tokens in one engine step), `max_step_sessions` (most sessions in
+    one step; None: max_sessions), `prefill_chunk` (most tokens of one prefill per step while other
+    sessions wait), `gather_s` (longest wait for the previous step's sessions to come back)."""
 
     def __init__(self, model, config: HotKvStateConfig | None = None, clock: Callable[[], float] | None = None,
-                 *, n_batch: int = 512, n_threads: int | None = None, recent_capacity: int = 4096):
+                 *, n_batch: int = 512, n_threads: int | None = None, recent_capacity: int = 4096,
+                 max_step_sessions: int | None = None, prefill_chunk: int = 64, gather_s: float = 0.002):
         self.config = config if config is not None else HotKvStateConfig()
         if not isinstance(self.config, HotKvStateConfig):
             raise InvalidInputError("config must be a HotKvStateConfig")
+        for name, value in (("n_batch", n_batch), ("prefill_chunk", prefill_chunk), ("max_step_sessions", max_step_sessions or 1)):
+            check_count(name, value)
+            if value < 1:
+                raise InvalidInputError(f"{name} must be >= 1")
+        if not 0 <= gather_s <= 1:
+            raise InvalidInputError("gather_s must be in [0, 1] seconds")
         self.clock = clock if clock is not None else monotonic_clock
         self.model = model
         self.recipe: KvCacheRecipe = kv_recipe_for(model)  # raises for an uncertified architecture
@@ -57,10 +75,13 @@ class HotKvStateManager:
         if isinstance(model, ShardModel):
             self.engine = HotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens, float(c.ttl_seconds),
                                       n_batch, n_threads, recent_capacity)
+            self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
         else:
             from .reference.engine import ReferenceHotKvEngine
             self.engine = ReferenceHotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens,
                                                float(c.ttl_seconds), n_batch, recent_capacity)
+            self._loop = _ReferenceLoop(self.engine)
+        self.n_batch = int(self.engine.n_batch)
 
     # --- outcome mapping --------------------------------------------------------------------------
 
@@ -71,19 +92,20 @@ class HotKvStateManager:
     @staticmethod
     def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
         """None for OK, the CacheMiss for a miss; raises the contract's exception for the rest."""
-        if r.status == "OK":
+        status = r.status
+        if status == Status.OK:
             return None
-        if r.status == "CACHE_MISS":
+        if status == Status.CACHE_MISS:
             return CacheMiss(session_id=sid, route_epoch=epoch, reason=_REASONS[r.miss], detail=r.detail)
-        if r.status == "STALE_EPOCH":
+        if status == Status.STALE_EPOCH:
             raise StaleRouteEpochError(f"({sid!r}, {epoch}): {r.detail}", current_epoch=r.current_epoch)
-        if r.status == "BUDGET_EXCEEDED":
+        if status == Status.BUDGET_EXCEEDED:
             raise KvBudgetExceededError(f"({sid!r}, {epoch}): {r.detail}")
-        if r.status == "INVALID_INPUT":
+        if status == Status.INVALID_INPUT:
             raise InvalidInputError(r.detail)
-        if r.status == "COMPUTE_ERROR":
+        if status == Status.COMPUTE_ERROR:
             raise ComputeError(f"({sid!r}, {epoch}): {r.detail}")
-        raise AssertionError(f"unknown engine status {r.status}")
+        raise AssertionError(f"unknown engine status {status}")
 
     def check_recipe(self, recipe: KvCacheRecipe | None) -> None:
         if recipe is None:
@@ -131,13 +153,48 @@ class HotKvStateManager:
         """Evicts every session idle longer than ttl_seconds now; returns how many."""
         return int(self.engine.sweep(self.clock()))
 
-    # --- steps (used by KvBoundaryAdapter and StepScheduler) --------------------------------------
+    # --- steps --------------------------------------------------------------------------------------
 
-    def step_batch(self, requests: Sequence[tuple]) -> list[tuple]:
-        """One batched engine step. requests: (session_id, epoch, "prefill" | "decode", position,
-        tokens, hidden) with position = start_pos (prefill) or expected_seq_len (decode), -1 for
-        none; returns one (engine result, output or None) per request, each answered on its own."""
-        return self.engine.step(list(requests), self.clock())
+    def submit(self, steps: Sequence[Step], notify_fd: int = -1) -> list:
+        """Queues steps together (a micro-batch shares an engine step where the caps allow); returns
+        per step a ticket to wait on, or the InvalidInputError that step raised (it was not queued).
+        A ticket's `wait()` releases the GIL; `result` and `output` are read once it is done."""
+        now = self.clock()
+        out: list = []
+        tickets = []
+        for step in steps:
+            try:
+                if not isinstance(step, Step):
+                    raise InvalidInputError(f"a step is a llama_shard.Step, not {type(step).__name__}")
+                ticket = self._loop.ticket(self.engine, step, now, notify_fd)
+            except InvalidInputError as e:
+                out.append(e)
+                continue
+            out.append(ticket)
+            tickets.append(ticket)
+        if tickets:
+            self._loop.submit(tickets)
+        return out
+
+    def step_batch(self, steps: Sequence[Step]) -> list:
+        """Runs steps together and waits: per step (engine result, output or None), or the
+        InvalidInputError it raised."""
+        answers = []
+        for t in self.submit(steps):
+            if isinstance(t, LlamaShardError):
+                answers.append(t)
+            else:
+                t.wait()
+                answers.append((t.result, t.output))
+        return answers
+
+    def loop_stats(self) -> dict:
+        """The step loop's counters: steps, requests, chunks, tokens, busy_seconds, pending."""
+        return dict(self._loop.stats())
+
+    def close(self) -> None:
+        """Completes every queued step, then stops the step loop (steps after this are refused)."""
+        self._loop.close()
 
     @property
     def n_decode_calls(self) -> int:
@@ -163,11 +220,167 @@ class HotKvStateManager:
         """Live (route_session_id, route_epoch) keys, least recently used first."""
         return [(sid, int(epoch)) for sid, epoch, *_ in self.engine.sessions()]
 
+    def sessions(self) -> list[tuple[str, int, int, int, float]]:
+        """Live sessions as (session_id, epoch, seq_id, seq_len, last_used), least recently used first."""
+        return list(self.engine.sessions())
+
     def stats(self) -> dict:
         return dict(self.engine.stats())
 
     def check_invariants(self) -> None:
         self.engine.check_invariants()
+
+
+class _DoneTicket:
+    """A reference-engine step, computed at submission: the StepTicket interface."""
+
+    __slots__ = ("result", "output")
+
+    def __init__(self, result, output):
+        self.result, self.output = result, output
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+class _ReferenceLoop:
+    """The native StepLoop's rules for the numpy reference engine, run synchronously: steps
+    submitted together share engine steps, one request per session per step in submission order,
+    and a prefill longer than n_batch goes in chunks (a refused later chunk truncates back)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._stats = {"steps": 0, "requests": 0, "chunks": 0, "tokens": 0, "busy_seconds": 0.0, "pending": 0}
+
+    def ticket(self, engine, step: Step, now: float, notify_fd: int = -1) -> dict:
+        engine.validate_step(step)
+        return {"step": step, "now": now, "offset": 0, "start": -1, "outs": [], "done": None}
+
+    def submit(self, tickets: list) -> None:
+        from .reference.engine import StepResult
+
+        e = self.engine
+        for t in tickets:  # as the native loop: a prefill that cannot fit even alone runs no chunk
+            step = t["step"]
+            end = max(step.position, 0) + step.n_tokens
+            if step.kind == StepKind.PREFILL and (end > e.context_tokens or end > e.budget_tokens):
+                t["done"] = (StepResult(status=Status.BUDGET_EXCEEDED, detail=f"{step.n_tokens} tokens exceed "
+                             f"context_tokens {e.context_tokens} or budget_tokens {e.budget_tokens}"), None)
+        with self._lock:
+            pending = [t for t in tickets if t["done"] is None]
+            while pending:
+                parts, seen = [], set()
+                for t in pending:
+                    if t["step"].session_id not in seen:
+                        seen.add(t["step"].session_id)
+                        parts.append(t)
+                self._run(parts, max(t["now"] for t in parts))
+                pending = [t for t in pending if t["done"] is None]
+        for t in tickets:
+            t["done"] = _DoneTicket(*t["done"])
+
+    def _run(self, parts: list, now: float) -> None:
+        from .reference.engine import StepRequest
+
+        n_batch, requests = self.engine.n_batch, []
+        for t in parts:
+            step, k = t["step"], t["offset"]
+            n = min(step.n_tokens - k, n_batch)
+            data = step.token_ids if step.token_ids is not None else step.hidden
+            chunk = data[k:k + n]
+            requests.append(StepRequest(step.session_id, step.route_epoch, step.kind,
+                                        step.position if k == 0 else t["start"] + k,
+                                        chunk if step.token_ids is not None else None,
+                                        np.ascontiguousarray(chunk) if step.hidden is not None else None))
+        answers = self.engine.step(requests, now)
+        self._stats["steps"] += 1
+        for t, (r, out) in zip(parts, answers):
+            step = t["step"]
+            n = min(step.n_tokens - t["offset"], n_batch)
+            self._stats["chunks"] += 1
+            self._stats["tokens"] += n
+            if r.status == Status.OK:
+                if t["offset"] == 0:
+                    t["start"] = r.seq_len - n
+                t["offset"] += n
+                t["outs"].append(out)
+                if t["offset"] < step.n_tokens:
+                    continue
+                if out.ndim == 2:
+                    out = np.concatenate(t["outs"]) if len(t["outs"]) > 1 else out
+                t["done"] = (r, out)
+            else:
+                if t["offset"] > 0 and r.status in (Status.BUDGET_EXCEEDED, Status.COMPUTE_ERROR):
+                    self.engine.truncate(step.session_id, step.route_epoch, t["start"], now)
+                t["done"] = (r, None)
+            self._stats["requests"] += 1
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# asyncio: completions arrive as bytes on a pipe the event loop watches (no thread per request)
+# ---------------------------------------------------------------------------------------------
+
+
+class _AsyncCompletions:
+    """One per event loop: the native loop writes a byte to `fd` when a ticket completes; the event
+    loop wakes, and every awaited ticket that is done gets its future resolved."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._read, self.fd = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self.fd, False)
+        self._waiting: dict = {}
+        loop.add_reader(self._read, self._drain)
+        weakref.finalize(loop, self._close, self._read, self.fd)
+
+    @staticmethod
+    def _close(read_fd: int, write_fd: int) -> None:
+        for fd in (read_fd, write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def wait(self, ticket) -> asyncio.Future:
+        fut = self.loop.create_future()
+        if ticket.done():
+            fut.set_result(None)
+        else:
+            self._waiting[ticket] = fut
+        return fut
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        for ticket in [t for t in self._waiting if t.done()]:
+            fut = self._waiting.pop(ticket)
+            if not fut.done():
+                fut.set_result(None)
+
+
+_COMPLETIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncCompletions]" = weakref.WeakKeyDictionary()
+
+
+def _completions() -> _AsyncCompletions:
+    loop = asyncio.get_running_loop()
+    c = _COMPLETIONS.get(loop)
+    if c is None:
+        c = _COMPLETIONS[loop] = _AsyncCompletions(loop)
+    return c
 
 
 class KvBoundaryAdapter:
@@ -178,19 +391,18 @@ class KvBoundaryAdapter:
     a TailOutput with the last token's logits and its greedy token; a step that cannot be served
     from cache returns a CacheMiss.
 
-    With a `StepScheduler`, concurrent callers' steps are batched together (continuous batching) and
-    prefills are cut into the scheduler's prefill_chunk pieces; without one, every call is its own
-    engine step. `prefill_async` / `decode_async` await the same steps from asyncio.
+    Concurrent callers are batched: every step goes to the manager's step loop, which runs the
+    steps of different sessions that are pending together in one engine step (continuous
+    batching) and cuts long prefills into chunks. A lone caller pays no wait. Threads wait without
+    the GIL; `prefill_async` / `decode_async` / `step_many_async` await the same steps from asyncio.
     """
 
-    def __init__(self, model, manager: HotKvStateManager, scheduler=None):
+    def __init__(self, model, manager: HotKvStateManager):
         if manager.model is not model:
             raise InvalidInputError("the adapter's model must be the manager's model")
-        if scheduler is not None and scheduler.manager is not manager:
-            raise InvalidInputError("the scheduler must drive this adapter's manager")
         self.model = model
         self.manager = manager
-        self.scheduler = scheduler
+        self._is_tail = bool(model.info.is_tail)
 
     @staticmethod
     def _hidden(boundary) -> np.ndarray | None:
@@ -198,58 +410,24 @@ class KvBoundaryAdapter:
             return None
         return boundary.hidden if isinstance(boundary, BoundaryBundle) else boundary
 
-    def _finish(self, sid: str, epoch: int, r, out):
+    def finish(self, step: Step, r, out):
+        """The contract's value for a completed step: TailOutput / BoundaryBundle / CacheMiss (or raises)."""
+        sid, epoch = step.session_id, step.route_epoch
         miss = self.manager.outcome(sid, epoch, r)
         if miss is not None:
             return miss
-        if self.model.info.is_tail:
+        if self._is_tail:
             return TailOutput(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, logits=out,
                               token_id=int(np.argmax(out)))
         return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=r.seq_len - out.shape[0], hidden=out)
 
-    # --- the requests a step is made of -----------------------------------------------------------
-
-    def _prefill_requests(self, session_id, route_epoch, token_ids, boundary, start_pos):
-        """The prefill as (request, n_rows) chunks: one without a scheduler, prefill_chunk-sized with one."""
-        check_key(session_id, route_epoch)
-        if start_pos is not None:
-            check_count("start_pos", start_pos)
-        hidden = self._hidden(boundary)
-        chunk = self.scheduler.prefill_chunk if self.scheduler is not None else None
-        data = token_ids if token_ids is not None else hidden
-        n = len(data) if data is not None and hasattr(data, "__len__") else 0
-        first = -1 if start_pos is None else int(start_pos)
-        if chunk is None or n <= chunk or (token_ids is not None and hidden is not None):
-            return [(session_id, int(route_epoch), "prefill", first, token_ids, hidden)]
-        pieces = []
-        for k in range(0, n, chunk):
-            part = data[k:k + chunk]
-            if hidden is not None:
-                part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
-            pos = first if k == 0 else -1
-            pieces.append((session_id, int(route_epoch), "prefill", pos,
-                           part if token_ids is not None else None, part if hidden is not None else None))
-        return pieces
-
-    def _decode_request(self, session_id, route_epoch, token_ids, boundary, expected_seq_len):
-        check_key(session_id, route_epoch)
-        if expected_seq_len is not None:
-            check_count("expected_seq_len", expected_seq_len)
-        return (session_id, int(route_epoch), "decode", -1 if expected_seq_len is None else int(expected_seq_len),
-                token_ids, self._hidden(boundary))
-
-    def _combine(self, sid, epoch, answers):
-        """Maps chunk answers to one outcome; hidden rows of every chunk are concatenated."""
-        outs = []
-        for r, out in answers:
-            result = self._finish(sid, epoch, r, out)
-            if isinstance(result, CacheMiss):
-                return result
-            outs.append(result)
-        if len(outs) == 1 or self.model.info.is_tail:
-            return outs[-1]
-        return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=outs[0].start_pos,
-                              hidden=np.concatenate([o.hidden for o in outs]))
+    def _answer(self, step: Step, ticket):
+        if isinstance(ticket, LlamaShardError):
+            return ticket
+        try:
+            return self.finish(step, ticket.result, ticket.output)
+        except LlamaShardError as e:
+            return e
 
     # --- public API -------------------------------------------------------------------------------
 
@@ -257,105 +435,56 @@ class KvBoundaryAdapter:
                 boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch)."""
         self.manager.check_recipe(recipe)
-        return self._one(("prefill", session_id, route_epoch, token_ids, boundary, start_pos))
+        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos))
 
     def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
                boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
         """Appends decode token(s) at the cached length; expected_seq_len must match it when given."""
         self.manager.check_recipe(recipe)
-        return self._one(("decode", session_id, route_epoch, token_ids, boundary, expected_seq_len))
+        return self._one(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len))
 
-    def _one(self, step: tuple):
-        out, = self.step_many([step])
+    def _one(self, step: Step):
+        ticket, = self.manager.submit([step])
+        if isinstance(ticket, LlamaShardError):
+            raise ticket
+        ticket.wait()
+        return self.finish(step, ticket.result, ticket.output)
+
+    def step_many(self, steps: Sequence[Step]) -> list:
+        """Several sessions' steps queued together (a micro-batch); returns, in order, what
+        `prefill`/`decode` would have returned for each, or the LlamaShardError it would have raised."""
+        tickets = self.manager.submit(steps)
+        for t in tickets:
+            if not isinstance(t, LlamaShardError):
+                t.wait()
+        return [self._answer(step, t) for step, t in zip(steps, tickets)]
+
+    # --- asyncio ----------------------------------------------------------------------------------
+
+    async def step_many_async(self, steps: Sequence[Step]) -> list:
+        """`step_many` for asyncio callers: the event loop is never blocked, and no thread waits."""
+        completions = _completions()
+        tickets = self.manager.submit(steps, completions.fd)
+        for t in tickets:
+            if not isinstance(t, LlamaShardError):
+                await completions.wait(t)
+        return [self._answer(step, t) for step, t in zip(steps, tickets)]
+
+    async def _one_async(self, step: Step):
+        out, = await self.step_many_async([step])
         if isinstance(out, LlamaShardError):
             raise out
         return out
 
-    def step_many(self, steps: Sequence[tuple]) -> list:
-        """Several sessions' steps run together (a micro-batch): each step is
-        (kind, session_id, route_epoch, token_ids, boundary, position) with kind "prefill" (position:
-        start_pos) or "decode" (position: expected_seq_len), position None for none. With a scheduler
-        the steps share batched engine steps (prefills chunk by chunk); returns, in order, what
-        `prefill`/`decode` would have returned for each, or the LlamaShardError it would have raised."""
-        n = len(steps)
-        results: list = [None] * n
-        chunks: list[list[tuple]] = [[] for _ in range(n)]
-        seen: set = set()
-        for i, step in enumerate(steps):
-            try:
-                if not isinstance(step, tuple) or len(step) != 6:
-                    raise InvalidInputError("a step is (kind, session_id, route_epoch, token_ids, boundary, position)")
-                kind, sid, epoch, tokens, boundary, position = step
-                if isinstance(sid, str):
-                    if sid in seen:
-                        raise InvalidInputError(f"session {sid!r} has more than one step in this batch")
-                    seen.add(sid)
-                if kind == "prefill":
-                    chunks[i] = self._prefill_requests(sid, epoch, tokens, boundary, position)
-                elif kind == "decode":
-                    chunks[i] = [self._decode_request(sid, epoch, tokens, boundary, position)]
-                else:
-                    raise InvalidInputError(f"a step is 'prefill' or 'decode', not {kind!r}")
-            except LlamaShardError as e:
-                results[i] = e
-        answers: list[list] = [[] for _ in range(n)]
-        for k in range(max((len(c) for c in chunks), default=0)):
-            # the k-th chunk of every step still going; a step stops at its first answer that is not OK
-            active = [i for i in range(n) if results[i] is None and k < len(chunks[i])
-                      and (not answers[i] or answers[i][-1][0].status == "OK")]
-            if not active:
-                break
-            requests = [chunks[i][k] for i in active]
-            if self.scheduler is None:
-                got = self.manager.step_batch(requests)
-            else:
-                # a lone step coalesces with other callers' (window); a micro-batch starts at once
-                futures = (self.scheduler.submit_many(requests) if len(requests) > 1
-                           else [self.scheduler.submit(*requests[0])])
-                got = []
-                for fut in futures:
-                    try:
-                        got.append(fut.result())
-                    except LlamaShardError as e:
-                        got.append(e)
-            for i, answer in zip(active, got):
-                if isinstance(answer, LlamaShardError):
-                    results[i] = answer
-                else:
-                    answers[i].append(answer)
-        for i, step in enumerate(steps):
-            if results[i] is None:
-                try:
-                    results[i] = self._combine(step[1], step[2], answers[i])
-                except LlamaShardError as e:
-                    results[i] = e
-        return results
-
     async def prefill_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
                             start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
-        """`prefill` for asyncio callers: needs a scheduler; the event loop is never blocked."""
-        import asyncio
-
-        self._require_scheduler()
+        """`prefill` for asyncio callers."""
         self.manager.check_recipe(recipe)
-        answers = []
-        for req in self._prefill_requests(session_id, route_epoch, token_ids, boundary, start_pos):
-            answers.append(await asyncio.wrap_future(self.scheduler.submit(*req)))
-            if answers[-1][0].status != "OK":
-                break
-        return self._combine(session_id, route_epoch, answers)
+        return await self._one_async(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos))
 
     async def decode_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
                            expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
-        """`decode` for asyncio callers: needs a scheduler; the event loop is never blocked."""
-        import asyncio
-
-        self._require_scheduler()
+        """`decode` for asyncio callers."""
         self.manager.check_recipe(recipe)
-        req = self._decode_request(session_id, route_epoch, token_ids, boundary, expected_seq_len)
-        r, out = await asyncio.wrap_future(self.scheduler.submit(*req))
-        return self._finish(session_id, route_epoch, r, out)
-
-    def _require_scheduler(self):
-        if self.scheduler is None:
-            raise InvalidInputError("the async API needs a StepScheduler (KvBoundaryAdapter(model, manager, scheduler))")
+        return await self._one_async(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary),
+                                                 expected_seq_len))

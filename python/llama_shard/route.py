@@ -24,12 +24,11 @@ import grpc
 import numpy as np
 
 from .errors import InvalidInputError, LlamaShardError
-from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, TailOutput
+from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .pipeline import check_tiling
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
-from .scheduler import StepScheduler
 from .wire import decode_tensor, encode_tensor
 
 
@@ -58,21 +57,18 @@ class StepOutcome:
 
 
 class LocalStage:
-    """An engine in this process (with its own manager and batching scheduler)."""
+    """An engine in this process (with its own manager, whose step loop batches concurrent steps)."""
 
     def __init__(self, model, config: HotKvStateConfig | None = None, *, n_batch: int = 512):
         self.model = model
         self.manager = HotKvStateManager(model, config, n_batch=n_batch)
-        self.scheduler = StepScheduler(self.manager)
-        self.adapter = KvBoundaryAdapter(model, self.manager, self.scheduler)
+        self.adapter = KvBoundaryAdapter(model, self.manager)
         i = model.info
         self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}")
 
-    def step_many(self, items: Sequence[tuple]) -> list:
-        """items: (kind, session_id, epoch, position, tokens, hidden); one StepOutcome or RouteError each."""
-        outs = self.adapter.step_many([(kind, sid, epoch, tokens, hidden, position)
-                                       for kind, sid, epoch, position, tokens, hidden in items])
-        return [self._outcome(out) for out in outs]
+    def step_many(self, steps: Sequence[Step]) -> list:
+        """One StepOutcome or RouteError per step."""
+        return [self._outcome(out) for out in self.adapter.step_many(steps)]
 
     def _outcome(self, out):
         if isinstance(out, LlamaShardError):
@@ -88,7 +84,7 @@ class LocalStage:
         self.manager.release(sid, epoch)
 
     def close(self) -> None:
-        self.scheduler.close()
+        self.manager.close()
 
 
 class RemoteStage:
@@ -124,31 +120,32 @@ class RemoteStage:
                     continue
                 raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
-    def _request(self, sid, epoch, position, tokens, hidden) -> pb.StepRequest:
-        req = pb.StepRequest(session_id=sid, route_epoch=epoch, recipe_fingerprint=self.fingerprint,
-                             reply_dtype=self.wire_dtype, return_logits=self.return_logits)
-        if position is not None:
-            req.position = position
-        if tokens is not None:
-            req.token_ids.extend(int(t) for t in tokens)
-        if hidden is not None:
-            req.hidden.CopyFrom(encode_tensor(hidden, self.wire_dtype))
+    def _request(self, step: Step) -> pb.StepRequest:
+        req = pb.StepRequest(session_id=step.session_id, route_epoch=step.route_epoch,
+                             recipe_fingerprint=self.fingerprint, reply_dtype=self.wire_dtype,
+                             return_logits=self.return_logits)
+        if step.position >= 0:
+            req.position = step.position
+        if step.token_ids is not None:
+            req.token_ids.extend(int(t) for t in step.token_ids)
+        if step.hidden is not None:
+            req.hidden.CopyFrom(encode_tensor(step.hidden, self.wire_dtype))
         return req
 
-    def step_many(self, items: Sequence[tuple]) -> list:
-        """items: (kind, session_id, epoch, position, tokens, hidden); one StepOutcome or RouteError
-        each. One step goes as Prefill/Decode (the worker may batch it with other clients' steps),
-        several as one StepBatch message; RouteError is raised when the worker cannot be reached."""
-        if len(items) == 1:
-            kind, *rest = items[0]
-            replies = [self._call(self.stub.Prefill if kind == "prefill" else self.stub.Decode, self._request(*rest))]
+    def step_many(self, steps: Sequence[Step]) -> list:
+        """One StepOutcome or RouteError per step. One step goes as Prefill/Decode (the worker may
+        batch it with other clients' steps), several as one StepBatch message; RouteError is raised
+        when the worker cannot be reached."""
+        if len(steps) == 1:
+            step = steps[0]
+            method = self.stub.Prefill if step.kind == StepKind.PREFILL else self.stub.Decode
+            replies = [self._call(method, self._request(step))]
         else:
-            kinds = {"prefill": pb.STEP_KIND_PREFILL, "decode": pb.STEP_KIND_DECODE}
-            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[kind], step=self._request(*rest))
-                                               for kind, *rest in items])
+            kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
+            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s)) for s in steps])
             replies = list(self._call(self.stub.StepBatch, batch).replies)
-            if len(replies) != len(items):
-                raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(items)} steps")
+            if len(replies) != len(steps):
+                raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(steps)} steps")
         return [self._outcome(reply) for reply in replies]
 
     def _outcome(self, reply):
@@ -208,17 +205,24 @@ class RouteClient:
 
     # --- stepping ----------------------------------------------------------------------------------
 
-    def _through_route(self, kind: str, items: list[tuple]) -> list:
+    @staticmethod
+    def _step(kind: StepKind, session: "RouteSession", position: int, tokens, hidden) -> Step:
+        """The step one stage runs: a prefill appends at `position`, a decode expects it."""
+        if kind == StepKind.PREFILL:
+            return Step.prefill(session.session_id, session.epoch, tokens, hidden, start_pos=position)
+        return Step.decode(session.session_id, session.epoch, tokens, hidden, expected_seq_len=position)
+
+    def _through_route(self, kind: StepKind, items: list[tuple]) -> list:
         """items: (session, position, tokens). Each stage gets one message for the sessions still
         going; a session stops at its first miss or error. One StepOutcome or RouteError each."""
         results: list = [None] * len(items)
         hidden: dict[int, np.ndarray] = {}
         going = list(range(len(items)))
         for k, stage in enumerate(list(self.stages)):
-            requests = [(kind, items[i][0].session_id, items[i][0].epoch, items[i][1],
-                         items[i][2] if k == 0 else None, hidden[i] if k else None) for i in going]
+            steps = [self._step(kind, items[i][0], items[i][1], items[i][2] if k == 0 else None,
+                                hidden[i] if k else None) for i in going]
             try:
-                outs = stage.step_many(requests)
+                outs = stage.step_many(steps)
             except RouteError as e:  # the worker is unreachable: every session in the message fails
                 for i in going:
                     results[i] = e
@@ -232,7 +236,7 @@ class RouteClient:
             going = going_next
         return results
 
-    def step_sessions(self, kind: str, sessions: Sequence["RouteSession"], new_tokens: Sequence[Sequence[int]]) -> list:
+    def step_sessions(self, kind: StepKind, sessions: Sequence["RouteSession"], new_tokens: Sequence[Sequence[int]]) -> list:
         """One step of several sessions (distinct) through the route, one message per stage.
 
         Prefill appends `new_tokens` at, and decode expects, the length the route already holds.
@@ -273,7 +277,7 @@ class RouteClient:
             for i in missed:
                 sessions[i].reprefills += 1
             missed = settle(missed, self._through_route(
-                "prefill", [(sessions[i], 0, sessions[i].history + new[i]) for i in missed]))
+                StepKind.PREFILL, [(sessions[i], 0, sessions[i].history + new[i]) for i in missed]))
         for i in missed:
             results[i] = RouteError(f"session {sessions[i].session_id}: still a cache miss ({last_miss[i]}) after "
                                     f"{self.max_reprefills} re-prefills")
@@ -305,7 +309,7 @@ class RouteClient:
                 errors.append(e)
 
         def run_group(group: list[int]) -> None:
-            going, kind, feed = list(group), "prefill", {i: list(prompts[i]) for i in group}
+            going, kind, feed = list(group), StepKind.PREFILL, {i: list(prompts[i]) for i in group}
             while going:
                 outs = self.step_sessions(kind, [sessions[i] for i in going], [feed[i] for i in going])
                 still = []
@@ -320,7 +324,7 @@ class RouteClient:
                     if token not in stop and len(generated[i]) < max_tokens:
                         still.append(i)
                         feed[i] = [token]
-                going, kind = still, "decode"
+                going, kind = still, StepKind.DECODE
 
         if max_tokens < 1:
             return generated
@@ -348,7 +352,7 @@ class RouteSession:
         self.epoch = client.epoch
         self.reprefills = 0
 
-    def _step(self, kind: str, new_tokens: list[int]) -> StepOutcome:
+    def _step(self, kind: StepKind, new_tokens: list[int]) -> StepOutcome:
         out, = self.client.step_sessions(kind, [self], [new_tokens])
         if isinstance(out, RouteError):
             raise out
@@ -359,7 +363,7 @@ class RouteSession:
         """Greedy generation: prefill the prompt, then decode token by token."""
         if not prompt:
             raise InvalidInputError("the prompt is empty")
-        out = self._step("prefill", list(prompt))
+        out = self._step(StepKind.PREFILL, list(prompt))
         generated: list[int] = []
         for _ in range(max_tokens):
             token = int(out.token_id)
@@ -368,20 +372,20 @@ class RouteSession:
                 on_token(token)
             if token in stop or len(generated) == max_tokens:
                 break
-            out = self._step("decode", [token])
+            out = self._step(StepKind.DECODE, [token])
         return generated
 
     def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
         """`generate` as an iterator of tokens."""
         if not prompt:
             raise InvalidInputError("the prompt is empty")
-        out = self._step("prefill", list(prompt))
+        out = self._step(StepKind.PREFILL, list(prompt))
         for i in range(max_tokens):
             token = int(out.token_id)
             yield token
             if token in stop or i + 1 == max_tokens:
                 return
-            out = self._step("decode", [token])
+            out = self._step(StepKind.DECODE, [token])
 
     def release(self) -> None:
         for stage in self.client.stages:

@@ -2,7 +2,8 @@
 
 - `ShardService` (proto/shard.proto): every expected outcome is a typed reply; a gRPC status is
   used only for transport matters (deadline, size limit, shutting down).
-- Concurrent RPCs are coalesced into batched engine steps by a `StepScheduler`.
+- Every step RPC is handed straight to the engine's native step loop, which batches concurrent
+  clients' steps into shared engine steps; handler threads wait on it without the GIL.
 - Standard gRPC health service (`grpc.health.v1`), SERVING once the model is loaded.
 - Prometheus metrics (`prometheus-client`) on --metrics-port: live sessions, reserved and budget
   tokens, evictions and misses by reason, step latency, batch size.
@@ -32,11 +33,10 @@ from .errors import (
     LlamaShardError,
     StaleRouteEpochError,
 )
-from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, TailOutput
+from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
-from .scheduler import StepScheduler
 from .wire import decode_tensor, encode_tensor
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
@@ -49,8 +49,9 @@ class WorkerOptions:
     metrics_port: int | None = None    # None: no metrics endpoint
     threads: int | None = None
     n_batch: int = 512
-    batch_window_s: float = 0.002
-    max_batch_sessions: int | None = None  # None: up to max_sessions per step
+    gather_s: float = 0.002                # longest wait for the last step's sessions to come back
+    max_step_sessions: int | None = None   # None: up to max_sessions per engine step
+    prefill_chunk: int = 64                # most tokens of one prefill per step while others wait
     max_message_bytes: int = 64 * 2**20
     grace_s: float = 5.0
 
@@ -83,12 +84,11 @@ class _EngineCollector:
 
 
 class ShardServicer(pb_grpc.ShardServiceServicer):
-    def __init__(self, model: ShardModel, manager: HotKvStateManager, scheduler: StepScheduler, registry: CollectorRegistry):
+    def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry):
         self.model = model
         self.info = model.info
         self.manager = manager
-        self.adapter = KvBoundaryAdapter(model, manager, scheduler)
-        self.scheduler = scheduler
+        self.adapter = KvBoundaryAdapter(model, manager)
         self.fingerprint = manager.recipe.fingerprint()
         self.stopping = threading.Event()
         self.in_flight = 0
@@ -101,17 +101,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     # --- steps ---------------------------------------------------------------------------------
 
     def Prefill(self, request, context):
-        return self._serve(context, "prefill", [("prefill", request)])[0]
+        return self._serve(context, "prefill", [(StepKind.PREFILL, request)])[0]
 
     def Decode(self, request, context):
-        return self._serve(context, "decode", [("decode", request)])[0]
+        return self._serve(context, "decode", [(StepKind.DECODE, request)])[0]
 
     def StepBatch(self, request, context):
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}")
-        kinds = {pb.STEP_KIND_PREFILL: "prefill", pb.STEP_KIND_DECODE: "decode"}
+        kinds = {pb.STEP_KIND_PREFILL: StepKind.PREFILL, pb.STEP_KIND_DECODE: StepKind.DECODE}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
         return pb.StepBatchReply(replies=self._serve(context, "batch", items))
 
@@ -132,7 +132,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.step_seconds.labels(label).observe(time.perf_counter() - t0)
         for kind, req in items:
             n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
-            self.step_tokens.labels(kind or "invalid").observe(n)
+            self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
     def _run_steps(self, items: list[tuple]) -> list[pb.StepReply]:
@@ -149,9 +149,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             replies[i] = self._reply(items[i][1], out)
         return replies
 
-    def _parse_step(self, kind: str | None, req) -> tuple:
-        """The adapter's step tuple for a request, checked; raises the contract's error otherwise."""
-        if kind not in ("prefill", "decode"):
+    def _parse_step(self, kind: StepKind | None, req) -> Step:
+        """The Step for a wire request, checked; raises the contract's error otherwise."""
+        if kind is None:
             raise InvalidInputError("a batched step needs kind STEP_KIND_PREFILL or STEP_KIND_DECODE")
         if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
             raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
@@ -160,12 +160,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
             raise InvalidInputError(f"unknown reply_dtype {req.reply_dtype}")
         tokens = list(req.token_ids) if len(req.token_ids) else None
-        hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.engine.n_batch)
+        hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
                   if req.HasField("hidden") else None)
-        if tokens is None and hidden is None:
-            raise InvalidInputError("a step needs token_ids (head) or hidden (other shards)")
         position = req.position if req.HasField("position") else None
-        return (kind, req.session_id, req.route_epoch, tokens, hidden, position)
+        if kind == StepKind.PREFILL:
+            return Step.prefill(req.session_id, req.route_epoch, tokens, hidden, start_pos=position)
+        return Step.decode(req.session_id, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
     @staticmethod
     def _reply(req, out) -> pb.StepReply:
@@ -217,6 +217,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     def Info(self, request, context):
         st = self.manager.stats()
+        loop = self.manager.loop_stats()
         info = self.info
         return pb.InfoReply(
             model_name=self.model.path.rsplit("/", 1)[-1], architecture=info.architecture, n_layer=info.n_layer,
@@ -225,10 +226,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n)
-                      for sid, ep, _, n, _ in self.manager.engine.sessions()],
+                      for sid, ep, _, n, _ in self.manager.sessions()],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
-            engine_busy_seconds=self.scheduler.busy_seconds, engine_steps=self.scheduler.steps,
-            engine_requests=self.scheduler.requests)
+            engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"])
 
 
 class ShardWorker:
@@ -238,13 +238,13 @@ class ShardWorker:
                  options: WorkerOptions = WorkerOptions()):
         self.options = options
         self.model = ShardModel(str(model_path), layers, options.threads)
-        self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads)
-        self.scheduler = StepScheduler(self.manager, window_s=options.batch_window_s,
-                                       max_batch_sessions=options.max_batch_sessions)
+        self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
+                                         max_step_sessions=options.max_step_sessions,
+                                         prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
-        self.servicer = ShardServicer(self.model, self.manager, self.scheduler, self.registry)
+        self.servicer = ShardServicer(self.model, self.manager, self.registry)
         self.health = health.HealthServicer()
         limit = options.max_message_bytes
         self.server = grpc.server(
@@ -282,7 +282,7 @@ class ShardWorker:
         self.health.enter_graceful_shutdown()
         self.servicer.stopping.set()
         self.server.stop(self.options.grace_s).wait()
-        self.scheduler.close()
+        self.manager.close()
         keys = self.manager.session_keys()
         released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
         st = self.manager.stats()

@@ -15,18 +15,20 @@ import dataclasses
 
 import numpy as np
 
+from .._native import MissReason, Status, StepKind
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
 
-OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = "OK", "CACHE_MISS", "STALE_EPOCH", "BUDGET_EXCEEDED"
-INVALID_INPUT, COMPUTE_ERROR = "INVALID_INPUT", "COMPUTE_ERROR"
-MISS_REASONS = ("UNKNOWN_SESSION", "EVICTED_TTL", "EVICTED_LRU", "RELEASED", "SUPERSEDED_EPOCH", "SEQ_LEN_MISMATCH")
+# the native enums: one status and miss-reason type for both engines
+OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
+INVALID_INPUT, COMPUTE_ERROR = Status.INVALID_INPUT, Status.COMPUTE_ERROR
+MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
 @dataclasses.dataclass
 class StepResult:
-    status: str = OK
-    miss: str = "NONE"
+    status: Status = OK
+    miss: MissReason = MissReason.NONE
     seq_len: int = 0
     seq_id: int = -1
     current_epoch: int = -1
@@ -45,7 +47,7 @@ class StepRequest:
 
     session_id: str
     epoch: int
-    kind: str  # "prefill" | "decode"
+    kind: StepKind
     position: int = -1  # prefill: start position (-1: append); decode: expected past length (-1: unchecked)
     tokens: object = None
     hidden: np.ndarray | None = None
@@ -66,7 +68,7 @@ class _Session:
 @dataclasses.dataclass
 class _Dropped:
     epoch: int
-    reason: str
+    reason: MissReason
     stamp: int
 
 
@@ -108,8 +110,16 @@ class ReferenceHotKvEngine:
         if epoch < 0:
             raise InvalidInputError(f"route epoch must be >= 0, got {epoch}")
 
-    def _validate_input(self, tokens, hidden) -> tuple[list[int] | None, np.ndarray | None, int]:
+    def validate_step(self, step) -> None:
+        """The checks the native StepLoop makes before queueing a llama_shard.Step (a prefill may
+        exceed n_batch: it is computed in chunks; a decode may not)."""
+        self._validate_key(step.session_id, step.route_epoch)
+        limit = 1 << 30 if step.kind == StepKind.PREFILL else self.n_batch
+        self._validate_input(step.token_ids, step.hidden, limit)
+
+    def _validate_input(self, tokens, hidden, limit: int | None = None) -> tuple[list[int] | None, np.ndarray | None, int]:
         info = self.shard.info
+        limit = self.n_batch if limit is None else limit
         if (tokens is None) == (hidden is None):
             raise InvalidInputError("pass exactly one of tokens (head shard) or hidden (non-head shard)")
         if tokens is not None:
@@ -123,8 +133,8 @@ class ReferenceHotKvEngine:
             n = int(arr.size)
             if n < 1:
                 raise InvalidInputError("empty input: at least one token is required")
-            if n > self.n_batch:
-                raise InvalidInputError(f"a step takes 1 to n_batch ({self.n_batch}) tokens, got {n}")
+            if n > limit:
+                raise InvalidInputError(f"a step takes 1 to {limit} tokens (the step size), got {n}")
             if arr.min() < 0 or arr.max() >= info.n_vocab:
                 raise InvalidInputError("token id outside the vocabulary")
             return [int(t) for t in arr], None, n
@@ -137,8 +147,8 @@ class ReferenceHotKvEngine:
         if info.is_head:
             raise InvalidInputError("hidden state sent to the head shard: send token ids")
         n = int(hidden.shape[0])
-        if n < 1 or n > self.n_batch:
-            raise InvalidInputError(f"a step takes 1 to n_batch ({self.n_batch}) tokens, got {n}")
+        if n < 1 or n > limit:
+            raise InvalidInputError(f"a step takes 1 to {limit} tokens (the step size), got {n}")
         if not np.isfinite(hidden).all():
             raise InvalidInputError("hidden state contains a non-finite value")
         return None, hidden, n
@@ -162,8 +172,8 @@ class ReferenceHotKvEngine:
         self._reserved -= s.seq_len
         bisect.insort(self._free_ids, s.seq_id, key=lambda i: -i)  # descending: the lowest id is reused first
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else s.epoch, reason)
-        key = {"EVICTED_TTL": "evictions_ttl", "EVICTED_LRU": "evictions_lru", "RELEASED": "releases",
-               "SUPERSEDED_EPOCH": "supersessions"}.get(reason)
+        key = {MissReason.EVICTED_TTL: "evictions_ttl", MissReason.EVICTED_LRU: "evictions_lru", MissReason.RELEASED: "releases",
+               MissReason.SUPERSEDED_EPOCH: "supersessions"}.get(reason)
         if key:
             self._counters[key] += 1
 
@@ -173,7 +183,7 @@ class ReferenceHotKvEngine:
     def _evict_lru_except(self, keep: list[str]) -> bool:
         for sid in self._live:
             if sid not in keep:
-                self._drop(sid, "EVICTED_LRU")
+                self._drop(sid, MissReason.EVICTED_LRU)
                 return True
         return False
 
@@ -185,7 +195,7 @@ class ReferenceHotKvEngine:
             sid, s = next(iter(self._live.items()))
             if now - s.last_used <= self.ttl_seconds:
                 break
-            self._drop(sid, "EVICTED_TTL")
+            self._drop(sid, MissReason.EVICTED_TTL)
             n += 1
         return n
 
@@ -253,8 +263,8 @@ class ReferenceHotKvEngine:
                 return s, StepResult()
             if epoch < s.epoch:
                 return None, _stale(epoch, s.epoch, "current")
-            self._drop(sid, "SUPERSEDED_EPOCH", epoch)
-            return None, StepResult(status=CACHE_MISS, miss="SUPERSEDED_EPOCH",
+            self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
+            return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
         d = self._recent.get(sid)
         if d is not None:
@@ -262,8 +272,8 @@ class ReferenceHotKvEngine:
                 return None, _stale(epoch, d.epoch, "last")
             if epoch == d.epoch:
                 return None, StepResult(status=CACHE_MISS, miss=d.reason,
-                                        detail=f"the session's state was dropped: {d.reason}")
-        return None, StepResult(status=CACHE_MISS, miss="UNKNOWN_SESSION", detail="no cached state for this session and epoch")
+                                        detail=f"the session's state was dropped: {d.reason.name}")
+        return None, StepResult(status=CACHE_MISS, miss=MissReason.UNKNOWN_SESSION, detail="no cached state for this session and epoch")
 
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
@@ -277,20 +287,6 @@ class ReferenceHotKvEngine:
             s = self._create(session_id, epoch, now)
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
-
-    def prefill(self, session_id: str, epoch: int, now: float, start_pos: int = -1, tokens=None, hidden=None):
-        return self._single(StepRequest(session_id, epoch, "prefill", start_pos, tokens, hidden), now)
-
-    def decode(self, session_id: str, epoch: int, now: float, expected_seq_len: int = -1, tokens=None, hidden=None):
-        return self._single(StepRequest(session_id, epoch, "decode", expected_seq_len, tokens, hidden), now)
-
-    def _single(self, req: "StepRequest", now: float):
-        self._validate_key(req.session_id, req.epoch)
-        self._validate_input(req.tokens, req.hidden)
-        (res, out), = self.step([req], now)
-        if res.status == INVALID_INPUT:
-            raise InvalidInputError(res.detail)
-        return res, out
 
     def step(self, requests: list["StepRequest"], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
         """A batched step with the native engine's rules (see hot_kv_engine.h, step())."""
@@ -313,7 +309,7 @@ class ReferenceHotKvEngine:
         self._sweep(now)
         # prefills of sessions not live under that epoch: their ids are placed together
         self._new_in_step = sum(1 for i, req in enumerate(requests)
-                                if results[i] is None and req.kind == "prefill"
+                                if results[i] is None and req.kind == StepKind.PREFILL
                                 and (req.session_id not in self._live or self._live[req.session_id].epoch != req.epoch))
         self._last_created_id = -1
         plan = []
@@ -337,7 +333,7 @@ class ReferenceHotKvEngine:
         s, res = self._identify(sid, req.epoch)
         if res.status == STALE_EPOCH:
             return res
-        if req.kind == "prefill":
+        if req.kind == StepKind.PREFILL:
             if s is None:
                 if req.position > 0:
                     self._misses[res.miss] += 1
@@ -356,13 +352,13 @@ class ReferenceHotKvEngine:
                 s = self._create(sid, req.epoch, now)
             start = s.seq_len if req.position < 0 else req.position
             if start > s.seq_len:
-                return self._miss("SEQ_LEN_MISMATCH", f"start position {start} is past the cached length {s.seq_len}")
+                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {s.seq_len}")
         else:
             if s is None:
                 self._misses[res.miss] += 1
                 return res
             if req.position >= 0 and req.position != s.seq_len:
-                return self._miss("SEQ_LEN_MISMATCH",
+                return self._miss(MissReason.SEQ_LEN_MISMATCH,
                                   f"expected past length {req.position}, cached length is {s.seq_len}")
             start = s.seq_len
         new_len = start + n
@@ -407,7 +403,7 @@ class ReferenceHotKvEngine:
             if epoch < s.epoch:
                 return _stale(epoch, s.epoch, "current")
             if epoch == s.epoch:
-                self._drop(session_id, "RELEASED")
+                self._drop(session_id, MissReason.RELEASED)
                 return StepResult(changed=True)
             return StepResult()
         d = self._recent.get(session_id)
@@ -438,7 +434,7 @@ class ReferenceHotKvEngine:
             "releases": self._counters["releases"], "supersessions": self._counters["supersessions"],
             "steps": self._counters["steps"], "tokens_computed": self._counters["tokens_computed"],
             "recent_keys": len(self._recent),
-            "misses": {r: self._misses[r] for r in MISS_REASONS},
+            "misses": {r.name: self._misses[r] for r in MISS_REASONS},
         }
 
     def sessions(self) -> list[tuple[str, int, int, int, float]]:

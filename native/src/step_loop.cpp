@@ -1,0 +1,313 @@
+#include "llama_shard/step_loop.h"
+
+#include <algorithm>
+#include <unistd.h>
+
+namespace llama_shard {
+
+// ---------------------------------------------------------------------------------------------
+// step_ticket
+// ---------------------------------------------------------------------------------------------
+
+bool step_ticket::done() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+}
+
+hot_kv_result step_ticket::wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+    return result_;
+}
+
+bool step_ticket::wait_for(double seconds) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(std::max(seconds, 0.0)), [&] { return done_; });
+}
+
+hot_kv_result step_ticket::result() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return result_;
+}
+
+void step_ticket::complete(hot_kv_result res) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        result_ = std::move(res);
+        done_   = true;
+    }
+    cv_.notify_all();
+    if (notify_fd >= 0) {
+        const char byte = 1;
+        // a full pipe already holds a wake-up for the reader: nothing is lost by dropping this one
+        ssize_t unused = ::write(notify_fd, &byte, 1);
+        (void) unused;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// step_loop
+// ---------------------------------------------------------------------------------------------
+
+step_loop::step_loop(hot_kv_engine & engine, const step_loop_config & config) : engine_(engine), config_(config) {
+    if (config_.max_step_tokens < 0 || config_.max_step_sessions < 0 || config_.prefill_chunk < 1 ||
+        !(config_.gather_s >= 0.0 && config_.gather_s <= 1.0)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                          "max_step_tokens and max_step_sessions must be >= 0, prefill_chunk >= 1, gather_s in [0, 1]");
+    }
+    const hot_kv_config & ec = engine.config();
+    config_.max_step_tokens   = config_.max_step_tokens == 0 ? ec.n_batch : std::min(config_.max_step_tokens, ec.n_batch);
+    config_.max_step_sessions = config_.max_step_sessions == 0 ? ec.max_sessions
+                                                               : std::min(config_.max_step_sessions, ec.max_sessions);
+    config_.prefill_chunk     = std::min(config_.prefill_chunk, config_.max_step_tokens);
+    thread_ = std::thread([this] { run(); });
+}
+
+step_loop::~step_loop() {
+    close();
+}
+
+void step_loop::close() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        closing_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+        thread_.join();
+    }
+}
+
+step_loop_stats step_loop::stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    step_loop_stats st = stats_;
+    st.pending = (int32_t) pending_.size();
+    return st;
+}
+
+void step_loop::check_ticket(const step_ticket & t) const {
+    const shard_model_info & info = engine_.model().info();
+    const bool has_tokens = !t.tokens.empty();
+    const bool has_hidden = !t.hidden.empty();
+    if (has_tokens == has_hidden) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step carries exactly one of tokens or hidden");
+    }
+    const int64_t n = has_tokens ? (int64_t) t.tokens.size() : (int64_t) t.hidden.size() / std::max(info.n_embd, 1);
+    if (has_hidden && (int64_t) t.hidden.size() != n * info.n_embd) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "hidden holds a partial row");
+    }
+    if (n != t.n_tokens || n < 1) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step needs at least one token, and n_tokens must match its input");
+    }
+    // a decode is computed whole (a prefill is chunked; one too long for a session is refused as
+    // over budget, see prefill_cannot_fit)
+    if (t.kind == HOT_KV_STEP_DECODE && n > config_.max_step_tokens) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a decode takes 1 to " + std::to_string(config_.max_step_tokens) +
+                                                           " tokens (the step size), got " + std::to_string(n));
+    }
+    if (t.kind != HOT_KV_STEP_PREFILL && t.kind != HOT_KV_STEP_DECODE) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "unknown step kind");
+    }
+}
+
+void step_loop::submit(const std::shared_ptr<step_ticket> & ticket) {
+    submit_many({ticket});
+}
+
+void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & tickets) {
+    for (const auto & t : tickets) {
+        if (!t) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "no ticket");
+        }
+        check_ticket(*t);
+    }
+    std::vector<std::shared_ptr<step_ticket>> queued;
+    std::vector<std::shared_ptr<step_ticket>> refused;
+    for (const auto & t : tickets) {
+        t->out.assign((size_t) engine_.output_size(t->n_tokens), 0.0f);
+        (prefill_cannot_fit(*t) ? refused : queued).push_back(t);
+    }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (closing_) {
+            throw shard_error(SHARD_ERRC_CAPACITY, "the step loop is closed");
+        }
+        pending_.insert(pending_.end(), queued.begin(), queued.end());
+    }
+    cv_.notify_all();
+    for (const auto & t : refused) {
+        hot_kv_result res;
+        res.status = SHARD_STATUS_BUDGET_EXCEEDED;
+        res.detail = std::to_string(t->n_tokens) + " tokens from position " + std::to_string(std::max(t->position, 0)) +
+                     " exceed context_tokens " + std::to_string(engine_.config().context_tokens) + " or budget_tokens " +
+                     std::to_string(engine_.config().budget_tokens);
+        t->complete(std::move(res));
+    }
+}
+
+// a prefill that cannot fit even alone is refused before any chunk runs (a chunked prefill
+// would otherwise get partway first); the engine makes the same check for an unchunked one
+bool step_loop::prefill_cannot_fit(const step_ticket & t) const {
+    if (t.kind != HOT_KV_STEP_PREFILL) {
+        return false;
+    }
+    const int64_t end = std::max<int64_t>(t.position, 0) + t.n_tokens;
+    return end > engine_.config().context_tokens || end > engine_.config().budget_tokens;
+}
+
+// every session of the previous step has a request pending again
+bool step_loop::previous_step_back_locked() const {
+    for (const std::string & sid : last_sessions_) {
+        bool back = false;
+        for (const auto & t : pending_) {
+            if (t->session_id == sid) {
+                back = true;
+                break;
+            }
+        }
+        if (!back) {
+            return false;
+        }
+    }
+    return true;
+}
+
+std::vector<step_loop::part> step_loop::form_step_locked() const {
+    std::vector<part> parts;
+    std::vector<const std::string *> seen;  // sessions met in this scan, taken or not (order per session)
+    const auto was_seen = [&](const std::string & sid) {
+        return std::any_of(seen.begin(), seen.end(), [&](const std::string * s) { return *s == sid; });
+    };
+    bool others_waiting = false;  // more than one session pending: prefills go in chunks
+    for (const auto & t : pending_) {
+        if (t->session_id != pending_.front()->session_id) {
+            others_waiting = true;
+            break;
+        }
+    }
+    int64_t room = config_.max_step_tokens;
+    for (const auto & t : pending_) {
+        if ((int32_t) parts.size() >= config_.max_step_sessions || room == 0) {
+            break;
+        }
+        if (was_seen(t->session_id)) {
+            continue;
+        }
+        seen.push_back(&t->session_id);
+        const int64_t left = t->n_tokens - t->offset_;
+        int64_t n = left;
+        if (t->kind == HOT_KV_STEP_PREFILL) {
+            n = std::min(left, others_waiting ? std::min<int64_t>(config_.prefill_chunk, room) : room);
+        } else if (n > room) {
+            continue;  // a decode is not split: it waits for the next step
+        }
+        parts.push_back({t, n});
+        room -= n;
+    }
+    return parts;
+}
+
+hot_kv_request step_loop::request_for(const part & p) const {
+    const step_ticket & t = *p.ticket;
+    const int64_t n_embd  = engine_.model().info().n_embd;
+    hot_kv_request req;
+    req.session_id = t.session_id;
+    req.epoch      = t.epoch;
+    req.kind       = t.kind;
+    // a later chunk continues exactly where the previous one ended (a moved session is a miss)
+    req.position   = t.offset_ == 0 ? t.position : t.start_ + (int32_t) t.offset_;
+    req.input.n_tokens = p.n;
+    if (!t.tokens.empty()) {
+        req.input.tokens = t.tokens.data() + t.offset_;
+    } else {
+        req.input.hidden      = t.hidden.data() + t.offset_ * n_embd;
+        req.input.hidden_cols = n_embd;
+    }
+    const bool tail = engine_.model().info().is_tail;  // the tail writes the last token's logits only
+    req.out = const_cast<float *>(t.out.data()) + (tail ? 0 : t.offset_ * n_embd);
+    return req;
+}
+
+std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> step_loop::run_step(const std::vector<part> & parts) {
+    std::vector<hot_kv_request> requests;
+    requests.reserve(parts.size());
+    double now = -1e300;
+    for (const part & p : parts) {
+        requests.push_back(request_for(p));
+        now = std::max(now, p.ticket->now);
+    }
+    std::vector<hot_kv_result> results;
+    try {
+        results = engine_.step(requests, now);
+    } catch (const std::exception & e) {  // the engine answers expected outcomes; anything else fails the step
+        hot_kv_result failed;
+        failed.status = SHARD_STATUS_COMPUTE_ERROR;
+        failed.detail = e.what();
+        results.assign(parts.size(), failed);
+    }
+    std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> finished;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        step_ticket & t = *parts[i].ticket;
+        hot_kv_result & r = results[i];
+        if (r.status == SHARD_STATUS_OK) {
+            if (t.offset_ == 0) {
+                t.start_ = r.seq_len - (int32_t) parts[i].n;
+            }
+            t.offset_ += parts[i].n;
+            if (t.offset_ < t.n_tokens) {
+                continue;  // more chunks to go
+            }
+        } else if (t.offset_ > 0 && (r.status == SHARD_STATUS_BUDGET_EXCEEDED || r.status == SHARD_STATUS_COMPUTE_ERROR)) {
+            // a refused prefill changes nothing: drop the chunks it already appended
+            engine_.truncate(t.session_id, t.epoch, t.start_, now);
+            r.seq_len = t.start_;
+        }
+        finished.emplace_back(parts[i].ticket, std::move(r));
+    }
+    return finished;
+}
+
+void step_loop::run() {
+    using clock = std::chrono::steady_clock;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+        cv_.wait(lock, [&] { return closing_ || !pending_.empty(); });
+        if (pending_.empty()) {
+            return;  // closing, and everything submitted was completed
+        }
+        if (!last_sessions_.empty() && !closing_) {
+            const auto deadline = last_end_ + std::min<clock::duration>(
+                std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(config_.gather_s)), last_duration_);
+            cv_.wait_until(lock, deadline, [&] { return closing_ || previous_step_back_locked(); });
+        }
+        const std::vector<part> parts = form_step_locked();
+        lock.unlock();
+
+        const auto t0 = clock::now();
+        auto finished = run_step(parts);
+        const auto t1 = clock::now();
+        for (auto & [ticket, res] : finished) {
+            ticket->complete(std::move(res));
+        }
+
+        lock.lock();
+        for (const auto & [ticket, res] : finished) {
+            pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
+        }
+        last_sessions_.clear();
+        uint64_t tokens = 0;
+        for (const part & p : parts) {
+            last_sessions_.push_back(p.ticket->session_id);
+            tokens += (uint64_t) p.n;
+        }
+        last_end_      = t1;
+        last_duration_ = t1 - t0;
+        stats_.steps++;
+        stats_.requests += finished.size();
+        stats_.chunks += parts.size();
+        stats_.tokens += tokens;
+        stats_.busy_seconds += std::chrono::duration<double>(t1 - t0).count();
+    }
+}
+
+} // namespace llama_shard
