@@ -1,6 +1,7 @@
 """Continuous batching: a batched engine step answers every request on its own; batched and
-one-at-a-time decoding agree; the scheduler coalesces concurrent callers into fewer llama_decode
-calls than tokens generated (threads and asyncio)."""
+one-at-a-time decoding agree; the native step loop coalesces concurrent callers of a plain
+`KvBoundaryAdapter(model, manager)` into fewer engine steps than tokens generated (threads and
+asyncio), chunks long prefills, and keeps a session's steps in order."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,11 @@ from llama_shard import (
     HotKvStateManager,
     KvBoundaryAdapter,
     ManualClock,
+    InvalidInputError,
+    MissReason,
     ShardModel,
-    StepScheduler,
+    Status,
+    Step,
     TailOutput,
 )
 from llama_shard.reference import ReferenceModel, ReferenceShard
@@ -39,18 +43,23 @@ def test_a_batched_step_answers_each_request_on_its_own(manager):
     ad = KvBoundaryAdapter(manager.model, manager)
     ad.prefill("live", 2, token_ids=[1, 2, 3])
     answers = manager.step_batch([
-        ("fresh", 0, "prefill", -1, [4, 5, 6], None),        # new session
-        ("live", 2, "decode", 3, [7], None),                 # ok, expected length right
-        ("ghost", 0, "decode", -1, [1], None),               # unknown: a miss
-        ("live", 1, "decode", -1, [1], None),                # duplicate session (and stale)
-        ("bad", 0, "prefill", -1, [10**6], None),            # invalid token
-        ("other", 0, "decode", -1, None, None),              # no input
+        Step.prefill("fresh", 0, [4, 5, 6]),                  # new session
+        Step.decode("live", 2, [7], expected_seq_len=3),      # ok, expected length right
+        Step.decode("ghost", 0, [1]),                         # unknown: a miss
+        Step.decode("live", 1, [1]),                          # the same session again: runs after, stale
+        Step.prefill("bad", 0, [10**6]),                      # invalid token
+        "not a step",
     ])
-    statuses = [(r.status, r.miss) for r, _ in answers]
-    assert statuses == [("OK", "NONE"), ("OK", "NONE"), ("CACHE_MISS", "UNKNOWN_SESSION"),
-                        ("INVALID_INPUT", "NONE"), ("INVALID_INPUT", "NONE"), ("INVALID_INPUT", "NONE")]
+    assert isinstance(answers[4], InvalidInputError) and isinstance(answers[5], InvalidInputError)
+    statuses = [(r.status, r.miss) for r, _ in answers[:4]]
+    assert statuses == [(Status.OK, MissReason.NONE), (Status.OK, MissReason.NONE),
+                        (Status.CACHE_MISS, MissReason.UNKNOWN_SESSION), (Status.STALE_EPOCH, MissReason.NONE)]
     assert answers[0][1].shape == (320,) and answers[1][0].seq_len == 4
     assert answers[2][1] is None
+    with pytest.raises(InvalidInputError):
+        Step.decode("other", 0)  # no input
+    with pytest.raises(InvalidInputError):
+        Step.decode("other", 0, [1], expected_seq_len=-2)
     manager.check_invariants()
     # the batched results equal running the same steps one at a time
     solo = HotKvStateManager(manager.model, manager.config, ManualClock(), n_batch=32)
@@ -62,11 +71,28 @@ def test_a_batched_step_answers_each_request_on_its_own(manager):
 def test_budget_counts_everything_admitted_in_the_step(manager):
     small = HotKvStateManager(manager.model, HotKvStateConfig(max_sessions=4, context_tokens=8, budget_tokens=10),
                               ManualClock(), n_batch=32)
-    answers = small.step_batch([("a", 0, "prefill", -1, [1] * 6, None), ("b", 0, "prefill", -1, [2] * 6, None)])
+    answers = small.step_batch([Step.prefill("a", 0, [1] * 6), Step.prefill("b", 0, [2] * 6)])
     # a is admitted; b would need 12 > 10 and a takes part in the step, so it cannot be evicted
-    assert [r.status for r, _ in answers] == ["OK", "BUDGET_EXCEEDED"]
+    assert [r.status for r, _ in answers] == [Status.OK, Status.BUDGET_EXCEEDED]
     assert small.reserved_tokens == 6 and small.session_keys() == [("a", 0)]
     small.check_invariants()
+
+
+def test_a_prefill_longer_than_a_step_is_chunked_and_a_refused_one_changes_nothing(manager):
+    """n_batch is 32: a 50-token prompt runs in two chunks and equals the one-piece result of a
+    manager with a larger step; a prompt longer than context_tokens is refused before any chunk."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 320, 50)]
+    ad = KvBoundaryAdapter(manager.model, manager)
+    out = ad.prefill("long", 0, token_ids=prompt)
+    assert out.seq_len == 50 and manager.loop_stats()["chunks"] == 2
+    big = HotKvStateManager(manager.model, manager.config, ManualClock(), n_batch=64)
+    one = KvBoundaryAdapter(big.model, big).prefill("long", 0, token_ids=prompt)
+    assert one.token_id == out.token_id and np.abs(one.logits - out.logits).max() < 1e-3
+    from llama_shard import KvBudgetExceededError
+    with pytest.raises(KvBudgetExceededError):
+        ad.prefill("long", 0, token_ids=prompt * 2)  # 100 > context_tokens 64
+    assert manager.get("long", 0).seq_len == 50
+    manager.check_invariants()
 
 
 def _decode_all(adapter, n_steps, threads: bool):
@@ -93,23 +119,25 @@ def _decode_all(adapter, n_steps, threads: bool):
     return tokens, logits
 
 
-def test_scheduler_coalesces_eight_threads_into_fewer_decodes(synthetic_model):
+def test_a_plain_adapter_batches_eight_threads(synthetic_model):
+    """Batching by default: KvBoundaryAdapter(model, manager) with no other argument; the engine
+    runs fewer steps (and llama_decode calls) than the tokens it generates, and the tokens equal
+    one-at-a-time decoding."""
     model = ShardModel(str(synthetic_model), None, 2)
     cfg = HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=512)
     alone_mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=32)
     alone_tokens, _ = _decode_all(KvBoundaryAdapter(model, alone_mgr), 16, threads=False)
 
     mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=32)
-    sched = StepScheduler(mgr, window_s=0.005)
-    adapter = KvBoundaryAdapter(model, mgr, sched)
-    before = mgr.n_decode_calls
+    adapter = KvBoundaryAdapter(model, mgr)
+    before, steps_before = mgr.n_decode_calls, mgr.loop_stats()["steps"]
     tokens, _ = _decode_all(adapter, 16, threads=True)
-    sched.close()
     decode_calls = mgr.n_decode_calls - before
+    steps = mgr.loop_stats()["steps"] - steps_before
     generated = sum(len(t) for t in tokens.values())
-    print(f"8 threads: {generated} tokens from {decode_calls} llama_decode calls in {sched.steps} steps")
+    print(f"8 threads: {generated} tokens from {decode_calls} llama_decode calls in {steps} engine steps")
     assert tokens == alone_tokens
-    assert decode_calls < generated
+    assert decode_calls < generated / 2 and steps < generated / 2
     mgr.check_invariants()
 
 
@@ -117,8 +145,7 @@ def test_asyncio_callers_are_batched_too(synthetic_model):
     model = ShardModel(str(synthetic_model), None, 2)
     mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=512),
                             ManualClock(), n_batch=32)
-    sched = StepScheduler(mgr, window_s=0.005)
-    adapter = KvBoundaryAdapter(model, mgr, sched)
+    adapter = KvBoundaryAdapter(model, mgr)
 
     async def session(i):
         out = await adapter.prefill_async(f"a{i}", 0, token_ids=PROMPTS[i])
@@ -132,26 +159,61 @@ def test_asyncio_callers_are_batched_too(synthetic_model):
         return await asyncio.gather(*(session(i) for i in range(4)))
 
     got = asyncio.run(main())
-    sched.close()
     ref = ReferenceModel.from_gguf(synthetic_model)
     assert got == [ref.greedy(PROMPTS[i], 8) for i in range(4)]
-    assert sched.steps < sched.requests
+    st = mgr.loop_stats()
+    assert st["steps"] < st["requests"] / 2, st
+    assert threading.active_count() < 8  # no thread per request
 
 
 def test_chunked_prefill_matches_one_piece(synthetic_model):
     model = ShardModel(str(synthetic_model), (0, 2), 2)
     cfg = HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=256)
     plain = KvBoundaryAdapter(model, m1 := HotKvStateManager(model, cfg, ManualClock(), n_batch=64))
-    mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=64)
-    sched = StepScheduler(mgr, window_s=0.0, prefill_chunk=8)
-    chunked = KvBoundaryAdapter(model, mgr, sched)
+    mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=8)
+    chunked = KvBoundaryAdapter(model, mgr)
     prompt = list(np.random.default_rng(3).integers(0, 320, 29))
     a = plain.prefill("p", 0, token_ids=prompt)
     b = chunked.prefill("p", 0, token_ids=prompt)
-    sched.close()
+    assert mgr.loop_stats()["chunks"] == 4
     assert b.hidden.shape == a.hidden.shape == (29, 64) and b.start_pos == 0
     assert np.abs(a.hidden - b.hidden).max() < 1e-3
     assert m1.get("p", 0).seq_len == mgr.get("p", 0).seq_len == 29
+
+
+def test_a_release_racing_a_queued_step_is_a_released_miss(synthetic_model):
+    """Cancellation: steps queued behind a long one, then their session released: they answer
+    RELEASED (never computed into a freed sequence), and every seq id returns to the pool."""
+    model = ShardModel(str(synthetic_model), None, 2)
+    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=512, budget_tokens=2048),
+                            ManualClock(), n_batch=8, prefill_chunk=8)
+    ad = KvBoundaryAdapter(model, mgr)
+    ad.prefill("victim", 0, token_ids=[1, 2, 3])
+    long_prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 400)]
+    tickets = mgr.submit([Step.prefill("busy", 0, long_prompt)])  # 50 chunks: keeps the loop busy
+    queued = mgr.submit([Step.decode("victim", 0, [4]), Step.decode("victim", 0, [5])])
+    assert mgr.release("victim", 0)
+    for t in tickets + queued:
+        t.wait()
+    outs = [t.result for t in queued]
+    assert all(r.status in (Status.OK, Status.CACHE_MISS) for r in outs)
+    assert outs[-1].status == Status.CACHE_MISS and outs[-1].miss == MissReason.RELEASED
+    assert tickets[0].result.status == Status.OK and tickets[0].result.seq_len == 400
+    mgr.release("busy", 0)
+    assert mgr.session_count == 0
+    mgr.check_invariants()
+
+
+def test_closing_completes_what_was_queued_then_refuses(synthetic_model):
+    model = ShardModel(str(synthetic_model), None, 2)
+    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512),
+                            ManualClock(), n_batch=8)
+    tickets = mgr.submit([Step.prefill(f"c{i}", 0, PROMPTS[i] * 4) for i in range(4)])
+    mgr.close()
+    assert all(t.done() and t.result.status == Status.OK for t in tickets)
+    from llama_shard import CapacityError
+    with pytest.raises(CapacityError):
+        mgr.submit([Step.prefill("late", 0, [1])])
 
 
 @pytest.mark.model
@@ -176,14 +238,14 @@ def test_smollm2_batched_and_one_at_a_time_agree(embedded_model):
             ref_logits[i].append(o.logits)
 
     mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=64)
-    answers = mgr.step_batch([(f"s{i}", 0, "prefill", -1, p, None) for i, p in enumerate(prompts)])
+    answers = mgr.step_batch([Step.prefill(f"s{i}", 0, p) for i, p in enumerate(prompts)])
     tokens = {i: [int(np.argmax(out))] for i, (_, out) in enumerate(answers)}
     logits = {i: [out] for i, (_, out) in enumerate(answers)}
     calls_before = mgr.n_decode_calls
     for _ in range(31):
-        answers = mgr.step_batch([(f"s{i}", 0, "decode", -1, [tokens[i][-1]], None) for i in range(8)])
+        answers = mgr.step_batch([Step.decode(f"s{i}", 0, [tokens[i][-1]]) for i in range(8)])
         for i, (r, out) in enumerate(answers):
-            assert r.status == "OK"
+            assert r.status == Status.OK
             tokens[i].append(int(np.argmax(out)))
             logits[i].append(out)
     assert mgr.n_decode_calls - calls_before == 31  # one llama_decode per step for all 8 sessions
@@ -193,34 +255,27 @@ def test_smollm2_batched_and_one_at_a_time_agree(embedded_model):
     assert worst < 1e-3
 
 
-def test_a_micro_batch_runs_as_one_step_without_waiting_for_a_window(manager, synthetic_model):
-    """step_many: a client's micro-batch is one engine step that starts at once (no batching
-    window), each step answered on its own, prefills chunked, duplicates refused."""
-    import time
-
-    from llama_shard import InvalidInputError
-
-    sched = StepScheduler(manager, window_s=5.0, prefill_chunk=4)
-    adapter = KvBoundaryAdapter(manager.model, manager, sched)
-    t0 = time.perf_counter()
-    outs = adapter.step_many([("prefill", f"m{i}", 0, PROMPTS[i], None, None) for i in range(4)]
-                             + [("decode", "m-unknown", 0, [1], None, None), ("prefill", "m0", 0, [1], None, None),
-                                ("sideways", "m9", 0, [1], None, None), ("decode", "m8"), "not a step"])
-    assert time.perf_counter() - t0 < 2.0  # a 5 s window was never waited for
+def test_a_micro_batch_runs_as_one_step(synthetic_model, manager):
+    """step_many: a client's micro-batch shares engine steps, each step answered on its own,
+    prefills chunked while others wait, a repeated session refused."""
+    small = HotKvStateManager(manager.model, manager.config, ManualClock(), n_batch=32, prefill_chunk=4)
+    adapter = KvBoundaryAdapter(small.model, small)
+    outs = adapter.step_many([Step.prefill(f"m{i}", 0, PROMPTS[i]) for i in range(4)]
+                             + [Step.decode("m-unknown", 0, [1]), Step.prefill("m0", 0, [1]), "not a step"])
     assert all(isinstance(o, TailOutput) for o in outs[:4])
     assert isinstance(outs[4], CacheMiss)
     assert isinstance(outs[5], InvalidInputError) and "more than one step" in str(outs[5])
-    assert all(isinstance(o, InvalidInputError) for o in outs[6:9])
+    assert isinstance(outs[6], InvalidInputError)
     # chunks of 4: the first step has every first chunk and the miss, the second the rest of the
     # 5- and 6-token prompts
-    assert sched.steps == 2 and sched.requests == 5 + 2
+    st = small.loop_stats()
+    assert (st["steps"], st["chunks"], st["requests"]) == (2, 7, 5), st
     ref = ReferenceModel.from_gguf(synthetic_model)
     tokens = {i: [o.token_id] for i, o in enumerate(outs[:4])}
     for _ in range(3):
-        outs = adapter.step_many([("decode", f"m{i}", 0, [tokens[i][-1]], None, None) for i in range(4)])
+        outs = adapter.step_many([Step.decode(f"m{i}", 0, [tokens[i][-1]]) for i in range(4)])
         for i, o in enumerate(outs):
             tokens[i].append(o.token_id)
-    assert sched.steps == 5
+    assert small.loop_stats()["steps"] == 5
     assert [tokens[i] for i in range(4)] == [ref.greedy(PROMPTS[i], 4) for i in range(4)]
-    sched.close()
-    manager.check_invariants()
+    small.check_invariants()

@@ -21,6 +21,8 @@ from llama_shard import (
     ManualClock,
     ShardModel,
     StaleRouteEpochError,
+    Status,
+    Step,
     TailOutput,
     UncertifiedArchitectureError,
     kv_recipe_for,
@@ -261,13 +263,13 @@ def test_freed_seq_ids_are_reused_lowest_first_and_batches_run_in_any_order(make
     assert seq == {"s0": 0, "s1": 1, "s2": 2}
     manager.release("s2", 0)
     manager.release("s0", 0)
-    outs = manager.step_batch([(f"n{i}", 0, "prefill", 0, PROMPTS[i], None) for i in (3, 2, 0)])
-    assert [r.status for r, _ in outs] == ["OK"] * 3
+    outs = manager.step_batch([Step.prefill(f"n{i}", 0, PROMPTS[i], start_pos=0) for i in (3, 2, 0)])
+    assert [r.status for r, _ in outs] == [Status.OK] * 3
     assert [manager.get(f"n{i}", 0).seq_id for i in (3, 2, 0)] == [0, 2, 3]
     tokens = {i: [int(np.argmax(out))] for i, (_, out) in zip((3, 2, 0), outs)}
     for _ in range(3):
         order = (0, 3, 2)  # not the seq id order
-        outs = manager.step_batch([(f"n{i}", 0, "decode", -1, [tokens[i][-1]], None) for i in order])
+        outs = manager.step_batch([Step.decode(f"n{i}", 0, [tokens[i][-1]]) for i in order])
         for i, (_, out) in zip(order, outs):
             tokens[i].append(int(np.argmax(out)))
     for i in (3, 2, 0):
@@ -280,15 +282,15 @@ def test_sessions_opened_by_one_step_take_consecutive_seq_ids(make_shard):
     5-7 (one ubatch on the native engine), not 1, 5, 6; a lone new session takes the lowest id."""
     shard = make_shard()
     manager = manager_for(shard, max_sessions=8)
-    manager.step_batch([(f"old{i}", 0, "prefill", 0, PROMPTS[i % 4], None) for i in range(8)])
+    manager.step_batch([Step.prefill(f"old{i}", 0, PROMPTS[i % 4], start_pos=0) for i in range(8)])
     assert [manager.get(f"old{i}", 0).seq_id for i in range(8)] == list(range(8))
     for i in (1, 5, 6, 7):
         manager.release(f"old{i}", 0)
-    outs = manager.step_batch([("old0", 0, "decode", -1, [3], None)]
-                              + [(f"new{i}", 0, "prefill", 0, PROMPTS[i], None) for i in range(3)])
-    assert [r.status for r, _ in outs] == ["OK"] * 4
+    outs = manager.step_batch([Step.decode("old0", 0, [3])]
+                              + [Step.prefill(f"new{i}", 0, PROMPTS[i], start_pos=0) for i in range(3)])
+    assert [r.status for r, _ in outs] == [Status.OK] * 4
     assert [manager.get(f"new{i}", 0).seq_id for i in range(3)] == [5, 6, 7]
-    manager.step_batch([("lone", 0, "prefill", 0, PROMPTS[3], None)])
+    manager.step_batch([Step.prefill("lone", 0, PROMPTS[3], start_pos=0)])
     assert manager.get("lone", 0).seq_id == 1
     manager.check_invariants()
 

@@ -85,7 +85,8 @@ class LockstepMachine(RuleBasedStateMachine):
     def open(self, sid):
         self.both(lambda m, ad: m.open(sid, self.epochs[sid]))
 
-    @rule(sid=sid, n=st.integers(1, 6), start=st.sampled_from([None, 0, 1, 3, 9]), seed=st.integers(0, 999))
+    # up to 11 tokens: past n_batch (8), a prefill runs in chunks
+    @rule(sid=sid, n=st.integers(1, 11), start=st.sampled_from([None, 0, 1, 3, 9]), seed=st.integers(0, 999))
     def prefill(self, sid, n, start, seed):
         tokens = [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, n)]
         self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=tokens, start_pos=start))
@@ -158,7 +159,7 @@ class LockstepMachine(RuleBasedStateMachine):
             "empty": lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[]),
             "oov": lambda m, ad: ad.decode(sid, self.epochs[sid], token_ids=[VOCAB]),
             "negative_epoch": lambda m, ad: m.open(sid, -1),
-            "too_long": lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1] * 9),
+            "too_long": lambda m, ad: ad.decode(sid, self.epochs[sid], token_ids=[1] * 9),  # > n_batch
             "hidden_to_head": lambda m, ad: ad.decode(sid, self.epochs[sid], boundary=np.zeros((1, 64), np.float32)),
         }
         assert self.both(calls[bad]) == ("error", "InvalidInputError")

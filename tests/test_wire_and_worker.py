@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from llama_shard import StepKind
 from llama_shard.demo import _free_port, wait_serving
 from llama_shard.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
@@ -205,21 +206,21 @@ def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedd
         assert "UNAVAILABLE" in str(e.value)
         # the same worker comes back on the same port, with an empty cache
         tail = Worker(embedded_model, "15-29", port=tail.port)
-        out = session._step("decode", [got[-1]])  # the next step: a miss on the tail, then a re-prefill
+        out = session._step(StepKind.DECODE, [got[-1]])  # the next step: a miss on the tail, then a re-prefill
         assert session.reprefills == 1
         got.append(out.token_id)
         while len(got) < N_TOKENS:
-            got.append(session._step("decode", [got[-1]]).token_id)
+            got.append(session._step(StepKind.DECODE, [got[-1]]).token_id)
         assert got == whole_tokens[prompt]
         # a micro-batch whose sessions all miss on a restarted tail is re-prefilled together
         group = [client.session(f"group-{i}") for i in range(3)]
         prompts = [tokenizer.tokenize(p) for p in PROMPTS[1:4]]
-        outs = client.step_sessions("prefill", group, prompts)
+        outs = client.step_sessions(StepKind.PREFILL, group, prompts)
         tail.stop(signal.SIGKILL)
         tail = Worker(embedded_model, "15-29", port=tail.port)
         history = [list(p) + [o.token_id] for p, o in zip(prompts, outs)]
         for _ in range(4):
-            outs = client.step_sessions("decode", group, [[h[-1]] for h in history])
+            outs = client.step_sessions(StepKind.DECODE, group, [[h[-1]] for h in history])
             for h, o in zip(history, outs):
                 h.append(o.token_id)
         assert [s.reprefills for s in group] == [1, 1, 1]

@@ -286,11 +286,8 @@ void step_loop::run() {
         const auto t0 = clock::now();
         auto finished = run_step(parts);
         const auto t1 = clock::now();
-        for (auto & [ticket, res] : finished) {
-            ticket->complete(std::move(res));
-        }
 
-        lock.lock();
+        lock.lock();  // the books first, so a woken caller reads stats that include its step
         for (const auto & [ticket, res] : finished) {
             pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
         }
@@ -307,6 +304,11 @@ void step_loop::run() {
         stats_.chunks += parts.size();
         stats_.tokens += tokens;
         stats_.busy_seconds += std::chrono::duration<double>(t1 - t0).count();
+        lock.unlock();
+        for (auto & [ticket, res] : finished) {
+            ticket->complete(std::move(res));
+        }
+        lock.lock();
     }
 }
 

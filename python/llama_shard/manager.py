@@ -80,7 +80,7 @@ class HotKvStateManager:
             from .reference.engine import ReferenceHotKvEngine
             self.engine = ReferenceHotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens,
                                                float(c.ttl_seconds), n_batch, recent_capacity)
-            self._loop = _ReferenceLoop(self.engine)
+            self._loop = _ReferenceLoop(self.engine, max_step_sessions, prefill_chunk)
         self.n_batch = int(self.engine.n_batch)
 
     # --- outcome mapping --------------------------------------------------------------------------
@@ -231,92 +231,110 @@ class HotKvStateManager:
         self.engine.check_invariants()
 
 
-class _DoneTicket:
-    """A reference-engine step, computed at submission: the StepTicket interface."""
+class _ReferenceTicket:
+    """A reference-engine step: the StepTicket interface, completed during submission."""
 
-    __slots__ = ("result", "output")
+    def __init__(self, step: Step, now: float):
+        self.step, self.now = step, now
+        self.offset, self.start, self.outs = 0, -1, []
+        self.result = self.output = None
+        self.finished = False
 
-    def __init__(self, result, output):
-        self.result, self.output = result, output
+    def finish(self, result, output=None) -> None:
+        self.result, self.output, self.finished = result, output, True
 
     def done(self) -> bool:
-        return True
+        return self.finished
 
     def wait(self, timeout: float | None = None) -> bool:
-        return True
+        return self.finished
 
 
 class _ReferenceLoop:
-    """The native StepLoop's rules for the numpy reference engine, run synchronously: steps
-    submitted together share engine steps, one request per session per step in submission order,
-    and a prefill longer than n_batch goes in chunks (a refused later chunk truncates back)."""
+    """The native StepLoop's rules for the numpy reference engine, run synchronously at submission:
+    one request per session per step in submission order, at most max_step_sessions sessions and
+    n_batch tokens per step, prefills cut into chunks (prefill_chunk while other sessions wait), a
+    refused later chunk truncated back, a prefill that cannot fit even alone refused up front."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, max_step_sessions: int | None, prefill_chunk: int):
         self.engine = engine
+        self.max_step_tokens = engine.n_batch
+        self.max_step_sessions = min(max_step_sessions or engine.max_sessions, engine.max_sessions)
+        self.prefill_chunk = min(prefill_chunk, engine.n_batch)
         self._lock = threading.Lock()
         self._stats = {"steps": 0, "requests": 0, "chunks": 0, "tokens": 0, "busy_seconds": 0.0, "pending": 0}
 
-    def ticket(self, engine, step: Step, now: float, notify_fd: int = -1) -> dict:
+    def ticket(self, engine, step: Step, now: float, notify_fd: int = -1) -> _ReferenceTicket:
         engine.validate_step(step)
-        return {"step": step, "now": now, "offset": 0, "start": -1, "outs": [], "done": None}
+        return _ReferenceTicket(step, now)
 
     def submit(self, tickets: list) -> None:
         from .reference.engine import StepResult
 
         e = self.engine
-        for t in tickets:  # as the native loop: a prefill that cannot fit even alone runs no chunk
-            step = t["step"]
-            end = max(step.position, 0) + step.n_tokens
-            if step.kind == StepKind.PREFILL and (end > e.context_tokens or end > e.budget_tokens):
-                t["done"] = (StepResult(status=Status.BUDGET_EXCEEDED, detail=f"{step.n_tokens} tokens exceed "
-                             f"context_tokens {e.context_tokens} or budget_tokens {e.budget_tokens}"), None)
-        with self._lock:
-            pending = [t for t in tickets if t["done"] is None]
-            while pending:
-                parts, seen = [], set()
-                for t in pending:
-                    if t["step"].session_id not in seen:
-                        seen.add(t["step"].session_id)
-                        parts.append(t)
-                self._run(parts, max(t["now"] for t in parts))
-                pending = [t for t in pending if t["done"] is None]
         for t in tickets:
-            t["done"] = _DoneTicket(*t["done"])
+            end = max(t.step.position, 0) + t.step.n_tokens
+            if t.step.kind == StepKind.PREFILL and (end > e.context_tokens or end > e.budget_tokens):
+                t.finish(StepResult(status=Status.BUDGET_EXCEEDED, detail=f"{t.step.n_tokens} tokens exceed "
+                                    f"context_tokens {e.context_tokens} or budget_tokens {e.budget_tokens}"))
+        with self._lock:
+            pending = [t for t in tickets if not t.finished]
+            while pending:
+                self._run(self._form(pending))
+                pending = [t for t in pending if not t.finished]
 
-    def _run(self, parts: list, now: float) -> None:
+    def _form(self, pending: list) -> list:
+        parts, seen, room = [], set(), self.max_step_tokens
+        others_waiting = len({t.step.session_id for t in pending}) > 1
+        for t in pending:
+            if len(parts) >= self.max_step_sessions or room == 0:
+                break
+            step = t.step
+            if step.session_id in seen:
+                continue
+            seen.add(step.session_id)
+            left = step.n_tokens - t.offset
+            if step.kind == StepKind.PREFILL:
+                n = min(left, min(self.prefill_chunk, room) if others_waiting else room)
+            elif left > room:
+                continue
+            else:
+                n = left
+            parts.append((t, n))
+            room -= n
+        return parts
+
+    def _run(self, parts: list) -> None:
         from .reference.engine import StepRequest
 
-        n_batch, requests = self.engine.n_batch, []
-        for t in parts:
-            step, k = t["step"], t["offset"]
-            n = min(step.n_tokens - k, n_batch)
+        now, requests = max(t.now for t, _ in parts), []
+        for t, n in parts:
+            step, k = t.step, t.offset
             data = step.token_ids if step.token_ids is not None else step.hidden
             chunk = data[k:k + n]
             requests.append(StepRequest(step.session_id, step.route_epoch, step.kind,
-                                        step.position if k == 0 else t["start"] + k,
+                                        step.position if k == 0 else t.start + k,
                                         chunk if step.token_ids is not None else None,
                                         np.ascontiguousarray(chunk) if step.hidden is not None else None))
         answers = self.engine.step(requests, now)
         self._stats["steps"] += 1
-        for t, (r, out) in zip(parts, answers):
-            step = t["step"]
-            n = min(step.n_tokens - t["offset"], n_batch)
+        for (t, n), (r, out) in zip(parts, answers):
+            step = t.step
             self._stats["chunks"] += 1
             self._stats["tokens"] += n
             if r.status == Status.OK:
-                if t["offset"] == 0:
-                    t["start"] = r.seq_len - n
-                t["offset"] += n
-                t["outs"].append(out)
-                if t["offset"] < step.n_tokens:
+                if t.offset == 0:
+                    t.start = r.seq_len - n
+                t.offset += n
+                t.outs.append(out)
+                if t.offset < step.n_tokens:
                     continue
-                if out.ndim == 2:
-                    out = np.concatenate(t["outs"]) if len(t["outs"]) > 1 else out
-                t["done"] = (r, out)
+                t.finish(r, np.concatenate(t.outs) if out.ndim == 2 and len(t.outs) > 1 else out)
             else:
-                if t["offset"] > 0 and r.status in (Status.BUDGET_EXCEEDED, Status.COMPUTE_ERROR):
-                    self.engine.truncate(step.session_id, step.route_epoch, t["start"], now)
-                t["done"] = (r, None)
+                if t.offset > 0 and r.status in (Status.BUDGET_EXCEEDED, Status.COMPUTE_ERROR):
+                    self.engine.truncate(step.session_id, step.route_epoch, t.start, now)
+                    r.seq_len = t.start
+                t.finish(r)
             self._stats["requests"] += 1
 
     def stats(self) -> dict:
@@ -421,7 +439,7 @@ class KvBoundaryAdapter:
                               token_id=int(np.argmax(out)))
         return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=r.seq_len - out.shape[0], hidden=out)
 
-    def _answer(self, step: Step, ticket):
+    def _answer(self, step, ticket):
         if isinstance(ticket, LlamaShardError):
             return ticket
         try:
@@ -450,10 +468,25 @@ class KvBoundaryAdapter:
         ticket.wait()
         return self.finish(step, ticket.result, ticket.output)
 
+    def _submit_micro_batch(self, steps: Sequence[Step], notify_fd: int = -1) -> list:
+        """Queues a micro-batch: one step per session (a repeated session's later step is refused)."""
+        seen, valid, tickets = set(), [], [None] * len(steps)
+        for i, step in enumerate(steps):
+            sid = getattr(step, "session_id", None)
+            if isinstance(sid, str) and sid in seen:
+                tickets[i] = InvalidInputError(f"session {sid!r} has more than one step in this batch")
+                continue
+            seen.add(sid)
+            valid.append(i)
+        for i, t in zip(valid, self.manager.submit([steps[i] for i in valid], notify_fd)):
+            tickets[i] = t
+        return tickets
+
     def step_many(self, steps: Sequence[Step]) -> list:
-        """Several sessions' steps queued together (a micro-batch); returns, in order, what
-        `prefill`/`decode` would have returned for each, or the LlamaShardError it would have raised."""
-        tickets = self.manager.submit(steps)
+        """Several sessions' steps queued together (a micro-batch, one step per session); returns,
+        in order, what `prefill`/`decode` would have returned for each, or the LlamaShardError it
+        would have raised."""
+        tickets = self._submit_micro_batch(steps)
         for t in tickets:
             if not isinstance(t, LlamaShardError):
                 t.wait()
@@ -464,7 +497,7 @@ class KvBoundaryAdapter:
     async def step_many_async(self, steps: Sequence[Step]) -> list:
         """`step_many` for asyncio callers: the event loop is never blocked, and no thread waits."""
         completions = _completions()
-        tickets = self.manager.submit(steps, completions.fd)
+        tickets = self._submit_micro_batch(steps, completions.fd)
         for t in tickets:
             if not isinstance(t, LlamaShardError):
                 await completions.wait(t)
