@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ._native import ShardModel
-from .hot_kv import HotKvStateConfig, ManualClock
-from .manager import HotKvStateManager
+from .hot_kv import HotKvStateConfig, ManualClock, Step, StepKind
+from .manager import HotKvStateManager, KvBoundaryAdapter
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,14 +128,14 @@ def ours_prefill_and_tg(path: Path, threads: int, n_prompt: int, n_gen: int, rep
     for r in range(reps + 1):  # the first round warms up, as llama-bench does
         prompt = rng.integers(0, vocab, n_prompt).tolist()
         t0 = time.perf_counter()
-        mgr.step_batch([("pp", 0, "prefill", 0, prompt, None)])
+        mgr.step_batch([Step.prefill("pp", 0, prompt, start_pos=0)])
         t1 = time.perf_counter()
         mgr.release("pp", 0)
         tok = int(rng.integers(0, vocab))
         t2 = time.perf_counter()
-        mgr.step_batch([("tg", 0, "prefill", 0, [tok], None)])
+        mgr.step_batch([Step.prefill("tg", 0, [tok], start_pos=0)])
         for _ in range(n_gen - 1):
-            mgr.step_batch([("tg", 0, "decode", -1, [tok], None)])
+            mgr.step_batch([Step.decode("tg", 0, [tok])])
         t3 = time.perf_counter()
         mgr.release("tg", 0)
         if r:
@@ -153,14 +153,123 @@ def ours_batched(path: Path, threads: int, npp: int, ntg: int, npl: list[int], v
         mgr = _manager(model, pl, npp + ntg, threads)
         prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(pl)]
         t0 = time.perf_counter()
-        mgr.step_batch([(f"s{j}", 0, "prefill", 0, prompts[j], None) for j in range(pl)])
+        mgr.step_batch([Step.prefill(f"s{j}", 0, prompts[j], start_pos=0) for j in range(pl)])
         t1 = time.perf_counter()
         for _ in range(ntg):
-            mgr.step_batch([(f"s{j}", 0, "decode", -1, [int(rng.integers(0, vocab))], None) for j in range(pl)])
+            mgr.step_batch([Step.decode(f"s{j}", 0, [int(rng.integers(0, vocab))]) for j in range(pl)])
         t2 = time.perf_counter()
         res[pl] = {"pp": pl * npp / (t1 - t0), "tg": pl * ntg / (t2 - t1)}
         del mgr
     return res
+
+
+def _user_manager(model: ShardModel, sessions: int, context: int) -> HotKvStateManager:
+    """A manager as the README builds one: a config and the model, nothing else."""
+    return HotKvStateManager(model, HotKvStateConfig(max_sessions=sessions, context_tokens=context,
+                                                     budget_tokens=sessions * context))
+
+
+def ours_adapter_callers(path: Path, threads: int, npp: int, ntg: int, npl: list[int], vocab: int,
+                         use_async: bool = False) -> dict[int, float]:
+    """What a user gets: `pl` threads (or asyncio tasks), each driving its own session through
+    `KvBoundaryAdapter(model, manager)` exactly as the README constructs it. Prompts are prefilled
+    first; the decode phase is timed (llama-batched-bench's speed_tg)."""
+    import asyncio
+    import threading
+
+    model = ShardModel(str(path), None, threads)
+    rng = np.random.default_rng(6)
+    res = {}
+    for pl in npl:
+        manager = _user_manager(model, pl, npp + ntg + 8)
+        adapter = KvBoundaryAdapter(model, manager)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(pl)]
+        if use_async:
+            async def main() -> float:
+                outs = await asyncio.gather(*(adapter.prefill_async(f"u{j}", 0, token_ids=prompts[j]) for j in range(pl)))
+
+                async def drive(j: int, tok: int) -> None:
+                    for _ in range(ntg):
+                        tok = (await adapter.decode_async(f"u{j}", 0, token_ids=[tok])).token_id
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(drive(j, o.token_id) for j, o in enumerate(outs)))
+                return time.perf_counter() - t0
+
+            wall = asyncio.run(main())
+        else:
+            ready = threading.Barrier(pl + 1)
+
+            def drive(j: int) -> None:
+                tok = adapter.prefill(f"u{j}", 0, token_ids=prompts[j]).token_id
+                ready.wait()
+                for _ in range(ntg):
+                    tok = adapter.decode(f"u{j}", 0, token_ids=[tok]).token_id
+
+            callers = [threading.Thread(target=drive, args=(j,)) for j in range(pl)]
+            for t in callers:
+                t.start()
+            ready.wait()
+            t0 = time.perf_counter()
+            for t in callers:
+                t.join()
+            wall = time.perf_counter() - t0
+        res[pl] = pl * ntg / wall
+        st = manager.loop_stats()
+        _log(f"{'asyncio tasks' if use_async else 'threads'} x {pl}: {res[pl]:.1f} tok/s; engine {st['steps']} steps "
+             f"for {st['requests']} requests, busy {st['busy_seconds'] / max(st['steps'], 1) * 1e3:.1f} ms per step")
+        manager.close()
+    return res
+
+
+def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int) -> float:
+    """One `llama-shard serve` worker (the whole model, `threads` threads) and `n_clients` gRPC
+    clients in this process, each driving its own session with Prefill and then Decode calls.
+    The decode phase is timed."""
+    import threading
+
+    import grpc
+
+    from .demo import start_worker, wait_serving
+    from .proto import shard_pb2 as pb
+    from .proto import shard_pb2_grpc as pb_grpc
+
+    n_layer = gguf_layer_count(path)
+    proc, addr = start_worker(path, 0, n_layer - 1, threads, extra=(
+        "--max-sessions", str(n_clients), "--context-tokens", str(npp + ntg + 8),
+        "--budget-tokens", str(n_clients * (npp + ntg + 8))))
+    try:
+        wait_serving(proc, addr)
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(n_clients)]
+        ready = threading.Barrier(n_clients + 1)
+        failures: list[str] = []
+
+        def client(j: int) -> None:
+            with grpc.insecure_channel(addr) as channel:
+                stub = pb_grpc.ShardServiceStub(channel)
+                r = stub.Prefill(pb.StepRequest(session_id=f"c{j}", route_epoch=0, token_ids=prompts[j]), timeout=120)
+                ready.wait()
+                for _ in range(ntg):
+                    r = stub.Decode(pb.StepRequest(session_id=f"c{j}", route_epoch=0, token_ids=[r.token_id]), timeout=120)
+                    if r.outcome != pb.OUTCOME_OK:
+                        failures.append(pb.Outcome.Name(r.outcome))
+                        return
+
+        clients = [threading.Thread(target=client, args=(j,)) for j in range(n_clients)]
+        for t in clients:
+            t.start()
+        ready.wait()
+        t0 = time.perf_counter()
+        for t in clients:
+            t.join()
+        wall = time.perf_counter() - t0
+        if failures:
+            raise RuntimeError(f"worker clients failed: {failures[:3]}")
+        return n_clients * ntg / wall
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def ours_pipeline(path: Path, threads: int, split: list[tuple[int, int]], npp: int, ntg: int, vocab: int) -> float:
@@ -170,15 +279,15 @@ def ours_pipeline(path: Path, threads: int, split: list[tuple[int, int]], npp: i
     rng = np.random.default_rng(2)
 
     def step(kind, tokens):
-        (r, out), = mgrs[0].step_batch([("p", 0, kind, -1, tokens, None)])
+        (r, out), = mgrs[0].step_batch([Step(kind, "p", 0, tokens)])
         for m in mgrs[1:]:
-            (r, out), = m.step_batch([("p", 0, kind, -1, None, out)])
+            (r, out), = m.step_batch([Step(kind, "p", 0, hidden=out)])
         return out
 
-    step("prefill", rng.integers(0, vocab, npp).tolist())
+    step(StepKind.PREFILL, rng.integers(0, vocab, npp).tolist())
     t0 = time.perf_counter()
     for _ in range(ntg):
-        step("decode", [int(rng.integers(0, vocab))])
+        step(StepKind.DECODE, [int(rng.integers(0, vocab))])
     return ntg / (time.perf_counter() - t0)
 
 
@@ -244,8 +353,9 @@ def _cpu_seconds(pid: int | None = None) -> float:
 
 def _engine_counters(stage) -> tuple[float, int, int]:
     """(seconds busy, steps, requests) of a stage's engine: a worker's Info, or a local scheduler."""
-    if hasattr(stage, "scheduler"):
-        return stage.scheduler.busy_seconds, stage.scheduler.steps, stage.scheduler.requests
+    if hasattr(stage, "manager"):
+        st = stage.manager.loop_stats()
+        return st["busy_seconds"], st["steps"], st["requests"]
     info = stage.stats()
     return info.engine_busy_seconds, info.engine_steps, info.engine_requests
 
@@ -290,7 +400,7 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
             last_token: dict[int, int] = {}
             failures: list[RouteError] = []
 
-            def step(kind: str, group: list[int], feeds: list[list[int]]) -> None:
+            def step(kind: StepKind, group: list[int], feeds: list[list[int]]) -> None:
                 outs = client.step_sessions(kind, [sessions[i] for i in group], feeds)
                 for i, out in zip(group, outs):
                     if isinstance(out, RouteError):
@@ -298,12 +408,12 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
                     last_token[i] = int(out.token_id)
 
             for group in groups:  # sessions open in order: each group holds consecutive seq ids
-                step("prefill", group, [rng.integers(0, vocab, npp).tolist() for _ in group])
+                step(StepKind.PREFILL, group, [rng.integers(0, vocab, npp).tolist() for _ in group])
 
             def decode(group: list[int]) -> None:
                 try:
                     for _ in range(ntg):
-                        step("decode", group, [[last_token[i]] for i in group])
+                        step(StepKind.DECODE, group, [[last_token[i]] for i in group])
                 except RouteError as e:
                     failures.append(e)
 
@@ -368,12 +478,12 @@ def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: in
     for n in live_counts:
         mgr = _manager(model, n + 1, 16, threads, n_batch=16)
         for i in range(n):
-            mgr.step_batch([(f"live-{i}", 0, "prefill", 0, [i % vocab], None)])
+            mgr.step_batch([Step.prefill(f"live-{i}", 0, [i % vocab], start_pos=0)])
         t0 = time.perf_counter()
         for c in range(cycles):
             sid = f"cycle-{c}"
             mgr.open(sid, 0)
-            mgr.step_batch([(sid, 0, "prefill", 0, [c % vocab], None)])
+            mgr.step_batch([Step.prefill(sid, 0, [c % vocab], start_pos=0)])
             mgr.release(sid, 0)
         res[n] = (time.perf_counter() - t0) / cycles * 1e6
         mgr.check_invariants()
@@ -420,13 +530,27 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
     rows.append(Row(f"prefill pp{npp} (llama-bench)", ours["pp"], peer.get("pp"), "tok/s", ">= 0.95"))
     rows.append(Row(f"decode tg{ntg}, 1 session (llama-bench)", ours["tg"], peer.get("tg"), "tok/s", ">= 0.95"))
 
-    _log("llama-shard: concurrent sessions")
-    ours_b, peer_b = alternate(repeat, lambda: ours_batched(path, threads, npp, ntg, npl, vocab),
-                               stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], path, threads,
-                                                                      npp, ntg, npl)))
+    _log("llama-shard: concurrent sessions (the engine, and what users run around it)")
+    user_npl = [pl for pl in npl if pl > 1]
+    n_clients = 4 if quick else 8
+    ours_b, peer_b, threads_b, async_b, worker_b = alternate(
+        repeat, lambda: ours_batched(path, threads, npp, ntg, npl, vocab),
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], path, threads, npp, ntg, npl)),
+        lambda: ours_adapter_callers(path, threads, npp, ntg, user_npl, vocab),
+        lambda: ours_adapter_callers(path, threads, npp, ntg, user_npl, vocab, use_async=True),
+        lambda: {n_clients: ours_worker_clients(path, threads, npp, ntg, n_clients, vocab)})
     for pl in npl:
         rows.append(Row(f"aggregate decode, {pl} session{'s' if pl > 1 else ''} (batched-bench)", ours_b[pl]["tg"],
                         peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95" if pl in (1, 4, 8) else ""))
+    for pl in user_npl:
+        rows.append(Row(f"{pl} threads, each a session through KvBoundaryAdapter(model, manager)", threads_b[pl],
+                        peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95", "peer: batched-bench, same sessions"))
+    for pl in user_npl:
+        rows.append(Row(f"{pl} asyncio tasks, each a session through KvBoundaryAdapter(model, manager)", async_b[pl],
+                        peer_b.get(pl, {}).get("tg"), "tok/s", ">= 0.95", "peer: batched-bench, same sessions"))
+    rows.append(Row(f"1 worker ({threads} threads), {n_clients} gRPC clients each sending Decode", worker_b[n_clients],
+                    peer_b.get(n_clients, {}).get("tg"), "tok/s", ">= 0.95",
+                    "clients in the benchmark process; peer: batched-bench"))
 
     _log("llama-shard: 2-shard in-process pipeline")
     half = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)]
@@ -494,13 +618,13 @@ def _stage_step_ms(path: str, layers: tuple[int, int], seconds: float, start=Non
             return rng.integers(0, model.info.n_vocab, n).tolist(), None
         return None, rng.standard_normal((n, model.info.n_embd)).astype(np.float32)
 
-    mgr.step_batch([(f"s{j}", 0, "prefill", 0, *inputs(128)) for j in range(4)])
+    mgr.step_batch([Step.prefill(f"s{j}", 0, *inputs(128), start_pos=0) for j in range(4)])
     if start is not None:
         start.wait()
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(8):
-            mgr.step_batch([(f"s{j}", 0, "decode", -1, *inputs(1)) for j in range(4)])
+            mgr.step_batch([Step.decode(f"s{j}", 0, *inputs(1)) for j in range(4)])
             steps += 1
         for j in range(4):
             mgr.truncate(f"s{j}", 0, 128)
