@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from llama_shard import StepKind
-from llama_shard.demo import _free_port, wait_serving
+from llama_shard.demo import free_port, wait_serving
 from llama_shard.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
@@ -55,9 +55,9 @@ def test_tensor_round_trip_and_float16_cost():
 
 class Worker:
     def __init__(self, model, layers: str, port: int | None = None, extra: tuple = ()):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.metrics_port = _free_port()
+        self.metrics_port = free_port()
         cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", layers,
                "--port", str(self.port), "--threads", "1", "--max-sessions", "8", "--context-tokens", "256",
                "--budget-tokens", "2048", "--metrics-port", str(self.metrics_port), *extra]

@@ -195,13 +195,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         budget_tokens=args.budget_tokens if args.budget_tokens is not None else env.budget_tokens,
         ttl_seconds=args.ttl if args.ttl is not None else env.ttl_seconds)
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
+    for peer in args.peer:
+        host, _, port = peer.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SystemExit(f"llama-shard serve: --peer takes HOST:PORT, got {peer!r}")
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        threads=args.threads, n_batch=args.batch,
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
-                                       prefill_chunk=args.prefill_chunk))
+                                       prefill_chunk=args.prefill_chunk, peers=tuple(args.peer)))
     worker.start()
     return worker.serve_until_signal()
 
@@ -236,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=50551)
     sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                    help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
     sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
     sv.add_argument("--gather-ms", type=float, default=2.0,
                     help="longest wait after a step for its sessions to send their next step (0: never wait)")

@@ -31,18 +31,20 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def free_port() -> int:
+    """A loopback port that is free now (for a worker started next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def start_worker(model: Path, first: int, last: int, threads: int, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def start_worker(model: Path, first: int, last: int, threads: int, extra: tuple = (),
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
            "--port", str(port), "--threads", str(threads), "--max-sessions", "8", "--context-tokens", "512",
            "--budget-tokens", "2048", *extra]

@@ -107,6 +107,7 @@ class RemoteStage:
             raise RouteError(f"worker {address} is not reachable: {e.code().name}: {e.details()}") from None
         self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})")
         self.fingerprint = r.recipe_fingerprint
+        self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
     def _call(self, method, request, attempts: int = 4):
         # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly; a step
@@ -120,10 +121,10 @@ class RemoteStage:
                     continue
                 raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
-    def _request(self, step: Step) -> pb.StepRequest:
+    def _request(self, step: Step, return_logits: bool | None = None) -> pb.StepRequest:
         req = pb.StepRequest(session_id=step.session_id, route_epoch=step.route_epoch,
                              recipe_fingerprint=self.fingerprint, reply_dtype=self.wire_dtype,
-                             return_logits=self.return_logits)
+                             return_logits=self.return_logits if return_logits is None else return_logits)
         if step.position >= 0:
             req.position = step.position
         if step.token_ids is not None:
@@ -132,32 +133,42 @@ class RemoteStage:
             req.hidden.CopyFrom(encode_tensor(step.hidden, self.wire_dtype))
         return req
 
-    def step_many(self, steps: Sequence[Step]) -> list:
+    def step_many(self, steps: Sequence[Step], chain: Sequence["RemoteStage"] = ()) -> list:
         """One StepOutcome or RouteError per step. One step goes as Prefill/Decode (the worker may
         batch it with other clients' steps), several as one StepBatch message; RouteError is raised
-        when the worker cannot be reached."""
+        when the worker cannot be reached. With `chain` (the stages after this one), the worker
+        forwards the rows itself and the answers are the last stage's."""
+        forward = [pb.Hop(address=s.address, recipe_fingerprint=s.fingerprint) for s in chain]
+        logits = chain[-1].return_logits if chain else None  # the tail's setting
         if len(steps) == 1:
             step = steps[0]
             method = self.stub.Prefill if step.kind == StepKind.PREFILL else self.stub.Decode
-            replies = [self._call(method, self._request(step))]
+            request = self._request(step, logits)
+            request.forward.extend(forward)
+            replies = [self._call(method, request)]
         else:
             kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
-            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s)) for s in steps])
+            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s, logits))
+                                               for s in steps], forward=forward)
             replies = list(self._call(self.stub.StepBatch, batch).replies)
             if len(replies) != len(steps):
                 raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(steps)} steps")
-        return [self._outcome(reply) for reply in replies]
+        route = [self, *chain]
+        return [self._outcome(reply, route) for reply in replies]
 
-    def _outcome(self, reply):
+    def _outcome(self, reply, route: Sequence["RemoteStage"]):
+        """A reply as a StepOutcome or RouteError; `route` names the stage a chained reply came from."""
+        stage = route[min(max(reply.stage, 0), len(route) - 1)]
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             return StepOutcome(miss=reply.miss_reason)
         if reply.outcome != pb.OUTCOME_OK:
-            return RouteError(f"worker {self.info.name}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
-        if self.info.last == self.info.n_layer - 1:  # the tail: the token, and the logits if asked
+            where = f" (stage {reply.stage} of the chain)" if len(route) > 1 else ""
+            return RouteError(f"worker {stage.info.name}{where}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
+        if stage.info.last == stage.info.n_layer - 1:  # the tail: the token, and the logits if asked
             logits = (decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0]
                       if reply.HasField("logits") else None)
             return StepOutcome(logits=logits, token_id=reply.token_id)
-        return StepOutcome(hidden=decode_tensor(reply.hidden, self.info.n_embd, 1 << 20))
+        return StepOutcome(hidden=decode_tensor(reply.hidden, stage.info.n_embd, 1 << 20))
 
     def release(self, sid, epoch) -> None:
         self._call(self.stub.Release, pb.SessionRequest(session_id=sid, route_epoch=epoch))
@@ -182,22 +193,39 @@ def check_route(stages: Sequence) -> None:
     check_tiling([(i.first, i.last) for i in infos], ref.n_layer)
 
 
-class RouteClient:
-    """An ordered route of stages and the sessions that run through it."""
+def can_chain(stages: Sequence) -> bool:
+    """Every stage is a worker, and each one forwards to the next (the next is among its peers)."""
+    return (len(stages) > 1 and all(isinstance(s, RemoteStage) for s in stages)
+            and all(b.address in a.peers for a, b in zip(stages, stages[1:])))
 
-    def __init__(self, stages: Sequence, *, max_reprefills: int = 3):
-        check_route(stages)
-        self.stages = list(stages)
-        self.epoch = 0
+
+class RouteClient:
+    """An ordered route of stages and the sessions that run through it.
+
+    `chained` (None: chosen per route): the client sends each step to the first worker only, and
+    every worker forwards the rows to the next itself (one round trip per token from the client
+    instead of one per stage); otherwise the client relays the rows from stage to stage. Chaining
+    needs every stage to be a worker whose operator allowed the next one (`serve --peer`)."""
+
+    def __init__(self, stages: Sequence, *, max_reprefills: int = 3, chained: bool | None = None):
+        self._chain_choice = chained
         self.max_reprefills = max_reprefills
+        self.epoch = 0
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._set_stages(stages)
+
+    def _set_stages(self, stages: Sequence) -> None:
+        check_route(stages)
+        chained = can_chain(stages) if self._chain_choice is None else self._chain_choice
+        if chained and not can_chain(stages):
+            raise InvalidInputError("a chained route needs workers that each forward to the next (serve --peer)")
+        self.stages, self.chained = list(stages), chained
 
     def change_route(self, stages: Sequence) -> None:
         """Moves to a new route; sessions continue under a new epoch (re-prefilled on their next step)."""
-        check_route(stages)
         with self._lock:
-            self.stages = list(stages)
+            self._set_stages(stages)
             self.epoch += 1
 
     def session(self, session_id: str | None = None) -> "RouteSession":
@@ -216,9 +244,16 @@ class RouteClient:
         """items: (session, position, tokens). Each stage gets one message for the sessions still
         going; a session stops at its first miss or error. One StepOutcome or RouteError each."""
         results: list = [None] * len(items)
+        stages = list(self.stages)
+        if self.chained:  # the first worker carries the step down the chain; the answers are the tail's
+            steps = [self._step(kind, sess, position, tokens, None) for sess, position, tokens in items]
+            try:
+                return stages[0].step_many(steps, chain=stages[1:])
+            except RouteError as e:
+                return [e] * len(items)
         hidden: dict[int, np.ndarray] = {}
         going = list(range(len(items)))
-        for k, stage in enumerate(list(self.stages)):
+        for k, stage in enumerate(stages):
             steps = [self._step(kind, items[i][0], items[i][1], items[i][2] if k == 0 else None,
                                 hidden[i] if k else None) for i in going]
             try:

@@ -54,6 +54,7 @@ class WorkerOptions:
     prefill_chunk: int = 64                # most tokens of one prefill per step while others wait
     max_message_bytes: int = 64 * 2**20
     grace_s: float = 5.0
+    peers: tuple[str, ...] = ()            # workers chained steps may be forwarded to (host:port)
 
 
 class _EngineCollector:
@@ -83,12 +84,58 @@ class _EngineCollector:
         yield ms
 
 
+class _Peers:
+    """The workers this one may forward chained steps to (serve --peer), one channel each, opened
+    on first use. Addresses are compared exactly as the operator wrote them."""
+
+    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int):
+        self.allowed = frozenset(allowed)
+        self._options = [("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.max_send_message_length", max_message_bytes)]
+        self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> pb_grpc.ShardServiceStub:
+        assert address in self.allowed
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                channel = grpc.insecure_channel(address, options=self._options)
+                self._channels.append(channel)
+                stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
+            return stub
+
+    def call(self, address: str, steps: list[tuple], forward: list, timeout: float | None, batch: bool) -> list:
+        """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
+        that came alone, else StepBatch; raises grpc.RpcError when the peer fails."""
+        stub = self._stub(address)
+        if not batch and len(steps) == 1:
+            kind, req = steps[0]
+            req.forward.extend(forward)
+            method = stub.Prefill if kind == StepKind.PREFILL else stub.Decode
+            return [method(req, timeout=timeout)]
+        kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
+        request = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[k], step=r) for k, r in steps], forward=forward)
+        replies = list(stub.StepBatch(request, timeout=timeout).replies)
+        if len(replies) != len(steps):
+            detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
+            return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
+        return replies
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
 class ShardServicer(pb_grpc.ShardServiceServicer):
-    def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry):
+    def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
+                 peers: tuple[str, ...] = (), max_message_bytes: int = 64 * 2**20):
         self.model = model
         self.info = model.info
         self.manager = manager
         self.adapter = KvBoundaryAdapter(model, manager)
+        self.peers = _Peers(peers, max_message_bytes)
         self.fingerprint = manager.recipe.fingerprint()
         self.stopping = threading.Event()
         self.in_flight = 0
@@ -101,10 +148,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     # --- steps ---------------------------------------------------------------------------------
 
     def Prefill(self, request, context):
-        return self._serve(context, "prefill", [(StepKind.PREFILL, request)])[0]
+        return self._serve(context, "prefill", [(StepKind.PREFILL, request)], request.forward)[0]
 
     def Decode(self, request, context):
-        return self._serve(context, "decode", [(StepKind.DECODE, request)])[0]
+        return self._serve(context, "decode", [(StepKind.DECODE, request)], request.forward)[0]
 
     def StepBatch(self, request, context):
         limit = self.manager.config.max_sessions
@@ -113,9 +160,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                           f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}")
         kinds = {pb.STEP_KIND_PREFILL: StepKind.PREFILL, pb.STEP_KIND_DECODE: StepKind.DECODE}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
-        return pb.StepBatchReply(replies=self._serve(context, "batch", items))
+        return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True))
 
-    def _serve(self, context, label: str, items: list[tuple]) -> list[pb.StepReply]:
+    def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False) -> list[pb.StepReply]:
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
@@ -125,7 +172,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self._lock:
             self.in_flight += 1
         try:
-            replies = self._run_steps(items)
+            deadline = None if remaining is None else time.monotonic() + remaining
+            replies = self._run_steps(items, list(forward), deadline, batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -135,8 +183,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
-    def _run_steps(self, items: list[tuple]) -> list[pb.StepReply]:
-        """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own."""
+    def _run_steps(self, items: list[tuple], forward: list, deadline: float | None, batch: bool) -> list[pb.StepReply]:
+        """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
+        a chained call then sends the computed rows on to forward[0] and answers what it replied."""
+        refusal = self._forward_refusal(forward)
+        if refusal is not None:  # before anything is computed
+            return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
         replies: list = [None] * len(items)
         parsed = []
         for i, (kind, req) in enumerate(items):
@@ -145,8 +197,50 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
         outs = self.adapter.step_many([step for _, step in parsed]) if parsed else []
-        for (i, _), out in zip(parsed, outs):
-            replies[i] = self._reply(items[i][1], out)
+        computed = []
+        for (i, step), out in zip(parsed, outs):
+            if forward and isinstance(out, BoundaryBundle):
+                computed.append((i, step.kind, out))
+            else:
+                replies[i] = self._reply(items[i][1], out)
+        if computed:
+            for i, reply in zip([i for i, _, _ in computed], self._forward(items, computed, forward, deadline, batch)):
+                replies[i] = reply
+        return replies
+
+    def _forward_refusal(self, forward: list) -> str | None:
+        """Why a chained call cannot be served here (None: it can, or it is not chained)."""
+        if not forward:
+            return None
+        if self.info.is_tail:
+            return "this worker is the tail of the model: there is no next worker to forward to"
+        if forward[0].address not in self.peers.allowed:
+            return (f"this worker does not forward to {forward[0].address!r}; its operator allows "
+                    f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
+        return None
+
+    def _forward(self, items: list[tuple], computed: list[tuple], forward: list, deadline: float | None,
+                 batch: bool) -> list[pb.StepReply]:
+        """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
+        within the caller's deadline and returns its replies, their stage counted from this worker."""
+        hop, rest = forward[0], forward[1:]
+        nexts = []
+        for i, kind, out in computed:
+            req = items[i][1]
+            nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
+                                 recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
+                                 return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype))
+            if req.HasField("position"):
+                nxt.position = req.position
+            nexts.append((kind, nxt))
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        try:
+            replies = self.peers.call(hop.address, nexts, rest, timeout, batch)
+        except grpc.RpcError as e:
+            detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
+            return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
+        for r in replies:
+            r.stage += 1
         return replies
 
     def _parse_step(self, kind: StepKind | None, req) -> Step:
@@ -228,7 +322,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n)
                       for sid, ep, _, n, _ in self.manager.sessions()],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
-            engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"])
+            engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
+            peers=sorted(self.peers.allowed))
 
 
 class ShardWorker:
@@ -244,7 +339,8 @@ class ShardWorker:
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
-        self.servicer = ShardServicer(self.model, self.manager, self.registry)
+        self.servicer = ShardServicer(self.model, self.manager, self.registry, tuple(options.peers),
+                                      options.max_message_bytes)
         self.health = health.HealthServicer()
         limit = options.max_message_bytes
         self.server = grpc.server(
@@ -283,6 +379,7 @@ class ShardWorker:
         self.servicer.stopping.set()
         self.server.stop(self.options.grace_s).wait()
         self.manager.close()
+        self.servicer.peers.close()
         keys = self.manager.session_keys()
         released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
         st = self.manager.stats()
