@@ -57,7 +57,7 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
     assert rows["prefill pp16 (llama-bench)"]["peer"] == 1000.0
     assert rows["aggregate decode, 4 sessions (batched-bench)"]["peer"] == 200.0
     pipe = [r for m, r in rows.items() if m.startswith("2 workers x 1 thread on loopback")]
-    assert len(pipe) == 1 and pipe[0]["peer"] == 100.0
+    assert len(pipe) == 3 and all(p["peer"] > 0 for p in pipe)  # chained at 1 and 2 sessions, relayed at 2
     for r in rows.values():
         assert r["ours"] and r["ours"] > 0, r
         assert r["ratio"] is not None, r
@@ -73,12 +73,13 @@ def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model
     out = res.stdout
     assert "4-session step, alone: layers 0-" in out and "4-session step, together: layers 0-" in out
     assert "compute bound with free transport" in out
-    assert "round 1: two workers" in out and "round 2: two workers" in out
+    assert "round 1: chained" in out and "round 2: chained" in out and ", two workers " in out
     assert ", local head " in out and ", in process " in out
     # the fake batched-bench reports 50 tok/s per session: the RPC split 400 at 8 sessions, the
     # whole model 200 at 4 (400 at 8), so the ceiling is 2 x 200 / 400
     assert "RPC split 400.0, stock whole model at 4 sessions 200.0 (8: 400.0) tok/s" in out
-    for name in ("two workers", "local head", "in process"):
+    for name in ("chained", "two workers", "local head", "in process"):
         assert f"{name} / RPC split: min" in out
+        assert f"{name} / ceiling (same round): min" in out
     assert "ceiling (2 x stock whole model at 4 sessions) / RPC split: min 1.000, median 1.000, max 1.000" in out
     assert "compute bound / best RPC split:" in out

@@ -352,3 +352,105 @@ def test_demo_runs_end_to_end():
     assert "four concurrent chat sessions" in out and "[chat-1]" in out and "Paris" in out
     assert out.count("0 live session(s) [none]; 0 of 2048 budget tokens reserved") == 2
     assert out.count(": exit 0") == 2
+
+
+# --- chained routes: the head worker forwards to the tail itself ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def chain(embedded_model):
+    """A tail, and a head whose operator allows it to forward to that tail (serve --peer)."""
+    tail = Worker(embedded_model, "15-29")
+    head = Worker(embedded_model, "0-14", extra=("--peer", tail.address))
+    yield head, tail
+    for w in (head, tail):
+        w.stop()
+
+
+def test_a_chained_route_gives_the_whole_models_tokens(chain, whole_tokens, tokenizer):
+    head, tail = chain
+    stages = [RemoteStage(head.address), RemoteStage(tail.address)]
+    client = RouteClient(stages)
+    assert client.chained and not RouteClient(stages, chained=False).chained
+    tail_before = stages[1].stats().engine_requests
+    s = client.session("chained-one")
+    assert s.generate(tokenizer.tokenize(PROMPTS[0]), N_TOKENS) == whole_tokens[PROMPTS[0]]
+    # every step reached the tail through the head: the tail served one request per step
+    assert stages[1].stats().engine_requests - tail_before == N_TOKENS
+    s.release()
+    # micro-batched pipelining over the chain: two groups of four, each group one message per step
+    sessions = [client.session(f"chained-{i}") for i in range(8)]
+    got = client.generate_many(sessions, [tokenizer.tokenize(p) for p in PROMPTS], N_TOKENS, micro_batches=2)
+    assert got == [whole_tokens[p] for p in PROMPTS]
+    for sess in sessions:
+        sess.release()
+
+
+def test_a_worker_forwards_only_to_the_peers_its_operator_allows(chain, workers):
+    head, tail = chain
+    other_tail = workers[1]  # a real worker, but not one this head's operator named
+    with grpc.insecure_channel(head.address) as ch:
+        stub = pb_grpc.ShardServiceStub(ch)
+        before = stub.Info(pb.InfoRequest(), timeout=10)
+        assert list(before.peers) == [tail.address]
+        for address in (other_tail.address, "10.0.0.1:50051", "evil.example:443", ""):
+            req = pb.StepRequest(session_id="fwd", route_epoch=0, token_ids=[1, 2, 3],
+                                 forward=[pb.Hop(address=address)])
+            r = stub.Prefill(req, timeout=10)
+            assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "does not forward" in r.detail, r
+            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=pb.STEP_KIND_PREFILL, step=req)],
+                                        forward=[pb.Hop(address=address)])
+            assert stub.StepBatch(batch, timeout=10).replies[0].outcome == pb.OUTCOME_INVALID_ARGUMENT
+        after = stub.Info(pb.InfoRequest(), timeout=10)
+        assert after.engine_requests == before.engine_requests  # nothing was computed
+        r = stub.Resolve(pb.SessionRequest(session_id="fwd", route_epoch=0), timeout=10)
+        assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "UNKNOWN_SESSION"
+    with grpc.insecure_channel(tail.address) as ch:  # the tail has nothing to forward to
+        x = np.zeros((1, 576), np.float32)
+        r = pb_grpc.ShardServiceStub(ch).Decode(pb.StepRequest(
+            session_id="fwd", route_epoch=0, hidden=encode_tensor(x), forward=[pb.Hop(address=head.address)]), timeout=10)
+        assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "tail" in r.detail
+
+
+def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, whole_tokens, tokenizer):
+    head, tail = chain
+    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
+    s = client.session("chained-miss")
+    stream = s.stream(tokenizer.tokenize(PROMPTS[2]), N_TOKENS)
+    got = [next(stream) for _ in range(6)]
+    with grpc.insecure_channel(tail.address) as ch:  # the tail alone drops the session
+        pb_grpc.ShardServiceStub(ch).Release(pb.SessionRequest(session_id="chained-miss", route_epoch=0), timeout=10)
+    with grpc.insecure_channel(head.address) as ch:
+        r = pb_grpc.ShardServiceStub(ch).Decode(pb.StepRequest(
+            session_id="chained-miss", route_epoch=0, token_ids=[got[-1]], position=len(tokenizer.tokenize(PROMPTS[2])) + 5,
+            forward=[pb.Hop(address=tail.address)]), timeout=10)
+        assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "RELEASED" and r.stage == 1
+    # the head now holds one token more than the route: the client's next step re-prefills
+    got += list(stream)
+    assert got == whole_tokens[PROMPTS[2]] and s.reprefills == 1
+    s.release()
+
+
+def test_a_killed_tail_on_a_chained_route_is_a_clear_error_then_a_reprefill(embedded_model, whole_tokens, tokenizer):
+    tail = Worker(embedded_model, "15-29")
+    head = Worker(embedded_model, "0-14", extra=("--peer", tail.address))
+    try:
+        client = RouteClient([RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)])
+        assert client.chained
+        session = client.session("chained-survivor")
+        stream = session.stream(tokenizer.tokenize(PROMPTS[0]), N_TOKENS)
+        got = [next(stream) for _ in range(8)]
+        tail.stop(signal.SIGKILL)
+        with pytest.raises(RouteError) as e:
+            got.append(next(stream))
+        assert "UNAVAILABLE" in str(e.value) and "stage 1" in str(e.value) and tail.address in str(e.value)
+        tail = Worker(embedded_model, "15-29", port=tail.port)
+        out = session._step(StepKind.DECODE, [got[-1]])
+        assert session.reprefills == 1
+        got.append(out.token_id)
+        while len(got) < N_TOKENS:
+            got.append(session._step(StepKind.DECODE, [got[-1]]).token_id)
+        assert got == whole_tokens[PROMPTS[0]]
+    finally:
+        head.stop()
+        tail.stop()

@@ -360,7 +360,8 @@ def _engine_counters(stage) -> tuple[float, int, int]:
     return info.engine_busy_seconds, info.engine_steps, info.engine_requests
 
 
-TOPOLOGIES = {"two workers": 2, "local head": 1, "in process": 0}  # name -> stages served by workers
+# name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
+TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}
 
 
 def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
@@ -377,13 +378,18 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
     timed."""
     import threading
 
-    from .demo import start_worker, wait_serving
+    from .demo import free_port, start_worker, wait_serving
     from .route import LocalStage, RemoteStage, RouteClient, RouteError
 
     cut = compute_balanced_cut(path)
     ranges = [(0, cut - 1), (cut, n_layer - 1)]
     n_local = len(ranges) - TOPOLOGIES[topology]  # the first n_local stages run in this process
-    procs = [start_worker(path, first, last, 1) for first, last in ranges[n_local:]]
+    if topology == "chained":
+        tail_port = free_port()
+        tail = start_worker(path, *ranges[1], 1, port=tail_port)
+        procs = [start_worker(path, *ranges[0], 1, extra=("--peer", f"127.0.0.1:{tail_port}")), tail]
+    else:
+        procs = [start_worker(path, first, last, 1) for first, last in ranges[n_local:]]
     res = {}
     try:
         for proc, addr in procs:
@@ -391,7 +397,7 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
         config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as start_worker's
         stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]]
                   + [RemoteStage(addr) for _, addr in procs])
-        client = RouteClient(stages)
+        client = RouteClient(stages, chained=topology == "chained")
         rng = np.random.default_rng(5)
         for pl in npl:
             sessions = [client.session(f"pipe-{pl}-{j}") for j in range(pl)]
@@ -560,19 +566,22 @@ def run(path: Path, threads: int, stock: dict | None, quick: bool, repeat: int =
                     split_tg, whole_tg, "tok/s", ">= 0.90", "peer: the whole model in llama-shard"))
 
     _log("two worker processes on loopback vs llama.cpp's RPC split")
-    pipe_npl = [1, 8] if not quick else [2]
-    ours_p, local_p, peer_p = alternate(
-        repeat, lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl, vocab),
+    pipe_npl = [1, 8] if not quick else [1, 2]
+    ours_p, relay_p, local_p, peer_p = alternate(
+        repeat, lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl, vocab, topology="chained"),
+        lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, topology="two workers"),
         lambda: ours_two_stages(path, n_layer, npp, ntg, pipe_npl[-1:], vocab, topology="local head"),
         rpc_tools and (lambda: stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, pipe_npl)))
     cut = compute_balanced_cut(path)
     peer_note = (f"peer: ggml-rpc-server with layers {n_layer - n_layer // 2}-{n_layer - 1} + "
                  "llama-batched-bench, 1 thread each")
     for pl in pipe_npl:
-        rows.append(Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n_layer - 1}), {pl} session"
+        rows.append(Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n_layer - 1}), chained, {pl} session"
                         f"{'s' if pl > 1 else ''} (vs RPC split)",
-                        ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl == 8 else "", peer_note))
+                        ours_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", ">= 1.6" if pl > 1 else ">= 1.0", peer_note))
     pl = pipe_npl[-1]
+    rows.append(Row(f"2 workers x 1 thread on loopback, client-relayed, {pl} sessions (vs RPC split)",
+                    relay_p[pl], peer_p.get(pl, {}).get("tg"), "tok/s", "", peer_note))
     rows.append(Row(f"head 0-{cut - 1} in the client process + 1 worker {cut}-{n_layer - 1} on loopback, 1 thread each, "
                     f"{pl} sessions (vs RPC split: the same topology)", local_p[pl], peer_p.get(pl, {}).get("tg"),
                     "tok/s", ">= 1.6", peer_note))
@@ -700,6 +709,11 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
             label = "ceiling (2 x stock whole model at 4 sessions)" if name == "ceiling" else name
             lines.append(f"{label} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
                          f"{sum(x >= 1.6 for x in r)} of {len(r)} rounds >= 1.6")
+    for name in TOPOLOGIES:
+        if ratios["ceiling"]:
+            of = [a / c for a, c in zip(ratios[name], ratios["ceiling"])]
+            lines.append(f"{name} / ceiling (same round): min {min(of):.3f}, median {statistics.median(of):.3f}, "
+                         f"max {max(of):.3f}, {sum(x >= 0.88 for x in of)} of {len(of)} rounds >= 0.88")
     if peers and bound:
         lines.append(f"compute bound / best RPC split: {bound:.1f} / {max(peers):.1f} = {bound / max(peers):.3f}")
     return "\n".join(lines)

@@ -90,8 +90,10 @@ class _Peers:
 
     def __init__(self, allowed: tuple[str, ...], max_message_bytes: int):
         self.allowed = frozenset(allowed)
+        # a restarted peer is reconnected within a second, not after gRPC's default backoff
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes)]
+                         ("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
         self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -233,12 +235,19 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             if req.HasField("position"):
                 nxt.position = req.position
             nexts.append((kind, nxt))
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-        try:
-            replies = self.peers.call(hop.address, nexts, rest, timeout, batch)
-        except grpc.RpcError as e:
-            detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
-            return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
+        for attempt in range(3):
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:
+                replies = self.peers.call(hop.address, nexts, rest, timeout, batch)
+                break
+            except grpc.RpcError as e:
+                # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly, as
+                # the route client does; a step that did run twice is caught by its expected position
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < 2:
+                    time.sleep(0.25 * (attempt + 1))
+                    continue
+                detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
+                return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
         for r in replies:
             r.stage += 1
         return replies
