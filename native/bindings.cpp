@@ -160,6 +160,8 @@ std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_mod
         }
     } catch (const py::cast_error & e) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string("malformed step: ") + e.what());
+    } catch (const py::error_already_set & e) {  // a missing attribute, an int that does not fit
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string("malformed step: ") + e.what());
     }
     t->now       = now;
     t->notify_fd = notify_fd;
@@ -391,9 +393,9 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("max_step_tokens", [](const step_loop & l) { return l.config().max_step_tokens; })
         .def_property_readonly("max_step_sessions", [](const step_loop & l) { return l.config().max_step_sessions; })
         .def_property_readonly("prefill_chunk", [](const step_loop & l) { return l.config().prefill_chunk; })
-        .def("ticket", [](const step_loop & l, const hot_kv_engine & e, const py::object & step, double now, int notify_fd) {
-                 return make_ticket(l, e.model().info(), step, now, notify_fd);
-             }, py::arg("engine"), py::arg("step"), py::arg("now"), py::arg("notify_fd") = -1,
+        .def("ticket", [](const step_loop & l, const py::object & step, double now, int notify_fd) {
+                 return make_ticket(l, l.engine().model().info(), step, now, notify_fd);
+             }, py::arg("step"), py::arg("now"), py::arg("notify_fd") = -1,
              "A ticket for a Step (validated and copied; raises InvalidInputError); not queued yet")
         .def("submit", [](step_loop & l, const std::vector<std::shared_ptr<step_ticket>> & tickets) {
                  l.submit_many(tickets);  // a short lock: no GIL release needed

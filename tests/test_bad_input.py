@@ -154,3 +154,61 @@ mgr.check_invariants()
 print("OK")
 """)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+
+
+LOOP_SETUP = """
+import numpy as np
+import llama_shard as ls
+from llama_shard import errors
+path = {path!r}
+m = ls.ShardModel(path, (0, 2), 2)
+mgr = ls.HotKvStateManager(m, ls.HotKvStateConfig(max_sessions=4, context_tokens=64, budget_tokens=128),
+                           ls.ManualClock(), n_batch=16)
+ad = ls.KvBoundaryAdapter(m, mgr)
+loop = mgr._loop
+first = ad.prefill("keep", 0, token_ids=[3, 9, 27, 81]).hidden
+class Fake:
+    kind, session_id, route_epoch, token_ids, hidden, start_pos, expected_seq_len = ls.StepKind.DECODE, "f", 0, [1], None, None, None
+def state():
+    return (mgr.session_keys(), mgr.reserved_tokens, mgr.loop_stats()["pending"])
+before = state()
+"""
+
+LOOP_CHECK = """
+try:
+    {stmt}
+except errors.{exc} as e:
+    assert str(e), "the message must say what was wrong"
+    print("RAISED", type(e).__name__, "|", e)
+else:
+    raise SystemExit("no exception")
+assert state() == before, (state(), before)
+mgr.truncate("keep", 0, 0)
+assert ad.prefill("keep", 0, token_ids=[3, 9, 27, 81]).hidden.tobytes() == first.tobytes()
+print("STATE OK")
+"""
+
+LOOP_CASES = {
+    "a ticket submitted twice": ("t = loop.ticket(ls.Step.prefill('x', 0, [1]), 0.0); loop.submit([t]); t.wait(); loop.submit([t])",
+                                 "InvalidInputError"),
+    "the same ticket twice in one call": ("t = loop.ticket(ls.Step.prefill('y', 0, [1]), 0.0); loop.submit([t, t])",
+                                          "InvalidInputError"),
+    "not a step": ("loop.ticket(object(), 0.0)", "InvalidInputError"),
+    "a kind that is not StepKind": ("f = Fake(); f.kind = 'decode'; loop.ticket(f, 0.0)", "InvalidInputError"),
+    "an epoch beyond int64": ("f = Fake(); f.route_epoch = 2**70; loop.ticket(f, 0.0)", "InvalidInputError"),
+    "a position beyond int32": ("f = Fake(); f.expected_seq_len = 2**40; loop.ticket(f, 0.0)", "InvalidInputError"),
+    "a token beyond the vocabulary": ("f = Fake(); f.token_ids = [10**9]; loop.ticket(f, 0.0)", "InvalidInputError"),
+    "a decode longer than a step": ("ad.decode('keep', 0, token_ids=[1] * 17)", "InvalidInputError"),
+    "hidden to the head": ("ad.decode('keep', 0, boundary=np.zeros((1, 64), np.float32))", "InvalidInputError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOP_CASES), ids=lambda c: c.replace(" ", "-"))
+def test_bad_input_to_the_step_loop_raises_and_changes_nothing(synthetic_model, case):
+    stmt, exc = LOOP_CASES[case]
+    if "submitted twice" in case:  # the first submission is a real step: account for its session
+        stmt = stmt.replace("; loop.submit([t])", "; loop.submit([t])").replace(
+            "t.wait(); loop.submit([t])", "t.wait(); mgr.release('x', 0); before = state(); loop.submit([t])")
+    res = run_isolated(LOOP_SETUP.format(path=str(synthetic_model)) + LOOP_CHECK.format(stmt=stmt, exc=exc))
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr[-2000:]}"
+    assert f"RAISED {exc}" in res.stdout and "STATE OK" in res.stdout

@@ -35,14 +35,15 @@ void step_ticket::complete(hot_kv_result res) {
         std::lock_guard<std::mutex> lock(mutex_);
         result_ = std::move(res);
         done_   = true;
+        if (notify_fd >= 0) {
+            // written under the lock: once done() is seen true, this ticket never touches the fd
+            // again (its owner may close it). A full pipe already holds a wake-up for the reader.
+            const char byte = 1;
+            ssize_t unused = ::write(notify_fd, &byte, 1);
+            (void) unused;
+        }
     }
     cv_.notify_all();
-    if (notify_fd >= 0) {
-        const char byte = 1;
-        // a full pipe already holds a wake-up for the reader: nothing is lost by dropping this one
-        ssize_t unused = ::write(notify_fd, &byte, 1);
-        (void) unused;
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -120,6 +121,17 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "no ticket");
         }
         check_ticket(*t);
+        if (t->submitted_.load()) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a ticket is submitted once");
+        }
+    }
+    for (size_t i = 0; i < tickets.size(); ++i) {
+        if (tickets[i]->submitted_.exchange(true)) {  // the same ticket twice in this call, or a race
+            for (size_t k = 0; k < i; ++k) {
+                tickets[k]->submitted_.store(false);
+            }
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a ticket is submitted once");
+        }
     }
     std::vector<std::shared_ptr<step_ticket>> queued;
     std::vector<std::shared_ptr<step_ticket>> refused;
@@ -130,6 +142,9 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
     {
         std::lock_guard<std::mutex> lock(mutex_);
         if (closing_) {
+            for (const auto & t : tickets) {
+                t->submitted_.store(false);
+            }
             throw shard_error(SHARD_ERRC_CAPACITY, "the step loop is closed");
         }
         pending_.insert(pending_.end(), queued.begin(), queued.end());

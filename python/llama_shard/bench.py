@@ -28,7 +28,16 @@ from .hot_kv import HotKvStateConfig, ManualClock, Step, StepKind
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 
-REPO = Path(__file__).resolve().parents[2]
+def _checkout() -> Path:
+    """The llama-shard checkout the stock tools are built from: the one this file is in (an editable
+    install), else the current directory when it is one (a regular install run from the checkout)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "third_party" / "materialize.py").is_file():
+            return root
+    return Path.cwd()
+
+
+REPO = _checkout()
 STOCK_TOOLS = ("llama-bench", "llama-batched-bench")
 
 

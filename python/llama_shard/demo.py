@@ -86,20 +86,25 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
     procs = []
     try:
         t0 = time.perf_counter()
-        for first, last in ranges:
-            proc, addr = start_worker(model, first, last, threads)
+        # a chained route: the head worker may forward each step to the tail itself (serve --peer),
+        # so a token costs the client one round trip instead of one per worker
+        tail_port = free_port()
+        for (first, last), port, extra in [(ranges[0], None, ("--peer", f"127.0.0.1:{tail_port}")),
+                                           (ranges[1], tail_port, ())]:
+            proc, addr = start_worker(model, first, last, threads, extra=extra, port=port)
             procs.append((proc, addr))
-            _say(f"  starting worker {first}-{last} on {addr} ...")
+            _say(f"  starting worker {first}-{last} on {addr}" + (f" (forwards to {extra[1]})" if extra else "") + " ...")
         for (proc, addr), (first, last) in zip(procs, ranges):
             wait_serving(proc, addr)
             _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
 
         stages = [RemoteStage(addr) for _, addr in procs]
-        client = RouteClient(stages)
+        client = RouteClient(stages)  # chained: every worker forwards to the next
         vocab = ShardModel(str(model), (0, 0), 1)  # tokenizer and chat template on the head side
         eos = vocab.token_eos
 
-        _say(f"\nfour concurrent chat sessions through both workers (greedy, up to {max_tokens} tokens):")
+        _say(f"\nfour concurrent chat sessions through both workers, {'chained' if client.chained else 'client-relayed'} "
+             f"(greedy, up to {max_tokens} tokens):")
         sessions = [client.session(f"chat-{i + 1}") for i in range(len(QUESTIONS))]
         texts = {i: [] for i in range(len(QUESTIONS))}
         lock = threading.Lock()

@@ -166,7 +166,7 @@ class HotKvStateManager:
             try:
                 if not isinstance(step, Step):
                     raise InvalidInputError(f"a step is a llama_shard.Step, not {type(step).__name__}")
-                ticket = self._loop.ticket(self.engine, step, now, notify_fd)
+                ticket = self._loop.ticket(step, now, notify_fd)
             except InvalidInputError as e:
                 out.append(e)
                 continue
@@ -264,8 +264,8 @@ class _ReferenceLoop:
         self._lock = threading.Lock()
         self._stats = {"steps": 0, "requests": 0, "chunks": 0, "tokens": 0, "busy_seconds": 0.0, "pending": 0}
 
-    def ticket(self, engine, step: Step, now: float, notify_fd: int = -1) -> _ReferenceTicket:
-        engine.validate_step(step)
+    def ticket(self, step: Step, now: float, notify_fd: int = -1) -> _ReferenceTicket:
+        self.engine.validate_step(step)
         return _ReferenceTicket(step, now)
 
     def submit(self, tickets: list) -> None:
@@ -354,21 +354,14 @@ class _AsyncCompletions:
     loop wakes, and every awaited ticket that is done gets its future resolved."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
+        _close_retired_pipes()
         self.loop = loop
         self._read, self.fd = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self.fd, False)
         self._waiting: dict = {}
         loop.add_reader(self._read, self._drain)
-        weakref.finalize(loop, self._close, self._read, self.fd)
-
-    @staticmethod
-    def _close(read_fd: int, write_fd: int) -> None:
-        for fd in (read_fd, write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        weakref.finalize(loop, _retire_pipe, self._read, self.fd, self._waiting)
 
     def wait(self, ticket) -> asyncio.Future:
         fut = self.loop.create_future()
@@ -388,6 +381,29 @@ class _AsyncCompletions:
             fut = self._waiting.pop(ticket)
             if not fut.done():
                 fut.set_result(None)
+
+
+# A pipe is closed only once no ticket can still write to it: a ticket completes in the native
+# thread after its event loop may be gone, and a byte written to a closed (then reused) fd number
+# would land in someone else's file.
+_RETIRED: list[tuple[int, int, list]] = []
+
+
+def _retire_pipe(read_fd: int, write_fd: int, waiting: dict) -> None:
+    _RETIRED.append((read_fd, write_fd, list(waiting)))
+    _close_retired_pipes()
+
+
+def _close_retired_pipes() -> None:
+    for entry in list(_RETIRED):
+        read_fd, write_fd, tickets = entry
+        if all(t.done() for t in tickets):
+            _RETIRED.remove(entry)
+            for fd in (read_fd, write_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 _COMPLETIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncCompletions]" = weakref.WeakKeyDictionary()

@@ -30,6 +30,7 @@
 
 #include "llama_shard/hot_kv_engine.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -78,6 +79,8 @@ private:
     friend class step_loop;
     void complete(hot_kv_result res);
 
+    std::atomic<bool> submitted_{false};  // a ticket is queued once (its output buffer is then fixed)
+
     // loop-side progress of a chunked prefill (touched by the loop thread only)
     int64_t offset_ = 0;   // tokens already computed
     int32_t start_  = -1;  // position of the first token, once the first chunk ran
@@ -106,10 +109,11 @@ public:
     step_loop & operator=(const step_loop &) = delete;
 
     const step_loop_config & config() const { return config_; }
+    const hot_kv_engine &    engine() const { return engine_; }
 
     // validates the ticket's shape, sizes its output and queues it; throws
-    // shard_error(SHARD_ERRC_INVALID_ARGUMENT) for a malformed ticket and shard_error(SHARD_ERRC_CAPACITY)
-    // once closed. Key, vocabulary and identity checks are the engine's, answered on the ticket.
+    // shard_error(SHARD_ERRC_INVALID_ARGUMENT) for a malformed ticket or one submitted before, and
+    // shard_error(SHARD_ERRC_CAPACITY) once closed. Key, vocabulary and identity checks are the engine's, answered on the ticket.
     void submit(const std::shared_ptr<step_ticket> & ticket);
     // the shape checks submit() makes, for a caller that wants them before queueing anything
     void check_ticket(const step_ticket & t) const;
