@@ -400,6 +400,8 @@ PYBIND11_MODULE(_native, m) {
         .def("submit", [](step_loop & l, const std::vector<std::shared_ptr<step_ticket>> & tickets) {
                  l.submit_many(tickets);  // a short lock: no GIL release needed
              }, py::arg("tickets"), "Queues tickets together (a micro-batch shares a step when the caps allow)")
+        .def("session_left", &step_loop::session_left, py::arg("session_id"),
+             "A released session: the loop stops waiting for its next step")
         .def("close", [](step_loop & l) {
                  py::gil_scoped_release release;  // pending steps finish first; none of them needs the GIL
                  l.close();

@@ -50,6 +50,77 @@ void step_ticket::complete(hot_kv_result res) {
 // step_loop
 // ---------------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------------
+// step_executor
+// ---------------------------------------------------------------------------------------------
+
+std::shared_ptr<step_executor> step_executor::shared() {
+    static std::mutex                  mutex;
+    static std::weak_ptr<step_executor> current;
+    std::lock_guard<std::mutex> lock(mutex);
+    std::shared_ptr<step_executor> ex = current.lock();
+    if (!ex) {
+        ex      = std::make_shared<step_executor>();
+        current = ex;
+    }
+    return ex;
+}
+
+step_executor::~step_executor() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) {
+        thread_.join();
+    }
+}
+
+void step_executor::attach(step_loop * loop) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    loops_.push_back(loop);
+    if (!thread_.joinable()) {
+        thread_ = std::thread([this] { run(); });
+    }
+}
+
+void step_executor::detach(step_loop * loop) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    loops_.erase(std::find(loops_.begin(), loops_.end(), loop));
+    next_ = 0;
+}
+
+void step_executor::run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+        const auto now  = step_loop::clock::now();
+        auto       wake = step_loop::clock::time_point::max();
+        step_loop * chosen = nullptr;
+        for (size_t k = 0; k < loops_.size() && chosen == nullptr; ++k) {  // take turns
+            step_loop * loop = loops_[(next_ + k) % loops_.size()];
+            if (loop->ready_locked(now, wake)) {
+                chosen = loop;
+                next_  = (next_ + k + 1) % loops_.size();
+            }
+        }
+        if (chosen == nullptr) {
+            if (wake == step_loop::clock::time_point::max()) {
+                cv_.wait(lock);
+            } else {
+                cv_.wait_until(lock, wake);
+            }
+            continue;
+        }
+        chosen->step_once(lock);
+        cv_.notify_all();  // a closing loop waits for its queue to drain
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// step_loop
+// ---------------------------------------------------------------------------------------------
+
 step_loop::step_loop(hot_kv_engine & engine, const step_loop_config & config) : engine_(engine), config_(config) {
     if (config_.max_step_tokens < 0 || config_.max_step_sessions < 0 || config_.prefill_chunk < 1 ||
         !(config_.gather_s >= 0.0 && config_.gather_s <= 1.0)) {
@@ -61,7 +132,9 @@ step_loop::step_loop(hot_kv_engine & engine, const step_loop_config & config) : 
     config_.max_step_sessions = config_.max_step_sessions == 0 ? ec.max_sessions
                                                                : std::min(config_.max_step_sessions, ec.max_sessions);
     config_.prefill_chunk     = std::min(config_.prefill_chunk, config_.max_step_tokens);
-    thread_ = std::thread([this] { run(); });
+    const int32_t n_threads   = ec.n_threads > 0 ? ec.n_threads : engine.model().n_threads();
+    executor_ = n_threads > 1 ? step_executor::shared() : std::make_shared<step_executor>();
+    executor_->attach(this);
 }
 
 step_loop::~step_loop() {
@@ -69,18 +142,28 @@ step_loop::~step_loop() {
 }
 
 void step_loop::close() {
+    std::unique_lock<std::mutex> lock(executor_->mutex_);
+    if (detached_) {
+        return;
+    }
+    closing_ = true;
+    executor_->cv_.notify_all();
+    executor_->cv_.wait(lock, [&] { return pending_.empty(); });
+    detached_ = true;
+    lock.unlock();
+    executor_->detach(this);
+}
+
+void step_loop::session_left(const std::string & session_id) {
     {
-        std::lock_guard<std::mutex> lock(mutex_);
-        closing_ = true;
+        std::lock_guard<std::mutex> lock(executor_->mutex_);
+        last_sessions_.erase(std::remove(last_sessions_.begin(), last_sessions_.end(), session_id), last_sessions_.end());
     }
-    cv_.notify_all();
-    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
-        thread_.join();
-    }
+    executor_->cv_.notify_all();
 }
 
 step_loop_stats step_loop::stats() const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(executor_->mutex_);
     step_loop_stats st = stats_;
     st.pending = (int32_t) pending_.size();
     return st;
@@ -140,7 +223,7 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
         (prefill_cannot_fit(*t) ? refused : queued).push_back(t);
     }
     {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::lock_guard<std::mutex> lock(executor_->mutex_);
         if (closing_) {
             for (const auto & t : tickets) {
                 t->submitted_.store(false);
@@ -149,7 +232,7 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
         }
         pending_.insert(pending_.end(), queued.begin(), queued.end());
     }
-    cv_.notify_all();
+    executor_->cv_.notify_all();
     for (const auto & t : refused) {
         hot_kv_result res;
         res.status = SHARD_STATUS_BUDGET_EXCEEDED;
@@ -282,49 +365,51 @@ std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> step_loop::r
     return finished;
 }
 
-void step_loop::run() {
-    using clock = std::chrono::steady_clock;
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-        cv_.wait(lock, [&] { return closing_ || !pending_.empty(); });
-        if (pending_.empty()) {
-            return;  // closing, and everything submitted was completed
-        }
-        if (!last_sessions_.empty() && !closing_) {
-            const auto deadline = last_end_ + std::min<clock::duration>(
-                std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(config_.gather_s)), last_duration_);
-            cv_.wait_until(lock, deadline, [&] { return closing_ || previous_step_back_locked(); });
-        }
-        const std::vector<part> parts = form_step_locked();
-        lock.unlock();
-
-        const auto t0 = clock::now();
-        auto finished = run_step(parts);
-        const auto t1 = clock::now();
-
-        lock.lock();  // the books first, so a woken caller reads stats that include its step
-        for (const auto & [ticket, res] : finished) {
-            pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
-        }
-        last_sessions_.clear();
-        uint64_t tokens = 0;
-        for (const part & p : parts) {
-            last_sessions_.push_back(p.ticket->session_id);
-            tokens += (uint64_t) p.n;
-        }
-        last_end_      = t1;
-        last_duration_ = t1 - t0;
-        stats_.steps++;
-        stats_.requests += finished.size();
-        stats_.chunks += parts.size();
-        stats_.tokens += tokens;
-        stats_.busy_seconds += std::chrono::duration<double>(t1 - t0).count();
-        lock.unlock();
-        for (auto & [ticket, res] : finished) {
-            ticket->complete(std::move(res));
-        }
-        lock.lock();
+bool step_loop::ready_locked(clock::time_point now, clock::time_point & wake) const {
+    if (pending_.empty()) {
+        return false;
     }
+    if (closing_ || last_sessions_.empty() || previous_step_back_locked()) {
+        return true;
+    }
+    // wait for the previous step's sessions a little: at most gather_s, never longer than that step took
+    const auto gather   = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(config_.gather_s));
+    const auto deadline = last_end_ + std::min(gather, last_duration_);
+    if (now >= deadline) {
+        return true;
+    }
+    wake = std::min(wake, deadline);
+    return false;
+}
+
+void step_loop::step_once(std::unique_lock<std::mutex> & lock) {
+    const std::vector<part> parts = form_step_locked();
+    lock.unlock();
+    const auto t0 = clock::now();
+    finished_list finished = run_step(parts);
+    const auto t1 = clock::now();
+    lock.lock();  // the books first, so a woken caller reads stats that include its step
+    for (const auto & [ticket, res] : finished) {
+        pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
+    }
+    last_sessions_.clear();
+    uint64_t tokens = 0;
+    for (const part & p : parts) {
+        last_sessions_.push_back(p.ticket->session_id);
+        tokens += (uint64_t) p.n;
+    }
+    last_end_      = t1;
+    last_duration_ = t1 - t0;
+    stats_.steps++;
+    stats_.requests += finished.size();
+    stats_.chunks += parts.size();
+    stats_.tokens += tokens;
+    stats_.busy_seconds += std::chrono::duration<double>(t1 - t0).count();
+    lock.unlock();
+    for (auto & [ticket, res] : finished) {
+        ticket->complete(std::move(res));
+    }
+    lock.lock();
 }
 
 } // namespace llama_shard

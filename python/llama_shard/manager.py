@@ -136,6 +136,8 @@ class HotKvStateManager:
         check_key(session_id, route_epoch)
         r = self.engine.release(session_id, int(route_epoch), self.clock())
         self.outcome(session_id, route_epoch, r)
+        if r.changed:
+            self._loop.session_left(session_id)
         return bool(r.changed)
 
     def resolve(self, session_id: str, route_epoch: int) -> SessionInfo | CacheMiss:
@@ -339,6 +341,9 @@ class _ReferenceLoop:
 
     def stats(self) -> dict:
         return dict(self._stats)
+
+    def session_left(self, session_id: str) -> None:
+        pass
 
     def close(self) -> None:
         pass

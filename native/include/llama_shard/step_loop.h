@@ -23,10 +23,17 @@
 //    refused prefill changes nothing, as a single engine step would;
 //  - completion is signalled on the ticket's condition variable and, when set, by one byte
 //    written to the ticket's notify_fd (an event loop can wait on it without a thread);
-//  - close() refuses new submissions, completes everything pending, then joins the thread.
+//  - close() refuses new submissions and returns once everything pending was completed.
 //
 // The engine stays usable directly (open/truncate/release/resolve take its own mutex); a release
 // racing a queued step makes that step a RELEASED miss, as if it had arrived later.
+//
+// Threads: steps run on a step_executor's thread. An engine with one compute thread gets an
+// executor of its own; engines with more share one executor per process. ggml computes with an
+// OpenMP team that belongs to the thread that starts it, and whose workers spin for a while after
+// each step: two engines stepping on two threads keep two spinning teams, which on a small machine
+// take the cores the other engine computes on (measured: two 2-thread engines in one process
+// decoded at 0.65 of one engine). On one shared thread their steps take turns, with one team.
 
 #include "llama_shard/hot_kv_engine.h"
 
@@ -100,6 +107,35 @@ struct step_loop_stats {
     int32_t  pending       = 0;  // tickets waiting now
 };
 
+class step_loop;
+
+// the thread that runs steps for one or more step_loops, one step at a time, taking turns among
+// the loops whose next step is ready
+class step_executor {
+public:
+    // the executor shared by every engine of this process with more than one compute thread
+    static std::shared_ptr<step_executor> shared();
+
+    step_executor() = default;
+    ~step_executor();  // joins the thread; every loop has detached by then
+
+    step_executor(const step_executor &) = delete;
+    step_executor & operator=(const step_executor &) = delete;
+
+private:
+    friend class step_loop;
+    void attach(step_loop * loop);
+    void detach(step_loop * loop);
+    void run();
+
+    std::mutex                mutex_;  // guards this and the queues of every attached loop
+    std::condition_variable   cv_;     // a submission, a finished step, a close
+    std::vector<step_loop *>  loops_;
+    size_t                    next_ = 0;  // round-robin start
+    bool                      stop_ = false;
+    std::thread               thread_;
+};
+
 class step_loop {
 public:
     step_loop(hot_kv_engine & engine, const step_loop_config & config);
@@ -121,37 +157,48 @@ public:
     // are validated before any is queued
     void submit_many(const std::vector<std::shared_ptr<step_ticket>> & tickets);
 
-    // refuses new submissions, completes what is pending, joins the thread; idempotent
+    // a session that left (released): the loop stops waiting for it to come back after a step
+    void session_left(const std::string & session_id);
+
+    // refuses new submissions, completes what is pending, then detaches from its executor; idempotent
     void close();
 
     step_loop_stats stats() const;
 
 private:
+    friend class step_executor;
+    using clock = std::chrono::steady_clock;
+    using finished_list = std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>>;
+
     struct part {  // one ticket's share of a step
         std::shared_ptr<step_ticket> ticket;
         int64_t                      n;  // tokens of this chunk
     };
 
-    void run();
+    // --- called by the executor; *_locked with its mutex held ---
+    // whether the next step should run now; otherwise `wake` is when it will be (gather deadline)
+    bool ready_locked(clock::time_point now, clock::time_point & wake) const;
+    // forms a step, runs it without the lock, books it, completes its tickets; returns with the lock held
+    void step_once(std::unique_lock<std::mutex> & lock);
+
     bool prefill_cannot_fit(const step_ticket & t) const;
     bool previous_step_back_locked() const;
     std::vector<part> form_step_locked() const;
     // runs one step; returns the tickets it completed with their results
-    std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> run_step(const std::vector<part> & parts);
+    finished_list run_step(const std::vector<part> & parts);
     hot_kv_request request_for(const part & p) const;
 
-    hot_kv_engine &  engine_;
-    step_loop_config config_;
+    hot_kv_engine &                           engine_;
+    step_loop_config                          config_;
+    std::shared_ptr<step_executor>            executor_;  // its mutex guards everything below
 
-    mutable std::mutex                        mutex_;
-    std::condition_variable                   cv_;
     std::deque<std::shared_ptr<step_ticket>>  pending_;  // submission order
     std::vector<std::string>                  last_sessions_;
-    std::chrono::steady_clock::time_point     last_end_{};
-    std::chrono::steady_clock::duration       last_duration_{};
+    clock::time_point                         last_end_{};
+    clock::duration                           last_duration_{};
     bool                                      closing_ = false;
+    bool                                      detached_ = false;
     step_loop_stats                           stats_{};
-    std::thread                               thread_;
 };
 
 } // namespace llama_shard
