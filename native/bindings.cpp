@@ -388,7 +388,7 @@ PYBIND11_MODULE(_native, m) {
                  return std::make_unique<step_loop>(engine, cfg);
              }),
              py::arg("engine"), py::arg("max_step_tokens") = 0, py::arg("max_step_sessions") = 0,
-             py::arg("prefill_chunk") = 64, py::arg("gather_s") = 0.002,
+             py::arg("prefill_chunk") = 64, py::arg("gather_s") = 0.010,
              py::keep_alive<1, 2>())  // the loop keeps its engine alive
         .def_property_readonly("max_step_tokens", [](const step_loop & l) { return l.config().max_step_tokens; })
         .def_property_readonly("max_step_sessions", [](const step_loop & l) { return l.config().max_step_sessions; })

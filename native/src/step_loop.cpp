@@ -253,21 +253,20 @@ bool step_loop::prefill_cannot_fit(const step_ticket & t) const {
     return end > engine_.config().context_tokens || end > engine_.config().budget_tokens;
 }
 
-// every session of the previous step has a request pending again
+// as many sessions are pending as the previous step had (its own, or others: a micro-batch that
+// arrived while the previous one computed does not wait for it)
 bool step_loop::previous_step_back_locked() const {
-    for (const std::string & sid : last_sessions_) {
-        bool back = false;
-        for (const auto & t : pending_) {
-            if (t->session_id == sid) {
-                back = true;
-                break;
+    const size_t want = std::min(last_sessions_.size(), (size_t) config_.max_step_sessions);
+    std::vector<const std::string *> distinct;
+    for (const auto & t : pending_) {
+        if (std::none_of(distinct.begin(), distinct.end(), [&](const std::string * s) { return *s == t->session_id; })) {
+            distinct.push_back(&t->session_id);
+            if (distinct.size() >= want) {
+                return true;
             }
         }
-        if (!back) {
-            return false;
-        }
     }
-    return true;
+    return false;
 }
 
 std::vector<step_loop::part> step_loop::form_step_locked() const {

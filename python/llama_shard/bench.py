@@ -268,13 +268,24 @@ def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients:
         clients = [threading.Thread(target=client, args=(j,)) for j in range(n_clients)]
         for t in clients:
             t.start()
-        ready.wait()
-        t0 = time.perf_counter()
-        for t in clients:
-            t.join()
-        wall = time.perf_counter() - t0
+        with grpc.insecure_channel(addr) as channel:
+            info = pb_grpc.ShardServiceStub(channel).Info
+            ready.wait()
+            i0, cpu0 = info(pb.InfoRequest(), timeout=30), (_cpu_seconds(proc.pid), _cpu_seconds())
+            t0 = time.perf_counter()
+            for t in clients:
+                t.join()
+            wall = time.perf_counter() - t0
+            i1, cpu1 = info(pb.InfoRequest(), timeout=30), (_cpu_seconds(proc.pid), _cpu_seconds())
         if failures:
             raise RuntimeError(f"worker clients failed: {failures[:3]}")
+        steps, busy = i1.engine_steps - i0.engine_steps, i1.engine_busy_seconds - i0.engine_busy_seconds
+        # where the time goes: the engine's share of the wall time, the requests per step, and the
+        # CPU of the worker process (compute threads included) and of the clients
+        _log(f"worker profile, {n_clients} gRPC clients: {n_clients * ntg} tokens in {wall:.2f}s; engine busy "
+             f"{busy:.2f}s ({busy / wall:.0%} of the wall time) in {steps} steps of "
+             f"{(i1.engine_requests - i0.engine_requests) / max(steps, 1):.1f} requests, {busy / max(steps, 1) * 1e3:.1f} ms each; "
+             f"CPU worker {cpu1[0] - cpu0[0]:.2f}s, clients {cpu1[1] - cpu0[1]:.2f}s")
         return n_clients * ntg / wall
     finally:
         proc.terminate()

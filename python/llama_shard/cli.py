@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
     sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
-    sv.add_argument("--gather-ms", type=float, default=2.0,
-                    help="longest wait after a step for its sessions to send their next step (0: never wait)")
+    sv.add_argument("--gather-ms", type=float, default=10.0,
+                    help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=int, default=None,
                     help="most sessions per engine step (default: max sessions)")
     sv.add_argument("--prefill-chunk", type=int, default=64,

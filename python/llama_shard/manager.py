@@ -54,11 +54,11 @@ class HotKvStateManager:
 
     Step options: `n_batch` (most tokens in one engine step), `max_step_sessions` (most sessions in
     one step; None: max_sessions), `prefill_chunk` (most tokens of one prefill per step while other
-    sessions wait), `gather_s` (longest wait for the previous step's sessions to come back)."""
+    sessions wait), `gather_s` (after a step, the longest wait for as many sessions as it had)."""
 
     def __init__(self, model, config: HotKvStateConfig | None = None, clock: Callable[[], float] | None = None,
                  *, n_batch: int = 512, n_threads: int | None = None, recent_capacity: int = 4096,
-                 max_step_sessions: int | None = None, prefill_chunk: int = 64, gather_s: float = 0.002):
+                 max_step_sessions: int | None = None, prefill_chunk: int = 64, gather_s: float = 0.010):
         self.config = config if config is not None else HotKvStateConfig()
         if not isinstance(self.config, HotKvStateConfig):
             raise InvalidInputError("config must be a HotKvStateConfig")

@@ -49,7 +49,7 @@ class WorkerOptions:
     metrics_port: int | None = None    # None: no metrics endpoint
     threads: int | None = None
     n_batch: int = 512
-    gather_s: float = 0.002                # longest wait for the last step's sessions to come back
+    gather_s: float = 0.010                # longest wait for as many sessions as the last step had
     max_step_sessions: int | None = None   # None: up to max_sessions per engine step
     prefill_chunk: int = 64                # most tokens of one prefill per step while others wait
     max_message_bytes: int = 64 * 2**20

@@ -12,9 +12,10 @@
 //  - a prefill longer than the room left in a step is cut into chunks, each appended at the
 //    position where the previous one ended; while other sessions wait, a chunk is at most
 //    prefill_chunk tokens, so a long prompt does not stall the decoders sharing the engine;
-//  - after a step, the loop waits at most gather_s (and never longer than that step took) for the
-//    sessions of that step to submit again, so callers in lockstep keep sharing steps; a lone
-//    caller that is already back pays nothing, and nothing else ever waits.
+//  - after a step, until as many sessions are pending as that step had, the loop waits at most
+//    gather_s (and never longer than that step took): callers in lockstep, whose next requests
+//    arrive one by one, keep sharing steps. A lone caller that is back, or a micro-batch that
+//    arrived while the previous one computed, pays nothing; a released session is not waited for.
 //
 // Invariants:
 //  - a ticket is completed exactly once: with OK (its output holds every chunk's rows, or the
@@ -54,7 +55,7 @@ struct step_loop_config {
     int32_t max_step_tokens   = 0;      // 0: the engine's n_batch
     int32_t max_step_sessions = 0;      // 0: the engine's max_sessions
     int32_t prefill_chunk     = 64;     // most tokens of one prefill per step while others wait
-    double  gather_s          = 0.002;  // longest wait for the previous step's sessions to return
+    double  gather_s          = 0.010;  // longest wait for as many sessions as the previous step had
 };
 
 // one submitted request: the input it owns, the output the loop writes, and its completion
