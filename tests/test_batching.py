@@ -137,7 +137,7 @@ def test_a_plain_adapter_batches_eight_threads(synthetic_model):
     generated = sum(len(t) for t in tokens.values())
     print(f"8 threads: {generated} tokens from {decode_calls} llama_decode calls in {steps} engine steps")
     assert tokens == alone_tokens
-    assert decode_calls < generated / 2 and steps < generated / 2
+    assert decode_calls < generated and steps < generated
     mgr.check_invariants()
 
 
@@ -183,25 +183,24 @@ def test_chunked_prefill_matches_one_piece(synthetic_model):
 
 
 def test_a_release_racing_a_queued_step_is_a_released_miss(synthetic_model):
-    """Cancellation: steps queued behind a long one, then their session released: they answer
-    RELEASED (never computed into a freed sequence), and every seq id returns to the pool."""
+    """Cancellation: a session's steps queued behind its own long prefill (500 chunks), then the
+    session released: the rest of the prefill and the queued steps answer RELEASED (never computed
+    into a freed sequence), and every seq id returns to the pool."""
     model = ShardModel(str(synthetic_model), None, 2)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=512, budget_tokens=2048),
+    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=4096, budget_tokens=8192),
                             ManualClock(), n_batch=8, prefill_chunk=8)
     ad = KvBoundaryAdapter(model, mgr)
     ad.prefill("victim", 0, token_ids=[1, 2, 3])
-    long_prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 400)]
-    tickets = mgr.submit([Step.prefill("busy", 0, long_prompt)])  # 50 chunks: keeps the loop busy
-    queued = mgr.submit([Step.decode("victim", 0, [4]), Step.decode("victim", 0, [5])])
+    long_prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 4000)]
+    # continuing at 3 (a prefill from 0 or from the end would open the session again if the release
+    # came before its first chunk)
+    tickets = mgr.submit([Step.prefill("victim", 0, long_prompt, start_pos=3)])  # 500 chunks of 8
+    tickets += mgr.submit([Step.decode("victim", 0, [4]), Step.decode("victim", 0, [5])])
     assert mgr.release("victim", 0)
-    for t in tickets + queued:
+    for t in tickets:
         t.wait()
-    outs = [t.result for t in queued]
-    assert all(r.status in (Status.OK, Status.CACHE_MISS) for r in outs)
-    assert outs[-1].status == Status.CACHE_MISS and outs[-1].miss == MissReason.RELEASED
-    assert tickets[0].result.status == Status.OK and tickets[0].result.seq_len == 400
-    mgr.release("busy", 0)
-    assert mgr.session_count == 0
+    assert [(t.result.status, t.result.miss) for t in tickets] == [(Status.CACHE_MISS, MissReason.RELEASED)] * 3
+    assert mgr.session_count == 0 and mgr.reserved_tokens == 0
     mgr.check_invariants()
 
 

@@ -107,10 +107,15 @@ def test_eight_threads_get_the_tokens_they_get_alone(embedded_model, alone):
         results[i], miss = route.generate(f"sess-{i}", PROMPTS[i], N_STEPS)
         assert miss is None
 
+    steps_before = route.head_mgr.loop_stats()
     errors, elapsed = run_threads(route, one)
     assert not errors, errors
-    print(f"8 threads x {N_STEPS} steps through 2 shards: {elapsed:.2f}s")
+    loop = route.head_mgr.loop_stats()
+    steps, requests = loop["steps"] - steps_before["steps"], loop["requests"] - steps_before["requests"]
+    print(f"8 threads x {N_STEPS} steps through 2 shards: {elapsed:.2f}s; head: {requests} requests in {steps} engine steps")
     assert results == alone
+    # plain KvBoundaryAdapter(model, manager): the threads' steps share engine steps by default
+    assert steps < requests / 2, (steps, requests)
     assert len({tuple(v) for v in results.values()}) == N_SESSIONS
     route.check()
     lengths = {sid: n for sid, _, _, n, _ in route.head_mgr.engine.sessions()}

@@ -301,7 +301,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
 // ---------------------------------------------------------------------------------------------
 
 hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_locked(sid, epoch, res);
@@ -334,13 +334,13 @@ static hot_kv_request single_request(const std::string & sid, int64_t epoch, hot
 
 hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
                                      float * out, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     return single_locked(single_request(sid, epoch, HOT_KV_STEP_PREFILL, start_pos, input, out), now);
 }
 
 hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                                     float * out, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     return single_locked(single_request(sid, epoch, HOT_KV_STEP_DECODE, expected_seq_len, input, out), now);
 }
 
@@ -357,7 +357,7 @@ hot_kv_result hot_kv_engine::single_locked(const hot_kv_request & req, double no
 }
 
 std::vector<hot_kv_result> hot_kv_engine::step(const std::vector<hot_kv_request> & requests, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     return step_locked(requests, now);
 }
 
@@ -555,7 +555,7 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
 }
 
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     if (length < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "truncate length must be >= 0, got " + str(length));
     }
@@ -582,7 +582,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
 }
 
 hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     auto it = live_.find(sid);
@@ -604,7 +604,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
 }
 
 hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_counted_locked(sid, epoch, res);
@@ -617,7 +617,7 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
 }
 
 int32_t hot_kv_engine::sweep(double now) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     return sweep_locked(tick_locked(now));
 }
 
@@ -626,7 +626,7 @@ int32_t hot_kv_engine::sweep(double now) {
 // ---------------------------------------------------------------------------------------------
 
 hot_kv_stats hot_kv_engine::stats() const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     hot_kv_stats st = counters_;
     st.live_sessions   = (int32_t) live_.size();
     st.reserved_tokens = reserved_;
@@ -636,7 +636,7 @@ hot_kv_stats hot_kv_engine::stats() const {
 }
 
 std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     std::vector<hot_kv_session_info> out;
     out.reserve(live_.size());
     for (const std::string & sid : lru_) {
@@ -647,7 +647,7 @@ std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
 }
 
 void hot_kv_engine::check_invariants() const {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<fair_mutex> lock(mutex_);
     auto fail = [](const std::string & what) { throw std::logic_error("hot_kv_engine invariant violated: " + what); };
 
     if ((int32_t) live_.size() > config_.max_sessions) fail("more live sessions than max_sessions");

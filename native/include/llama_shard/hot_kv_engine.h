@@ -34,12 +34,38 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace llama_shard {
+
+// A mutex that admits waiters in arrival order. The step loop takes the engine lock step after
+// step; with a plain std::mutex a release, resolve or stats call could lose every race for it and
+// wait until the queue ran dry. Here such a call waits for the step in progress only.
+class fair_mutex {
+public:
+    void lock() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        const uint64_t mine = next_++;
+        cv_.wait(lock, [&] { return serving_ == mine; });
+    }
+    void unlock() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++serving_;
+        }
+        cv_.notify_all();
+    }
+
+private:
+    std::mutex              mutex_;
+    std::condition_variable cv_;
+    uint64_t                next_    = 0;
+    uint64_t                serving_ = 0;
+};
 
 enum shard_status {
     SHARD_STATUS_OK,
@@ -236,7 +262,7 @@ private:
     hot_kv_config                  config_;
     std::unique_ptr<shard_context> ctx_;
 
-    mutable std::mutex mutex_;
+    mutable fair_mutex mutex_;
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
