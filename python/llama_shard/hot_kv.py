@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ._native import MissReason, Status, StepKind
+from ._native import StepKind
 from .errors import InvalidInputError, UncertifiedArchitectureError
 
 # ---------------------------------------------------------------------------------------------
