@@ -143,6 +143,15 @@ int main(int argc, char ** argv) {
         loop.submit_many({p, d});
         CHECK(d->wait().status == SHARD_STATUS_OK && d->result().seq_len == 101);
 
+        // a decode is not pushed out of the step by a long prompt queued before it
+        std::vector<int32_t> long_prompt(120, 7);
+        auto a = ticket("prompt", HOT_KV_STEP_PREFILL, long_prompt);
+        auto b = ticket("order", HOT_KV_STEP_DECODE, {2}, 101);
+        loop.submit_many({a, b});
+        CHECK(b->wait().status == SHARD_STATUS_OK);
+        CHECK(!a->done());  // 15 chunks of 8: the decode ran in the first step, beside the first chunk
+        CHECK(a->wait().status == SHARD_STATUS_OK);
+
         // too long for one session: refused before any chunk runs, nothing changes
         std::vector<int32_t> huge(200, 1);
         auto h = ticket("long", HOT_KV_STEP_PREFILL, huge, 0);

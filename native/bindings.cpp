@@ -14,6 +14,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
+#include <fcntl.h>
 #include <limits>
 
 namespace py = pybind11;
@@ -157,11 +160,21 @@ std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_mod
             t->tokens = std::move(p.tokens);
         } else {
             t->hidden.assign(p.input.hidden, p.input.hidden + p.input.n_tokens * info.n_embd);
+            // every row is checked now: a chunked prefill must not find a bad row after its first chunk
+            if (!std::all_of(t->hidden.begin(), t->hidden.end(), [](float v) { return std::isfinite(v); })) {
+                throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "hidden contains a non-finite value");
+            }
         }
     } catch (const py::cast_error & e) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string("malformed step: ") + e.what());
     } catch (const py::error_already_set & e) {  // a missing attribute, an int that does not fit
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string("malformed step: ") + e.what());
+    }
+    if (notify_fd >= 0) {  // the step thread writes to it: it must never block
+        const int flags = fcntl(notify_fd, F_GETFL);
+        if (flags < 0 || !(flags & O_NONBLOCK)) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "notify_fd must be an open, non-blocking file descriptor");
+        }
     }
     t->now       = now;
     t->notify_fd = notify_fd;

@@ -200,6 +200,8 @@ LOOP_CASES = {
     "a token beyond the vocabulary": ("f = Fake(); f.token_ids = [10**9]; loop.ticket(f, 0.0)", "InvalidInputError"),
     "a decode longer than a step": ("ad.decode('keep', 0, token_ids=[1] * 17)", "InvalidInputError"),
     "hidden to the head": ("ad.decode('keep', 0, boundary=np.zeros((1, 64), np.float32))", "InvalidInputError"),
+    "a blocking notify fd": ("import os; loop.ticket(ls.Step.prefill('z', 0, [1]), 0.0, os.pipe()[1])", "InvalidInputError"),
+    "a closed notify fd": ("loop.ticket(ls.Step.prefill('z', 0, [1]), 0.0, 999)", "InvalidInputError"),
 }
 
 
@@ -212,3 +214,19 @@ def test_bad_input_to_the_step_loop_raises_and_changes_nothing(synthetic_model, 
     res = run_isolated(LOOP_SETUP.format(path=str(synthetic_model)) + LOOP_CHECK.format(stmt=stmt, exc=exc))
     assert res.returncode == 0, f"exit {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr[-2000:]}"
     assert f"RAISED {exc}" in res.stdout and "STATE OK" in res.stdout
+
+
+def test_closing_from_two_threads_at_once_is_clean(synthetic_model):
+    res = run_isolated(f"""
+import threading
+import llama_shard as ls
+m = ls.ShardModel({str(synthetic_model)!r}, None, 2)
+mgr = ls.HotKvStateManager(m, ls.HotKvStateConfig(max_sessions=4, context_tokens=512, budget_tokens=2048), n_batch=8)
+tickets = mgr.submit([ls.Step.prefill(f"s{{i}}", 0, [1 + i] * 200) for i in range(4)])
+closers = [threading.Thread(target=mgr.close) for _ in range(4)]
+[t.start() for t in closers]; [t.join() for t in closers]
+assert all(t.done() and t.result.status == ls.Status.OK for t in tickets)
+mgr.close()
+print("OK")
+""")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]

@@ -412,6 +412,17 @@ def test_a_worker_forwards_only_to_the_peers_its_operator_allows(chain, workers)
         assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "tail" in r.detail
 
 
+def test_a_huge_prompt_is_refused_before_anything_is_allocated(chain):
+    """2,000,000 token ids (8 MB on the wire) for a head with 576-wide rows would need 4.6 GB of
+    output: the worker answers BUDGET_EXCEEDED at once and keeps serving."""
+    head, _ = chain
+    with grpc.insecure_channel(head.address, options=[("grpc.max_send_message_length", 64 * 2**20)]) as ch:
+        stub = pb_grpc.ShardServiceStub(ch)
+        r = stub.Prefill(pb.StepRequest(session_id="huge", route_epoch=0, token_ids=[1] * 2_000_000), timeout=60)
+        assert r.outcome == pb.OUTCOME_BUDGET_EXCEEDED, r
+        assert stub.Info(pb.InfoRequest(), timeout=10).live_sessions >= 0
+
+
 def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, whole_tokens, tokenizer):
     head, tail = chain
     client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])

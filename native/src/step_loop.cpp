@@ -87,7 +87,7 @@ void step_executor::attach(step_loop * loop) {
 
 void step_executor::detach(step_loop * loop) {
     std::lock_guard<std::mutex> lock(mutex_);
-    loops_.erase(std::find(loops_.begin(), loops_.end(), loop));
+    loops_.erase(std::remove(loops_.begin(), loops_.end(), loop), loops_.end());
     next_ = 0;
 }
 
@@ -143,12 +143,12 @@ step_loop::~step_loop() {
 
 void step_loop::close() {
     std::unique_lock<std::mutex> lock(executor_->mutex_);
-    if (detached_) {
-        return;
-    }
     closing_ = true;
     executor_->cv_.notify_all();
     executor_->cv_.wait(lock, [&] { return pending_.empty(); });
+    if (detached_) {  // another close() got here first
+        return;
+    }
     detached_ = true;
     lock.unlock();
     executor_->detach(this);
@@ -219,8 +219,11 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
     std::vector<std::shared_ptr<step_ticket>> queued;
     std::vector<std::shared_ptr<step_ticket>> refused;
     for (const auto & t : tickets) {
-        t->out.assign((size_t) engine_.output_size(t->n_tokens), 0.0f);
+        // decided before the output is sized: a refused prefill allocates nothing, however long
         (prefill_cannot_fit(*t) ? refused : queued).push_back(t);
+    }
+    for (const auto & t : queued) {
+        t->out.assign((size_t) engine_.output_size(t->n_tokens), 0.0f);
     }
     {
         std::lock_guard<std::mutex> lock(executor_->mutex_);
@@ -270,36 +273,37 @@ bool step_loop::previous_step_back_locked() const {
 }
 
 std::vector<step_loop::part> step_loop::form_step_locked() const {
-    std::vector<part> parts;
-    std::vector<const std::string *> seen;  // sessions met in this scan, taken or not (order per session)
-    const auto was_seen = [&](const std::string & sid) {
-        return std::any_of(seen.begin(), seen.end(), [&](const std::string * s) { return *s == sid; });
-    };
-    bool others_waiting = false;  // more than one session pending: prefills go in chunks
+    // each session's oldest pending request is the one it may run (order per session)
+    std::vector<const std::shared_ptr<step_ticket> *> heads;
     for (const auto & t : pending_) {
-        if (t->session_id != pending_.front()->session_id) {
-            others_waiting = true;
-            break;
+        if (std::none_of(heads.begin(), heads.end(), [&](const auto * h) { return (*h)->session_id == t->session_id; })) {
+            heads.push_back(&t);
         }
     }
+    const bool others_waiting = heads.size() > 1;  // prefills then go in chunks of prefill_chunk
+    std::vector<part> parts;
     int64_t room = config_.max_step_tokens;
-    for (const auto & t : pending_) {
-        if ((int32_t) parts.size() >= config_.max_step_sessions || room == 0) {
-            break;
+    // decodes first, whole (a long prompt never pushes a waiting decoder out of the step), then
+    // prefills in arrival order with the room left
+    for (const hot_kv_step_kind kind : {HOT_KV_STEP_DECODE, HOT_KV_STEP_PREFILL}) {
+        for (const auto * h : heads) {
+            const step_ticket & t = **h;
+            if ((int32_t) parts.size() >= config_.max_step_sessions || room == 0) {
+                return parts;
+            }
+            if (t.kind != kind) {
+                continue;
+            }
+            const int64_t left = t.n_tokens - t.offset_;
+            int64_t n = left;
+            if (kind == HOT_KV_STEP_PREFILL) {
+                n = std::min(left, others_waiting ? std::min<int64_t>(config_.prefill_chunk, room) : room);
+            } else if (n > room) {
+                continue;  // a decode is not split: it waits for the next step
+            }
+            parts.push_back({*h, n});
+            room -= n;
         }
-        if (was_seen(t->session_id)) {
-            continue;
-        }
-        seen.push_back(&t->session_id);
-        const int64_t left = t->n_tokens - t->offset_;
-        int64_t n = left;
-        if (t->kind == HOT_KV_STEP_PREFILL) {
-            n = std::min(left, others_waiting ? std::min<int64_t>(config_.prefill_chunk, room) : room);
-        } else if (n > room) {
-            continue;  // a decode is not split: it waits for the next step
-        }
-        parts.push_back({t, n});
-        room -= n;
     }
     return parts;
 }
@@ -354,10 +358,18 @@ std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> step_loop::r
             if (t.offset_ < t.n_tokens) {
                 continue;  // more chunks to go
             }
-        } else if (t.offset_ > 0 && (r.status == SHARD_STATUS_BUDGET_EXCEEDED || r.status == SHARD_STATUS_COMPUTE_ERROR)) {
-            // a refused prefill changes nothing: drop the chunks it already appended
-            engine_.truncate(t.session_id, t.epoch, t.start_, now);
-            r.seq_len = t.start_;
+        } else if (t.offset_ > 0 && r.status != SHARD_STATUS_CACHE_MISS && r.status != SHARD_STATUS_STALE_EPOCH) {
+            // a refused prefill (budget, compute, invalid rows in a later chunk) keeps nothing it
+            // appended; the session may have moved meanwhile (a truncate, a release), so a
+            // rollback that no longer applies is skipped, never thrown on this thread
+            try {
+                const hot_kv_result now_held = engine_.resolve(t.session_id, t.epoch, now);
+                if (now_held.status == SHARD_STATUS_OK && now_held.seq_len >= t.start_) {
+                    engine_.truncate(t.session_id, t.epoch, t.start_, now);
+                    r.seq_len = t.start_;
+                }
+            } catch (const std::exception &) {
+            }
         }
         finished.emplace_back(parts[i].ticket, std::move(r));
     }
@@ -388,9 +400,6 @@ void step_loop::step_once(std::unique_lock<std::mutex> & lock) {
     finished_list finished = run_step(parts);
     const auto t1 = clock::now();
     lock.lock();  // the books first, so a woken caller reads stats that include its step
-    for (const auto & [ticket, res] : finished) {
-        pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
-    }
     last_sessions_.clear();
     uint64_t tokens = 0;
     for (const part & p : parts) {
@@ -409,6 +418,10 @@ void step_loop::step_once(std::unique_lock<std::mutex> & lock) {
         ticket->complete(std::move(res));
     }
     lock.lock();
+    // removed only once completed: close() returns when the queue is empty
+    for (const auto & [ticket, res] : finished) {
+        pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
+    }
 }
 
 } // namespace llama_shard

@@ -23,6 +23,7 @@ import numpy as np
 
 from ._native import HotKvEngine, MissReason, ShardModel, Status, StepKind, StepLoop
 from .errors import (
+    CapacityError,
     ComputeError,
     IncompatibleCacheRecipeError,
     InvalidInputError,
@@ -240,7 +241,7 @@ class _ReferenceTicket:
         self.step, self.now = step, now
         self.offset, self.start, self.outs = 0, -1, []
         self.result = self.output = None
-        self.finished = False
+        self.finished = self.submitted = False
 
     def finish(self, result, output=None) -> None:
         self.result, self.output, self.finished = result, output, True
@@ -264,6 +265,7 @@ class _ReferenceLoop:
         self.max_step_sessions = min(max_step_sessions or engine.max_sessions, engine.max_sessions)
         self.prefill_chunk = min(prefill_chunk, engine.n_batch)
         self._lock = threading.Lock()
+        self._closed = False
         self._stats = {"steps": 0, "requests": 0, "chunks": 0, "tokens": 0, "busy_seconds": 0.0, "pending": 0}
 
     def ticket(self, step: Step, now: float, notify_fd: int = -1) -> _ReferenceTicket:
@@ -273,6 +275,12 @@ class _ReferenceLoop:
     def submit(self, tickets: list) -> None:
         from .reference.engine import StepResult
 
+        if self._closed:
+            raise CapacityError("the step loop is closed")
+        if len({id(t) for t in tickets}) != len(tickets) or any(t.submitted for t in tickets):
+            raise InvalidInputError("a ticket is submitted once")
+        for t in tickets:
+            t.submitted = True
         e = self.engine
         for t in tickets:
             end = max(t.step.position, 0) + t.step.n_tokens
@@ -286,24 +294,28 @@ class _ReferenceLoop:
                 pending = [t for t in pending if not t.finished]
 
     def _form(self, pending: list) -> list:
-        parts, seen, room = [], set(), self.max_step_tokens
-        others_waiting = len({t.step.session_id for t in pending}) > 1
+        heads, seen = [], set()  # each session's oldest pending request
         for t in pending:
-            if len(parts) >= self.max_step_sessions or room == 0:
-                break
-            step = t.step
-            if step.session_id in seen:
-                continue
-            seen.add(step.session_id)
-            left = step.n_tokens - t.offset
-            if step.kind == StepKind.PREFILL:
-                n = min(left, min(self.prefill_chunk, room) if others_waiting else room)
-            elif left > room:
-                continue
-            else:
-                n = left
-            parts.append((t, n))
-            room -= n
+            if t.step.session_id not in seen:
+                seen.add(t.step.session_id)
+                heads.append(t)
+        others_waiting = len(heads) > 1
+        parts, room = [], self.max_step_tokens
+        for kind in (StepKind.DECODE, StepKind.PREFILL):  # decodes first, whole; then prefills
+            for t in heads:
+                if len(parts) >= self.max_step_sessions or room == 0:
+                    return parts
+                if t.step.kind != kind:
+                    continue
+                left = t.step.n_tokens - t.offset
+                if kind == StepKind.PREFILL:
+                    n = min(left, min(self.prefill_chunk, room) if others_waiting else room)
+                elif left > room:
+                    continue
+                else:
+                    n = left
+                parts.append((t, n))
+                room -= n
         return parts
 
     def _run(self, parts: list) -> None:
@@ -333,9 +345,11 @@ class _ReferenceLoop:
                     continue
                 t.finish(r, np.concatenate(t.outs) if out.ndim == 2 and len(t.outs) > 1 else out)
             else:
-                if t.offset > 0 and r.status in (Status.BUDGET_EXCEEDED, Status.COMPUTE_ERROR):
-                    self.engine.truncate(step.session_id, step.route_epoch, t.start, now)
-                    r.seq_len = t.start
+                if t.offset > 0 and r.status not in (Status.CACHE_MISS, Status.STALE_EPOCH):
+                    held = self.engine.resolve(step.session_id, step.route_epoch, now)
+                    if held.status == Status.OK and held.seq_len >= t.start:
+                        self.engine.truncate(step.session_id, step.route_epoch, t.start, now)
+                        r.seq_len = t.start
                 t.finish(r)
             self._stats["requests"] += 1
 
@@ -346,7 +360,7 @@ class _ReferenceLoop:
         pass
 
     def close(self) -> None:
-        pass
+        self._closed = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,9 +533,11 @@ class KvBoundaryAdapter:
         """`step_many` for asyncio callers: the event loop is never blocked, and no thread waits."""
         completions = _completions()
         tickets = self._submit_micro_batch(steps, completions.fd)
-        for t in tickets:
-            if not isinstance(t, LlamaShardError):
-                await completions.wait(t)
+        # every ticket is tracked before the first await: a cancelled caller leaves none untracked,
+        # so the pipe is not closed while a queued ticket can still write to it
+        waits = [completions.wait(t) for t in tickets if not isinstance(t, LlamaShardError)]
+        for w in waits:
+            await w
         return [self._answer(step, t) for step, t in zip(steps, tickets)]
 
     async def _one_async(self, step: Step):

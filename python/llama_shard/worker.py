@@ -114,6 +114,7 @@ class _Peers:
         stub = self._stub(address)
         if not batch and len(steps) == 1:
             kind, req = steps[0]
+            del req.forward[:]  # a retry sends the same hops once
             req.forward.extend(forward)
             method = stub.Prefill if kind == StepKind.PREFILL else stub.Decode
             return [method(req, timeout=timeout)]
@@ -232,8 +233,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
                                  return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype))
-            if req.HasField("position"):
-                nxt.position = req.position
+            # always explicit: a retried hop that did run is then a miss at the peer, never a double append
+            nxt.position = out.start_pos
             nexts.append((kind, nxt))
         for attempt in range(3):
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)

@@ -8,7 +8,8 @@
 // pending:
 //  - at most one request per session per step, and a session's requests run in submission order
 //    (a later request of a session waits while an earlier one is pending);
-//  - at most max_step_sessions sessions and max_step_tokens tokens per step;
+//  - at most max_step_sessions sessions and max_step_tokens tokens per step; decodes are taken
+//    first (whole), then prefills in arrival order with the room left;
 //  - a prefill longer than the room left in a step is cut into chunks, each appended at the
 //    position where the previous one ended; while other sessions wait, a chunk is at most
 //    prefill_chunk tokens, so a long prompt does not stall the decoders sharing the engine;
@@ -20,8 +21,8 @@
 // Invariants:
 //  - a ticket is completed exactly once: with OK (its output holds every chunk's rows, or the
 //    tail's logits of the last token), or with the first answer that was not OK. A prefill whose
-//    later chunk is refused (budget) or fails (compute) is truncated back to where it started, so a
-//    refused prefill changes nothing, as a single engine step would;
+//    later chunk is refused (budget, invalid input) or fails (compute) is truncated back to where
+//    it started, when the session still holds that much;
 //  - completion is signalled on the ticket's condition variable and, when set, by one byte
 //    written to the ticket's notify_fd (an event loop can wait on it without a thread);
 //  - close() refuses new submissions and returns once everything pending was completed.
