@@ -83,3 +83,12 @@ def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model
         assert f"{name} / ceiling (same round): min" in out
     assert "ceiling (2 x stock whole model at 4 sessions) / RPC split: min 1.000, median 1.000, max 1.000" in out
     assert "compute bound / best RPC split:" in out
+
+
+def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_model):
+    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
+                          "--hot-path-study", "1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "GOMP_SPINCOUNT=300000 (libgomp's default): " in res.stdout
+    assert "GOMP_SPINCOUNT=30000 (llama_shard's): " in res.stdout
+    assert "us for the adapter, the step loop and the thread hand-offs" in res.stdout

@@ -2,6 +2,7 @@
 
     python -m llama_shard.bench [--model PATH] [--threads 2] [--no-stock] [--json OUT]
     python -m llama_shard.bench --pipeline-study ROUNDS [--micro-batches 2]   # the pipelining target only
+    python -m llama_shard.bench --hot-path-study ROUNDS   # the step loop's figures (libgomp spin, overhead)
 
 Stock `llama-bench` and `llama-batched-bench` are built from the same pinned source (the patches
 are gated: without a shard range they behave as upstream) by the opt-in CMake option
@@ -231,10 +232,11 @@ def ours_adapter_callers(path: Path, threads: int, npp: int, ntg: int, npl: list
     return res
 
 
-def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int) -> float:
+def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int,
+                        env: dict[str, str] | None = None) -> float:
     """One `llama-shard serve` worker (the whole model, `threads` threads) and `n_clients` gRPC
     clients in this process, each driving its own session with Prefill and then Decode calls.
-    The decode phase is timed."""
+    The decode phase is timed. `env`: variables set for the worker process only."""
     import threading
 
     import grpc
@@ -244,9 +246,18 @@ def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients:
     from .proto import shard_pb2_grpc as pb_grpc
 
     n_layer = gguf_layer_count(path)
-    proc, addr = start_worker(path, 0, n_layer - 1, threads, extra=(
-        "--max-sessions", str(n_clients), "--context-tokens", str(npp + ntg + 8),
-        "--budget-tokens", str(n_clients * (npp + ntg + 8))))
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})  # inherited by the worker process only: this one has loaded its libraries
+    try:
+        proc, addr = start_worker(path, 0, n_layer - 1, threads, extra=(
+            "--max-sessions", str(n_clients), "--context-tokens", str(npp + ntg + 8),
+            "--budget-tokens", str(n_clients * (npp + ntg + 8))))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         wait_serving(proc, addr)
         rng = np.random.default_rng(7)
@@ -739,6 +750,47 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
     return "\n".join(lines)
 
 
+def hot_path_study(path: Path, threads: int, rounds: int, quick: bool = False) -> str:
+    """The figures behind two choices of the step loop: libgomp's spin count in a worker serving
+    8 gRPC clients (libgomp's default against the 30,000 llama_shard sets), and what a decode
+    through the adapter and the step loop costs beyond the engine step itself (a synthetic model,
+    so that the compute is small)."""
+    import tempfile
+
+    from .testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
+    npp, ntg, n_clients = (16, 8, 4) if quick else (128, 64, 8)
+    lines = [f"{path.name}: one worker ({threads} threads), {n_clients} gRPC clients, {rounds} alternating rounds"]
+    spins = {"300000 (libgomp's default)": "300000", "30000 (llama_shard's)": "30000"}
+    got: dict[str, list[float]] = {name: [] for name in spins}
+    for _ in range(rounds):
+        for name, value in spins.items():
+            got[name].append(ours_worker_clients(path, threads, npp, ntg, n_clients, vocab, {"GOMP_SPINCOUNT": value}))
+    for name, rates in got.items():
+        lines.append(f"GOMP_SPINCOUNT={name}: " + ", ".join(f"{r:.1f}" for r in rates) + " tok/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic = Path(tmp) / "synthetic.gguf"
+        write_synthetic_gguf(str(synthetic), SyntheticSpec())
+        model = ShardModel(str(synthetic), None, threads)
+        manager = _user_manager(model, 1, 4096)
+        adapter = KvBoundaryAdapter(model, manager)
+        n = 200 if quick else 2000
+        token = adapter.prefill("o", 0, token_ids=[1, 2, 3]).token_id
+        before = manager.loop_stats()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = adapter.decode("o", 0, token_ids=[token]).token_id
+        per_step = (time.perf_counter() - t0) / n
+        after = manager.loop_stats()
+        busy = (after["busy_seconds"] - before["busy_seconds"]) / (after["steps"] - before["steps"])
+        manager.close()
+    lines.append(f"a lone session on a synthetic model, {n} decodes through KvBoundaryAdapter: {per_step * 1e6:.0f} us "
+                 f"per decode, of which the engine step {busy * 1e6:.0f} us: {(per_step - busy) * 1e6:.0f} us for the "
+                 "adapter, the step loop and the thread hand-offs")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row], header: str) -> str:
     lines = [header, "",
              "| metric | llama-shard | peer | ratio | target |",
@@ -764,8 +816,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-study", type=int, metavar="ROUNDS",
                     help="only the 8-session pipelining comparison, ROUNDS alternating rounds, with its compute bound")
     ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches for --pipeline-study")
+    ap.add_argument("--hot-path-study", type=int, metavar="ROUNDS",
+                    help="only the step loop's figures: libgomp spin in a worker with 8 clients, adapter overhead")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
+    if args.hot_path_study:
+        print(hot_path_study(path, args.threads, args.hot_path_study, args.quick))
+        return 0
     rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
     if args.pipeline_study:
         print(pipeline_study(path, args.pipeline_study, rpc_tools, args.micro_batches, args.quick))
