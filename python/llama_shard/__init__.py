@@ -15,17 +15,8 @@
 """
 from __future__ import annotations
 
-import os as _os
-
-# ggml computes with OpenMP. After each parallel region libgomp's workers spin (300,000 iterations
-# by default) before sleeping; between two engine steps of a serving worker that spin takes a core
-# from the transport and the callers (8 gRPC clients: 0.80 of the step rate at the default, 0.92
-# at 30,000, with no loss in a lone session's decode rate). libgomp reads this once, when the
-# native module loads it; a value the user set wins.
-_os.environ.setdefault("GOMP_SPINCOUNT", "30000")
-
-from . import errors  # noqa: E402
-from ._native import (  # noqa: E402
+from . import errors
+from ._native import (
     HotKvEngine,
     MissReason,
     ModelInfo,

@@ -751,10 +751,10 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
 
 
 def hot_path_study(path: Path, threads: int, rounds: int, quick: bool = False) -> str:
-    """The figures behind two choices of the step loop: libgomp's spin count in a worker serving
-    8 gRPC clients (libgomp's default against the 30,000 llama_shard sets), and what a decode
-    through the adapter and the step loop costs beyond the engine step itself (a synthetic model,
-    so that the compute is small)."""
+    """Two questions about the step loop: does libgomp's spin after each step (its workers spin
+    before they sleep) slow a worker serving 8 gRPC clients (the default spin count against
+    30,000), and what does a decode through the adapter and the step loop cost beyond the engine
+    step itself (a synthetic model, so that the compute is small)."""
     import tempfile
 
     from .testing.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -762,7 +762,7 @@ def hot_path_study(path: Path, threads: int, rounds: int, quick: bool = False) -
     vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
     npp, ntg, n_clients = (16, 8, 4) if quick else (128, 64, 8)
     lines = [f"{path.name}: one worker ({threads} threads), {n_clients} gRPC clients, {rounds} alternating rounds"]
-    spins = {"300000 (libgomp's default)": "300000", "30000 (llama_shard's)": "30000"}
+    spins = {"300000 (libgomp's default)": "300000", "30000": "30000"}
     got: dict[str, list[float]] = {name: [] for name in spins}
     for _ in range(rounds):
         for name, value in spins.items():

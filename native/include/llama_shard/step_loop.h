@@ -35,7 +35,7 @@
 // OpenMP team that belongs to the thread that starts it, and whose workers spin for a while after
 // each step: two engines stepping on two threads keep two spinning teams, which on a small machine
 // take the cores the other engine computes on (measured: two 2-thread engines in one process
-// decoded at 0.65 of one engine). On one shared thread their steps take turns, with one team.
+// decoded at 0.72 of one engine). On one shared thread their steps take turns, with one team.
 
 #include "llama_shard/hot_kv_engine.h"
 
