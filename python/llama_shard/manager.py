@@ -319,17 +319,17 @@ class _ReferenceLoop:
         return parts
 
     def _run(self, parts: list) -> None:
-        from .reference.engine import StepRequest
-
         now, requests = max(t.now for t, _ in parts), []
         for t, n in parts:
             step, k = t.step, t.offset
             data = step.token_ids if step.token_ids is not None else step.hidden
             chunk = data[k:k + n]
-            requests.append(StepRequest(step.session_id, step.route_epoch, step.kind,
-                                        step.position if k == 0 else t.start + k,
-                                        chunk if step.token_ids is not None else None,
-                                        np.ascontiguousarray(chunk) if step.hidden is not None else None))
+            position = step.position if k == 0 else t.start + k
+            requests.append(Step(step.kind, step.session_id, step.route_epoch,
+                                 chunk if step.token_ids is not None else None,
+                                 np.ascontiguousarray(chunk) if step.hidden is not None else None,
+                                 start_pos=position if step.kind == StepKind.PREFILL and position >= 0 else None,
+                                 expected_seq_len=position if step.kind == StepKind.DECODE and position >= 0 else None))
         answers = self.engine.step(requests, now)
         self._stats["steps"] += 1
         for (t, n), (r, out) in zip(parts, answers):

@@ -6,7 +6,7 @@
   per-layer numpy K/V, with the same interface as the native `HotKvEngine`; `HotKvStateManager`
   runs on either, and tests drive both in lockstep.
 """
-from .engine import ReferenceHotKvEngine, StepRequest, StepResult
+from .engine import ReferenceHotKvEngine, StepResult
 from .model import (
     NATIVE_LOGIT_ATOL,
     REFERENCE_ARCHITECTURES,
@@ -27,5 +27,4 @@ __all__ = [
     "SequenceKv",
     "ReferenceHotKvEngine",
     "StepResult",
-    "StepRequest",
 ]

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from .._native import MissReason, Status, StepKind
+from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
 
@@ -39,18 +40,6 @@ class StepResult:
 def _stale(epoch: int, current: int, which: str) -> StepResult:
     return StepResult(status=STALE_EPOCH, current_epoch=current,
                       detail=f"route epoch {epoch} is older than the session's {which} epoch {current}")
-
-
-@dataclasses.dataclass
-class StepRequest:
-    """One session's part of a batched step (the native hot_kv_request)."""
-
-    session_id: str
-    epoch: int
-    kind: StepKind
-    position: int = -1  # prefill: start position (-1: append); decode: expected past length (-1: unchecked)
-    tokens: object = None
-    hidden: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -288,17 +277,17 @@ class ReferenceHotKvEngine:
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
 
-    def step(self, requests: list["StepRequest"], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
-        """A batched step with the native engine's rules (see hot_kv_engine.h, step())."""
-        requests = [r if isinstance(r, StepRequest) else StepRequest(*r) for r in requests]
+    def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
+        """A batched step with the native engine's rules (see hot_kv_engine.h, step()); each
+        request is a llama_shard.Step of at most n_batch tokens (a chunk, for a long prefill)."""
         now = self._tick(now)
         results: list[StepResult | None] = [None] * len(requests)
         inputs: list = [None] * len(requests)
         participants: list[str] = []
         for i, req in enumerate(requests):
             try:
-                self._validate_key(req.session_id, req.epoch)
-                inputs[i] = self._validate_input(req.tokens, req.hidden)
+                self._validate_key(req.session_id, req.route_epoch)
+                inputs[i] = self._validate_input(req.token_ids, req.hidden)
                 if req.session_id in participants:
                     raise InvalidInputError(f"session '{req.session_id}' appears twice in one step")
                 participants.append(req.session_id)
@@ -310,7 +299,7 @@ class ReferenceHotKvEngine:
         # prefills of sessions not live under that epoch: their ids are placed together
         self._new_in_step = sum(1 for i, req in enumerate(requests)
                                 if results[i] is None and req.kind == StepKind.PREFILL
-                                and (req.session_id not in self._live or self._live[req.session_id].epoch != req.epoch))
+                                and (req.session_id not in self._live or self._live[req.session_id].epoch != req.route_epoch))
         self._last_created_id = -1
         plan = []
         for i, req in enumerate(requests):
@@ -328,9 +317,9 @@ class ReferenceHotKvEngine:
             results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
         return list(zip(results, outs))
 
-    def _admit(self, req: "StepRequest", n: int, participants: list[str], now: float, plan: list, index: int):
+    def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int):
         sid = req.session_id
-        s, res = self._identify(sid, req.epoch)
+        s, res = self._identify(sid, req.route_epoch)
         if res.status == STALE_EPOCH:
             return res
         if req.kind == StepKind.PREFILL:
@@ -349,7 +338,7 @@ class ReferenceHotKvEngine:
                 if self._reserved + n - sum(o.seq_len for o in others) > self.budget_tokens:
                     return StepResult(status=BUDGET_EXCEEDED,
                                       detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
-                s = self._create(sid, req.epoch, now)
+                s = self._create(sid, req.route_epoch, now)
             start = s.seq_len if req.position < 0 else req.position
             if start > s.seq_len:
                 return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {s.seq_len}")
