@@ -345,7 +345,13 @@ PYBIND11_MODULE(_native, m) {
         .value("STALE_EPOCH", SHARD_STATUS_STALE_EPOCH)
         .value("BUDGET_EXCEEDED", SHARD_STATUS_BUDGET_EXCEEDED)
         .value("INVALID_INPUT", SHARD_STATUS_INVALID_INPUT)
-        .value("COMPUTE_ERROR", SHARD_STATUS_COMPUTE_ERROR);
+        .value("COMPUTE_ERROR", SHARD_STATUS_COMPUTE_ERROR)
+        .value("BUSY", SHARD_STATUS_BUSY);
+
+    py::enum_<hot_kv_tier>(m, "Tier", "Where a session's KV is: HOT (in the llama_context), WARM (host memory) or NONE")
+        .value("NONE", HOT_KV_TIER_NONE)
+        .value("HOT", HOT_KV_TIER_HOT)
+        .value("WARM", HOT_KV_TIER_WARM);
 
     py::enum_<shard_miss_reason>(m, "MissReason", "Why a request could not be served from cache")
         .value("NONE", SHARD_MISS_NONE)
@@ -367,6 +373,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("seq_id", &hot_kv_result::seq_id)
         .def_readonly("current_epoch", &hot_kv_result::current_epoch)
         .def_readonly("changed", &hot_kv_result::changed)
+        .def_readonly("tier", &hot_kv_result::tier)
         .def_readonly("detail", &hot_kv_result::detail)
         .def("__repr__", [](const hot_kv_result & r) {
             return std::string("StepResult(") + shard_status_name(r.status) + ", miss=" + shard_miss_reason_name(r.miss) +
@@ -433,7 +440,8 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<hot_kv_engine>(m, "HotKvEngine")
         .def(py::init([](const shard_model & model, int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens,
-                         double ttl_seconds, int32_t n_batch, std::optional<int32_t> n_threads, int32_t recent_capacity) {
+                         double ttl_seconds, int32_t n_batch, std::optional<int32_t> n_threads, int32_t recent_capacity,
+                         int64_t warm_bytes, double warm_ttl_seconds, const std::string & kv_type) {
                  hot_kv_config cfg;
                  cfg.max_sessions    = max_sessions;
                  cfg.context_tokens  = context_tokens;
@@ -442,12 +450,17 @@ PYBIND11_MODULE(_native, m) {
                  cfg.n_batch         = n_batch;
                  cfg.n_threads       = n_threads.value_or(0);
                  cfg.recent_capacity = recent_capacity;
+                 cfg.warm_bytes       = warm_bytes;
+                 cfg.warm_ttl_seconds = warm_ttl_seconds;
+                 cfg.kv_type          = kv_type;
                  py::gil_scoped_release release;
                  return std::make_unique<hot_kv_engine>(model, cfg);
              }),
              py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
              py::arg("ttl_seconds"), py::arg("n_batch") = 512, py::arg("n_threads") = py::none(),
-             py::arg("recent_capacity") = 4096, py::keep_alive<1, 2>())
+             py::arg("recent_capacity") = 4096, py::arg("warm_bytes") = 0, py::arg("warm_ttl_seconds") = 3600.0,
+             py::arg("kv_type") = "f16", py::keep_alive<1, 2>())
+        .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
         .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
                  py::gil_scoped_release release;
@@ -482,7 +495,8 @@ PYBIND11_MODULE(_native, m) {
                  }
                  py::list out;
                  for (const auto & s : live) {
-                     out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used));
+                     out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used,
+                                               s.tier == HOT_KV_TIER_WARM ? "warm" : "hot"));
                  }
                  return out;
              })
@@ -512,6 +526,20 @@ PYBIND11_MODULE(_native, m) {
                  d["tokens_computed"] = st.tokens_computed;
                  d["recent_keys"] = st.recent_keys;
                  d["misses"] = misses;
+                 d["spills"] = st.spills;
+                 d["restores"] = st.restores;
+                 d["warm_drops"] = st.warm_drops;
+                 d["warm_sessions"] = st.warm_sessions;
+                 d["warm_bytes"] = st.warm_bytes;
+                 d["warm_capacity"] = st.warm_capacity;
+                 d["restore_seconds"] = st.restore_seconds;
+                 py::list buckets;  // (upper bound, restores in that bucket); the last bound is +Inf
+                 for (size_t i = 0; i < st.restore_buckets.size(); ++i) {
+                     const double le = i < HOT_KV_RESTORE_BUCKETS.size() ? HOT_KV_RESTORE_BUCKETS[i]
+                                                                          : std::numeric_limits<double>::infinity();
+                     buckets.append(py::make_tuple(le, st.restore_buckets[i]));
+                 }
+                 d["restore_buckets"] = buckets;
                  return d;
              });
 }

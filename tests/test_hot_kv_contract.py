@@ -74,7 +74,7 @@ def test_recipe_owned_layers_and_fingerprint_aliasing():
     assert recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=2, end_layer=3, **base))
     assert not recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=0, end_layer=1, **base))
     assert not recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=2, end_layer=3,
-                                                  **{**base, "kv_dtype": "f32"}))
+                                                  **{**base, "kv_dtype": "q8_0"}))
 
 
 def test_recipe_bytes_per_token_scales_with_owned_layers():

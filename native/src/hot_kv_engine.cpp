@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <chrono>
 #include <stdexcept>
 
 namespace llama_shard {
@@ -14,6 +15,7 @@ const char * shard_status_name(shard_status status) {
         case SHARD_STATUS_BUDGET_EXCEEDED: return "BUDGET_EXCEEDED";
         case SHARD_STATUS_INVALID_INPUT:   return "INVALID_INPUT";
         case SHARD_STATUS_COMPUTE_ERROR:   return "COMPUTE_ERROR";
+        case SHARD_STATUS_BUSY:            return "BUSY";
     }
     return "UNKNOWN";
 }
@@ -64,6 +66,9 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (config.recent_capacity < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
     }
+    if (config.warm_bytes < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "warm_bytes must be >= 0");
+    }
     // One KV stream per session (kv_unified = false): a session's cells stay in position order
     // whatever other sessions do, so its results are bit-identical to running alone (in a shared
     // pool, cells freed by another session get reused out of order and change attention's
@@ -78,7 +83,8 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     cp.n_seq_max  = config.max_sessions;
     cp.n_batch    = config.n_batch;
     cp.kv_unified = false;
-    cp.n_threads = config.n_threads;
+    cp.n_threads  = config.n_threads;
+    cp.kv_type    = config.kv_type;
     ctx_ = std::make_unique<shard_context>(model, cp);
     config_.n_batch = ctx_->n_batch();
 
@@ -89,7 +95,12 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     counters_.max_sessions       = config.max_sessions;
     counters_.budget_tokens      = config.budget_tokens;
     counters_.context_tokens     = config.context_tokens;
-    counters_.kv_bytes_per_token = model.info().kv_bytes_per_token;
+    counters_.kv_bytes_per_token = ctx_->kv_bytes_per_token();
+    counters_.warm_capacity      = (uint64_t) config.warm_bytes;
+}
+
+uint64_t hot_kv_engine::warm_entry::bytes() const {
+    return (uint64_t) state.size() + (uint64_t) lru_pos->size();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -123,7 +134,7 @@ void hot_kv_engine::remember_locked(const std::string & sid, int64_t epoch, shar
     }
 }
 
-void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
+void hot_kv_engine::free_hot_locked(const std::string & sid) {
     auto it = live_.find(sid);
     assert(it != live_.end());
     session & s = it->second;
@@ -133,28 +144,156 @@ void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reaso
     // compact run of ids and a batched step over them is one ubatch (see shard_context::forward_batch)
     free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), s.seq_id, std::greater<int32_t>()), s.seq_id);
     lru_.erase(s.lru_pos);
-    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : s.epoch;
     live_.erase(it);
-    remember_locked(sid, epoch, reason);
+}
+
+static void count_leaving(hot_kv_stats & c, shard_miss_reason reason) {
     switch (reason) {
-        case SHARD_MISS_EVICTED_TTL:      counters_.evictions_ttl++; break;
-        case SHARD_MISS_EVICTED_LRU:      counters_.evictions_lru++; break;
-        case SHARD_MISS_RELEASED:         counters_.releases++;      break;
-        case SHARD_MISS_SUPERSEDED_EPOCH: counters_.supersessions++; break;
+        case SHARD_MISS_EVICTED_TTL:      c.evictions_ttl++; break;
+        case SHARD_MISS_EVICTED_LRU:      c.evictions_lru++; break;
+        case SHARD_MISS_RELEASED:         c.releases++;      break;
+        case SHARD_MISS_SUPERSEDED_EPOCH: c.supersessions++; break;
         default: break;
     }
+}
+
+void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
+    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : live_.at(sid).epoch;
+    free_hot_locked(sid);
+    remember_locked(sid, epoch, reason);
+    count_leaving(counters_, reason);
+}
+
+void hot_kv_engine::leave_hot_locked(const std::string & sid, shard_miss_reason reason) {
+    if (!spill_locked(sid, reason)) {
+        drop_locked(sid, reason);
+    }
+}
+
+bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reason) {
+    const session & s = live_.at(sid);
+    if (!warm_enabled() || s.seq_len == 0) {
+        return false;  // an empty session costs nothing to re-prefill
+    }
+    std::vector<uint8_t> state;
+    if (!ctx_->seq_save(s.seq_id, state)) {
+        return false;
+    }
+    const uint64_t bytes = (uint64_t) state.size() + (uint64_t) sid.size();
+    if (bytes > (uint64_t) config_.warm_bytes) {
+        return false;
+    }
+    while (warm_held_ + bytes > (uint64_t) config_.warm_bytes) {
+        drop_warm_locked(warm_lru_.front(), SHARD_MISS_EVICTED_LRU);
+    }
+    warm_lru_.push_back(sid);
+    warm_entry & w = warm_[sid];
+    w = warm_entry{s.epoch, s.seq_len, s.last_used, std::move(state), std::prev(warm_lru_.end())};
+    warm_held_ += bytes;
+    counters_.spills++;
+    count_leaving(counters_, reason);
+    free_hot_locked(sid);
+    return true;
+}
+
+void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
+    auto it = warm_.find(sid);
+    assert(it != warm_.end());
+    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : it->second.epoch;
+    warm_held_ -= it->second.bytes();
+    warm_lru_.erase(it->second.lru_pos);
+    warm_.erase(it);
+    remember_locked(sid, epoch, reason);
+    counters_.warm_drops++;
+    if (reason == SHARD_MISS_RELEASED || reason == SHARD_MISS_SUPERSEDED_EPOCH) {
+        count_leaving(counters_, reason);
+    }
+}
+
+int32_t hot_kv_engine::sweep_warm_locked(double now) {
+    if (config_.warm_ttl_seconds <= 0) {
+        return 0;
+    }
+    int32_t n = 0;
+    while (!warm_lru_.empty() && now - warm_.at(warm_lru_.front()).last_used > config_.warm_ttl_seconds) {
+        drop_warm_locked(warm_lru_.front(), SHARD_MISS_EVICTED_TTL);
+        ++n;
+    }
+    return n;
+}
+
+hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, double now, hot_kv_result & res) {
+    auto it = warm_.find(sid);
+    assert(it != warm_.end() && !free_ids_.empty());
+    warm_entry & w = it->second;
+    const int32_t seq_id = take_free_id_locked();
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool ok = ctx_->seq_restore(seq_id, w.state.data(), w.state.size()) && ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!ok) {
+        ctx_->seq_rm(seq_id, 0);
+        free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), seq_id, std::greater<int32_t>()), seq_id);
+        drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
+        res = miss_locked(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be restored");
+        return nullptr;
+    }
+    const int64_t epoch = w.epoch;
+    const int32_t seq_len = w.seq_len;
+    warm_held_ -= w.bytes();
+    warm_lru_.erase(w.lru_pos);
+    warm_.erase(it);
+    lru_.push_back(sid);
+    session & s = live_[sid];
+    s = session{epoch, seq_id, seq_len, now, std::prev(lru_.end())};
+    reserved_ += seq_len;
+    counters_.restores++;
+    counters_.restore_seconds += seconds;
+    const auto bucket = std::lower_bound(HOT_KV_RESTORE_BUCKETS.begin(), HOT_KV_RESTORE_BUCKETS.end(), seconds);
+    counters_.restore_buckets[(size_t) (bucket - HOT_KV_RESTORE_BUCKETS.begin())]++;
+    touch_locked(s, now);
+    return &s;
+}
+
+bool hot_kv_engine::make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
+                                     const std::vector<std::string> & step) {
+    auto kept = [&](const std::string & sid) { return std::find(keep.begin(), keep.end(), sid) != keep.end(); };
+    if (reserved_ + tokens > config_.budget_tokens || (need_id && free_ids_.empty())) {
+        // decide before evicting anything whether evicting every session outside `keep` is enough
+        int64_t evictable = 0;
+        int32_t n_evictable = 0;
+        for (const auto & [other, o] : live_) {
+            if (!kept(other)) {
+                evictable += o.seq_len;
+                ++n_evictable;
+            }
+        }
+        if (reserved_ + tokens - evictable > config_.budget_tokens || (need_id && free_ids_.empty() && n_evictable == 0)) {
+            return false;
+        }
+    }
+    while (reserved_ + tokens > config_.budget_tokens || (need_id && free_ids_.empty())) {
+        const bool evicted = evict_lru_except_locked(keep, step);
+        assert(evicted);
+        (void) evicted;
+    }
+    return true;
 }
 
 bool hot_kv_engine::evict_lru_locked(const std::string & keep) {
     return evict_lru_except_locked({keep});
 }
 
-bool hot_kv_engine::evict_lru_except_locked(const std::vector<std::string> & keep) {
-    for (const std::string & sid : lru_) {
-        if (std::find(keep.begin(), keep.end(), sid) == keep.end()) {
-            const std::string victim = sid;  // drop_locked erases the list node
-            drop_locked(victim, SHARD_MISS_EVICTED_LRU);
-            return true;
+// the least recently used session outside `keep` leaves the hot set; sessions in `later` (the
+// step's, not admitted yet) only once no other is left
+bool hot_kv_engine::evict_lru_except_locked(const std::vector<std::string> & keep, const std::vector<std::string> & later) {
+    for (const bool allow_later : {false, true}) {
+        for (const std::string & sid : lru_) {
+            const bool is_later = std::find(later.begin(), later.end(), sid) != later.end();
+            if (std::find(keep.begin(), keep.end(), sid) == keep.end() && (allow_later || !is_later)) {
+                const std::string victim = sid;  // leaving erases the list node
+                leave_hot_locked(victim, SHARD_MISS_EVICTED_LRU);
+                return true;
+            }
         }
     }
     return false;
@@ -173,20 +312,17 @@ double hot_kv_engine::tick_locked(double now) {
 }
 
 int32_t hot_kv_engine::sweep_locked(double now) {
-    if (config_.ttl_seconds <= 0) {
-        return 0;
-    }
     int32_t n = 0;
     // lru_ is ordered by last use, so the expired sessions are a prefix of it
-    while (!lru_.empty()) {
+    while (config_.ttl_seconds > 0 && !lru_.empty()) {
         const std::string sid = lru_.front();
         if (now - live_.at(sid).last_used <= config_.ttl_seconds) {
             break;
         }
-        drop_locked(sid, SHARD_MISS_EVICTED_TTL);
+        leave_hot_locked(sid, SHARD_MISS_EVICTED_TTL);
         ++n;
     }
-    return n;
+    return n + sweep_warm_locked(now);
 }
 
 void hot_kv_engine::touch_locked(session & s, double now) {
@@ -248,6 +384,31 @@ hot_kv_engine::session * hot_kv_engine::identify_counted_locked(const std::strin
     return s;
 }
 
+hot_kv_engine::session * hot_kv_engine::identify_hot_locked(const std::string & sid, int64_t epoch, double now,
+                                                            hot_kv_result & res, bool count_miss) {
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, epoch, res, &w);
+    if (w == nullptr) {
+        if (count_miss && s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
+            counters_.misses[res.miss]++;
+        }
+        return s;
+    }
+    return restore_alone_locked(sid, w->seq_len, now, res);
+}
+
+hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string & sid, int32_t seq_len, double now,
+                                                             hot_kv_result & res) {
+    // a warm session fits alone (it was hot under the same limits), so evicting others makes room
+    new_in_step_     = 0;  // outside a step: the lowest free id
+    last_created_id_ = -1;
+    const bool room = make_room_locked(seq_len, true, {sid}, {});
+    assert(room);
+    (void) room;
+    res = hot_kv_result{};
+    return restore_locked(sid, now, res);
+}
+
 hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string detail) {
     counters_.misses[reason]++;
     hot_kv_result res;
@@ -257,7 +418,8 @@ hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string d
     return res;
 }
 
-hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res) {
+hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res,
+                                                        warm_entry ** warm) {
     res = hot_kv_result{};
     auto it = live_.find(sid);
     if (it != live_.end()) {
@@ -272,6 +434,27 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
         // a newer epoch: the route moved; the older state is dropped, and the newer epoch is what
         // later requests are judged against (older ones are stale, this one re-prefills)
         drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
+        res.status = SHARD_STATUS_CACHE_MISS;
+        res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
+        res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";
+        return nullptr;
+    }
+    auto wit = warm_.find(sid);
+    if (wit != warm_.end()) {
+        warm_entry & w = wit->second;
+        if (epoch == w.epoch) {
+            res.tier    = HOT_KV_TIER_WARM;
+            res.seq_len = w.seq_len;
+            if (warm != nullptr) {
+                *warm = &w;
+            }
+            return nullptr;
+        }
+        if (epoch < w.epoch) {
+            res = stale_result(epoch, w.epoch, "current");
+            return nullptr;
+        }
+        drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
         res.status = SHARD_STATUS_CACHE_MISS;
         res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
         res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";
@@ -304,7 +487,7 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
     std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_locked(sid, epoch, res);
+    session * s = identify_hot_locked(sid, epoch, now, res, /*count_miss*/ false);
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
         return res;
     }
@@ -317,6 +500,7 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
     res = hot_kv_result{};
     res.seq_len = s->seq_len;
     res.seq_id  = s->seq_id;
+    res.tier    = HOT_KV_TIER_HOT;
     return res;
 }
 
@@ -396,9 +580,16 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
     new_in_step_     = 0;  // prefills of sessions not live under that epoch: the ids to place together
     last_created_id_ = -1;
     for (size_t i = 0; i < requests.size(); ++i) {
-        if (valid[i] && requests[i].kind == HOT_KV_STEP_PREFILL) {
-            auto it = live_.find(requests[i].session_id);
-            new_in_step_ += (it == live_.end() || it->second.epoch != requests[i].epoch) ? 1 : 0;
+        if (!valid[i]) {
+            continue;
+        }
+        // a prefill not live under its epoch creates a session, a step of a warm session restores one
+        const std::string & sid = requests[i].session_id;
+        auto it = live_.find(sid);
+        auto wit = warm_.find(sid);
+        if (it == live_.end() || it->second.epoch != requests[i].epoch) {
+            const bool warm = wit != warm_.end() && wit->second.epoch == requests[i].epoch;
+            new_in_step_ += (requests[i].kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
         }
     }
     std::vector<planned> plan;
@@ -431,6 +622,7 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
             r.status  = SHARD_STATUS_COMPUTE_ERROR;
             r.seq_len = p.s->seq_len;
             r.seq_id  = p.s->seq_id;
+            r.tier    = HOT_KV_TIER_HOT;
             r.detail  = e.what();
         }
         return results;
@@ -444,6 +636,7 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
         r = hot_kv_result{};
         r.seq_len = p.s->seq_len;
         r.seq_id  = p.s->seq_id;
+        r.tier    = HOT_KV_TIER_HOT;
     }
     return results;
 }
@@ -452,95 +645,82 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
                                  std::vector<planned> & plan, size_t index, hot_kv_result & res) {
     const std::string & sid = req.session_id;
     const int64_t n = req.input.n_tokens;
-    auto budget_exceeded = [&](const std::string & why, const session * s) {
+    auto refuse = [&](shard_status status, const std::string & why, const session * s) {
         res = hot_kv_result{};
-        res.status = SHARD_STATUS_BUDGET_EXCEEDED;
+        res.status = status;
         res.detail = why;
         if (s != nullptr) {
             res.seq_len = s->seq_len;
             res.seq_id  = s->seq_id;
+            res.tier    = HOT_KV_TIER_HOT;
         }
         return false;
     };
 
-    session * s = identify_locked(sid, req.epoch, res);
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, req.epoch, res, &w);
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
         return false;
     }
+    const bool known = s != nullptr || w != nullptr;
+    const int32_t held = s != nullptr ? s->seq_len : (w != nullptr ? w->seq_len : 0);  // the cached length, hot or warm
     int32_t start = 0;
     if (req.kind == HOT_KV_STEP_PREFILL) {
-        if (s == nullptr) {
-            if (req.position > 0) {
-                // nothing cached to continue from: the head must re-prefill from token zero
-                counters_.misses[res.miss]++;
-                return false;
-            }
-            // refuse before creating (and possibly evicting for the session cap) what cannot fit
-            if (n > config_.context_tokens || n > config_.budget_tokens) {
-                return budget_exceeded(str(n) + " tokens exceed context_tokens " + str(config_.context_tokens) +
-                                       " or budget_tokens " + str(config_.budget_tokens), nullptr);
-            }
-            // decide before changing anything: a refused request creates and evicts nothing (the
-            // scan of evictable sessions runs only when something has to be evicted)
-            if (free_ids_.empty() || reserved_ + n > config_.budget_tokens) {
-                int64_t evictable = 0;
-                int32_t n_evictable = 0;
-                for (const auto & [other, o] : live_) {
-                    if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
-                        evictable += o.seq_len;
-                        ++n_evictable;
-                    }
-                }
-                if (free_ids_.empty() && n_evictable == 0) {
-                    return budget_exceeded("all " + str(config_.max_sessions) + " sessions take part in this step", nullptr);
-                }
-                if (reserved_ + n - evictable > config_.budget_tokens) {
-                    return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), nullptr);
-                }
-            }
-            s = &create_locked(sid, req.epoch, now);
+        if (!known && req.position > 0) {
+            counters_.misses[res.miss]++;  // nothing cached to continue from: the head re-prefills from token zero
+            return false;
         }
-        start = req.position < 0 ? s->seq_len : req.position;
-        if (start > s->seq_len) {
+        start = req.position < 0 ? held : req.position;
+        if (start > held) {
             res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                              "start position " + str(start) + " is past the cached length " + str(s->seq_len));
+                              "start position " + str(start) + " is past the cached length " + str(held));
             return false;
         }
     } else {
-        if (s == nullptr) {
+        if (!known) {
             counters_.misses[res.miss]++;
             return false;
         }
-        if (req.position >= 0 && req.position != s->seq_len) {
+        if (req.position >= 0 && req.position != held) {
             res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                              "expected past length " + str(req.position) + ", cached length is " + str(s->seq_len));
+                              "expected past length " + str(req.position) + ", cached length is " + str(held));
             return false;
         }
-        start = s->seq_len;
+        start = held;
     }
 
     const int64_t new_len = (int64_t) start + n;
     if (new_len > config_.context_tokens || new_len > config_.budget_tokens) {
-        return budget_exceeded("the session would hold " + str(new_len) + " tokens; context_tokens is " +
-                               str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens), s);
+        return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "the session would hold " + str(new_len) + " tokens; context_tokens is " +
+                      str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens), s);
     }
-    // tokens admitted earlier in this step are already reserved (reserved_ includes them); decide
-    // whether evicting every session outside the step would be enough before evicting any
-    if (reserved_ - s->seq_len + new_len > config_.budget_tokens) {
-        int64_t evictable = 0;
-        for (const auto & [other, o] : live_) {
-            if (std::find(participants.begin(), participants.end(), other) == participants.end()) {
-                evictable += o.seq_len;
-            }
-        }
-        if (reserved_ - s->seq_len + new_len - evictable > config_.budget_tokens) {
-            return budget_exceeded("the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
-        }
+    // who may leave the hot set for this request: never the requester or what this step already
+    // admitted; the step's other sessions only when they can go to the warm tier
+    std::vector<std::string> keep{sid};
+    for (const planned & p : plan) {
+        keep.push_back(*p.sid);
     }
-    while (reserved_ - s->seq_len + new_len > config_.budget_tokens) {
-        const bool evicted = evict_lru_except_locked(participants);
-        assert(evicted);
-        (void) evicted;
+    if (!warm_enabled()) {
+        keep.insert(keep.end(), participants.begin(), participants.end());
+    }
+    // hot tokens this request adds at its peak: a warm session comes back whole before it is cut to start
+    const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(held, new_len);
+    if (!make_room_locked(grow, s == nullptr, keep, participants)) {
+        if (warm_enabled()) {
+            return refuse(SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step", s);
+        }
+        if (s == nullptr && free_ids_.empty()) {
+            return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "all " + str(config_.max_sessions) + " sessions take part in this step", s);
+        }
+        return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
+    }
+    if (w != nullptr) {
+        s = restore_locked(sid, now, res);
+        if (s == nullptr) {
+            return false;  // a counted miss: the head re-prefills
+        }
+    } else if (s == nullptr) {
+        s = &create_locked(sid, req.epoch, now);
     }
     if (start < s->seq_len) {
         ctx_->seq_rm(s->seq_id, start);
@@ -549,7 +729,7 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
     }
     touch_locked(*s, now);
     reserved_ += n;  // reserved now, held once computed, returned if the compute fails
-    plan.push_back({index, s, start});
+    plan.push_back({index, s, start, &sid});
     res = hot_kv_result{};
     return true;
 }
@@ -561,7 +741,17 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
     }
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_counted_locked(sid, epoch, res);
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, epoch, res, &w);
+    if (w != nullptr) {
+        if (length > w->seq_len) {  // refused before the warm session is moved
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                "cannot truncate a session of " + str(w->seq_len) + " tokens to " + str(length));
+        }
+        s = restore_alone_locked(sid, w->seq_len, now, res);
+    } else if (s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
+        counters_.misses[res.miss]++;
+    }
     if (s == nullptr) {
         return res;
     }
@@ -578,6 +768,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
     res = hot_kv_result{};
     res.seq_len = s->seq_len;
     res.seq_id  = s->seq_id;
+    res.tier    = HOT_KV_TIER_HOT;
     return res;
 }
 
@@ -596,6 +787,17 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
         }
         return res;
     }
+    auto wit = warm_.find(sid);
+    if (wit != warm_.end()) {
+        if (epoch < wit->second.epoch) {
+            return stale_result(epoch, wit->second.epoch, "current");
+        }
+        if (epoch == wit->second.epoch) {
+            drop_warm_locked(sid, SHARD_MISS_RELEASED);
+            res.changed = true;
+        }
+        return res;
+    }
     auto rit = recent_.find(sid);
     if (rit != recent_.end() && epoch < rit->second.epoch) {
         return stale_result(epoch, rit->second.epoch, "last");
@@ -607,12 +809,13 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
     std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_counted_locked(sid, epoch, res);
+    session * s = identify_counted_locked(sid, epoch, res);  // a warm session is reported where it is
     if (s == nullptr) {
         return res;
     }
     res.seq_len = s->seq_len;
     res.seq_id  = s->seq_id;
+    res.tier    = HOT_KV_TIER_HOT;
     return res;
 }
 
@@ -632,16 +835,22 @@ hot_kv_stats hot_kv_engine::stats() const {
     st.reserved_tokens = reserved_;
     st.reserved_bytes  = (uint64_t) reserved_ * counters_.kv_bytes_per_token;
     st.recent_keys     = (int32_t) recent_.size();
+    st.warm_sessions   = (int32_t) warm_.size();
+    st.warm_bytes      = warm_held_;
     return st;
 }
 
 std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
     std::lock_guard<fair_mutex> lock(mutex_);
     std::vector<hot_kv_session_info> out;
-    out.reserve(live_.size());
+    out.reserve(live_.size() + warm_.size());
     for (const std::string & sid : lru_) {
         const session & s = live_.at(sid);
-        out.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used});
+        out.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used, HOT_KV_TIER_HOT});
+    }
+    for (const std::string & sid : warm_lru_) {
+        const warm_entry & w = warm_.at(sid);
+        out.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, HOT_KV_TIER_WARM});
     }
     return out;
 }
@@ -689,6 +898,24 @@ void hot_kv_engine::check_invariants() const {
     for (const auto & [sid, d] : recent_) {
         (void) d;
         if (live_.count(sid)) fail("a live session is also in the dropped table");
+        if (warm_.count(sid)) fail("a warm session is also in the dropped table");
+    }
+    if (warm_lru_.size() != warm_.size()) fail("warm LRU list and warm map disagree");
+    uint64_t warm_sum = 0;
+    prev = -1e300;
+    for (const std::string & sid : warm_lru_) {
+        const warm_entry & w = warm_.at(sid);
+        if (*w.lru_pos != sid) fail("warm LRU position does not point at its session");
+        if (live_.count(sid)) fail("session '" + sid + "' is both hot and warm");
+        if (w.seq_len < 1 || w.seq_len > config_.context_tokens) fail("warm session length outside [1, context_tokens]");
+        if (w.last_used < prev) fail("warm LRU order disagrees with last_used");
+        prev = w.last_used;
+        warm_sum += w.bytes();
+    }
+    if (warm_sum != warm_held_) fail("warm bytes held != sum of warm entries");
+    if (warm_held_ > (uint64_t) std::max<int64_t>(config_.warm_bytes, 0)) fail("warm bytes exceed warm_bytes");
+    if (counters_.spills != counters_.restores + counters_.warm_drops + warm_.size()) {
+        fail("spills != restores + warm drops + warm sessions");
     }
 }
 

@@ -21,6 +21,25 @@ struct shard_context::batch_buffers {
 
 static std::string str(int64_t v) { return std::to_string(v); }
 
+static ggml_type kv_ggml_type(const std::string & name) {
+    if (name == "f16")  return GGML_TYPE_F16;
+    if (name == "q8_0") return GGML_TYPE_Q8_0;
+    if (name == "q4_0") return GGML_TYPE_Q4_0;
+    throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type must be f16, q8_0 or q4_0, got '" + name + "'");
+}
+
+uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type) {
+    const shard_model_info & info = model.info();
+    const int64_t n_embd_kv = (int64_t) info.n_head_kv * info.head_dim;
+    const ggml_type type = kv_ggml_type(kv_type);
+    if (n_embd_kv % ggml_blck_size(type) != 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs K/V rows that are a multiple of " +
+                          str(ggml_blck_size(type)) + " values; this model's are " + str(n_embd_kv));
+    }
+    // one K row and one V row per owned layer
+    return 2ull * (uint64_t) ggml_row_size(type, n_embd_kv) * (uint64_t) info.n_owned_layers();
+}
+
 shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
     if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_ctx, n_seq_max and n_batch must be >= 1 and n_threads >= 0");
@@ -32,6 +51,9 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_batch (" + str(params.n_batch) + ") must not exceed n_ctx (" + str(params.n_ctx) + ")");
     }
     const shard_model_info & info = model.info();
+    kv_bytes_per_token_ = llama_shard::kv_bytes_per_token(model, params.kv_type);  // validates the type first
+    kv_type_ = params.kv_type;
+    const ggml_type type = kv_ggml_type(params.kv_type);
 
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx           = (uint32_t) params.n_ctx;
@@ -46,8 +68,11 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     cparams.kv_unified      = params.kv_unified;
     cparams.embeddings      = !info.is_tail;  // a non-tail shard returns the residual of every token
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
-    cparams.type_k          = GGML_TYPE_F16;
-    cparams.type_v          = GGML_TYPE_F16;
+    cparams.type_k          = type;
+    cparams.type_v          = type;
+    if (type != GGML_TYPE_F16) {
+        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;  // llama.cpp's quantized V cache needs it
+    }
     cparams.no_perf         = true;
 
     ctx_ = llama_init_from_model(model.raw(), cparams);
@@ -284,6 +309,36 @@ int32_t shard_context::seq_pos_max(int32_t seq_id) const {
 int64_t shard_context::n_cells_used() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return n_cells_used_unlocked();
+}
+
+bool shard_context::seq_save(int32_t seq_id, std::vector<uint8_t> & out) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    const size_t size = llama_state_seq_get_size(ctx_, seq_id);
+    if (size == 0) {
+        return false;
+    }
+    const size_t at = out.size();
+    out.resize(at + size);
+    const size_t written = llama_state_seq_get_data(ctx_, out.data() + at, size, seq_id);
+    if (written != size) {
+        out.resize(at);
+        return false;
+    }
+    return true;
+}
+
+bool shard_context::seq_restore(int32_t seq_id, const uint8_t * data, size_t size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    if (data == nullptr || size == 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "no sequence state to restore");
+    }
+    if (llama_state_seq_set_data(ctx_, data, size, seq_id) != size) {
+        llama_memory_seq_rm(llama_get_memory(ctx_), seq_id, -1, -1);  // nothing half-restored stays
+        return false;
+    }
+    return true;
 }
 
 // cells in use = the sum over sequences of their lengths (positions are contiguous from 0)

@@ -1,4 +1,5 @@
 #include "llama_shard/shard_model.h"
+#include "llama_shard/shard_context.h"
 
 #include "gguf.h"
 #include "llama.h"
@@ -187,8 +188,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.n_ctx_train  = llama_model_n_ctx_train(model_);
     info_.kv_dtype     = "f16";
     info_.weight_bytes = llama_model_weight_bytes(model_);
-    // K and V, f16, n_head_kv * head_dim values each, per owned layer
-    info_.kv_bytes_per_token = 2ull * sizeof(uint16_t) * (uint64_t) info_.n_head_kv * info_.head_dim * info_.n_owned_layers();
+    info_.kv_bytes_per_token = kv_bytes_per_token(*this, info_.kv_dtype);  // at the default KV type
 }
 
 shard_model::~shard_model() {

@@ -283,20 +283,22 @@ std::vector<step_loop::part> step_loop::form_step_locked() const {
     const bool others_waiting = heads.size() > 1;  // prefills then go in chunks of prefill_chunk
     std::vector<part> parts;
     int64_t room = config_.max_step_tokens;
-    // decodes first, whole (a long prompt never pushes a waiting decoder out of the step), then
-    // prefills in arrival order with the room left
-    for (const hot_kv_step_kind kind : {HOT_KV_STEP_DECODE, HOT_KV_STEP_PREFILL}) {
+    // requests the engine deferred (BUSY) first, so the first of them always fits; then decodes,
+    // whole (a long prompt never pushes a waiting decoder out of the step), then prefills in
+    // arrival order with the room left
+    for (const int pass : {0, 1, 2}) {
+        const hot_kv_step_kind kind = pass == 2 ? HOT_KV_STEP_PREFILL : HOT_KV_STEP_DECODE;
         for (const auto * h : heads) {
             const step_ticket & t = **h;
             if ((int32_t) parts.size() >= config_.max_step_sessions || room == 0) {
                 return parts;
             }
-            if (t.kind != kind) {
+            if (pass == 0 ? !t.deferred_ : (t.deferred_ || t.kind != kind)) {
                 continue;
             }
             const int64_t left = t.n_tokens - t.offset_;
             int64_t n = left;
-            if (kind == HOT_KV_STEP_PREFILL) {
+            if (t.kind == HOT_KV_STEP_PREFILL) {
                 n = std::min(left, others_waiting ? std::min<int64_t>(config_.prefill_chunk, room) : room);
             } else if (n > room) {
                 continue;  // a decode is not split: it waits for the next step
@@ -350,6 +352,10 @@ std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> step_loop::r
     for (size_t i = 0; i < parts.size(); ++i) {
         step_ticket & t = *parts[i].ticket;
         hot_kv_result & r = results[i];
+        t.deferred_ = r.status == SHARD_STATUS_BUSY;
+        if (t.deferred_) {
+            continue;  // stays pending; the next step takes it first
+        }
         if (r.status == SHARD_STATUS_OK) {
             if (t.offset_ == 0) {
                 t.start_ = r.seq_len - (int32_t) parts[i].n;

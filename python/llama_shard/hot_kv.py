@@ -13,6 +13,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -121,6 +122,7 @@ class SessionInfo:
     seq_id: int
     owned_layers: tuple[int, ...]
     bytes_per_token: int
+    tier: str = "hot"  # "hot": in the shard's context; "warm": spilled to host memory (resolve does not move it)
 
     @property
     def nbytes(self) -> int:
@@ -164,33 +166,52 @@ ENV_PREFIX = "MESHNET_HOT_KV_"
 class HotKvStateConfig:
     """Bounds of the Hot KV state of one shard.
 
-    max_sessions: live sessions at most (each holds one llama_seq_id);
-    context_tokens: tokens one session may hold; budget_tokens: tokens all sessions may hold
-    together (the context's cell count); ttl_seconds: idle time before a session is evicted
-    (0 disables TTL).
+    max_sessions: hot sessions at most (each holds one llama_seq_id and a KV stream of
+    context_tokens cells, allocated up front: max_sessions x context_tokens x KV bytes per token is
+    the hot tier's memory; `memory_plan` derives max_sessions from a size in bytes);
+    context_tokens: tokens one session may hold; budget_tokens: a cap on the tokens all hot
+    sessions hold together (None: max_sessions x context_tokens, i.e. no cap beyond the slots);
+    ttl_seconds: idle time before a hot session is evicted (0 disables TTL).
+    warm_bytes: host memory for the KV of sessions evicted from the hot set (0: no warm tier; then
+    an evicted session is a cache miss); warm_ttl_seconds: idle time before a warm session is
+    dropped (0 disables); kv_type: the K/V element type, f16, q8_0 or q4_0 (part of the recipe:
+    the shards of a route must agree).
     """
 
     max_sessions: int = 8
     context_tokens: int = 2048
-    budget_tokens: int = 8192
+    budget_tokens: int | None = None
     ttl_seconds: float = 600.0
+    warm_bytes: int = 0
+    warm_ttl_seconds: float = 3600.0
+    kv_type: str = "f16"
 
     def __post_init__(self):
+        if self.budget_tokens is None:
+            object.__setattr__(self, "budget_tokens", self.max_sessions * self.context_tokens
+                               if _positive_int(self.max_sessions) and _positive_int(self.context_tokens) else 0)
         for name in ("max_sessions", "context_tokens", "budget_tokens"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not _positive_int(v):
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
         if self.max_sessions > 256:
             raise InvalidInputError(f"max_sessions must be <= 256 (llama.cpp's sequence limit), got {self.max_sessions}")
         if self.budget_tokens > 1 << 24:
             raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
-        ttl = self.ttl_seconds
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not np.isfinite(ttl) or ttl < 0:
-            raise InvalidInputError(f"ttl_seconds must be a finite number >= 0, got {ttl!r}")
+        if isinstance(self.warm_bytes, bool) or not isinstance(self.warm_bytes, int) or self.warm_bytes < 0:
+            raise InvalidInputError(f"warm_bytes must be an integer >= 0, got {self.warm_bytes!r}")
+        for name in ("ttl_seconds", "warm_ttl_seconds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+                raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.kv_type not in KV_TYPES:
+            raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
-        """Reads MESHNET_HOT_KV_{MAX_SESSIONS,CONTEXT_TOKENS,BUDGET_TOKENS,TTL_SECONDS}; unset keeps the default."""
+        """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
+        TTL_SECONDS, WARM_BYTES (a size: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS, KV_TYPE); unset
+        keeps the default."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for field in dataclasses.fields(cls):
@@ -199,13 +220,47 @@ class HotKvStateConfig:
             if raw is None or raw.strip() == "":
                 continue
             try:
-                values[field.name] = float(raw) if field.name == "ttl_seconds" else int(raw.strip(), 10)
+                if field.name.endswith("_seconds"):
+                    values[field.name] = float(raw)
+                elif field.name == "kv_type":
+                    values[field.name] = raw.strip().lower()
+                elif field.name == "warm_bytes":
+                    values[field.name] = parse_size(raw)
+                else:
+                    values[field.name] = int(raw.strip(), 10)
             except ValueError:
-                raise InvalidInputError(f"{key}={raw!r} is not a valid {'number' if field.name == 'ttl_seconds' else 'integer'}") from None
+                raise InvalidInputError(f"{key}={raw!r} is not a valid value for {field.name}") from None
         try:
             return cls(**values)
         except InvalidInputError as e:
             raise InvalidInputError(f"bad {ENV_PREFIX}* configuration: {e}") from None
+
+
+def _positive_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512MiB', '2GiB', '1.5G', '4096' (SI and binary units); ValueError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError("a size is >= 0")
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 class ManualClock:
@@ -247,8 +302,25 @@ ARCHITECTURE_ALIASES = {
     "qwen3forcausallm": "qwen3",
 }
 
-KV_DTYPE_BYTES = {"f16": 2, "float16": 2, "f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2}
-KV_DTYPE_CANONICAL = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}
+#: the K/V element types a shard's cache may use (llama.cpp's type_k/type_v; the quantized ones
+#: run flash attention) -> gguf's quantization type, which gives the row sizes
+KV_TYPES = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+KV_DTYPE_CANONICAL = {"float16": "f16"}
+
+
+def kv_bytes_per_token(n_kv_heads: int, head_dim: int, n_layers: int, kv_type: str = "f16") -> int:
+    """K and V bytes one cached token takes over n_layers (the native engine computes the same
+    with ggml_row_size; a test holds them equal)."""
+    import gguf
+
+    kv_type = KV_DTYPE_CANONICAL.get(kv_type, kv_type)
+    if kv_type not in KV_TYPES:
+        raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[KV_TYPES[kv_type]]]
+    row = n_kv_heads * head_dim
+    if row % block:
+        raise InvalidInputError(f"kv_type {kv_type} needs K/V rows that are a multiple of {block} values; these are {row}")
+    return 2 * (row // block) * block_bytes * n_layers
 
 
 def certified_architecture(name: str) -> str:
@@ -274,7 +346,7 @@ class KvCacheRecipe:
 
     def __post_init__(self):
         certified_architecture(self.architecture_adapter)  # fails closed
-        if self.kv_dtype not in KV_DTYPE_BYTES:
+        if KV_DTYPE_CANONICAL.get(self.kv_dtype, self.kv_dtype) not in KV_TYPES:
             raise InvalidInputError(f"unknown kv dtype {self.kv_dtype!r}")
         if not (0 <= self.start_layer <= self.end_layer < self.total_layers) or self.n_kv_heads < 1 or self.head_dim < 1:
             raise InvalidInputError(f"inconsistent KV recipe {self}")
@@ -303,13 +375,14 @@ class KvCacheRecipe:
 
     def bytes_per_token(self) -> int:
         """K and V bytes per cached token over the owned layers."""
-        return 2 * self.n_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype] * len(self.owned_layers)
+        return kv_bytes_per_token(self.n_kv_heads, self.head_dim, len(self.owned_layers), self.kv_dtype)
 
 
-def kv_recipe_for(shard) -> KvCacheRecipe:
-    """The recipe of a native `ShardModel` or a reference shard (anything with the same info)."""
+def kv_recipe_for(shard, kv_type: str | None = None) -> KvCacheRecipe:
+    """The recipe of a native `ShardModel` or a reference shard (anything with the same info)
+    whose cache uses `kv_type` (None: the model's default, f16)."""
     info = shard.info
-    return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=info.kv_dtype, n_kv_heads=info.n_head_kv,
+    return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=kv_type or info.kv_dtype, n_kv_heads=info.n_head_kv,
                          head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last)
 
 

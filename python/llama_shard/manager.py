@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._native import HotKvEngine, MissReason, ShardModel, Status, StepKind, StepLoop
+from ._native import HotKvEngine, MissReason, ShardModel, Status, StepKind, StepLoop, Tier
 from .errors import (
     CapacityError,
     ComputeError,
@@ -71,16 +71,17 @@ class HotKvStateManager:
             raise InvalidInputError("gather_s must be in [0, 1] seconds")
         self.clock = clock if clock is not None else monotonic_clock
         self.model = model
-        self.recipe: KvCacheRecipe = kv_recipe_for(model)  # raises for an uncertified architecture
         c = self.config
+        self.recipe: KvCacheRecipe = kv_recipe_for(model, c.kv_type)  # raises for an uncertified architecture
         if isinstance(model, ShardModel):
             self.engine = HotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens, float(c.ttl_seconds),
-                                      n_batch, n_threads, recent_capacity)
+                                      n_batch, n_threads, recent_capacity, c.warm_bytes, float(c.warm_ttl_seconds), c.kv_type)
             self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
         else:
             from .reference.engine import ReferenceHotKvEngine
             self.engine = ReferenceHotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens,
-                                               float(c.ttl_seconds), n_batch, recent_capacity)
+                                               float(c.ttl_seconds), n_batch, recent_capacity, c.warm_bytes,
+                                               float(c.warm_ttl_seconds), c.kv_type)
             self._loop = _ReferenceLoop(self.engine, max_step_sessions, prefill_chunk)
         self.n_batch = int(self.engine.n_batch)
 
@@ -88,7 +89,8 @@ class HotKvStateManager:
 
     def _session(self, sid: str, epoch: int, r) -> SessionInfo:
         return SessionInfo(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, seq_id=r.seq_id,
-                           owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token())
+                           owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token(),
+                           tier="warm" if r.tier == Tier.WARM else "hot")
 
     @staticmethod
     def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
@@ -220,14 +222,17 @@ class HotKvStateManager:
         return int(self.engine.stats()["reserved_bytes"])
 
     def session_keys(self) -> list[tuple[str, int]]:
-        """Live (route_session_id, route_epoch) keys, least recently used first."""
+        """Cached (route_session_id, route_epoch) keys: hot ones least recently used first, then warm ones."""
         return [(sid, int(epoch)) for sid, epoch, *_ in self.engine.sessions()]
 
-    def sessions(self) -> list[tuple[str, int, int, int, float]]:
-        """Live sessions as (session_id, epoch, seq_id, seq_len, last_used), least recently used first."""
+    def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
+        """Cached sessions as (session_id, epoch, seq_id, seq_len, last_used, tier): the hot ones
+        least recently used first, then the warm ones (tier "warm", seq_id -1)."""
         return list(self.engine.sessions())
 
     def stats(self) -> dict:
+        """The engine's counters, among them live_sessions, reserved_tokens, evictions_*, misses
+        (by reason) and the warm tier's spills, restores, warm_drops, warm_sessions, warm_bytes."""
         return dict(self.engine.stats())
 
     def check_invariants(self) -> None:
@@ -241,7 +246,7 @@ class _ReferenceTicket:
         self.step, self.now = step, now
         self.offset, self.start, self.outs = 0, -1, []
         self.result = self.output = None
-        self.finished = self.submitted = False
+        self.finished = self.submitted = self.deferred = False
 
     def finish(self, result, output=None) -> None:
         self.result, self.output, self.finished = result, output, True
@@ -301,14 +306,15 @@ class _ReferenceLoop:
                 heads.append(t)
         others_waiting = len(heads) > 1
         parts, room = [], self.max_step_tokens
-        for kind in (StepKind.DECODE, StepKind.PREFILL):  # decodes first, whole; then prefills
+        # deferred (BUSY) first, then decodes, whole; then prefills
+        for deferred, kind in ((True, None), (False, StepKind.DECODE), (False, StepKind.PREFILL)):
             for t in heads:
                 if len(parts) >= self.max_step_sessions or room == 0:
                     return parts
-                if t.step.kind != kind:
+                if t.deferred != deferred or (kind is not None and t.step.kind != kind):
                     continue
                 left = t.step.n_tokens - t.offset
-                if kind == StepKind.PREFILL:
+                if t.step.kind == StepKind.PREFILL:
                     n = min(left, min(self.prefill_chunk, room) if others_waiting else room)
                 elif left > room:
                     continue
@@ -336,6 +342,9 @@ class _ReferenceLoop:
             step = t.step
             self._stats["chunks"] += 1
             self._stats["tokens"] += n
+            t.deferred = r.status == Status.BUSY
+            if t.deferred:
+                continue  # stays pending; the next step takes it first
             if r.status == Status.OK:
                 if t.offset == 0:
                     t.start = r.seq_len - n

@@ -18,10 +18,35 @@
 //    start of the lowest run of free ids long enough for the step's remaining new sessions, else
 //    the lowest free id (outside a step: the lowest free id).
 //
+//  - the warm tier (warm_bytes > 0): a session that leaves the hot set by LRU or TTL eviction keeps
+//    its KV as bytes in host memory (llama.cpp's sequence state of the owned layers); a key is hot,
+//    warm or neither, never both; warm bytes held (state + key bytes, exact) <= warm_bytes, and the
+//    warm LRU list is ordered by last use like the hot one.
+//
+// Memory: the context holds max_sessions KV streams of context_tokens cells each (llama.cpp pads a
+// stream to a multiple of 256 cells), allocated up front: that is the hot tier's real memory.
+// budget_tokens caps the tokens held hot by all sessions together (<= max_sessions x
+// context_tokens to mean anything); the warm tier holds at most warm_bytes more.
+//
 // Admission is by token reservation. Before a step computes, the engine checks that the session's
 // new length fits context_tokens and budget_tokens on its own (otherwise: BUDGET_EXCEEDED and
 // nothing changes), then evicts least-recently-used sessions other than the requester until the
 // step fits. A new session that finds max_sessions live evicts the LRU session the same way.
+// In a batched step, sessions outside the step go first; without a warm tier the step's own
+// sessions are never evicted (the request gets BUDGET_EXCEEDED instead), with one the step's
+// sessions not admitted yet may be, since they only move to the warm tier: a request that fits
+// alone but not beside what the step already admitted gets BUSY, and the step loop runs it first
+// in its next step (so the first request of a step always fits, and an oversubscribed node serves
+// its sessions in turn instead of re-prefilling them).
+//
+// Spill and restore: an evicted session (LRU or TTL) is copied to the warm tier, making room by
+// dropping the least recently used warm sessions (they become EVICTED_LRU misses); one that cannot
+// be copied or is larger than the whole tier is dropped as before. A step, truncate or open of a
+// warm session restores it into a free seq id first (admitted like a prefill of its length) and
+// carries on: the caller sees no miss, and the KV is the same bytes, so the results are
+// bit-identical to never having left. resolve reports a warm session without moving it. Release
+// and supersession drop a warm copy as they drop a hot session; warm sessions idle longer than
+// warm_ttl_seconds are dropped as EVICTED_TTL.
 //
 // Expected outcomes are values (shard_status + shard_miss_reason); caller mistakes throw
 // shard_error(SHARD_ERRC_INVALID_ARGUMENT) before any state changes. Time is passed in by the
@@ -74,6 +99,14 @@ enum shard_status {
     SHARD_STATUS_BUDGET_EXCEEDED,  // the step cannot fit even with every other session evicted
     SHARD_STATUS_INVALID_INPUT,    // step() only: this request was invalid (single calls throw)
     SHARD_STATUS_COMPUTE_ERROR,    // step() only: llama_decode failed; the step was rolled back
+    SHARD_STATUS_BUSY,             // step() only, warm tier on: fits alone, not beside this step's admitted sessions
+};
+
+// where a session's KV is
+enum hot_kv_tier {
+    HOT_KV_TIER_NONE,  // nowhere (a miss)
+    HOT_KV_TIER_HOT,   // in the llama_context, under a seq id
+    HOT_KV_TIER_WARM,  // as bytes in host memory
 };
 
 enum hot_kv_step_kind {
@@ -113,7 +146,13 @@ struct hot_kv_config {
     int32_t n_batch         = 512;    // most tokens in one step
     int32_t n_threads       = 0;      // 0 = the model's
     int32_t recent_capacity = 4096;   // remembered dropped keys (bounded: a flood cannot grow memory)
+    int64_t warm_bytes      = 0;      // host memory for evicted sessions' KV; 0: no warm tier
+    double  warm_ttl_seconds = 3600.0; // idle time (since last use) after which a warm session is dropped; <= 0 disables
+    std::string kv_type     = "f16";  // K/V element type: f16, q8_0, q4_0
 };
+
+// upper bounds (seconds) of the restore-time histogram buckets; the last bucket is +Inf
+constexpr std::array<double, 8> HOT_KV_RESTORE_BUCKETS = {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0};
 
 struct hot_kv_result {
     shard_status      status = SHARD_STATUS_OK;
@@ -122,6 +161,7 @@ struct hot_kv_result {
     int32_t seq_id        = -1;  // the llama_seq_id serving the session (-1 when not live)
     int64_t current_epoch = -1;  // on STALE_EPOCH: the session's current epoch
     bool    changed       = false;  // release: whether something was released
+    hot_kv_tier tier      = HOT_KV_TIER_NONE;  // where the session is after the call
     std::string detail;          // why, for anything but OK
 };
 
@@ -131,6 +171,7 @@ struct hot_kv_session_info {
     int32_t     seq_id;
     int32_t     seq_len;
     double      last_used;
+    hot_kv_tier tier;     // HOT (seq_id >= 0) or WARM (seq_id -1)
 };
 
 struct hot_kv_stats {
@@ -149,6 +190,15 @@ struct hot_kv_stats {
     uint64_t tokens_computed;
     int32_t  recent_keys;
     std::array<uint64_t, SHARD_MISS_COUNT> misses;  // by reason
+    // the warm tier: spills = restores + warm_drops + warm_sessions at all times
+    uint64_t spills;              // sessions copied to the warm tier
+    uint64_t restores;            // warm sessions brought back hot
+    uint64_t warm_drops;          // warm sessions dropped (LRU by bytes, TTL, release, supersession, a failed restore)
+    int32_t  warm_sessions;
+    uint64_t warm_bytes;          // held now
+    uint64_t warm_capacity;       // config warm_bytes
+    double   restore_seconds;     // total time restores took
+    std::array<uint64_t, HOT_KV_RESTORE_BUCKETS.size() + 1> restore_buckets;  // restores per bucket (not cumulative)
 };
 
 class hot_kv_engine {
@@ -218,6 +268,15 @@ private:
         uint64_t          stamp;  // matches recent_order_ entries; older order entries are stale
     };
 
+    struct warm_entry {
+        int64_t              epoch;
+        int32_t              seq_len;
+        double               last_used;
+        std::vector<uint8_t> state;  // shard_context::seq_save of the owned layers
+        std::list<std::string>::iterator lru_pos;
+        uint64_t bytes() const;      // what the tier charges: state + key
+    };
+
     // --- helpers; all run with mutex_ held ---
     void     validate_key(const std::string & sid, int64_t epoch) const;
     // callers read their clocks before they get the lock, so `now` can arrive out of order across
@@ -231,14 +290,35 @@ private:
     void     drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
     void     remember_locked(const std::string & sid, int64_t epoch, shard_miss_reason reason);
     bool     evict_lru_locked(const std::string & keep);
+    // a hot session leaves the hot set for `reason` (EVICTED_LRU/TTL): spilled to the warm tier if
+    // it can be, dropped otherwise
+    void     leave_hot_locked(const std::string & sid, shard_miss_reason reason);
+    bool     spill_locked(const std::string & sid, shard_miss_reason reason);
+    // frees a hot session's cells, seq id and reservation (no record, no counters)
+    void     free_hot_locked(const std::string & sid);
+    void     drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
+    int32_t  sweep_warm_locked(double now);
+    // brings a warm session back hot (room and a free id must be there); null with a counted miss
+    // in `res` if llama.cpp refused the state (the warm copy is dropped)
+    session * restore_locked(const std::string & sid, double now, hot_kv_result & res);
+    // makes room for `tokens` more hot tokens and, if `need_id`, a free seq id, evicting LRU
+    // sessions outside `keep` (sessions outside `step` first); false (nothing evicted) if that
+    // cannot be enough
+    bool     make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
+                              const std::vector<std::string> & step);
+    bool     warm_enabled() const { return config_.warm_bytes > 0; }
     void     touch_locked(session & s, double now);
     session & create_locked(const std::string & sid, int64_t epoch, double now);
     int32_t  take_free_id_locked();
 
     // classifies (sid, epoch): returns the live session of that exact key, or null with `res` saying
     // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
-    // A newer epoch than the live one drops the live state (supersession).
-    session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
+    // A warm session of that exact key: null, res OK and *warm set. A newer epoch than the live or
+    // warm one drops that state (supersession).
+    session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res, warm_entry ** warm = nullptr);
+    // identify_locked, then a warm session is restored (room made by evicting anyone but sid)
+    session * restore_alone_locked(const std::string & sid, int32_t seq_len, double now, hot_kv_result & res);
+    session * identify_hot_locked(const std::string & sid, int64_t epoch, double now, hot_kv_result & res, bool count_miss);
     // identify_locked for a request answered at once (truncate, resolve): a miss it returns is counted
     session * identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
     hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
@@ -248,13 +328,14 @@ private:
         size_t    index;  // into the requests / results
         session * s;
         int32_t   start;
+        const std::string * sid;
     };
 
     // identity + admission for one validated request; on success appends to `plan` (the session is
     // truncated to its start and touched), otherwise returns the answer
     bool admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
                       std::vector<planned> & plan, size_t index, hot_kv_result & res);
-    bool evict_lru_except_locked(const std::vector<std::string> & keep);
+    bool evict_lru_except_locked(const std::vector<std::string> & keep, const std::vector<std::string> & later = {});
     std::vector<hot_kv_result> step_locked(const std::vector<hot_kv_request> & requests, double now);
     hot_kv_result single_locked(const hot_kv_request & req, double now);
 
@@ -272,6 +353,10 @@ private:
     int32_t                                  last_created_id_ = -1;
     int64_t                                  reserved_ = 0;
     double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
+
+    std::unordered_map<std::string, warm_entry> warm_;
+    std::list<std::string>                      warm_lru_;  // front = least recently used
+    uint64_t                                    warm_held_ = 0;
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 struct llama_context;
@@ -33,7 +34,12 @@ struct shard_context_params {
     int32_t n_batch   = 512;   // most tokens in one forward call
     int32_t n_threads = 0;     // 0 = the model's thread count
     bool    kv_unified = true; // one pool of cells for all sequences, or one stream per sequence
+    std::string kv_type = "f16"; // K and V element type: f16, q8_0 or q4_0 (the quantized ones run flash attention)
 };
+
+// the KV element types a context may use, and what one cached token costs in bytes over `model`'s
+// owned layers (K and V rows); throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) for another name
+uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type);
 
 // what one forward call consumes: exactly one of tokens / hidden
 struct shard_input {
@@ -92,11 +98,20 @@ public:
     // cells in use over all sequences
     int64_t n_cells_used() const;
 
+    // --- one sequence's KV as bytes (llama.cpp's sequence state format), for the warm tier ---
+    // appends the state of `seq_id` to `out`; false if llama.cpp could not write it
+    bool seq_save(int32_t seq_id, std::vector<uint8_t> & out) const;
+    // replaces `seq_id`'s cells with a state seq_save wrote on a context of the same model, range
+    // and kv_type (never bytes from elsewhere: llama.cpp checks layer count, types and row sizes,
+    // not where they came from); false (and `seq_id` empty) if llama.cpp refused it
+    bool seq_restore(int32_t seq_id, const uint8_t * data, size_t size);
+
+    const std::string & kv_type() const { return kv_type_; }
+    uint64_t kv_bytes_per_token() const { return kv_bytes_per_token_; }
+
     // validation shared with the session engine; throws shard_error(SHARD_ERRC_INVALID_ARGUMENT)
     void validate_input(const shard_input & input) const;
     void validate_seq_id(int32_t seq_id) const;
-
-    llama_context * raw() const { return ctx_; }
 
 private:
     int32_t forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated);
@@ -110,6 +125,8 @@ private:
     int32_t             n_ctx_seq_ = 0;
     uint64_t            n_decode_calls_ = 0;
     bool                kv_unified_ = true;
+    std::string         kv_type_;
+    uint64_t            kv_bytes_per_token_ = 0;
     mutable std::mutex  mutex_;
 
     struct batch_buffers;

@@ -42,9 +42,9 @@ struct shard_model_info {
     int32_t     n_head_kv;
     int32_t     head_dim;
     int32_t     n_ctx_train;
-    std::string kv_dtype;            // KV element type of the contexts this engine creates ("f16")
+    std::string kv_dtype;            // the default KV element type of a context ("f16"; see shard_context_params::kv_type)
     uint64_t    weight_bytes;        // bytes of weight buffers allocated for this shard
-    uint64_t    kv_bytes_per_token;  // K and V bytes per cached token over the owned layers
+    uint64_t    kv_bytes_per_token;  // K and V bytes per cached token over the owned layers, at kv_dtype
 
     int32_t n_owned_layers() const { return last - first + 1; }
 };

@@ -93,6 +93,7 @@ private:
     // loop-side progress of a chunked prefill (touched by the loop thread only)
     int64_t offset_ = 0;   // tokens already computed
     int32_t start_  = -1;  // position of the first token, once the first chunk ran
+    bool    deferred_ = false;  // the engine answered BUSY: it goes first in the next step
 
     mutable std::mutex      mutex_;
     std::condition_variable cv_;

@@ -3,26 +3,31 @@
 `ReferenceHotKvEngine` has the interface of the native `HotKvEngine` (native/include/llama_shard/
 hot_kv_engine.h) and the same rules, step for step: identity (stale epochs, supersession), token-
 reservation admission, LRU eviction by session cap and by budget (never the requester), TTL
-eviction, the bounded table of recently dropped keys, and seq id assignment from a free pool.
+eviction, the warm tier (evicted sessions spill a copy of their K/V and come back on their next
+step; BUSY for a request that fits alone but not beside what its step admitted), the bounded table
+of recently dropped keys, and seq id assignment from a free pool.
 Each live session holds a `SequenceKv` with K/V for the owned layers only.
 """
 from __future__ import annotations
 
 import bisect
-
 import collections
+import copy
 import dataclasses
+import time
 
 import numpy as np
 
-from .._native import MissReason, Status, StepKind
+from .._native import MissReason, Status, StepKind, Tier
 from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
 
 # the native enums: one status and miss-reason type for both engines
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
-INVALID_INPUT, COMPUTE_ERROR = Status.INVALID_INPUT, Status.COMPUTE_ERROR
+INVALID_INPUT, COMPUTE_ERROR, BUSY = Status.INVALID_INPUT, Status.COMPUTE_ERROR, Status.BUSY
+#: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
+RESTORE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0, float("inf"))
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
@@ -34,6 +39,7 @@ class StepResult:
     seq_id: int = -1
     current_epoch: int = -1
     changed: bool = False
+    tier: Tier = Tier.NONE
     detail: str = ""
 
 
@@ -55,6 +61,18 @@ class _Session:
 
 
 @dataclasses.dataclass
+class _Warm:
+    epoch: int
+    kv: SequenceKv
+    last_used: float
+    nbytes: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.kv.seq_len
+
+
+@dataclasses.dataclass
 class _Dropped:
     epoch: int
     reason: MissReason
@@ -63,9 +81,19 @@ class _Dropped:
 
 class ReferenceHotKvEngine:
     def __init__(self, shard: ReferenceShard, max_sessions: int, context_tokens: int, budget_tokens: int,
-                 ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096):
+                 ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096, warm_bytes: int = 0,
+                 warm_ttl_seconds: float = 3600.0, kv_type: str = "f16"):
         if not 1 <= max_sessions <= 256:
             raise InvalidInputError("max_sessions must be in [1, 256]")
+        if kv_type != "f16":
+            raise InvalidInputError("the numpy reference computes an f16 cache only")
+        if warm_bytes < 0:
+            raise InvalidInputError("warm_bytes must be >= 0")
+        self.warm_bytes = warm_bytes
+        self.warm_ttl_seconds = warm_ttl_seconds
+        self._warm: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
+        self._warm_held = 0
+        self._restore_buckets = [0] * len(RESTORE_BUCKETS)
         if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
             raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
         self.shard = shard
@@ -156,35 +184,104 @@ class ReferenceHotKvEngine:
             if d is not None and d.stamp == old_stamp:
                 del self._recent[old_sid]
 
-    def _drop(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+    _LEAVING = {MissReason.EVICTED_TTL: "evictions_ttl", MissReason.EVICTED_LRU: "evictions_lru",
+                MissReason.RELEASED: "releases", MissReason.SUPERSEDED_EPOCH: "supersessions"}
+
+    def _free_hot(self, sid: str) -> _Session:
         s = self._live.pop(sid)
         self._reserved -= s.seq_len
         bisect.insort(self._free_ids, s.seq_id, key=lambda i: -i)  # descending: the lowest id is reused first
+        return s
+
+    def _drop(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+        s = self._free_hot(sid)
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else s.epoch, reason)
-        key = {MissReason.EVICTED_TTL: "evictions_ttl", MissReason.EVICTED_LRU: "evictions_lru", MissReason.RELEASED: "releases",
-               MissReason.SUPERSEDED_EPOCH: "supersessions"}.get(reason)
-        if key:
-            self._counters[key] += 1
+        self._counters[self._LEAVING.get(reason, "other")] += 1
+
+    def warm_entry_bytes(self, session_id: str, seq_len: int) -> int:
+        """What the native warm tier charges for a session: the key's bytes and llama.cpp's sequence
+        state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
+        count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
+        layer, and per cell its position, seq id count and seq id before the K and V rows)."""
+        n_layers = len(self.shard.owned_layers)
+        state = 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
+        return state + len(session_id.encode("utf-8", "surrogatepass"))
+
+    def _leave_hot(self, sid: str, reason: str) -> None:
+        """A hot session evicted (LRU or TTL): spilled to the warm tier if it can be, dropped otherwise."""
+        s = self._live[sid]
+        nbytes = self.warm_entry_bytes(sid, s.seq_len)
+        if self.warm_bytes <= 0 or s.seq_len == 0 or nbytes > self.warm_bytes:
+            self._drop(sid, reason)
+            return
+        while self._warm_held + nbytes > self.warm_bytes:
+            self._drop_warm(next(iter(self._warm)), MissReason.EVICTED_LRU)
+        self._warm[sid] = _Warm(s.epoch, copy.deepcopy(s.kv), s.last_used, nbytes)
+        self._warm_held += nbytes
+        self._counters["spills"] += 1
+        self._counters[self._LEAVING[reason]] += 1
+        self._free_hot(sid)
+
+    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+        w = self._warm.pop(sid)
+        self._warm_held -= w.nbytes
+        self._remember(sid, remembered_epoch if remembered_epoch >= 0 else w.epoch, reason)
+        self._counters["warm_drops"] += 1
+        if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
+            self._counters[self._LEAVING[reason]] += 1
+
+    def _restore(self, sid: str, now: float) -> _Session:
+        t0 = time.perf_counter()
+        w = self._warm.pop(sid)
+        self._warm_held -= w.nbytes
+        s = _Session(w.epoch, self._take_free_id(), copy.deepcopy(w.kv), now)
+        self._live[sid] = s
+        self._reserved += s.seq_len
+        self._counters["restores"] += 1
+        seconds = time.perf_counter() - t0
+        self._counters["restore_seconds"] += seconds
+        self._restore_buckets[bisect.bisect_left(RESTORE_BUCKETS, seconds)] += 1
+        self._touch(sid, s, now)
+        return s
+
+    def _make_room(self, tokens: int, need_id: bool, keep: list[str], step: list[str]) -> bool:
+        """As the native make_room_locked: evict LRU sessions outside `keep` (those outside `step`
+        first) until `tokens` more fit the budget and, if need_id, a seq id is free; False (and
+        nothing evicted) if that cannot be enough."""
+        if self._reserved + tokens > self.budget_tokens or (need_id and not self._free_ids):
+            others = [o for k, o in self._live.items() if k not in keep]
+            if self._reserved + tokens - sum(o.seq_len for o in others) > self.budget_tokens or (
+                    need_id and not self._free_ids and not others):
+                return False
+        while self._reserved + tokens > self.budget_tokens or (need_id and not self._free_ids):
+            evicted = self._evict_lru_except(keep, step)
+            assert evicted
+        return True
 
     def _evict_lru(self, keep: str) -> bool:
         return self._evict_lru_except([keep])
 
-    def _evict_lru_except(self, keep: list[str]) -> bool:
-        for sid in self._live:
-            if sid not in keep:
-                self._drop(sid, MissReason.EVICTED_LRU)
-                return True
+    def _evict_lru_except(self, keep: list[str], later: list[str] = ()) -> bool:
+        for allow_later in (False, True):
+            for sid in self._live:
+                if sid not in keep and (allow_later or sid not in later):
+                    self._leave_hot(sid, MissReason.EVICTED_LRU)
+                    return True
         return False
 
     def _sweep(self, now: float) -> int:
-        if self.ttl_seconds <= 0:
-            return 0
         n = 0
-        while self._live:
+        while self.ttl_seconds > 0 and self._live:
             sid, s = next(iter(self._live.items()))
             if now - s.last_used <= self.ttl_seconds:
                 break
-            self._drop(sid, MissReason.EVICTED_TTL)
+            self._leave_hot(sid, MissReason.EVICTED_TTL)
+            n += 1
+        while self.warm_ttl_seconds > 0 and self._warm:
+            sid, w = next(iter(self._warm.items()))
+            if now - w.last_used <= self.warm_ttl_seconds:
+                break
+            self._drop_warm(sid, MissReason.EVICTED_TTL)
             n += 1
         return n
 
@@ -255,6 +352,15 @@ class ReferenceHotKvEngine:
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
+        w = self._warm.get(sid)
+        if w is not None:
+            if epoch == w.epoch:  # warm: no session, an OK result saying where it is
+                return None, StepResult(seq_len=w.seq_len, tier=Tier.WARM)
+            if epoch < w.epoch:
+                return None, _stale(epoch, w.epoch, "current")
+            self._drop_warm(sid, MissReason.SUPERSEDED_EPOCH, epoch)
+            return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
+                                    detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
         d = self._recent.get(sid)
         if d is not None:
             if epoch < d.epoch:
@@ -266,16 +372,24 @@ class ReferenceHotKvEngine:
 
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
+    def _restore_alone(self, sid: str, seq_len: int, now: float) -> _Session:
+        self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
+        room = self._make_room(seq_len, True, [sid], [])
+        assert room
+        return self._restore(sid, now)
+
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
             return res
+        if res.tier == Tier.WARM:
+            s = self._restore_alone(session_id, res.seq_len, now)
         if s is None:
             self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
             s = self._create(session_id, epoch, now)
         self._touch(session_id, s, now)
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
     def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
         """A batched step with the native engine's rules (see hot_kv_engine.h, step()); each
@@ -296,10 +410,15 @@ class ReferenceHotKvEngine:
         if not participants:  # a step with nothing valid in it changes nothing, not even by time
             return [(r, None) for r in results]
         self._sweep(now)
-        # prefills of sessions not live under that epoch: their ids are placed together
-        self._new_in_step = sum(1 for i, req in enumerate(requests)
-                                if results[i] is None and req.kind == StepKind.PREFILL
-                                and (req.session_id not in self._live or self._live[req.session_id].epoch != req.route_epoch))
+        # a prefill not live under its epoch creates a session, a step of a warm session restores
+        # one: their ids are placed together
+        def takes_id(req: Step) -> bool:
+            live, warm = self._live.get(req.session_id), self._warm.get(req.session_id)
+            if live is not None and live.epoch == req.route_epoch:
+                return False
+            return req.kind == StepKind.PREFILL or (warm is not None and warm.epoch == req.route_epoch)
+
+        self._new_in_step = sum(1 for i, req in enumerate(requests) if results[i] is None and takes_id(req))
         self._last_created_id = -1
         plan = []
         for i, req in enumerate(requests):
@@ -309,12 +428,12 @@ class ReferenceHotKvEngine:
         outs: list[np.ndarray | None] = [None] * len(requests)
         if plan:
             self.n_decode_calls += 1  # what one native step costs at least
-        for i, s, start in plan:  # the reference computes one session at a time
+        for i, s, start, _ in plan:  # the reference computes one session at a time
             toks, hid, n = inputs[i]
             outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid)
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += n
-            results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+            results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
         return list(zip(results, outs))
 
     def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int):
@@ -322,52 +441,54 @@ class ReferenceHotKvEngine:
         s, res = self._identify(sid, req.route_epoch)
         if res.status == STALE_EPOCH:
             return res
+        warm = res.tier == Tier.WARM
+        known = s is not None or warm
+        held = s.seq_len if s is not None else (res.seq_len if warm else 0)
         if req.kind == StepKind.PREFILL:
-            if s is None:
-                if req.position > 0:
-                    self._misses[res.miss] += 1
-                    return res
-                if n > self.context_tokens or n > self.budget_tokens:
-                    return StepResult(status=BUDGET_EXCEEDED, detail=f"{n} tokens exceed context_tokens "
-                                      f"{self.context_tokens} or budget_tokens {self.budget_tokens}")
-                # decide before changing anything: a refused request creates and evicts nothing
-                others = [o for k, o in self._live.items() if k not in participants]
-                if not self._free_ids and not others:
-                    return StepResult(status=BUDGET_EXCEEDED,
-                                      detail=f"all {self.max_sessions} sessions take part in this step")
-                if self._reserved + n - sum(o.seq_len for o in others) > self.budget_tokens:
-                    return StepResult(status=BUDGET_EXCEEDED,
-                                      detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
-                s = self._create(sid, req.route_epoch, now)
-            start = s.seq_len if req.position < 0 else req.position
-            if start > s.seq_len:
-                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {s.seq_len}")
-        else:
-            if s is None:
+            if not known and req.position > 0:
                 self._misses[res.miss] += 1
                 return res
-            if req.position >= 0 and req.position != s.seq_len:
-                return self._miss(MissReason.SEQ_LEN_MISMATCH,
-                                  f"expected past length {req.position}, cached length is {s.seq_len}")
-            start = s.seq_len
+            start = held if req.position < 0 else req.position
+            if start > held:
+                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {held}")
+        else:
+            if not known:
+                self._misses[res.miss] += 1
+                return res
+            if req.position >= 0 and req.position != held:
+                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"expected past length {req.position}, cached length is {held}")
+            start = held
+
+        def refuse(status, detail):
+            if s is None:
+                return StepResult(status=status, detail=detail)
+            return StepResult(status=status, seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT, detail=detail)
+
         new_len = start + n
         if new_len > self.context_tokens or new_len > self.budget_tokens:
-            return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
-                              detail=f"the session would hold {new_len} tokens; context_tokens is "
-                                     f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
-        evictable = sum(o.seq_len for k, o in self._live.items() if k not in participants)
-        if self._reserved - s.seq_len + new_len - evictable > self.budget_tokens:
-            return StepResult(status=BUDGET_EXCEEDED, seq_len=s.seq_len, seq_id=s.seq_id,
-                              detail=f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
-        while self._reserved - s.seq_len + new_len > self.budget_tokens:
-            evicted = self._evict_lru_except(participants)
-            assert evicted
+            return refuse(BUDGET_EXCEEDED, f"the session would hold {new_len} tokens; context_tokens is "
+                                           f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
+        # never the requester or what the step admitted; the step's others only when they can go warm
+        keep = [sid] + [p[3] for p in plan]
+        if self.warm_bytes <= 0:
+            keep += participants
+        grow = new_len - s.seq_len if s is not None else max(held, new_len)
+        if not self._make_room(grow, s is None, keep, participants):
+            if self.warm_bytes > 0:
+                return refuse(BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step")
+            if s is None and not self._free_ids:
+                return refuse(BUDGET_EXCEEDED, f"all {self.max_sessions} sessions take part in this step")
+            return refuse(BUDGET_EXCEEDED, f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
+        if warm:
+            s = self._restore(sid, now)
+        elif s is None:
+            s = self._create(sid, req.route_epoch, now)
         if start < s.seq_len:
             self._reserved -= s.seq_len - start
             s.kv.truncate(start)
         self._touch(sid, s, now)
         self._reserved += n
-        plan.append((index, s, start))
+        plan.append((index, s, start, sid))
         return None
 
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
@@ -375,6 +496,10 @@ class ReferenceHotKvEngine:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
+        if res.tier == Tier.WARM:
+            if length > res.seq_len:  # refused before the warm session is moved
+                raise InvalidInputError(f"cannot truncate a session of {res.seq_len} tokens to {length}")
+            s = self._restore_alone(session_id, res.seq_len, now)
         if s is None:
             return self._counted(res)
         if length > s.seq_len:
@@ -383,7 +508,7 @@ class ReferenceHotKvEngine:
             self._reserved -= s.seq_len - length
             s.kv.truncate(length)
         self._touch(session_id, s, now)
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
     def release(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
@@ -395,6 +520,14 @@ class ReferenceHotKvEngine:
                 self._drop(session_id, MissReason.RELEASED)
                 return StepResult(changed=True)
             return StepResult()
+        w = self._warm.get(session_id)
+        if w is not None:
+            if epoch < w.epoch:
+                return _stale(epoch, w.epoch, "current")
+            if epoch == w.epoch:
+                self._drop_warm(session_id, MissReason.RELEASED)
+                return StepResult(changed=True)
+            return StepResult()
         d = self._recent.get(session_id)
         if d is not None and epoch < d.epoch:
             return _stale(epoch, d.epoch, "last")
@@ -404,8 +537,8 @@ class ReferenceHotKvEngine:
         self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if s is None:
-            return self._counted(res)
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id)
+            return self._counted(res)  # a warm session is reported where it is
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
     def sweep(self, now: float) -> int:
         return self._sweep(self._tick(now))
@@ -424,10 +557,16 @@ class ReferenceHotKvEngine:
             "steps": self._counters["steps"], "tokens_computed": self._counters["tokens_computed"],
             "recent_keys": len(self._recent),
             "misses": {r.name: self._misses[r] for r in MISS_REASONS},
+            "spills": self._counters["spills"], "restores": self._counters["restores"],
+            "warm_drops": self._counters["warm_drops"], "warm_sessions": len(self._warm),
+            "warm_bytes": self._warm_held, "warm_capacity": self.warm_bytes,
+            "restore_seconds": self._counters["restore_seconds"],
+            "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
         }
 
-    def sessions(self) -> list[tuple[str, int, int, int, float]]:
-        return [(sid, s.epoch, s.seq_id, s.seq_len, s.last_used) for sid, s in self._live.items()]
+    def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
+        return ([(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, "hot") for sid, s in self._live.items()]
+                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "warm") for sid, w in self._warm.items()])
 
     def session_kv(self, session_id: str) -> SequenceKv:
         """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
@@ -463,3 +602,13 @@ class ReferenceHotKvEngine:
             fail("the table of dropped keys outgrew its capacity")
         if any(sid in self._live for sid in self._recent):
             fail("a live session is also in the dropped table")
+        if any(sid in self._live or sid in self._recent for sid in self._warm):
+            fail("a warm session is also hot or in the dropped table")
+        if sum(w.nbytes for w in self._warm.values()) != self._warm_held or self._warm_held > self.warm_bytes:
+            fail("warm bytes held disagree with the entries or exceed warm_bytes")
+        warm_times = [w.last_used for w in self._warm.values()]
+        if warm_times != sorted(warm_times):
+            fail("warm LRU order disagrees with last_used")
+        c = self._counters
+        if c["spills"] != c["restores"] + c["warm_drops"] + len(self._warm):
+            fail("spills != restores + warm drops + warm sessions")
