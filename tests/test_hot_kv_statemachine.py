@@ -1,7 +1,8 @@
 """Model-based test: a hypothesis state machine drives the native engine and the numpy reference
 engine in lockstep with random operations and requires the same outcome for every step (result
 kind, miss reason, error type, lengths, reserved tokens, tail tokens, counters) and both engines'
-invariants after every step."""
+invariants after every step. It runs twice: without a warm tier, and with a warm tier small
+enough to fill (spill, restore, release and epoch change while warm, TTL while warm, a full store)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,6 +27,10 @@ from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SIDS = ["a", "b", "c", "d"]
 CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0)
+# the synthetic model's warm entries take about 1 KiB per token: this tier holds one or two sessions
+WARM_CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0,
+                               warm_bytes=12_000, warm_ttl_seconds=9.0)
+TIMING_KEYS = ("restore_seconds", "restore_buckets")
 VOCAB = 320
 
 
@@ -46,6 +51,7 @@ def outcome(call):
 
 class LockstepMachine(RuleBasedStateMachine):
     path = None
+    config = CONFIG
 
     @initialize()
     def setup(self):
@@ -54,8 +60,8 @@ class LockstepMachine(RuleBasedStateMachine):
             cls.native_model = ShardModel(str(cls.path), None, 1)
             cls.reference_shard = ReferenceShard(ReferenceModel.from_gguf(cls.path))
         self.clock = ManualClock()
-        self.native = HotKvStateManager(cls.native_model, CONFIG, self.clock, n_batch=8, recent_capacity=8)
-        self.reference = HotKvStateManager(cls.reference_shard, CONFIG, self.clock, n_batch=8, recent_capacity=8)
+        self.native = HotKvStateManager(cls.native_model, cls.config, self.clock, n_batch=8, recent_capacity=8)
+        self.reference = HotKvStateManager(cls.reference_shard, cls.config, self.clock, n_batch=8, recent_capacity=8)
         self.native_ad = KvBoundaryAdapter(cls.native_model, self.native)
         self.reference_ad = KvBoundaryAdapter(cls.reference_shard, self.reference)
         self.epochs = {sid: 0 for sid in SIDS}
@@ -133,7 +139,7 @@ class LockstepMachine(RuleBasedStateMachine):
         }
         self.both(calls[op])
 
-    @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0]))
+    @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0, 10.0]))
     def advance_clock(self, seconds):
         self.clock.advance(seconds)
 
@@ -170,15 +176,30 @@ class LockstepMachine(RuleBasedStateMachine):
             return
         self.native.check_invariants()
         self.reference.check_invariants()
-        assert self.native.session_keys() == self.reference.session_keys()
-        assert self.native.stats() == self.reference.stats()
+        assert self.native.sessions() == self.reference.sessions()
+        native, reference = self.native.stats(), self.reference.stats()
+        assert sum(n for _, n in native["restore_buckets"]) == native["restores"]
+        assert {k: v for k, v in native.items() if k not in TIMING_KEYS} == \
+            {k: v for k, v in reference.items() if k not in TIMING_KEYS}
 
 
-@pytest.fixture(scope="module")
-def machine(model_dir):
-    LockstepMachine.path = write_synthetic_gguf(model_dir / "lockstep.gguf", SyntheticSpec(seed=11))
-    LockstepMachine.native_model = None
-    return LockstepMachine
+class WarmLockstepMachine(LockstepMachine):
+    config = WARM_CONFIG
+    seen: dict = {}  # counters summed over every program, to show the warm paths ran
+
+    def teardown(self):
+        if hasattr(self, "native"):
+            stats = self.native.stats()
+            for key in ("spills", "restores", "warm_drops", "evictions_ttl", "releases", "supersessions"):
+                self.seen[key] = self.seen.get(key, 0) + stats[key]
+
+
+@pytest.fixture(scope="module", params=["no_warm_tier", "warm_tier"])
+def machine(model_dir, request):
+    cls = LockstepMachine if request.param == "no_warm_tier" else WarmLockstepMachine
+    cls.path = write_synthetic_gguf(model_dir / "lockstep.gguf", SyntheticSpec(seed=11))
+    cls.native_model = None
+    return cls
 
 
 def test_native_engine_and_reference_agree_step_for_step(machine):
@@ -188,3 +209,5 @@ def test_native_engine_and_reference_agree_step_for_step(machine):
     run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=40, deadline=None,
                                                          derandomize=True, database=None,
                                                          suppress_health_check=list(HealthCheck)))
+    if machine is WarmLockstepMachine:
+        assert all(machine.seen.get(k, 0) > 0 for k in ("spills", "restores", "warm_drops")), machine.seen

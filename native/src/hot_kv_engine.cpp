@@ -180,11 +180,16 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
         return false;
     }
     const uint64_t bytes = (uint64_t) state.size() + (uint64_t) sid.size();
-    if (bytes > (uint64_t) config_.warm_bytes) {
+    // the warm session being restored (pinned) is never dropped to make room for this one
+    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
+    const uint64_t pinned_bytes = pinned != warm_.end() ? pinned->second.bytes() : 0;
+    if (bytes + pinned_bytes > (uint64_t) config_.warm_bytes) {
         return false;
     }
     while (warm_held_ + bytes > (uint64_t) config_.warm_bytes) {
-        drop_warm_locked(warm_lru_.front(), SHARD_MISS_EVICTED_LRU);
+        const std::string & victim = warm_lru_.front() != (pinned != warm_.end() ? pinned->first : std::string())
+                                         ? warm_lru_.front() : *std::next(warm_lru_.begin());
+        drop_warm_locked(std::string(victim), SHARD_MISS_EVICTED_LRU);
     }
     warm_lru_.push_back(sid);
     warm_entry & w = warm_[sid];
@@ -402,7 +407,9 @@ hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string &
     // a warm session fits alone (it was hot under the same limits), so evicting others makes room
     new_in_step_     = 0;  // outside a step: the lowest free id
     last_created_id_ = -1;
+    warm_pinned_ = &sid;
     const bool room = make_room_locked(seq_len, true, {sid}, {});
+    warm_pinned_ = nullptr;
     assert(room);
     (void) room;
     res = hot_kv_result{};
@@ -705,7 +712,10 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
     }
     // hot tokens this request adds at its peak: a warm session comes back whole before it is cut to start
     const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(held, new_len);
-    if (!make_room_locked(grow, s == nullptr, keep, participants)) {
+    warm_pinned_ = w != nullptr ? &sid : nullptr;
+    const bool room = make_room_locked(grow, s == nullptr, keep, participants);
+    warm_pinned_ = nullptr;
+    if (!room) {
         if (warm_enabled()) {
             return refuse(SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step", s);
         }

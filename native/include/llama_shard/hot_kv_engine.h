@@ -357,6 +357,7 @@ private:
     std::unordered_map<std::string, warm_entry> warm_;
     std::list<std::string>                      warm_lru_;  // front = least recently used
     uint64_t                                    warm_held_ = 0;
+    const std::string *                         warm_pinned_ = nullptr;  // being restored: spills must not drop it
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

@@ -93,6 +93,7 @@ class ReferenceHotKvEngine:
         self.warm_ttl_seconds = warm_ttl_seconds
         self._warm: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
         self._warm_held = 0
+        self._warm_pinned: str | None = None  # being restored: spills must not drop it
         self._restore_buckets = [0] * len(RESTORE_BUCKETS)
         if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
             raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
@@ -211,11 +212,14 @@ class ReferenceHotKvEngine:
         """A hot session evicted (LRU or TTL): spilled to the warm tier if it can be, dropped otherwise."""
         s = self._live[sid]
         nbytes = self.warm_entry_bytes(sid, s.seq_len)
-        if self.warm_bytes <= 0 or s.seq_len == 0 or nbytes > self.warm_bytes:
+        # the warm session being restored (pinned) is never dropped to make room for this one
+        pinned = self._warm.get(self._warm_pinned) if self._warm_pinned is not None else None
+        if self.warm_bytes <= 0 or s.seq_len == 0 or nbytes + (pinned.nbytes if pinned else 0) > self.warm_bytes:
             self._drop(sid, reason)
             return
         while self._warm_held + nbytes > self.warm_bytes:
-            self._drop_warm(next(iter(self._warm)), MissReason.EVICTED_LRU)
+            victim = next(k for k in self._warm if k != self._warm_pinned)
+            self._drop_warm(victim, MissReason.EVICTED_LRU)
         self._warm[sid] = _Warm(s.epoch, copy.deepcopy(s.kv), s.last_used, nbytes)
         self._warm_held += nbytes
         self._counters["spills"] += 1
@@ -374,7 +378,9 @@ class ReferenceHotKvEngine:
 
     def _restore_alone(self, sid: str, seq_len: int, now: float) -> _Session:
         self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
+        self._warm_pinned = sid
         room = self._make_room(seq_len, True, [sid], [])
+        self._warm_pinned = None
         assert room
         return self._restore(sid, now)
 
@@ -473,7 +479,10 @@ class ReferenceHotKvEngine:
         if self.warm_bytes <= 0:
             keep += participants
         grow = new_len - s.seq_len if s is not None else max(held, new_len)
-        if not self._make_room(grow, s is None, keep, participants):
+        self._warm_pinned = sid if warm else None
+        room = self._make_room(grow, s is None, keep, participants)
+        self._warm_pinned = None
+        if not room:
             if self.warm_bytes > 0:
                 return refuse(BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step")
             if s is None and not self._free_ids:
