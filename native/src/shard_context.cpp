@@ -32,9 +32,9 @@ uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_ty
     const shard_model_info & info = model.info();
     const int64_t n_embd_kv = (int64_t) info.n_head_kv * info.head_dim;
     const ggml_type type = kv_ggml_type(kv_type);
-    if (n_embd_kv % ggml_blck_size(type) != 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs K/V rows that are a multiple of " +
-                          str(ggml_blck_size(type)) + " values; this model's are " + str(n_embd_kv));
+    if (info.head_dim % ggml_blck_size(type) != 0) {  // llama.cpp quantizes each head's row in blocks
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs a head size that is a multiple of " +
+                          str(ggml_blck_size(type)) + "; this model's is " + str(info.head_dim));
     }
     // one K row and one V row per owned layer
     return 2ull * (uint64_t) ggml_row_size(type, n_embd_kv) * (uint64_t) info.n_owned_layers();

@@ -317,10 +317,9 @@ def kv_bytes_per_token(n_kv_heads: int, head_dim: int, n_layers: int, kv_type: s
     if kv_type not in KV_TYPES:
         raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[KV_TYPES[kv_type]]]
-    row = n_kv_heads * head_dim
-    if row % block:
-        raise InvalidInputError(f"kv_type {kv_type} needs K/V rows that are a multiple of {block} values; these are {row}")
-    return 2 * (row // block) * block_bytes * n_layers
+    if head_dim % block:  # llama.cpp quantizes each head's row in blocks
+        raise InvalidInputError(f"kv_type {kv_type} needs a head size that is a multiple of {block}; this one is {head_dim}")
+    return 2 * (n_kv_heads * head_dim // block) * block_bytes * n_layers
 
 
 def certified_architecture(name: str) -> str:

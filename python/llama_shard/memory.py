@@ -1,0 +1,80 @@
+"""The memory plan: what an operator's byte sizes mean for a shard's Hot KV state.
+
+The hot tier is `max_sessions` KV streams of `context_tokens` cells each, allocated (and touched)
+when the context is created: llama.cpp pads each stream to a multiple of 256 cells and makes it
+at least n_batch cells. So `--kv-memory SIZE` buys `SIZE // (padded cells x KV bytes per token)`
+hot slots; `budget_tokens` then defaults to slots x context_tokens (no cap beyond the slots) and,
+when set, caps the tokens held hot. The warm tier holds evicted sessions' KV in at most
+`warm_bytes` of host memory. The process holds about model + hot + warm + a fixed overhead.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import InvalidInputError
+from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
+
+STREAM_PADDING = 256  # llama.cpp rounds each sequence's KV stream up to a multiple of this many cells
+MAX_SLOTS = 256       # llama.cpp's sequence limit
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    kv_memory: int            # the bytes the operator gave the hot tier
+    context_tokens: int
+    kv_type: str
+    kv_bytes_per_token: int   # K and V over the owned layers
+    slot_cells: int           # cells one hot slot allocates (context padded)
+    hot_slots: int            # max_sessions
+    warm_bytes: int
+    model_bytes: int          # the owned weights (0 when unknown)
+    budget_tokens: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_cells * self.kv_bytes_per_token
+
+    @property
+    def hot_bytes(self) -> int:
+        return self.hot_slots * self.slot_bytes
+
+    def config(self, **overrides) -> HotKvStateConfig:
+        """The HotKvStateConfig this plan sizes (ttl and the like from `overrides`)."""
+        values = dict(max_sessions=self.hot_slots, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
+                      warm_bytes=self.warm_bytes, kv_type=self.kv_type)
+        values.update(overrides)
+        return HotKvStateConfig(**values)
+
+    def describe(self) -> str:
+        lines = [
+            f"hot KV:   {self.hot_slots} slots x {self.slot_cells} cells x {self.kv_bytes_per_token} B/token "
+            f"({self.kv_type}) = {format_size(self.hot_bytes)} of {format_size(self.kv_memory)} "
+            f"(sessions up to {self.context_tokens} tokens; at most {self.budget_tokens} tokens hot)",
+            f"warm KV:  {format_size(self.warm_bytes) if self.warm_bytes else 'off (an evicted session is a cache miss)'}",
+        ]
+        if self.model_bytes:
+            lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
+            lines.append(f"total:    about {format_size(self.model_bytes + self.hot_bytes + self.warm_bytes)} "
+                         f"+ compute buffers")
+        return "\n".join(lines)
+
+
+def memory_plan(info, kv_memory: int, context_tokens: int, n_batch: int = 512, kv_type: str = "f16",
+                warm_bytes: int = 0, budget_tokens: int | None = None) -> MemoryPlan:
+    """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
+    weight_bytes: a ShardModel's info or the same read from a GGUF header). InvalidInputError when
+    not even one slot fits."""
+    n_layers = info.last - info.first + 1
+    bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)
+    cells = max(context_tokens, n_batch)
+    cells = -(-cells // STREAM_PADDING) * STREAM_PADDING
+    slots = min(kv_memory // (cells * bpt), MAX_SLOTS)
+    if slots < 1:
+        raise InvalidInputError(
+            f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "
+            f"{cells} cells x {bpt} B = {format_size(cells * bpt)} ({kv_type}, layers {info.first}-{info.last}); "
+            f"give more memory, a shorter context or a smaller kv_type")
+    budget = slots * context_tokens if budget_tokens is None else budget_tokens
+    return MemoryPlan(kv_memory=kv_memory, context_tokens=context_tokens, kv_type=kv_type, kv_bytes_per_token=bpt,
+                      slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
+                      model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget)

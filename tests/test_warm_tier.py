@@ -1,0 +1,224 @@
+"""The warm tier and the memory plan: evicted sessions come back bit-exact without a re-prefill,
+resolve reports a warm session without moving it, KV types and sizes agree between Python and the
+native engine, and a plan in bytes sizes the hot set."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llama_shard import (
+    CacheMiss,
+    CacheMissReason,
+    HotKvStateConfig,
+    HotKvStateManager,
+    KvBoundaryAdapter,
+    ManualClock,
+    ShardModel,
+    TailOutput,
+)
+from llama_shard.errors import InvalidInputError
+from llama_shard.hot_kv import kv_bytes_per_token, parse_size
+from llama_shard.memory import memory_plan
+from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "The three primary colors are",
+           "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
+
+
+class Route:
+    """SmolLM2 split 0-14 / 15-29, one manager per shard with the same config."""
+
+    def __init__(self, path, config: HotKvStateConfig):
+        self.head = ShardModel(str(path), (0, 14), 1)
+        self.tail = ShardModel(str(path), (15, 29), 1)
+        self.managers = [HotKvStateManager(self.head, config, n_batch=64), HotKvStateManager(self.tail, config, n_batch=64)]
+        self.head_ad = KvBoundaryAdapter(self.head, self.managers[0])
+        self.tail_ad = KvBoundaryAdapter(self.tail, self.managers[1])
+
+    def prefill(self, sid, prompt) -> TailOutput:
+        ids = self.head.tokenize(prompt)
+        return self.tail_ad.prefill(sid, 0, boundary=self.head_ad.prefill(sid, 0, token_ids=ids))
+
+    def decode(self, sid, token, past) -> TailOutput | CacheMiss:
+        bundle = self.head_ad.decode(sid, 0, token_ids=[token], expected_seq_len=past)
+        if isinstance(bundle, CacheMiss):
+            return bundle
+        return self.tail_ad.decode(sid, 0, boundary=bundle, expected_seq_len=past)
+
+    def round_robin(self, n_rounds):
+        """Every session prefills, then decodes one token per round in turn: (tokens, logits bytes) per session."""
+        outs = {sid: self.prefill(sid, p) for sid, p in zip(map(str, range(len(PROMPTS))), PROMPTS)}
+        past = {sid: len(self.head.tokenize(p)) for sid, p in zip(map(str, range(len(PROMPTS))), PROMPTS)}
+        history = {sid: [(o.token_id, o.logits.tobytes())] for sid, o in outs.items()}
+        for _ in range(n_rounds):
+            for sid in outs:
+                out = self.decode(sid, outs[sid].token_id, past[sid])
+                assert isinstance(out, TailOutput), out
+                outs[sid], past[sid] = out, past[sid] + 1
+                history[sid].append((out.token_id, out.logits.tobytes()))
+        return history
+
+
+@pytest.mark.model
+def test_evicted_sessions_resume_bit_exact_from_the_warm_tier(embedded_model):
+    roomy = Route(embedded_model, HotKvStateConfig(max_sessions=8, context_tokens=256))
+    expected = roomy.round_robin(6)
+    for m in roomy.managers:
+        assert m.stats()["evictions_lru"] == 0
+
+    # 2 hot slots for 8 sessions: every step evicts another session to the warm tier
+    tight = Route(embedded_model, HotKvStateConfig(max_sessions=2, context_tokens=256, warm_bytes=64 << 20))
+    got = tight.round_robin(6)
+    assert got == expected  # the same tokens and the same logits, byte for byte
+    for m in tight.managers:
+        st = m.stats()
+        m.check_invariants()
+        assert st["restores"] >= 8 * 6 - 2, st          # almost every decode came back from the warm tier
+        assert st["spills"] == st["restores"] + st["warm_drops"] + st["warm_sessions"]
+        assert st["warm_drops"] == 0 and sum(st["misses"].values()) == 0, st  # nothing re-prefilled
+        assert st["tokens_computed"] == roomy.managers[0].stats()["tokens_computed"]
+
+
+@pytest.mark.model
+def test_without_a_warm_tier_the_same_route_misses(embedded_model):
+    route = Route(embedded_model, HotKvStateConfig(max_sessions=2, context_tokens=256))
+    out = route.prefill("a", PROMPTS[0])
+    route.prefill("b", PROMPTS[1])
+    route.prefill("c", PROMPTS[2])  # evicts "a"
+    miss = route.decode("a", out.token_id, len(route.head.tokenize(PROMPTS[0])))
+    assert isinstance(miss, CacheMiss) and miss.reason == CacheMissReason.EVICTED_LRU
+
+
+def _manager(path, **config):
+    model = ShardModel(str(path), None, 1)
+    clock = ManualClock()
+    manager = HotKvStateManager(model, HotKvStateConfig(**config), clock, n_batch=8)
+    return model, manager, KvBoundaryAdapter(model, manager), clock
+
+
+def test_resolve_reports_a_warm_session_without_moving_it(synthetic_model):
+    _, m, ad, _ = _manager(synthetic_model, max_sessions=1, context_tokens=16, warm_bytes=1 << 20)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    ad.prefill("b", 0, token_ids=[4, 5])  # "a" goes warm
+    info = m.resolve("a", 0)
+    assert (info.tier, info.seq_len, info.seq_id) == ("warm", 3, -1)
+    assert m.resolve("b", 0).tier == "hot"
+    assert [(s[0], s[5]) for s in m.sessions()] == [("b", "hot"), ("a", "warm")]
+    assert m.stats()["restores"] == 0
+    # truncate brings it back; a length past the warm length is refused before anything moves
+    with pytest.raises(InvalidInputError):
+        m.truncate("a", 0, 4)
+    assert m.resolve("a", 0).tier == "warm"
+    assert m.truncate("a", 0, 2).seq_len == 2 and m.resolve("a", 0).tier == "hot"
+    assert m.resolve("b", 0).tier == "warm"
+    m.check_invariants()
+
+
+def test_release_and_a_new_epoch_drop_the_warm_copy(synthetic_model):
+    _, m, ad, _ = _manager(synthetic_model, max_sessions=1, context_tokens=16, warm_bytes=1 << 20)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    ad.prefill("b", 0, token_ids=[4])  # "a" warm
+    assert m.release("a", 0) is True
+    assert m.resolve("a", 0).reason == CacheMissReason.RELEASED
+    ad.prefill("a", 0, token_ids=[1, 2, 3])  # "b" warm now
+    out = ad.decode("b", 1, token_ids=[1])
+    assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.SUPERSEDED_EPOCH
+    st = m.stats()
+    assert st["warm_sessions"] == 0 and st["warm_bytes"] == 0
+    assert st["spills"] == st["restores"] + st["warm_drops"]
+    m.check_invariants()
+
+
+def test_warm_sessions_expire_after_warm_ttl(synthetic_model):
+    _, m, ad, clock = _manager(synthetic_model, max_sessions=2, context_tokens=16, ttl_seconds=10,
+                               warm_bytes=1 << 20, warm_ttl_seconds=100)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    clock.advance(11)
+    m.sweep()
+    assert m.resolve("a", 0).tier == "warm"  # idle past ttl: spilled, not lost
+    clock.advance(90)
+    assert isinstance(m.resolve("a", 0), CacheMiss) and m.resolve("a", 0).reason == CacheMissReason.EVICTED_TTL
+
+
+def test_a_full_warm_tier_drops_its_least_recently_used_session(synthetic_model):
+    _, probe, ad, _ = _manager(synthetic_model, max_sessions=1, context_tokens=16, warm_bytes=1 << 20)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    ad.prefill("b", 0, token_ids=[4, 5, 6])
+    one_session = probe.stats()["warm_bytes"]  # what "a" (3 tokens) costs in the tier
+
+    _, m, ad, _ = _manager(synthetic_model, max_sessions=1, context_tokens=16, warm_bytes=one_session + 10)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    ad.prefill("b", 0, token_ids=[4, 5, 6])  # "a" warm
+    ad.prefill("c", 0, token_ids=[7, 8, 9])  # "b" warm: "a" is dropped to make room
+    assert m.resolve("a", 0).reason == CacheMissReason.EVICTED_LRU
+    assert m.resolve("b", 0).tier == "warm"
+    st = m.stats()
+    assert (st["spills"], st["warm_drops"], st["warm_sessions"]) == (2, 1, 1) and st["warm_bytes"] <= one_session + 10
+
+    _, m, ad, _ = _manager(synthetic_model, max_sessions=1, context_tokens=16, warm_bytes=1)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    assert isinstance(ad.prefill("b", 0, token_ids=[4]), TailOutput)  # "a" fits no tier: dropped, the step goes on
+    assert m.resolve("a", 0).reason == CacheMissReason.EVICTED_LRU
+    assert m.stats()["spills"] == 0
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_model(model_dir):
+    """Quantized KV types need heads of a multiple of 32 values."""
+    return write_synthetic_gguf(model_dir / "llama-head32.gguf", SyntheticSpec(n_layer=3, n_embd=64, n_head=2, n_head_kv=1))
+
+
+@pytest.mark.parametrize("kv_type, ratio", [("f16", 1.0), ("q8_0", 34 / 64), ("q4_0", 18 / 64)])
+def test_kv_types_cost_what_python_and_the_native_engine_say(head_dim_32_model, synthetic_model, kv_type, ratio):
+    model = ShardModel(str(head_dim_32_model), None, 1)
+    info = model.info
+    f16 = kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_layer, "f16")
+    assert f16 == info.kv_bytes_per_token
+    m = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=64, kv_type=kv_type), n_batch=8)
+    assert m.stats()["kv_bytes_per_token"] == kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_layer, kv_type)
+    assert m.stats()["kv_bytes_per_token"] == int(f16 * ratio)
+    assert m.recipe.kv_dtype == kv_type
+    out = KvBoundaryAdapter(model, m).prefill("a", 0, token_ids=[1, 2, 3])
+    assert isinstance(out, TailOutput) and np.isfinite(out.logits).all()
+    if kv_type == "f16":
+        with pytest.raises(InvalidInputError, match="head size"):  # 16-value heads cannot be quantized
+            HotKvStateManager(ShardModel(str(synthetic_model), None, 1), HotKvStateConfig(kv_type="q8_0"))
+    else:
+        other = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=64), n_batch=8)
+        assert not other.recipe.is_compatible(m.recipe)  # shards of one route must agree on the KV type
+
+
+def head_dim_32_model_info():
+    import types
+    return types.SimpleNamespace(n_head_kv=2, head_dim=64, first=0, last=14)
+
+
+def test_sizes_and_the_memory_plan(synthetic_model):
+    assert parse_size("512MiB") == 512 << 20 and parse_size("2GiB") == 2 << 30 and parse_size("1.5G") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    for bad in ("", "12 parsecs", "-1", "MiB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    model = ShardModel(str(synthetic_model), None, 1)
+    bpt = model.info.kv_bytes_per_token
+    plan = memory_plan(model.info, kv_memory=10 * 256 * bpt + 5, context_tokens=256, n_batch=64)
+    assert plan.hot_slots == 10 and plan.slot_cells == 256 and plan.hot_bytes == 10 * 256 * bpt
+    assert plan.config().max_sessions == 10 and plan.config().budget_tokens == 10 * 256
+    # a context that is not a multiple of 256 cells still costs the padded stream
+    assert memory_plan(model.info, kv_memory=10 * 256 * bpt, context_tokens=200, n_batch=64).hot_slots == 10
+    with pytest.raises(InvalidInputError, match="does not fit"):
+        memory_plan(model.info, kv_memory=256 * bpt - 1, context_tokens=256, n_batch=64)
+    q8 = memory_plan(head_dim_32_model_info(), kv_memory=1 << 30, context_tokens=256, n_batch=64, kv_type="q8_0")
+    f16 = memory_plan(head_dim_32_model_info(), kv_memory=1 << 30, context_tokens=256, n_batch=64)
+    assert q8.kv_bytes_per_token * 64 == f16.kv_bytes_per_token * 34
+    assert "hot" in plan.describe() and "warm" in plan.describe()
+
+
+def test_warm_config_from_env():
+    env = {"MESHNET_HOT_KV_WARM_BYTES": "256MiB", "MESHNET_HOT_KV_KV_TYPE": "Q8_0", "MESHNET_HOT_KV_WARM_TTL_SECONDS": "60"}
+    cfg = HotKvStateConfig.from_env(env)
+    assert (cfg.warm_bytes, cfg.kv_type, cfg.warm_ttl_seconds) == (256 << 20, "q8_0", 60.0)
+    with pytest.raises(InvalidInputError):
+        HotKvStateConfig.from_env({"MESHNET_HOT_KV_KV_TYPE": "f8"})
+    with pytest.raises(InvalidInputError):
+        HotKvStateConfig.from_env({"MESHNET_HOT_KV_WARM_BYTES": "lots"})
