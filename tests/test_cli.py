@@ -62,3 +62,21 @@ def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
                              capture_output=True, text=True, timeout=120,
                              env={**__import__("os").environ, "MESHNET_HOT_KV_MAX_SESSIONS": "lots"})
     assert env_res.returncode == 2 and "MESHNET_HOT_KV_MAX_SESSIONS" in env_res.stderr
+
+
+def test_inspect_prints_the_memory_plan(synthetic_model):
+    res = run_cli("inspect", str(synthetic_model), "--memory", "1MiB", "--layers", "0-2", "--context-tokens", "300",
+                  "--warm-memory", "2MiB")
+    assert res.returncode == 0, res.stderr
+    # 3 layers x 128 B/token (f16); a slot is padded to 512 cells (192 KiB), so 1 MiB holds 5
+    assert "hot KV:   5 slots x 512 cells x 384 B/token (f16)" in res.stdout
+    assert "warm KV:  2.0 MiB" in res.stdout
+
+
+def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):
+    res = run_cli("serve", "--model", str(synthetic_model), "--kv-memory", "1KiB", "--port", "0")
+    assert res.returncode == 2 and "does not fit one session of 2048 tokens" in res.stderr
+    res = run_cli("serve", "--model", str(synthetic_model), "--kv-memory", "1MiB", "--max-sessions", "2", "--port", "0")
+    assert res.returncode == 2 and "not both" in res.stderr
+    res = run_cli("serve", "--model", str(synthetic_model), "--kv-memory", "lots", "--port", "0")
+    assert res.returncode == 2 and "not a size" in res.stderr

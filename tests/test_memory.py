@@ -86,3 +86,38 @@ def test_smollm2_shard_memory(embedded_model):
     for name in ("head 0-14", "tail 15-29"):
         assert rows[name]["weight_bytes"] <= 0.70 * whole["weight_bytes"]
         assert rows[name]["load_rss"] <= 0.80 * whole["load_rss"]
+
+
+# a manager sized by a memory plan, measured in a fresh process after its first prefill
+PLANNED = """
+import json
+import llama_shard as ls
+from llama_shard.memory import memory_plan
+def rss():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) * 1024
+m = ls.ShardModel({path!r}, (0, 14), 1)
+plan = memory_plan(m.info, {kv_memory}, 2048, n_batch=512)
+r0 = rss()
+mgr = ls.HotKvStateManager(m, plan.config(), n_batch=512)
+ls.KvBoundaryAdapter(m, mgr).prefill("a", 0, token_ids=[1, 2, 3])
+print(json.dumps(dict(kv_rss=rss() - r0, hot_bytes=plan.hot_bytes, slots=plan.hot_slots)))
+"""
+
+
+@pytest.mark.model
+def test_hot_kv_memory_follows_the_plan(embedded_model):
+    """The KV a manager allocates is what the plan says (the issue's table: 64 slots x 2048 tokens
+    held 1,448 MiB whatever budget_tokens said; now the plan in bytes is the size)."""
+    runs = []
+    for kv_memory in (64 << 20, 256 << 20):
+        res = run_isolated(PLANNED.format(path=str(embedded_model), kv_memory=kv_memory))
+        assert res.returncode == 0, res.stderr
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    small, large = runs
+    assert small["hot_bytes"] <= 64 << 20 and large["hot_bytes"] <= 256 << 20
+    grown = large["kv_rss"] - small["kv_rss"]
+    planned = large["hot_bytes"] - small["hot_bytes"]
+    assert 0.9 * planned <= grown <= 1.1 * planned, runs

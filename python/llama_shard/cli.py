@@ -12,9 +12,9 @@ Generated text goes to stdout as it is produced; status and figures go to stderr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -139,35 +139,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from gguf import GGUFReader
+    from .hot_kv import kv_bytes_per_token, parse_size
+    from .memory import memory_plan
+    from .models import gguf_shape
 
     path = _model_path(args.path)
-    reader = GGUFReader(str(path))
-    arch = reader.get_field("general.architecture").contents()
-    n_layer = int(reader.get_field(f"{arch}.block_count").contents())
-    per_layer: dict[int, int] = defaultdict(int)
-    other = 0
-    for t in reader.tensors:
-        if t.name.startswith("blk."):
-            per_layer[int(t.name.split(".")[1])] += int(t.n_bytes)
-        else:
-            other += int(t.n_bytes)
-    n_head = int(reader.get_field(f"{arch}.attention.head_count").contents())
-    n_head_kv_f = reader.get_field(f"{arch}.attention.head_count_kv")
-    n_head_kv = int(n_head_kv_f.contents()) if n_head_kv_f else n_head
-    n_embd = int(reader.get_field(f"{arch}.embedding_length").contents())
-    kl = reader.get_field(f"{arch}.attention.key_length")
-    head_dim = int(kl.contents()) if kl else n_embd // n_head
-    kv_per_layer = 2 * 2 * n_head_kv * head_dim
+    shape = gguf_shape(path)
+    n_layer, per_layer = shape.n_layer, shape.layer_bytes
+    kv_per_layer = kv_bytes_per_token(shape.n_head_kv, shape.head_dim, 1)
+    arch = shape.architecture
     print(f"file:          {path}")
     print(f"architecture:  {arch} ({'certified for shard execution' if arch in ('llama', 'qwen2', 'qwen3') else 'NOT certified: whole-model only'})")
-    print(f"layers:        {n_layer}; n_embd {n_embd}; heads {n_head} (kv {n_head_kv}); head_dim {head_dim}")
-    print(f"weights:       {sum(per_layer.values()) / 2**20:.1f} MiB in layers, {other / 2**20:.1f} MiB outside them (embedding, output)")
+    print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}")
+    print(f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)")
     print(f"KV bytes/token (f16): {kv_per_layer} per layer, {kv_per_layer * n_layer} for the whole model")
     print("bytes per layer:")
     for il in range(n_layer):
         print(f"  {il:3d}: {per_layer[il] / 2**20:8.2f} MiB")
-    cum = np.cumsum([per_layer[i] for i in range(n_layer)])
+    cum = np.cumsum(per_layer)
     for n_shards in (2, 3, 4):
         if n_shards > n_layer:
             break
@@ -181,25 +170,61 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"suggested {n_shards}-shard split: " + ",".join(f"{a}-{b}" for a, b in bounds))
     cut = compute_balanced_cut(path)
     print(f"compute-balanced 2-shard split (the tail also runs the LM head): 0-{cut - 1},{cut}-{n_layer - 1}")
+    if args.memory:
+        first, last = (0, n_layer - 1) if args.layers in (None, "all") else parse_split(args.layers)[0]
+        try:
+            kv_memory, warm = parse_size(args.memory), parse_size(args.warm_memory or 0)
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
+        plan = memory_plan(shape.range_info(first, last), kv_memory, args.context_tokens, kv_type=args.kv_type,
+                           warm_bytes=warm)
+        print(f"memory plan for layers {first}-{last} with {args.memory} of KV memory:")
+        print("  " + plan.describe().replace("\n", "\n  "))
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from .hot_kv import HotKvStateConfig
-    from .worker import ShardWorker, WorkerOptions
+def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
+    """The HotKvStateConfig and memory plan of `serve`: flags over MESHNET_HOT_KV_* over defaults;
+    --kv-memory sizes max_sessions."""
+    from .hot_kv import HotKvStateConfig, parse_size
+    from .memory import memory_plan
+    from .models import gguf_shape
 
     env = HotKvStateConfig.from_env()  # MESHNET_HOT_KV_* are the defaults; flags override them
-    config = HotKvStateConfig(
-        max_sessions=args.max_sessions if args.max_sessions is not None else env.max_sessions,
-        context_tokens=args.context_tokens if args.context_tokens is not None else env.context_tokens,
-        budget_tokens=args.budget_tokens if args.budget_tokens is not None else env.budget_tokens,
-        ttl_seconds=args.ttl if args.ttl is not None else env.ttl_seconds)
+    pick = lambda flag, default: flag if flag is not None else default  # noqa: E731
+    try:
+        warm = parse_size(args.warm_memory) if args.warm_memory is not None else env.warm_bytes
+        kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
+    except ValueError as e:
+        raise InvalidInputError(f"llama-shard serve: {e}") from None
+    shape = gguf_shape(_model_path(args.model))
+    first, last = layers if layers is not None else (0, shape.n_layer - 1)
+    context = pick(args.context_tokens, env.context_tokens)
+    kv_type = pick(args.kv_type, env.kv_type)
+    budget = pick(args.budget_tokens, env.budget_tokens if "MESHNET_HOT_KV_BUDGET_TOKENS" in os.environ else None)
+    if kv_memory is None:
+        slots = pick(args.max_sessions, env.max_sessions)
+        probe = memory_plan(shape.range_info(first, last), 1 << 62, context, args.batch, kv_type)
+        kv_memory = slots * probe.slot_bytes
+    elif args.max_sessions is not None:
+        raise InvalidInputError("llama-shard serve: give --kv-memory or --max-sessions, not both")
+    plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget)
+    config = plan.config(ttl_seconds=pick(args.ttl, env.ttl_seconds),
+                         warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds))
+    return config, plan
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .worker import ShardWorker, WorkerOptions
+
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
+    config, plan = serve_config(args, layers)
     for peer in args.peer:
         host, _, port = peer.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SystemExit(f"llama-shard serve: --peer takes HOST:PORT, got {peer!r}")
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
+    _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        threads=args.threads, n_batch=args.batch,
@@ -249,10 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most sessions per engine step (default: max sessions)")
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="most tokens of one prompt per engine step while other sessions wait")
-    sv.add_argument("--max-sessions", type=int, default=None, help="default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
+    sv.add_argument("--kv-memory", metavar="SIZE", default=None,
+                    help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
+    sv.add_argument("--max-sessions", type=int, default=None, help="hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
     sv.add_argument("--context-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
-    sv.add_argument("--budget-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_BUDGET_TOKENS or 8192")
+    sv.add_argument("--budget-tokens", type=int, default=None,
+                    help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
     sv.add_argument("--ttl", type=float, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
+    sv.add_argument("--warm-memory", metavar="SIZE", default=None,
+                    help="host memory for evicted sessions' KV (default: MESHNET_HOT_KV_WARM_BYTES or 0, off)")
+    sv.add_argument("--warm-ttl", type=float, default=None,
+                    help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
+    sv.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default=None,
+                    help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="two workers on loopback split the model; four chat sessions run through them")
@@ -263,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
+    i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
+    i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
+    i.add_argument("--context-tokens", type=int, default=2048)
+    i.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="f16")
+    i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.set_defaults(func=cmd_inspect)
     return ap
 

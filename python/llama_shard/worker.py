@@ -22,7 +22,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ._native import ShardModel
 from .errors import (
@@ -82,6 +82,25 @@ class _EngineCollector:
         for reason, n in st["misses"].items():
             ms.add_metric(values + [reason], n)
         yield ms
+        for name, key, doc in [("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
+                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
+                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound")]:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, st[key])
+            yield g
+        for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
+                               ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
+                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)")]:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, st[key])
+            yield c
+        h = HistogramMetricFamily("llama_shard_restore_seconds", "Time to restore a warm session's KV", labels=names)
+        cumulative, buckets = 0, []
+        for le, n in st["restore_buckets"]:
+            cumulative += n
+            buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
+        h.add_metric(values, buckets, st["restore_seconds"])
+        yield h
 
 
 class _Peers:
@@ -329,8 +348,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             recipe_fingerprint=self.fingerprint, max_sessions=st["max_sessions"], context_tokens=st["context_tokens"],
             budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
-            sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n)
-                      for sid, ep, _, n, _ in self.manager.sessions()],
+            sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n, tier=tier)
+                      for sid, ep, _, n, _, tier in self.manager.sessions()],
+            kv_type=self.manager.config.kv_type, warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
+            warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
             peers=sorted(self.peers.allowed))
