@@ -1,6 +1,6 @@
 // Hot KV engine conformance without Python: lifecycle, admission, LRU/TTL eviction, stale epochs,
-// supersession, miss reasons, the bounded table of dropped keys, and check_invariants() after every
-// step. Expected outcomes are values; caller mistakes throw and change nothing.
+// supersession, miss reasons, the bounded table of dropped keys, the warm tier, and
+// check_invariants() after every step. Expected outcomes are values; caller mistakes throw and change nothing.
 
 #include "llama_shard/hot_kv_engine.h"
 #include "test-common.h"
@@ -170,6 +170,115 @@ void bounded_and_invalid(const std::string & path) {
     CHECK_THROWS(hot_kv_engine(h.model, bad), SHARD_ERRC_INVALID_ARGUMENT);
 }
 
+hot_kv_result step_one(harness & h, std::vector<hot_kv_request> & reqs, std::vector<hot_kv_result> & res) {
+    res = h.engine.step(reqs, h.now);
+    h.engine.check_invariants();
+    return res.front();
+}
+
+hot_kv_request decode_request(harness & h, const std::string & sid, const int32_t * tok, float * out) {
+    hot_kv_request r;
+    r.session_id = sid;
+    r.kind = HOT_KV_STEP_DECODE;
+    r.input.tokens = tok;
+    r.input.n_tokens = 1;
+    r.out = out;
+    (void) h;
+    return r;
+}
+
+// the warm tier: an evicted session spills its KV to host memory and comes back bit-exact; resolve
+// reports it without moving it; release, a newer epoch and warm TTL drop it; a full tier drops its
+// least recently used session; BUSY defers a request that fits alone but not beside its step
+void warm_tier(const std::string & path) {
+    hot_kv_config cfg = config(1, 32, 32, 10);
+    cfg.warm_bytes = 1 << 20;
+    cfg.warm_ttl_seconds = 100;
+    harness h(path, cfg);
+    harness ref(path, config(1, 32, 32, 0));  // the same session, never evicted
+
+    CHECK(h.prefill("a", 0, {1, 2, 3}).status == SHARD_STATUS_OK);
+    CHECK(ref.prefill("a", 0, {1, 2, 3}).status == SHARD_STATUS_OK);
+    CHECK(h.prefill("b", 0, {4, 5}).status == SHARD_STATUS_OK);  // the only slot: "a" spills
+    hot_kv_result r = h.engine.resolve("a", 0, h.now);
+    CHECK(r.status == SHARD_STATUS_OK && r.tier == HOT_KV_TIER_WARM && r.seq_len == 3 && r.seq_id == -1);
+    CHECK(h.engine.stats().spills == 1 && h.engine.stats().restores == 0);  // resolve moved nothing
+    CHECK(h.engine.stats().warm_bytes > 3 * h.engine.stats().kv_bytes_per_token);
+
+    r = h.decode("a", 0, 6, /*expected*/ 3);  // restored, then decoded: "b" spills
+    CHECK(r.status == SHARD_STATUS_OK && r.tier == HOT_KV_TIER_HOT && r.seq_len == 4);
+    CHECK(ref.decode("a", 0, 6, 3).seq_len == 4);
+    CHECK(std::memcmp(h.out.data(), ref.out.data(), 320 * sizeof(float)) == 0);  // bit-exact
+    CHECK(h.engine.stats().restores == 1 && h.engine.stats().spills == 2);
+    CHECK(h.engine.stats().misses[SHARD_MISS_EVICTED_LRU] == 0);
+
+    // truncate restores; a length past the warm length is refused before anything moves
+    CHECK_THROWS(h.engine.truncate("b", 0, 3, h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    CHECK(h.engine.resolve("b", 0, h.now).tier == HOT_KV_TIER_WARM);
+    CHECK(h.engine.truncate("b", 0, 1, h.now).seq_len == 1);
+    CHECK(h.engine.resolve("a", 0, h.now).tier == HOT_KV_TIER_WARM);
+
+    // release and a newer epoch drop the warm copy; an older epoch is stale
+    CHECK(h.engine.release("a", 0, h.now).changed);
+    CHECK(h.is_miss(h.engine.resolve("a", 0, h.now), SHARD_MISS_RELEASED));
+    CHECK(h.prefill("c", 0, {7}).status == SHARD_STATUS_OK);  // "b" spills
+    CHECK(h.decode("b", 1, 1).status == SHARD_STATUS_CACHE_MISS);
+    CHECK(h.decode("b", 0, 1).status == SHARD_STATUS_STALE_EPOCH);
+
+    // TTL: idle past ttl_seconds spills, past warm_ttl_seconds drops
+    h.now = 20;
+    CHECK(h.engine.sweep(h.now) == 1);
+    CHECK(h.engine.resolve("c", 0, h.now).tier == HOT_KV_TIER_WARM);
+    h.now = 150;
+    h.engine.sweep(h.now);
+    CHECK(h.is_miss(h.engine.resolve("c", 0, h.now), SHARD_MISS_EVICTED_TTL));
+    const hot_kv_stats st = h.engine.stats();
+    CHECK(st.spills == st.restores + st.warm_drops + (uint64_t) st.warm_sessions);
+    CHECK(st.warm_sessions == 0 && st.warm_bytes == 0);
+
+    // a full tier: room for one 3-token session only (what one costs, measured on a roomy tier)
+    hot_kv_config roomy = config(1, 32, 32, 0);
+    roomy.warm_bytes = 1 << 20;
+    harness m(path, roomy);
+    m.prefill("x", 0, {1, 2, 3});
+    m.prefill("y", 0, {1});
+    hot_kv_config tight = roomy;
+    tight.warm_bytes = (int64_t) m.engine.stats().warm_bytes + 100;
+    harness t(path, tight);
+    t.prefill("x", 0, {1, 2, 3});
+    t.prefill("y", 0, {1, 2, 3});  // "x" warm
+    t.prefill("z", 0, {1});        // "y" warm: "x" dropped for it
+    CHECK(t.is_miss(t.engine.resolve("x", 0, t.now), SHARD_MISS_EVICTED_LRU));
+    CHECK(t.engine.resolve("y", 0, t.now).tier == HOT_KV_TIER_WARM);
+    CHECK(t.engine.stats().warm_drops == 1);
+
+    // BUSY: two slots, budget 8; a (4) and b (3) hot, c (4) warm, all three decode in one step
+    hot_kv_config busy = config(2, 16, 8, 0);
+    busy.warm_bytes = 1 << 20;
+    harness b(path, busy);
+    b.prefill("c", 0, {1, 2, 3, 4});
+    b.prefill("a", 0, {1, 2, 3, 4});
+    b.prefill("b", 0, {1, 2, 3});  // budget: "c" spills
+    const int32_t tok = 5;
+    std::vector<float> outs(3 * 320);
+    std::vector<hot_kv_request> reqs = {decode_request(b, "a", &tok, &outs[0]), decode_request(b, "b", &tok, &outs[320]),
+                                        decode_request(b, "c", &tok, &outs[640])};
+    std::vector<hot_kv_result> res;
+    step_one(b, reqs, res);
+    CHECK(res[0].status == SHARD_STATUS_OK && res[1].status == SHARD_STATUS_BUSY && res[2].status == SHARD_STATUS_BUSY);
+    std::vector<hot_kv_request> next = {reqs[2], reqs[1]};  // the loop runs deferred requests first
+    step_one(b, next, res);
+    CHECK(res[0].status == SHARD_STATUS_OK && res[0].seq_len == 5 && res[1].status == SHARD_STATUS_BUSY);
+    CHECK(b.engine.stats().restores == 1 && b.engine.stats().misses[SHARD_MISS_EVICTED_LRU] == 0);
+    // without a warm tier the same step answers BUDGET_EXCEEDED: the step's sessions stay hot
+    harness nb(path, config(2, 16, 8, 0));
+    nb.prefill("a", 0, {1, 2, 3, 4});
+    nb.prefill("b", 0, {1, 2, 3});
+    std::vector<hot_kv_request> two = {decode_request(nb, "a", &tok, &outs[0]), decode_request(nb, "b", &tok, &outs[320])};
+    step_one(nb, two, res);
+    CHECK(res[0].status == SHARD_STATUS_OK && res[1].status == SHARD_STATUS_BUDGET_EXCEEDED);
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -181,5 +290,6 @@ int main(int argc, char ** argv) {
     epochs(argv[1]);
     admission_and_eviction(argv[1]);
     bounded_and_invalid(argv[1]);
+    warm_tier(argv[1]);
     return finish("test-hot-kv");
 }

@@ -1,7 +1,8 @@
 // The native step loop without Python: concurrent submitters share engine steps (fewer steps than
 // requests, the same tokens as one at a time), a long prefill is chunked and equals one piece, a
 // session's requests keep their order, a prefill that cannot fit is refused before any chunk, and
-// close() completes what is pending, then refuses.
+// close() completes what is pending, then refuses; oversubscribed with a warm tier, sessions take
+// turns (BUSY requests go first in the next step) and none misses.
 
 #include "llama_shard/step_loop.h"
 #include "test-common.h"
@@ -105,6 +106,47 @@ int main(int argc, char ** argv) {
         CHECK(st.steps < st.requests / 2);
         for (int i = 0; i < n_threads; ++i) {
             CHECK(got[i] == greedy_alone(model, prompts[i], steps));
+        }
+        engine.check_invariants();
+    }
+
+    // --- oversubscribed with a warm tier: BUSY requests go first in the next step, none misses ---
+    {
+        const int n_threads = 4, steps = 8;
+        hot_kv_config c = config(64);
+        c.max_sessions = 2;
+        c.budget_tokens = 24;  // two sessions of up to 12 tokens at once
+        c.warm_bytes = 1 << 20;
+        hot_kv_engine engine(model, c);
+        step_loop loop(engine, {});
+        std::vector<std::vector<int32_t>> got(n_threads);
+        std::vector<std::thread> threads;
+        for (int i = 0; i < n_threads; ++i) {
+            threads.emplace_back([&, i] {
+                const std::string sid = "o" + std::to_string(i);
+                const std::vector<int32_t> prompt = {(int32_t) (9 + 13 * i) % 300, 4};
+                auto t = ticket(sid, HOT_KV_STEP_PREFILL, prompt);
+                loop.submit(t);
+                CHECK(t->wait().status == SHARD_STATUS_OK);
+                got[i].push_back(argmax(t->out));
+                for (int k = 0; k < steps; ++k) {
+                    auto d = ticket(sid, HOT_KV_STEP_DECODE, {got[i].back()}, (int32_t) (prompt.size() + k));
+                    loop.submit(d);
+                    const hot_kv_result r = d->wait();
+                    CHECK(r.status == SHARD_STATUS_OK);
+                    got[i].push_back(argmax(d->out));
+                }
+            });
+        }
+        for (auto & th : threads) {
+            th.join();
+        }
+        const hot_kv_stats st = engine.stats();
+        std::printf("4 sessions over 2 slots: %llu spills, %llu restores, %llu misses\n", (unsigned long long) st.spills,
+                    (unsigned long long) st.restores, (unsigned long long) st.misses[SHARD_MISS_EVICTED_LRU]);
+        CHECK(st.restores > 0 && st.misses[SHARD_MISS_EVICTED_LRU] == 0);
+        for (int i = 0; i < n_threads; ++i) {
+            CHECK(got[i] == greedy_alone(model, {(int32_t) (9 + 13 * i) % 300, 4}, steps));
         }
         engine.check_invariants();
     }
