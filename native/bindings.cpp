@@ -351,7 +351,8 @@ PYBIND11_MODULE(_native, m) {
     py::enum_<hot_kv_tier>(m, "Tier", "Where a session's KV is: HOT (in the llama_context), WARM (host memory) or NONE")
         .value("NONE", HOT_KV_TIER_NONE)
         .value("HOT", HOT_KV_TIER_HOT)
-        .value("WARM", HOT_KV_TIER_WARM);
+        .value("WARM", HOT_KV_TIER_WARM)
+        .value("DISK", HOT_KV_TIER_DISK);
 
     py::enum_<shard_miss_reason>(m, "MissReason", "Why a request could not be served from cache")
         .value("NONE", SHARD_MISS_NONE)
@@ -441,7 +442,8 @@ PYBIND11_MODULE(_native, m) {
     py::class_<hot_kv_engine>(m, "HotKvEngine")
         .def(py::init([](const shard_model & model, int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens,
                          double ttl_seconds, int32_t n_batch, std::optional<int32_t> n_threads, int32_t recent_capacity,
-                         int64_t warm_bytes, double warm_ttl_seconds, const std::string & kv_type) {
+                         int64_t warm_bytes, double warm_ttl_seconds, const std::string & kv_type,
+                         const std::string & warm_dir, int64_t warm_disk_bytes, const std::string & recipe_fingerprint) {
                  hot_kv_config cfg;
                  cfg.max_sessions    = max_sessions;
                  cfg.context_tokens  = context_tokens;
@@ -453,13 +455,17 @@ PYBIND11_MODULE(_native, m) {
                  cfg.warm_bytes       = warm_bytes;
                  cfg.warm_ttl_seconds = warm_ttl_seconds;
                  cfg.kv_type          = kv_type;
+                 cfg.warm_dir         = warm_dir;
+                 cfg.warm_disk_bytes  = warm_disk_bytes;
+                 cfg.recipe_fingerprint = recipe_fingerprint;
                  py::gil_scoped_release release;
                  return std::make_unique<hot_kv_engine>(model, cfg);
              }),
              py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
              py::arg("ttl_seconds"), py::arg("n_batch") = 512, py::arg("n_threads") = py::none(),
              py::arg("recent_capacity") = 4096, py::arg("warm_bytes") = 0, py::arg("warm_ttl_seconds") = 3600.0,
-             py::arg("kv_type") = "f16", py::keep_alive<1, 2>())
+             py::arg("kv_type") = "f16", py::arg("warm_dir") = "", py::arg("warm_disk_bytes") = 0,
+             py::arg("recipe_fingerprint") = "", py::keep_alive<1, 2>())
         .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
         .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
@@ -479,6 +485,10 @@ PYBIND11_MODULE(_native, m) {
                  py::gil_scoped_release release;
                  return e.resolve(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
+        .def("persist", [](hot_kv_engine & e, double now) {
+                 py::gil_scoped_release release;  // writes files
+                 return e.persist(now);
+             }, py::arg("now"), "Writes every hot and warm session to the disk tier; returns the sessions on disk")
         .def("sweep", [](hot_kv_engine & e, double now) {
                  py::gil_scoped_release release;
                  return e.sweep(now);
@@ -496,7 +506,7 @@ PYBIND11_MODULE(_native, m) {
                  py::list out;
                  for (const auto & s : live) {
                      out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used,
-                                               s.tier == HOT_KV_TIER_WARM ? "warm" : "hot"));
+                                               s.tier == HOT_KV_TIER_DISK ? "disk" : s.tier == HOT_KV_TIER_WARM ? "warm" : "hot"));
                  }
                  return out;
              })
@@ -540,6 +550,13 @@ PYBIND11_MODULE(_native, m) {
                      buckets.append(py::make_tuple(le, st.restore_buckets[i]));
                  }
                  d["restore_buckets"] = buckets;
+                 d["disk_sessions"] = st.disk_sessions;
+                 d["disk_bytes"] = st.disk_bytes;
+                 d["disk_capacity"] = st.disk_capacity;
+                 d["disk_spills"] = st.disk_spills;
+                 d["disk_restores"] = st.disk_restores;
+                 d["disk_loaded"] = st.disk_loaded;
+                 d["disk_failures"] = st.disk_failures;
                  return d;
              });
 }

@@ -28,10 +28,11 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "T
 class Route:
     """SmolLM2 split 0-14 / 15-29, one manager per shard with the same config."""
 
-    def __init__(self, path, config: HotKvStateConfig):
+    def __init__(self, path, config: HotKvStateConfig, tail_config: HotKvStateConfig | None = None):
         self.head = ShardModel(str(path), (0, 14), 1)
         self.tail = ShardModel(str(path), (15, 29), 1)
-        self.managers = [HotKvStateManager(self.head, config, n_batch=64), HotKvStateManager(self.tail, config, n_batch=64)]
+        self.managers = [HotKvStateManager(self.head, config, n_batch=64),
+                         HotKvStateManager(self.tail, tail_config or config, n_batch=64)]
         self.head_ad = KvBoundaryAdapter(self.head, self.managers[0])
         self.tail_ad = KvBoundaryAdapter(self.tail, self.managers[1])
 
@@ -222,3 +223,115 @@ def test_warm_config_from_env():
         HotKvStateConfig.from_env({"MESHNET_HOT_KV_KV_TYPE": "f8"})
     with pytest.raises(InvalidInputError):
         HotKvStateConfig.from_env({"MESHNET_HOT_KV_WARM_BYTES": "lots"})
+
+
+# --- the disk tier -----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_a_restarted_route_resumes_its_sessions_from_disk_bit_exact(embedded_model, tmp_path):
+    roomy = Route(embedded_model, HotKvStateConfig(max_sessions=8, context_tokens=256))
+    expected = roomy.round_robin(6)
+
+    def config(shard):  # 2 hot slots, a host tier of about one session, the rest on disk
+        return HotKvStateConfig(max_sessions=2, context_tokens=256, warm_bytes=300_000,
+                                warm_dir=str(tmp_path / shard), warm_disk_bytes=64 << 20)
+
+    first = Route(embedded_model, config("head"), config("tail"))  # one directory per worker
+    history = first.round_robin(3)
+    past = {sid: len(first.head.tokenize(p)) + 3 for sid, p in zip(map(str, range(len(PROMPTS))), PROMPTS)}
+    assert [m.persist() for m in first.managers] == [8, 8]  # a worker's SIGTERM drain with a disk tier
+    del first
+
+    second = Route(embedded_model, config("head"), config("tail"))  # a new process would see the same files
+    assert all(m.stats()["disk_loaded"] == 8 for m in second.managers)
+    assert all(s[5] == "disk" for s in second.managers[0].sessions())
+    for _ in range(3):
+        for sid in history:
+            out = second.decode(sid, history[sid][-1][0], past[sid])
+            assert isinstance(out, TailOutput), out
+            past[sid] += 1
+            history[sid].append((out.token_id, out.logits.tobytes()))
+    assert history == expected
+    for m in second.managers:
+        st = m.stats()
+        m.check_invariants()
+        assert st["disk_restores"] >= 8 and sum(st["misses"].values()) == 0 and st["disk_failures"] == 0, st
+
+
+def _disk_manager(path, warm_dir, kv_type="f16"):
+    model = ShardModel(str(path), None, 1)
+    config = HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20,
+                              kv_type=kv_type)
+    manager = HotKvStateManager(model, config, ManualClock(), n_batch=8)
+    return manager, KvBoundaryAdapter(model, manager)
+
+
+def _one_file_on_disk(path, warm_dir):
+    m, ad = _disk_manager(path, warm_dir)
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    ad.prefill("b", 0, token_ids=[4])  # "a" goes to disk (no host tier)
+    assert m.resolve("a", 0).tier == "disk"
+    files = list(warm_dir.glob("*.kv"))
+    assert len(files) == 1
+    return m, ad, files[0]
+
+
+def test_a_corrupt_file_is_refused_deleted_and_logged(synthetic_model, tmp_path, capfd):
+    m, ad, f = _one_file_on_disk(synthetic_model, tmp_path / "w")
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF  # one payload byte
+    f.write_bytes(bytes(data))
+    out = ad.decode("a", 0, token_ids=[5])
+    assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.EVICTED_LRU
+    assert not f.exists() and "checksum mismatch" in capfd.readouterr().err
+    assert m.stats()["disk_failures"] == 1
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "not_ours"])
+def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, damage):
+    warm_dir = tmp_path / "w"
+    m, _, f = _one_file_on_disk(synthetic_model, warm_dir)
+    del m
+    if damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-10])
+    elif damage == "not_ours":
+        f.write_bytes(b"\0" * 100)
+    if damage == "foreign_range":
+        model = ShardModel(str(synthetic_model), (0, 2), 1)
+        m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
+                                                      warm_disk_bytes=1 << 20), n_batch=8)
+    elif damage == "foreign_recipe":  # another shard's file: the same range under another recipe
+        from llama_shard._native import HotKvEngine
+        engine = HotKvEngine(ShardModel(str(synthetic_model), None, 1), 1, 16, 16, 0.0, 8, None, 16, 0, 0.0, "f16",
+                             str(warm_dir), 1 << 20, "another-recipe")
+        m = None
+        assert engine.stats()["disk_loaded"] == 0
+    else:
+        m, _ = _disk_manager(synthetic_model, warm_dir)
+    if m is not None:
+        assert m.stats()["disk_loaded"] == 0
+    assert not f.exists()
+    assert "llama-shard warm tier: deleted" in capfd.readouterr().err
+
+
+def test_an_unwritable_directory_degrades_to_a_miss(synthetic_model, tmp_path, capfd):
+    warm_dir = tmp_path / "w"
+    m, ad = _disk_manager(synthetic_model, warm_dir)
+    warm_dir.rmdir()
+    warm_dir.write_text("a file where the directory was")
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    assert isinstance(ad.prefill("b", 0, token_ids=[4]), TailOutput)  # the step that evicted "a" goes on
+    assert m.resolve("a", 0).reason == CacheMissReason.EVICTED_LRU
+    assert "cannot write" in capfd.readouterr().err
+    assert m.stats()["disk_failures"] == 1
+    m.check_invariants()
+
+
+def test_release_and_a_new_epoch_delete_the_file(synthetic_model, tmp_path):
+    m, ad, f = _one_file_on_disk(synthetic_model, tmp_path / "w")
+    assert m.release("a", 0) and not f.exists()
+    m, ad, f = _one_file_on_disk(synthetic_model, tmp_path / "v")
+    assert isinstance(ad.decode("a", 3, token_ids=[1]), CacheMiss) and not f.exists()
+    assert m.stats()["disk_sessions"] == 0 and m.stats()["disk_bytes"] == 0

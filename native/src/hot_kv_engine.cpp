@@ -66,8 +66,11 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (config.recent_capacity < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
     }
-    if (config.warm_bytes < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "warm_bytes must be >= 0");
+    if (config.warm_bytes < 0 || config.warm_disk_bytes < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "warm_bytes and warm_disk_bytes must be >= 0");
+    }
+    if (!config.warm_dir.empty() && (config.warm_disk_bytes == 0 || config.recipe_fingerprint.empty())) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a warm_dir needs warm_disk_bytes > 0 and the recipe fingerprint");
     }
     // One KV stream per session (kv_unified = false): a session's cells stay in position order
     // whatever other sessions do, so its results are bit-identical to running alone (in a shared
@@ -97,10 +100,33 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     counters_.context_tokens     = config.context_tokens;
     counters_.kv_bytes_per_token = ctx_->kv_bytes_per_token();
     counters_.warm_capacity      = (uint64_t) config.warm_bytes;
+    counters_.disk_capacity      = (uint64_t) config.warm_disk_bytes;
+    if (!config.warm_dir.empty()) {
+        load_disk_tier();
+    }
+}
+
+// a restarted worker: the valid files of its directory become disk-tier sessions, oldest first
+// (the oldest go first when they exceed warm_disk_bytes); their idle time starts at the first call
+void hot_kv_engine::load_disk_tier() {
+    const shard_model_info & info = model_.info();
+    disk_ = std::make_unique<kv_file_store>(config_.warm_dir,
+        kv_file_identity{config_.recipe_fingerprint, info.first, info.last, info.n_layer, config_.kv_type});
+    for (kv_file_entry & e : disk_->scan(config_.context_tokens)) {
+        disk_lru_.push_back(e.session_id);
+        warm_entry & w = warm_[e.session_id];
+        w = warm_entry{e.epoch, e.seq_len, 0.0, {}, std::prev(disk_lru_.end()), true, e.file_bytes};
+        disk_held_ += e.file_bytes;
+        counters_.disk_loaded++;
+    }
+    while (disk_held_ > (uint64_t) config_.warm_disk_bytes) {
+        drop_warm_locked(std::string(disk_lru_.front()), SHARD_MISS_EVICTED_LRU);
+    }
+    disk_times_pending_ = !disk_lru_.empty();
 }
 
 uint64_t hot_kv_engine::warm_entry::bytes() const {
-    return (uint64_t) state.size() + (uint64_t) lru_pos->size();
+    return on_disk ? file_bytes : (uint64_t) state.size() + (uint64_t) lru_pos->size();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -175,38 +201,100 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
     if (!warm_enabled() || s.seq_len == 0) {
         return false;  // an empty session costs nothing to re-prefill
     }
-    std::vector<uint8_t> state;
-    if (!ctx_->seq_save(s.seq_id, state)) {
+    warm_entry w{s.epoch, s.seq_len, s.last_used, {}, {}, false, 0};
+    if (!ctx_->seq_save(s.seq_id, w.state)) {
         return false;
     }
-    const uint64_t bytes = (uint64_t) state.size() + (uint64_t) sid.size();
-    // the warm session being restored (pinned) is never dropped to make room for this one
-    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
-    const uint64_t pinned_bytes = pinned != warm_.end() ? pinned->second.bytes() : 0;
-    if (bytes + pinned_bytes > (uint64_t) config_.warm_bytes) {
+    if (!store_host_locked(sid, std::move(w)) && !store_disk_locked(sid, std::move(w))) {
         return false;
     }
-    while (warm_held_ + bytes > (uint64_t) config_.warm_bytes) {
-        const std::string & victim = warm_lru_.front() != (pinned != warm_.end() ? pinned->first : std::string())
-                                         ? warm_lru_.front() : *std::next(warm_lru_.begin());
-        drop_warm_locked(std::string(victim), SHARD_MISS_EVICTED_LRU);
-    }
-    warm_lru_.push_back(sid);
-    warm_entry & w = warm_[sid];
-    w = warm_entry{s.epoch, s.seq_len, s.last_used, std::move(state), std::prev(warm_lru_.end())};
-    warm_held_ += bytes;
     counters_.spills++;
     count_leaving(counters_, reason);
     free_hot_locked(sid);
     return true;
 }
 
+bool hot_kv_engine::store_host_locked(const std::string & sid, warm_entry && w) {
+    const uint64_t bytes = (uint64_t) w.state.size() + (uint64_t) sid.size();
+    // the warm session being restored (pinned) is never moved out to make room for this one
+    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
+    const uint64_t pinned_bytes = pinned != warm_.end() && !pinned->second.on_disk ? pinned->second.bytes() : 0;
+    if (bytes + pinned_bytes > (uint64_t) config_.warm_bytes) {
+        return false;
+    }
+    while (warm_held_ + bytes > (uint64_t) config_.warm_bytes) {
+        auto victim = warm_lru_.begin();
+        if (pinned != warm_.end() && *victim == pinned->first) {
+            ++victim;
+        }
+        demote_locked(std::string(*victim));
+    }
+    warm_lru_.push_back(sid);
+    w.lru_pos = std::prev(warm_lru_.end());
+    warm_[sid] = std::move(w);
+    warm_held_ += bytes;
+    return true;
+}
+
+bool hot_kv_engine::store_disk_locked(const std::string & sid, warm_entry && w) {
+    if (!disk_) {
+        return false;
+    }
+    // the header is under 256 bytes past the key: room for this much is made before writing
+    const uint64_t bound = (uint64_t) w.state.size() + (uint64_t) sid.size() + 256;
+    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
+    const uint64_t pinned_bytes = pinned != warm_.end() && pinned->second.on_disk ? pinned->second.bytes() : 0;
+    if (bound + pinned_bytes > (uint64_t) config_.warm_disk_bytes) {
+        return false;
+    }
+    while (disk_held_ + bound > (uint64_t) config_.warm_disk_bytes) {
+        auto victim = disk_lru_.begin();
+        if (pinned != warm_.end() && *victim == pinned->first) {
+            ++victim;
+        }
+        drop_warm_locked(std::string(*victim), SHARD_MISS_EVICTED_LRU);
+    }
+    const uint64_t written = disk_->write(sid, w.epoch, w.seq_len, w.state);
+    if (written == 0) {
+        counters_.disk_failures++;
+        return false;
+    }
+    w.state        = std::vector<uint8_t>();  // freed: the file holds it now
+    w.on_disk      = true;
+    w.file_bytes   = written;
+    disk_lru_.push_back(sid);
+    w.lru_pos      = std::prev(disk_lru_.end());
+    warm_[sid]     = std::move(w);
+    disk_held_    += written;
+    counters_.disk_spills++;
+    return true;
+}
+
+void hot_kv_engine::demote_locked(const std::string & sid) {
+    auto it = warm_.find(sid);
+    assert(it != warm_.end() && !it->second.on_disk);
+    warm_entry w = std::move(it->second);
+    warm_held_ -= (uint64_t) w.state.size() + (uint64_t) sid.size();
+    warm_lru_.erase(w.lru_pos);
+    warm_.erase(it);
+    if (!store_disk_locked(sid, std::move(w))) {
+        remember_locked(sid, w.epoch, SHARD_MISS_EVICTED_LRU);
+        counters_.warm_drops++;
+    }
+}
+
 void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
     auto it = warm_.find(sid);
     assert(it != warm_.end());
     const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : it->second.epoch;
-    warm_held_ -= it->second.bytes();
-    warm_lru_.erase(it->second.lru_pos);
+    if (it->second.on_disk) {
+        disk_->remove(sid);
+        disk_held_ -= it->second.bytes();
+        disk_lru_.erase(it->second.lru_pos);
+    } else {
+        warm_held_ -= it->second.bytes();
+        warm_lru_.erase(it->second.lru_pos);
+    }
     warm_.erase(it);
     remember_locked(sid, epoch, reason);
     counters_.warm_drops++;
@@ -220,9 +308,11 @@ int32_t hot_kv_engine::sweep_warm_locked(double now) {
         return 0;
     }
     int32_t n = 0;
-    while (!warm_lru_.empty() && now - warm_.at(warm_lru_.front()).last_used > config_.warm_ttl_seconds) {
-        drop_warm_locked(warm_lru_.front(), SHARD_MISS_EVICTED_TTL);
-        ++n;
+    for (std::list<std::string> * tier : {&disk_lru_, &warm_lru_}) {
+        while (!tier->empty() && now - warm_.at(tier->front()).last_used > config_.warm_ttl_seconds) {
+            drop_warm_locked(std::string(tier->front()), SHARD_MISS_EVICTED_TTL);
+            ++n;
+        }
     }
     return n;
 }
@@ -233,7 +323,14 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     warm_entry & w = it->second;
     const int32_t seq_id = take_free_id_locked();
     const auto t0 = std::chrono::steady_clock::now();
-    const bool ok = ctx_->seq_restore(seq_id, w.state.data(), w.state.size()) && ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
+    std::vector<uint8_t> from_disk;  // read and verified (header, size, checksum) before llama.cpp sees it
+    const bool read = !w.on_disk || disk_->read(sid, w.epoch, w.seq_len, from_disk);
+    const std::vector<uint8_t> & state = w.on_disk ? from_disk : w.state;
+    const bool ok = read && ctx_->seq_restore(seq_id, state.data(), state.size()) &&
+                    ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
+    if (!read) {
+        counters_.disk_failures++;
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!ok) {
         ctx_->seq_rm(seq_id, 0);
@@ -244,8 +341,15 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     }
     const int64_t epoch = w.epoch;
     const int32_t seq_len = w.seq_len;
-    warm_held_ -= w.bytes();
-    warm_lru_.erase(w.lru_pos);
+    if (w.on_disk) {
+        disk_->remove(sid);  // hot again: a stale file must not come back after a restart
+        disk_held_ -= w.bytes();
+        disk_lru_.erase(w.lru_pos);
+        counters_.disk_restores++;
+    } else {
+        warm_held_ -= w.bytes();
+        warm_lru_.erase(w.lru_pos);
+    }
     warm_.erase(it);
     lru_.push_back(sid);
     session & s = live_[sid];
@@ -313,6 +417,12 @@ double hot_kv_engine::begin_locked(const std::string & sid, int64_t epoch, doubl
 
 double hot_kv_engine::tick_locked(double now) {
     clock_ = std::max(clock_, now);
+    if (disk_times_pending_) {  // files loaded at start-up: idle from the first call on
+        for (const std::string & sid : disk_lru_) {
+            warm_.at(sid).last_used = clock_;
+        }
+        disk_times_pending_ = false;
+    }
     return clock_;
 }
 
@@ -450,7 +560,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
     if (wit != warm_.end()) {
         warm_entry & w = wit->second;
         if (epoch == w.epoch) {
-            res.tier    = HOT_KV_TIER_WARM;
+            res.tier    = w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM;
             res.seq_len = w.seq_len;
             if (warm != nullptr) {
                 *warm = &w;
@@ -829,6 +939,30 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
     return res;
 }
 
+int32_t hot_kv_engine::persist(double now) {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    tick_locked(now);
+    if (!disk_) {  // nothing outlives the process: everything is released
+        while (!lru_.empty()) {
+            drop_locked(std::string(lru_.front()), SHARD_MISS_RELEASED);
+        }
+        while (!warm_lru_.empty()) {
+            drop_warm_locked(std::string(warm_lru_.front()), SHARD_MISS_RELEASED);
+        }
+        return 0;
+    }
+    while (!lru_.empty()) {
+        const std::string sid = lru_.front();
+        if (!spill_locked(sid, SHARD_MISS_NONE)) {
+            drop_locked(sid, SHARD_MISS_RELEASED);
+        }
+    }
+    while (!warm_lru_.empty()) {
+        demote_locked(std::string(warm_lru_.front()));
+    }
+    return (int32_t) disk_lru_.size();
+}
+
 int32_t hot_kv_engine::sweep(double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
     return sweep_locked(tick_locked(now));
@@ -845,8 +979,10 @@ hot_kv_stats hot_kv_engine::stats() const {
     st.reserved_tokens = reserved_;
     st.reserved_bytes  = (uint64_t) reserved_ * counters_.kv_bytes_per_token;
     st.recent_keys     = (int32_t) recent_.size();
-    st.warm_sessions   = (int32_t) warm_.size();
+    st.warm_sessions   = (int32_t) warm_lru_.size();
     st.warm_bytes      = warm_held_;
+    st.disk_sessions   = (int32_t) disk_lru_.size();
+    st.disk_bytes      = disk_held_;
     return st;
 }
 
@@ -858,9 +994,11 @@ std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
         const session & s = live_.at(sid);
         out.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used, HOT_KV_TIER_HOT});
     }
-    for (const std::string & sid : warm_lru_) {
-        const warm_entry & w = warm_.at(sid);
-        out.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, HOT_KV_TIER_WARM});
+    for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
+        for (const std::string & sid : *tier) {
+            const warm_entry & w = warm_.at(sid);
+            out.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM});
+        }
     }
     return out;
 }
@@ -910,22 +1048,27 @@ void hot_kv_engine::check_invariants() const {
         if (live_.count(sid)) fail("a live session is also in the dropped table");
         if (warm_.count(sid)) fail("a warm session is also in the dropped table");
     }
-    if (warm_lru_.size() != warm_.size()) fail("warm LRU list and warm map disagree");
-    uint64_t warm_sum = 0;
-    prev = -1e300;
-    for (const std::string & sid : warm_lru_) {
-        const warm_entry & w = warm_.at(sid);
-        if (*w.lru_pos != sid) fail("warm LRU position does not point at its session");
-        if (live_.count(sid)) fail("session '" + sid + "' is both hot and warm");
-        if (w.seq_len < 1 || w.seq_len > config_.context_tokens) fail("warm session length outside [1, context_tokens]");
-        if (w.last_used < prev) fail("warm LRU order disagrees with last_used");
-        prev = w.last_used;
-        warm_sum += w.bytes();
+    if (warm_lru_.size() + disk_lru_.size() != warm_.size()) fail("warm LRU lists and warm map disagree");
+    uint64_t sums[2] = {0, 0};
+    for (const bool disk : {false, true}) {
+        prev = -1e300;
+        for (const std::string & sid : disk ? disk_lru_ : warm_lru_) {
+            const warm_entry & w = warm_.at(sid);
+            if (*w.lru_pos != sid || w.on_disk != disk) fail("warm LRU position does not point at its session");
+            if (live_.count(sid)) fail("session '" + sid + "' is both hot and warm");
+            if (w.seq_len < 1 || w.seq_len > config_.context_tokens) fail("warm session length outside [1, context_tokens]");
+            if (w.last_used < prev) fail("warm LRU order disagrees with last_used");
+            if (disk && !w.state.empty()) fail("a disk session still holds its state in memory");
+            prev = w.last_used;
+            sums[disk] += w.bytes();
+        }
     }
-    if (warm_sum != warm_held_) fail("warm bytes held != sum of warm entries");
+    if (sums[0] != warm_held_) fail("warm bytes held != sum of warm entries");
+    if (sums[1] != disk_held_) fail("disk bytes held != sum of disk entries");
     if (warm_held_ > (uint64_t) std::max<int64_t>(config_.warm_bytes, 0)) fail("warm bytes exceed warm_bytes");
-    if (counters_.spills != counters_.restores + counters_.warm_drops + warm_.size()) {
-        fail("spills != restores + warm drops + warm sessions");
+    if (disk_held_ > (uint64_t) std::max<int64_t>(config_.warm_disk_bytes, 0)) fail("disk bytes exceed warm_disk_bytes");
+    if (counters_.spills + counters_.disk_loaded != counters_.restores + counters_.warm_drops + warm_.size()) {
+        fail("spills + disk_loaded != restores + warm drops + warm and disk sessions");
     }
 }
 

@@ -122,7 +122,7 @@ class SessionInfo:
     seq_id: int
     owned_layers: tuple[int, ...]
     bytes_per_token: int
-    tier: str = "hot"  # "hot": in the shard's context; "warm": spilled to host memory (resolve does not move it)
+    tier: str = "hot"  # "hot": in the shard's context; "warm"/"disk": spilled (resolve does not move it)
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +176,9 @@ class HotKvStateConfig:
     an evicted session is a cache miss); warm_ttl_seconds: idle time before a warm session is
     dropped (0 disables); kv_type: the K/V element type, f16, q8_0 or q4_0 (part of the recipe:
     the shards of a route must agree).
+    warm_dir, warm_disk_bytes: the disk tier (native engine only): sessions that fall out of the
+    host tier go to files in warm_dir, at most warm_disk_bytes of them, and a worker restarted on
+    the same directory, model, range and recipe resumes them. One worker per directory.
     """
 
     max_sessions: int = 8
@@ -185,6 +188,8 @@ class HotKvStateConfig:
     warm_bytes: int = 0
     warm_ttl_seconds: float = 3600.0
     kv_type: str = "f16"
+    warm_dir: str | None = None
+    warm_disk_bytes: int = 0
 
     def __post_init__(self):
         if self.budget_tokens is None:
@@ -198,8 +203,15 @@ class HotKvStateConfig:
             raise InvalidInputError(f"max_sessions must be <= 256 (llama.cpp's sequence limit), got {self.max_sessions}")
         if self.budget_tokens > 1 << 24:
             raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
-        if isinstance(self.warm_bytes, bool) or not isinstance(self.warm_bytes, int) or self.warm_bytes < 0:
-            raise InvalidInputError(f"warm_bytes must be an integer >= 0, got {self.warm_bytes!r}")
+        for name in ("warm_bytes", "warm_disk_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.warm_dir is not None:
+            if not isinstance(self.warm_dir, str) or not self.warm_dir:
+                raise InvalidInputError(f"warm_dir must be a directory path, got {self.warm_dir!r}")
+            if self.warm_disk_bytes < 1:
+                raise InvalidInputError("a warm_dir needs warm_disk_bytes > 0 (the disk tier's bound)")
         for name in ("ttl_seconds", "warm_ttl_seconds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
@@ -210,8 +222,8 @@ class HotKvStateConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
         """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
-        TTL_SECONDS, WARM_BYTES (a size: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS, KV_TYPE); unset
-        keeps the default."""
+        TTL_SECONDS, WARM_BYTES and WARM_DISK_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
+        KV_TYPE, WARM_DIR); unset keeps the default."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for field in dataclasses.fields(cls):
@@ -224,7 +236,9 @@ class HotKvStateConfig:
                     values[field.name] = float(raw)
                 elif field.name == "kv_type":
                     values[field.name] = raw.strip().lower()
-                elif field.name == "warm_bytes":
+                elif field.name == "warm_dir":
+                    values[field.name] = raw.strip()
+                elif field.name in ("warm_bytes", "warm_disk_bytes"):
                     values[field.name] = parse_size(raw)
                 else:
                     values[field.name] = int(raw.strip(), 10)

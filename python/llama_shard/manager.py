@@ -48,6 +48,7 @@ from .hot_kv import (
 )
 
 _REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
+_TIERS = {Tier.HOT: "hot", Tier.WARM: "warm", Tier.DISK: "disk", Tier.NONE: "hot"}
 
 
 class HotKvStateManager:
@@ -75,10 +76,13 @@ class HotKvStateManager:
         self.recipe: KvCacheRecipe = kv_recipe_for(model, c.kv_type)  # raises for an uncertified architecture
         if isinstance(model, ShardModel):
             self.engine = HotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens, float(c.ttl_seconds),
-                                      n_batch, n_threads, recent_capacity, c.warm_bytes, float(c.warm_ttl_seconds), c.kv_type)
+                                      n_batch, n_threads, recent_capacity, c.warm_bytes, float(c.warm_ttl_seconds), c.kv_type,
+                                      c.warm_dir or "", c.warm_disk_bytes, self.recipe.fingerprint())
             self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
         else:
             from .reference.engine import ReferenceHotKvEngine
+            if c.warm_dir is not None:
+                raise InvalidInputError("the numpy reference has no disk tier (warm_dir)")
             self.engine = ReferenceHotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens,
                                                float(c.ttl_seconds), n_batch, recent_capacity, c.warm_bytes,
                                                float(c.warm_ttl_seconds), c.kv_type)
@@ -90,7 +94,7 @@ class HotKvStateManager:
     def _session(self, sid: str, epoch: int, r) -> SessionInfo:
         return SessionInfo(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, seq_id=r.seq_id,
                            owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token(),
-                           tier="warm" if r.tier == Tier.WARM else "hot")
+                           tier=_TIERS[r.tier])
 
     @staticmethod
     def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
@@ -153,6 +157,12 @@ class HotKvStateManager:
         if isinstance(out, CacheMiss):
             raise KvCacheMissError(out)
         return out
+
+    def persist(self) -> int:
+        """For a worker shutting down with a disk tier: writes every hot and warm session to
+        warm_dir (a worker restarted on it resumes them); returns the sessions on disk. Without a
+        disk tier, sessions are dropped."""
+        return int(self.engine.persist(self.clock()))
 
     def sweep(self) -> int:
         """Evicts every session idle longer than ttl_seconds now; returns how many."""
@@ -227,7 +237,7 @@ class HotKvStateManager:
 
     def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
         """Cached sessions as (session_id, epoch, seq_id, seq_len, last_used, tier): the hot ones
-        least recently used first, then the warm ones (tier "warm", seq_id -1)."""
+        least recently used first, then the warm ones (tier "warm" or "disk", seq_id -1)."""
         return list(self.engine.sessions())
 
     def stats(self) -> dict:

@@ -52,6 +52,7 @@
 // shard_error(SHARD_ERRC_INVALID_ARGUMENT) before any state changes. Time is passed in by the
 // caller (`now`, seconds on any monotonic scale), which makes the clock injectable.
 
+#include "llama_shard/kv_file_store.h"
 #include "llama_shard/shard_context.h"
 
 #include <array>
@@ -107,6 +108,7 @@ enum hot_kv_tier {
     HOT_KV_TIER_NONE,  // nowhere (a miss)
     HOT_KV_TIER_HOT,   // in the llama_context, under a seq id
     HOT_KV_TIER_WARM,  // as bytes in host memory
+    HOT_KV_TIER_DISK,  // in a file of the disk tier
 };
 
 enum hot_kv_step_kind {
@@ -149,6 +151,12 @@ struct hot_kv_config {
     int64_t warm_bytes      = 0;      // host memory for evicted sessions' KV; 0: no warm tier
     double  warm_ttl_seconds = 3600.0; // idle time (since last use) after which a warm session is dropped; <= 0 disables
     std::string kv_type     = "f16";  // K/V element type: f16, q8_0, q4_0
+    // the disk tier: sessions that fall out of the host tier go to files in warm_dir (at most
+    // warm_disk_bytes), and a worker restarted on the same directory, model, range and recipe
+    // resumes them; empty: no disk tier
+    std::string warm_dir;
+    int64_t     warm_disk_bytes = 0;
+    std::string recipe_fingerprint;   // written into every file and checked on load (required with warm_dir)
 };
 
 // upper bounds (seconds) of the restore-time histogram buckets; the last bucket is +Inf
@@ -190,8 +198,8 @@ struct hot_kv_stats {
     uint64_t tokens_computed;
     int32_t  recent_keys;
     std::array<uint64_t, SHARD_MISS_COUNT> misses;  // by reason
-    // the warm tier: spills = restores + warm_drops + warm_sessions at all times
-    uint64_t spills;              // sessions copied to the warm tier
+    // the warm tier: spills + disk_loaded = restores + warm_drops + warm_sessions + disk_sessions
+    uint64_t spills;              // sessions copied to the warm tier (host memory or disk)
     uint64_t restores;            // warm sessions brought back hot
     uint64_t warm_drops;          // warm sessions dropped (LRU by bytes, TTL, release, supersession, a failed restore)
     int32_t  warm_sessions;
@@ -199,6 +207,13 @@ struct hot_kv_stats {
     uint64_t warm_capacity;       // config warm_bytes
     double   restore_seconds;     // total time restores took
     std::array<uint64_t, HOT_KV_RESTORE_BUCKETS.size() + 1> restore_buckets;  // restores per bucket (not cumulative)
+    int32_t  disk_sessions;       // warm sessions held in files
+    uint64_t disk_bytes;          // bytes of those files
+    uint64_t disk_capacity;       // config warm_disk_bytes
+    uint64_t disk_spills;         // sessions written to disk (from the host tier, or straight from hot)
+    uint64_t disk_restores;       // restores read from disk (included in restores)
+    uint64_t disk_loaded;         // files found valid at start-up (a restarted worker's sessions)
+    uint64_t disk_failures;       // writes or reads that failed (logged; the session became a miss)
 };
 
 class hot_kv_engine {
@@ -247,6 +262,10 @@ public:
     // evicts every session idle longer than ttl_seconds; returns how many
     int32_t sweep(double now);
 
+    // a worker shutting down with a disk tier: every hot and host-warm session is written to disk
+    // (a restarted worker on the same directory resumes them); returns the sessions on disk
+    int32_t persist(double now);
+
     hot_kv_stats stats() const;
     std::vector<hot_kv_session_info> sessions() const;
 
@@ -272,9 +291,11 @@ private:
         int64_t              epoch;
         int32_t              seq_len;
         double               last_used;
-        std::vector<uint8_t> state;  // shard_context::seq_save of the owned layers
-        std::list<std::string>::iterator lru_pos;
-        uint64_t bytes() const;      // what the tier charges: state + key
+        std::vector<uint8_t> state;  // shard_context::seq_save of the owned layers (empty on disk)
+        std::list<std::string>::iterator lru_pos;  // in warm_lru_ (host) or disk_lru_ (disk)
+        bool                 on_disk    = false;
+        uint64_t             file_bytes = 0;
+        uint64_t bytes() const;      // what its tier charges: state + key in memory, the file on disk
     };
 
     // --- helpers; all run with mutex_ held ---
@@ -306,7 +327,14 @@ private:
     // cannot be enough
     bool     make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
                               const std::vector<std::string> & step);
-    bool     warm_enabled() const { return config_.warm_bytes > 0; }
+    bool     warm_enabled() const { return config_.warm_bytes > 0 || disk_ != nullptr; }
+    // puts a spilled session's entry in the host tier (moving its least recently used sessions
+    // to disk or dropping them), or on disk; false if neither can take it
+    bool     store_host_locked(const std::string & sid, warm_entry && w);
+    bool     store_disk_locked(const std::string & sid, warm_entry && w);
+    // the host tier's session `sid` moves to disk, or is dropped (EVICTED_LRU) if it cannot
+    void     demote_locked(const std::string & sid);
+    void     load_disk_tier();
     void     touch_locked(session & s, double now);
     session & create_locked(const std::string & sid, int64_t epoch, double now);
     int32_t  take_free_id_locked();
@@ -354,9 +382,13 @@ private:
     int64_t                                  reserved_ = 0;
     double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
 
-    std::unordered_map<std::string, warm_entry> warm_;
-    std::list<std::string>                      warm_lru_;  // front = least recently used
+    std::unordered_map<std::string, warm_entry> warm_;      // host and disk entries
+    std::list<std::string>                      warm_lru_;  // host entries, front = least recently used
     uint64_t                                    warm_held_ = 0;
+    std::unique_ptr<kv_file_store>              disk_;      // null: no disk tier
+    std::list<std::string>                      disk_lru_;  // disk entries, front = least recently used
+    uint64_t                                    disk_held_ = 0;
+    bool                                        disk_times_pending_ = false;  // loaded files get the first `now` seen
     const std::string *                         warm_pinned_ = nullptr;  // being restored: spills must not drop it
 
     std::unordered_map<std::string, dropped>         recent_;

@@ -552,6 +552,15 @@ class ReferenceHotKvEngine:
     def sweep(self, now: float) -> int:
         return self._sweep(self._tick(now))
 
+    def persist(self, now: float) -> int:
+        """No disk tier here: as the native engine without one, every session is dropped."""
+        self._tick(now)
+        for sid in list(self._live):
+            self._drop(sid, MissReason.RELEASED)
+        for sid in list(self._warm):
+            self._drop_warm(sid, MissReason.RELEASED)
+        return 0
+
     # --- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -571,6 +580,9 @@ class ReferenceHotKvEngine:
             "warm_bytes": self._warm_held, "warm_capacity": self.warm_bytes,
             "restore_seconds": self._counters["restore_seconds"],
             "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
+            # the disk tier is native only
+            "disk_sessions": 0, "disk_bytes": 0, "disk_capacity": 0, "disk_spills": 0, "disk_restores": 0,
+            "disk_loaded": 0, "disk_failures": 0,
         }
 
     def sessions(self) -> list[tuple[str, int, int, int, float, str]]:

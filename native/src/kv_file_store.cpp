@@ -1,0 +1,318 @@
+#include "llama_shard/kv_file_store.h"
+
+#include "llama_shard/shard_error.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace llama_shard {
+
+static constexpr char     MAGIC[4]      = {'L', 'S', 'K', 'V'};
+static constexpr uint32_t VERSION       = 1;
+static constexpr size_t   MAX_SID_BYTES = 256;
+static constexpr size_t   MAX_FIELD     = 128;  // fingerprint and KV type names
+static const char *       SUFFIX        = ".kv";
+static const char *       TMP_SUFFIX    = ".kv.tmp";
+
+static void log_line(const std::string & what) {
+    std::fprintf(stderr, "llama-shard warm tier: %s\n", what.c_str());
+}
+
+static uint64_t fnv1a(const std::string & s, uint64_t seed) {
+    uint64_t h = seed;
+    for (unsigned char c : s) {
+        h = (h ^ c) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+// 64-bit words folded FNV-style, then the tail bytes: fast enough for megabytes per restore
+uint64_t kv_file_store::checksum(const uint8_t * data, size_t size) {
+    uint64_t h = 0xcbf29ce484222325ull ^ (uint64_t) size;
+    size_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+        uint64_t w;
+        std::memcpy(&w, data + i, 8);
+        h = (h ^ w) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    for (; i < size; ++i) {
+        h = (h ^ data[i]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+// --- header encoding: fixed-width little-endian fields, strings as u32 length + bytes -----------
+
+namespace {
+
+struct writer {
+    std::vector<uint8_t> bytes;
+    template <typename T> void put(T v) {
+        const size_t at = bytes.size();
+        bytes.resize(at + sizeof(T));
+        std::memcpy(bytes.data() + at, &v, sizeof(T));
+    }
+    void put_str(const std::string & s) {
+        put<uint32_t>((uint32_t) s.size());
+        bytes.insert(bytes.end(), s.begin(), s.end());
+    }
+};
+
+struct reader {
+    const uint8_t * p;
+    size_t          left;
+    bool            ok = true;
+    template <typename T> T get() {
+        T v{};
+        if (left < sizeof(T)) {
+            ok = false;
+            return v;
+        }
+        std::memcpy(&v, p, sizeof(T));
+        p += sizeof(T);
+        left -= sizeof(T);
+        return v;
+    }
+    std::string get_str(size_t max) {
+        const uint32_t n = get<uint32_t>();
+        if (!ok || n > max || n > left) {
+            ok = false;
+            return {};
+        }
+        std::string s((const char *) p, n);
+        p += n;
+        left -= n;
+        return s;
+    }
+};
+
+bool write_all(int fd, const uint8_t * data, size_t size) {
+    while (size > 0) {
+        const ssize_t n = ::write(fd, data, size);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return false;
+        }
+        data += n;
+        size -= (size_t) n;
+    }
+    return true;
+}
+
+bool read_all(int fd, uint8_t * data, size_t size) {
+    while (size > 0) {
+        const ssize_t n = ::read(fd, data, size);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            return false;
+        }
+        data += n;
+        size -= (size_t) n;
+    }
+    return true;
+}
+
+bool ends_with(const std::string & s, const char * suffix) {
+    const size_t n = std::strlen(suffix);
+    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+} // namespace
+
+kv_file_store::kv_file_store(std::string dir, kv_file_identity identity) : dir_(std::move(dir)), identity_(std::move(identity)) {
+    if (dir_.empty()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory is empty");
+    }
+    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "cannot create the warm tier's directory " + dir_ + ": " + std::strerror(errno));
+    }
+    struct stat st {};
+    if (::stat(dir_.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory " + dir_ + " is not a directory");
+    }
+}
+
+std::string kv_file_store::path_for(const std::string & sid) const {
+    char name[64];
+    std::snprintf(name, sizeof(name), "%016" PRIx64 "%016" PRIx64, fnv1a(sid, 0xcbf29ce484222325ull),
+                  fnv1a(sid, 0x84222325cbf29ce4ull));
+    return dir_ + "/" + name + SUFFIX;
+}
+
+void kv_file_store::discard(const std::string & path, const std::string & why) const {
+    log_line("deleted " + path + ": " + why);
+    ::unlink(path.c_str());
+}
+
+uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t seq_len, const std::vector<uint8_t> & state) {
+    writer w;
+    w.bytes.insert(w.bytes.end(), MAGIC, MAGIC + 4);
+    w.put<uint32_t>(VERSION);
+    w.put_str(identity_.recipe_fingerprint);
+    w.put<int32_t>(identity_.first);
+    w.put<int32_t>(identity_.last);
+    w.put<int32_t>(identity_.n_layer);
+    w.put_str(identity_.kv_type);
+    w.put_str(sid);
+    w.put<int64_t>(epoch);
+    w.put<int32_t>(seq_len);
+    w.put<uint64_t>((uint64_t) state.size());
+    w.put<uint64_t>(checksum(state.data(), state.size()));
+
+    const std::string path = path_for(sid);
+    const std::string tmp  = path.substr(0, path.size() - std::strlen(SUFFIX)) + TMP_SUFFIX;
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        log_line("cannot write " + tmp + ": " + std::strerror(errno) + "; the session is dropped (a cache miss later)");
+        return 0;
+    }
+    const bool ok = write_all(fd, w.bytes.data(), w.bytes.size()) && write_all(fd, state.data(), state.size()) &&
+                    ::fsync(fd) == 0;
+    const int err = errno;
+    ::close(fd);
+    if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+        log_line("cannot write " + path + ": " + std::strerror(ok ? errno : err) + "; the session is dropped (a cache miss later)");
+        ::unlink(tmp.c_str());
+        return 0;
+    }
+    return (uint64_t) (w.bytes.size() + state.size());
+}
+
+bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry, uint64_t & payload_bytes, uint64_t & sum,
+                                size_t & header_bytes, std::string & why) const {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        why = std::string("cannot open: ") + std::strerror(errno);
+        return false;
+    }
+    struct stat st {};
+    ::fstat(fd, &st);
+    std::vector<uint8_t> head(4 + 4 + 3 * (4 + MAX_SID_BYTES + MAX_FIELD) + 64);
+    const ssize_t n = ::read(fd, head.data(), head.size());
+    ::close(fd);
+    reader r{head.data(), n > 0 ? (size_t) n : 0};
+    if (r.left < 4 || std::memcmp(r.p, MAGIC, 4) != 0) {
+        why = "not a llama-shard KV file";
+        return false;
+    }
+    r.p += 4;
+    r.left -= 4;
+    const uint32_t version = r.get<uint32_t>();
+    const std::string fingerprint = r.get_str(MAX_FIELD);
+    const int32_t first = r.get<int32_t>(), last = r.get<int32_t>(), n_layer = r.get<int32_t>();
+    const std::string kv_type = r.get_str(MAX_FIELD);
+    entry.session_id = r.get_str(MAX_SID_BYTES);
+    entry.epoch      = r.get<int64_t>();
+    entry.seq_len    = r.get<int32_t>();
+    payload_bytes    = r.get<uint64_t>();
+    sum              = r.get<uint64_t>();
+    if (!r.ok) {
+        why = "truncated header";
+    } else if (version != VERSION) {
+        why = "format version " + std::to_string(version) + ", this build reads " + std::to_string(VERSION);
+    } else if (fingerprint != identity_.recipe_fingerprint || kv_type != identity_.kv_type) {
+        why = "written for another KV recipe";
+    } else if (first != identity_.first || last != identity_.last || n_layer != identity_.n_layer) {
+        why = "written for layers " + std::to_string(first) + "-" + std::to_string(last) + ", this shard owns " +
+              std::to_string(identity_.first) + "-" + std::to_string(identity_.last);
+    } else if (entry.session_id.empty() || entry.epoch < 0) {
+        why = "bad session key";
+    } else if (path != path_for(entry.session_id)) {
+        why = "file name does not match its session";
+    } else {
+        header_bytes = (size_t) (r.p - head.data());
+        if ((uint64_t) st.st_size != header_bytes + payload_bytes) {
+            why = "size " + std::to_string((uint64_t) st.st_size) + " != header + payload " +
+                  std::to_string(header_bytes + payload_bytes);
+        } else {
+            entry.file_bytes = (uint64_t) st.st_size;
+            entry.mtime = (double) st.st_mtim.tv_sec + 1e-9 * (double) st.st_mtim.tv_nsec;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len, std::vector<uint8_t> & state) {
+    const std::string path = path_for(sid);
+    kv_file_entry entry;
+    uint64_t payload_bytes = 0, sum = 0;
+    size_t header_bytes = 0;
+    std::string why;
+    if (!read_header(path, entry, payload_bytes, sum, header_bytes, why)) {
+        discard(path, why);
+        return false;
+    }
+    if (entry.session_id != sid || entry.epoch != epoch || entry.seq_len != seq_len) {
+        discard(path, "written for another session, epoch or length");
+        return false;
+    }
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    state.assign(payload_bytes, 0);
+    const bool ok = fd >= 0 && ::lseek(fd, (off_t) header_bytes, SEEK_SET) == (off_t) header_bytes &&
+                    read_all(fd, state.data(), state.size());
+    if (fd >= 0) {
+        ::close(fd);
+    }
+    if (!ok || checksum(state.data(), state.size()) != sum) {
+        state.clear();
+        discard(path, ok ? "checksum mismatch" : "read failed");
+        return false;
+    }
+    return true;
+}
+
+void kv_file_store::remove(const std::string & sid) {
+    ::unlink(path_for(sid).c_str());
+}
+
+std::vector<kv_file_entry> kv_file_store::scan(int32_t max_seq_len) {
+    std::vector<kv_file_entry> found;
+    DIR * d = ::opendir(dir_.c_str());
+    if (d == nullptr) {
+        log_line("cannot read " + dir_ + ": " + std::strerror(errno));
+        return found;
+    }
+    std::vector<std::string> names;
+    while (const dirent * e = ::readdir(d)) {
+        names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+    for (const std::string & name : names) {
+        const std::string path = dir_ + "/" + name;
+        if (ends_with(name, TMP_SUFFIX)) {
+            discard(path, "an unfinished write");
+            continue;
+        }
+        if (!ends_with(name, SUFFIX)) {
+            continue;  // not ours
+        }
+        kv_file_entry entry;
+        uint64_t payload_bytes = 0, sum = 0;
+        size_t header_bytes = 0;
+        std::string why;
+        if (!read_header(path, entry, payload_bytes, sum, header_bytes, why)) {
+            discard(path, why);
+        } else if (entry.seq_len < 1 || entry.seq_len > max_seq_len) {
+            discard(path, "length " + std::to_string(entry.seq_len) + " outside [1, " + std::to_string(max_seq_len) + "]");
+        } else {
+            found.push_back(std::move(entry));
+        }
+    }
+    std::sort(found.begin(), found.end(), [](const kv_file_entry & a, const kv_file_entry & b) { return a.mtime < b.mtime; });
+    return found;
+}
+
+} // namespace llama_shard
