@@ -70,7 +70,7 @@ def test_inspect_prints_the_memory_plan(synthetic_model):
     assert res.returncode == 0, res.stderr
     # 3 layers x 128 B/token (f16); a slot is padded to 512 cells (192 KiB), so 1 MiB holds 5
     assert "hot KV:   5 slots x 512 cells x 384 B/token (f16)" in res.stdout
-    assert "warm KV:  2.0 MiB" in res.stdout
+    assert "warm KV:  2.0 MiB in host memory" in res.stdout
 
 
 def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):

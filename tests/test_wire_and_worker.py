@@ -344,6 +344,34 @@ def test_sigterm_with_live_sessions_exits_zero_and_reports(embedded_model, token
     assert "released 3 session(s)" in err
 
 
+def test_a_worker_with_a_disk_tier_resumes_its_sessions_after_a_restart(embedded_model, tokenizer, tmp_path):
+    """SIGTERM writes every session to --warm-dir; a worker restarted on it continues them without
+    a re-prefill, and the tokens are those of a conversation that never saw the restart."""
+    extra = ("--warm-dir", str(tmp_path / "kv"), "--warm-disk", "64MiB")
+    w = Worker(embedded_model, "0-29", extra=extra)
+    client = RouteClient([RemoteStage(w.address)])
+    turn1, turn2 = tokenizer.tokenize(PROMPTS[0]), tokenizer.tokenize(" And Germany's?")
+    a = client.session("a")
+    first = a.generate(turn1, 4)
+    code, err = w.stop(signal.SIGTERM)
+    assert code == 0 and "wrote 1 session(s)" in err, err[-2000:]
+
+    w = Worker(embedded_model, "0-29", port=w.port, extra=extra)
+    try:
+        client = RouteClient([RemoteStage(w.address)])
+        info = client.stages[0].stats()
+        assert [(s.session_id, s.tier) for s in info.sessions] == [("a", "disk")]
+        a.client = client
+        second = a.generate([first[-1], *turn2], 4)
+        assert a.reprefills == 0
+        ref = client.session("ref")
+        assert ref.generate(turn1, 4) == first
+        assert ref.generate([first[-1], *turn2], 4) == second
+        assert client.stages[0].stats().restores >= 1
+    finally:
+        w.stop()
+
+
 def test_demo_runs_end_to_end():
     res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "demo", "--max-tokens", "16"], capture_output=True,
                          text=True, timeout=600, cwd=REPO)

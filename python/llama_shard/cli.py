@@ -194,6 +194,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     pick = lambda flag, default: flag if flag is not None else default  # noqa: E731
     try:
         warm = parse_size(args.warm_memory) if args.warm_memory is not None else env.warm_bytes
+        disk = parse_size(args.warm_disk) if args.warm_disk is not None else env.warm_disk_bytes
         kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
     except ValueError as e:
         raise InvalidInputError(f"llama-shard serve: {e}") from None
@@ -208,9 +209,11 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
         kv_memory = slots * probe.slot_bytes
     elif args.max_sessions is not None:
         raise InvalidInputError("llama-shard serve: give --kv-memory or --max-sessions, not both")
-    plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget)
+    warm_dir = pick(args.warm_dir, env.warm_dir)
+    plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
+                       warm_disk_bytes=disk if warm_dir else 0)
     config = plan.config(ttl_seconds=pick(args.ttl, env.ttl_seconds),
-                         warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds))
+                         warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)
     return config, plan
 
 
@@ -283,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ttl", type=float, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
     sv.add_argument("--warm-memory", metavar="SIZE", default=None,
                     help="host memory for evicted sessions' KV (default: MESHNET_HOT_KV_WARM_BYTES or 0, off)")
+    sv.add_argument("--warm-dir", metavar="PATH", default=None,
+                    help="the disk tier: sessions that fall out of --warm-memory go to files here, and a restarted "
+                         "worker resumes them (default: MESHNET_HOT_KV_WARM_DIR or none); one worker per directory")
+    sv.add_argument("--warm-disk", metavar="SIZE", default=None,
+                    help="bound of the disk tier (default: MESHNET_HOT_KV_WARM_DISK_BYTES; required with --warm-dir)")
     sv.add_argument("--warm-ttl", type=float, default=None,
                     help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
     sv.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default=None,

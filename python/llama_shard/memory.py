@@ -29,6 +29,7 @@ class MemoryPlan:
     warm_bytes: int
     model_bytes: int          # the owned weights (0 when unknown)
     budget_tokens: int
+    warm_disk_bytes: int = 0  # the disk tier's bound (files, not memory)
 
     @property
     def slot_bytes(self) -> int:
@@ -41,7 +42,7 @@ class MemoryPlan:
     def config(self, **overrides) -> HotKvStateConfig:
         """The HotKvStateConfig this plan sizes (ttl and the like from `overrides`)."""
         values = dict(max_sessions=self.hot_slots, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
-                      warm_bytes=self.warm_bytes, kv_type=self.kv_type)
+                      warm_bytes=self.warm_bytes, kv_type=self.kv_type, warm_disk_bytes=self.warm_disk_bytes)
         values.update(overrides)
         return HotKvStateConfig(**values)
 
@@ -50,7 +51,9 @@ class MemoryPlan:
             f"hot KV:   {self.hot_slots} slots x {self.slot_cells} cells x {self.kv_bytes_per_token} B/token "
             f"({self.kv_type}) = {format_size(self.hot_bytes)} of {format_size(self.kv_memory)} "
             f"(sessions up to {self.context_tokens} tokens; at most {self.budget_tokens} tokens hot)",
-            f"warm KV:  {format_size(self.warm_bytes) if self.warm_bytes else 'off (an evicted session is a cache miss)'}",
+            f"warm KV:  {format_size(self.warm_bytes) if self.warm_bytes else 'off'} in host memory"
+            + (f", {format_size(self.warm_disk_bytes)} on disk" if self.warm_disk_bytes else "")
+            + ("" if self.warm_bytes or self.warm_disk_bytes else " (an evicted session is a cache miss)"),
         ]
         if self.model_bytes:
             lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
@@ -60,7 +63,7 @@ class MemoryPlan:
 
 
 def memory_plan(info, kv_memory: int, context_tokens: int, n_batch: int = 512, kv_type: str = "f16",
-                warm_bytes: int = 0, budget_tokens: int | None = None) -> MemoryPlan:
+                warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0) -> MemoryPlan:
     """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
     weight_bytes: a ShardModel's info or the same read from a GGUF header). InvalidInputError when
     not even one slot fits."""
@@ -77,4 +80,5 @@ def memory_plan(info, kv_memory: int, context_tokens: int, n_batch: int = 512, k
     budget = slots * context_tokens if budget_tokens is None else budget_tokens
     return MemoryPlan(kv_memory=kv_memory, context_tokens=context_tokens, kv_type=kv_type, kv_bytes_per_token=bpt,
                       slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
-                      model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget)
+                      model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
+                      warm_disk_bytes=warm_disk_bytes)

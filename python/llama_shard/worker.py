@@ -402,7 +402,8 @@ class ShardWorker:
         return self
 
     def stop(self) -> dict:
-        """Stops accepting, finishes in-flight steps, releases every session; returns a report."""
+        """Stops accepting, finishes in-flight steps, then writes every session to the disk tier
+        (with --warm-dir: a restarted worker resumes them) or releases it; returns a report."""
         if self._stopped.is_set():
             return {}
         self._stopped.set()
@@ -411,10 +412,15 @@ class ShardWorker:
         self.server.stop(self.options.grace_s).wait()
         self.manager.close()
         self.servicer.peers.close()
-        keys = self.manager.session_keys()
-        released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
+        persisted = released = 0
+        if self.manager.config.warm_dir is not None:
+            persisted = self.manager.persist()
+        else:
+            keys = self.manager.session_keys()
+            released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
         st = self.manager.stats()
-        return {"released_sessions": released, "reserved_tokens_after": st["reserved_tokens"]}
+        return {"released_sessions": released, "persisted_sessions": persisted,
+                "reserved_tokens_after": st["reserved_tokens"]}
 
     def serve_until_signal(self) -> int:
         # the handler only records the signal: Event.set() from a handler can deadlock on the lock
@@ -429,6 +435,8 @@ class ShardWorker:
         while not received:
             time.sleep(0.1)
         report = self.stop()
-        print(f"llama-shard worker: shut down; released {report['released_sessions']} session(s), "
+        kept = f"wrote {report['persisted_sessions']} session(s) to {self.manager.config.warm_dir}, " \
+            if self.manager.config.warm_dir is not None else ""
+        print(f"llama-shard worker: shut down; {kept}released {report['released_sessions']} session(s), "
               f"{report['reserved_tokens_after']} tokens still reserved", file=sys.stderr, flush=True)
         return 0
