@@ -73,9 +73,12 @@ def _show_workers(stages) -> None:
     for st in stages:
         info = st.stats()
         sessions = ", ".join(f"{s.session_id}({s.seq_len})" for s in info.sessions) or "none"
+        sessions = ", ".join(f"{s.session_id}({s.seq_len}, {s.tier})" for s in info.sessions) or "none"
         _say(f"  worker {info.first:>2}-{info.last:<2} @ {st.address}: {info.live_sessions} live session(s) "
              f"[{sessions}]; {info.reserved_tokens} of {info.budget_tokens} budget tokens reserved "
-             f"({info.reserved_tokens * info.kv_bytes_per_token / 2**20:.2f} MiB KV)")
+             f"({info.reserved_tokens * info.kv_bytes_per_token / 2**20:.2f} MiB KV); warm tier: "
+             f"{info.warm_sessions} session(s), {info.warm_bytes / 2**20:.2f} MiB, {info.spills} spills, "
+             f"{info.restores} restores")
 
 
 def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
@@ -89,11 +92,15 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
         # a chained route: the head worker may forward each step to the tail itself (serve --peer),
         # so a token costs the client one round trip instead of one per worker
         tail_port = free_port()
+        # two hot slots per worker for four sessions: the others wait in the warm tier (host memory)
+        # and come back without a re-prefill
+        tiers = ("--max-sessions", "2", "--warm-memory", "64MiB")
         for (first, last), port, extra in [(ranges[0], None, ("--peer", f"127.0.0.1:{tail_port}")),
                                            (ranges[1], tail_port, ())]:
-            proc, addr = start_worker(model, first, last, threads, extra=extra, port=port)
+            proc, addr = start_worker(model, first, last, threads, extra=extra + tiers, port=port)
             procs.append((proc, addr))
-            _say(f"  starting worker {first}-{last} on {addr}" + (f" (forwards to {extra[1]})" if extra else "") + " ...")
+            _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier)"
+                 + (f", forwards to {extra[1]}" if extra else "") + " ...")
         for (proc, addr), (first, last) in zip(procs, ranges):
             wait_serving(proc, addr)
             _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
@@ -134,7 +141,8 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
             if last.strip():
                 _say(f"  [chat-{i + 1}] {last}")
         n_tokens = sum(len(s.history) for s in sessions)
-        _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {n_tokens} tokens held per worker")
+        _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {n_tokens} tokens held per worker; "
+             f"{sum(s.reprefills for s in sessions)} re-prefill(s)")
         _show_workers(stages)
 
         for s in sessions:
