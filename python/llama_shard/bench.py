@@ -818,8 +818,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches for --pipeline-study")
     ap.add_argument("--hot-path-study", type=int, metavar="ROUNDS",
                     help="only the step loop's figures: libgomp spin in a worker with 8 clients, adapter overhead")
+    ap.add_argument("--warm-study", action="store_true",
+                    help="only the warm tier and memory plan figures: restore vs re-prefill, tier overhead, chat "
+                         "sessions over few slots, the oversubscribed route, RSS under churn, KV types")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
+    if args.warm_study:
+        from .warm_study import warm_study
+        print(warm_study(path, args.threads, args.quick))
+        return 0
     if args.hot_path_study:
         print(hot_path_study(path, args.threads, args.hot_path_study, args.quick))
         return 0
