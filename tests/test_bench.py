@@ -92,3 +92,15 @@ def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_m
     assert "GOMP_SPINCOUNT=300000 (libgomp's default): " in res.stdout
     assert "GOMP_SPINCOUNT=30000: " in res.stdout
     assert "us for the adapter, the step loop and the thread hand-offs" in res.stdout
+
+
+def test_warm_study_prints_every_figure(synthetic_model):
+    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
+                          "--warm-study"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "restore from host memory" in out and "from disk, cold page cache" in out
+    assert "decode, 8 sessions, nothing spilling: tier off" in out
+    assert "warm tier 256 MiB:" in out and "0 tokens re-prefilled (0 re-prefills)" in out
+    assert "churn: 500 sessions" in out and out.rstrip().count(": True") >= 1
+    assert "f16  :" in out
