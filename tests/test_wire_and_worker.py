@@ -361,6 +361,8 @@ def test_a_worker_with_a_disk_tier_resumes_its_sessions_after_a_restart(embedded
         client = RouteClient([RemoteStage(w.address)])
         info = client.stages[0].stats()
         assert [(s.session_id, s.tier) for s in info.sessions] == [("a", "disk")]
+        reply = client.stages[0].stub.Resolve(pb.SessionRequest(session_id="a", route_epoch=a.epoch), timeout=10)
+        assert (reply.outcome, reply.tier, reply.seq_len) == (pb.OUTCOME_OK, "disk", len(turn1) + 3)  # not moved
         a.client = client
         second = a.generate([first[-1], *turn2], 4)
         assert a.reprefills == 0

@@ -126,7 +126,7 @@ void hot_kv_engine::load_disk_tier() {
 }
 
 uint64_t hot_kv_engine::warm_entry::bytes() const {
-    return on_disk ? file_bytes : (uint64_t) state.size() + (uint64_t) lru_pos->size();
+    return on_disk ? file_bytes : (uint64_t) state.capacity() + (uint64_t) lru_pos->size();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,7 +202,12 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
         return false;  // an empty session costs nothing to re-prefill
     }
     warm_entry w{s.epoch, s.seq_len, s.last_used, {}, {}, false, 0};
-    if (!ctx_->seq_save(s.seq_id, w.state)) {
+    const size_t size = ctx_->seq_state_size(s.seq_id);
+    if (size == 0) {
+        return false;
+    }
+    w.state = page_buffer(size);
+    if (!ctx_->seq_save(s.seq_id, w.state.data(), size)) {
         return false;
     }
     if (!store_host_locked(sid, std::move(w)) && !store_disk_locked(sid, std::move(w))) {
@@ -215,7 +220,7 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
 }
 
 bool hot_kv_engine::store_host_locked(const std::string & sid, warm_entry && w) {
-    const uint64_t bytes = (uint64_t) w.state.size() + (uint64_t) sid.size();
+    const uint64_t bytes = (uint64_t) w.state.capacity() + (uint64_t) sid.size();
     // the warm session being restored (pinned) is never moved out to make room for this one
     auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
     const uint64_t pinned_bytes = pinned != warm_.end() && !pinned->second.on_disk ? pinned->second.bytes() : 0;
@@ -259,7 +264,7 @@ bool hot_kv_engine::store_disk_locked(const std::string & sid, warm_entry && w) 
         counters_.disk_failures++;
         return false;
     }
-    w.state        = std::vector<uint8_t>();  // freed: the file holds it now
+    w.state.reset();  // unmapped: the file holds it now
     w.on_disk      = true;
     w.file_bytes   = written;
     disk_lru_.push_back(sid);
@@ -274,7 +279,7 @@ void hot_kv_engine::demote_locked(const std::string & sid) {
     auto it = warm_.find(sid);
     assert(it != warm_.end() && !it->second.on_disk);
     warm_entry w = std::move(it->second);
-    warm_held_ -= (uint64_t) w.state.size() + (uint64_t) sid.size();
+    warm_held_ -= (uint64_t) w.state.capacity() + (uint64_t) sid.size();
     warm_lru_.erase(w.lru_pos);
     warm_.erase(it);
     if (!store_disk_locked(sid, std::move(w))) {
@@ -323,9 +328,9 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     warm_entry & w = it->second;
     const int32_t seq_id = take_free_id_locked();
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<uint8_t> from_disk;  // read and verified (header, size, checksum) before llama.cpp sees it
+    page_buffer from_disk;  // read and verified (header, size, checksum) before llama.cpp sees it
     const bool read = !w.on_disk || disk_->read(sid, w.epoch, w.seq_len, from_disk);
-    const std::vector<uint8_t> & state = w.on_disk ? from_disk : w.state;
+    const page_buffer & state = w.on_disk ? from_disk : w.state;
     const bool ok = read && ctx_->seq_restore(seq_id, state.data(), state.size()) &&
                     ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
     if (!read) {

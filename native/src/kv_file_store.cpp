@@ -156,7 +156,7 @@ void kv_file_store::discard(const std::string & path, const std::string & why) c
     ::unlink(path.c_str());
 }
 
-uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t seq_len, const std::vector<uint8_t> & state) {
+uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t seq_len, const page_buffer & state) {
     writer w;
     w.bytes.insert(w.bytes.end(), MAGIC, MAGIC + 4);
     w.put<uint32_t>(VERSION);
@@ -245,7 +245,7 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     return false;
 }
 
-bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len, std::vector<uint8_t> & state) {
+bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len, page_buffer & state) {
     const std::string path = path_for(sid);
     kv_file_entry entry;
     uint64_t payload_bytes = 0, sum = 0;
@@ -260,14 +260,14 @@ bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len
         return false;
     }
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    state.assign(payload_bytes, 0);
+    state = page_buffer((size_t) payload_bytes);
     const bool ok = fd >= 0 && ::lseek(fd, (off_t) header_bytes, SEEK_SET) == (off_t) header_bytes &&
                     read_all(fd, state.data(), state.size());
     if (fd >= 0) {
         ::close(fd);
     }
     if (!ok || checksum(state.data(), state.size()) != sum) {
-        state.clear();
+        state.reset();
         discard(path, ok ? "checksum mismatch" : "read failed");
         return false;
     }

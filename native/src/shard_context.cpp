@@ -311,21 +311,19 @@ int64_t shard_context::n_cells_used() const {
     return n_cells_used_unlocked();
 }
 
-bool shard_context::seq_save(int32_t seq_id, std::vector<uint8_t> & out) const {
+size_t shard_context::seq_state_size(int32_t seq_id) const {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_seq_id(seq_id);
-    const size_t size = llama_state_seq_get_size(ctx_, seq_id);
-    if (size == 0) {
+    return llama_state_seq_get_size(ctx_, seq_id);
+}
+
+bool shard_context::seq_save(int32_t seq_id, uint8_t * dst, size_t size) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    if (dst == nullptr || size == 0 || llama_state_seq_get_size(ctx_, seq_id) != size) {
         return false;
     }
-    const size_t at = out.size();
-    out.resize(at + size);
-    const size_t written = llama_state_seq_get_data(ctx_, out.data() + at, size, seq_id);
-    if (written != size) {
-        out.resize(at);
-        return false;
-    }
-    return true;
+    return llama_state_seq_get_data(ctx_, dst, size, seq_id) == size;
 }
 
 bool shard_context::seq_restore(int32_t seq_id, const uint8_t * data, size_t size) {

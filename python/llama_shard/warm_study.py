@@ -29,6 +29,21 @@ from .hot_kv import kv_bytes_per_token
 from .models import compute_balanced_cut
 
 _WARM = 256 << 20
+# prompts for the route study: slices of one text, so greedy decoding follows confident paths
+_TEXT = (
+    "A mesh of small computers can serve a language model that none of them could hold alone. Each node "
+    "keeps a contiguous range of the model's layers and the attention cache of those layers for every "
+    "conversation that passes through it. When a person types a message, the first node turns the words "
+    "into vectors, runs its layers and hands the result to the next node, which does the same, until the "
+    "last node picks the next word. The cache is what makes this fast: without it, every new word would "
+    "cost a pass over the whole conversation on every node. The cache is also what fills the memory of a "
+    "node, because it grows with every word of every conversation. Most conversations are idle most of "
+    "the time, while their people read and think, so a node that keeps only the active ones in its fast "
+    "memory and parks the others nearby can serve many more people than it has room for at once. Parking "
+    "has to be exact: a conversation that comes back must continue as if it had never left, word for "
+    "word, or the answers would change depending on how busy the node was. It also has to be cheap, a "
+    "copy of a few megabytes rather than seconds of recomputation, and safe, so that a parked cache can "
+    "never be mistaken for another conversation's or for a cache written by a different model. ") * 3
 _PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def add(a, b):",
             "The three primary colors are", "Water boils at", "My favourite book is", "import numpy as np\n",
             "The quick brown fox"]
@@ -181,11 +196,15 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
     from .demo import start_worker, wait_serving
     from .route import RemoteStage, RouteClient
 
-    n_layer = ShardModel(str(path), (0, 0), 1).info.n_layer
+    head = ShardModel(str(path), (0, 0), 1)
+    n_layer = head.info.n_layer
     half = n_layer // 2
-    rng = np.random.default_rng(4)
-    vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
-    prompts = [_tokens(rng, vocab, prompt) for _ in range(n_sessions)]
+    try:
+        text = head.tokenize(_TEXT)
+        prompts = [text[17 * i:17 * i + prompt] for i in range(n_sessions)]
+    except InvalidInputError:  # no tokenizer (synthetic models)
+        rng = np.random.default_rng(4)
+        prompts = [_tokens(rng, head.info.n_vocab, prompt) for _ in range(n_sessions)]
     out: dict = {}
     for name, extra in (("fits", ("--budget-tokens", "8192")),
                         ("oversubscribed", ("--budget-tokens", "2048", "--warm-memory", "256MiB"))):
@@ -207,7 +226,12 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
             for proc, _ in procs:
                 proc.terminate()
                 proc.wait(30)
-    out["same_tokens"] = out["fits"]["tokens"] == out["oversubscribed"]["tokens"]
+    # steps of different sizes sum in different orders (batched logits agree to about 1e-3, not to
+    # the bit), so a near-tie may go the other way: count the sessions whose tokens are the same,
+    # and where the others first differ
+    pairs = list(zip(out["fits"]["tokens"], out["oversubscribed"]["tokens"]))
+    out["same_sessions"] = sum(a == b for a, b in pairs)
+    out["first_difference"] = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
     for v in out.values():
         if isinstance(v, dict):
             v.pop("tokens")
@@ -365,8 +389,10 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
         f, o2 = s["fits"], s["oversubscribed"]
         lines += ["oversubscribed route: 2 workers x 1 thread, 8 slots x 1,024 tokens, 8 sessions x (128 + 400) tokens:",
                   f"  budget fits everything (8,192): {f['wall_s']:.1f} s; 2,048-token budget + 256 MiB warm tier: "
-                  f"{o2['wall_s']:.1f} s ({o2['wall_s'] / f['wall_s']:.2f}x); same tokens: {s['same_tokens']}; "
-                  f"re-prefills {sum(o2['reprefills'])}; restores per worker {o2['restores']}"]
+                  f"{o2['wall_s']:.1f} s ({o2['wall_s'] / f['wall_s']:.2f}x); re-prefills {sum(o2['reprefills'])}; "
+                  f"restores per worker {o2['restores']}; sessions with the same 400 tokens: {s['same_sessions']} of "
+                  f"{len(s['first_difference'])} (first difference at token "
+                  f"{[d for d in s['first_difference'] if d is not None] or 'none'})"]
         _log("\n".join(lines[-2:]))
 
     m = churn(path, n_sessions=500 if quick else 10_000)

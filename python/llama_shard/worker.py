@@ -327,7 +327,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return pb.SessionReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, bool):
             return pb.SessionReply(outcome=pb.OUTCOME_OK, released=out)
-        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len)
+        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=out.tier)
 
     def Truncate(self, request, context):
         return self._session_call(self.manager.truncate, request.session_id, request.route_epoch, request.length)

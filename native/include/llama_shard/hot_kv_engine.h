@@ -18,10 +18,11 @@
 //    start of the lowest run of free ids long enough for the step's remaining new sessions, else
 //    the lowest free id (outside a step: the lowest free id).
 //
-//  - the warm tier (warm_bytes > 0): a session that leaves the hot set by LRU or TTL eviction keeps
-//    its KV as bytes in host memory (llama.cpp's sequence state of the owned layers); a key is hot,
-//    warm or neither, never both; warm bytes held (state + key bytes, exact) <= warm_bytes, and the
-//    warm LRU list is ordered by last use like the hot one.
+//  - the warm tier (warm_bytes > 0 or a warm_dir): a session that leaves the hot set by LRU or TTL
+//    eviction keeps its KV as bytes (llama.cpp's sequence state of the owned layers) in host memory
+//    or, past that, in a file of the disk tier; a key is in at most one tier; host bytes held
+//    (the state's whole pages + key bytes: exactly what is resident) <= warm_bytes, file bytes <= warm_disk_bytes, and each tier's LRU
+//    list is ordered by last use like the hot one.
 //
 // Memory: the context holds max_sessions KV streams of context_tokens cells each (llama.cpp pads a
 // stream to a multiple of 256 cells), allocated up front: that is the hot tier's real memory.
@@ -40,8 +41,9 @@
 // its sessions in turn instead of re-prefilling them).
 //
 // Spill and restore: an evicted session (LRU or TTL) is copied to the warm tier, making room by
-// dropping the least recently used warm sessions (they become EVICTED_LRU misses); one that cannot
-// be copied or is larger than the whole tier is dropped as before. A step, truncate or open of a
+// moving the least recently used warm sessions to disk, or dropping them without a disk tier (they
+// become EVICTED_LRU misses); one that cannot be copied or fits no tier is dropped as before. A
+// file is read back only after its header, size and checksum check out (kv_file_store.h). A step, truncate or open of a
 // warm session restores it into a free seq id first (admitted like a prefill of its length) and
 // carries on: the caller sees no miss, and the KV is the same bytes, so the results are
 // bit-identical to never having left. resolve reports a warm session without moving it. Release
@@ -291,11 +293,11 @@ private:
         int64_t              epoch;
         int32_t              seq_len;
         double               last_used;
-        std::vector<uint8_t> state;  // shard_context::seq_save of the owned layers (empty on disk)
+        page_buffer          state;  // shard_context::seq_save of the owned layers (empty on disk)
         std::list<std::string>::iterator lru_pos;  // in warm_lru_ (host) or disk_lru_ (disk)
         bool                 on_disk    = false;
         uint64_t             file_bytes = 0;
-        uint64_t bytes() const;      // what its tier charges: state + key in memory, the file on disk
+        uint64_t bytes() const;      // what its tier charges: state pages + key in memory, the file on disk
     };
 
     // --- helpers; all run with mutex_ held ---

@@ -17,6 +17,8 @@
 // The checksum detects corruption and truncation, not tampering: the directory must be as private
 // as the process's memory.
 
+#include "llama_shard/page_buffer.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,11 +52,11 @@ public:
     const std::string & dir() const { return dir_; }
 
     // writes the session's state atomically; the file's size, or 0 (logged) if it could not be written
-    uint64_t write(const std::string & sid, int64_t epoch, int32_t seq_len, const std::vector<uint8_t> & state);
+    uint64_t write(const std::string & sid, int64_t epoch, int32_t seq_len, const page_buffer & state);
 
     // reads the session's state into `state` if the file is whole and was written for exactly this
     // shard, session, epoch and length; otherwise deletes it (logged) and returns false
-    bool read(const std::string & sid, int64_t epoch, int32_t seq_len, std::vector<uint8_t> & state);
+    bool read(const std::string & sid, int64_t epoch, int32_t seq_len, page_buffer & state);
 
     void remove(const std::string & sid);
 

@@ -99,8 +99,10 @@ public:
     int64_t n_cells_used() const;
 
     // --- one sequence's KV as bytes (llama.cpp's sequence state format), for the warm tier ---
-    // appends the state of `seq_id` to `out`; false if llama.cpp could not write it
-    bool seq_save(int32_t seq_id, std::vector<uint8_t> & out) const;
+    // the bytes seq_save writes for `seq_id` now (0 if llama.cpp cannot say)
+    size_t seq_state_size(int32_t seq_id) const;
+    // writes the state of `seq_id` (exactly seq_state_size bytes) to `dst`; false if llama.cpp could not
+    bool seq_save(int32_t seq_id, uint8_t * dst, size_t size) const;
     // replaces `seq_id`'s cells with a state seq_save wrote on a context of the same model, range
     // and kv_type (never bytes from elsewhere: llama.cpp checks layer count, types and row sizes,
     // not where they came from); false (and `seq_id` empty) if llama.cpp refused it

@@ -14,6 +14,7 @@ import bisect
 import collections
 import copy
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from .model import ReferenceShard, SequenceKv
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
 INVALID_INPUT, COMPUTE_ERROR, BUSY = Status.INVALID_INPUT, Status.COMPUTE_ERROR, Status.BUSY
 #: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 RESTORE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0, float("inf"))
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
@@ -200,13 +202,14 @@ class ReferenceHotKvEngine:
         self._counters[self._LEAVING.get(reason, "other")] += 1
 
     def warm_entry_bytes(self, session_id: str, seq_len: int) -> int:
-        """What the native warm tier charges for a session: the key's bytes and llama.cpp's sequence
-        state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
+        """What the native warm tier charges for a session: the key's bytes and the pages holding
+        llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
         count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
         layer, and per cell its position, seq id count and seq id before the K and V rows)."""
         n_layers = len(self.shard.owned_layers)
         state = 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
-        return state + len(session_id.encode("utf-8", "surrogatepass"))
+        pages = -(-state // _PAGE) * _PAGE  # the native tier holds each state in whole pages of its own
+        return pages + len(session_id.encode("utf-8", "surrogatepass"))
 
     def _leave_hot(self, sid: str, reason: str) -> None:
         """A hot session evicted (LRU or TTL): spilled to the warm tier if it can be, dropped otherwise."""
