@@ -118,7 +118,7 @@ def test_eight_threads_get_the_tokens_they_get_alone(embedded_model, alone):
     assert steps < requests / 2, (steps, requests)
     assert len({tuple(v) for v in results.values()}) == N_SESSIONS
     route.check()
-    lengths = {sid: n for sid, _, _, n, _ in route.head_mgr.engine.sessions()}
+    lengths = {sid: n for sid, _, _, n, *_ in route.head_mgr.engine.sessions()}
     for i in range(N_SESSIONS):  # positions never leak between sessions
         assert lengths[f"sess-{i}"] == len(route.head.tokenize(PROMPTS[i])) + N_STEPS
 
@@ -156,6 +156,6 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
     route.check()
     assert f"sess-{victim}" not in [k for k, _ in route.head_mgr.session_keys()]
     # the victim's reservation went back: what is reserved is exactly what the survivors hold
-    reserved = sum(n for *_, n, _ in route.head_mgr.engine.sessions())
+    reserved = sum(n for _, _, _, n, *_ in route.head_mgr.engine.sessions())
     assert route.head_mgr.reserved_tokens == reserved
     assert route.head_mgr.stats()["releases"] == 1
