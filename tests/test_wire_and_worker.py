@@ -324,7 +324,9 @@ def test_metrics_and_health(workers):
     head, _ = workers
     text = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
     for name in ("llama_shard_live_sessions", "llama_shard_reserved_tokens", "llama_shard_budget_tokens",
-                 "llama_shard_cache_misses_total", "llama_shard_evictions_total", "llama_shard_step_seconds_bucket"):
+                 "llama_shard_cache_misses_total", "llama_shard_evictions_total", "llama_shard_step_seconds_bucket",
+                 "llama_shard_warm_sessions", "llama_shard_spills_total", "llama_shard_restores_total",
+                 "llama_shard_restore_seconds_bucket", "llama_shard_disk_bytes"):
         assert name in text, name
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(head.address))

@@ -84,13 +84,17 @@ class _EngineCollector:
         yield ms
         for name, key, doc in [("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
                                ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
-                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound")]:
+                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
+                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
+                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files")]:
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, st[key])
             yield g
         for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
                                ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
-                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)")]:
+                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
+                               ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
+                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)")]:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, st[key])
             yield c
