@@ -270,6 +270,38 @@ void warm_tier(const std::string & path) {
     step_one(b, next, res);
     CHECK(res[0].status == SHARD_STATUS_OK && res[0].seq_len == 5 && res[1].status == SHARD_STATUS_BUSY);
     CHECK(b.engine.stats().restores == 1 && b.engine.stats().misses[SHARD_MISS_EVICTED_LRU] == 0);
+    // a step that evicts its own later sessions after the others: the warm list stays in last-use
+    // order (check_invariants in step_one), and the first request of a step is never BUSY
+    hot_kv_config three = config(3, 16, 48, 0);
+    three.warm_bytes = 1 << 20;
+    harness o(path, three);
+    o.now = 1;
+    o.prefill("p", 0, {1});
+    o.now = 2;
+    o.prefill("q", 0, {1});
+    o.now = 3;
+    o.prefill("r", 0, {1});
+    o.now = 4;
+    std::vector<float> outs4(4 * 320);
+    std::vector<int32_t> one = {2};
+    auto prefill_request = [&](const std::string & sid, float * out) {
+        hot_kv_request r;
+        r.session_id = sid;
+        r.kind = HOT_KV_STEP_PREFILL;
+        r.input.tokens = one.data();
+        r.input.n_tokens = 1;
+        r.out = out;
+        return r;
+    };
+    std::vector<hot_kv_request> mixed = {prefill_request("x", &outs4[0]), prefill_request("y", &outs4[320]),
+                                         prefill_request("z", &outs4[640]), decode_request(o, "p", &tok, &outs4[960])};
+    step_one(o, mixed, res);
+    CHECK(res[0].status == SHARD_STATUS_OK && res[1].status == SHARD_STATUS_OK && res[2].status == SHARD_STATUS_OK);
+    CHECK(res[3].status == SHARD_STATUS_BUSY);
+    std::vector<hot_kv_request> retry = {mixed[3]};
+    step_one(o, retry, res);
+    CHECK(res[0].status == SHARD_STATUS_OK && res[0].seq_len == 2);
+
     // without a warm tier the same step answers BUDGET_EXCEEDED: the step's sessions stay hot
     harness nb(path, config(2, 16, 8, 0));
     nb.prefill("a", 0, {1, 2, 3, 4});

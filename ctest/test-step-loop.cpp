@@ -119,18 +119,24 @@ int main(int argc, char ** argv) {
         c.warm_bytes = 1 << 20;
         hot_kv_engine engine(model, c);
         step_loop loop(engine, {});
+        // all four prompts first (two of them go warm), then the four decode concurrently: the
+        // warm ones must come back, whatever order the threads run in
         std::vector<std::vector<int32_t>> got(n_threads);
+        std::vector<std::shared_ptr<step_ticket>> prefills;
+        for (int i = 0; i < n_threads; ++i) {
+            prefills.push_back(ticket("o" + std::to_string(i), HOT_KV_STEP_PREFILL, {(int32_t) (9 + 13 * i) % 300, 4}));
+        }
+        loop.submit_many(prefills);
+        for (int i = 0; i < n_threads; ++i) {
+            CHECK(prefills[i]->wait().status == SHARD_STATUS_OK);
+            got[i].push_back(argmax(prefills[i]->out));
+        }
         std::vector<std::thread> threads;
         for (int i = 0; i < n_threads; ++i) {
             threads.emplace_back([&, i] {
                 const std::string sid = "o" + std::to_string(i);
-                const std::vector<int32_t> prompt = {(int32_t) (9 + 13 * i) % 300, 4};
-                auto t = ticket(sid, HOT_KV_STEP_PREFILL, prompt);
-                loop.submit(t);
-                CHECK(t->wait().status == SHARD_STATUS_OK);
-                got[i].push_back(argmax(t->out));
                 for (int k = 0; k < steps; ++k) {
-                    auto d = ticket(sid, HOT_KV_STEP_DECODE, {got[i].back()}, (int32_t) (prompt.size() + k));
+                    auto d = ticket(sid, HOT_KV_STEP_DECODE, {got[i].back()}, (int32_t) (2 + k));
                     loop.submit(d);
                     const hot_kv_result r = d->wait();
                     CHECK(r.status == SHARD_STATUS_OK);

@@ -339,6 +339,9 @@ PYBIND11_MODULE(_native, m) {
                  return self.seq_pos_max(seq_id);
              }, py::arg("seq_id"));
 
+    m.def("model_digest", &kv_file_store::model_digest, py::arg("path"),
+          "The model identity the disk tier writes into its files: the file's size and a checksum of its first and last MiB");
+
     py::enum_<shard_status>(m, "Status", "What the engine answered for a request")
         .value("OK", SHARD_STATUS_OK)
         .value("CACHE_MISS", SHARD_STATUS_CACHE_MISS)

@@ -5,6 +5,10 @@ invariants after every step. It runs twice: without a warm tier, and with a warm
 enough to fill (spill, restore, release and epoch change while warm, TTL while warm, a full store)."""
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,6 +34,9 @@ CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, t
 # the synthetic model's warm entries take 2-3 pages (about 0.8 KiB per token): this tier holds one to three
 WARM_CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0,
                                warm_bytes=20_000, warm_ttl_seconds=9.0)
+# host tier for one or two small sessions, then files (the native engine writes them in a fresh
+# directory per program; the reference simulates them)
+DISK_CONFIG = dataclasses.replace(WARM_CONFIG, warm_bytes=9_000, warm_dir="per-program", warm_disk_bytes=20_000)
 TIMING_KEYS = ("restore_seconds", "restore_buckets")
 VOCAB = 320
 
@@ -60,8 +67,11 @@ class LockstepMachine(RuleBasedStateMachine):
             cls.native_model = ShardModel(str(cls.path), None, 1)
             cls.reference_shard = ReferenceShard(ReferenceModel.from_gguf(cls.path))
         self.clock = ManualClock()
-        self.native = HotKvStateManager(cls.native_model, cls.config, self.clock, n_batch=8, recent_capacity=8)
-        self.reference = HotKvStateManager(cls.reference_shard, cls.config, self.clock, n_batch=8, recent_capacity=8)
+        config = cls.config
+        if config.warm_dir is not None:
+            config = dataclasses.replace(config, warm_dir=tempfile.mkdtemp(prefix="lockstep-kv-"))
+        self.native = HotKvStateManager(cls.native_model, config, self.clock, n_batch=8, recent_capacity=8)
+        self.reference = HotKvStateManager(cls.reference_shard, config, self.clock, n_batch=8, recent_capacity=8)
         self.native_ad = KvBoundaryAdapter(cls.native_model, self.native)
         self.reference_ad = KvBoundaryAdapter(cls.reference_shard, self.reference)
         self.epochs = {sid: 0 for sid in SIDS}
@@ -190,13 +200,27 @@ class WarmLockstepMachine(LockstepMachine):
     def teardown(self):
         if hasattr(self, "native"):
             stats = self.native.stats()
-            for key in ("spills", "restores", "warm_drops", "evictions_ttl", "releases", "supersessions"):
+            for key in ("spills", "restores", "warm_drops", "evictions_ttl", "releases", "supersessions",
+                        "disk_spills", "disk_restores"):
                 self.seen[key] = self.seen.get(key, 0) + stats[key]
+            if self.native.config.warm_dir is not None:
+                shutil.rmtree(self.native.config.warm_dir, ignore_errors=True)
+
+    @rule()
+    def persist(self):
+        """A worker's SIGTERM drain (with a disk tier: everything to files; without: released)."""
+        self.both(lambda m, ad: m.persist())
 
 
-@pytest.fixture(scope="module", params=["no_warm_tier", "warm_tier"])
+class DiskLockstepMachine(WarmLockstepMachine):
+    config = DISK_CONFIG
+    seen: dict = {}
+
+
+@pytest.fixture(scope="module", params=["no_warm_tier", "warm_tier", "warm_and_disk_tiers"])
 def machine(model_dir, request):
-    cls = LockstepMachine if request.param == "no_warm_tier" else WarmLockstepMachine
+    cls = {"no_warm_tier": LockstepMachine, "warm_tier": WarmLockstepMachine,
+           "warm_and_disk_tiers": DiskLockstepMachine}[request.param]
     cls.path = write_synthetic_gguf(model_dir / "lockstep.gguf", SyntheticSpec(seed=11))
     cls.native_model = None
     return cls
@@ -211,3 +235,5 @@ def test_native_engine_and_reference_agree_step_for_step(machine):
                                                          suppress_health_check=list(HealthCheck)))
     if machine is WarmLockstepMachine:
         assert all(machine.seen.get(k, 0) > 0 for k in ("spills", "restores", "warm_drops")), machine.seen
+    if machine is DiskLockstepMachine:
+        assert all(machine.seen.get(k, 0) > 0 for k in ("disk_spills", "disk_restores", "warm_drops")), machine.seen

@@ -289,7 +289,7 @@ def test_a_corrupt_file_is_refused_deleted_and_logged(synthetic_model, tmp_path,
     m.check_invariants()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "not_ours"])
+@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model", "not_ours"])
 def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, damage):
     warm_dir = tmp_path / "w"
     m, _, f = _one_file_on_disk(synthetic_model, warm_dir)
@@ -308,6 +308,9 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
                              str(warm_dir), 1 << 20, "another-recipe")
         m = None
         assert engine.stats()["disk_loaded"] == 0
+    elif damage == "foreign_model":  # the same shape and recipe, other weights (a fine-tune, say)
+        other = write_synthetic_gguf(tmp_path / "other.gguf", SyntheticSpec(seed=99))
+        m, _ = _disk_manager(other, warm_dir)
     else:
         m, _ = _disk_manager(synthetic_model, warm_dir)
     if m is not None:

@@ -36,6 +36,25 @@ const char * shard_miss_reason_name(shard_miss_reason reason) {
 
 static std::string str(int64_t v) { return std::to_string(v); }
 
+// pins a warm session (spills must not move it out) for a scope, whatever happens in it
+struct pin_guard {
+    const std::string *& slot;
+    pin_guard(const std::string *& s, const std::string * sid) : slot(s) { slot = sid; }
+    ~pin_guard() { slot = nullptr; }
+};
+
+// puts `sid` into an LRU list at its place by last use (after every entry used no later): a spill
+// is usually the most recent, but not always (a step evicts its own later sessions after others)
+template <typename Map>
+static std::list<std::string>::iterator insert_by_last_used(std::list<std::string> & lru, const Map & entries,
+                                                            const std::string & sid, double last_used) {
+    auto pos = lru.end();
+    while (pos != lru.begin() && entries.at(*std::prev(pos)).last_used > last_used) {
+        --pos;
+    }
+    return lru.insert(pos, sid);
+}
+
 static constexpr size_t MAX_SESSION_ID_BYTES = 256;
 
 // the answer to a request whose epoch is older than the session's `current` ("current" while the
@@ -110,9 +129,15 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
 // (the oldest go first when they exceed warm_disk_bytes); their idle time starts at the first call
 void hot_kv_engine::load_disk_tier() {
     const shard_model_info & info = model_.info();
+    const std::string digest = kv_file_store::model_digest(model_.path());
+    if (digest.empty()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "cannot read the model file " + model_.path() + " for the disk tier");
+    }
     disk_ = std::make_unique<kv_file_store>(config_.warm_dir,
-        kv_file_identity{config_.recipe_fingerprint, info.first, info.last, info.n_layer, config_.kv_type});
-    for (kv_file_entry & e : disk_->scan(config_.context_tokens)) {
+        kv_file_identity{config_.recipe_fingerprint, digest, info.first, info.last, info.n_layer, config_.kv_type});
+    // a session longer than this engine's context or budget could never come back hot
+    const int32_t longest = (int32_t) std::min<int64_t>(config_.context_tokens, config_.budget_tokens);
+    for (kv_file_entry & e : disk_->scan(longest)) {
         disk_lru_.push_back(e.session_id);
         warm_entry & w = warm_[e.session_id];
         w = warm_entry{e.epoch, e.seq_len, 0.0, {}, std::prev(disk_lru_.end()), true, e.file_bytes};
@@ -202,13 +227,9 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
         return false;  // an empty session costs nothing to re-prefill
     }
     warm_entry w{s.epoch, s.seq_len, s.last_used, {}, {}, false, 0};
-    const size_t size = ctx_->seq_state_size(s.seq_id);
-    if (size == 0) {
-        return false;
-    }
-    w.state = page_buffer(size);
-    if (!ctx_->seq_save(s.seq_id, w.state.data(), size)) {
-        return false;
+    w.state = page_buffer::allocate(ctx_->seq_state_size(s.seq_id));
+    if (w.state.empty() || !ctx_->seq_save(s.seq_id, w.state.data(), w.state.size())) {
+        return false;  // no memory, or llama.cpp could not write it: the session is dropped
     }
     if (!store_host_locked(sid, std::move(w)) && !store_disk_locked(sid, std::move(w))) {
         return false;
@@ -234,8 +255,7 @@ bool hot_kv_engine::store_host_locked(const std::string & sid, warm_entry && w) 
         }
         demote_locked(std::string(*victim));
     }
-    warm_lru_.push_back(sid);
-    w.lru_pos = std::prev(warm_lru_.end());
+    w.lru_pos = insert_by_last_used(warm_lru_, warm_, sid, w.last_used);
     warm_[sid] = std::move(w);
     warm_held_ += bytes;
     return true;
@@ -267,8 +287,7 @@ bool hot_kv_engine::store_disk_locked(const std::string & sid, warm_entry && w) 
     w.state.reset();  // unmapped: the file holds it now
     w.on_disk      = true;
     w.file_bytes   = written;
-    disk_lru_.push_back(sid);
-    w.lru_pos      = std::prev(disk_lru_.end());
+    w.lru_pos      = insert_by_last_used(disk_lru_, warm_, sid, w.last_used);
     warm_[sid]     = std::move(w);
     disk_held_    += written;
     counters_.disk_spills++;
@@ -326,20 +345,33 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     auto it = warm_.find(sid);
     assert(it != warm_.end() && !free_ids_.empty());
     warm_entry & w = it->second;
-    const int32_t seq_id = take_free_id_locked();
     const auto t0 = std::chrono::steady_clock::now();
     page_buffer from_disk;  // read and verified (header, size, checksum) before llama.cpp sees it
-    const bool read = !w.on_disk || disk_->read(sid, w.epoch, w.seq_len, from_disk);
+    bool ok = true;
+    if (w.on_disk) {
+        const shard_model_info & info = model_.info();
+        const uint64_t min_bytes = (uint64_t) w.seq_len * counters_.kv_bytes_per_token;
+        const uint64_t max_bytes = (uint64_t) w.seq_len * (counters_.kv_bytes_per_token + 64) +
+                                   4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
+        ok = disk_->read(sid, w.epoch, w.seq_len, min_bytes, max_bytes, from_disk);
+        counters_.disk_failures += ok ? 0 : 1;
+    }
     const page_buffer & state = w.on_disk ? from_disk : w.state;
-    const bool ok = read && ctx_->seq_restore(seq_id, state.data(), state.size()) &&
-                    ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
-    if (!read) {
-        counters_.disk_failures++;
+    int32_t seq_id = -1;
+    if (ok) {
+        seq_id = take_free_id_locked();
+        try {
+            ok = ctx_->seq_restore(seq_id, state.data(), state.size()) && ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
+        } catch (const shard_error &) {
+            ok = false;
+        }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!ok) {
-        ctx_->seq_rm(seq_id, 0);
-        free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), seq_id, std::greater<int32_t>()), seq_id);
+        if (seq_id >= 0) {
+            ctx_->seq_rm(seq_id, 0);
+            free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), seq_id, std::greater<int32_t>()), seq_id);
+        }
         drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
         res = miss_locked(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be restored");
         return nullptr;
@@ -522,12 +554,17 @@ hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string &
     // a warm session fits alone (it was hot under the same limits), so evicting others makes room
     new_in_step_     = 0;  // outside a step: the lowest free id
     last_created_id_ = -1;
-    warm_pinned_ = &sid;
-    const bool room = make_room_locked(seq_len, true, {sid}, {});
-    warm_pinned_ = nullptr;
-    assert(room);
-    (void) room;
+    bool room;
+    {
+        pin_guard pin(warm_pinned_, &sid);
+        room = make_room_locked(seq_len, true, {sid}, {});
+    }
     res = hot_kv_result{};
+    if (!room) {  // larger than this engine's budget (never written by it: a guard, not a path)
+        drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
+        res = miss_locked(SHARD_MISS_EVICTED_LRU, "the session's warm copy does not fit this shard's budget");
+        return nullptr;
+    }
     return restore_locked(sid, now, res);
 }
 
@@ -827,11 +864,13 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
     }
     // hot tokens this request adds at its peak: a warm session comes back whole before it is cut to start
     const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(held, new_len);
-    warm_pinned_ = w != nullptr ? &sid : nullptr;
-    const bool room = make_room_locked(grow, s == nullptr, keep, participants);
-    warm_pinned_ = nullptr;
+    bool room;
+    {
+        pin_guard pin(warm_pinned_, w != nullptr ? &sid : nullptr);
+        room = make_room_locked(grow, s == nullptr, keep, participants);
+    }
     if (!room) {
-        if (warm_enabled()) {
+        if (warm_enabled() && !plan.empty()) {  // it fits alone: it goes first in the next step
             return refuse(SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step", s);
         }
         if (s == nullptr && free_ids_.empty()) {

@@ -135,6 +135,10 @@ kv_file_store::kv_file_store(std::string dir, kv_file_identity identity) : dir_(
     if (dir_.empty()) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory is empty");
     }
+    if (identity_.recipe_fingerprint.size() > MAX_FIELD || identity_.model_digest.size() > MAX_FIELD ||
+        identity_.kv_type.size() > MAX_FIELD) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a warm tier identity field is longer than 128 bytes");
+    }
     if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "cannot create the warm tier's directory " + dir_ + ": " + std::strerror(errno));
     }
@@ -161,6 +165,7 @@ uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t se
     w.bytes.insert(w.bytes.end(), MAGIC, MAGIC + 4);
     w.put<uint32_t>(VERSION);
     w.put_str(identity_.recipe_fingerprint);
+    w.put_str(identity_.model_digest);
     w.put<int32_t>(identity_.first);
     w.put<int32_t>(identity_.last);
     w.put<int32_t>(identity_.n_layer);
@@ -199,7 +204,7 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     }
     struct stat st {};
     ::fstat(fd, &st);
-    std::vector<uint8_t> head(4 + 4 + 3 * (4 + MAX_SID_BYTES + MAX_FIELD) + 64);
+    std::vector<uint8_t> head(4 + 4 + 4 * (4 + MAX_FIELD) + (4 + MAX_SID_BYTES) + 64);
     const ssize_t n = ::read(fd, head.data(), head.size());
     ::close(fd);
     reader r{head.data(), n > 0 ? (size_t) n : 0};
@@ -211,6 +216,7 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     r.left -= 4;
     const uint32_t version = r.get<uint32_t>();
     const std::string fingerprint = r.get_str(MAX_FIELD);
+    const std::string model = r.get_str(MAX_FIELD);
     const int32_t first = r.get<int32_t>(), last = r.get<int32_t>(), n_layer = r.get<int32_t>();
     const std::string kv_type = r.get_str(MAX_FIELD);
     entry.session_id = r.get_str(MAX_SID_BYTES);
@@ -224,6 +230,8 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
         why = "format version " + std::to_string(version) + ", this build reads " + std::to_string(VERSION);
     } else if (fingerprint != identity_.recipe_fingerprint || kv_type != identity_.kv_type) {
         why = "written for another KV recipe";
+    } else if (model != identity_.model_digest) {
+        why = "written for another model file";
     } else if (first != identity_.first || last != identity_.last || n_layer != identity_.n_layer) {
         why = "written for layers " + std::to_string(first) + "-" + std::to_string(last) + ", this shard owns " +
               std::to_string(identity_.first) + "-" + std::to_string(identity_.last);
@@ -245,7 +253,8 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     return false;
 }
 
-bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len, page_buffer & state) {
+bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len, uint64_t min_bytes, uint64_t max_bytes,
+                         page_buffer & state) {
     const std::string path = path_for(sid);
     kv_file_entry entry;
     uint64_t payload_bytes = 0, sum = 0;
@@ -259,8 +268,17 @@ bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len
         discard(path, "written for another session, epoch or length");
         return false;
     }
+    if (payload_bytes < min_bytes || payload_bytes > max_bytes) {
+        discard(path, "a payload of " + std::to_string(payload_bytes) + " bytes cannot hold " + std::to_string(seq_len) +
+                          " tokens of this shard");
+        return false;
+    }
+    state = page_buffer::allocate((size_t) payload_bytes);
+    if (state.empty()) {
+        log_line("no memory to read " + path + "; the session is dropped");
+        return false;
+    }
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    state = page_buffer((size_t) payload_bytes);
     const bool ok = fd >= 0 && ::lseek(fd, (off_t) header_bytes, SEEK_SET) == (off_t) header_bytes &&
                     read_all(fd, state.data(), state.size());
     if (fd >= 0) {
@@ -272,6 +290,27 @@ bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len
         return false;
     }
     return true;
+}
+
+std::string kv_file_store::model_digest(const std::string & model_path) {
+    const int fd = ::open(model_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return "";
+    }
+    struct stat st {};
+    ::fstat(fd, &st);
+    const size_t size = (size_t) st.st_size;
+    const size_t sample = std::min<size_t>(size, (size_t) 1 << 20);
+    std::vector<uint8_t> bytes(2 * sample);
+    const bool ok = ::pread(fd, bytes.data(), sample, 0) == (ssize_t) sample &&
+                    ::pread(fd, bytes.data() + sample, sample, (off_t) (size - sample)) == (ssize_t) sample;
+    ::close(fd);
+    if (!ok) {
+        return "";
+    }
+    char out[64];
+    std::snprintf(out, sizeof(out), "%zu-%016" PRIx64, size, checksum(bytes.data(), bytes.size()));
+    return out;
 }
 
 void kv_file_store::remove(const std::string & sid) {

@@ -81,11 +81,12 @@ class HotKvStateManager:
             self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
         else:
             from .reference.engine import ReferenceHotKvEngine
-            if c.warm_dir is not None:
-                raise InvalidInputError("the numpy reference has no disk tier (warm_dir)")
+            # the reference simulates the disk tier (same decisions and sizes, no files)
             self.engine = ReferenceHotKvEngine(model, c.max_sessions, c.context_tokens, c.budget_tokens,
                                                float(c.ttl_seconds), n_batch, recent_capacity, c.warm_bytes,
-                                               float(c.warm_ttl_seconds), c.kv_type)
+                                               float(c.warm_ttl_seconds), c.kv_type,
+                                               c.warm_disk_bytes if c.warm_dir is not None else 0,
+                                               self.recipe.fingerprint())
             self._loop = _ReferenceLoop(self.engine, max_step_sessions, prefill_chunk)
         self.n_batch = int(self.engine.n_batch)
 

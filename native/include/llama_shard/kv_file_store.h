@@ -28,6 +28,7 @@ namespace llama_shard {
 // what a file must have been written by to be read back
 struct kv_file_identity {
     std::string recipe_fingerprint;  // the KvCacheRecipe fingerprint (architecture, KV type, geometry, range)
+    std::string model_digest;        // the model file's size and a checksum of its first and last MiB (weights)
     int32_t     first   = 0;
     int32_t     last    = 0;
     int32_t     n_layer = 0;
@@ -46,7 +47,7 @@ struct kv_file_entry {
 class kv_file_store {
 public:
     // creates `dir` if it does not exist; throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) if it
-    // cannot be created or is not a directory
+    // cannot be created or is not a directory, or an identity field is longer than a header allows
     kv_file_store(std::string dir, kv_file_identity identity);
 
     const std::string & dir() const { return dir_; }
@@ -54,9 +55,14 @@ public:
     // writes the session's state atomically; the file's size, or 0 (logged) if it could not be written
     uint64_t write(const std::string & sid, int64_t epoch, int32_t seq_len, const page_buffer & state);
 
-    // reads the session's state into `state` if the file is whole and was written for exactly this
-    // shard, session, epoch and length; otherwise deletes it (logged) and returns false
-    bool read(const std::string & sid, int64_t epoch, int32_t seq_len, page_buffer & state);
+    // reads the session's state into `state` if the file is whole, was written for exactly this
+    // shard, session, epoch and length, and its payload has between min_bytes and max_bytes;
+    // otherwise deletes it (logged) and returns false
+    bool read(const std::string & sid, int64_t epoch, int32_t seq_len, uint64_t min_bytes, uint64_t max_bytes,
+              page_buffer & state);
+
+    // the digest of a model file kv_file_identity::model_digest holds ("" if it cannot be read)
+    static std::string model_digest(const std::string & model_path);
 
     void remove(const std::string & sid);
 

@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <new>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <utility>
@@ -24,14 +23,21 @@ public:
     static size_t capacity_for(size_t size) { return (size + page_size() - 1) / page_size() * page_size(); }
 
     page_buffer() = default;
-    explicit page_buffer(size_t size) : size_(size), capacity_(capacity_for(size)) {
-        if (capacity_ > 0) {
-            void * p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (p == MAP_FAILED) {
-                throw std::bad_alloc();
-            }
-            data_ = static_cast<uint8_t *>(p);
+
+    // a buffer of `size` bytes, or an empty one (size 0) if the mapping failed: callers treat that
+    // as "cannot keep this session", never as an exception in the middle of a state change
+    static page_buffer allocate(size_t size) {
+        page_buffer b;
+        if (size == 0) {
+            return b;
         }
+        void * p = mmap(nullptr, capacity_for(size), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p != MAP_FAILED) {
+            b.data_     = static_cast<uint8_t *>(p);
+            b.size_     = size;
+            b.capacity_ = capacity_for(size);
+        }
+        return b;
     }
     ~page_buffer() { reset(); }
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .._native import MissReason, Status, StepKind, Tier
+from .._native import MissReason, Status, StepKind, Tier, model_digest
 from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
@@ -84,7 +84,8 @@ class _Dropped:
 class ReferenceHotKvEngine:
     def __init__(self, shard: ReferenceShard, max_sessions: int, context_tokens: int, budget_tokens: int,
                  ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096, warm_bytes: int = 0,
-                 warm_ttl_seconds: float = 3600.0, kv_type: str = "f16"):
+                 warm_ttl_seconds: float = 3600.0, kv_type: str = "f16", warm_disk_bytes: int = 0,
+                 recipe_fingerprint: str = ""):
         if not 1 <= max_sessions <= 256:
             raise InvalidInputError("max_sessions must be in [1, 256]")
         if kv_type != "f16":
@@ -96,6 +97,14 @@ class ReferenceHotKvEngine:
         self._warm: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
         self._warm_held = 0
         self._warm_pinned: str | None = None  # being restored: spills must not drop it
+        # the disk tier, simulated: the same decisions and byte counts as the native files (no files:
+        # a reference engine does not outlive its process)
+        self.warm_disk_bytes = warm_disk_bytes
+        self.recipe_fingerprint = recipe_fingerprint
+        self._disk: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
+        self._disk_held = 0
+        path = getattr(shard.model, "path", None)
+        self._model_digest = model_digest(str(path)) if warm_disk_bytes > 0 and path is not None else ""
         self._restore_buckets = [0] * len(RESTORE_BUCKETS)
         if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
             raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
@@ -211,27 +220,94 @@ class ReferenceHotKvEngine:
         pages = -(-state // _PAGE) * _PAGE  # the native tier holds each state in whole pages of its own
         return pages + len(session_id.encode("utf-8", "surrogatepass"))
 
+    def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
+        """The size of the native disk tier's file for a session (kv_file_store.cpp: magic, version,
+        the recipe fingerprint, range and KV type, the key, epoch, length, payload size, checksum,
+        then llama.cpp's sequence state)."""
+        sid = len(session_id.encode("utf-8", "surrogatepass"))
+        header = (4 + 4 + (4 + len(self.recipe_fingerprint)) + (4 + len(self._model_digest)) + 12 + (4 + 3) + (4 + sid)
+                  + 8 + 4 + 8 + 8)
+        return header + self._state_bytes(seq_len)
+
+    def _state_bytes(self, seq_len: int) -> int:
+        n_layers = len(self.shard.owned_layers)
+        return 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
+
+    def _warm_enabled(self) -> bool:
+        return self.warm_bytes > 0 or self.warm_disk_bytes > 0
+
+    @staticmethod
+    def _insert_by_last_used(tier: "collections.OrderedDict[str, _Warm]", sid: str, w: _Warm) -> None:
+        """As the native insert_by_last_used: after every entry used no later."""
+        later = [k for k, v in tier.items() if v.last_used > w.last_used]
+        tier[sid] = w
+        for k in later:
+            tier.move_to_end(k)
+
+    def _cached(self, sid: str) -> tuple[_Warm | None, Tier]:
+        if sid in self._warm:
+            return self._warm[sid], Tier.WARM
+        if sid in self._disk:
+            return self._disk[sid], Tier.DISK
+        return None, Tier.NONE
+
     def _leave_hot(self, sid: str, reason: str) -> None:
         """A hot session evicted (LRU or TTL): spilled to the warm tier if it can be, dropped otherwise."""
         s = self._live[sid]
-        nbytes = self.warm_entry_bytes(sid, s.seq_len)
-        # the warm session being restored (pinned) is never dropped to make room for this one
-        pinned = self._warm.get(self._warm_pinned) if self._warm_pinned is not None else None
-        if self.warm_bytes <= 0 or s.seq_len == 0 or nbytes + (pinned.nbytes if pinned else 0) > self.warm_bytes:
+        if not self._warm_enabled() or s.seq_len == 0:
             self._drop(sid, reason)
             return
-        while self._warm_held + nbytes > self.warm_bytes:
-            victim = next(k for k in self._warm if k != self._warm_pinned)
-            self._drop_warm(victim, MissReason.EVICTED_LRU)
-        self._warm[sid] = _Warm(s.epoch, copy.deepcopy(s.kv), s.last_used, nbytes)
-        self._warm_held += nbytes
+        w = _Warm(s.epoch, copy.deepcopy(s.kv), s.last_used, 0)
+        if not self._store_host(sid, w) and not self._store_disk(sid, w):
+            self._drop(sid, reason)
+            return
         self._counters["spills"] += 1
-        self._counters[self._LEAVING[reason]] += 1
+        self._counters[self._LEAVING.get(reason, "other")] += 1
         self._free_hot(sid)
 
-    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+    def _store_host(self, sid: str, w: _Warm) -> bool:
+        nbytes = self.warm_entry_bytes(sid, w.seq_len)
+        # the warm session being restored (pinned) is never moved out to make room for this one
+        pinned = self._warm.get(self._warm_pinned) if self._warm_pinned is not None else None
+        if nbytes + (pinned.nbytes if pinned else 0) > self.warm_bytes:
+            return False
+        while self._warm_held + nbytes > self.warm_bytes:
+            self._demote(next(k for k in self._warm if k != self._warm_pinned))
+        w.nbytes = nbytes
+        self._insert_by_last_used(self._warm, sid, w)
+        self._warm_held += nbytes
+        return True
+
+    def _store_disk(self, sid: str, w: _Warm) -> bool:
+        if self.warm_disk_bytes <= 0:
+            return False
+        bound = self._state_bytes(w.seq_len) + len(sid.encode("utf-8", "surrogatepass")) + 256
+        pinned = self._disk.get(self._warm_pinned) if self._warm_pinned is not None else None
+        if bound + (pinned.nbytes if pinned else 0) > self.warm_disk_bytes:
+            return False
+        while self._disk_held + bound > self.warm_disk_bytes:
+            self._drop_warm(next(k for k in self._disk if k != self._warm_pinned), MissReason.EVICTED_LRU)
+        w.nbytes = self.disk_file_bytes(sid, w.seq_len)
+        self._insert_by_last_used(self._disk, sid, w)
+        self._disk_held += w.nbytes
+        self._counters["disk_spills"] += 1
+        return True
+
+    def _demote(self, sid: str) -> None:
+        """The host tier's session moves to disk, or is dropped (EVICTED_LRU) if it cannot."""
         w = self._warm.pop(sid)
         self._warm_held -= w.nbytes
+        if not self._store_disk(sid, w):
+            self._remember(sid, w.epoch, MissReason.EVICTED_LRU)
+            self._counters["warm_drops"] += 1
+
+    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+        if sid in self._warm:
+            w = self._warm.pop(sid)
+            self._warm_held -= w.nbytes
+        else:
+            w = self._disk.pop(sid)
+            self._disk_held -= w.nbytes
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else w.epoch, reason)
         self._counters["warm_drops"] += 1
         if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
@@ -239,8 +315,13 @@ class ReferenceHotKvEngine:
 
     def _restore(self, sid: str, now: float) -> _Session:
         t0 = time.perf_counter()
-        w = self._warm.pop(sid)
-        self._warm_held -= w.nbytes
+        if sid in self._warm:
+            w = self._warm.pop(sid)
+            self._warm_held -= w.nbytes
+        else:
+            w = self._disk.pop(sid)
+            self._disk_held -= w.nbytes
+            self._counters["disk_restores"] += 1
         s = _Session(w.epoch, self._take_free_id(), copy.deepcopy(w.kv), now)
         self._live[sid] = s
         self._reserved += s.seq_len
@@ -284,12 +365,13 @@ class ReferenceHotKvEngine:
                 break
             self._leave_hot(sid, MissReason.EVICTED_TTL)
             n += 1
-        while self.warm_ttl_seconds > 0 and self._warm:
-            sid, w = next(iter(self._warm.items()))
-            if now - w.last_used <= self.warm_ttl_seconds:
-                break
-            self._drop_warm(sid, MissReason.EVICTED_TTL)
-            n += 1
+        for tier in (self._disk, self._warm):  # the native order
+            while self.warm_ttl_seconds > 0 and tier:
+                sid, w = next(iter(tier.items()))
+                if now - w.last_used <= self.warm_ttl_seconds:
+                    break
+                self._drop_warm(sid, MissReason.EVICTED_TTL)
+                n += 1
         return n
 
     def _begin(self, session_id: str, epoch: int, now: float) -> float:
@@ -359,10 +441,10 @@ class ReferenceHotKvEngine:
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
-        w = self._warm.get(sid)
+        w, tier = self._cached(sid)
         if w is not None:
             if epoch == w.epoch:  # warm: no session, an OK result saying where it is
-                return None, StepResult(seq_len=w.seq_len, tier=Tier.WARM)
+                return None, StepResult(seq_len=w.seq_len, tier=tier)
             if epoch < w.epoch:
                 return None, _stale(epoch, w.epoch, "current")
             self._drop_warm(sid, MissReason.SUPERSEDED_EPOCH, epoch)
@@ -379,21 +461,25 @@ class ReferenceHotKvEngine:
 
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
-    def _restore_alone(self, sid: str, seq_len: int, now: float) -> _Session:
+    def _restore_alone(self, sid: str, seq_len: int, now: float) -> tuple[_Session | None, StepResult]:
         self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
         self._warm_pinned = sid
-        room = self._make_room(seq_len, True, [sid], [])
-        self._warm_pinned = None
-        assert room
-        return self._restore(sid, now)
+        try:
+            room = self._make_room(seq_len, True, [sid], [])
+        finally:
+            self._warm_pinned = None
+        if not room:  # larger than this engine's budget: a guard, as in the native engine
+            self._drop_warm(sid, MissReason.EVICTED_LRU)
+            return None, self._miss(MissReason.EVICTED_LRU, "the session's warm copy does not fit this shard's budget")
+        return self._restore(sid, now), StepResult()
 
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
             return res
-        if res.tier == Tier.WARM:
-            s = self._restore_alone(session_id, res.seq_len, now)
+        if res.tier in (Tier.WARM, Tier.DISK):
+            s, _ = self._restore_alone(session_id, res.seq_len, now)
         if s is None:
             self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
             s = self._create(session_id, epoch, now)
@@ -422,7 +508,7 @@ class ReferenceHotKvEngine:
         # a prefill not live under its epoch creates a session, a step of a warm session restores
         # one: their ids are placed together
         def takes_id(req: Step) -> bool:
-            live, warm = self._live.get(req.session_id), self._warm.get(req.session_id)
+            live, (warm, _) = self._live.get(req.session_id), self._cached(req.session_id)
             if live is not None and live.epoch == req.route_epoch:
                 return False
             return req.kind == StepKind.PREFILL or (warm is not None and warm.epoch == req.route_epoch)
@@ -450,7 +536,7 @@ class ReferenceHotKvEngine:
         s, res = self._identify(sid, req.route_epoch)
         if res.status == STALE_EPOCH:
             return res
-        warm = res.tier == Tier.WARM
+        warm = res.tier in (Tier.WARM, Tier.DISK)
         known = s is not None or warm
         held = s.seq_len if s is not None else (res.seq_len if warm else 0)
         if req.kind == StepKind.PREFILL:
@@ -479,14 +565,16 @@ class ReferenceHotKvEngine:
                                            f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
         # never the requester or what the step admitted; the step's others only when they can go warm
         keep = [sid] + [p[3] for p in plan]
-        if self.warm_bytes <= 0:
+        if not self._warm_enabled():
             keep += participants
         grow = new_len - s.seq_len if s is not None else max(held, new_len)
         self._warm_pinned = sid if warm else None
-        room = self._make_room(grow, s is None, keep, participants)
-        self._warm_pinned = None
+        try:
+            room = self._make_room(grow, s is None, keep, participants)
+        finally:
+            self._warm_pinned = None
         if not room:
-            if self.warm_bytes > 0:
+            if self._warm_enabled() and plan:  # it fits alone: it goes first in the next step
                 return refuse(BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step")
             if s is None and not self._free_ids:
                 return refuse(BUDGET_EXCEEDED, f"all {self.max_sessions} sessions take part in this step")
@@ -508,10 +596,12 @@ class ReferenceHotKvEngine:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
-        if res.tier == Tier.WARM:
+        if res.tier in (Tier.WARM, Tier.DISK):
             if length > res.seq_len:  # refused before the warm session is moved
                 raise InvalidInputError(f"cannot truncate a session of {res.seq_len} tokens to {length}")
-            s = self._restore_alone(session_id, res.seq_len, now)
+            s, res = self._restore_alone(session_id, res.seq_len, now)
+            if s is None:
+                return res
         if s is None:
             return self._counted(res)
         if length > s.seq_len:
@@ -532,7 +622,7 @@ class ReferenceHotKvEngine:
                 self._drop(session_id, MissReason.RELEASED)
                 return StepResult(changed=True)
             return StepResult()
-        w = self._warm.get(session_id)
+        w, _ = self._cached(session_id)
         if w is not None:
             if epoch < w.epoch:
                 return _stale(epoch, w.epoch, "current")
@@ -556,13 +646,28 @@ class ReferenceHotKvEngine:
         return self._sweep(self._tick(now))
 
     def persist(self, now: float) -> int:
-        """No disk tier here: as the native engine without one, every session is dropped."""
+        """As the native persist: with a disk tier, every hot and host-warm session goes to disk;
+        without one, every session is released."""
         self._tick(now)
+        if self.warm_disk_bytes <= 0:
+            for sid in list(self._live):
+                self._drop(sid, MissReason.RELEASED)
+            for sid in list(self._warm):
+                self._drop_warm(sid, MissReason.RELEASED)
+            return 0
         for sid in list(self._live):
-            self._drop(sid, MissReason.RELEASED)
+            if self._live[sid].seq_len == 0:
+                self._drop(sid, MissReason.RELEASED)
+                continue
+            w = _Warm(self._live[sid].epoch, copy.deepcopy(self._live[sid].kv), self._live[sid].last_used, 0)
+            if self._store_host(sid, w) or self._store_disk(sid, w):
+                self._counters["spills"] += 1
+                self._free_hot(sid)
+            else:
+                self._drop(sid, MissReason.RELEASED)
         for sid in list(self._warm):
-            self._drop_warm(sid, MissReason.RELEASED)
-        return 0
+            self._demote(sid)
+        return len(self._disk)
 
     # --- introspection ---------------------------------------------------------------------------
 
@@ -583,14 +688,15 @@ class ReferenceHotKvEngine:
             "warm_bytes": self._warm_held, "warm_capacity": self.warm_bytes,
             "restore_seconds": self._counters["restore_seconds"],
             "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
-            # the disk tier is native only
-            "disk_sessions": 0, "disk_bytes": 0, "disk_capacity": 0, "disk_spills": 0, "disk_restores": 0,
-            "disk_loaded": 0, "disk_failures": 0,
+            "disk_sessions": len(self._disk), "disk_bytes": self._disk_held, "disk_capacity": self.warm_disk_bytes,
+            "disk_spills": self._counters["disk_spills"], "disk_restores": self._counters["disk_restores"],
+            "disk_loaded": 0, "disk_failures": 0,  # no files: nothing to load, nothing to fail
         }
 
     def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
         return ([(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, "hot") for sid, s in self._live.items()]
-                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "warm") for sid, w in self._warm.items()])
+                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "warm") for sid, w in self._warm.items()]
+                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "disk") for sid, w in self._disk.items()])
 
     def session_kv(self, session_id: str) -> SequenceKv:
         """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
@@ -626,13 +732,18 @@ class ReferenceHotKvEngine:
             fail("the table of dropped keys outgrew its capacity")
         if any(sid in self._live for sid in self._recent):
             fail("a live session is also in the dropped table")
-        if any(sid in self._live or sid in self._recent for sid in self._warm):
-            fail("a warm session is also hot or in the dropped table")
+        if any(sid in self._live or sid in self._recent or sid in self._disk for sid in self._warm):
+            fail("a warm session is also hot, on disk or in the dropped table")
+        if any(sid in self._live or sid in self._recent for sid in self._disk):
+            fail("a disk session is also hot or in the dropped table")
         if sum(w.nbytes for w in self._warm.values()) != self._warm_held or self._warm_held > self.warm_bytes:
             fail("warm bytes held disagree with the entries or exceed warm_bytes")
-        warm_times = [w.last_used for w in self._warm.values()]
-        if warm_times != sorted(warm_times):
-            fail("warm LRU order disagrees with last_used")
+        if sum(w.nbytes for w in self._disk.values()) != self._disk_held or self._disk_held > self.warm_disk_bytes:
+            fail("disk bytes held disagree with the entries or exceed warm_disk_bytes")
+        for tier in (self._warm, self._disk):
+            times = [w.last_used for w in tier.values()]
+            if times != sorted(times):
+                fail("warm LRU order disagrees with last_used")
         c = self._counters
-        if c["spills"] != c["restores"] + c["warm_drops"] + len(self._warm):
-            fail("spills != restores + warm drops + warm sessions")
+        if c["spills"] != c["restores"] + c["warm_drops"] + len(self._warm) + len(self._disk):
+            fail("spills != restores + warm drops + warm and disk sessions")

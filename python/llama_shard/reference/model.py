@@ -74,6 +74,7 @@ class ReferenceModel:
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
+        self.path: Path | None = None  # the GGUF file, when read from one
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ReferenceModel":
@@ -116,7 +117,9 @@ class ReferenceModel:
                 wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"), ffn_norm=get(p + "ffn_norm.weight"),
                 w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight")))
         output = get("output.weight") if "output.weight" in tensors else tok_embd
-        return cls(hp, tok_embd, layers, get("output_norm.weight"), output)
+        model = cls(hp, tok_embd, layers, get("output_norm.weight"), output)
+        model.path = path
+        return model
 
     # --- building blocks ---------------------------------------------------------------------
 
