@@ -36,6 +36,14 @@ const char * shard_miss_reason_name(shard_miss_reason reason) {
 
 static std::string str(int64_t v) { return std::to_string(v); }
 
+static hot_kv_result superseded_result(int64_t epoch) {
+    hot_kv_result res;
+    res.status = SHARD_STATUS_CACHE_MISS;
+    res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
+    res.detail = "epoch " + std::to_string(epoch) + " supersedes the cached epoch, whose state was dropped";
+    return res;
+}
+
 // pins a warm session (spills must not move it out) for a scope, whatever happens in it
 struct pin_guard {
     const std::string *& slot;
@@ -593,9 +601,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
         // a newer epoch: the route moved; the older state is dropped, and the newer epoch is what
         // later requests are judged against (older ones are stale, this one re-prefills)
         drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
-        res.status = SHARD_STATUS_CACHE_MISS;
-        res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
-        res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";
+        res = superseded_result(epoch);
         return nullptr;
     }
     auto wit = warm_.find(sid);
@@ -613,10 +619,8 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
             res = stale_result(epoch, w.epoch, "current");
             return nullptr;
         }
-        drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
-        res.status = SHARD_STATUS_CACHE_MISS;
-        res.miss   = SHARD_MISS_SUPERSEDED_EPOCH;
-        res.detail = "epoch " + str(epoch) + " supersedes the cached epoch, whose state was dropped";
+        drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);  // as for a hot session
+        res = superseded_result(epoch);
         return nullptr;
     }
     auto rit = recent_.find(sid);
