@@ -122,14 +122,16 @@ void admission_and_eviction(const std::string & path) {
     std::vector<int32_t> eight(8, 9);
     CHECK(h.prefill("a", 0, eight).seq_len == 10);
     CHECK(h.is_miss(h.engine.resolve("c", 0, h.now), SHARD_MISS_EVICTED_LRU));
-    // alone too big: refused, nothing changes
-    const hot_kv_stats before = h.engine.stats();
     std::vector<int32_t> big(16, 1);
     CHECK(h.prefill("d", 0, big).status == SHARD_STATUS_OK);  // 16 fits context 16 and budget (evicts a)
     CHECK(h.is_miss(h.engine.resolve("a", 0, h.now), SHARD_MISS_EVICTED_LRU));
+    // alone too big: refused, and nothing changes
+    const hot_kv_stats before = h.engine.stats();
     CHECK(h.decode("d", 0, 1).status == SHARD_STATUS_BUDGET_EXCEEDED);  // 17 > context_tokens
+    const hot_kv_stats after = h.engine.stats();
+    CHECK(after.reserved_tokens == before.reserved_tokens && after.live_sessions == before.live_sessions);
+    CHECK(after.evictions_lru == before.evictions_lru && after.steps == before.steps);
     CHECK(h.engine.resolve("d", 0, h.now).seq_len == 16);
-    (void) before;
     // TTL
     h.now = 100;
     CHECK(h.is_miss(h.decode("d", 0, 1), SHARD_MISS_EVICTED_TTL));

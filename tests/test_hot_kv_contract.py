@@ -109,6 +109,21 @@ def test_manager_allocates_kv_only_for_owned_layers(make_shard):
     assert session.bytes_per_token == 2 * 2 * 2 * 16 * 2  # two layers, K and V, 2 heads x 16, f16
     if make_shard.engine == "reference":
         assert set(manager.engine.session_kv("sess-mid").layers) == {2, 3}
+        return
+
+    # measured, not derived: the KV llama.cpp holds for a 200-token session, serialized by the warm
+    # tier, on the 2-layer shard and on the whole 6-layer model
+    def held(model) -> int:
+        m = manager_for(model, max_sessions=1, context_tokens=256, warm_bytes=1 << 20)
+        ad = KvBoundaryAdapter(model, m)
+        rows = np.random.default_rng(0).standard_normal((200, model.info.n_embd)).astype(np.float32)
+        feed = (lambda n: {"token_ids": [1] * n}) if model.info.is_head else (lambda n: {"boundary": rows[:n]})
+        ad.prefill("a", 0, **feed(200))
+        ad.prefill("b", 0, **feed(1))  # "a" spills: warm_bytes is its serialized KV
+        return m.stats()["warm_bytes"]
+
+    two, six = held(shard), held(make_shard())
+    assert 0.30 < two / six < 0.37, (two, six)  # 2 of 6 layers, plus per-cell and page overhead
 
 
 def test_prefill_then_decode_append_grows_owned_layers(make_shard):

@@ -10,21 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import InvalidInputError
-from .hot_kv import CacheMiss, CacheMissReason
 from .proto import shard_pb2 as pb
 
 _NP_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_FLOAT16: np.dtype("<f2")}
-
-OUTCOME_BY_NAME = {
-    "OK": pb.OUTCOME_OK,
-    "CACHE_MISS": pb.OUTCOME_CACHE_MISS,
-    "STALE_EPOCH": pb.OUTCOME_STALE_EPOCH,
-    "INCOMPATIBLE_RECIPE": pb.OUTCOME_INCOMPATIBLE_RECIPE,
-    "BUDGET_EXCEEDED": pb.OUTCOME_BUDGET_EXCEEDED,
-    "INVALID_ARGUMENT": pb.OUTCOME_INVALID_ARGUMENT,
-    "INTERNAL": pb.OUTCOME_INTERNAL,
-}
-
 
 def encode_tensor(array: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Tensor:
     if dtype not in _NP_DTYPE:
@@ -54,8 +42,3 @@ def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise InvalidInputError("hidden contains a non-finite value")
     return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def miss_from_reply(session_id: str, epoch: int, reply) -> CacheMiss:
-    return CacheMiss(session_id=session_id, route_epoch=epoch, reason=CacheMissReason[reply.miss_reason],
-                     detail=reply.detail)
