@@ -470,3 +470,54 @@ def test_recently_dropped_keys_are_bounded(make_shard):
         manager.open(f"flood-{i}", 0)
     assert manager.stats()["recent_keys"] <= 16
     manager.check_invariants()
+
+
+# --- contract edges, decided the same way by both engines --------------------------------------
+
+
+def test_resolve_is_a_query_even_at_a_newer_epoch(make_shard):
+    shard = make_shard()
+    manager = manager_for(shard)
+    KvBoundaryAdapter(shard, manager).prefill("s", 1, token_ids=[1, 2, 3])
+    miss = manager.resolve("s", 2)
+    assert isinstance(miss, CacheMiss) and miss.reason == CacheMissReason.UNKNOWN_SESSION
+    assert manager.resolve("s", 1).seq_len == 3  # the cached epoch is untouched
+    assert manager.stats()["supersessions"] == 0
+
+
+def test_release_at_a_newer_epoch_supersedes_and_releases(make_shard):
+    shard = make_shard()
+    manager = manager_for(shard)
+    adapter = KvBoundaryAdapter(shard, manager)
+    adapter.prefill("s", 1, token_ids=[1, 2, 3])
+    assert manager.release("s", 2) is True
+    with pytest.raises(StaleRouteEpochError):
+        manager.resolve("s", 1)
+    assert manager.resolve("s", 2).reason == CacheMissReason.RELEASED
+    assert manager.stats()["supersessions"] == 1 and manager.reserved_tokens == 0
+    # a session only remembered: a newer release moves the fence
+    adapter.prefill("t", 1, token_ids=[1])
+    manager.release("t", 1)
+    assert manager.release("t", 5) is False
+    with pytest.raises(StaleRouteEpochError):
+        manager.resolve("t", 4)
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("others, fenced", [(3, True), (5, False)])
+def test_stale_epoch_fencing_lasts_for_recent_capacity_dropped_keys(make_shard, others, fenced):
+    """The table of dropped keys is bounded (recent_capacity, 4 here): an old epoch of a session in
+    no tier is refused as stale until that many later keys were dropped, then it is an
+    UNKNOWN_SESSION miss (still a miss: the head re-prefills)."""
+    shard = make_shard()
+    manager = HotKvStateManager(shard, HotKvStateConfig(max_sessions=2), ManualClock(), recent_capacity=4)
+    manager.open("a", 3)
+    manager.release("a", 3)
+    for i in range(others):
+        manager.open(f"other-{i}", 0)
+        manager.release(f"other-{i}", 0)
+    if fenced:
+        with pytest.raises(StaleRouteEpochError):
+            manager.resolve("a", 1)
+    else:
+        assert manager.resolve("a", 1).reason == CacheMissReason.UNKNOWN_SESSION

@@ -135,6 +135,16 @@ class LockstepMachine(RuleBasedStateMachine):
         self.epochs[sid] += 1
         self.both(lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[7] * n, start_pos=0))
 
+    @rule(sid=sid, op=st.sampled_from(["resolve", "release"]))
+    def newer_epoch_query_or_release(self, sid, op):
+        """resolve at a newer epoch changes nothing; release at a newer epoch supersedes and releases."""
+        newer = self.epochs[sid] + 1
+        if op == "resolve":
+            self.both(lambda m, ad: m.resolve(sid, newer))
+        else:
+            self.epochs[sid] = newer
+            self.both(lambda m, ad: m.release(sid, newer))
+
     @rule(sid=sid, op=st.sampled_from(["decode", "prefill", "release", "truncate", "open"]))
     def stale_epoch(self, sid, op):
         e = self.epochs[sid] - 1

@@ -44,6 +44,17 @@ static hot_kv_result superseded_result(int64_t epoch) {
     return res;
 }
 
+// a query (resolve) at an epoch newer than the cached one: nothing is cached for it, and nothing
+// changes (a step at that epoch would supersede the cached state)
+static hot_kv_result newer_than_cached_result(int64_t epoch, int64_t cached) {
+    hot_kv_result res;
+    res.status = SHARD_STATUS_CACHE_MISS;
+    res.miss   = SHARD_MISS_UNKNOWN_SESSION;
+    res.detail = "nothing is cached for epoch " + std::to_string(epoch) + " (the cached epoch is " +
+                 std::to_string(cached) + "; a step at this epoch supersedes it)";
+    return res;
+}
+
 // pins a warm session (spills must not move it out) for a scope, whatever happens in it
 struct pin_guard {
     const std::string *& slot;
@@ -536,8 +547,9 @@ int32_t hot_kv_engine::take_free_id_locked() {
     return take(std::prev(free_ids_.end()));  // the lowest
 }
 
-hot_kv_engine::session * hot_kv_engine::identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res) {
-    session * s = identify_locked(sid, epoch, res);
+hot_kv_engine::session * hot_kv_engine::identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res,
+                                                                bool query) {
+    session * s = identify_locked(sid, epoch, res, nullptr, query);
     if (s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
         counters_.misses[res.miss]++;
     }
@@ -586,7 +598,7 @@ hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string d
 }
 
 hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res,
-                                                        warm_entry ** warm) {
+                                                        warm_entry ** warm, bool query) {
     res = hot_kv_result{};
     auto it = live_.find(sid);
     if (it != live_.end()) {
@@ -596,6 +608,10 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
         }
         if (epoch < s.epoch) {
             res = stale_result(epoch, s.epoch, "current");
+            return nullptr;
+        }
+        if (query) {
+            res = newer_than_cached_result(epoch, s.epoch);
             return nullptr;
         }
         // a newer epoch: the route moved; the older state is dropped, and the newer epoch is what
@@ -617,6 +633,10 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
         }
         if (epoch < w.epoch) {
             res = stale_result(epoch, w.epoch, "current");
+            return nullptr;
+        }
+        if (query) {
+            res = newer_than_cached_result(epoch, w.epoch);
             return nullptr;
         }
         drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);  // as for a hot session
@@ -951,8 +971,11 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
         }
         if (epoch == it->second.epoch) {
             drop_locked(sid, SHARD_MISS_RELEASED);
-            res.changed = true;
+        } else {  // a newer epoch supersedes the cached one, which is released with it
+            drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
+            remember_locked(sid, epoch, SHARD_MISS_RELEASED);
         }
+        res.changed = true;
         return res;
     }
     auto wit = warm_.find(sid);
@@ -962,13 +985,21 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
         }
         if (epoch == wit->second.epoch) {
             drop_warm_locked(sid, SHARD_MISS_RELEASED);
-            res.changed = true;
+        } else {
+            drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
+            remember_locked(sid, epoch, SHARD_MISS_RELEASED);
         }
+        res.changed = true;
         return res;
     }
     auto rit = recent_.find(sid);
-    if (rit != recent_.end() && epoch < rit->second.epoch) {
-        return stale_result(epoch, rit->second.epoch, "last");
+    if (rit != recent_.end()) {
+        if (epoch < rit->second.epoch) {
+            return stale_result(epoch, rit->second.epoch, "last");
+        }
+        if (epoch > rit->second.epoch) {  // the route moved on: older epochs are stale from now on
+            remember_locked(sid, epoch, SHARD_MISS_RELEASED);
+        }
     }
     return res;  // releasing what is not cached is a no-op
 }
@@ -977,7 +1008,8 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
     std::lock_guard<fair_mutex> lock(mutex_);
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_counted_locked(sid, epoch, res);  // a warm session is reported where it is
+    // a query: a warm session is reported where it is, a newer epoch supersedes nothing
+    session * s = identify_counted_locked(sid, epoch, res, /*query*/ true);
     if (s == nullptr) {
         return res;
     }

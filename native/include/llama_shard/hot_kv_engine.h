@@ -10,7 +10,9 @@
 //    reserved_tokens, the sum of the lengths, equals the cells the context holds;
 //  - reserved_tokens <= budget_tokens, and every length <= context_tokens <= the cells of the
 //    session's own KV stream, so llama_decode never lacks a KV slot once admission said yes;
-//  - the table of recently dropped keys holds at most recent_capacity entries;
+//  - the table of recently dropped keys holds at most recent_capacity entries: stale-epoch fencing
+//    of a session that is in no tier lasts until recent_capacity later keys were dropped (then an
+//    old epoch gets UNKNOWN_SESSION, still a miss: the head re-prefills);
 //  - free ids are kept in descending order. With one KV stream per sequence, llama.cpp computes
 //    sequences in one ubatch only when their ids are consecutive (shard_context::forward_batch
 //    orders a step by id), so ids are placed to keep a micro-batch contiguous: a session created
@@ -255,10 +257,12 @@ public:
     // drops positions >= length; length must be in [0, seq_len]
     hot_kv_result truncate(const std::string & sid, int64_t epoch, int32_t length, double now);
 
-    // releases exactly (sid, epoch); an older epoch is stale and releases nothing
+    // releases (sid, epoch); an older epoch is stale and releases nothing; a newer epoch supersedes
+    // the cached state and releases it (changed = true), and older epochs are stale from then on
     hot_kv_result release(const std::string & sid, int64_t epoch, double now);
 
-    // the session's length, or the miss a step would get
+    // a query: the session's length and tier, or the miss a step would get; it moves and drops
+    // nothing (an epoch newer than the cached one is an UNKNOWN_SESSION miss, the cached state stays)
     hot_kv_result resolve(const std::string & sid, int64_t epoch, double now);
 
     // evicts every session idle longer than ttl_seconds; returns how many
@@ -345,12 +349,14 @@ private:
     // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
     // A warm session of that exact key: null, res OK and *warm set. A newer epoch than the live or
     // warm one drops that state (supersession).
-    session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res, warm_entry ** warm = nullptr);
+    // query: a newer epoch supersedes nothing (resolve), it is an UNKNOWN_SESSION miss
+    session * identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res, warm_entry ** warm = nullptr,
+                              bool query = false);
     // identify_locked, then a warm session is restored (room made by evicting anyone but sid)
     session * restore_alone_locked(const std::string & sid, int32_t seq_len, double now, hot_kv_result & res);
     session * identify_hot_locked(const std::string & sid, int64_t epoch, double now, hot_kv_result & res, bool count_miss);
     // identify_locked for a request answered at once (truncate, resolve): a miss it returns is counted
-    session * identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res);
+    session * identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res, bool query = false);
     hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
 
     // a request that passed identity and admission, waiting for compute

@@ -431,13 +431,21 @@ class ReferenceHotKvEngine:
         self._misses[reason] += 1
         return StepResult(status=CACHE_MISS, miss=reason, detail=detail)
 
-    def _identify(self, sid: str, epoch: int) -> tuple[_Session | None, StepResult]:
+    @staticmethod
+    def _newer_than_cached(epoch: int, cached: int) -> StepResult:
+        return StepResult(status=CACHE_MISS, miss=MissReason.UNKNOWN_SESSION,
+                          detail=f"nothing is cached for epoch {epoch} (the cached epoch is {cached}; a step at this "
+                                 f"epoch supersedes it)")
+
+    def _identify(self, sid: str, epoch: int, query: bool = False) -> tuple[_Session | None, StepResult]:
         s = self._live.get(sid)
         if s is not None:
             if epoch == s.epoch:
                 return s, StepResult()
             if epoch < s.epoch:
                 return None, _stale(epoch, s.epoch, "current")
+            if query:
+                return None, self._newer_than_cached(epoch, s.epoch)
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
@@ -447,6 +455,8 @@ class ReferenceHotKvEngine:
                 return None, StepResult(seq_len=w.seq_len, tier=tier)
             if epoch < w.epoch:
                 return None, _stale(epoch, w.epoch, "current")
+            if query:
+                return None, self._newer_than_cached(epoch, w.epoch)
             self._drop_warm(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
@@ -620,26 +630,33 @@ class ReferenceHotKvEngine:
                 return _stale(epoch, s.epoch, "current")
             if epoch == s.epoch:
                 self._drop(session_id, MissReason.RELEASED)
-                return StepResult(changed=True)
-            return StepResult()
+            else:  # a newer epoch supersedes the cached one, which is released with it
+                self._drop(session_id, MissReason.SUPERSEDED_EPOCH, epoch)
+                self._remember(session_id, epoch, MissReason.RELEASED)
+            return StepResult(changed=True)
         w, _ = self._cached(session_id)
         if w is not None:
             if epoch < w.epoch:
                 return _stale(epoch, w.epoch, "current")
             if epoch == w.epoch:
                 self._drop_warm(session_id, MissReason.RELEASED)
-                return StepResult(changed=True)
-            return StepResult()
+            else:
+                self._drop_warm(session_id, MissReason.SUPERSEDED_EPOCH, epoch)
+                self._remember(session_id, epoch, MissReason.RELEASED)
+            return StepResult(changed=True)
         d = self._recent.get(session_id)
-        if d is not None and epoch < d.epoch:
-            return _stale(epoch, d.epoch, "last")
+        if d is not None:
+            if epoch < d.epoch:
+                return _stale(epoch, d.epoch, "last")
+            if epoch > d.epoch:  # the route moved on: older epochs are stale from now on
+                self._remember(session_id, epoch, MissReason.RELEASED)
         return StepResult()
 
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
-        s, res = self._identify(session_id, epoch)
+        s, res = self._identify(session_id, epoch, query=True)
         if s is None:
-            return self._counted(res)  # a warm session is reported where it is
+            return self._counted(res)  # a warm session is reported where it is; a newer epoch supersedes nothing
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
     def sweep(self, now: float) -> int:
