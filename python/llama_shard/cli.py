@@ -233,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        threads=args.threads, n_batch=args.batch,
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
-                                       prefill_chunk=args.prefill_chunk, peers=tuple(args.peer)))
+                                       prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
+                                       sweep_s=args.sweep_seconds))
     worker.start()
     return worker.serve_until_signal()
 
@@ -284,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--budget-tokens", type=int, default=None,
                     help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
     sv.add_argument("--ttl", type=float, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
+    sv.add_argument("--sweep-seconds", type=float, default=10.0,
+                    help="how often idle sessions are checked against --ttl and --warm-ttl (0: only when requests arrive)")
     sv.add_argument("--warm-memory", metavar="SIZE", default=None,
                     help="host memory for evicted sessions' KV (default: MESHNET_HOT_KV_WARM_BYTES or 0, off)")
     sv.add_argument("--warm-dir", metavar="PATH", default=None,

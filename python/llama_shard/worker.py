@@ -55,6 +55,7 @@ class WorkerOptions:
     max_message_bytes: int = 64 * 2**20
     grace_s: float = 5.0
     peers: tuple[str, ...] = ()            # workers chained steps may be forwarded to (host:port)
+    sweep_s: float = 10.0                  # how often idle sessions are checked against the TTLs (0: only on requests)
 
 
 class _EngineCollector:
@@ -403,7 +404,14 @@ class ShardWorker:
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if self.options.sweep_s > 0:
+            # TTLs apply on a quiet worker too: idle sessions move warm (or go) without a request
+            threading.Thread(target=self._sweep_until_stopped, name="shard-ttl-sweep", daemon=True).start()
         return self
+
+    def _sweep_until_stopped(self) -> None:
+        while not self._stopped.wait(self.options.sweep_s):
+            self.manager.sweep()
 
     def stop(self) -> dict:
         """Stops accepting, finishes in-flight steps, then writes every session to the disk tier

@@ -14,7 +14,9 @@ import bisect
 import collections
 import copy
 import dataclasses
+import functools
 import os
+import threading
 import time
 
 import numpy as np
@@ -43,6 +45,16 @@ class StepResult:
     changed: bool = False
     tier: Tier = Tier.NONE
     detail: str = ""
+
+
+def _serialised(method):
+    """Runs the method under the engine's lock: like the native engine, the reference serialises
+    every call itself, so the manager and the step loop may call it from any thread."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def _stale(epoch: int, current: int, which: str) -> StepResult:
@@ -92,6 +104,7 @@ class ReferenceHotKvEngine:
             raise InvalidInputError("the numpy reference computes an f16 cache only")
         if warm_bytes < 0:
             raise InvalidInputError("warm_bytes must be >= 0")
+        self._lock = threading.RLock()
         self.warm_bytes = warm_bytes
         self.warm_ttl_seconds = warm_ttl_seconds
         self._warm: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
@@ -483,6 +496,7 @@ class ReferenceHotKvEngine:
             return None, self._miss(MissReason.EVICTED_LRU, "the session's warm copy does not fit this shard's budget")
         return self._restore(sid, now), StepResult()
 
+    @_serialised
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
@@ -496,6 +510,7 @@ class ReferenceHotKvEngine:
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
+    @_serialised
     def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
         """A batched step with the native engine's rules (see hot_kv_engine.h, step()); each
         request is a llama_shard.Step of at most n_batch tokens (a chunk, for a long prefill)."""
@@ -601,6 +616,7 @@ class ReferenceHotKvEngine:
         plan.append((index, s, start, sid))
         return None
 
+    @_serialised
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
         if length < 0:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
@@ -622,6 +638,7 @@ class ReferenceHotKvEngine:
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
+    @_serialised
     def release(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
         s = self._live.get(session_id)
@@ -652,6 +669,7 @@ class ReferenceHotKvEngine:
                 self._remember(session_id, epoch, MissReason.RELEASED)
         return StepResult()
 
+    @_serialised
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch, query=True)
@@ -659,9 +677,11 @@ class ReferenceHotKvEngine:
             return self._counted(res)  # a warm session is reported where it is; a newer epoch supersedes nothing
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
+    @_serialised
     def sweep(self, now: float) -> int:
         return self._sweep(self._tick(now))
 
+    @_serialised
     def persist(self, now: float) -> int:
         """As the native persist: with a disk tier, every hot and host-warm session goes to disk;
         without one, every session is released."""
@@ -688,6 +708,7 @@ class ReferenceHotKvEngine:
 
     # --- introspection ---------------------------------------------------------------------------
 
+    @_serialised
     def stats(self) -> dict:
         bpt = self.shard.info.kv_bytes_per_token
         return {
@@ -710,15 +731,18 @@ class ReferenceHotKvEngine:
             "disk_loaded": 0, "disk_failures": 0,  # no files: nothing to load, nothing to fail
         }
 
+    @_serialised
     def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
         return ([(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, "hot") for sid, s in self._live.items()]
                 + [(sid, w.epoch, -1, w.seq_len, w.last_used, "warm") for sid, w in self._warm.items()]
                 + [(sid, w.epoch, -1, w.seq_len, w.last_used, "disk") for sid, w in self._disk.items()])
 
+    @_serialised
     def session_kv(self, session_id: str) -> SequenceKv:
         """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
         return self._live[session_id].kv
 
+    @_serialised
     def check_invariants(self) -> None:
         def fail(what: str):
             raise AssertionError(f"reference engine invariant violated: {what}")
