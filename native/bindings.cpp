@@ -245,7 +245,7 @@ PYBIND11_MODULE(_native, m) {
                  params.path      = path;
                  params.layers    = layers;
                  params.n_threads = n_threads.value_or(0);
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // loading reads the whole file; no Python object is touched
                  return std::make_unique<shard_model>(params);
              }),
              py::arg("path"), py::arg("layers") = py::none(), py::arg("n_threads") = py::none())
@@ -258,12 +258,12 @@ PYBIND11_MODULE(_native, m) {
                                        bool add_assistant) { return self.apply_chat_template(messages, add_assistant); },
              py::arg("messages"), py::arg("add_assistant") = true)
         .def("tokenize", [](const shard_model & self, const std::string & text) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // tokenizing a long text; only C++ strings are touched
                  return self.tokenize(text);
              }, py::arg("text"))
         .def("detokenize", [](const shard_model & self, const py::object & ids) {
                  std::vector<int32_t> tokens = tokens_from_python(ids, self.info().n_vocab);
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // the ids were copied above
                  return self.detokenize(tokens);
              }, py::arg("ids"));
 
@@ -276,7 +276,7 @@ PYBIND11_MODULE(_native, m) {
                  params.n_seq_max = n_seq_max;
                  params.n_batch   = n_batch;
                  params.n_threads = n_threads.value_or(0);
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // allocating the KV cache; only C++ objects are touched
                  return std::make_unique<shard_context>(model, params);
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_seq_max") = 4, py::arg("n_batch") = 512,
@@ -288,7 +288,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_ctx_seq", &shard_context::n_ctx_seq)
         .def_property_readonly("kv_unified", &shard_context::kv_unified)
         .def_property_readonly("n_cells_used", [](const shard_context & self) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
                  return self.n_cells_used();
              })
         .def("forward", [](shard_context & self, int32_t seq_id, int32_t pos, const py::object & tokens, const py::object & hidden) {
@@ -300,7 +300,7 @@ PYBIND11_MODULE(_native, m) {
                  py::array_t<float> out = output_array(info, p.input.n_tokens);
                  float * dst = out.mutable_data();
                  {
-                     py::gil_scoped_release release;
+                     py::gil_scoped_release release;  // inputs were copied or pinned above; the output array is owned by this frame
                      self.forward(seq_id, pos, p.input, dst);
                  }
                  return out;
@@ -324,18 +324,21 @@ PYBIND11_MODULE(_native, m) {
                      outs.append(out);
                  }
                  {
-                     py::gil_scoped_release release;
+                     py::gil_scoped_release release;  // the batch holds copies and pinned buffers kept alive by this frame
                      self.forward_batch(batch);
                  }
                  return outs;
              }, py::arg("items"))
-        .def_property_readonly("n_decode_calls", &shard_context::n_decode_calls)
+        .def_property_readonly("n_decode_calls", [](const shard_context & self) {
+                 py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
+                 return self.n_decode_calls();
+             })
         .def("seq_rm", [](shard_context & self, int32_t seq_id, int32_t p0) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
                  return self.seq_rm(seq_id, p0);
              }, py::arg("seq_id"), py::arg("p0"))
         .def("seq_pos_max", [](const shard_context & self, int32_t seq_id) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
                  return self.seq_pos_max(seq_id);
              }, py::arg("seq_id"));
 
@@ -461,7 +464,7 @@ PYBIND11_MODULE(_native, m) {
                  cfg.warm_dir         = warm_dir;
                  cfg.warm_disk_bytes  = warm_disk_bytes;
                  cfg.recipe_fingerprint = recipe_fingerprint;
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
                  return std::make_unique<hot_kv_engine>(model, cfg);
              }),
              py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
@@ -472,20 +475,23 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
         .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  return e.open(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
-        .def_property_readonly("n_decode_calls", &hot_kv_engine::n_decode_calls)
+        .def_property_readonly("n_decode_calls", [](const hot_kv_engine & e) {
+                 py::gil_scoped_release release;  // waits for the context mutex, held for a whole step
+                 return e.n_decode_calls();
+             })
         .def("truncate", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t length, double now) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock; may restore a warm session
                  return e.truncate(sid, epoch, length, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("length"), py::arg("now"))
         .def("release", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  return e.release(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
         .def("resolve", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  return e.resolve(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
         .def("persist", [](hot_kv_engine & e, double now) {
@@ -493,11 +499,11 @@ PYBIND11_MODULE(_native, m) {
                  return e.persist(now);
              }, py::arg("now"), "Writes every hot and warm session to the disk tier; returns the sessions on disk")
         .def("sweep", [](hot_kv_engine & e, double now) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  return e.sweep(now);
              }, py::arg("now"))
         .def("check_invariants", [](const hot_kv_engine & e) {
-                 py::gil_scoped_release release;
+                 py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  e.check_invariants();
              })
         .def("sessions", [](const hot_kv_engine & e) {
@@ -516,7 +522,7 @@ PYBIND11_MODULE(_native, m) {
         .def("stats", [](const hot_kv_engine & e) {
                  hot_kv_stats st;
                  {
-                     py::gil_scoped_release release;  // the engine mutex can be held for a whole step
+                     py::gil_scoped_release release;  // a short lock of its own (a published snapshot)
                      st = e.stats();
                  }
                  py::dict misses;

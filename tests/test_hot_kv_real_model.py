@@ -15,6 +15,7 @@ from llama_shard import (
     HotKvStateManager,
     KvBoundaryAdapter,
     ShardModel,
+    Step,
     TailOutput,
 )
 
@@ -159,3 +160,25 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
     reserved = sum(n for _, _, _, n, *_ in route.head_mgr.engine.sessions())
     assert route.head_mgr.reserved_tokens == reserved
     assert route.head_mgr.stats()["releases"] == 1
+
+
+def test_stats_and_other_threads_run_while_a_long_step_computes(embedded_model):
+    """A 2,048-token prefill is one engine step of seconds here. Meanwhile stats() (what a metrics
+    scrape and Info read) answers from its snapshot at once, and other Python threads keep running
+    (the step holds no GIL)."""
+    model = ShardModel(str(embedded_model), None, 2)
+    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=2048), n_batch=2048)
+    ticket, = manager.submit([Step.prefill("long", 0, [1] * 2048)])
+    time.sleep(0.3)  # the step has started
+    ticks = []
+    ticker = threading.Thread(target=lambda: [ticks.append(time.perf_counter()) or time.sleep(0.01) for _ in range(20)])
+    ticker.start()
+    t0 = time.perf_counter()
+    st = manager.stats()
+    waited = time.perf_counter() - t0
+    ticker.join()
+    assert not ticket.done(), "the step ended too soon to show anything; use a longer prompt"
+    assert waited < 0.05, waited
+    assert st["live_sessions"] <= 1 and len(ticks) == 20
+    ticket.wait()
+    assert ticket.result.seq_len == 2048 and manager.stats()["tokens_computed"] == 2048

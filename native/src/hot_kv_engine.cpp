@@ -142,6 +142,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (!config.warm_dir.empty()) {
         load_disk_tier();
     }
+    publish_locked();
 }
 
 // a restarted worker: the valid files of its directory become disk-tier sessions, oldest first
@@ -167,6 +168,7 @@ void hot_kv_engine::load_disk_tier() {
         drop_warm_locked(std::string(disk_lru_.front()), SHARD_MISS_EVICTED_LRU);
     }
     disk_times_pending_ = !disk_lru_.empty();
+    publish_locked();
 }
 
 uint64_t hot_kv_engine::warm_entry::bytes() const {
@@ -668,6 +670,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
 
 hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     session * s = identify_hot_locked(sid, epoch, now, res, /*count_miss*/ false);
@@ -702,12 +705,14 @@ static hot_kv_request single_request(const std::string & sid, int64_t epoch, hot
 hot_kv_result hot_kv_engine::prefill(const std::string & sid, int64_t epoch, int32_t start_pos, const shard_input & input,
                                      float * out, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     return single_locked(single_request(sid, epoch, HOT_KV_STEP_PREFILL, start_pos, input, out), now);
 }
 
 hot_kv_result hot_kv_engine::decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                                     float * out, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     return single_locked(single_request(sid, epoch, HOT_KV_STEP_DECODE, expected_seq_len, input, out), now);
 }
 
@@ -725,6 +730,7 @@ hot_kv_result hot_kv_engine::single_locked(const hot_kv_request & req, double no
 
 std::vector<hot_kv_result> hot_kv_engine::step(const std::vector<hot_kv_request> & requests, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     return step_locked(requests, now);
 }
 
@@ -924,6 +930,7 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
 
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     if (length < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "truncate length must be >= 0, got " + str(length));
     }
@@ -962,6 +969,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
 
 hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     auto it = live_.find(sid);
@@ -1006,6 +1014,7 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
 
 hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     // a query: a warm session is reported where it is, a newer epoch supersedes nothing
@@ -1021,6 +1030,7 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
 
 int32_t hot_kv_engine::persist(double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     tick_locked(now);
     if (!disk_) {  // nothing outlives the process: everything is released
         while (!lru_.empty()) {
@@ -1045,6 +1055,7 @@ int32_t hot_kv_engine::persist(double now) {
 
 int32_t hot_kv_engine::sweep(double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
     return sweep_locked(tick_locked(now));
 }
 
@@ -1052,8 +1063,7 @@ int32_t hot_kv_engine::sweep(double now) {
 // introspection
 // ---------------------------------------------------------------------------------------------
 
-hot_kv_stats hot_kv_engine::stats() const {
-    std::lock_guard<fair_mutex> lock(mutex_);
+void hot_kv_engine::publish_locked() const {
     hot_kv_stats st = counters_;
     st.live_sessions   = (int32_t) live_.size();
     st.reserved_tokens = reserved_;
@@ -1063,7 +1073,13 @@ hot_kv_stats hot_kv_engine::stats() const {
     st.warm_bytes      = warm_held_;
     st.disk_sessions   = (int32_t) disk_lru_.size();
     st.disk_bytes      = disk_held_;
-    return st;
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    published_ = st;
+}
+
+hot_kv_stats hot_kv_engine::stats() const {
+    std::lock_guard<std::mutex> lock(stats_mutex_);  // never the engine lock: a step in progress does not delay it
+    return published_;
 }
 
 std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {

@@ -272,7 +272,9 @@ public:
     // (a restarted worker on the same directory resumes them); returns the sessions on disk
     int32_t persist(double now);
 
+    // the counters as of the last call that finished: never waits for a step in progress
     hot_kv_stats stats() const;
+    // hot sessions least recently used first, then warm and disk ones; waits for a step in progress
     std::vector<hot_kv_session_info> sessions() const;
 
     // throws std::logic_error naming the first violated invariant
@@ -302,6 +304,14 @@ private:
         bool                 on_disk    = false;
         uint64_t             file_bytes = 0;
         uint64_t bytes() const;      // what its tier charges: state pages + key in memory, the file on disk
+    };
+
+    // stats() reads a snapshot published at the end of every call that holds the engine lock
+    void publish_locked() const;
+    struct publisher {
+        const hot_kv_engine & engine;
+        explicit publisher(const hot_kv_engine & e) : engine(e) {}
+        ~publisher() { engine.publish_locked(); }  // declared after the lock guard: runs before it unlocks
     };
 
     // --- helpers; all run with mutex_ held ---
@@ -380,6 +390,8 @@ private:
     std::unique_ptr<shard_context> ctx_;
 
     mutable fair_mutex mutex_;
+    mutable std::mutex   stats_mutex_;  // guards published_ only; taken with or without mutex_
+    mutable hot_kv_stats published_{};
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
