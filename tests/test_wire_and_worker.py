@@ -72,7 +72,10 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        return self.proc.returncode, self.proc.stderr.read()
+        if self.proc.stderr.closed:
+            return self.proc.returncode, ""
+        with self.proc.stderr:
+            return self.proc.returncode, self.proc.stderr.read()
 
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fib(n):", "The three primary colors are",
