@@ -27,3 +27,4 @@ def test_pin_names_package_version_hash_and_upstream_commit():
     pin = json.loads((REPO / "third_party" / "llama-cpp-pin.json").read_text())
     assert pin["package"] == "llama-cpp-python" and pin["version"] == "0.3.36"
     assert len(pin["sha256"]) == 64 and pin["upstream_commit"] == "0c1e57098"
+
