@@ -197,11 +197,55 @@ py::object ticket_output(const std::shared_ptr<step_ticket> & t, const py::objec
     return py::array_t<float>({(py::ssize_t) t->out.size() / cols, cols}, {cols * f, f}, t->out.data(), self);
 }
 
-} // namespace
 
-PYBIND11_MODULE(_native, m) {
-    m.doc() = "llama-shard native engine: a layer range of a GGUF model on a patched llama.cpp";
+// the engine's counters as a dict (the keys HotKvStateManager.stats() documents)
+py::dict stats_dict(const hot_kv_stats & st) {
+     py::dict misses;
+     for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
+         misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];
+     }
+     py::dict d;
+     d["live_sessions"] = st.live_sessions;
+     d["max_sessions"] = st.max_sessions;
+     d["reserved_tokens"] = st.reserved_tokens;
+     d["budget_tokens"] = st.budget_tokens;
+     d["context_tokens"] = st.context_tokens;
+     d["kv_bytes_per_token"] = st.kv_bytes_per_token;
+     d["reserved_bytes"] = st.reserved_bytes;
+     d["evictions_ttl"] = st.evictions_ttl;
+     d["evictions_lru"] = st.evictions_lru;
+     d["releases"] = st.releases;
+     d["supersessions"] = st.supersessions;
+     d["steps"] = st.steps;
+     d["tokens_computed"] = st.tokens_computed;
+     d["recent_keys"] = st.recent_keys;
+     d["misses"] = misses;
+     d["spills"] = st.spills;
+     d["restores"] = st.restores;
+     d["warm_drops"] = st.warm_drops;
+     d["warm_sessions"] = st.warm_sessions;
+     d["warm_bytes"] = st.warm_bytes;
+     d["warm_capacity"] = st.warm_capacity;
+     d["restore_seconds"] = st.restore_seconds;
+     py::list buckets;  // (upper bound, restores in that bucket); the last bound is +Inf
+     for (size_t i = 0; i < st.restore_buckets.size(); ++i) {
+         const double le = i < HOT_KV_RESTORE_BUCKETS.size() ? HOT_KV_RESTORE_BUCKETS[i]
+                                                              : std::numeric_limits<double>::infinity();
+         buckets.append(py::make_tuple(le, st.restore_buckets[i]));
+     }
+     d["restore_buckets"] = buckets;
+     d["disk_sessions"] = st.disk_sessions;
+     d["disk_bytes"] = st.disk_bytes;
+     d["disk_capacity"] = st.disk_capacity;
+     d["disk_spills"] = st.disk_spills;
+     d["disk_restores"] = st.disk_restores;
+     d["disk_loaded"] = st.disk_loaded;
+     d["disk_failures"] = st.disk_failures;
+     return d;
+}
 
+// shard_error -> the llama_shard.errors class its code names
+void register_errors(py::module_ & m) {
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) {
@@ -213,6 +257,10 @@ PYBIND11_MODULE(_native, m) {
         }
     });
 
+}
+
+// ModelInfo and ShardModel: a layer range of a GGUF model
+void register_model(py::module_ & m) {
     m.def("certified_architectures", [] { return std::vector<std::string>{"llama", "qwen2", "qwen3"}; },
           "Architectures whose graphs honour a shard range.");
 
@@ -267,6 +315,10 @@ PYBIND11_MODULE(_native, m) {
                  return self.detokenize(tokens);
              }, py::arg("ids"));
 
+}
+
+// ShardContext: one bounded llama_context over a shard
+void register_context(py::module_ & m) {
     py::class_<shard_context>(m, "ShardContext")
         .def(py::init([](const shard_model & model, int32_t n_ctx, int32_t n_seq_max, int32_t n_batch, std::optional<int32_t> n_threads,
                          bool kv_unified) {
@@ -342,6 +394,10 @@ PYBIND11_MODULE(_native, m) {
                  return self.seq_pos_max(seq_id);
              }, py::arg("seq_id"));
 
+}
+
+// the engine's enums and StepResult, shared by the native and reference engines
+void register_contract_types(py::module_ & m) {
     m.def("model_digest", &kv_file_store::model_digest, py::arg("path"),
           "The model identity the disk tier writes into its files: the file's size and a checksum of its first and last MiB");
 
@@ -387,6 +443,10 @@ PYBIND11_MODULE(_native, m) {
                    ", seq_len=" + std::to_string(r.seq_len) + ")";
         });
 
+}
+
+// StepTicket and StepLoop: continuous batching
+void register_step_loop(py::module_ & m) {
     py::class_<step_ticket, std::shared_ptr<step_ticket>>(m, "StepTicket",
         "A step queued on a StepLoop: wait() for it (the GIL is released), then read result and output")
         .def_readonly("session_id", &step_ticket::session_id)
@@ -445,28 +505,35 @@ PYBIND11_MODULE(_native, m) {
                  return d;
              });
 
+}
+
+// HotKvEngine: the Hot KV state of one shard
+std::unique_ptr<hot_kv_engine> make_engine(const shard_model & model, int32_t max_sessions, int32_t context_tokens,
+                                           int64_t budget_tokens, double ttl_seconds, int32_t n_batch,
+                                           std::optional<int32_t> n_threads, int32_t recent_capacity, int64_t warm_bytes,
+                                           double warm_ttl_seconds, const std::string & kv_type, const std::string & warm_dir,
+                                           int64_t warm_disk_bytes, const std::string & recipe_fingerprint) {
+    hot_kv_config cfg;
+    cfg.max_sessions       = max_sessions;
+    cfg.context_tokens     = context_tokens;
+    cfg.budget_tokens      = budget_tokens;
+    cfg.ttl_seconds        = ttl_seconds;
+    cfg.n_batch            = n_batch;
+    cfg.n_threads          = n_threads.value_or(0);
+    cfg.recent_capacity    = recent_capacity;
+    cfg.warm_bytes         = warm_bytes;
+    cfg.warm_ttl_seconds   = warm_ttl_seconds;
+    cfg.kv_type            = kv_type;
+    cfg.warm_dir           = warm_dir;
+    cfg.warm_disk_bytes    = warm_disk_bytes;
+    cfg.recipe_fingerprint = recipe_fingerprint;
+    py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
+    return std::make_unique<hot_kv_engine>(model, cfg);
+}
+
+void register_engine(py::module_ & m) {
     py::class_<hot_kv_engine>(m, "HotKvEngine")
-        .def(py::init([](const shard_model & model, int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens,
-                         double ttl_seconds, int32_t n_batch, std::optional<int32_t> n_threads, int32_t recent_capacity,
-                         int64_t warm_bytes, double warm_ttl_seconds, const std::string & kv_type,
-                         const std::string & warm_dir, int64_t warm_disk_bytes, const std::string & recipe_fingerprint) {
-                 hot_kv_config cfg;
-                 cfg.max_sessions    = max_sessions;
-                 cfg.context_tokens  = context_tokens;
-                 cfg.budget_tokens   = budget_tokens;
-                 cfg.ttl_seconds     = ttl_seconds;
-                 cfg.n_batch         = n_batch;
-                 cfg.n_threads       = n_threads.value_or(0);
-                 cfg.recent_capacity = recent_capacity;
-                 cfg.warm_bytes       = warm_bytes;
-                 cfg.warm_ttl_seconds = warm_ttl_seconds;
-                 cfg.kv_type          = kv_type;
-                 cfg.warm_dir         = warm_dir;
-                 cfg.warm_disk_bytes  = warm_disk_bytes;
-                 cfg.recipe_fingerprint = recipe_fingerprint;
-                 py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
-                 return std::make_unique<hot_kv_engine>(model, cfg);
-             }),
+        .def(py::init(&make_engine),
              py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
              py::arg("ttl_seconds"), py::arg("n_batch") = 512, py::arg("n_threads") = py::none(),
              py::arg("recent_capacity") = 4096, py::arg("warm_bytes") = 0, py::arg("warm_ttl_seconds") = 3600.0,
@@ -525,47 +592,18 @@ PYBIND11_MODULE(_native, m) {
                      py::gil_scoped_release release;  // a short lock of its own (a published snapshot)
                      st = e.stats();
                  }
-                 py::dict misses;
-                 for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
-                     misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];
-                 }
-                 py::dict d;
-                 d["live_sessions"] = st.live_sessions;
-                 d["max_sessions"] = st.max_sessions;
-                 d["reserved_tokens"] = st.reserved_tokens;
-                 d["budget_tokens"] = st.budget_tokens;
-                 d["context_tokens"] = st.context_tokens;
-                 d["kv_bytes_per_token"] = st.kv_bytes_per_token;
-                 d["reserved_bytes"] = st.reserved_bytes;
-                 d["evictions_ttl"] = st.evictions_ttl;
-                 d["evictions_lru"] = st.evictions_lru;
-                 d["releases"] = st.releases;
-                 d["supersessions"] = st.supersessions;
-                 d["steps"] = st.steps;
-                 d["tokens_computed"] = st.tokens_computed;
-                 d["recent_keys"] = st.recent_keys;
-                 d["misses"] = misses;
-                 d["spills"] = st.spills;
-                 d["restores"] = st.restores;
-                 d["warm_drops"] = st.warm_drops;
-                 d["warm_sessions"] = st.warm_sessions;
-                 d["warm_bytes"] = st.warm_bytes;
-                 d["warm_capacity"] = st.warm_capacity;
-                 d["restore_seconds"] = st.restore_seconds;
-                 py::list buckets;  // (upper bound, restores in that bucket); the last bound is +Inf
-                 for (size_t i = 0; i < st.restore_buckets.size(); ++i) {
-                     const double le = i < HOT_KV_RESTORE_BUCKETS.size() ? HOT_KV_RESTORE_BUCKETS[i]
-                                                                          : std::numeric_limits<double>::infinity();
-                     buckets.append(py::make_tuple(le, st.restore_buckets[i]));
-                 }
-                 d["restore_buckets"] = buckets;
-                 d["disk_sessions"] = st.disk_sessions;
-                 d["disk_bytes"] = st.disk_bytes;
-                 d["disk_capacity"] = st.disk_capacity;
-                 d["disk_spills"] = st.disk_spills;
-                 d["disk_restores"] = st.disk_restores;
-                 d["disk_loaded"] = st.disk_loaded;
-                 d["disk_failures"] = st.disk_failures;
-                 return d;
+                 return stats_dict(st);
              });
+}
+
+} // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "llama-shard native engine: a layer range of a GGUF model on a patched llama.cpp";
+    register_errors(m);
+    register_model(m);
+    register_context(m);
+    register_contract_types(m);
+    register_step_loop(m);
+    register_engine(m);
 }
