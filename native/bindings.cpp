@@ -200,48 +200,48 @@ py::object ticket_output(const std::shared_ptr<step_ticket> & t, const py::objec
 
 // the engine's counters as a dict (the keys HotKvStateManager.stats() documents)
 py::dict stats_dict(const hot_kv_stats & st) {
-     py::dict misses;
-     for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
-         misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];
-     }
-     py::dict d;
-     d["live_sessions"] = st.live_sessions;
-     d["max_sessions"] = st.max_sessions;
-     d["reserved_tokens"] = st.reserved_tokens;
-     d["budget_tokens"] = st.budget_tokens;
-     d["context_tokens"] = st.context_tokens;
-     d["kv_bytes_per_token"] = st.kv_bytes_per_token;
-     d["reserved_bytes"] = st.reserved_bytes;
-     d["evictions_ttl"] = st.evictions_ttl;
-     d["evictions_lru"] = st.evictions_lru;
-     d["releases"] = st.releases;
-     d["supersessions"] = st.supersessions;
-     d["steps"] = st.steps;
-     d["tokens_computed"] = st.tokens_computed;
-     d["recent_keys"] = st.recent_keys;
-     d["misses"] = misses;
-     d["spills"] = st.spills;
-     d["restores"] = st.restores;
-     d["warm_drops"] = st.warm_drops;
-     d["warm_sessions"] = st.warm_sessions;
-     d["warm_bytes"] = st.warm_bytes;
-     d["warm_capacity"] = st.warm_capacity;
-     d["restore_seconds"] = st.restore_seconds;
-     py::list buckets;  // (upper bound, restores in that bucket); the last bound is +Inf
-     for (size_t i = 0; i < st.restore_buckets.size(); ++i) {
-         const double le = i < HOT_KV_RESTORE_BUCKETS.size() ? HOT_KV_RESTORE_BUCKETS[i]
+    py::dict misses;
+    for (int r = SHARD_MISS_UNKNOWN_SESSION; r < SHARD_MISS_COUNT; ++r) {
+        misses[shard_miss_reason_name((shard_miss_reason) r)] = st.misses[(size_t) r];
+    }
+    py::dict d;
+    d["live_sessions"] = st.live_sessions;
+    d["max_sessions"] = st.max_sessions;
+    d["reserved_tokens"] = st.reserved_tokens;
+    d["budget_tokens"] = st.budget_tokens;
+    d["context_tokens"] = st.context_tokens;
+    d["kv_bytes_per_token"] = st.kv_bytes_per_token;
+    d["reserved_bytes"] = st.reserved_bytes;
+    d["evictions_ttl"] = st.evictions_ttl;
+    d["evictions_lru"] = st.evictions_lru;
+    d["releases"] = st.releases;
+    d["supersessions"] = st.supersessions;
+    d["steps"] = st.steps;
+    d["tokens_computed"] = st.tokens_computed;
+    d["recent_keys"] = st.recent_keys;
+    d["misses"] = misses;
+    d["spills"] = st.spills;
+    d["restores"] = st.restores;
+    d["warm_drops"] = st.warm_drops;
+    d["warm_sessions"] = st.warm_sessions;
+    d["warm_bytes"] = st.warm_bytes;
+    d["warm_capacity"] = st.warm_capacity;
+    d["restore_seconds"] = st.restore_seconds;
+    py::list buckets;  // (upper bound, restores in that bucket); the last bound is +Inf
+    for (size_t i = 0; i < st.restore_buckets.size(); ++i) {
+        const double le = i < HOT_KV_RESTORE_BUCKETS.size() ? HOT_KV_RESTORE_BUCKETS[i]
                                                               : std::numeric_limits<double>::infinity();
-         buckets.append(py::make_tuple(le, st.restore_buckets[i]));
-     }
-     d["restore_buckets"] = buckets;
-     d["disk_sessions"] = st.disk_sessions;
-     d["disk_bytes"] = st.disk_bytes;
-     d["disk_capacity"] = st.disk_capacity;
-     d["disk_spills"] = st.disk_spills;
-     d["disk_restores"] = st.disk_restores;
-     d["disk_loaded"] = st.disk_loaded;
-     d["disk_failures"] = st.disk_failures;
-     return d;
+        buckets.append(py::make_tuple(le, st.restore_buckets[i]));
+    }
+    d["restore_buckets"] = buckets;
+    d["disk_sessions"] = st.disk_sessions;
+    d["disk_bytes"] = st.disk_bytes;
+    d["disk_capacity"] = st.disk_capacity;
+    d["disk_spills"] = st.disk_spills;
+    d["disk_restores"] = st.disk_restores;
+    d["disk_loaded"] = st.disk_loaded;
+    d["disk_failures"] = st.disk_failures;
+    return d;
 }
 
 // shard_error -> the llama_shard.errors class its code names
@@ -504,7 +504,6 @@ void register_step_loop(py::module_ & m) {
                  d["pending"] = st.pending;
                  return d;
              });
-
 }
 
 // HotKvEngine: the Hot KV state of one shard

@@ -883,19 +883,19 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
         return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "the session would hold " + str(new_len) + " tokens; context_tokens is " +
                       str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens), s);
     }
-    // who may leave the hot set for this request: never the requester or what this step already
-    // admitted; the step's other sessions only when they can go to the warm tier
-    std::vector<std::string> keep{sid};
-    for (const planned & p : plan) {
-        keep.push_back(*p.sid);
-    }
-    if (!warm_enabled()) {
-        keep.insert(keep.end(), participants.begin(), participants.end());
-    }
     // hot tokens this request adds at its peak: a warm session comes back whole before it is cut to start
     const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(held, new_len);
-    bool room;
-    {
+    bool room = reserved_ + grow <= config_.budget_tokens && (s != nullptr || !free_ids_.empty());
+    if (!room) {  // the common decode fits as it is: only here is there anyone to choose
+        // who may leave the hot set for this request: never the requester or what this step already
+        // admitted; the step's other sessions only when they can go to the warm tier
+        std::vector<std::string> keep{sid};
+        for (const planned & p : plan) {
+            keep.push_back(*p.sid);
+        }
+        if (!warm_enabled()) {
+            keep.insert(keep.end(), participants.begin(), participants.end());
+        }
         pin_guard pin(warm_pinned_, w != nullptr ? &sid : nullptr);
         room = make_room_locked(grow, s == nullptr, keep, participants);
     }
@@ -973,28 +973,20 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     auto it = live_.find(sid);
-    if (it != live_.end()) {
-        if (epoch < it->second.epoch) {
-            return stale_result(epoch, it->second.epoch, "current");  // a stale release must not erase the current epoch
-        }
-        if (epoch == it->second.epoch) {
-            drop_locked(sid, SHARD_MISS_RELEASED);
-        } else {  // a newer epoch supersedes the cached one, which is released with it
-            drop_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
-            remember_locked(sid, epoch, SHARD_MISS_RELEASED);
-        }
-        res.changed = true;
-        return res;
-    }
     auto wit = warm_.find(sid);
-    if (wit != warm_.end()) {
-        if (epoch < wit->second.epoch) {
-            return stale_result(epoch, wit->second.epoch, "current");
+    if (it != live_.end() || wit != warm_.end()) {  // cached, hot or warm: released the same way
+        const bool hot = it != live_.end();
+        const int64_t cached = hot ? it->second.epoch : wit->second.epoch;
+        if (epoch < cached) {
+            return stale_result(epoch, cached, "current");  // a stale release must not erase the current epoch
         }
-        if (epoch == wit->second.epoch) {
-            drop_warm_locked(sid, SHARD_MISS_RELEASED);
-        } else {
-            drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);
+        auto drop = [&](shard_miss_reason reason, int64_t remembered) {
+            hot ? drop_locked(sid, reason, remembered) : drop_warm_locked(sid, reason, remembered);
+        };
+        if (epoch == cached) {
+            drop(SHARD_MISS_RELEASED, -1);
+        } else {  // a newer epoch supersedes the cached one, which is released with it
+            drop(SHARD_MISS_SUPERSEDED_EPOCH, epoch);
             remember_locked(sid, epoch, SHARD_MISS_RELEASED);
         }
         res.changed = true;

@@ -71,7 +71,12 @@ class _EngineCollector:
         for name, key, doc in [("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
                                ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
                                ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
-                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)")]:
+                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)"),
+                               ("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
+                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
+                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
+                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
+                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files")]:
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, st[key])
             yield g
@@ -83,14 +88,6 @@ class _EngineCollector:
         for reason, n in st["misses"].items():
             ms.add_metric(values + [reason], n)
         yield ms
-        for name, key, doc in [("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
-                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
-                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
-                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
-                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files")]:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, st[key])
-            yield g
         for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
                                ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
                                ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
