@@ -1,6 +1,7 @@
 """The benchmark command's code path, fast, on the synthetic model, so it cannot rot. The stock
 tools are stood in for by scripts that print what llama-bench / llama-batched-bench print (their
-real output is parsed the same way when `python -m llama_shard.bench` runs for real)."""
+real output is parsed the same way when `python benchmarks/bench.py` runs for real). The benchmarks
+run as scripts from the checkout, against the installed package."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,10 @@ import sys
 import textwrap
 
 import pytest
+
+from conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
 
 FAKE_LLAMA_BENCH = """#!{python}
 import json
@@ -49,7 +54,7 @@ def fake_stock_env(tmp_path) -> dict:
 def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_stock_env):
     out_json = tmp_path / "rows.json"
     env = fake_stock_env
-    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
+    res = subprocess.run([sys.executable, BENCHMARKS / "bench.py", "--model", str(synthetic_model), "--quick",
                           "--no-build", "--json", str(out_json)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| metric | llama-shard | peer | ratio | target |" in res.stdout
@@ -66,8 +71,8 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
 
 
 def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model, fake_stock_env):
-    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
-                          "--no-build", "--pipeline-study", "2"], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, BENCHMARKS / "pipeline_study.py", "2", "--model", str(synthetic_model),
+                          "--quick", "--no-build"], capture_output=True, text=True, timeout=600,
                          env=fake_stock_env)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
@@ -86,8 +91,8 @@ def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model
 
 
 def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_model):
-    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
-                          "--hot-path-study", "1"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, BENCHMARKS / "hot_path_study.py", "1", "--model", str(synthetic_model),
+                          "--quick"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "GOMP_SPINCOUNT=300000 (libgomp's default): " in res.stdout
     assert "GOMP_SPINCOUNT=30000: " in res.stdout
@@ -95,8 +100,7 @@ def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_m
 
 
 def test_warm_study_prints_every_figure(synthetic_model):
-    res = subprocess.run([sys.executable, "-m", "llama_shard.bench", "--model", str(synthetic_model), "--quick",
-                          "--warm-study"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, BENCHMARKS / "warm_study.py", "--model", str(synthetic_model), "--quick"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "restore from host memory" in out and "from disk, cold page cache" in out

@@ -23,7 +23,7 @@ def test_inspect_synthetic_model(synthetic_model):
 def test_compute_balanced_cut_counts_weight_elements_not_bytes(embedded_model):
     """SmolLM2 Q4_1 keeps its tied 49152 x 576 embedding in Q8_0: by bytes the LM head looks like
     14 layers and the cut lands at 22; by elements (multiply-adds per token) it is 8 layers, and
-    the cut is 19 (`python -m llama_shard.bench --pipeline-study N` times both stages there)."""
+    the cut is 19 (`python benchmarks/pipeline_study.py N` times both stages there)."""
     from llama_shard.models import compute_balanced_cut
 
     assert compute_balanced_cut(embedded_model) == 19

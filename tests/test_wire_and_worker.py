@@ -3,7 +3,6 @@ tokens against the whole model in-process, failure and restart of a worker, epoc
 malformed requests, metrics, health, graceful shutdown, and the demo."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,11 +15,11 @@ import numpy as np
 import pytest
 
 from llama_shard import StepKind
-from llama_shard.demo import free_port, wait_serving
 from llama_shard.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import RemoteStage, RouteClient, RouteError
+from llama_shard.testing.workers import free_port, start_worker, wait_serving
 from llama_shard.wire import decode_tensor, encode_tensor
 
 from conftest import REPO
@@ -56,12 +55,10 @@ def test_tensor_round_trip_and_float16_cost():
 class Worker:
     def __init__(self, model, layers: str, port: int | None = None, extra: tuple = ()):
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
-        cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", layers,
-               "--port", str(self.port), "--threads", "1", "--max-sessions", "8", "--context-tokens", "256",
-               "--budget-tokens", "2048", "--metrics-port", str(self.metrics_port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        first, last = (int(x) for x in layers.split("-"))
+        self.proc, self.address = start_worker(model, first, last, 1, port=self.port, extra=(
+            "--context-tokens", "256", "--metrics-port", str(self.metrics_port), *extra))
         wait_serving(self.proc, self.address)
 
     def stop(self, sig=signal.SIGTERM, timeout=30) -> tuple[int, str]:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from ._native import ShardModel
 from .models import gguf_layer_count
 from .route import RemoteStage, RouteClient
+from .testing.workers import free_port, start_worker, stop_worker, wait_serving
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -35,44 +31,30 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def free_port() -> int:
-    """A loopback port that is free now (for a worker started next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(model: Path, first: int, last: int, threads: int, extra: tuple = (),
-                 port: int | None = None) -> tuple[subprocess.Popen, str]:
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
-           "--port", str(port), "--threads", str(threads), "--max-sessions", "8", "--context-tokens", "512",
-           "--budget-tokens", "2048", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return proc, f"127.0.0.1:{port}"
-
-
-def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {address} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"worker {address} did not become ready in {timeout_s}s")
+def _start_route(model: Path, ranges: list[tuple[int, int]], threads: int,
+                 procs: list[tuple[subprocess.Popen, str]]) -> None:
+    """Two workers, the head chained to the tail: the head forwards each step to the tail itself
+    (serve --peer), so a token costs the client one round trip instead of one per worker. Two hot
+    slots each for four sessions: the others wait in the warm tier (host memory) and come back
+    without a re-prefill. Appends each worker to `procs` as it starts, so that the caller stops
+    those that started if a later one fails."""
+    t0 = time.perf_counter()
+    tail_port = free_port()
+    tiers = ("--max-sessions", "2", "--warm-memory", "64MiB")
+    for (first, last), port, extra in [(ranges[0], None, ("--peer", f"127.0.0.1:{tail_port}")),
+                                       (ranges[1], tail_port, ())]:
+        proc, addr = start_worker(model, first, last, threads, extra=extra + tiers, port=port)
+        procs.append((proc, addr))
+        _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier)"
+             + (f", forwards to {extra[1]}" if extra else "") + " ...")
+    for (proc, addr), (first, last) in zip(procs, ranges):
+        wait_serving(proc, addr)
+        _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
 
 
 def _show_workers(stages) -> None:
     for st in stages:
         info = st.stats()
-        sessions = ", ".join(f"{s.session_id}({s.seq_len})" for s in info.sessions) or "none"
         sessions = ", ".join(f"{s.session_id}({s.seq_len}, {s.tier})" for s in info.sessions) or "none"
         _say(f"  worker {info.first:>2}-{info.last:<2} @ {st.address}: {info.live_sessions} live session(s) "
              f"[{sessions}]; {info.reserved_tokens} of {info.budget_tokens} budget tokens reserved "
@@ -81,89 +63,84 @@ def _show_workers(stages) -> None:
              f"{info.restores} restores")
 
 
+class _Transcript:
+    """Streams each session's text line by line as its tokens arrive (from the route's threads)."""
+
+    def __init__(self, vocab: ShardModel, n: int):
+        self.vocab, self.eos = vocab, vocab.token_eos
+        self.lock = threading.Lock()
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.lines_done = [0] * n
+
+    def on_token(self, i: int, token: int) -> None:
+        with self.lock:
+            self.tokens[i].append(token)
+            lines = self.text(i).split("\n")
+            for line in lines[self.lines_done[i]:-1]:
+                _say(f"  [chat-{i + 1}] {line}")
+            self.lines_done[i] = len(lines) - 1
+
+    def text(self, i: int) -> str:
+        return self.vocab.detokenize([t for t in self.tokens[i] if t != self.eos])
+
+    def finish(self) -> None:
+        for i in range(len(self.tokens)):  # the last (unterminated) line of each answer
+            last = self.text(i).split("\n")[-1]
+            if last.strip():
+                _say(f"  [chat-{i + 1}] {last}")
+
+
+def _chat(model: Path, stages: list[RemoteStage], max_tokens: int) -> None:
+    client = RouteClient(stages)  # chained: every worker forwards to the next
+    vocab = ShardModel(str(model), (0, 0), 1)  # tokenizer and chat template on the head side
+    _say(f"\nfour concurrent chat sessions through both workers, {'chained' if client.chained else 'client-relayed'} "
+         f"(greedy, up to {max_tokens} tokens):")
+    sessions = [client.session(f"chat-{i + 1}") for i in range(len(QUESTIONS))]
+    transcript = _Transcript(vocab, len(QUESTIONS))
+    for i, q in enumerate(QUESTIONS):
+        _say(f"  [chat-{i + 1}] user: {q}")
+    prompts = [vocab.tokenize(vocab.apply_chat_template([("user", q)], True)) for q in QUESTIONS]
+    t0 = time.perf_counter()
+    # two micro-batches of two sessions: while the tail computes one, the head computes the other
+    client.generate_many(sessions, prompts, max_tokens, stop=(vocab.token_eos,), micro_batches=2,
+                         on_token=transcript.on_token)
+    dt = time.perf_counter() - t0
+    transcript.finish()
+    _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {sum(len(s.history) for s in sessions)} tokens held per "
+         f"worker; {sum(s.reprefills for s in sessions)} re-prefill(s)")
+    _show_workers(stages)
+    for s in sessions:
+        s.release()
+    _say("\nafter releasing the sessions:")
+    _show_workers(stages)
+    client.close()
+
+
+def _stop(procs: list[tuple[subprocess.Popen, str]]) -> bool:
+    """SIGTERM to every worker; prints each one's exit code and shutdown report; True if all exit 0."""
+    _say("\nshutting the workers down (SIGTERM):")
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc, addr in procs:
+        code = stop_worker(proc)
+        report = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if "shut down" in ln]
+        _say(f"  worker {addr}: exit {code}" + (f" - {report[-1].split(': ', 1)[-1]}" if report else ""))
+    return all(p.returncode == 0 for p, _ in procs)
+
+
 def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
     n_layer = gguf_layer_count(model)
     half = n_layer // 2
     ranges = [(0, half - 1), (half, n_layer - 1)]
     _say(f"llama-shard demo: {model.name}, {n_layer} layers split {ranges[0][0]}-{ranges[0][1]} | {ranges[1][0]}-{ranges[1][1]}")
-    procs = []
+    procs: list[tuple[subprocess.Popen, str]] = []
     try:
-        t0 = time.perf_counter()
-        # a chained route: the head worker may forward each step to the tail itself (serve --peer),
-        # so a token costs the client one round trip instead of one per worker
-        tail_port = free_port()
-        # two hot slots per worker for four sessions: the others wait in the warm tier (host memory)
-        # and come back without a re-prefill
-        tiers = ("--max-sessions", "2", "--warm-memory", "64MiB")
-        for (first, last), port, extra in [(ranges[0], None, ("--peer", f"127.0.0.1:{tail_port}")),
-                                           (ranges[1], tail_port, ())]:
-            proc, addr = start_worker(model, first, last, threads, extra=extra + tiers, port=port)
-            procs.append((proc, addr))
-            _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier)"
-                 + (f", forwards to {extra[1]}" if extra else "") + " ...")
-        for (proc, addr), (first, last) in zip(procs, ranges):
-            wait_serving(proc, addr)
-            _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
-
-        stages = [RemoteStage(addr) for _, addr in procs]
-        client = RouteClient(stages)  # chained: every worker forwards to the next
-        vocab = ShardModel(str(model), (0, 0), 1)  # tokenizer and chat template on the head side
-        eos = vocab.token_eos
-
-        _say(f"\nfour concurrent chat sessions through both workers, {'chained' if client.chained else 'client-relayed'} "
-             f"(greedy, up to {max_tokens} tokens):")
-        sessions = [client.session(f"chat-{i + 1}") for i in range(len(QUESTIONS))]
-        texts = {i: [] for i in range(len(QUESTIONS))}
-        lock = threading.Lock()
-        lines_done = {i: 0 for i in range(len(QUESTIONS))}
-
-        generated: dict[int, list[int]] = {i: [] for i in range(len(QUESTIONS))}
-
-        def on_token(i: int, token: int) -> None:
-            with lock:  # stream each session's text line by line as it is produced
-                generated[i].append(token)
-                text = vocab.detokenize([t for t in generated[i] if t != eos])
-                lines = text.split("\n")
-                for line in lines[lines_done[i]:-1]:
-                    _say(f"  [chat-{i + 1}] {line}")
-                lines_done[i] = len(lines) - 1
-                texts[i] = text
-
-        for i, q in enumerate(QUESTIONS):
-            _say(f"  [chat-{i + 1}] user: {q}")
-        prompts = [vocab.tokenize(vocab.apply_chat_template([("user", q)], True)) for q in QUESTIONS]
-        t1 = time.perf_counter()
-        # two micro-batches of two sessions: while the tail computes one, the head computes the other
-        client.generate_many(sessions, prompts, max_tokens, stop=(eos,), micro_batches=2, on_token=on_token)
-        dt = time.perf_counter() - t1
-        for i in range(len(QUESTIONS)):  # the last (unterminated) line of each answer
-            last = texts[i].split("\n")[-1]
-            if last.strip():
-                _say(f"  [chat-{i + 1}] {last}")
-        n_tokens = sum(len(s.history) for s in sessions)
-        _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {n_tokens} tokens held per worker; "
-             f"{sum(s.reprefills for s in sessions)} re-prefill(s)")
-        _show_workers(stages)
-
-        for s in sessions:
-            s.release()
-        _say("\nafter releasing the sessions:")
-        _show_workers(stages)
-        client.close()
+        _start_route(model, ranges, threads, procs)
+        _chat(model, [RemoteStage(addr) for _, addr in procs], max_tokens)
     finally:
-        _say("\nshutting the workers down (SIGTERM):")
-        for proc, addr in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, addr in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            report = [ln for ln in (proc.stderr.read() or "").splitlines() if "shut down" in ln]
-            _say(f"  worker {addr}: exit {proc.returncode}" + (f" - {report[-1].split(': ', 1)[-1]}" if report else ""))
-    return 0 if all(p.returncode == 0 for p, _ in procs) else 1
+        ok = _stop(procs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

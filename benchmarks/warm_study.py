@@ -1,4 +1,7 @@
-"""The warm tier and the memory plan, measured (`python -m llama_shard.bench --warm-study`).
+"""The warm tier and the memory plan, measured .
+
+    python benchmarks/warm_study.py [--threads 2] [--model PATH] [--quick]
+
 
 Every figure comes from one run of this module on one machine:
   - restoring a 1,024-token session from host memory and from disk (cold page cache) against
@@ -23,10 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
-from .errors import InvalidInputError
-from .hot_kv import kv_bytes_per_token
-from .models import compute_balanced_cut
+from common import log, rss
+from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
+from llama_shard.errors import InvalidInputError
+from llama_shard.hot_kv import kv_bytes_per_token
+from llama_shard.models import compute_balanced_cut, require_embedded_model
+from llama_shard.route import LocalStage, RemoteStage, RouteClient
+from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
 
 _WARM = 256 << 20
 # prompts for the route study: slices of one text, so greedy decoding follows confident paths
@@ -47,18 +53,6 @@ _TEXT = (
 _PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def add(a, b):",
             "The three primary colors are", "Water boils at", "My favourite book is", "import numpy as np\n",
             "The quick brown fox"]
-
-
-def _log(msg: str) -> None:
-    print(f"[warm-study] {msg}", file=sys.stderr, flush=True)
-
-
-def _rss(pid: int | None = None) -> int:
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _tokens(rng, vocab: int, n: int) -> list[int]:
@@ -154,8 +148,6 @@ def chat_sessions(path: Path, threads: int, n_sessions: int = 64, slots: int = 8
     """Each session: a turn is the user's tokens (a prefill) and a reply (greedy decodes); the
     sessions take turns in a random order, so between two turns of one session the others run
     (its person reading and typing). Whole model on one shard; a miss re-prefills the history."""
-    from .route import LocalStage, RouteClient
-
     model = ShardModel(str(path), None, threads)
     vocab = model.info.n_vocab
     out = {}
@@ -193,9 +185,6 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
     """Two 1-thread workers split at the middle layer, 8 hot slots of 1,024 tokens; 8 sessions
     generate through RouteClient.generate_many. Budgets: 8,192 tokens (everything fits) and 2,048
     (a quarter) with a 256 MiB warm tier."""
-    from .demo import start_worker, wait_serving
-    from .route import RemoteStage, RouteClient
-
     head = ShardModel(str(path), (0, 0), 1)
     n_layer = head.info.n_layer
     half = n_layer // 2
@@ -224,8 +213,7 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
             client.close()
         finally:
             for proc, _ in procs:
-                proc.terminate()
-                proc.wait(30)
+                stop_worker(proc)
     # steps of different sizes sum in different orders (batched logits agree to about 1e-3, not to
     # the bit), so a near-tie may go the other way: count the sessions whose tokens are the same,
     # and where the others first differ
@@ -246,19 +234,13 @@ def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 
     """A head worker (balanced split) with --kv-memory 256MiB --warm-memory 256MiB; n sessions of
     random lengths (1..max_len) arrive in batches, most are never seen again, some continue; the
     worker's RSS is sampled throughout."""
-    from .demo import free_port, wait_serving
-    from .route import RemoteStage
-
     cut = compute_balanced_cut(path)
     flags = ("--kv-memory", "256MiB", "--warm-memory", "256MiB", "--context-tokens", "512")
-    addr = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(path), "--layers", f"0-{cut - 1}",
-           "--port", addr.rsplit(":", 1)[1], "--threads", "2", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, addr = start_worker(path, 0, cut - 1, 2, extra=flags, defaults=())
     try:
         wait_serving(proc, addr)
         stage = RemoteStage(addr)
-        rss0 = _rss(proc.pid)
+        rss0 = rss(proc.pid)
         rng = np.random.default_rng(6)
         vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
         peak, lengths = rss0, {}
@@ -274,13 +256,12 @@ def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 
                     steps[f"c{i}"] = Step.prefill(f"c{i}", 0, _tokens(rng, vocab, n), start_pos=0)
                     lengths[i] = n
             stage.step_many(list(steps.values()))
-            peak = max(peak, _rss(proc.pid))
+            peak = max(peak, rss(proc.pid))
         wall = time.perf_counter() - t0
         info = stage.stats()
         stage.close()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_worker(proc)
     added = info.restores + info.warm_drops + info.warm_sessions
     return {"sessions": n_sessions, "wall_s": wall, "rss_start": rss0, "rss_peak": peak,
             "hot_bytes": info.max_sessions * 512 * info.kv_bytes_per_token, "spills": info.spills,
@@ -325,7 +306,7 @@ def kv_types(path: Path, threads: int, n_prompts: int = 8, steps: int = 32) -> d
         try:
             kv_bytes_per_token(model.info.n_head_kv, model.info.head_dim, 1, kv_type)
         except InvalidInputError as e:  # heads too small to quantize (synthetic test models)
-            _log(f"{kv_type}: {e}")
+            log(f"{kv_type}: {e}")
             continue
         probe = subprocess.run([sys.executable, "-c", _KV_RSS, str(path), kv_type, str(cut - 1)], capture_output=True,
                                text=True, check=True).stdout
@@ -361,7 +342,7 @@ def kv_types(path: Path, threads: int, n_prompts: int = 8, steps: int = 32) -> d
 
 def warm_study(path: Path, threads: int, quick: bool = False) -> str:
     lines = [f"warm tier and memory plan: {path.name}, {threads} threads, {os.cpu_count()} CPUs; "
-             f"command: `python -m llama_shard.bench --warm-study`", ""]
+             f"command: `python benchmarks/warm_study.py`", ""]
 
     r = restore_vs_prefill(path, threads, n_tokens=256 if quick else 1024, rounds=2 if quick else 5)
     n = 256 if quick else 1024
@@ -369,12 +350,12 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
               f"  re-prefill {r['prefill_s'] * 1e3:.1f} ms; restore from host memory {r['host_restore_s'] * 1e3:.2f} ms "
               f"({r['prefill_s'] / r['host_restore_s']:.0f}x faster); from disk, cold page cache "
               f"{r['disk_restore_s'] * 1e3:.2f} ms ({r['prefill_s'] / r['disk_restore_s']:.0f}x faster)"]
-    _log(lines[-1])
+    log(lines[-1])
 
     o = tier_overhead(path, threads, ntg=16 if quick else 64, rounds=1 if quick else 3)
     lines += [f"decode, 8 sessions, nothing spilling: tier off {o['off_tok_s']:.1f} tok/s, on {o['on_tok_s']:.1f} tok/s "
               f"(ratio {o['on_tok_s'] / o['off_tok_s']:.3f})"]
-    _log(lines[-1])
+    log(lines[-1])
 
     c = chat_sessions(path, threads, n_sessions=16 if quick else 64, slots=4 if quick else 8, turns=2 if quick else 3)
     lines += [f"{16 if quick else 64} chat sessions with think time over {4 if quick else 8} hot slots (whole model):"]
@@ -382,7 +363,7 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
         v = c[name]
         lines.append(f"  {'warm tier 256 MiB' if name == 'warm' else 'no warm tier     '}: {v['tok_s']:.1f} generated tok/s, "
                      f"{v['reprefilled_tokens']} tokens re-prefilled ({v['reprefills']} re-prefills), {v['restores']} restores")
-    _log("\n".join(lines[-3:]))
+    log("\n".join(lines[-3:]))
 
     if not quick:
         s = oversubscribed_route(path)
@@ -393,7 +374,7 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
                   f"restores per worker {o2['restores']}; sessions with the same 400 tokens: {s['same_sessions']} of "
                   f"{len(s['first_difference'])} (first difference at token "
                   f"{[d for d in s['first_difference'] if d is not None] or 'none'})"]
-        _log("\n".join(lines[-2:]))
+        log("\n".join(lines[-2:]))
 
     m = churn(path, n_sessions=500 if quick else 10_000)
     model_bytes = ShardModel(str(path), (0, compute_balanced_cut(path) - 1), 1).info.weight_bytes
@@ -403,7 +384,7 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
               f"(+{(m['rss_peak'] - m['rss_start']) / 2**20:.0f} MiB; warm tier holds {m['warm_bytes'] / 2**20:.0f} MiB); "
               f"spills {m['spills']} = restores {m['restores']} + drops {m['warm_drops']} + warm {m['warm_sessions']}: "
               f"{m['counters_add_up']}"]
-    _log(lines[-1])
+    log(lines[-1])
 
     k = kv_types(path, threads, n_prompts=2 if quick else 8, steps=8 if quick else 32)
     lines += ["KV types (hot KV of 16 slots x 2,048 tokens on the head shard, measured RSS; greedy agreement with f16, "
@@ -413,3 +394,19 @@ def warm_study(path: Path, threads: int, quick: bool = False) -> str:
                      f"({v['sessions_per_gib'] / k['f16']['sessions_per_gib']:.2f}x f16); agreement {v['agreement']:.1%}, "
                      f"largest logit deviation {v['max_logit_dev']:.3f}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python benchmarks/warm_study.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    args = ap.parse_args(argv)
+    print(warm_study(Path(args.model) if args.model else require_embedded_model(), args.threads, args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""Side-by-side benchmark against stock llama.cpp from the same pin, in one run.
+
+    python benchmarks/bench.py [--model PATH] [--threads 2] [--repeat 2] [--no-stock] [--json OUT]
+
+Stock `llama-bench` and `llama-batched-bench` (and an RPC build for the split rows) are built
+from the pinned source in build/stock-bench (see common.find_stock_tools). Every figure is
+measured in this run on the same model, threads and shapes, and reported with its ratio to the
+peer (docs/benchmarks.md says how to read them). The default model is the embedded SmolLM2.
+The studies have entry points of their own: pipeline_study.py, hot_path_study.py, warm_study.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import (Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab, pin_label,
+                    stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
+from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
+from llama_shard.models import compute_balanced_cut, require_embedded_model
+from routes import ours_two_stages, ours_worker_clients
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-shard in this process, the peer's shapes
+# ---------------------------------------------------------------------------------------------
+
+def ours_prefill_and_tg(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, vocab: int) -> dict:
+    """llama-bench's shapes: a fresh n_prompt-token prompt; n_gen single-token decodes from empty."""
+    model = ShardModel(str(path), None, threads)
+    mgr = bench_manager(model, 1, max(n_prompt, n_gen) + 8, threads)
+    rng = np.random.default_rng(0)
+    pp_times, tg_times = [], []
+    for r in range(reps + 1):  # the first round warms up, as llama-bench does
+        prompt = rng.integers(0, vocab, n_prompt).tolist()
+        t0 = time.perf_counter()
+        mgr.step_batch([Step.prefill("pp", 0, prompt, start_pos=0)])
+        t1 = time.perf_counter()
+        mgr.release("pp", 0)
+        tok = int(rng.integers(0, vocab))
+        t2 = time.perf_counter()
+        mgr.step_batch([Step.prefill("tg", 0, [tok], start_pos=0)])
+        for _ in range(n_gen - 1):
+            mgr.step_batch([Step.decode("tg", 0, [tok])])
+        t3 = time.perf_counter()
+        mgr.release("tg", 0)
+        if r:
+            pp_times.append(t1 - t0)
+            tg_times.append(t3 - t2)
+    return {"pp": n_prompt / float(np.mean(pp_times)), "tg": n_gen / float(np.mean(tg_times))}
+
+
+def ours_batched(path: Path, threads: int, npp: int, ntg: int, npl: list[int], vocab: int) -> dict[int, dict]:
+    """llama-batched-bench's shapes: npl separate prompts of npp tokens, then ntg steps of npl tokens."""
+    model = ShardModel(str(path), None, threads)
+    res = {}
+    rng = np.random.default_rng(1)
+    for pl in npl:
+        mgr = bench_manager(model, pl, npp + ntg, threads)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(pl)]
+        t0 = time.perf_counter()
+        mgr.step_batch([Step.prefill(f"s{j}", 0, prompts[j], start_pos=0) for j in range(pl)])
+        t1 = time.perf_counter()
+        for _ in range(ntg):
+            mgr.step_batch([Step.decode(f"s{j}", 0, [int(rng.integers(0, vocab))]) for j in range(pl)])
+        t2 = time.perf_counter()
+        res[pl] = {"pp": pl * npp / (t1 - t0), "tg": pl * ntg / (t2 - t1)}
+        del mgr
+    return res
+
+
+def ours_adapter_callers(path: Path, threads: int, npp: int, ntg: int, npl: list[int], vocab: int,
+                         use_async: bool = False) -> dict[int, float]:
+    """What a user gets: `pl` threads (or asyncio tasks), each driving its own session through
+    `KvBoundaryAdapter(model, manager)` exactly as the README constructs it. Prompts are prefilled
+    first; the decode phase is timed (llama-batched-bench's speed_tg)."""
+    import asyncio
+    import threading
+
+    model = ShardModel(str(path), None, threads)
+    rng = np.random.default_rng(6)
+    res = {}
+    for pl in npl:
+        manager = user_manager(model, pl, npp + ntg + 8)
+        adapter = KvBoundaryAdapter(model, manager)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(pl)]
+        if use_async:
+            async def main() -> float:
+                outs = await asyncio.gather(*(adapter.prefill_async(f"u{j}", 0, token_ids=prompts[j]) for j in range(pl)))
+
+                async def drive(j: int, tok: int) -> None:
+                    for _ in range(ntg):
+                        tok = (await adapter.decode_async(f"u{j}", 0, token_ids=[tok])).token_id
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(drive(j, o.token_id) for j, o in enumerate(outs)))
+                return time.perf_counter() - t0
+
+            wall = asyncio.run(main())
+        else:
+            ready = threading.Barrier(pl + 1)
+
+            def drive(j: int) -> None:
+                tok = adapter.prefill(f"u{j}", 0, token_ids=prompts[j]).token_id
+                ready.wait()
+                for _ in range(ntg):
+                    tok = adapter.decode(f"u{j}", 0, token_ids=[tok]).token_id
+
+            callers = [threading.Thread(target=drive, args=(j,)) for j in range(pl)]
+            for t in callers:
+                t.start()
+            ready.wait()
+            t0 = time.perf_counter()
+            for t in callers:
+                t.join()
+            wall = time.perf_counter() - t0
+        res[pl] = pl * ntg / wall
+        st = manager.loop_stats()
+        log(f"{'asyncio tasks' if use_async else 'threads'} x {pl}: {res[pl]:.1f} tok/s; engine {st['steps']} steps "
+             f"for {st['requests']} requests, busy {st['busy_seconds'] / max(st['steps'], 1) * 1e3:.1f} ms per step")
+        manager.close()
+    return res
+
+
+def ours_pipeline(path: Path, threads: int, split: list[tuple[int, int]], npp: int, ntg: int, vocab: int) -> float:
+    """Decode tokens/s of one session through in-process shards, one after the other."""
+    shards = [ShardModel(str(path), r, threads) for r in split] if split else [ShardModel(str(path), None, threads)]
+    mgrs = [bench_manager(m, 1, npp + ntg + 8, threads) for m in shards]
+    rng = np.random.default_rng(2)
+
+    def step(kind, tokens):
+        (r, out), = mgrs[0].step_batch([Step(kind, "p", 0, tokens)])
+        for m in mgrs[1:]:
+            (r, out), = m.step_batch([Step(kind, "p", 0, hidden=out)])
+        return out
+
+    step(StepKind.PREFILL, rng.integers(0, vocab, npp).tolist())
+    t0 = time.perf_counter()
+    for _ in range(ntg):
+        step(StepKind.DECODE, [int(rng.integers(0, vocab))])
+    return ntg / (time.perf_counter() - t0)
+
+
+def kv_layout_comparison(path: Path, threads: int, lengths: list[int], ntg: int, vocab: int) -> dict[bool, float]:
+    """Aggregate decode tokens/s of sessions with different cached lengths, one llama_decode per step,
+    in one pool of cells shared by all sequences (kv_unified) vs one stream per sequence."""
+    model = ShardModel(str(path), None, threads)
+    rng = np.random.default_rng(4)
+    res = {}
+    for unified in (True, False):
+        n = len(lengths)
+        per_seq = max(lengths) + ntg + 8
+        n_ctx = (sum(lengths) + n * (ntg + 8)) if unified else per_seq * n
+        n_batch = min(512, n_ctx)
+        ctx = ShardContext(model, n_ctx=n_ctx, n_seq_max=n, n_batch=n_batch, n_threads=threads, kv_unified=unified)
+        for s, length in enumerate(lengths):
+            for start in range(0, length, n_batch):
+                chunk = rng.integers(0, vocab, min(n_batch, length - start)).tolist()
+                ctx.forward(s, start, tokens=chunk)
+        t0 = time.perf_counter()
+        for i in range(ntg):
+            ctx.forward_batch([(s, lengths[s] + i, [int(rng.integers(0, vocab))], None) for s in range(n)])
+        res[unified] = n * ntg / (time.perf_counter() - t0)
+        del ctx
+    return res
+
+
+_RSS_PROBE = """
+import json, sys
+import llama_shard as ls
+def rss():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) * 1024
+layers = json.loads(sys.argv[2])
+r0 = rss()
+m = ls.ShardModel(sys.argv[1], tuple(layers) if layers else None, 1)
+print(json.dumps({"rss": rss() - r0, "weights": m.info.weight_bytes, "kv": m.info.kv_bytes_per_token}))
+"""
+
+
+def ours_memory(path: Path, layers) -> dict:
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path), json.dumps(layers)], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: int, cycles: int = 200) -> dict[int, float]:
+    """Microseconds per open + 1-token prefill + release with `n` other sessions live (one-layer head shard)."""
+    model = ShardModel(str(path), (0, 0), threads)
+    res = {}
+    for n in live_counts:
+        mgr = bench_manager(model, n + 1, 16, threads, n_batch=16)
+        for i in range(n):
+            mgr.step_batch([Step.prefill(f"live-{i}", 0, [i % vocab], start_pos=0)])
+        t0 = time.perf_counter()
+        for c in range(cycles):
+            sid = f"cycle-{c}"
+            mgr.open(sid, 0)
+            mgr.step_batch([Step.prefill(sid, 0, [c % vocab], start_pos=0)])
+            mgr.release(sid, 0)
+        res[n] = (time.perf_counter() - t0) / cycles * 1e6
+        mgr.check_invariants()
+        del mgr
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the table: one section of rows per question
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Shapes:
+    path: Path
+    threads: int
+    stock: dict | None
+    rpc_tools: dict | None
+    quick: bool
+    repeat: int
+
+    def __post_init__(self):
+        self.n_layer, self.vocab = model_and_vocab(self.path)
+        self.npp, self.ntg, self.reps = (16, 8, 1) if self.quick else (128, 64, 3)
+        self.npl = [1, 4] if self.quick else [1, 4, 8, 16]
+
+
+def single_session_rows(s: Shapes) -> list[Row]:
+    log("llama-shard: prefill and single-session decode")
+    stock = s.stock
+    ours, peer = alternate(s.repeat, lambda: ours_prefill_and_tg(s.path, s.threads, s.npp, s.ntg, s.reps, s.vocab),
+                           stock and (lambda: stock_llama_bench(stock["llama-bench"], s.path, s.threads, s.npp, s.ntg, s.reps)))
+    return [Row(f"prefill pp{s.npp} (llama-bench)", ours["pp"], peer.get("pp"), "tok/s", ">= 0.95"),
+            Row(f"decode tg{s.ntg}, 1 session (llama-bench)", ours["tg"], peer.get("tg"), "tok/s", ">= 0.95")]
+
+
+def concurrent_rows(s: Shapes) -> list[Row]:
+    log("llama-shard: concurrent sessions (the engine, and what users run around it)")
+    stock, user_npl, n_clients = s.stock, [pl for pl in s.npl if pl > 1], 4 if s.quick else 8
+    engine, peer, threads, tasks, worker = alternate(
+        s.repeat, lambda: ours_batched(s.path, s.threads, s.npp, s.ntg, s.npl, s.vocab),
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg, s.npl)),
+        lambda: ours_adapter_callers(s.path, s.threads, s.npp, s.ntg, user_npl, s.vocab),
+        lambda: ours_adapter_callers(s.path, s.threads, s.npp, s.ntg, user_npl, s.vocab, use_async=True),
+        lambda: {n_clients: ours_worker_clients(s.path, s.threads, s.npp, s.ntg, n_clients, s.vocab)})
+
+    def peer_tg(pl: int) -> float | None:
+        return peer.get(pl, {}).get("tg")
+
+    rows = [Row(f"aggregate decode, {pl} session{'s' if pl > 1 else ''} (batched-bench)", engine[pl]["tg"],
+                peer_tg(pl), "tok/s", ">= 0.95" if pl in (1, 4, 8) else "") for pl in s.npl]
+    for name, got in (("threads", threads), ("asyncio tasks", tasks)):
+        rows += [Row(f"{pl} {name}, each a session through KvBoundaryAdapter(model, manager)", got[pl], peer_tg(pl),
+                     "tok/s", ">= 0.95", "peer: batched-bench, same sessions") for pl in user_npl]
+    rows.append(Row(f"1 worker ({s.threads} threads), {n_clients} gRPC clients each sending Decode", worker[n_clients],
+                    peer_tg(n_clients), "tok/s", ">= 0.95", "clients in the benchmark process; peer: batched-bench"))
+    return rows
+
+
+def split_rows(s: Shapes) -> list[Row]:
+    log("llama-shard: 2-shard in-process pipeline")
+    n = s.n_layer
+    half = [(0, n // 2 - 1), (n // 2, n - 1)]
+    whole_tg = max(ours_pipeline(s.path, s.threads, [], s.npp, s.ntg, s.vocab) for _ in range(s.repeat))
+    split_tg = max(ours_pipeline(s.path, s.threads, half, s.npp, s.ntg, s.vocab) for _ in range(s.repeat))
+    return [Row(f"decode through 2 shards {half[0][0]}-{half[0][1]},{half[1][0]}-{half[1][1]} vs whole",
+                split_tg, whole_tg, "tok/s", ">= 0.90", "peer: the whole model in llama-shard")]
+
+
+def route_rows(s: Shapes) -> list[Row]:
+    log("two worker processes on loopback vs llama.cpp's RPC split")
+    npl, n, rpc_tools = ([1, 2] if s.quick else [1, 8]), s.n_layer, s.rpc_tools
+    chained, relayed, local, peer = alternate(
+        s.repeat, lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl, s.vocab, topology="chained"),
+        lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl[-1:], s.vocab, topology="two workers"),
+        lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl[-1:], s.vocab, topology="local head"),
+        rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, npl)))
+    cut = compute_balanced_cut(s.path)
+    note = f"peer: ggml-rpc-server with layers {n - n // 2}-{n - 1} + llama-batched-bench, 1 thread each"
+    rows = [Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n - 1}), chained, {pl} session"
+                f"{'s' if pl > 1 else ''} (vs RPC split)", chained[pl], peer.get(pl, {}).get("tg"), "tok/s",
+                ">= 1.6" if pl > 1 else ">= 1.0", note) for pl in npl]
+    pl = npl[-1]
+    rows.append(Row(f"2 workers x 1 thread on loopback, client-relayed, {pl} sessions (vs RPC split)",
+                    relayed[pl], peer.get(pl, {}).get("tg"), "tok/s", "", note))
+    rows.append(Row(f"head 0-{cut - 1} in the client process + 1 worker {cut}-{n - 1} on loopback, 1 thread each, "
+                    f"{pl} sessions (vs RPC split: the same topology)", local[pl], peer.get(pl, {}).get("tg"),
+                    "tok/s", ">= 1.6", note))
+    return rows
+
+
+def memory_rows(s: Shapes) -> list[Row]:
+    log("memory")
+    whole = ours_memory(s.path, None)
+    rows = []
+    for r in [(0, s.n_layer // 2 - 1), (s.n_layer // 2, s.n_layer - 1)]:
+        m = ours_memory(s.path, list(r))
+        rows.append(Row(f"resident memory of shard {r[0]}-{r[1]} vs whole", m["rss"] / 2**20, whole["rss"] / 2**20,
+                        "MiB", "<= 0.60", f"weights {m['weights'] / 2**20:.1f} of {whole['weights'] / 2**20:.1f} MiB"))
+        rows.append(Row(f"KV bytes/token of shard {r[0]}-{r[1]} vs whole", m["kv"], whole["kv"], "B", "",
+                        "owned layers only"))
+    return rows
+
+
+def engine_choice_rows(s: Shapes) -> list[Row]:
+    log("KV layout: one shared pool vs one stream per session")
+    lengths = [16, 32, 48, 64] if s.quick else [64, 128, 256, 384, 512, 768, 1024, 1536]
+    layout = kv_layout_comparison(s.path, s.threads, lengths, s.ntg, s.vocab)
+    rows = [Row(f"decode, {len(lengths)} sessions of {lengths[0]}-{lengths[-1]} cached tokens: per-session streams vs "
+                "shared pool", layout[False], layout[True], "tok/s", "choice", "peer: kv_unified=true in llama-shard")]
+    log("session operations")
+    live = [10, 50] if s.quick else [10, 100, 250]
+    ops = ours_session_ops(s.path, s.threads, live, s.vocab)
+    rows += [Row(f"open+prefill(1)+release with {n} live sessions", ops[n], ops[live[0]], "us", "<= 2.0",
+                 f"peer: the same with {live[0]} live") for n in live]
+    return rows
+
+
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, memory_rows, engine_choice_rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-stock", action="store_true", help="skip stock llama.cpp (ratios n/a)")
+    ap.add_argument("--no-build", action="store_true", help="use stock tools only if already built")
+    ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    ap.add_argument("--repeat", type=int, default=2, help="measure each pair this many times, keep each side's best")
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    path = Path(args.model) if args.model else require_embedded_model()
+    stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
+    rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
+    if stock is None and not args.no_stock:
+        log("stock llama.cpp tools not available: peer columns are n/a")
+    shapes = Shapes(path, args.threads, stock, rpc_tools, args.quick, max(1, args.repeat))
+    rows = [row for section in SECTIONS for row in section(shapes)]
+    cmd = ("python benchmarks/bench.py" + (f" --model {args.model}" if args.model else "") +
+           f" --threads {args.threads} --repeat {args.repeat}")
+    print(format_table(rows, f"{path.name}, {args.threads} threads, {os.cpu_count()} CPUs; peer: stock llama.cpp "
+                             f"({pin_label()}) unless noted; command: `{cmd}`"))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""What users run over gRPC, measured: one worker with many clients, and two-stage routes in
+four topologies. Shared by the table (bench.py) and the studies."""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from common import cpu_seconds, log
+from llama_shard import HotKvStateConfig, ShardModel, StepKind
+from llama_shard.models import compute_balanced_cut, gguf_layer_count
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
+from llama_shard.testing.workers import free_port, start_worker, stop_worker, wait_serving
+
+# name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
+TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}
+
+
+@contextmanager
+def _environment(env: dict[str, str] | None):
+    """Variables set while a worker starts (it inherits them; this process has loaded its libraries)."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _decode_clients(addr: str, prompts: list[list[int]], ntg: int, ready: threading.Barrier,
+                    failures: list[str]) -> list[threading.Thread]:
+    """One thread per prompt, each a gRPC client driving its own session: Prefill, wait for
+    `ready`, then ntg Decode calls. A client whose step fails adds the outcome to `failures`."""
+    def client(j: int) -> None:
+        with grpc.insecure_channel(addr) as channel:
+            stub = pb_grpc.ShardServiceStub(channel)
+            r = stub.Prefill(pb.StepRequest(session_id=f"c{j}", route_epoch=0, token_ids=prompts[j]), timeout=120)
+            ready.wait()
+            for _ in range(ntg):
+                r = stub.Decode(pb.StepRequest(session_id=f"c{j}", route_epoch=0, token_ids=[r.token_id]), timeout=120)
+                if r.outcome != pb.OUTCOME_OK:
+                    failures.append(pb.Outcome.Name(r.outcome))
+                    return
+
+    return [threading.Thread(target=client, args=(j,)) for j in range(len(prompts))]
+
+
+def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int,
+                        env: dict[str, str] | None = None) -> float:
+    """One `llama-shard serve` worker (the whole model, `threads` threads) and `n_clients` gRPC
+    clients in this process, each driving its own session with Prefill and then Decode calls.
+    The decode phase is timed. `env`: variables set for the worker process only."""
+    context = npp + ntg + 8
+    with _environment(env):
+        proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads, extra=(
+            "--max-sessions", str(n_clients), "--context-tokens", str(context),
+            "--budget-tokens", str(n_clients * context)))
+    try:
+        wait_serving(proc, addr)
+        rng = np.random.default_rng(7)
+        ready, failures = threading.Barrier(n_clients + 1), []
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(n_clients)]
+        clients = _decode_clients(addr, prompts, ntg, ready, failures)
+        for t in clients:
+            t.start()
+        with grpc.insecure_channel(addr) as channel:
+            info = pb_grpc.ShardServiceStub(channel).Info
+            ready.wait()
+            i0, cpu0 = info(pb.InfoRequest(), timeout=30), (cpu_seconds(proc.pid), cpu_seconds())
+            t0 = time.perf_counter()
+            for t in clients:
+                t.join()
+            wall = time.perf_counter() - t0
+            i1, cpu1 = info(pb.InfoRequest(), timeout=30), (cpu_seconds(proc.pid), cpu_seconds())
+        if failures:
+            raise RuntimeError(f"worker clients failed: {failures[:3]}")
+        steps, busy = i1.engine_steps - i0.engine_steps, i1.engine_busy_seconds - i0.engine_busy_seconds
+        # where the time goes: the engine's share of the wall time, the requests per step, and the
+        # CPU of the worker process (compute threads included) and of the clients
+        log(f"worker profile, {n_clients} gRPC clients: {n_clients * ntg} tokens in {wall:.2f}s; engine busy "
+            f"{busy:.2f}s ({busy / wall:.0%} of the wall time) in {steps} steps of "
+            f"{(i1.engine_requests - i0.engine_requests) / max(steps, 1):.1f} requests, {busy / max(steps, 1) * 1e3:.1f} ms each; "
+            f"CPU worker {cpu1[0] - cpu0[0]:.2f}s, clients {cpu1[1] - cpu0[1]:.2f}s")
+        return n_clients * ntg / wall
+    finally:
+        stop_worker(proc)
+
+
+def _engine_counters(stage) -> tuple[float, int, int]:
+    """(seconds busy, steps, requests) of a stage's engine: a worker's Info, or a local stage's loop."""
+    if isinstance(stage, LocalStage):
+        st = stage.manager.loop_stats()
+        return st["busy_seconds"], st["steps"], st["requests"]
+    info = stage.stats()
+    return info.engine_busy_seconds, info.engine_steps, info.engine_requests
+
+
+def _start_stages(path: Path, ranges: list[tuple[int, int]], topology: str) -> list[tuple[subprocess.Popen, str]]:
+    """The worker processes of a topology (the last TOPOLOGIES[topology] stages), 1 thread each."""
+    n_local = len(ranges) - TOPOLOGIES[topology]
+    if topology == "chained":
+        tail_port = free_port()
+        tail = start_worker(path, *ranges[1], 1, port=tail_port)
+        return [start_worker(path, *ranges[0], 1, extra=("--peer", f"127.0.0.1:{tail_port}")), tail]
+    return [start_worker(path, first, last, 1) for first, last in ranges[n_local:]]
+
+
+class _MicroBatches:
+    """pl sessions of a route dealt into groups of consecutive sessions; each group steps through
+    the route on its own thread, so while the tail computes one group the head computes another."""
+
+    def __init__(self, client: RouteClient, pl: int, micro_batches: int):
+        self.client = client
+        self.sessions = [client.session(f"pipe-{pl}-{j}") for j in range(pl)]
+        n = max(1, min(micro_batches, pl))
+        self.groups = [list(range(g * pl // n, (g + 1) * pl // n)) for g in range(n)]
+        self.last_token: dict[int, int] = {}
+
+    def step(self, kind: StepKind, group: list[int], feeds: list[list[int]]) -> None:
+        outs = self.client.step_sessions(kind, [self.sessions[i] for i in group], feeds)
+        for i, out in zip(group, outs):
+            if isinstance(out, RouteError):
+                raise out
+            self.last_token[i] = int(out.token_id)
+
+    def prefill(self, rng, vocab: int, npp: int) -> None:
+        for group in self.groups:  # sessions open in order: each group holds consecutive seq ids
+            self.step(StepKind.PREFILL, group, [rng.integers(0, vocab, npp).tolist() for _ in group])
+
+    def decode(self, ntg: int) -> float:
+        """ntg decode steps of every group, the groups on threads of their own; the wall seconds."""
+        failures: list[RouteError] = []
+
+        def run(group: list[int]) -> None:
+            try:
+                for _ in range(ntg):
+                    self.step(StepKind.DECODE, group, [[self.last_token[i]] for i in group])
+            except RouteError as e:
+                failures.append(e)
+
+        threads = [threading.Thread(target=run, args=(g,)) for g in self.groups]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        return time.perf_counter() - t0
+
+    def release(self) -> None:
+        for s in self.sessions:
+            s.release()
+
+
+def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
+                    micro_batches: int = 2, topology: str = "two workers") -> dict[int, float]:
+    """Decode tokens/s of `pl` sessions through two 1-thread stages split where per-token compute
+    balances (the tail also runs the LM head). Topologies: "chained", two `serve` processes, the
+    head forwarding to the tail; "two workers", the same driven by this process; "local head", the
+    head in this process (a LocalStage, as llama-batched-bench keeps its half local) and the tail
+    a worker; "in process", both stages LocalStages: no gRPC and no second process, which shows
+    what the transport costs. Sessions step in `micro_batches` groups (pipelining). Like
+    llama-batched-bench, prompts are prefilled first and only the decode is timed."""
+    cut = compute_balanced_cut(path)
+    ranges = [(0, cut - 1), (cut, n_layer - 1)]
+    n_local = len(ranges) - TOPOLOGIES[topology]  # the first n_local stages run in this process
+    procs = _start_stages(path, ranges, topology)
+    res = {}
+    try:
+        for proc, addr in procs:
+            wait_serving(proc, addr)
+        config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as the workers'
+        stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]]
+                  + [RemoteStage(addr) for _, addr in procs])
+        client = RouteClient(stages, chained=topology == "chained")
+        rng = np.random.default_rng(5)
+        for pl in npl:
+            batches = _MicroBatches(client, pl, micro_batches)
+            batches.prefill(rng, vocab, npp)
+            cpu0 = [cpu_seconds(proc.pid) for proc, _ in procs] + [cpu_seconds()]
+            eng0 = [_engine_counters(s) for s in client.stages]
+            wall = batches.decode(ntg)
+            cpu = [b - a for a, b in zip(cpu0, [cpu_seconds(proc.pid) for proc, _ in procs] + [cpu_seconds()])]
+            eng = [tuple(b - a for a, b in zip(before, _engine_counters(s))) for before, s in zip(eng0, client.stages)]
+            res[pl] = pl * ntg / wall
+            _log_route_profile(topology, n_local, pl, len(batches.groups), ntg, wall, cpu, eng)
+            batches.release()
+        client.close()
+    finally:
+        for proc, _ in procs:
+            stop_worker(proc)
+    return res
+
+
+def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg: int, wall: float,
+                       cpu: list[float], eng: list[tuple]) -> None:
+    """Where the time went: CPU seconds of each process during the decode, and how long each
+    stage's engine was busy, in how many steps of how many requests."""
+    names = ["head", "tail"][n_local:] + [" + ".join(["client", *["head", "tail"][:n_local]])]
+    log(f"pipeline profile ({topology}), {pl} session(s) in "
+        f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall ({wall / ntg * 1e3:.1f} ms per round): CPU "
+        + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
+        + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
+        + ", ".join(f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
+                    for stage, (b, n, r) in zip(("head", "tail"), eng)))

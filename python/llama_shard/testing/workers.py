@@ -1,0 +1,74 @@
+"""Start and stop `llama-shard serve` workers on loopback: for tests, the demo and the benchmarks.
+
+    proc, address = start_worker(model_path, 0, 14, threads=1)
+    wait_serving(proc, address)      # the gRPC health check says SERVING
+    ...
+    stop_worker(proc)                # SIGTERM (the worker persists its warm tier), then the exit code
+
+A worker is a child process of this one, running `python -m llama_shard.cli serve` with the same
+interpreter; its stdout is discarded and its stderr kept (a pipe) for the error a failed start
+reports.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+#: what start_worker passes unless told otherwise: 8 hot slots of 512 tokens, 2,048 tokens budgeted
+WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048")
+
+
+def free_port() -> int:
+    """A loopback port that is free now (for a worker started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(model: str | Path, first: int, last: int, threads: int = 1, extra: tuple[str, ...] = (),
+                 port: int | None = None, defaults: tuple[str, ...] = WORKER_DEFAULTS) -> tuple[subprocess.Popen, str]:
+    """Starts a worker for layers first..last; returns the process and its address. `extra` serve
+    flags come after `defaults`, so they win (argparse keeps the last)."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
+           "--port", str(port), "--threads", str(threads), *defaults, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0) -> None:
+    """Returns when the worker's health check says SERVING; raises if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                stderr = proc.stderr.read() if proc.stderr else ""
+                raise RuntimeError(f"worker {address} exited with {proc.returncode}: {stderr[-2000:]}")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"worker {address} did not become ready in {timeout_s}s")
+
+
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM, wait (SIGKILL after timeout_s); returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
