@@ -261,8 +261,15 @@ void register_errors(py::module_ & m) {
 
 // ModelInfo and ShardModel: a layer range of a GGUF model
 void register_model(py::module_ & m) {
-    m.def("certified_architectures", [] { return std::vector<std::string>{"llama", "qwen2", "qwen3"}; },
+    m.def("certified_architectures", &shard_certified_architectures,
           "Architectures whose graphs honour a shard range.");
+    m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
+    m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
+    m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");
+    m.def("kv_bytes_per_token",
+          py::overload_cast<int32_t, int32_t, int32_t, const std::string &>(&llama_shard::kv_bytes_per_token),
+          py::arg("n_head_kv"), py::arg("head_dim"), py::arg("n_layers"), py::arg("kv_type") = "f16",
+          "K and V bytes one cached token takes over n_layers layers (ggml's row sizes).");
 
     py::class_<shard_model_info>(m, "ModelInfo")
         .def_readonly("architecture", &shard_model_info::architecture)

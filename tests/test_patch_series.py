@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,20 @@ def test_every_patch_has_a_header_saying_why():
 
 def test_pin_names_package_version_hash_and_upstream_commit():
     pin = json.loads((REPO / "third_party" / "llama-cpp-pin.json").read_text())
-    assert pin["package"] == "llama-cpp-python" and pin["version"] == "0.3.36"
-    assert len(pin["sha256"]) == 64 and pin["upstream_commit"] == "0c1e57098"
+    assert pin["package"] == "llama-cpp-python" and re.fullmatch(r"\d+\.\d+\.\d+", pin["version"])
+    assert pin["sdist"] == f"llama_cpp_python-{pin['version']}.tar.gz"
+    assert re.fullmatch(r"[0-9a-f]{64}", pin["sha256"]) and re.fullmatch(r"[0-9a-f]{7,40}", pin["upstream_commit"])
+
+
+def test_the_graph_patch_certifies_the_architectures_the_native_module_lists():
+    """The native module's list is the one the Python side reads; llama.cpp's own check (patch
+    0001) must name the same architectures, in its condition and in its message."""
+    from llama_shard import certified_architectures
+
+    patch = next((REPO / "patches").glob("0001-*.patch")).read_text()
+    condition = re.search(r"^\+\s*if \((model->arch != LLM_ARCH_\w+( && )?)+\)", patch, re.M)
+    assert condition, "patch 0001 no longer has its architecture check"
+    in_condition = sorted(a.lower() for a in re.findall(r"LLM_ARCH_(\w+)", condition.group(0)))
+    in_message = sorted(re.search(r"does not support a shard layer range \(supported: ([a-z0-9, ]+)\)", patch).group(1).split(", "))
+    assert in_condition == in_message == sorted(certified_architectures())
 

@@ -74,7 +74,6 @@ static std::list<std::string>::iterator insert_by_last_used(std::list<std::strin
     return lru.insert(pos, sid);
 }
 
-static constexpr size_t MAX_SESSION_ID_BYTES = 256;
 
 // the answer to a request whose epoch is older than the session's `current` ("current" while the
 // session is live, "last" when only its dropped record remains)
@@ -92,8 +91,8 @@ static hot_kv_result stale_result(int64_t epoch, int64_t current, const char * w
 //
 
 hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config) : model_(model), config_(config) {
-    if (config.max_sessions < 1 || config.max_sessions > 256) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "max_sessions must be in [1, 256]");
+    if (config.max_sessions < 1 || config.max_sessions > SHARD_MAX_SEQUENCES) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "max_sessions must be in [1, " + str(SHARD_MAX_SEQUENCES) + "]");
     }
     if (config.context_tokens < 1 || config.budget_tokens < 1 || config.n_batch < 1 || config.n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens, budget_tokens and n_batch must be >= 1");
@@ -180,8 +179,8 @@ uint64_t hot_kv_engine::warm_entry::bytes() const {
 // ---------------------------------------------------------------------------------------------
 
 void hot_kv_engine::validate_key(const std::string & sid, int64_t epoch) const {
-    if (sid.empty() || sid.size() > MAX_SESSION_ID_BYTES) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "session id must be 1 to 256 bytes");
+    if (sid.empty() || sid.size() > HOT_KV_MAX_SESSION_ID_BYTES) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "session id must be 1 to " + str(HOT_KV_MAX_SESSION_ID_BYTES) + " bytes");
     }
     if (epoch < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "route epoch must be >= 0, got " + str(epoch));
@@ -422,48 +421,37 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
 }
 
 bool hot_kv_engine::make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
-                                     const std::vector<std::string> & step) {
-    auto kept = [&](const std::string & sid) { return std::find(keep.begin(), keep.end(), sid) != keep.end(); };
-    if (reserved_ + tokens > config_.budget_tokens || (need_id && free_ids_.empty())) {
-        // decide before evicting anything whether evicting every session outside `keep` is enough
-        int64_t evictable = 0;
-        int32_t n_evictable = 0;
-        for (const auto & [other, o] : live_) {
-            if (!kept(other)) {
-                evictable += o.seq_len;
-                ++n_evictable;
+                                     const std::vector<std::string> & later) {
+    int64_t over     = reserved_ + tokens - config_.budget_tokens;  // hot tokens that must go
+    bool    id_short = need_id && free_ids_.empty();
+    if (over <= 0 && !id_short) {
+        return true;
+    }
+    // one pass over the LRU order picks the victims (the sessions in `later` only after every other
+    // one); nothing leaves unless they are enough
+    auto in = [](const std::vector<std::string> & v, const std::string & sid) {
+        return std::find(v.begin(), v.end(), sid) != v.end();
+    };
+    std::vector<std::string> victims;
+    for (const bool later_ones : {false, true}) {
+        for (const std::string & sid : lru_) {
+            if (over <= 0 && !id_short) {
+                break;
+            }
+            if (!in(keep, sid) && in(later, sid) == later_ones) {
+                victims.push_back(sid);
+                over -= live_.at(sid).seq_len;
+                id_short = false;
             }
         }
-        if (reserved_ + tokens - evictable > config_.budget_tokens || (need_id && free_ids_.empty() && n_evictable == 0)) {
-            return false;
-        }
     }
-    while (reserved_ + tokens > config_.budget_tokens || (need_id && free_ids_.empty())) {
-        const bool evicted = evict_lru_except_locked(keep, step);
-        assert(evicted);
-        (void) evicted;
+    if (over > 0 || id_short) {
+        return false;
+    }
+    for (const std::string & victim : victims) {
+        leave_hot_locked(victim, SHARD_MISS_EVICTED_LRU);
     }
     return true;
-}
-
-bool hot_kv_engine::evict_lru_locked(const std::string & keep) {
-    return evict_lru_except_locked({keep});
-}
-
-// the least recently used session outside `keep` leaves the hot set; sessions in `later` (the
-// step's, not admitted yet) only once no other is left
-bool hot_kv_engine::evict_lru_except_locked(const std::vector<std::string> & keep, const std::vector<std::string> & later) {
-    for (const bool allow_later : {false, true}) {
-        for (const std::string & sid : lru_) {
-            const bool is_later = std::find(later.begin(), later.end(), sid) != later.end();
-            if (std::find(keep.begin(), keep.end(), sid) == keep.end() && (allow_later || !is_later)) {
-                const std::string victim = sid;  // leaving erases the list node
-                leave_hot_locked(victim, SHARD_MISS_EVICTED_LRU);
-                return true;
-            }
-        }
-    }
-    return false;
 }
 
 double hot_kv_engine::begin_locked(const std::string & sid, int64_t epoch, double now) {
@@ -506,7 +494,9 @@ void hot_kv_engine::touch_locked(session & s, double now) {
 hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, int64_t epoch, double now) {
     assert(live_.count(sid) == 0);
     if (free_ids_.empty()) {
-        evict_lru_locked(sid);
+        const bool room = make_room_locked(0, /*need_id*/ true, {sid}, {});
+        assert(room);  // max_sessions >= 1: another session holds an id
+        (void) room;
     }
     const int32_t seq_id = take_free_id_locked();
     lru_.push_back(sid);
@@ -737,10 +727,23 @@ std::vector<hot_kv_result> hot_kv_engine::step(const std::vector<hot_kv_request>
 std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_request> & requests, double now) {
     now = tick_locked(now);
     std::vector<hot_kv_result> results(requests.size());
+    std::vector<bool>          valid(requests.size(), false);
+    const std::vector<std::string> participants = validate_step(requests, results, valid);
+    if (participants.empty()) {
+        return results;  // a step with nothing valid in it changes nothing, not even by time
+    }
+    sweep_locked(now);
+    const std::vector<planned> plan = admit_step_locked(requests, valid, participants, now, results);
+    if (!plan.empty()) {
+        compute_locked(requests, plan, results);
+    }
+    return results;
+}
 
-    // 1. validate every request before anything changes; a bad one is answered on its own
+// every request is checked before anything changes; a bad one is answered on its own
+std::vector<std::string> hot_kv_engine::validate_step(const std::vector<hot_kv_request> & requests,
+                                                      std::vector<hot_kv_result> & results, std::vector<bool> & valid) const {
     std::vector<std::string> participants;
-    std::vector<bool> valid(requests.size(), false);
     for (size_t i = 0; i < requests.size(); ++i) {
         const hot_kv_request & req = requests[i];
         try {
@@ -759,26 +762,23 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
             results[i].detail = e.what();
         }
     }
+    return participants;
+}
 
-    // 2. time passes, then identity and admission, request by request (a step with nothing valid
-    // in it changes nothing, not even by time)
-    if (participants.empty()) {
-        return results;
-    }
-    sweep_locked(now);
-    new_in_step_     = 0;  // prefills of sessions not live under that epoch: the ids to place together
+// identity and admission, request by request, in order
+std::vector<hot_kv_engine::planned> hot_kv_engine::admit_step_locked(const std::vector<hot_kv_request> & requests,
+                                                                     const std::vector<bool> & valid,
+                                                                     const std::vector<std::string> & participants,
+                                                                     double now, std::vector<hot_kv_result> & results) {
+    new_in_step_     = 0;  // sessions the step creates or restores: the ids to place together
     last_created_id_ = -1;
     for (size_t i = 0; i < requests.size(); ++i) {
-        if (!valid[i]) {
-            continue;
-        }
-        // a prefill not live under its epoch creates a session, a step of a warm session restores one
-        const std::string & sid = requests[i].session_id;
-        auto it = live_.find(sid);
-        auto wit = warm_.find(sid);
-        if (it == live_.end() || it->second.epoch != requests[i].epoch) {
-            const bool warm = wit != warm_.end() && wit->second.epoch == requests[i].epoch;
-            new_in_step_ += (requests[i].kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
+        const hot_kv_request & req = requests[i];
+        auto it = live_.find(req.session_id);
+        if (valid[i] && (it == live_.end() || it->second.epoch != req.epoch)) {
+            auto wit = warm_.find(req.session_id);
+            const bool warm = wit != warm_.end() && wit->second.epoch == req.epoch;
+            new_in_step_ += (req.kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
         }
     }
     std::vector<planned> plan;
@@ -789,124 +789,78 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
     }
     new_in_step_     = 0;
     last_created_id_ = -1;
-    if (plan.empty()) {
-        return results;
-    }
+    return plan;
+}
 
-    // 3. compute everything admitted together
+// everything admitted in one llama_decode; a failure rolls every planned session back
+void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests, const std::vector<planned> & plan,
+                                   std::vector<hot_kv_result> & results) {
     std::vector<shard_context::batch_item> items;
     items.reserve(plan.size());
     for (const planned & p : plan) {
         const hot_kv_request & req = requests[p.index];
         items.push_back({p.s->seq_id, p.start, req.input, req.out});
     }
+    shard_status status = SHARD_STATUS_OK;
+    std::string  detail;
     try {
         // inputs were validated above; forward_batch rolls back every position it added if a decode fails
         ctx_->forward_batch(items, /*inputs_validated*/ true);
     } catch (const shard_error & e) {
-        for (const planned & p : plan) {
-            reserved_ -= requests[p.index].input.n_tokens;
-            hot_kv_result & r = results[p.index];
-            r = hot_kv_result{};
-            r.status  = SHARD_STATUS_COMPUTE_ERROR;
-            r.seq_len = p.s->seq_len;
-            r.seq_id  = p.s->seq_id;
-            r.tier    = HOT_KV_TIER_HOT;
-            r.detail  = e.what();
-        }
-        return results;
+        status = SHARD_STATUS_COMPUTE_ERROR;
+        detail = e.what();
     }
     for (const planned & p : plan) {
         const int64_t n = requests[p.index].input.n_tokens;
-        p.s->seq_len = p.start + (int32_t) n;
-        counters_.steps++;
-        counters_.tokens_computed += (uint64_t) n;
+        if (status == SHARD_STATUS_OK) {
+            p.s->seq_len = p.start + (int32_t) n;
+            counters_.steps++;
+            counters_.tokens_computed += (uint64_t) n;
+        } else {
+            reserved_ -= n;  // reserved at admission, never held
+        }
         hot_kv_result & r = results[p.index];
         r = hot_kv_result{};
+        r.status  = status;
         r.seq_len = p.s->seq_len;
         r.seq_id  = p.s->seq_id;
         r.tier    = HOT_KV_TIER_HOT;
+        r.detail  = detail;
     }
-    return results;
+}
+
+// the answer to a request that is refused with its session (if any) left as it is
+static bool refused(hot_kv_result & res, shard_status status, const std::string & why, int32_t seq_len, int32_t seq_id) {
+    res = hot_kv_result{};
+    res.status = status;
+    res.detail = why;
+    if (seq_id >= 0) {
+        res.seq_len = seq_len;
+        res.seq_id  = seq_id;
+        res.tier    = HOT_KV_TIER_HOT;
+    }
+    return false;
 }
 
 bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
                                  std::vector<planned> & plan, size_t index, hot_kv_result & res) {
     const std::string & sid = req.session_id;
-    const int64_t n = req.input.n_tokens;
-    auto refuse = [&](shard_status status, const std::string & why, const session * s) {
-        res = hot_kv_result{};
-        res.status = status;
-        res.detail = why;
-        if (s != nullptr) {
-            res.seq_len = s->seq_len;
-            res.seq_id  = s->seq_id;
-            res.tier    = HOT_KV_TIER_HOT;
-        }
-        return false;
-    };
-
     warm_entry * w = nullptr;
     session * s = identify_locked(sid, req.epoch, res, &w);
-    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+    int32_t start = 0;
+    if (res.status == SHARD_STATUS_STALE_EPOCH || !start_position_locked(req, s, w, res, start)) {
         return false;
     }
-    const bool known = s != nullptr || w != nullptr;
-    const int32_t held = s != nullptr ? s->seq_len : (w != nullptr ? w->seq_len : 0);  // the cached length, hot or warm
-    int32_t start = 0;
-    if (req.kind == HOT_KV_STEP_PREFILL) {
-        if (!known && req.position > 0) {
-            counters_.misses[res.miss]++;  // nothing cached to continue from: the head re-prefills from token zero
-            return false;
-        }
-        start = req.position < 0 ? held : req.position;
-        if (start > held) {
-            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                              "start position " + str(start) + " is past the cached length " + str(held));
-            return false;
-        }
-    } else {
-        if (!known) {
-            counters_.misses[res.miss]++;
-            return false;
-        }
-        if (req.position >= 0 && req.position != held) {
-            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
-                              "expected past length " + str(req.position) + ", cached length is " + str(held));
-            return false;
-        }
-        start = held;
-    }
-
-    const int64_t new_len = (int64_t) start + n;
+    const int64_t new_len = (int64_t) start + req.input.n_tokens;
     if (new_len > config_.context_tokens || new_len > config_.budget_tokens) {
-        return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "the session would hold " + str(new_len) + " tokens; context_tokens is " +
-                      str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens), s);
+        return refused(res, SHARD_STATUS_BUDGET_EXCEEDED, "the session would hold " + str(new_len) + " tokens; context_tokens is " +
+                       str(config_.context_tokens) + " and budget_tokens " + str(config_.budget_tokens),
+                       s ? s->seq_len : 0, s ? s->seq_id : -1);
     }
     // hot tokens this request adds at its peak: a warm session comes back whole before it is cut to start
-    const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(held, new_len);
-    bool room = reserved_ + grow <= config_.budget_tokens && (s != nullptr || !free_ids_.empty());
-    if (!room) {  // the common decode fits as it is: only here is there anyone to choose
-        // who may leave the hot set for this request: never the requester or what this step already
-        // admitted; the step's other sessions only when they can go to the warm tier
-        std::vector<std::string> keep{sid};
-        for (const planned & p : plan) {
-            keep.push_back(*p.sid);
-        }
-        if (!warm_enabled()) {
-            keep.insert(keep.end(), participants.begin(), participants.end());
-        }
-        pin_guard pin(warm_pinned_, w != nullptr ? &sid : nullptr);
-        room = make_room_locked(grow, s == nullptr, keep, participants);
-    }
-    if (!room) {
-        if (warm_enabled() && !plan.empty()) {  // it fits alone: it goes first in the next step
-            return refuse(SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step", s);
-        }
-        if (s == nullptr && free_ids_.empty()) {
-            return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "all " + str(config_.max_sessions) + " sessions take part in this step", s);
-        }
-        return refuse(SHARD_STATUS_BUDGET_EXCEEDED, "the step's sessions together exceed budget_tokens " + str(config_.budget_tokens), s);
+    const int64_t grow = s != nullptr ? new_len - s->seq_len : std::max<int64_t>(w != nullptr ? w->seq_len : 0, new_len);
+    if (!room_for_locked(sid, s, w, grow, participants, plan, res)) {
+        return false;
     }
     if (w != nullptr) {
         s = restore_locked(sid, now, res);
@@ -922,10 +876,76 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
         s->seq_len = start;
     }
     touch_locked(*s, now);
-    reserved_ += n;  // reserved now, held once computed, returned if the compute fails
+    reserved_ += req.input.n_tokens;  // reserved now, held once computed, returned if the compute fails
     plan.push_back({index, s, start, &sid});
     res = hot_kv_result{};
     return true;
+}
+
+// where the request's tokens go: a prefill at its position (or after the cached tokens), a decode
+// after the cached tokens (checked against the length the head expects); false with a counted miss
+bool hot_kv_engine::start_position_locked(const hot_kv_request & req, const session * s, const warm_entry * w,
+                                          hot_kv_result & res, int32_t & start) {
+    const bool known = s != nullptr || w != nullptr;
+    const int32_t held = s != nullptr ? s->seq_len : (w != nullptr ? w->seq_len : 0);  // the cached length, hot or warm
+    if (req.kind == HOT_KV_STEP_PREFILL) {
+        if (!known && req.position > 0) {
+            counters_.misses[res.miss]++;  // nothing cached to continue from: the head re-prefills from token zero
+            return false;
+        }
+        start = req.position < 0 ? held : req.position;
+        if (start > held) {
+            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                              "start position " + str(start) + " is past the cached length " + str(held));
+            return false;
+        }
+        return true;
+    }
+    if (!known) {
+        counters_.misses[res.miss]++;
+        return false;
+    }
+    if (req.position >= 0 && req.position != held) {
+        res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+                          "expected past length " + str(req.position) + ", cached length is " + str(held));
+        return false;
+    }
+    start = held;
+    return true;
+}
+
+// room for `grow` more hot tokens (and a seq id when the session is not hot), made by moving
+// others out of the hot set; false with the refusal in `res`
+bool hot_kv_engine::room_for_locked(const std::string & sid, const session * s, const warm_entry * w, int64_t grow,
+                                    const std::vector<std::string> & participants, const std::vector<planned> & plan,
+                                    hot_kv_result & res) {
+    if (reserved_ + grow <= config_.budget_tokens && (s != nullptr || !free_ids_.empty())) {
+        return true;  // the common decode: no one to choose, nothing built
+    }
+    // who may leave: never the requester or what this step already admitted; the step's other
+    // sessions only when they can go to the warm tier
+    std::vector<std::string> keep{sid};
+    for (const planned & p : plan) {
+        keep.push_back(*p.sid);
+    }
+    if (!warm_enabled()) {
+        keep.insert(keep.end(), participants.begin(), participants.end());
+    }
+    pin_guard pin(warm_pinned_, w != nullptr ? &sid : nullptr);
+    if (make_room_locked(grow, s == nullptr, keep, participants)) {
+        return true;
+    }
+    const int32_t seq_len = s ? s->seq_len : 0, seq_id = s ? s->seq_id : -1;
+    if (warm_enabled() && !plan.empty()) {  // it fits alone: it goes first in the next step
+        return refused(res, SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step",
+                       seq_len, seq_id);
+    }
+    if (s == nullptr && free_ids_.empty()) {
+        return refused(res, SHARD_STATUS_BUDGET_EXCEEDED, "all " + str(config_.max_sessions) + " sessions take part in this step",
+                       seq_len, seq_id);
+    }
+    return refused(res, SHARD_STATUS_BUDGET_EXCEEDED, "the step's sessions together exceed budget_tokens " + str(config_.budget_tokens),
+                   seq_len, seq_id);
 }
 
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {

@@ -21,31 +21,47 @@ struct shard_context::batch_buffers {
 
 static std::string str(int64_t v) { return std::to_string(v); }
 
+const std::vector<std::string> & shard_kv_types() {
+    static const std::vector<std::string> names{"f16", "q8_0", "q4_0"};  // in the order of kv_ggml_type's
+    return names;
+}
+
 static ggml_type kv_ggml_type(const std::string & name) {
-    if (name == "f16")  return GGML_TYPE_F16;
-    if (name == "q8_0") return GGML_TYPE_Q8_0;
-    if (name == "q4_0") return GGML_TYPE_Q4_0;
+    static const ggml_type types[] = {GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0};
+    const auto & names = shard_kv_types();
+    for (size_t i = 0; i < names.size(); ++i) {
+        if (names[i] == name) {
+            return types[i];
+        }
+    }
     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type must be f16, q8_0 or q4_0, got '" + name + "'");
+}
+
+uint64_t kv_bytes_per_token(int32_t n_head_kv, int32_t head_dim, int32_t n_layers, const std::string & kv_type) {
+    const ggml_type type = kv_ggml_type(kv_type);
+    if (n_head_kv < 1 || head_dim < 1 || n_layers < 0) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_head_kv and head_dim must be >= 1 and n_layers >= 0");
+    }
+    if (head_dim % ggml_blck_size(type) != 0) {  // llama.cpp quantizes each head's row in blocks
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs a head size that is a multiple of " +
+                          str(ggml_blck_size(type)) + "; this model's is " + str(head_dim));
+    }
+    // one K row and one V row per layer
+    return 2ull * (uint64_t) ggml_row_size(type, (int64_t) n_head_kv * head_dim) * (uint64_t) n_layers;
 }
 
 uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type) {
     const shard_model_info & info = model.info();
-    const int64_t n_embd_kv = (int64_t) info.n_head_kv * info.head_dim;
-    const ggml_type type = kv_ggml_type(kv_type);
-    if (info.head_dim % ggml_blck_size(type) != 0) {  // llama.cpp quantizes each head's row in blocks
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs a head size that is a multiple of " +
-                          str(ggml_blck_size(type)) + "; this model's is " + str(info.head_dim));
-    }
-    // one K row and one V row per owned layer
-    return 2ull * (uint64_t) ggml_row_size(type, n_embd_kv) * (uint64_t) info.n_owned_layers();
+    return kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), kv_type);
 }
 
 shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
     if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_ctx, n_seq_max and n_batch must be >= 1 and n_threads >= 0");
     }
-    if (params.n_seq_max > 256) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_seq_max must be <= 256 (llama.cpp's sequence limit)");
+    if (params.n_seq_max > SHARD_MAX_SEQUENCES) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                          "n_seq_max must be <= " + str(SHARD_MAX_SEQUENCES) + " (llama.cpp's sequence limit)");
     }
     if (params.n_batch > params.n_ctx) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_batch (" + str(params.n_batch) + ") must not exceed n_ctx (" + str(params.n_ctx) + ")");
@@ -171,13 +187,40 @@ uint64_t shard_context::n_decode_calls() const {
 }
 
 int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) {
-    const shard_model_info & info = model_.info();
+    validate_batch_locked(items, inputs_validated);  // nothing reaches llama.cpp before this passes
+    const std::vector<size_t> order = decode_order(items);
     llama_memory_t mem = llama_get_memory(ctx_);
+    auto roll_back = [&](const std::string & why, shard_errc code) {
+        for (const batch_item & it : items) {
+            llama_memory_seq_rm(mem, it.seq_id, it.pos, -1);
+        }
+        throw shard_error(code, why);
+    };
+    // items packed in order into llama_decode calls of at most n_batch tokens each
+    int32_t n_calls = 0;
+    for (size_t first = 0, last = 0; first < items.size(); first = last) {
+        last = fill_batch(items, order, first);
+        const int32_t ret = llama_decode(ctx_, batch_->batch);
+        ++n_decode_calls_;
+        ++n_calls;
+        if (ret != 0) {
+            const std::string why = shard_last_llama_error();
+            roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
+                      ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
+        }
+        const char * missing = read_outputs(items, order, first, last);  // before the next decode overwrites them
+        if (missing != nullptr) {
+            roll_back(missing, SHARD_ERRC_COMPUTE);
+        }
+    }
+    return n_calls;
+}
 
-    // --- validate everything before anything reaches llama.cpp ---
+void shard_context::validate_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) const {
     if (items.empty()) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "empty batch");
     }
+    llama_memory_t mem = llama_get_memory(ctx_);
     std::vector<bool> seen((size_t) n_seq_max_, false);
     int64_t n_new = 0;
     for (const batch_item & it : items) {
@@ -202,25 +245,17 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
         }
         n_new += it.input.n_tokens;
     }
-    if (kv_unified_) {
-        const int64_t n_used = n_cells_used_unlocked();
-        if (n_used + n_new > n_ctx_) {
-            throw shard_error(SHARD_ERRC_CAPACITY,
-                "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(n_new) + " more do not fit");
-        }
+    const int64_t n_used = kv_unified_ ? n_cells_used_unlocked() : 0;
+    if (kv_unified_ && n_used + n_new > n_ctx_) {
+        throw shard_error(SHARD_ERRC_CAPACITY,
+            "the context holds " + str(n_used) + " of " + str(n_ctx_) + " cells; " + str(n_new) + " more do not fit");
     }
+}
 
-    auto roll_back = [&](const std::string & why, shard_errc code) {
-        for (const batch_item & it : items) {
-            llama_memory_seq_rm(mem, it.seq_id, it.pos, -1);
-        }
-        throw shard_error(code, why);
-    };
-
-    // --- pack items into llama_decode calls of at most n_batch tokens ---
-    // With one KV stream per sequence, llama.cpp puts into one ubatch (one graph computation) only
-    // sequences whose ids follow each other in batch order (split_equal, sequential): items go in
-    // ascending seq_id order, so a run of consecutive ids costs one pass over the weights, not one each.
+// With one KV stream per sequence, llama.cpp puts into one ubatch (one graph computation) only
+// sequences whose ids follow each other in batch order (split_equal, sequential): items go in
+// ascending seq_id order, so a run of consecutive ids costs one pass over the weights, not one each.
+std::vector<size_t> shard_context::decode_order(const std::vector<batch_item> & items) const {
     std::vector<size_t> order(items.size());
     for (size_t k = 0; k < order.size(); ++k) {
         order[k] = k;
@@ -228,67 +263,63 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
     if (!kv_unified_) {
         std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].seq_id < items[b].seq_id; });
     }
+    return order;
+}
+
+// fills the batch with items order[first..) while they fit in n_batch tokens (each one does:
+// validate_input bounds it); returns the end of the run
+size_t shard_context::fill_batch(const std::vector<batch_item> & items, const std::vector<size_t> & order, size_t first) {
+    const shard_model_info & info = model_.info();
     llama_batch & batch = batch_->batch;
-    int32_t n_calls = 0;
-    size_t first = 0;
-    while (first < items.size()) {
-        size_t last = first;
-        int32_t n = 0;
-        while (last < items.size() && n + items[order[last]].input.n_tokens <= n_batch_) {
-            n += (int32_t) items[order[last]].input.n_tokens;
-            ++last;
+    size_t last = first;
+    int32_t row = 0;
+    for (; last < items.size() && row + items[order[last]].input.n_tokens <= n_batch_; ++last) {
+        const batch_item & it = items[order[last]];
+        const int32_t m = (int32_t) it.input.n_tokens;
+        if (it.input.tokens != nullptr) {
+            std::memcpy(batch.token + row, it.input.tokens, sizeof(int32_t) * (size_t) m);
+        } else {
+            std::memcpy(batch.embd + (size_t) row * info.n_embd, it.input.hidden,
+                        sizeof(float) * (size_t) m * (size_t) info.n_embd);
         }
-        batch.n_tokens = n;
-        int32_t row = 0;
-        for (size_t k = first; k < last; ++k) {
-            const batch_item & it = items[order[k]];
-            const int32_t m = (int32_t) it.input.n_tokens;
-            for (int32_t i = 0; i < m; ++i, ++row) {
-                batch.pos[row]       = it.pos + i;
-                batch.n_seq_id[row]  = 1;
-                batch.seq_id[row][0] = it.seq_id;
-                batch.logits[row]    = info.is_tail ? (i == m - 1) : 1;
-            }
-            if (it.input.tokens != nullptr) {
-                std::memcpy(batch.token + (row - m), it.input.tokens, sizeof(int32_t) * (size_t) m);
-            } else {
-                std::memcpy(batch.embd + (size_t) (row - m) * info.n_embd, it.input.hidden,
-                            sizeof(float) * (size_t) m * (size_t) info.n_embd);
-            }
+        for (int32_t i = 0; i < m; ++i, ++row) {
+            batch.pos[row]       = it.pos + i;
+            batch.n_seq_id[row]  = 1;
+            batch.seq_id[row][0] = it.seq_id;
+            batch.logits[row]    = info.is_tail ? (i == m - 1) : 1;  // the tail needs the last token's logits only
         }
-        const int32_t ret = llama_decode(ctx_, batch);
-        ++n_decode_calls_;
-        ++n_calls;
-        if (ret != 0) {
-            const std::string why = shard_last_llama_error();
-            roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
-                      ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
-        }
-        // read this call's outputs before the next decode overwrites them
-        row = 0;
-        for (size_t k = first; k < last; ++k) {
-            const batch_item & it = items[order[k]];
-            const int32_t m = (int32_t) it.input.n_tokens;
-            if (info.is_tail) {
-                const float * logits = llama_get_logits_ith(ctx_, row + m - 1);
-                if (logits == nullptr) {
-                    roll_back("llama.cpp returned no logits", SHARD_ERRC_COMPUTE);
-                }
-                std::memcpy(it.out, logits, sizeof(float) * (size_t) info.n_vocab);
-            } else {
-                for (int32_t i = 0; i < m; ++i) {
-                    const float * h = llama_get_embeddings_ith(ctx_, row + i);
-                    if (h == nullptr) {
-                        roll_back("llama.cpp returned no hidden state", SHARD_ERRC_COMPUTE);
-                    }
-                    std::memcpy(it.out + (size_t) i * info.n_embd, h, sizeof(float) * (size_t) info.n_embd);
-                }
-            }
-            row += m;
-        }
-        first = last;
     }
-    return n_calls;
+    batch.n_tokens = row;
+    return last;
+}
+
+// copies the outputs of items order[first..last) (logits of each item's last token on the tail,
+// every token's hidden state elsewhere); null, or what llama.cpp failed to return
+const char * shard_context::read_outputs(const std::vector<batch_item> & items, const std::vector<size_t> & order,
+                                         size_t first, size_t last) {
+    const shard_model_info & info = model_.info();
+    int32_t row = 0;
+    for (size_t k = first; k < last; ++k) {
+        const batch_item & it = items[order[k]];
+        const int32_t m = (int32_t) it.input.n_tokens;
+        if (info.is_tail) {
+            const float * logits = llama_get_logits_ith(ctx_, row + m - 1);
+            if (logits == nullptr) {
+                return "llama.cpp returned no logits";
+            }
+            std::memcpy(it.out, logits, sizeof(float) * (size_t) info.n_vocab);
+        } else {
+            for (int32_t i = 0; i < m; ++i) {
+                const float * h = llama_get_embeddings_ith(ctx_, row + i);
+                if (h == nullptr) {
+                    return "llama.cpp returned no hidden state";
+                }
+                std::memcpy(it.out + (size_t) i * info.n_embd, h, sizeof(float) * (size_t) info.n_embd);
+            }
+        }
+        row += m;
+    }
+    return nullptr;
 }
 
 bool shard_context::seq_rm(int32_t seq_id, int32_t p0) {

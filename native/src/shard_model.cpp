@@ -24,8 +24,22 @@ const char * shard_errc_name(shard_errc code) {
     return "unknown";
 }
 
+const std::vector<std::string> & shard_certified_architectures() {
+    static const std::vector<std::string> certified{"llama", "qwen2", "qwen3"};  // patch 0001 names the same (a test checks)
+    return certified;
+}
+
 bool shard_arch_is_certified(const std::string & arch) {
-    return arch == "llama" || arch == "qwen2" || arch == "qwen3";
+    const auto & c = shard_certified_architectures();
+    return std::find(c.begin(), c.end(), arch) != c.end();
+}
+
+static std::string certified_list() {
+    std::string out;
+    for (const std::string & a : shard_certified_architectures()) {
+        out += (out.empty() ? "" : ", ") + a;
+    }
+    return out;
 }
 
 //
@@ -145,7 +159,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         const auto [first, last] = *params.layers;
         if (!shard_arch_is_certified(header.arch)) {
             throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
-                "architecture '" + header.arch + "' is not certified for shard execution (supported: llama, qwen2, qwen3)");
+                "architecture '" + header.arch + "' is not certified for shard execution (supported: " + certified_list() + ")");
         }
         if (header.n_layer <= 0) {
             throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no " + header.arch + ".block_count");

@@ -5,7 +5,12 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+MAX_SESSIONS: int
+MAX_SESSION_ID_BYTES: int
+
 def certified_architectures() -> list[str]: ...
+def kv_types() -> list[str]: ...
+def kv_bytes_per_token(n_head_kv: int, head_dim: int, n_layers: int, kv_type: str = ...) -> int: ...
 
 class ModelInfo:
     @property

@@ -139,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from ._native import certified_architectures
     from .hot_kv import kv_bytes_per_token, parse_size
     from .memory import memory_plan
     from .models import gguf_shape
@@ -149,7 +150,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     kv_per_layer = kv_bytes_per_token(shape.n_head_kv, shape.head_dim, 1)
     arch = shape.architecture
     print(f"file:          {path}")
-    print(f"architecture:  {arch} ({'certified for shard execution' if arch in ('llama', 'qwen2', 'qwen3') else 'NOT certified: whole-model only'})")
+    certified = arch in certified_architectures()
+    print(f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})")
     print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}")
     print(f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)")
     print(f"KV bytes/token (f16): {kv_per_layer} per layer, {kv_per_layer * n_layer} for the whole model")

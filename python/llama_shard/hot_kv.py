@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ._native import StepKind
+from . import _native
+from ._native import StepKind, certified_architectures
 from .errors import InvalidInputError, UncertifiedArchitectureError
 
 # ---------------------------------------------------------------------------------------------
@@ -199,8 +200,9 @@ class HotKvStateConfig:
             v = getattr(self, name)
             if not _positive_int(v):
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_sessions > 256:
-            raise InvalidInputError(f"max_sessions must be <= 256 (llama.cpp's sequence limit), got {self.max_sessions}")
+        if self.max_sessions > _native.MAX_SESSIONS:
+            raise InvalidInputError(f"max_sessions must be <= {_native.MAX_SESSIONS} (llama.cpp's sequence limit), "
+                                    f"got {self.max_sessions}")
         if self.budget_tokens > 1 << 24:
             raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
         for name in ("warm_bytes", "warm_disk_bytes"):
@@ -303,45 +305,39 @@ def monotonic_clock() -> float:
 # the KV recipe
 # ---------------------------------------------------------------------------------------------
 
-#: architecture names (GGUF and Hugging Face) -> the certified canonical architecture
+#: other names of certified architectures (Hugging Face class names, GGUF variants) -> the GGUF
+#: name; which architectures are certified is the native module's list, certified_architectures()
 ARCHITECTURE_ALIASES = {
-    "llama": "llama",
     "llamaforcausallm": "llama",
     "dense-llama": "llama",
     "mistral": "llama",
     "mistralforcausallm": "llama",
-    "qwen2": "qwen2",
     "qwen2forcausallm": "qwen2",
-    "qwen3": "qwen3",
     "qwen3forcausallm": "qwen3",
 }
 
 #: the K/V element types a shard's cache may use (llama.cpp's type_k/type_v; the quantized ones
-#: run flash attention) -> gguf's quantization type, which gives the row sizes
-KV_TYPES = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+#: run flash attention): the native module's list
+KV_TYPES: tuple[str, ...] = tuple(_native.kv_types())
 KV_DTYPE_CANONICAL = {"float16": "f16"}
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, n_layers: int, kv_type: str = "f16") -> int:
-    """K and V bytes one cached token takes over n_layers (the native engine computes the same
-    with ggml_row_size; a test holds them equal)."""
-    import gguf
-
+    """K and V bytes one cached token takes over n_layers (the native module's formula, with
+    ggml's row sizes)."""
     kv_type = KV_DTYPE_CANONICAL.get(kv_type, kv_type)
     if kv_type not in KV_TYPES:
         raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[KV_TYPES[kv_type]]]
-    if head_dim % block:  # llama.cpp quantizes each head's row in blocks
-        raise InvalidInputError(f"kv_type {kv_type} needs a head size that is a multiple of {block}; this one is {head_dim}")
-    return 2 * (n_kv_heads * head_dim // block) * block_bytes * n_layers
+    return _native.kv_bytes_per_token(int(n_kv_heads), int(head_dim), int(n_layers), kv_type)
 
 
 def certified_architecture(name: str) -> str:
     """The canonical certified architecture for `name`, or UncertifiedArchitectureError."""
-    canonical = ARCHITECTURE_ALIASES.get(str(name).strip().lower())
-    if canonical is None:
-        raise UncertifiedArchitectureError(
-            f"architecture {name!r} is not certified for shard KV state (certified: llama, qwen2, qwen3 and their aliases)")
+    key = str(name).strip().lower()
+    canonical = ARCHITECTURE_ALIASES.get(key, key)
+    if canonical not in certified_architectures():
+        raise UncertifiedArchitectureError(f"architecture {name!r} is not certified for shard KV state (certified: "
+                                           f"{', '.join(certified_architectures())} and their aliases)")
     return canonical
 
 
@@ -407,8 +403,8 @@ def kv_recipe_for(shard, kv_type: str | None = None) -> KvCacheRecipe:
 def check_key(session_id, route_epoch) -> None:
     if not isinstance(session_id, str):
         raise InvalidInputError(f"route_session_id must be a str, got {type(session_id).__name__}")
-    if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > 256:
-        raise InvalidInputError("route_session_id must be 1 to 256 bytes")
+    if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > _native.MAX_SESSION_ID_BYTES:
+        raise InvalidInputError(f"route_session_id must be 1 to {_native.MAX_SESSION_ID_BYTES} bytes")
     check_count("route_epoch", route_epoch, upper=2**62)
 
 

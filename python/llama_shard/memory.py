@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._native import MAX_SESSIONS
 from .errors import InvalidInputError
 from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
 
 STREAM_PADDING = 256  # llama.cpp rounds each sequence's KV stream up to a multiple of this many cells
-MAX_SLOTS = 256       # llama.cpp's sequence limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ def memory_plan(info, kv_memory: int, context_tokens: int, n_batch: int = 512, k
     bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)
     cells = max(context_tokens, n_batch)
     cells = -(-cells // STREAM_PADDING) * STREAM_PADDING
-    slots = min(kv_memory // (cells * bpt), MAX_SLOTS)
+    slots = min(kv_memory // (cells * bpt), MAX_SESSIONS)
     if slots < 1:
         raise InvalidInputError(
             f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "

@@ -144,6 +144,9 @@ enum shard_miss_reason {
 const char * shard_status_name(shard_status status);
 const char * shard_miss_reason_name(shard_miss_reason reason);
 
+// a session id is 1 to this many bytes (any bytes: ids are compared, never interpreted)
+constexpr size_t HOT_KV_MAX_SESSION_ID_BYTES = 256;
+
 struct hot_kv_config {
     int32_t max_sessions    = 8;
     int32_t context_tokens  = 2048;   // most tokens one session may hold
@@ -326,7 +329,6 @@ private:
     // own epoch when < 0) with `reason` for later requests
     void     drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
     void     remember_locked(const std::string & sid, int64_t epoch, shard_miss_reason reason);
-    bool     evict_lru_locked(const std::string & keep);
     // a hot session leaves the hot set for `reason` (EVICTED_LRU/TTL): spilled to the warm tier if
     // it can be, dropped otherwise
     void     leave_hot_locked(const std::string & sid, shard_miss_reason reason);
@@ -338,11 +340,11 @@ private:
     // brings a warm session back hot (room and a free id must be there); null with a counted miss
     // in `res` if llama.cpp refused the state (the warm copy is dropped)
     session * restore_locked(const std::string & sid, double now, hot_kv_result & res);
-    // makes room for `tokens` more hot tokens and, if `need_id`, a free seq id, evicting LRU
-    // sessions outside `keep` (sessions outside `step` first); false (nothing evicted) if that
-    // cannot be enough
+    // makes room for `tokens` more hot tokens and, if `need_id`, a free seq id: least recently
+    // used sessions outside `keep` leave the hot set (those in `later`, the step's sessions not yet
+    // admitted, only after all others); false, with nothing evicted, if that cannot be enough
     bool     make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
-                              const std::vector<std::string> & step);
+                              const std::vector<std::string> & later);
     bool     warm_enabled() const { return config_.warm_bytes > 0 || disk_ != nullptr; }
     // puts a spilled session's entry in the host tier (moving its least recently used sessions
     // to disk or dropping them), or on disk; false if neither can take it
@@ -381,7 +383,20 @@ private:
     // truncated to its start and touched), otherwise returns the answer
     bool admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
                       std::vector<planned> & plan, size_t index, hot_kv_result & res);
-    bool evict_lru_except_locked(const std::vector<std::string> & keep, const std::vector<std::string> & later = {});
+    bool start_position_locked(const hot_kv_request & req, const session * s, const warm_entry * w, hot_kv_result & res,
+                               int32_t & start);
+    bool room_for_locked(const std::string & sid, const session * s, const warm_entry * w, int64_t grow,
+                         const std::vector<std::string> & participants, const std::vector<planned> & plan,
+                         hot_kv_result & res);
+    // a step's three phases: validate every request (the valid ones' session ids, in order), admit
+    // the valid ones (the plan), compute the plan in one batch
+    std::vector<std::string> validate_step(const std::vector<hot_kv_request> & requests, std::vector<hot_kv_result> & results,
+                                           std::vector<bool> & valid) const;
+    std::vector<planned> admit_step_locked(const std::vector<hot_kv_request> & requests, const std::vector<bool> & valid,
+                                           const std::vector<std::string> & participants, double now,
+                                           std::vector<hot_kv_result> & results);
+    void compute_locked(const std::vector<hot_kv_request> & requests, const std::vector<planned> & plan,
+                        std::vector<hot_kv_result> & results);
     std::vector<hot_kv_result> step_locked(const std::vector<hot_kv_request> & requests, double now);
     hot_kv_result single_locked(const hot_kv_request & req, double now);
 

@@ -28,6 +28,9 @@ struct llama_context;
 
 namespace llama_shard {
 
+// llama.cpp's limit on sequences in one context (LLAMA_MAX_SEQ): the most sessions a shard holds hot
+constexpr int32_t SHARD_MAX_SEQUENCES = 256;
+
 struct shard_context_params {
     int32_t n_ctx     = 4096;  // KV cells over all sequences
     int32_t n_seq_max = 4;     // sequences
@@ -37,8 +40,12 @@ struct shard_context_params {
     std::string kv_type = "f16"; // K and V element type: f16, q8_0 or q4_0 (the quantized ones run flash attention)
 };
 
-// the KV element types a context may use, and what one cached token costs in bytes over `model`'s
-// owned layers (K and V rows); throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) for another name
+// the KV element types a context may use, and what one cached token costs in bytes (K and V rows,
+// ggml's row size) over n_layers layers, or over `model`'s owned layers: the one formula (Python's
+// memory plan and the reference call it through the bindings); throws
+// shard_error(SHARD_ERRC_INVALID_ARGUMENT) for another type name or a head size it cannot quantize
+const std::vector<std::string> & shard_kv_types();
+uint64_t kv_bytes_per_token(int32_t n_head_kv, int32_t head_dim, int32_t n_layers, const std::string & kv_type);
 uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type);
 
 // what one forward call consumes: exactly one of tokens / hidden
@@ -117,6 +124,13 @@ public:
 
 private:
     int32_t forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated);
+    // forward_batch_locked's steps: check every item against the context (throws, nothing changed),
+    // the order items are decoded in, one llama_decode's batch, and that call's outputs
+    void                validate_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) const;
+    std::vector<size_t> decode_order(const std::vector<batch_item> & items) const;
+    size_t              fill_batch(const std::vector<batch_item> & items, const std::vector<size_t> & order, size_t first);
+    const char *        read_outputs(const std::vector<batch_item> & items, const std::vector<size_t> & order, size_t first,
+                                     size_t last);
     int64_t n_cells_used_unlocked() const;
 
     const shard_model & model_;

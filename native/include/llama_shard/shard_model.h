@@ -26,7 +26,9 @@ struct llama_vocab;
 
 namespace llama_shard {
 
-// architectures whose graphs are patched to honour a shard range and are parity-tested
+// architectures whose graphs are patched to honour a shard range and are parity-tested: the one
+// list (the bindings expose it as certified_architectures(); Python reads it from there)
+const std::vector<std::string> & shard_certified_architectures();
 bool shard_arch_is_certified(const std::string & arch);
 
 struct shard_model_info {

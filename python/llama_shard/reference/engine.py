@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .._native import MissReason, Status, StepKind, Tier, model_digest
+from .._native import MAX_SESSION_ID_BYTES, MAX_SESSIONS, MissReason, Status, StepKind, Tier, model_digest
 from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
@@ -98,8 +98,8 @@ class ReferenceHotKvEngine:
                  ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096, warm_bytes: int = 0,
                  warm_ttl_seconds: float = 3600.0, kv_type: str = "f16", warm_disk_bytes: int = 0,
                  recipe_fingerprint: str = ""):
-        if not 1 <= max_sessions <= 256:
-            raise InvalidInputError("max_sessions must be in [1, 256]")
+        if not 1 <= max_sessions <= MAX_SESSIONS:
+            raise InvalidInputError(f"max_sessions must be in [1, {MAX_SESSIONS}]")
         if kv_type != "f16":
             raise InvalidInputError("the numpy reference computes an f16 cache only")
         if warm_bytes < 0:
@@ -147,8 +147,8 @@ class ReferenceHotKvEngine:
     def _validate_key(sid: str, epoch: int) -> None:
         if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
             raise InvalidInputError("a request's key is (str session id, int epoch)")
-        if not sid or len(sid.encode("utf-8", "surrogatepass")) > 256:
-            raise InvalidInputError("session id must be 1 to 256 bytes")
+        if not sid or len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+            raise InvalidInputError(f"session id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
         if epoch < 0:
             raise InvalidInputError(f"route epoch must be >= 0, got {epoch}")
 
@@ -228,9 +228,7 @@ class ReferenceHotKvEngine:
         llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
         count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
         layer, and per cell its position, seq id count and seq id before the K and V rows)."""
-        n_layers = len(self.shard.owned_layers)
-        state = 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
-        pages = -(-state // _PAGE) * _PAGE  # the native tier holds each state in whole pages of its own
+        pages = -(-self._state_bytes(seq_len) // _PAGE) * _PAGE  # the native tier holds each state in whole pages of its own
         return pages + len(session_id.encode("utf-8", "surrogatepass"))
 
     def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
@@ -243,6 +241,7 @@ class ReferenceHotKvEngine:
         return header + self._state_bytes(seq_len)
 
     def _state_bytes(self, seq_len: int) -> int:
+        """llama.cpp's sequence state of seq_len tokens (see warm_entry_bytes)."""
         n_layers = len(self.shard.owned_layers)
         return 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
 

@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from .._native import kv_bytes_per_token
 from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
 
 #: absolute tolerance on logits between the native engine and this reference on synthetic F32 models
@@ -280,7 +281,7 @@ class ReferenceShard:
             architecture=hp.architecture, n_layer=hp.n_layer, first=self.first, last=self.last,
             is_head=self.is_head, is_tail=self.is_tail, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
             n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, kv_dtype="f16",
-            kv_bytes_per_token=2 * 2 * hp.n_head_kv * hp.head_dim * (self.last - self.first + 1))
+            kv_bytes_per_token=kv_bytes_per_token(hp.n_head_kv, hp.head_dim, self.last - self.first + 1, "f16"))
 
     def new_sequence(self) -> SequenceKv:
         return SequenceKv(self.model, self.owned_layers)
