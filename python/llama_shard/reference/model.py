@@ -9,8 +9,9 @@ native engine: the head embeds tokens, non-tail shards return the unnormalized r
 token, the tail normalizes and returns logits.
 
 Numerics: computation is float64; K and V are rounded through float16 when cached, as the native
-engine's f16 KV cache does. The stated tolerance against llama.cpp on F32 models is in
-`NATIVE_LOGIT_ATOL` (absolute, on logits); greedy tokens are identical.
+engine's f16 KV cache does. The stated tolerance against llama.cpp is `NATIVE_LOGIT_ATOL`
+(absolute, on logits); greedy tokens are identical wherever the reference's two best logits are
+further apart than twice that (a difference within the tolerance cannot swap them).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from gguf.quants import dequantize
 from .._native import kv_bytes_per_token
 from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
 
-#: absolute tolerance on logits between the native engine and this reference on synthetic F32 models
+#: absolute tolerance on logits between the native engine and this reference on the synthetic
+#: models. Measured (tests/test_native_vs_reference.py, 50 random prompts x 16 teacher-forced steps
+#: each, 2 CPUs with AVX2): worst 0.0069 with F32 matrices, 0.0093 with F16 matrices; the tolerance
+#: is about twice the worst, for other CPUs' kernels (other SIMD paths sum in other orders).
 NATIVE_LOGIT_ATOL = 2e-2
 
 #: architectures this reference implements (their RoPE convention and tensor layout)
