@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidInputError, LlamaShardError
+from .hot_kv import KV_TYPES
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
 
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bound of the disk tier (default: MESHNET_HOT_KV_WARM_DISK_BYTES; required with --warm-dir)")
     sv.add_argument("--warm-ttl", type=float, default=None,
                     help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
-    sv.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default=None,
+    sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
     sv.set_defaults(func=cmd_serve)
 
@@ -313,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
     i.add_argument("--context-tokens", type=int, default=2048)
-    i.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"], default="f16")
+    i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.set_defaults(func=cmd_inspect)
     return ap
