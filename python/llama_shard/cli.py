@@ -52,9 +52,11 @@ def _parse_route(text: str) -> list[str]:
 
 def cmd_generate_route(args: argparse.Namespace) -> int:
     from .route import RemoteStage, RouteClient
+    from .security import ClientSecurity
 
     entries = _parse_route(args.route)
-    stages = [RemoteStage(addr) for _, addr in entries]
+    security = ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+    stages = [RemoteStage(addr, security=security) for _, addr in entries]
     for (rng, addr), st in zip(entries, stages):
         if (st.info.first, st.info.last) != rng:
             raise InvalidInputError(f"{addr} serves layers {st.info.first}-{st.info.last}, not {rng[0]}-{rng[1]}")
@@ -220,15 +222,31 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     return config, plan
 
 
+def serve_security(args: argparse.Namespace):
+    """The worker's TLS, authentication and peer credentials from its flags; refuses (exit 2) an
+    exposed address without TLS and authentication, and peers it could not authenticate."""
+    from .security import ClientSecurity, ServerSecurity
+
+    security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
+                              tuple(args.admin), args.insecure, tuple(args.forwarder))
+    security.check_exposure(args.host)
+    peer_security = ClientSecurity(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, args.peer_token_file)
+    for peer in args.peer:
+        host, _, port = peer.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidInputError(f"--peer takes HOST:PORT, got {peer!r}")
+    if args.peer and security.tls_cert and not peer_security.secure and not args.insecure:
+        raise InvalidInputError("this worker uses TLS: it forwards only to peers it can authenticate; give "
+                                "--peer-tls-ca (and --peer-token-file or --peer-tls-cert/--peer-tls-key)")
+    return security, peer_security
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .worker import ShardWorker, WorkerOptions
 
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
+    security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
     config, plan = serve_config(args, layers)
-    for peer in args.peer:
-        host, _, port = peer.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise SystemExit(f"llama-shard serve: --peer takes HOST:PORT, got {peer!r}")
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
@@ -237,7 +255,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
                                        prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
-                                       sweep_s=args.sweep_seconds))
+                                       sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
+                                       max_sessions_per_principal=args.max_sessions_per_principal,
+                                       max_concurrent_rpcs=args.max_concurrent_rpcs))
     worker.start()
     return worker.serve_until_signal()
 
@@ -246,6 +266,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(_model_path(args.model), threads=args.threads, max_tokens=args.max_tokens)
+
+
+def _server_security_flags(sv: argparse.ArgumentParser) -> None:
+    s = sv.add_argument_group("security (README: three set-ups)")
+    s.add_argument("--tls-cert", metavar="PATH", help="this worker's certificate chain (PEM); re-read when it changes")
+    s.add_argument("--tls-key", metavar="PATH", help="its private key (PEM)")
+    s.add_argument("--tls-client-ca", metavar="PATH",
+                   help="mutual TLS: clients must present a certificate this CA signed; the principal is its common name")
+    s.add_argument("--auth-token-file", metavar="PATH",
+                   help="'principal:token' lines; clients send 'authorization: Bearer TOKEN'; re-read on SIGHUP")
+    s.add_argument("--admin", action="append", default=[], metavar="PRINCIPAL",
+                   help="a principal that Info shows every session id to (repeatable)")
+    s.add_argument("--forwarder", action="append", default=[], metavar="PRINCIPAL",
+                   help="a worker (its principal) trusted to forward steps on behalf of its callers (repeatable)")
+    s.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback address without TLS and authentication anyway")
+    s.add_argument("--max-sessions-per-principal", type=int, default=None, metavar="N",
+                   help="sessions one caller may hold (RESOURCE_EXHAUSTED past it; default: no cap)")
+    s.add_argument("--max-concurrent-rpcs", type=int, default=None, metavar="N",
+                   help="RPCs in progress at once (RESOURCE_EXHAUSTED past it; default: 4 x max sessions, at least 64)")
+
+
+def _client_security_flags(p: argparse.ArgumentParser, prefix: str) -> None:
+    who = "the peers" if prefix else "the workers"
+    s = p.add_argument_group(f"how to reach {who} (TLS, authentication)")
+    s.add_argument(f"--{prefix}tls-ca", metavar="PATH", help=f"trust {who}' certificates signed by this CA (PEM)")
+    s.add_argument(f"--{prefix}tls-cert", metavar="PATH", help="a client certificate for mutual TLS (PEM)")
+    s.add_argument(f"--{prefix}tls-key", metavar="PATH", help="its private key (PEM)")
+    s.add_argument(f"--{prefix}token-file", metavar="PATH", help="a file holding the bearer token to send")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
     g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
+    _client_security_flags(g, "")
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="serve a layer range over gRPC")
@@ -301,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
+    _server_security_flags(sv)
+    _client_security_flags(sv, "peer-")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="two workers on loopback split the model; four chat sessions run through them")

@@ -123,8 +123,8 @@ def _stop(procs: list[tuple[subprocess.Popen, str]]) -> bool:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     for proc, addr in procs:
-        code = stop_worker(proc)
-        report = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if "shut down" in ln]
+        code, stderr = stop_worker(proc)
+        report = [ln for ln in stderr.splitlines() if "shut down" in ln]
         _say(f"  worker {addr}: exit {code}" + (f" - {report[-1].split(': ', 1)[-1]}" if report else ""))
     return all(p.returncode == 0 for p, _ in procs)
 

@@ -29,6 +29,7 @@ from .manager import HotKvStateManager, KvBoundaryAdapter
 from .pipeline import check_tiling
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
+from .security import ClientSecurity
 from .wire import decode_tensor, encode_tensor
 
 
@@ -91,15 +92,15 @@ class RemoteStage:
     """A worker reached over gRPC."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, wire_dtype: int = pb.DTYPE_FLOAT32,
-                 return_logits: bool = False):
+                 return_logits: bool = False, security: ClientSecurity = ClientSecurity()):
         self.address = address
         self.return_logits = return_logits
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                                               ("grpc.max_send_message_length", 64 * 2**20),
-                                                               ("grpc.initial_reconnect_backoff_ms", 100),
-                                                               ("grpc.max_reconnect_backoff_ms", 1000)])
+        self.channel = security.channel(address, [("grpc.max_receive_message_length", 64 * 2**20),
+                                                  ("grpc.max_send_message_length", 64 * 2**20),
+                                                  ("grpc.initial_reconnect_backoff_ms", 100),
+                                                  ("grpc.max_reconnect_backoff_ms", 1000)])
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         try:
             r = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)

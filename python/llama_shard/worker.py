@@ -37,6 +37,7 @@ from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind,
 from .manager import HotKvStateManager, KvBoundaryAdapter
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
+from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from .wire import decode_tensor, encode_tensor
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
@@ -56,6 +57,10 @@ class WorkerOptions:
     grace_s: float = 5.0
     peers: tuple[str, ...] = ()            # workers chained steps may be forwarded to (host:port)
     sweep_s: float = 10.0                  # how often idle sessions are checked against the TTLs (0: only on requests)
+    security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)  # TLS, authentication, admins
+    peer_security: ClientSecurity = ClientSecurity()  # how this worker reaches its peers
+    max_sessions_per_principal: int | None = None    # None: no cap beyond the engine's
+    max_concurrent_rpcs: int | None = None           # None: 4 x max sessions, at least 64
 
 
 class _EngineCollector:
@@ -109,8 +114,9 @@ class _Peers:
     """The workers this one may forward chained steps to (serve --peer), one channel each, opened
     on first use. Addresses are compared exactly as the operator wrote them."""
 
-    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int):
+    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity()):
         self.allowed = frozenset(allowed)
+        self.security = security
         # a restarted peer is reconnected within a second, not after gRPC's default backoff
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.max_send_message_length", max_message_bytes),
@@ -124,24 +130,26 @@ class _Peers:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=self._options)
+                channel = self.security.channel(address, self._options)
                 self._channels.append(channel)
                 stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
             return stub
 
-    def call(self, address: str, steps: list[tuple], forward: list, timeout: float | None, batch: bool) -> list:
+    def call(self, address: str, steps: list[tuple], forward: list, timeout: float | None, batch: bool,
+             principal: str = ANONYMOUS) -> list:
         """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
-        that came alone, else StepBatch; raises grpc.RpcError when the peer fails."""
+        that came alone, else StepBatch, for `principal`; raises grpc.RpcError when the peer fails."""
         stub = self._stub(address)
+        metadata = ((ON_BEHALF_OF, principal),) if principal != ANONYMOUS else None
         if not batch and len(steps) == 1:
             kind, req = steps[0]
             del req.forward[:]  # a retry sends the same hops once
             req.forward.extend(forward)
             method = stub.Prefill if kind == StepKind.PREFILL else stub.Decode
-            return [method(req, timeout=timeout)]
+            return [method(req, timeout=timeout, metadata=metadata)]
         kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
         request = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[k], step=r) for k, r in steps], forward=forward)
-        replies = list(stub.StepBatch(request, timeout=timeout).replies)
+        replies = list(stub.StepBatch(request, timeout=timeout, metadata=metadata).replies)
         if len(replies) != len(steps):
             detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
             return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
@@ -152,14 +160,56 @@ class _Peers:
             channel.close()
 
 
+class _Owners:
+    """Which engine keys each principal holds, for the per-principal session cap. A key is counted
+    from the step that creates it; keys the engine has since dropped (evicted, expired) are pruned
+    against its session list when a principal reaches the cap, so the count is never too low."""
+
+    def __init__(self, manager: HotKvStateManager, cap: int | None):
+        self.manager = manager
+        self.cap = cap
+        self._held: dict[str, set[str]] = {}
+        self._names: dict[str, str] = {}  # principal tag -> principal, for Info
+        self._lock = threading.Lock()
+
+    def admit(self, principal: str, keys: list[str]) -> str | None:
+        """Counts the new keys among `keys` against the principal's cap; the refusal, or None."""
+        if self.cap is None:
+            return None
+        with self._lock:
+            held = self._held.setdefault(principal, set())
+            new = [k for k in dict.fromkeys(keys) if k not in held]
+            if new and len(held) + len(new) > self.cap:
+                live = {key for key, *_ in self.manager.sessions()}
+                held &= live
+            if new and len(held) + len(new) > self.cap:
+                return (f"this caller holds {len(held)} sessions here and asks for {len(new)} more; "
+                        f"the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
+            held.update(new)
+        return None
+
+    def forget(self, principal: str, key: str) -> None:
+        with self._lock:
+            self._held.get(principal, set()).discard(key)
+
+    def name(self, principal: str, tag: str | None) -> None:
+        if tag is not None and tag not in self._names:
+            self._names[tag] = principal
+
+    def principal_of(self, tag: str | None) -> str:
+        return "" if tag is None else self._names.get(tag, "")
+
+
 class ShardServicer(pb_grpc.ShardServiceServicer):
     def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
-                 peers: tuple[str, ...] = (), max_message_bytes: int = 64 * 2**20):
+                 options: WorkerOptions = WorkerOptions()):
         self.model = model
         self.info = model.info
         self.manager = manager
         self.adapter = KvBoundaryAdapter(model, manager)
-        self.peers = _Peers(peers, max_message_bytes)
+        self.peers = _Peers(tuple(options.peers), options.max_message_bytes, options.peer_security)
+        self.security = options.security
+        self.owners = _Owners(manager, options.max_sessions_per_principal)
         self.fingerprint = manager.recipe.fingerprint()
         self.stopping = threading.Event()
         self.in_flight = 0
@@ -171,6 +221,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # --- steps ---------------------------------------------------------------------------------
 
+    def _principal(self, context) -> str:
+        """The caller's principal; a call without valid credentials ends here, UNAUTHENTICATED."""
+        principal = self.security.principal(context)
+        if principal is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "valid credentials are required (a bearer token or a client "
+                                                           "certificate this worker trusts)")
+        self.owners.name(principal, self.security.tag(principal))
+        return principal
+
     def Prefill(self, request, context):
         return self._serve(context, "prefill", [(StepKind.PREFILL, request)], request.forward)[0]
 
@@ -178,6 +237,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._serve(context, "decode", [(StepKind.DECODE, request)], request.forward)[0]
 
     def StepBatch(self, request, context):
+        self._principal(context)  # before the size check: an unauthenticated caller learns nothing
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -187,6 +247,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True))
 
     def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False) -> list[pb.StepReply]:
+        principal = self._principal(context)
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
@@ -197,7 +258,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.in_flight += 1
         try:
             deadline = None if remaining is None else time.monotonic() + remaining
-            replies = self._run_steps(items, list(forward), deadline, batch)
+            replies = self._run_steps(principal, context, items, list(forward), deadline, batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -207,9 +268,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
-    def _run_steps(self, items: list[tuple], forward: list, deadline: float | None, batch: bool) -> list[pb.StepReply]:
+    def _run_steps(self, principal: str, context, items: list[tuple], forward: list, deadline: float | None,
+                   batch: bool) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
-        a chained call then sends the computed rows on to forward[0] and answers what it replied."""
+        a chained call then sends the computed rows on to forward[0] and answers what it replied.
+        Sessions are the principal's own: the engine key carries its tag."""
         refusal = self._forward_refusal(forward)
         if refusal is not None:  # before anything is computed
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
@@ -217,9 +280,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         parsed = []
         for i, (kind, req) in enumerate(items):
             try:
-                parsed.append((i, self._parse_step(kind, req)))
+                parsed.append((i, self._parse_step(kind, req, principal)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
+        refused = self.owners.admit(principal, [step.session_id for _, step in parsed])
+        if refused is not None:  # nothing computed: the caller holds its share of the sessions
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         outs = self.adapter.step_many([step for _, step in parsed]) if parsed else []
         computed = []
         for (i, step), out in zip(parsed, outs):
@@ -228,7 +294,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             else:
                 replies[i] = self._reply(items[i][1], out)
         if computed:
-            for i, reply in zip([i for i, _, _ in computed], self._forward(items, computed, forward, deadline, batch)):
+            for i, reply in zip([i for i, _, _ in computed],
+                                self._forward(principal, items, computed, forward, deadline, batch)):
                 replies[i] = reply
         return replies
 
@@ -243,8 +310,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                     f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
         return None
 
-    def _forward(self, items: list[tuple], computed: list[tuple], forward: list, deadline: float | None,
-                 batch: bool) -> list[pb.StepReply]:
+    def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list,
+                 deadline: float | None, batch: bool) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
@@ -260,7 +327,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         for attempt in range(3):
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             try:
-                replies = self.peers.call(hop.address, nexts, rest, timeout, batch)
+                replies = self.peers.call(hop.address, nexts, rest, timeout, batch, principal)
                 break
             except grpc.RpcError as e:
                 # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly, as
@@ -274,8 +341,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             r.stage += 1
         return replies
 
-    def _parse_step(self, kind: StepKind | None, req) -> Step:
-        """The Step for a wire request, checked; raises the contract's error otherwise."""
+    def _parse_step(self, kind: StepKind | None, req, principal: str) -> Step:
+        """The Step for a wire request (keyed for its principal), checked; raises the contract's
+        error otherwise."""
         if kind is None:
             raise InvalidInputError("a batched step needs kind STEP_KIND_PREFILL or STEP_KIND_DECODE")
         if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
@@ -288,9 +356,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
                   if req.HasField("hidden") else None)
         position = req.position if req.HasField("position") else None
+        key = self.security.engine_key(principal, req.session_id)
         if kind == StepKind.PREFILL:
-            return Step.prefill(req.session_id, req.route_epoch, tokens, hidden, start_pos=position)
-        return Step.decode(req.session_id, req.route_epoch, tokens, hidden, expected_seq_len=position)
+            return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
+        return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
     @staticmethod
     def _reply(req, out) -> pb.StepReply:
@@ -318,9 +387,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # --- sessions --------------------------------------------------------------------------------
 
-    def _session_call(self, fn, *args) -> pb.SessionReply:
+    def _session_call(self, context, fn, session_id: str, *args) -> pb.SessionReply:
+        principal = self._principal(context)
         try:
-            out = fn(*args)
+            key = self.security.engine_key(principal, session_id)
+            out = fn(key, *args)
         except StaleRouteEpochError as e:
             return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(e), current_epoch=e.current_epoch or 0)
         except InvalidInputError as e:
@@ -328,19 +399,33 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if isinstance(out, CacheMiss):
             return pb.SessionReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, bool):
+            if out:
+                self.owners.forget(principal, key)
             return pb.SessionReply(outcome=pb.OUTCOME_OK, released=out)
         return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=out.tier)
 
     def Truncate(self, request, context):
-        return self._session_call(self.manager.truncate, request.session_id, request.route_epoch, request.length)
+        return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
 
     def Release(self, request, context):
-        return self._session_call(self.manager.release, request.session_id, request.route_epoch)
+        return self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
 
     def Resolve(self, request, context):
-        return self._session_call(self.manager.resolve, request.session_id, request.route_epoch)
+        return self._session_call(context, self.manager.resolve, request.session_id, request.route_epoch)
+
+    def _visible_sessions(self, principal: str) -> list[pb.SessionInfo]:
+        """Session ids for a worker without authentication, or an admin; nobody else sees any."""
+        if self.security.authenticated and principal not in self.security.admins:
+            return []
+        out = []
+        for key, ep, _, n, _, tier in self.manager.sessions():
+            tag, sid = self.security.split_key(key) if self.security.authenticated else (None, key)
+            out.append(pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n, tier=tier,
+                                      owner=self.owners.principal_of(tag)))
+        return out
 
     def Info(self, request, context):
+        principal = self._principal(context)
         st = self.manager.stats()
         loop = self.manager.loop_stats()
         info = self.info
@@ -350,8 +435,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             recipe_fingerprint=self.fingerprint, max_sessions=st["max_sessions"], context_tokens=st["context_tokens"],
             budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
-            sessions=[pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n, tier=tier)
-                      for sid, ep, _, n, _, tier in self.manager.sessions()],
+            sessions=self._visible_sessions(principal),
             kv_type=self.manager.config.kv_type, warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
@@ -372,17 +456,21 @@ class ShardWorker:
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
-        self.servicer = ShardServicer(self.model, self.manager, self.registry, tuple(options.peers),
-                                      options.max_message_bytes)
+        self.servicer = ShardServicer(self.model, self.manager, self.registry, options)
         self.health = health.HealthServicer()
         limit = options.max_message_bytes
+        # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions))
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        credentials = options.security.server_credentials()
         try:
-            self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+            address = f"{options.host}:{options.port}"
+            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                         else self.server.add_insecure_port(address))
         except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
             raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
         if self.port == 0:
@@ -431,18 +519,31 @@ class ShardWorker:
         return {"released_sessions": released, "persisted_sessions": persisted,
                 "reserved_tokens_after": st["reserved_tokens"]}
 
+    def _reload_credentials(self) -> None:
+        """SIGHUP: the token file again (certificates are re-read when their files change)."""
+        try:
+            self.options.security.reload()
+            print("llama-shard worker: credentials reloaded", file=sys.stderr, flush=True)
+        except (OSError, ValueError) as e:
+            print(f"llama-shard worker: credentials not reloaded, the old ones stay: {e}", file=sys.stderr, flush=True)
+
     def serve_until_signal(self) -> int:
         # the handler only records the signal: Event.set() from a handler can deadlock on the lock
         # the interrupted Event.wait() in this same thread holds
         received: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: received.append(signum))
+        reload: list[int] = []
+        signal.signal(signal.SIGHUP, lambda signum, _frame: reload.append(signum))
         info = self.model.info
         print(f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
               f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else ""),
               file=sys.stderr, flush=True)
         while not received:
             time.sleep(0.1)
+            if reload:
+                reload.clear()
+                self._reload_credentials()
         report = self.stop()
         kept = f"wrote {report['persisted_sessions']} session(s) to {self.manager.config.warm_dir}, " \
             if self.manager.config.warm_dir is not None else ""

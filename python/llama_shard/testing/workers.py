@@ -3,7 +3,7 @@
     proc, address = start_worker(model_path, 0, 14, threads=1)
     wait_serving(proc, address)      # the gRPC health check says SERVING
     ...
-    stop_worker(proc)                # SIGTERM (the worker persists its warm tier), then the exit code
+    code, stderr = stop_worker(proc) # SIGTERM (the worker persists its warm tier), its exit and stderr
 
 A worker is a child process of this one, running `python -m llama_shard.cli serve` with the same
 interpreter; its stdout is discarded and its stderr kept (a pipe) for the error a failed start
@@ -62,13 +62,14 @@ def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0)
     raise TimeoutError(f"worker {address} did not become ready in {timeout_s}s")
 
 
-def stop_worker(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    """SIGTERM, wait (SIGKILL after timeout_s); returns the exit code."""
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 30.0) -> tuple[int, str]:
+    """SIGTERM, wait (SIGKILL after timeout_s); returns the exit code and what the worker wrote to
+    stderr (its pipe is closed)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=timeout_s)
+        _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
-    return proc.returncode
+        _, stderr = proc.communicate()
+    return proc.returncode, stderr or ""

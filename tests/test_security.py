@@ -1,0 +1,345 @@
+"""A worker facing a network: real TLS handshakes on loopback with certificates made here, bearer
+tokens over TLS and mutual TLS, sessions owned by their principal, safe defaults and limits."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.security import ClientSecurity
+from llama_shard.testing.certs import CertificateAuthority
+from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
+
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = CertificateAuthority.create(d, "mesh-ca"), CertificateAuthority.create(d, "other-ca")
+    tokens = d / "tokens"
+    tokens.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items()))
+    for principal, token in TOKENS.items():
+        (d / f"{principal}.token").write_text(token + "\n")
+    return {"dir": d, "ca": ca, "other": other, "server": ca.issue("worker", server=True), "tokens": tokens,
+            "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice")}
+
+
+def _serve(model, flags: tuple, first: int = 0, last: int = 5, ready: bool = True) -> tuple[subprocess.Popen, str]:
+    proc, addr = start_worker(model, first, last, 1, extra=("--context-tokens", "256", *flags))
+    if ready:
+        probe = ("localhost:" + addr.rsplit(":", 1)[1]) if "--tls-cert" in flags else addr
+        _wait_tls(proc, probe) if "--tls-cert" in flags else wait_serving(proc, addr)
+    return proc, addr
+
+
+def _wait_tls(proc, address: str, timeout_s: float = 120.0) -> None:
+    """The health check over TLS, without credentials: it stays reachable for orchestrators."""
+    creds = grpc.ssl_channel_credentials(root_certificates=_PKI["ca"].cert.read_bytes())
+    deadline = time.monotonic() + timeout_s
+    with grpc.secure_channel(address, creds) as ch:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    raise TimeoutError(address)
+
+
+_PKI: dict = {}
+
+
+@pytest.fixture(scope="module")
+def token_worker(synthetic_model, pki):
+    _PKI.update(pki)
+    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+                                          "--auth-token-file", str(pki["tokens"]), "--admin", "ops",
+                                          "--max-sessions-per-principal", "3"))
+    yield "localhost:" + addr.rsplit(":", 1)[1]
+    stop_worker(proc)
+
+
+@pytest.fixture(scope="module")
+def mtls_worker(synthetic_model, pki):
+    _PKI.update(pki)
+    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+                                          "--tls-client-ca", str(pki["ca"].cert)), ready=False)
+    yield proc, "localhost:" + addr.rsplit(":", 1)[1]
+    stop_worker(proc)
+
+
+def _stub(address: str, security: ClientSecurity) -> pb_grpc.ShardServiceStub:
+    return pb_grpc.ShardServiceStub(security.channel(address, []))
+
+
+def _as(pki, principal: str) -> ClientSecurity:
+    return ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(pki["dir"] / f"{principal}.token"))
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def _prefill(stub, sid: str, epoch: int = 1, tokens=(1, 2, 3), position: int | None = 0):
+    req = pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=list(tokens))
+    if position is not None:
+        req.position = position
+    return stub.Prefill(req, timeout=30)
+
+
+# --- token over TLS --------------------------------------------------------------------------------
+
+def test_token_worker_refuses_every_wrong_caller_and_keeps_serving(token_worker, pki):
+    alice = _stub(token_worker, _as(pki, "alice"))
+    assert _prefill(alice, "a-first").outcome == pb.OUTCOME_OK
+    plaintext = pb_grpc.ShardServiceStub(grpc.insecure_channel(token_worker))
+    assert _code(lambda: plaintext.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+    other_ca = _stub(token_worker, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
+    assert _code(lambda: other_ca.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+    no_token = _stub(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert)))
+    assert _code(lambda: no_token.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
+    wrong = pki["dir"] / "wrong.token"
+    wrong.write_text("alice-token-0123456788\n")
+    bad_token = _stub(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(wrong)))
+    for call in (lambda: bad_token.Info(pb.InfoRequest(), timeout=10), lambda: _prefill(bad_token, "a-first"),
+                 lambda: bad_token.Release(pb.SessionRequest(session_id="a-first", route_epoch=1), timeout=10),
+                 lambda: bad_token.StepBatch(pb.StepBatchRequest(), timeout=10)):
+        assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
+    # the health service answers without credentials; alice's session is untouched
+    creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"].cert.read_bytes())
+    with grpc.secure_channel(token_worker, creds) as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    r = alice.Decode(pb.StepRequest(session_id="a-first", route_epoch=1, token_ids=[4]), timeout=30)
+    assert r.outcome == pb.OUTCOME_OK and r.seq_len == 4
+
+
+def _same_as_absent(reply_for_owned, reply_for_absent, owned: str, absent: str) -> None:
+    a, b = pb.SessionReply() if isinstance(reply_for_owned, pb.SessionReply) else pb.StepReply(), None
+    a.CopyFrom(reply_for_owned)
+    a.detail = a.detail.replace(owned, absent)
+    b = reply_for_absent
+    assert a == b, (a, b)
+
+
+def test_another_principal_cannot_touch_a_session_and_learns_nothing(token_worker, pki):
+    alice, bob = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "bob"))
+    assert _prefill(alice, "victim", epoch=5, tokens=[1, 2, 3, 4]).outcome == pb.OUTCOME_OK
+    calls = {
+        "resolve": lambda sid: bob.Resolve(pb.SessionRequest(session_id=sid, route_epoch=5), timeout=10),
+        "decode": lambda sid: bob.Decode(pb.StepRequest(session_id=sid, route_epoch=5, token_ids=[9]), timeout=10),
+        "continue": lambda sid: _prefill(bob, sid, epoch=5, tokens=[9], position=4),
+        "truncate": lambda sid: bob.Truncate(pb.TruncateRequest(session_id=sid, route_epoch=5, length=1), timeout=10),
+        "release": lambda sid: bob.Release(pb.SessionRequest(session_id=sid, route_epoch=5), timeout=10),
+        "older epoch": lambda sid: bob.Decode(pb.StepRequest(session_id=sid, route_epoch=4, token_ids=[9]), timeout=10),
+    }
+    for name, call in calls.items():
+        got, absent = call("victim"), call("never-opened")
+        _same_as_absent(got, absent, "victim", "never-opened")
+        if name != "release":
+            assert got.outcome == pb.OUTCOME_CACHE_MISS and got.miss_reason == "UNKNOWN_SESSION", (name, got)
+        else:
+            assert got.outcome == pb.OUTCOME_OK and not got.released
+    # a newer epoch or a fresh prefill from bob opens bob's own session, as for an absent id
+    assert _prefill(bob, "victim", epoch=6, tokens=[7]).seq_len == 1
+    r = alice.Decode(pb.StepRequest(session_id="victim", route_epoch=5, token_ids=[5]), timeout=30)
+    assert r.outcome == pb.OUTCOME_OK and r.seq_len == 5
+    # Info: counts for everyone, ids (with their owners) for the admin only
+    bob_info = bob.Info(pb.InfoRequest(), timeout=10)
+    assert bob_info.live_sessions >= 2 and list(bob_info.sessions) == []
+    ops_info = _stub(token_worker, _as(pki, "ops")).Info(pb.InfoRequest(), timeout=10)
+    owners = {(s.session_id, s.route_epoch): s.owner for s in ops_info.sessions}
+    assert owners[("victim", 5)] == "alice" and owners[("victim", 6)] == "bob"
+    for stub, epoch in ((alice, 5), (bob, 6)):
+        assert stub.Release(pb.SessionRequest(session_id="victim", route_epoch=epoch), timeout=10).released
+
+
+def test_the_per_principal_cap_answers_resource_exhausted_and_costs_others_nothing(token_worker, pki):
+    alice, bob = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "bob"))
+    held = [f"cap-{i}" for i in range(3)]
+    for sid in held[:2]:  # with a-first from the first test: 3, the cap
+        assert _prefill(alice, sid).outcome == pb.OUTCOME_OK
+    alice.Release(pb.SessionRequest(session_id="a-first", route_epoch=1), timeout=10)
+    assert _prefill(alice, held[2]).outcome == pb.OUTCOME_OK
+    assert _code(lambda: _prefill(alice, "one-too-many")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=pb.STEP_KIND_PREFILL, step=pb.StepRequest(
+        session_id="one-too-many", route_epoch=1, token_ids=[1]))])
+    assert _code(lambda: alice.StepBatch(batch, timeout=10)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert alice.Resolve(pb.SessionRequest(session_id="one-too-many", route_epoch=1), timeout=10).miss_reason == \
+        "UNKNOWN_SESSION"  # nothing was created
+    assert _prefill(bob, "bob-own").outcome == pb.OUTCOME_OK  # another principal is not affected
+    r = alice.Decode(pb.StepRequest(session_id=held[0], route_epoch=1, token_ids=[4]), timeout=10)
+    assert r.outcome == pb.OUTCOME_OK  # a session alice holds still steps
+    alice.Release(pb.SessionRequest(session_id=held[0], route_epoch=1), timeout=10)
+    assert _prefill(alice, "one-too-many").outcome == pb.OUTCOME_OK  # a released slot is free again
+    for sid in (*held[1:], "one-too-many"):
+        alice.Release(pb.SessionRequest(session_id=sid, route_epoch=1), timeout=10)
+    bob.Release(pb.SessionRequest(session_id="bob-own", route_epoch=1), timeout=10)
+
+
+# --- mutual TLS --------------------------------------------------------------------------------------
+
+def test_mutual_tls_principal_is_the_certificate_name(mtls_worker, pki):
+    proc, address = mtls_worker
+    alice_sec = ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["alice"].cert), tls_key=str(pki["alice"].key))
+    deadline = time.monotonic() + 120
+    alice = _stub(address, alice_sec)
+    while True:  # the worker loads in the background
+        try:
+            alice.Info(pb.InfoRequest(), timeout=2)
+            break
+        except grpc.RpcError:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    assert _prefill(alice, "m-victim").outcome == pb.OUTCOME_OK
+    no_cert = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert)))
+    assert _code(lambda: no_cert.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+    mallory = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["mallory"].cert),
+                                            tls_key=str(pki["mallory"].key)))  # "alice", signed by another CA
+    assert _code(lambda: mallory.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+    bob = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["bob"].cert), tls_key=str(pki["bob"].key)))
+    r = bob.Resolve(pb.SessionRequest(session_id="m-victim", route_epoch=1), timeout=10)
+    assert r.miss_reason == "UNKNOWN_SESSION"
+    assert list(bob.Info(pb.InfoRequest(), timeout=10).sessions) == []  # no --admin: nobody sees ids
+    assert alice.Resolve(pb.SessionRequest(session_id="m-victim", route_epoch=1), timeout=10).seq_len == 3
+
+
+# --- safe defaults, reloads, the RPC limit, a chained route ----------------------------------------
+
+def test_an_exposed_address_needs_tls_and_authentication_or_insecure(synthetic_model, pki):
+    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "--tls-cert" in res.stderr and "--auth-token-file" in res.stderr and "--insecure" in res.stderr
+    tls_only = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                               "--host", "0.0.0.0", "--port", "0", "--tls-cert", str(pki["server"].cert),
+                               "--tls-key", str(pki["server"].key)], capture_output=True, text=True, timeout=120)
+    assert tls_only.returncode == 2  # TLS without authentication is not enough
+    token_in_clear = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                                     "--auth-token-file", str(pki["tokens"])], capture_output=True, text=True, timeout=120)
+    assert token_in_clear.returncode == 2 and "needs TLS" in token_in_clear.stderr
+    proc, addr = start_worker(synthetic_model, 0, 5, 1, extra=("--host", "0.0.0.0", "--insecure"))
+    try:
+        wait_serving(proc, "127.0.0.1:" + addr.rsplit(":", 1)[1])
+    finally:
+        assert stop_worker(proc)[0] == 0
+
+
+def test_token_file_and_certificates_reload_without_a_restart(synthetic_model, pki, tmp_path):
+    _PKI.update(pki)
+    tokens, cert, key = tmp_path / "tokens", tmp_path / "server.cert", tmp_path / "server.key"
+    tokens.write_text(f"alice:{TOKENS['alice']}\n")
+    shutil.copy(pki["server"].cert, cert)
+    shutil.copy(pki["server"].key, key)
+    proc, addr = _serve(synthetic_model, ("--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(tokens)))
+    address = "localhost:" + addr.rsplit(":", 1)[1]
+    try:
+        bob = _stub(address, _as(pki, "bob"))
+        assert _code(lambda: bob.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
+        tokens.write_text(f"alice:{TOKENS['alice']}\nbob:{TOKENS['bob']}\n")
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                bob.Info(pb.InfoRequest(), timeout=10)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the new token was not accepted"
+                time.sleep(0.2)
+        # a new certificate, from another CA: new connections get it, the worker keeps running
+        alice = _stub(address, _as(pki, "alice"))
+        assert _prefill(alice, "kept").outcome == pb.OUTCOME_OK
+        renewed = pki["other"].issue("worker-renewed", server=True)
+        shutil.copy(renewed.key, key)
+        shutil.copy(renewed.cert, cert)
+        os.utime(cert)
+        new_ca = _stub(address, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
+        r = new_ca.Resolve(pb.SessionRequest(session_id="kept", route_epoch=1), timeout=10)
+        assert r.outcome == pb.OUTCOME_OK and r.seq_len == 3  # the session survived the renewal
+    finally:
+        assert stop_worker(proc)[0] == 0
+
+
+def test_the_rpc_limit_answers_resource_exhausted_and_the_worker_goes_on(synthetic_model):
+    proc, addr = _serve(synthetic_model, ("--max-concurrent-rpcs", "1"))
+    codes: list = []
+    try:
+        stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(addr))
+
+        def hammer() -> None:
+            for _ in range(30):
+                try:
+                    stub.Prefill(pb.StepRequest(session_id=f"h{threading.get_ident()}", route_epoch=1,
+                                                token_ids=list(range(1, 200)), position=0), timeout=30)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+
+        threads = [threading.Thread(target=hammer) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert stub.Info(pb.InfoRequest(), timeout=10).first == 0  # serving as before
+    finally:
+        assert stop_worker(proc)[0] == 0
+
+
+def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_model, pki):
+    from llama_shard.route import RemoteStage, RouteClient
+
+    _PKI.update(pki)
+    tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+           "--auth-token-file", str(pki["tokens"]))
+    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops"), 3, 5)
+    tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
+    refused = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                              "--layers", "0-2", "--port", "0", *tls, "--peer", tail_name],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--peer-tls-ca" in refused.stderr  # a peer it could not authenticate
+    head, head_addr = _serve(synthetic_model, (*tls, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
+                                               "--peer-token-file", str(pki["dir"] / "ops.token")), 0, 2)
+    try:
+        security = _as(pki, "alice")
+        stages = [RemoteStage("localhost:" + head_addr.rsplit(":", 1)[1], security=security),
+                  RemoteStage(tail_name, security=security)]
+        client = RouteClient(stages)
+        assert client.chained
+        session = client.session("tls-route")
+        tokens = client.generate_many([session], [[1, 17, 42, 99, 5]], 8)[0]
+        from llama_shard.pipeline import LocalPipeline
+        whole = [t for t, _ in LocalPipeline(synthetic_model, None, n_ctx=256, n_seq_max=1, n_batch=32,
+                                             n_threads=1).generate([1, 17, 42, 99, 5], 8)]
+        assert tokens == whole
+        # the tail keyed the session by alice (the head, "ops", forwards on her behalf): she sees it
+        # there herself, bob does not, and bob naming alice as a forwarder would is not believed
+        tail_alice = _stub(tail_name, security)
+        assert tail_alice.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10).seq_len > 0
+        bob = _stub(tail_name, _as(pki, "bob"))
+        r = bob.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10,
+                        metadata=(("llama-shard-on-behalf-of", "alice"),))
+        assert r.miss_reason == "UNKNOWN_SESSION"
+        session.release()
+        r = tail_alice.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10)
+        assert r.outcome == pb.OUTCOME_CACHE_MISS  # released on every worker by its owner
+        client.close()
+    finally:
+        stop_worker(head)
+        stop_worker(tail)
