@@ -277,8 +277,9 @@ def split_rows(s: Shapes) -> list[Row]:
 def route_rows(s: Shapes) -> list[Row]:
     log("two worker processes on loopback vs llama.cpp's RPC split")
     npl, n, rpc_tools = ([1, 2] if s.quick else [1, 8]), s.n_layer, s.rpc_tools
-    chained, relayed, local, peer = alternate(
+    chained, tls, relayed, local, peer = alternate(
         s.repeat, lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl, s.vocab, topology="chained"),
+        lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl, s.vocab, topology="chained", tls=True),
         lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl[-1:], s.vocab, topology="two workers"),
         lambda: ours_two_stages(s.path, n, s.npp, s.ntg, npl[-1:], s.vocab, topology="local head"),
         rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, npl)))
@@ -287,6 +288,8 @@ def route_rows(s: Shapes) -> list[Row]:
     rows = [Row(f"2 workers x 1 thread on loopback (0-{cut - 1},{cut}-{n - 1}), chained, {pl} session"
                 f"{'s' if pl > 1 else ''} (vs RPC split)", chained[pl], peer.get(pl, {}).get("tg"), "tok/s",
                 ">= 1.6" if pl > 1 else ">= 1.0", note) for pl in npl]
+    rows += [Row(f"the same, chained, {pl} session{'s' if pl > 1 else ''}, token over TLS (vs plaintext)", tls[pl],
+                 chained[pl], "tok/s", "", "peer: the plaintext chain in this run") for pl in npl]
     pl = npl[-1]
     rows.append(Row(f"2 workers x 1 thread on loopback, client-relayed, {pl} sessions (vs RPC split)",
                     relayed[pl], peer.get(pl, {}).get("tg"), "tok/s", "", note))

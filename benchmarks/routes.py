@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from llama_shard.models import compute_balanced_cut, gguf_layer_count
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
+from llama_shard.security import ClientSecurity
 from llama_shard.testing.workers import free_port, start_worker, stop_worker, wait_serving
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
@@ -107,14 +109,58 @@ def _engine_counters(stage) -> tuple[float, int, int]:
     return info.engine_busy_seconds, info.engine_steps, info.engine_requests
 
 
-def _start_stages(path: Path, ranges: list[tuple[int, int]], topology: str) -> list[tuple[subprocess.Popen, str]]:
-    """The worker processes of a topology (the last TOPOLOGIES[topology] stages), 1 thread each."""
+class TlsSetup:
+    """Token over TLS for a benchmark's workers: a CA and a server certificate for localhost, a
+    token for the client and one for a head worker forwarding to the tail on the client's behalf."""
+
+    def __init__(self, directory: Path):
+        from llama_shard.testing.certs import CertificateAuthority
+
+        ca = CertificateAuthority.create(directory, "bench-ca")
+        server = ca.issue("worker", server=True)
+        tokens = {"client": "client-token-0123456789", "head": "head-token-0123456789ab"}
+        (directory / "tokens").write_text("".join(f"{p}:{t}\n" for p, t in tokens.items()))
+        for principal, token in tokens.items():
+            (directory / f"{principal}.token").write_text(token)
+        self.flags = ("--tls-cert", str(server.cert), "--tls-key", str(server.key),
+                      "--auth-token-file", str(directory / "tokens"), "--forwarder", "head")
+        self.peer_flags = ("--peer-tls-ca", str(ca.cert), "--peer-token-file", str(directory / "head.token"))
+        self.client = ClientSecurity(tls_ca=str(ca.cert), token_file=str(directory / "client.token"))
+
+
+def _start_stages(path: Path, ranges: list[tuple[int, int]], topology: str,
+                  tls: TlsSetup | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """The worker processes of a topology (the last TOPOLOGIES[topology] stages), 1 thread each;
+    with TLS their addresses name localhost, which the certificate covers."""
     n_local = len(ranges) - TOPOLOGIES[topology]
+    flags, host = (tls.flags, "localhost") if tls else ((), "127.0.0.1")
+
+    def start(first: int, last: int, extra: tuple = (), port: int | None = None) -> tuple[subprocess.Popen, str]:
+        proc, addr = start_worker(path, first, last, 1, extra=flags + extra, port=port)
+        return proc, f"{host}:" + addr.rsplit(":", 1)[1]
+
     if topology == "chained":
         tail_port = free_port()
-        tail = start_worker(path, *ranges[1], 1, port=tail_port)
-        return [start_worker(path, *ranges[0], 1, extra=("--peer", f"127.0.0.1:{tail_port}")), tail]
-    return [start_worker(path, first, last, 1) for first, last in ranges[n_local:]]
+        tail = start(*ranges[1], port=tail_port)
+        return [start(*ranges[0], extra=("--peer", f"{host}:{tail_port}", *(tls.peer_flags if tls else ()))), tail]
+    return [start(first, last) for first, last in ranges[n_local:]]
+
+
+def _wait_stages(procs: list[tuple[subprocess.Popen, str]], tls: TlsSetup | None) -> None:
+    """Each worker answers Info (over TLS with the client's token, when set)."""
+    for proc, addr in procs:
+        if tls is None:
+            wait_serving(proc, addr)
+            continue
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                RemoteStage(addr, security=tls.client, timeout_s=2).close()
+                break
+            except RouteError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 class _MicroBatches:
@@ -166,25 +212,28 @@ class _MicroBatches:
 
 
 def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
-                    micro_batches: int = 2, topology: str = "two workers") -> dict[int, float]:
+                    micro_batches: int = 2, topology: str = "two workers", tls: bool = False) -> dict[int, float]:
     """Decode tokens/s of `pl` sessions through two 1-thread stages split where per-token compute
     balances (the tail also runs the LM head). Topologies: "chained", two `serve` processes, the
     head forwarding to the tail; "two workers", the same driven by this process; "local head", the
     head in this process (a LocalStage, as llama-batched-bench keeps its half local) and the tail
     a worker; "in process", both stages LocalStages: no gRPC and no second process, which shows
     what the transport costs. Sessions step in `micro_batches` groups (pipelining). Like
-    llama-batched-bench, prompts are prefilled first and only the decode is timed."""
+    llama-batched-bench, prompts are prefilled first and only the decode is timed. `tls`: the
+    workers use token over TLS (TlsSetup)."""
     cut = compute_balanced_cut(path)
     ranges = [(0, cut - 1), (cut, n_layer - 1)]
     n_local = len(ranges) - TOPOLOGIES[topology]  # the first n_local stages run in this process
-    procs = _start_stages(path, ranges, topology)
+    tmp = tempfile.TemporaryDirectory() if tls else None
+    setup = TlsSetup(Path(tmp.name)) if tmp else None
+    procs = _start_stages(path, ranges, topology, setup)
     res = {}
     try:
-        for proc, addr in procs:
-            wait_serving(proc, addr)
+        _wait_stages(procs, setup)
         config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as the workers'
+        security = setup.client if setup else ClientSecurity()
         stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]]
-                  + [RemoteStage(addr) for _, addr in procs])
+                  + [RemoteStage(addr, security=security) for _, addr in procs])
         client = RouteClient(stages, chained=topology == "chained")
         rng = np.random.default_rng(5)
         for pl in npl:
@@ -202,6 +251,8 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
     finally:
         for proc, _ in procs:
             stop_worker(proc)
+        if tmp:
+            tmp.cleanup()
     return res
 
 

@@ -63,6 +63,8 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
     assert rows["aggregate decode, 4 sessions (batched-bench)"]["peer"] == 200.0
     pipe = [r for m, r in rows.items() if m.startswith("2 workers x 1 thread on loopback")]
     assert len(pipe) == 3 and all(p["peer"] > 0 for p in pipe)  # chained at 1 and 2 sessions, relayed at 2
+    tls = [r for m, r in rows.items() if "token over TLS (vs plaintext)" in m]
+    assert len(tls) == 2 and all(r["ratio"] > 0 for r in tls)  # the chain over TLS at 1 and 2 sessions
     for r in rows.values():
         assert r["ours"] and r["ours"] > 0, r
         assert r["ratio"] is not None, r
