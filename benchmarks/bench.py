@@ -175,11 +175,7 @@ def kv_layout_comparison(path: Path, threads: int, lengths: list[int], ntg: int,
 _RSS_PROBE = """
 import json, sys
 import llama_shard as ls
-def rss():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) * 1024
+from llama_shard.testing.process import resident_bytes as rss
 layers = json.loads(sys.argv[2])
 r0 = rss()
 m = ls.ShardModel(sys.argv[1], tuple(layers) if layers else None, 1)

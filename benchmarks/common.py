@@ -190,15 +190,6 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss(pid: int | None = None) -> int:
-    """Resident bytes of a process (this one when pid is None), from /proc."""
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def model_and_vocab(path: Path) -> tuple[int, int]:
     """(layers, vocabulary size) of a GGUF, loading one layer only."""
     info = ShardModel(str(path), (0, 0), 1).info

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import log, rss
+from common import log
+from llama_shard.testing.process import resident_bytes as rss
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
 from llama_shard.errors import InvalidInputError
 from llama_shard.hot_kv import kv_bytes_per_token
@@ -276,11 +277,7 @@ def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 
 _KV_RSS = """
 import json, sys
 import llama_shard as ls
-def rss():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) * 1024
+from llama_shard.testing.process import resident_bytes as rss
 m = ls.ShardModel(sys.argv[1], (0, int(sys.argv[3])), 1)
 r0 = rss()
 mgr = ls.HotKvStateManager(m, ls.HotKvStateConfig(max_sessions=16, context_tokens=2048, kv_type=sys.argv[2]))

@@ -10,11 +10,7 @@ SOAK = """
 import json, random, time
 import numpy as np
 import llama_shard as ls
-def rss():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) * 1024
+from llama_shard.testing.process import resident_bytes as rss
 model = ls.ShardModel({path!r}, (0, 2), 1)
 mgr = ls.HotKvStateManager(model, ls.HotKvStateConfig(max_sessions=16, context_tokens=64, budget_tokens=512), ls.ManualClock(),
                            n_batch=16, recent_capacity=1024)

@@ -14,11 +14,7 @@ from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 MEASURE = """
 import json, sys
 import llama_shard as ls
-def rss():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) * 1024
+from llama_shard.testing.process import resident_bytes as rss
 path, layers, n_ctx = {path!r}, {layers!r}, {n_ctx!r}
 r0 = rss()
 m = ls.ShardModel(path, layers, 2)
@@ -93,11 +89,7 @@ PLANNED = """
 import json
 import llama_shard as ls
 from llama_shard.memory import memory_plan
-def rss():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) * 1024
+from llama_shard.testing.process import resident_bytes as rss
 m = ls.ShardModel({path!r}, (0, 14), 1)
 plan = memory_plan(m.info, {kv_memory}, 2048, n_batch=512)
 r0 = rss()
