@@ -343,3 +343,23 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
     finally:
         stop_worker(head)
         stop_worker(tail)
+
+
+def test_generate_reaches_a_route_over_tls_with_a_token_and_is_refused_without(embedded_model, pki):
+    _PKI.update(pki)
+    tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+           "--auth-token-file", str(pki["tokens"]))
+    workers = [_serve(embedded_model, tls, 0, 14), _serve(embedded_model, tls, 15, 29)]
+    route = ",".join(f"{a}-{b}@localhost:{addr.rsplit(':', 1)[1]}" for (a, b), (_, addr) in zip([(0, 14), (15, 29)], workers))
+    cmd = [sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model), "--route", route,
+           "--prompt", "The capital of France is", "--max-tokens", "6", "--tls-ca", str(pki["ca"].cert)]
+    try:
+        ok = subprocess.run([*cmd, "--token-file", str(pki["dir"] / "alice.token")], capture_output=True, text=True,
+                            timeout=300)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        assert "Paris" in ok.stdout
+        refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+    finally:
+        for proc, _ in workers:
+            stop_worker(proc)
