@@ -334,12 +334,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     ap.add_argument("--repeat", type=int, default=2, help="measure each pair this many times, keep each side's best")
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--stock-bin-dir", help="where stock llama-bench and llama-batched-bench are (default: "
+                    "LLAMA_SHARD_STOCK_BIN_DIR, else build/stock-bench, built there if missing)")
+    ap.add_argument("--require-stock", action="store_true", help="exit 2, measuring nothing, without the stock tools")
     args = ap.parse_args(argv)
+    if args.stock_bin_dir:
+        os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()
     stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
     rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
-    if stock is None and not args.no_stock:
-        log("stock llama.cpp tools not available: peer columns are n/a")
+    missing = [name for name, tools in (("llama-bench/llama-batched-bench", stock), ("the RPC split", rpc_tools))
+               if tools is None]
+    if missing:
+        why = "--no-stock" if args.no_stock else "not found (--stock-bin-dir) and not built (--no-build, or the build failed)"
+        log(f"stock llama.cpp {' and '.join(missing)}: {why}; their peer columns are n/a")
+        if args.require_stock:
+            return 2
     shapes = Shapes(path, args.threads, stock, rpc_tools, args.quick, max(1, args.repeat))
     rows = [row for section in SECTIONS for row in section(shapes)]
     cmd = ("python benchmarks/bench.py" + (f" --model {args.model}" if args.model else "") +

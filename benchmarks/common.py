@@ -92,18 +92,20 @@ def alternate(repeat: int, *measures) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 def find_stock_tools(build: bool = True, rpc: bool = False) -> dict[str, Path] | None:
-    """The stock tools from the pinned source, found through LLAMA_SHARD_STOCK_BIN_DIR (or
-    LLAMA_SHARD_STOCK_RPC_BIN_DIR) or in build/stock-bench, else built there (CMake option
+    """The stock tools from the pinned source: in LLAMA_SHARD_STOCK_BIN_DIR (or
+    LLAMA_SHARD_STOCK_RPC_BIN_DIR) when set, else in build/stock-bench, built there when missing (CMake option
     LLAMA_SHARD_BUILD_STOCK_BENCH; the patches are gated, so without a shard range they behave as
     upstream). With rpc=True, an RPC-enabled build (GGML_RPC=ON) with ggml-rpc-server, for
     llama.cpp's own way of splitting a model across processes."""
     tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else STOCK_TOOLS
     name = "stock-rpc" if rpc else "stock-bench"
     env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else "LLAMA_SHARD_STOCK_BIN_DIR")
-    for d in ([Path(env)] if env else []) + [REPO / "build" / name / "bin"]:
-        found = {t: d / t for t in tools}
-        if all(p.is_file() for p in found.values()):
-            return found
+    if env:  # a directory named explicitly is the only place looked at
+        found = {t: Path(env) / t for t in tools}
+        return found if all(p.is_file() for p in found.values()) else None
+    found = {t: REPO / "build" / name / "bin" / t for t in tools}
+    if all(p.is_file() for p in found.values()):
+        return found
     if not build:
         return None
     build_dir = REPO / "build" / name

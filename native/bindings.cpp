@@ -5,6 +5,7 @@
 // allocated as numpy arrays and written by the engine directly. The GIL is released around every
 // call that computes or loads. shard_error is translated to the classes of llama_shard.errors.
 
+#include "llama_shard/cpu_backend.h"
 #include "llama_shard/hot_kv_engine.h"
 #include "llama_shard/shard_context.h"
 #include "llama_shard/shard_model.h"
@@ -263,6 +264,17 @@ void register_errors(py::module_ & m) {
 void register_model(py::module_ & m) {
     m.def("certified_architectures", &shard_certified_architectures,
           "Architectures whose graphs honour a shard range.");
+    m.def("cpu_backend", [] {
+              const cpu_backend_info c = shard_cpu_backend();  // loads it first (portable builds)
+              py::dict d;
+              d["variant"] = c.variant;
+              d["library"] = c.library;
+              d["features"] = c.features;
+              d["available"] = c.available;
+              return d;
+          },
+          "The CPU kernels this process runs: variant (a portable build's libggml-cpu-<variant>.so, or "
+          "'built in'), library, features (instruction sets), available (the variants shipped).");
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");

@@ -72,6 +72,17 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
     assert kv and all(abs(r["ratio"] - 0.5) < 1e-9 for r in kv)
 
 
+def test_bench_says_why_the_stock_columns_are_missing_and_can_require_them(synthetic_model, tmp_path):
+    empty = tmp_path / "no-tools"
+    empty.mkdir()
+    env = dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(empty), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(empty))
+    res = subprocess.run([sys.executable, BENCHMARKS / "bench.py", "--model", str(synthetic_model), "--quick",
+                          "--no-build", "--require-stock", "--stock-bin-dir", str(empty)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert res.returncode == 2 and "| metric |" not in res.stdout
+    assert "not found (--stock-bin-dir) and not built" in res.stderr
+
+
 def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model, fake_stock_env):
     res = subprocess.run([sys.executable, BENCHMARKS / "pipeline_study.py", "2", "--model", str(synthetic_model),
                           "--quick", "--no-build"], capture_output=True, text=True, timeout=600,

@@ -1,4 +1,5 @@
 #include "llama_shard/shard_model.h"
+#include "llama_shard/cpu_backend.h"
 #include "llama_shard/shard_context.h"
 
 #include "gguf.h"
@@ -172,6 +173,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     }
 
     shard_backend_init();
+    shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = 0;

@@ -28,6 +28,7 @@ from ._native import (
     StepResult,
     StepTicket,
     certified_architectures,
+    cpu_backend,
 )
 from .errors import (
     CapacityError,
@@ -88,6 +89,7 @@ __all__ = [
     "ShardContext",
     "ModelInfo",
     "certified_architectures",
+    "cpu_backend",
     "embedded_model_path",
     "errors",
     "LlamaShardError",

@@ -141,6 +141,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_kernels() -> str:
+    """Which CPU variant this process runs, and its instruction sets."""
+    from ._native import cpu_backend
+
+    c = cpu_backend()
+    shipped = f"; shipped: {', '.join(c['available'])}" if c["available"] else ""
+    return f"{c['variant']} ({' '.join(c['features'])}){shipped}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._native import certified_architectures
     from .hot_kv import kv_bytes_per_token, parse_size
@@ -153,6 +162,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     kv_per_layer = kv_bytes_per_token(shape.n_head_kv, shape.head_dim, 1)
     arch = shape.architecture
     print(f"file:          {path}")
+    print(f"CPU kernels:   {_cpu_kernels()}")
     certified = arch in certified_architectures()
     print(f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})")
     print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}")
@@ -249,6 +259,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, plan = serve_config(args, layers)
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
+    _status(f"CPU kernels: {_cpu_kernels()}")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        threads=args.threads, n_batch=args.batch,

@@ -123,7 +123,7 @@ def _stop(procs: list[tuple[subprocess.Popen, str]]) -> bool:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     for proc, addr in procs:
-        code, stderr = stop_worker(proc)
+        code, stderr = stop_worker(proc, send_sigterm=False)  # all were signalled above, to stop together
         report = [ln for ln in stderr.splitlines() if "shut down" in ln]
         _say(f"  worker {addr}: exit {code}" + (f" - {report[-1].split(': ', 1)[-1]}" if report else ""))
     return all(p.returncode == 0 for p, _ in procs)

@@ -62,10 +62,11 @@ def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0)
     raise TimeoutError(f"worker {address} did not become ready in {timeout_s}s")
 
 
-def stop_worker(proc: subprocess.Popen, timeout_s: float = 30.0) -> tuple[int, str]:
-    """SIGTERM, wait (SIGKILL after timeout_s); returns the exit code and what the worker wrote to
-    stderr (its pipe is closed)."""
-    if proc.poll() is None:
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 30.0, send_sigterm: bool = True) -> tuple[int, str]:
+    """SIGTERM (unless the caller sent it already: a second one could land while the worker exits),
+    wait (SIGKILL after timeout_s); returns the exit code and what the worker wrote to stderr (its
+    pipe is closed)."""
+    if send_sigterm and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
         _, stderr = proc.communicate(timeout=timeout_s)

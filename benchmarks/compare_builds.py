@@ -1,0 +1,81 @@
+"""Two installs of llama-shard side by side: this interpreter's (e.g. the source build, native to
+this CPU) against another interpreter's (e.g. a venv with the portable wheel), same model, threads
+and shapes, alternating rounds, each side's best kept.
+
+    python benchmarks/compare_builds.py --other /path/to/venv/bin/python [--rounds 3] [--model PATH]
+
+Rows: prefill of a 128-token prompt, decode of 1 session, aggregate decode of 8 sessions; the ratio
+is the other install over this one. Each side's CPU kernels (cpu_backend()) are printed first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(model: str, threads: int, quick: bool) -> dict:
+    """This install's figures (run in the interpreter being measured)."""
+    from bench import ours_batched, ours_prefill_and_tg
+    from llama_shard import ShardModel, cpu_backend
+
+    vocab = ShardModel(model, (0, 0), 1).info.n_vocab
+    npp, ntg, reps = (16, 8, 1) if quick else (128, 64, 3)
+    single = ours_prefill_and_tg(Path(model), threads, npp, ntg, reps, vocab)
+    batched = ours_batched(Path(model), threads, npp, ntg, [8], vocab)
+    backend = cpu_backend()
+    return {"pp": single["pp"], "tg1": single["tg"], "tg8": batched[8]["tg"], "variant": backend["variant"],
+            "features": backend["features"]}
+
+
+def run_side(python: str, model: str, threads: int, quick: bool) -> dict:
+    cmd = [python, str(HERE / "compare_builds.py"), "--measure", "--model", model, "--threads", str(threads)]
+    out = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, check=True,
+                         cwd=HERE.parent, env=dict(os.environ, PYTHONPATH=str(HERE)))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/compare_builds.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--other", help="the other install's python (e.g. a venv with the portable wheel)")
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small shapes (for tests)")
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one side, as JSON
+    args = ap.parse_args(argv)
+    if args.model is None:
+        from llama_shard.models import require_embedded_model
+        args.model = str(require_embedded_model())
+    if args.measure:
+        print(json.dumps(measure(args.model, args.threads, args.quick)))
+        return 0
+    if not args.other:
+        ap.error("--other PYTHON is required")
+    from common import Row, format_table
+
+    sides: dict[str, list[dict]] = {"this": [], "other": []}
+    for _ in range(args.rounds):
+        for name, python in (("this", sys.executable), ("other", args.other)):
+            sides[name].append(run_side(python, args.model, args.threads, args.quick))
+    best = {name: {k: max(r[k] for r in runs) for k in ("pp", "tg1", "tg8")} | {"variant": runs[0]["variant"],
+            "features": runs[0]["features"]} for name, runs in sides.items()}
+    rows = [Row(label, best["other"][key], best["this"][key], "tok/s", ">= 0.97")
+            for label, key in (("prefill pp128" if not args.quick else "prefill pp16", "pp"),
+                               ("decode, 1 session", "tg1"), ("aggregate decode, 8 sessions", "tg8"))]
+    header = (f"{Path(args.model).name}, {args.threads} threads, {args.rounds} alternating rounds, best of each; "
+              f"llama-shard: {args.other} (CPU variant {best['other']['variant']}); peer: {sys.executable} "
+              f"(CPU variant {best['this']['variant']})")
+    print(format_table(rows, header))
+    for name in ("this", "other"):
+        print(f"{name}: {best[name]['variant']}: {' '.join(best[name]['features'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
