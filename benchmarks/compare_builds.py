@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     from common import Row, format_table
 
     sides: dict[str, list[dict]] = {"this": [], "other": []}
-    for _ in range(args.rounds):
-        for name, python in (("this", sys.executable), ("other", args.other)):
+    order = [("this", sys.executable), ("other", args.other)]
+    for k in range(args.rounds):
+        for name, python in (order if k % 2 == 0 else order[::-1]):  # neither side always goes first
             sides[name].append(run_side(python, args.model, args.threads, args.quick))
     best = {name: {k: max(r[k] for r in runs) for k in ("pp", "tg1", "tg8")} | {"variant": runs[0]["variant"],
             "features": runs[0]["features"]} for name, runs in sides.items()}

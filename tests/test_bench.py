@@ -121,3 +121,11 @@ def test_warm_study_prints_every_figure(synthetic_model):
     assert "warm tier 256 MiB:" in out and "0 tokens re-prefilled (0 re-prefills)" in out
     assert "churn: 500 sessions" in out and out.rstrip().count(": True") >= 1
     assert "f16  :" in out
+
+
+def test_compare_builds_prints_both_installs_and_their_cpu_kernels(synthetic_model):
+    res = subprocess.run([sys.executable, BENCHMARKS / "compare_builds.py", "--other", sys.executable, "--model",
+                          str(synthetic_model), "--quick", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| decode, 1 session |" in res.stdout and "| aggregate decode, 8 sessions |" in res.stdout
+    assert "this: " in res.stdout and "other: " in res.stdout
