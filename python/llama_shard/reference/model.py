@@ -27,12 +27,16 @@ from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureE
 
 #: absolute tolerance on logits between the native engine and this reference on the synthetic
 #: models. Measured (tests/test_native_vs_reference.py, 50 random prompts x 16 teacher-forced steps
-#: each, 2 CPUs with AVX2): worst 0.0069 with F32 matrices, 0.0093 with F16 matrices; the tolerance
-#: is about twice the worst, for other CPUs' kernels (other SIMD paths sum in other orders).
+#: each, 2 CPUs with AVX-512): worst 0.0069 (llama, F32), 0.0093 (llama, F16, untied), 0.0082
+#: (qwen2), 0.0079 (qwen3, F16); the tolerance is about twice the worst, for other CPUs' kernels
+#: (other SIMD paths sum in other orders).
 NATIVE_LOGIT_ATOL = 2e-2
 
 #: architectures this reference implements (their RoPE convention and tensor layout)
-REFERENCE_ARCHITECTURES = ("llama",)
+REFERENCE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+#: architectures whose RoPE rotates the two halves of each head (llama.cpp's NEOX convention);
+#: llama rotates adjacent pairs
+NEOX_ROPE = ("qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,11 @@ class LayerWeights:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
+    bq: np.ndarray | None = None      # qwen2: projection biases
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # qwen3: RMS norm over each head of q and k
+    k_norm: np.ndarray | None = None
 
 
 class ReferenceModel:
@@ -96,6 +105,9 @@ class ReferenceModel:
             t = tensors[name]
             return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
 
+        def maybe(name: str) -> np.ndarray | None:
+            return get(name) if name in tensors else None
+
         n_layer = int(_field_value(reader, f"{arch}.block_count"))
         n_embd = int(_field_value(reader, f"{arch}.embedding_length"))
         n_head = int(_field_value(reader, f"{arch}.attention.head_count"))
@@ -120,7 +132,9 @@ class ReferenceModel:
             layers.append(LayerWeights(
                 attn_norm=get(p + "attn_norm.weight"), wq=get(p + "attn_q.weight"), wk=get(p + "attn_k.weight"),
                 wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"), ffn_norm=get(p + "ffn_norm.weight"),
-                w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight")))
+                w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight"),
+                bq=maybe(p + "attn_q.bias"), bk=maybe(p + "attn_k.bias"), bv=maybe(p + "attn_v.bias"),
+                q_norm=maybe(p + "attn_q_norm.weight"), k_norm=maybe(p + "attn_k_norm.weight")))
         output = get("output.weight") if "output.weight" in tensors else tok_embd
         model = cls(hp, tok_embd, layers, get("output_norm.weight"), output)
         model.path = path
@@ -132,17 +146,19 @@ class ReferenceModel:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hparams.rms_eps) * weight
 
     def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """llama.cpp's normal RoPE (the `llama` convention): rotate adjacent pairs (x[2i], x[2i+1])."""
+        """llama.cpp's RoPE for the architecture: `llama` rotates adjacent pairs (x[2i], x[2i+1]),
+        the NEOX convention (qwen2, qwen3) pairs x[i] with x[i + head_dim/2]."""
         hd = x.shape[-1]
         inv_freq = self.hparams.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
         angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (n, hd/2)
         cos = np.cos(angles)[:, None, :]
         sin = np.sin(angles)[:, None, :]
-        x0 = x[..., 0::2]
-        x1 = x[..., 1::2]
+        first, second = (slice(0, hd // 2), slice(hd // 2, hd)) if self.hparams.architecture in NEOX_ROPE \
+            else (slice(0, hd, 2), slice(1, hd, 2))
+        x0, x1 = x[..., first], x[..., second]
         out = np.empty_like(x)
-        out[..., 0::2] = x0 * cos - x1 * sin
-        out[..., 1::2] = x0 * sin + x1 * cos
+        out[..., first] = x0 * cos - x1 * sin
+        out[..., second] = x0 * sin + x1 * cos
         return out
 
     def embed(self, tokens) -> np.ndarray:
@@ -164,9 +180,14 @@ class ReferenceModel:
         w = self.layers[il]
         n = x.shape[0]
         h = self.rms_norm(x, w.attn_norm)
-        q = (h @ w.wq.T).reshape(n, hp.n_head, hp.head_dim)
-        k = (h @ w.wk.T).reshape(n, hp.n_head_kv, hp.head_dim)
-        v = (h @ w.wv.T).reshape(n, hp.n_head_kv, hp.head_dim)
+        q, k, v = h @ w.wq.T, h @ w.wk.T, h @ w.wv.T
+        if w.bq is not None:  # qwen2
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        q = q.reshape(n, hp.n_head, hp.head_dim)
+        k = k.reshape(n, hp.n_head_kv, hp.head_dim)
+        v = v.reshape(n, hp.n_head_kv, hp.head_dim)
+        if w.q_norm is not None:  # qwen3: each head normalised before RoPE
+            q, k = self.rms_norm(q, w.q_norm), self.rms_norm(k, w.k_norm)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
         if kv_round is not None:

@@ -34,7 +34,7 @@ class SyntheticSpec:
     f16: bool = False           # store matrices as F16 (norms stay F32, as converters do)
     seed: int = 1234
     embd_scale: float = 0.1     # small next to the layers' contributions, so greedy text is not a copy of its input
-    architecture: str = "llama"  # another name writes the same tensors under that architecture
+    architecture: str = "llama"  # qwen2 adds q/k/v biases, qwen3 q/k norms; another name writes llama's tensors
 
     @property
     def head_dim(self) -> int:
@@ -42,7 +42,8 @@ class SyntheticSpec:
 
 
 def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
-    """Write a random dense-Llama GGUF described by `spec` to `path` and return the path."""
+    """Write a random GGUF described by `spec` to `path` and return the path: a dense Llama, or
+    with spec.architecture qwen2 / qwen3 the tensors those architectures add."""
     if spec.n_embd % spec.n_head or spec.n_head % spec.n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
     path = Path(path)
@@ -83,6 +84,12 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
         w.add_tensor(p + "attn_q.weight", mat(spec.n_head * hd, spec.n_embd))
         w.add_tensor(p + "attn_k.weight", mat(spec.n_head_kv * hd, spec.n_embd))
         w.add_tensor(p + "attn_v.weight", mat(spec.n_head_kv * hd, spec.n_embd))
+        if arch == "qwen2":  # Qwen2: biases on the q, k and v projections
+            for name, rows in (("q", spec.n_head * hd), ("k", spec.n_head_kv * hd), ("v", spec.n_head_kv * hd)):
+                w.add_tensor(p + f"attn_{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
+        if arch == "qwen3":  # Qwen3: RMS norms over each head of q and k, before RoPE
+            w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
         w.add_tensor(p + "attn_output.weight", mat(spec.n_embd, spec.n_head * hd))
         w.add_tensor(p + "ffn_norm.weight", norm_weight(spec.n_embd))
         w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, spec.n_embd))
