@@ -26,7 +26,8 @@ def _probe_hidden(path, last, seq_calls):
     return [ctx.forward(seq, pos, tokens=toks) for seq, pos, toks in seq_calls]
 
 
-@pytest.mark.parametrize("model_fixture", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3"])
+@pytest.mark.parametrize("model_fixture", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3",
+                                           "synthetic_gemma3"])
 def test_split_matches_whole_bit_for_bit(request, model_fixture):
     path = request.getfixturevalue(model_fixture)
     whole = LocalPipeline(path, None, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=2)

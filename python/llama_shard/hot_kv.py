@@ -314,6 +314,7 @@ ARCHITECTURE_ALIASES = {
     "mistralforcausallm": "llama",
     "qwen2forcausallm": "qwen2",
     "qwen3forcausallm": "qwen3",
+    "gemma3forcausallm": "gemma3",
 }
 
 #: the K/V element types a shard's cache may use (llama.cpp's type_k/type_v; the quantized ones

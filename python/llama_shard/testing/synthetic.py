@@ -34,7 +34,10 @@ class SyntheticSpec:
     f16: bool = False           # store matrices as F16 (norms stay F32, as converters do)
     seed: int = 1234
     embd_scale: float = 0.1     # small next to the layers' contributions, so greedy text is not a copy of its input
-    architecture: str = "llama"  # qwen2 adds q/k/v biases, qwen3 q/k norms; another name writes llama's tensors
+    architecture: str = "llama"  # qwen2 adds q/k/v biases, qwen3 q/k norms, gemma3 its own block (below);
+    #                              another name writes llama's tensors
+    sliding_window: int = 4      # gemma3: the window of its sliding-window layers (every 6th layer is global)
+    logit_softcap: float = 0.0   # gemma3: final logit soft-capping (0: none)
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +76,11 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_vocab_size(spec.n_vocab)
+    if arch == "gemma3":
+        w.add_sliding_window(spec.sliding_window)
+        w.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
+        if spec.logit_softcap:
+            w.add_final_logit_softcapping(spec.logit_softcap)
     w.add_file_type(1 if spec.f16 else 0)
     w.add_tokenizer_model("none")
 
@@ -87,10 +95,13 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
         if arch == "qwen2":  # Qwen2: biases on the q, k and v projections
             for name, rows in (("q", spec.n_head * hd), ("k", spec.n_head_kv * hd), ("v", spec.n_head_kv * hd)):
                 w.add_tensor(p + f"attn_{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
-        if arch == "qwen3":  # Qwen3: RMS norms over each head of q and k, before RoPE
+        if arch in ("qwen3", "gemma3"):  # RMS norms over each head of q and k, before RoPE
             w.add_tensor(p + "attn_q_norm.weight", norm_weight(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm_weight(hd))
         w.add_tensor(p + "attn_output.weight", mat(spec.n_embd, spec.n_head * hd))
+        if arch == "gemma3":  # Gemma 3: norms after attention and after the MLP too
+            w.add_tensor(p + "post_attention_norm.weight", norm_weight(spec.n_embd))
+            w.add_tensor(p + "post_ffw_norm.weight", norm_weight(spec.n_embd))
         w.add_tensor(p + "ffn_norm.weight", norm_weight(spec.n_embd))
         w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, spec.n_embd))
         w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, spec.n_embd))
@@ -119,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--untied", action="store_true")
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--seed", type=int, default=SyntheticSpec.seed)
+    ap.add_argument("--window", type=int, default=SyntheticSpec.sliding_window, help="gemma3's sliding window")
     a = ap.parse_args(argv)
     spec = SyntheticSpec(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, n_head_kv=a.kv_heads, n_ff=a.ff,
-                         n_vocab=a.vocab, f16=a.f16, tied_embeddings=not a.untied, architecture=a.arch, seed=a.seed)
+                         n_vocab=a.vocab, f16=a.f16, tied_embeddings=not a.untied, architecture=a.arch, seed=a.seed,
+                         sliding_window=a.window)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     write_synthetic_gguf(a.out, spec)
     print(a.out)
