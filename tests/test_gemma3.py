@@ -99,3 +99,61 @@ def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_g
     finally:
         r.close()
         ref.close()
+
+
+# --- the real Gemma 3 270M (Q4_K_M; 18 layers, a 512-token window, every 6th layer global) ---------
+
+LONG_TEXT = ("The history of the city begins with a small settlement on the river, where traders met to "
+             "exchange grain, salt and cloth. Over the centuries the settlement grew into a market town, "
+             "then a walled city with its own charter, guilds and council. ")
+
+
+def _real_prompts(model) -> list[list[int]]:
+    """Three prompts longer than the 512-token sliding window."""
+    text = LONG_TEXT * 16
+    ids = model.tokenize(text)
+    assert len(ids) > 720, len(ids)
+    return [ids[:560], ids[40:640] + model.tokenize(" In summary,"), model.tokenize("Question: ") + ids[100:700]]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("split", [[(0, 8), (9, 17)], [(0, 5), (6, 11), (12, 17)]], ids=["2-shard", "3-shard"])
+def test_real_gemma3_split_gives_the_whole_models_tokens_and_logits(gemma3_model, split):
+    from llama_shard.pipeline import LocalPipeline
+
+    whole = LocalPipeline(gemma3_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=2)
+    pipe = LocalPipeline(gemma3_model, split, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=2)
+    for prompt in _real_prompts(whole.head):
+        expected = list(whole.generate(prompt, 32))
+        got = list(pipe.generate(prompt, 32))
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(got, expected))
+
+
+@pytest.mark.model
+def test_real_gemma3_half_shard_holds_half_the_kv(gemma3_model):
+    whole, half = ShardModel(str(gemma3_model), None, 1), ShardModel(str(gemma3_model), (0, 8), 1)
+    assert whole.info.architecture == "gemma3" and whole.info.n_layer == 18
+    assert half.info.kv_bytes_per_token * 2 == whole.info.kv_bytes_per_token
+
+
+@pytest.mark.model
+def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(gemma3_model):
+    from llama_shard.pipeline import LocalPipeline
+    from llama_shard.route import RemoteStage, RouteClient
+    from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
+
+    flags = ("--context-tokens", "1024", "--budget-tokens", "4096", "--max-sessions", "2")
+    workers = [start_worker(gemma3_model, 0, 8, 1, extra=flags), start_worker(gemma3_model, 9, 17, 1, extra=flags)]
+    try:
+        for proc, addr in workers:
+            wait_serving(proc, addr)
+        client = RouteClient([RemoteStage(addr) for _, addr in workers])
+        whole = LocalPipeline(gemma3_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=2)
+        prompt = _real_prompts(whole.head)[0]
+        tokens = client.generate_many([client.session("g")], [prompt], 16)[0]
+        assert tokens == [t for t, _ in whole.generate(prompt, 16)]
+        client.close()
+    finally:
+        for proc, _ in workers:
+            stop_worker(proc)

