@@ -46,6 +46,7 @@ def test_the_graph_patch_certifies_the_architectures_the_native_module_lists():
     condition = re.search(r"^\+\s*if \((\s*model->arch != LLM_ARCH_\w+\s*(&&\s*\+?\s*)?)+\)", patch, re.M)
     assert condition, "the series no longer has its architecture check"
     in_condition = sorted(a.lower() for a in re.findall(r"LLM_ARCH_(\w+)", condition.group(0)))
-    in_message = sorted(re.search(r"does not support a shard layer range \(supported: ([a-z0-9, ]+)\)", patch).group(1).split(", "))
+    message = re.search(r"^\+.*does not support a shard layer range \(supported: ([a-z0-9, ]+)\)", patch, re.M)
+    in_message = sorted(message.group(1).split(", "))
     assert in_condition == in_message == sorted(certified_architectures())
 
