@@ -299,6 +299,8 @@ void register_model(py::module_ & m) {
         .def_readonly("kv_dtype", &shard_model_info::kv_dtype)
         .def_readonly("weight_bytes", &shard_model_info::weight_bytes)
         .def_readonly("kv_bytes_per_token", &shard_model_info::kv_bytes_per_token)
+        .def_readonly("sliding_window", &shard_model_info::sliding_window)
+        .def_readonly("swa_pattern", &shard_model_info::swa_pattern)
         .def_property_readonly("n_owned_layers", &shard_model_info::n_owned_layers)
         .def("__repr__", [](const shard_model_info & i) {
             return "ModelInfo(architecture='" + i.architecture + "', layers=" + std::to_string(i.first) + "-" +

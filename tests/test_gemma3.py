@@ -157,3 +157,16 @@ def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(ge
     finally:
         for proc, _ in workers:
             stop_worker(proc)
+
+
+def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model, model_dir):
+    from llama_shard.hot_kv import kv_recipe_for
+    from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    other = write_synthetic_gguf(model_dir / "gemma3-8L-w8.gguf",
+                                 SyntheticSpec(architecture="gemma3", n_layer=8, sliding_window=8, logit_softcap=30.0, seed=17))
+    a, b = (kv_recipe_for(ShardModel(str(p), (0, 4), 1)) for p in (synthetic_gemma3, other))
+    assert a.sliding_window == 4 and b.sliding_window == 8
+    assert a.fingerprint() != b.fingerprint()  # a cache made under one window is no use under another
+    llama = kv_recipe_for(ShardModel(str(synthetic_model), (0, 2), 1))
+    assert llama.sliding_window == 0 and "sliding_window" not in llama.canonical()  # fingerprints as before

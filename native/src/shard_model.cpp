@@ -206,6 +206,14 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.kv_dtype     = "f16";
     info_.weight_bytes = llama_model_weight_bytes(model_);
     info_.kv_bytes_per_token = kv_bytes_per_token(*this, info_.kv_dtype);  // at the default KV type
+    info_.sliding_window     = llama_model_n_swa(model_);
+    {
+        char buf[512] = {0};
+        const std::string key = info_.architecture + ".attention.sliding_window_pattern";
+        if (llama_model_meta_val_str(model_, key.c_str(), buf, sizeof(buf)) >= 0) {
+            info_.swa_pattern = buf;
+        }
+    }
 }
 
 shard_model::~shard_model() {

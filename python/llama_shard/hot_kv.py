@@ -353,6 +353,8 @@ class KvCacheRecipe:
     total_layers: int
     start_layer: int
     end_layer: int
+    sliding_window: int = 0   # sliding-window layers' span (Gemma 3); 0: none
+    swa_pattern: str = ""     # which layers slide, as the GGUF writes it ("": the architecture's default)
 
     def __post_init__(self):
         certified_architecture(self.architecture_adapter)  # fails closed
@@ -374,6 +376,8 @@ class KvCacheRecipe:
             "total_layers": self.total_layers,
             "start_layer": self.start_layer,
             "end_layer": self.end_layer,
+            # only models with sliding-window layers carry these: others keep their fingerprints
+            **({"sliding_window": self.sliding_window, "swa_pattern": self.swa_pattern} if self.sliding_window else {}),
         }
 
     def fingerprint(self) -> str:
@@ -393,7 +397,8 @@ def kv_recipe_for(shard, kv_type: str | None = None) -> KvCacheRecipe:
     whose cache uses `kv_type` (None: the model's default, f16)."""
     info = shard.info
     return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=kv_type or info.kv_dtype, n_kv_heads=info.n_head_kv,
-                         head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last)
+                         head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last,
+                         sliding_window=getattr(info, "sliding_window", 0), swa_pattern=getattr(info, "swa_pattern", ""))
 
 
 # ---------------------------------------------------------------------------------------------
