@@ -45,7 +45,7 @@ def synthetic_qwen2(model_dir) -> Path:
 def synthetic_gemma3(model_dir) -> Path:
     """8 layers, gemma3: sliding window of 4 tokens (layer 5 global), post-attention and post-MLP
     norms, q/k norms, scaled embeddings, logit soft-capping at 30."""
-    spec = SyntheticSpec(architecture="gemma3", n_layer=8, sliding_window=4, logit_softcap=30.0, seed=17)
+    spec = SyntheticSpec(architecture="gemma3", n_layer=8, sliding_window=4, logit_softcap=30.0, seed=19)
     return write_synthetic_gguf(model_dir / "gemma3-8L.gguf", spec)
 
 

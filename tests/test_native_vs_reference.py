@@ -52,7 +52,8 @@ def test_native_matches_numpy_reference(synthetic_model, reference, split, promp
     assert worst < NATIVE_LOGIT_ATOL, f"max |native - numpy| = {worst}"
 
 
-@pytest.mark.parametrize("model", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3"])
+@pytest.mark.parametrize("model", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3",
+                                   "synthetic_gemma3"])
 def test_native_vs_numpy_over_many_prompts_teacher_forced(model, request):
     """50 random prompts, 16 steps each, both engines fed the reference's greedy token: the worst
     logit difference (the figure NATIVE_LOGIT_ATOL is set from); tokens that differ only in near

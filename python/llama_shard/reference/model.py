@@ -28,15 +28,15 @@ from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureE
 #: absolute tolerance on logits between the native engine and this reference on the synthetic
 #: models. Measured (tests/test_native_vs_reference.py, 50 random prompts x 16 teacher-forced steps
 #: each, 2 CPUs with AVX-512): worst 0.0069 (llama, F32), 0.0093 (llama, F16, untied), 0.0082
-#: (qwen2), 0.0079 (qwen3, F16); the tolerance is about twice the worst, for other CPUs' kernels
-#: (other SIMD paths sum in other orders).
+#: (qwen2), 0.0079 (qwen3, F16), 0.0051 (gemma3, a 4-token sliding window); the tolerance is about
+#: twice the worst, for other CPUs' kernels (other SIMD paths sum in other orders).
 NATIVE_LOGIT_ATOL = 2e-2
 
 #: architectures this reference implements (their RoPE convention and tensor layout)
-REFERENCE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+REFERENCE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 #: architectures whose RoPE rotates the two halves of each head (llama.cpp's NEOX convention);
 #: llama rotates adjacent pairs
-NEOX_ROPE = ("qwen2", "qwen3")
+NEOX_ROPE = ("qwen2", "qwen3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,12 @@ class ReferenceHparams:
     n_vocab: int
     rms_eps: float
     rope_theta: float
+    # Gemma 3: sliding-window layers (every 6th layer global unless the file says otherwise), their
+    # own RoPE base, and the final logit soft-cap (0: none)
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_theta_swa: float = 10000.0
+    logit_softcap: float = 0.0
 
 
 def _field_value(reader: GGUFReader, key: str, default=None):
@@ -74,8 +80,25 @@ class LayerWeights:
     bq: np.ndarray | None = None      # qwen2: projection biases
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # qwen3: RMS norm over each head of q and k
+    q_norm: np.ndarray | None = None  # qwen3, gemma3: RMS norm over each head of q and k
     k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # gemma3: norms on the attention and MLP outputs
+    post_ffn_norm: np.ndarray | None = None
+
+
+def _gemma3_hparams(reader: GGUFReader, n_layer: int) -> dict:
+    """Gemma 3's sliding window as llama.cpp reads it: every 6th layer global unless the file
+    gives a pattern (a period, or a per-layer list)."""
+    window = int(_field_value(reader, "gemma3.attention.sliding_window", 0))
+    pattern = _field_value(reader, "gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        swa = tuple(bool(x) for x in pattern)[:n_layer]
+    else:
+        period = int(pattern)
+        swa = tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
+    return {"sliding_window": window, "swa_layers": swa if window > 0 else (),
+            "rope_theta_swa": float(_field_value(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+            "logit_softcap": float(_field_value(reader, "gemma3.final_logit_softcapping", 0.0))}
 
 
 class ReferenceModel:
@@ -125,6 +148,7 @@ class ReferenceModel:
             n_vocab=tok_embd.shape[0],
             rms_eps=float(_field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
             rope_theta=float(_field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+            **(_gemma3_hparams(reader, n_layer) if arch == "gemma3" else {}),
         )
         layers = []
         for il in range(n_layer):
@@ -134,7 +158,8 @@ class ReferenceModel:
                 wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"), ffn_norm=get(p + "ffn_norm.weight"),
                 w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight"),
                 bq=maybe(p + "attn_q.bias"), bk=maybe(p + "attn_k.bias"), bv=maybe(p + "attn_v.bias"),
-                q_norm=maybe(p + "attn_q_norm.weight"), k_norm=maybe(p + "attn_k_norm.weight")))
+                q_norm=maybe(p + "attn_q_norm.weight"), k_norm=maybe(p + "attn_k_norm.weight"),
+                post_attn_norm=maybe(p + "post_attention_norm.weight"), post_ffn_norm=maybe(p + "post_ffw_norm.weight")))
         output = get("output.weight") if "output.weight" in tensors else tok_embd
         model = cls(hp, tok_embd, layers, get("output_norm.weight"), output)
         model.path = path
@@ -145,11 +170,11 @@ class ReferenceModel:
     def rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hparams.rms_eps) * weight
 
-    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, positions: np.ndarray, theta: float | None = None) -> np.ndarray:
         """llama.cpp's RoPE for the architecture: `llama` rotates adjacent pairs (x[2i], x[2i+1]),
         the NEOX convention (qwen2, qwen3) pairs x[i] with x[i + head_dim/2]."""
         hd = x.shape[-1]
-        inv_freq = self.hparams.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        inv_freq = (theta or self.hparams.rope_theta) ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
         angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (n, hd/2)
         cos = np.cos(angles)[:, None, :]
         sin = np.sin(angles)[:, None, :]
@@ -165,6 +190,8 @@ class ReferenceModel:
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= self.hparams.n_vocab:
             raise InvalidInputError("tokens must be a non-empty 1-D sequence of ids inside the vocabulary")
+        if self.hparams.architecture == "gemma3":  # Gemma scales its embeddings by sqrt(n_embd)
+            return self.tok_embd[ids] * np.sqrt(np.float32(self.hparams.n_embd))
         return self.tok_embd[ids]
 
     def layer(self, il: int, x: np.ndarray, positions: np.ndarray,
@@ -186,10 +213,12 @@ class ReferenceModel:
         q = q.reshape(n, hp.n_head, hp.head_dim)
         k = k.reshape(n, hp.n_head_kv, hp.head_dim)
         v = v.reshape(n, hp.n_head_kv, hp.head_dim)
-        if w.q_norm is not None:  # qwen3: each head normalised before RoPE
+        if w.q_norm is not None:  # qwen3, gemma3: each head normalised before RoPE
             q, k = self.rms_norm(q, w.q_norm), self.rms_norm(k, w.k_norm)
-        q = self.rope(q, positions)
-        k = self.rope(k, positions)
+        sliding = bool(hp.swa_layers) and hp.swa_layers[il]
+        theta = hp.rope_theta_swa if sliding else hp.rope_theta
+        q = self.rope(q, positions, theta)
+        k = self.rope(k, positions, theta)
         if kv_round is not None:
             k = k.astype(kv_round).astype(np.float64)
             v = v.astype(kv_round).astype(np.float64)
@@ -205,19 +234,31 @@ class ReferenceModel:
         values_h = np.repeat(values, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, keys_h) / np.sqrt(hp.head_dim)
         mask = key_pos[None, :] > positions[:, None]  # (n, n_kv_total)
+        if sliding:  # a sliding-window layer sees the last sliding_window positions only
+            mask |= positions[:, None] - key_pos[None, :] >= hp.sliding_window
         scores = np.where(mask[None, :, :], -np.inf, scores)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, values_h).reshape(n, hp.n_head * hp.head_dim)
-        x = x + attn @ w.wo.T
+        attn = np.einsum("hqk,khd->qhd", probs, values_h).reshape(n, hp.n_head * hp.head_dim) @ w.wo.T
+        if w.post_attn_norm is not None:  # gemma3
+            attn = self.rms_norm(attn, w.post_attn_norm)
+        x = x + attn
         h2 = self.rms_norm(x, w.ffn_norm)
         gate = h2 @ w.w_gate.T
-        ffn = (gate / (1.0 + np.exp(-gate)) * (h2 @ w.w_up.T)) @ w.w_down.T
+        if hp.architecture == "gemma3":  # GELU (tanh form, as ggml's) instead of SiLU
+            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        else:
+            act = gate / (1.0 + np.exp(-gate))
+        ffn = (act * (h2 @ w.w_up.T)) @ w.w_down.T
+        if w.post_ffn_norm is not None:
+            ffn = self.rms_norm(ffn, w.post_ffn_norm)
         return x + ffn, k, v
 
     def lm_head(self, x: np.ndarray) -> np.ndarray:
-        return self.rms_norm(x, self.output_norm) @ self.output.T
+        logits = self.rms_norm(x, self.output_norm) @ self.output.T
+        cap = self.hparams.logit_softcap
+        return np.tanh(logits / cap) * cap if cap else logits
 
     # --- whole-model, stateless ----------------------------------------------------------------
 
