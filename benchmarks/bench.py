@@ -24,7 +24,7 @@ import numpy as np
 from common import (Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab, pin_label,
                     stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
-from llama_shard.models import compute_balanced_cut, require_embedded_model
+from llama_shard.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from routes import ours_two_stages, ours_worker_clients
 
 
@@ -189,6 +189,31 @@ def ours_memory(path: Path, layers) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+_SWA_PROBE = """
+import json, sys
+import llama_shard as ls
+from llama_shard.testing.process import resident_bytes as rss
+m = ls.ShardModel(sys.argv[1], (0, int(sys.argv[2])), 1)
+r0 = rss()
+ctx = ls.ShardContext(m, n_ctx=8 * 2048, n_seq_max=8, n_batch=512, kv_unified=False, swa_full=sys.argv[3] == "1")
+for s in range(8):  # touch every sequence's cells
+    ctx.forward(s, 0, tokens=list(range(1, 300)))
+print(json.dumps({"kv_rss": rss() - r0}))
+"""
+
+
+def sliding_window_memory(path: Path, last: int) -> dict[bool, int]:
+    """Resident bytes of a head shard's context (8 sessions x 2,048 cells, each prefilled past the
+    window) with every sliding-window cell kept (swa_full, what the engine uses) and with the
+    window only, each in a fresh process."""
+    out = {}
+    for full in (True, False):
+        res = subprocess.run([sys.executable, "-c", _SWA_PROBE, str(path), str(last), "1" if full else "0"],
+                             capture_output=True, text=True, check=True).stdout
+        out[full] = json.loads(res.strip().splitlines()[-1])["kv_rss"]
+    return out
+
+
 def ours_session_ops(path: Path, threads: int, live_counts: list[int], vocab: int, cycles: int = 200) -> dict[int, float]:
     """Microseconds per open + 1-token prefill + release with `n` other sessions live (one-layer head shard)."""
     model = ShardModel(str(path), (0, 0), threads)
@@ -298,7 +323,7 @@ def route_rows(s: Shapes) -> list[Row]:
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
-    rows = []
+    rows = gemma3_rows() if not s.quick else []
     for r in [(0, s.n_layer // 2 - 1), (s.n_layer // 2, s.n_layer - 1)]:
         m = ours_memory(s.path, list(r))
         rows.append(Row(f"resident memory of shard {r[0]}-{r[1]} vs whole", m["rss"] / 2**20, whole["rss"] / 2**20,
@@ -306,6 +331,23 @@ def memory_rows(s: Shapes) -> list[Row]:
         rows.append(Row(f"KV bytes/token of shard {r[0]}-{r[1]} vs whole", m["kv"], whole["kv"], "B", "",
                         "owned layers only"))
     return rows
+
+
+def gemma3_rows() -> list[Row]:
+    """A half shard of the real Gemma 3 270M (when its packages are installed): memory, KV bytes
+    per token, and what keeping every sliding-window cell costs."""
+    path = gemma3_model_path()
+    if path is None:
+        log("Gemma 3 270M is not installed: its rows are left out")
+        return []
+    whole, half = ours_memory(path, None), ours_memory(path, [0, 8])
+    swa = sliding_window_memory(path, 8)
+    return [Row("resident memory of Gemma 3 270M shard 0-8 vs whole", half["rss"] / 2**20, whole["rss"] / 2**20, "MiB",
+                "", f"weights {half['weights'] / 2**20:.1f} of {whole['weights'] / 2**20:.1f} MiB; the head holds the "
+                "262,144-token embedding"),
+            Row("KV bytes/token of Gemma 3 270M shard 0-8 vs whole", half["kv"], whole["kv"], "B", "", "owned layers only"),
+            Row("Gemma 3 270M shard 0-8, 8 sessions x 2,048 cells: every sliding-window cell kept vs the window only",
+                swa[True] / 2**20, swa[False] / 2**20, "MiB", "cost", "the engine keeps every cell: exact truncation")]
 
 
 def engine_choice_rows(s: Shapes) -> list[Row]:

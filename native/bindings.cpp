@@ -342,9 +342,10 @@ void register_model(py::module_ & m) {
 void register_context(py::module_ & m) {
     py::class_<shard_context>(m, "ShardContext")
         .def(py::init([](const shard_model & model, int32_t n_ctx, int32_t n_seq_max, int32_t n_batch, std::optional<int32_t> n_threads,
-                         bool kv_unified) {
+                         bool kv_unified, bool swa_full) {
                  shard_context_params params;
                  params.kv_unified = kv_unified;
+                 params.swa_full   = swa_full;
                  params.n_ctx     = n_ctx;
                  params.n_seq_max = n_seq_max;
                  params.n_batch   = n_batch;
@@ -353,7 +354,7 @@ void register_context(py::module_ & m) {
                  return std::make_unique<shard_context>(model, params);
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_seq_max") = 4, py::arg("n_batch") = 512,
-             py::arg("n_threads") = py::none(), py::arg("kv_unified") = true,
+             py::arg("n_threads") = py::none(), py::arg("kv_unified") = true, py::arg("swa_full") = true,
              py::keep_alive<1, 2>())  // the context keeps its model alive
         .def_property_readonly("n_ctx", &shard_context::n_ctx)
         .def_property_readonly("n_seq_max", &shard_context::n_seq_max)

@@ -90,10 +90,7 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;  // llama.cpp's quantized V cache needs it
     }
     cparams.no_perf         = true;
-    // sliding-window layers (Gemma 3) keep every cell, not just the window: a truncation or a
-    // continuation may reach any position the session holds, so results stay exact, and KV bytes
-    // per token are the same for every layer (what the memory plan counts)
-    cparams.swa_full        = true;
+    cparams.swa_full        = params.swa_full;  // see shard_context_params
 
     ctx_ = llama_init_from_model(model.raw(), cparams);
     if (ctx_ == nullptr) {

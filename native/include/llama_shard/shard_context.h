@@ -38,6 +38,10 @@ struct shard_context_params {
     int32_t n_threads = 0;     // 0 = the model's thread count
     bool    kv_unified = true; // one pool of cells for all sequences, or one stream per sequence
     std::string kv_type = "f16"; // K and V element type: f16, q8_0 or q4_0 (the quantized ones run flash attention)
+    // sliding-window layers (Gemma 3) keep every cell, not just the window, so that a truncation or a
+    // continuation may reach any position a session holds and stays exact; false holds the window
+    // only (less memory; the Hot KV engine always uses true)
+    bool    swa_full = true;
 };
 
 // the KV element types a context may use, and what one cached token costs in bytes (K and V rows,
