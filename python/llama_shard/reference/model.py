@@ -2,9 +2,10 @@
 
 `ReferenceModel` reads the same GGUF file as the native engine with the `gguf` package
 (quantized tensors are dequantized) and implements llama, qwen2 (q/k/v biases), qwen3 (q/k norms)
-and gemma3 (below) blocks: RMSNorm, grouped-query attention,
-llama.cpp's RoPE convention for the architecture (adjacent pairs for `llama`), SwiGLU, tied or untied
-LM head, eps and rope theta from the file. It has a stateless whole-model forward and, through
+and gemma3 (scaled embedding, sliding-window layers with their own RoPE base, GELU, post norms,
+soft-capping): RMSNorm, grouped-query attention, llama.cpp's RoPE convention for the architecture
+(adjacent pairs for `llama`, halves for the others), SwiGLU, tied or untied LM head, eps and rope
+theta from the file. It has a stateless whole-model forward and, through
 `ReferenceShard`, a KV-cached forward over a layer range with the same boundary contract as the
 native engine: the head embeds tokens, non-tail shards return the unnormalized residual of every
 token, the tail normalizes and returns logits.
