@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidInputError, LlamaShardError
+from ._native import MAX_SESSIONS
 from .hot_kv import KV_TYPES
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
@@ -279,6 +280,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_model_path(args.model), threads=args.threads, max_tokens=args.max_tokens)
 
 
+# --- numeric flags: every one range-checked by argparse (exit 2, naming the flag) ------------------
+
+def _port(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    return _count(0, 65535)(text)
+
+
+def _count(lo: int, hi: int = 1 << 24):
+    """An integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its message
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (or milliseconds), at most a year."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 365 * 86400:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+THREADS = _count(1, 1024)
+TOKENS = _count(1)
+
+
 def _server_security_flags(sv: argparse.ArgumentParser) -> None:
     s = sv.add_argument_group("security (README: three set-ups)")
     s.add_argument("--tls-cert", metavar="PATH", help="this worker's certificate chain (PEM); re-read when it changes")
@@ -293,9 +330,9 @@ def _server_security_flags(sv: argparse.ArgumentParser) -> None:
                    help="a worker (its principal) trusted to forward steps on behalf of its callers (repeatable)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without TLS and authentication anyway")
-    s.add_argument("--max-sessions-per-principal", type=int, default=None, metavar="N",
+    s.add_argument("--max-sessions-per-principal", type=_count(1), default=None, metavar="N",
                    help="sessions one caller may hold (RESOURCE_EXHAUSTED past it; default: no cap)")
-    s.add_argument("--max-concurrent-rpcs", type=int, default=None, metavar="N",
+    s.add_argument("--max-concurrent-rpcs", type=_count(1, 1 << 20), default=None, metavar="N",
                    help="RPCs in progress at once (RESOURCE_EXHAUSTED past it; default: 4 x max sessions, at least 64)")
 
 
@@ -316,10 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--split", default="half", help="layer ranges, e.g. 0-14,15-29; 'half' (default) or 'whole'")
     g.add_argument("--prompt", default="The three primary colors are")
-    g.add_argument("--max-tokens", type=int, default=48)
-    g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--ctx", type=int, default=2048, help="KV cells per shard")
-    g.add_argument("--batch", type=int, default=512, help="tokens per forward call")
+    g.add_argument("--max-tokens", type=_count(0, 1 << 20), default=48)
+    g.add_argument("--threads", type=THREADS, default=None)
+    g.add_argument("--ctx", type=TOKENS, default=2048, help="KV cells per shard")
+    g.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="tokens per forward call")
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
     g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
@@ -330,26 +367,26 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", help="GGUF file (default: the embedded model)")
     sv.add_argument("--layers", help="owned layers FIRST-LAST (default: all)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    sv.add_argument("--port", type=int, default=50551)
-    sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics port (default: off)")
-    sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument("--port", type=_port, default=50551)
+    sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
+    sv.add_argument("--threads", type=THREADS, default=None)
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
-    sv.add_argument("--batch", type=int, default=512, help="most tokens per llama_decode")
-    sv.add_argument("--gather-ms", type=float, default=10.0,
+    sv.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="most tokens per llama_decode")
+    sv.add_argument("--gather-ms", type=_seconds, default=10.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
-    sv.add_argument("--max-step-sessions", type=int, default=None,
+    sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,
                     help="most sessions per engine step (default: max sessions)")
-    sv.add_argument("--prefill-chunk", type=int, default=64,
+    sv.add_argument("--prefill-chunk", type=_count(1, 1 << 16), default=64,
                     help="most tokens of one prompt per engine step while other sessions wait")
     sv.add_argument("--kv-memory", metavar="SIZE", default=None,
                     help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
-    sv.add_argument("--max-sessions", type=int, default=None, help="hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
-    sv.add_argument("--context-tokens", type=int, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
-    sv.add_argument("--budget-tokens", type=int, default=None,
+    sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help="hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
+    sv.add_argument("--context-tokens", type=TOKENS, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
+    sv.add_argument("--budget-tokens", type=TOKENS, default=None,
                     help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
-    sv.add_argument("--ttl", type=float, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
-    sv.add_argument("--sweep-seconds", type=float, default=10.0,
+    sv.add_argument("--ttl", type=_seconds, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
+    sv.add_argument("--sweep-seconds", type=_seconds, default=10.0,
                     help="how often idle sessions are checked against --ttl and --warm-ttl (0: only when requests arrive)")
     sv.add_argument("--warm-memory", metavar="SIZE", default=None,
                     help="host memory for evicted sessions' KV (default: MESHNET_HOT_KV_WARM_BYTES or 0, off)")
@@ -358,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "worker resumes them (default: MESHNET_HOT_KV_WARM_DIR or none); one worker per directory")
     sv.add_argument("--warm-disk", metavar="SIZE", default=None,
                     help="bound of the disk tier (default: MESHNET_HOT_KV_WARM_DISK_BYTES; required with --warm-dir)")
-    sv.add_argument("--warm-ttl", type=float, default=None,
+    sv.add_argument("--warm-ttl", type=_seconds, default=None,
                     help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
@@ -368,15 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="two workers on loopback split the model; four chat sessions run through them")
     d.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
-    d.add_argument("--threads", type=int, default=1, help="threads per worker")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--threads", type=THREADS, default=1, help="threads per worker")
+    d.add_argument("--max-tokens", type=_count(0, 1 << 20), default=48)
     d.set_defaults(func=cmd_demo)
 
     i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
     i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
-    i.add_argument("--context-tokens", type=int, default=2048)
+    i.add_argument("--context-tokens", type=TOKENS, default=2048)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.set_defaults(func=cmd_inspect)
