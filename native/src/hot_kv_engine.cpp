@@ -724,6 +724,19 @@ std::vector<hot_kv_result> hot_kv_engine::step(const std::vector<hot_kv_request>
     return step_locked(requests, now);
 }
 
+// FNV-1a over a step's input bytes (token ids or hidden rows): identifies a retried step
+static uint64_t input_hash(const shard_input & in) {
+    const unsigned char * p = in.tokens != nullptr ? reinterpret_cast<const unsigned char *>(in.tokens)
+                                                   : reinterpret_cast<const unsigned char *>(in.hidden);
+    const size_t n = in.tokens != nullptr ? sizeof(int32_t) * (size_t) in.n_tokens
+                                          : sizeof(float) * (size_t) in.n_tokens * (size_t) in.hidden_cols;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; ++i) {
+        h = (h ^ p[i]) * 1099511628211ull;
+    }
+    return h ^ (uint64_t) in.n_tokens;
+}
+
 std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_request> & requests, double now) {
     now = tick_locked(now);
     std::vector<hot_kv_result> results(requests.size());
@@ -814,6 +827,8 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
         const int64_t n = requests[p.index].input.n_tokens;
         if (status == SHARD_STATUS_OK) {
             p.s->seq_len = p.start + (int32_t) n;
+            p.s->last_start = p.start;
+            p.s->last_input = input_hash(requests[p.index].input);
             counters_.steps++;
             counters_.tokens_computed += (uint64_t) n;
         } else {
@@ -905,12 +920,14 @@ bool hot_kv_engine::start_position_locked(const hot_kv_request & req, const sess
         counters_.misses[res.miss]++;
         return false;
     }
-    if (req.position >= 0 && req.position != held) {
+    const bool retry = s != nullptr && req.position >= 0 && req.position == s->last_start &&
+                       (int64_t) held == (int64_t) s->last_start + req.input.n_tokens && s->last_input == input_hash(req.input);
+    if (req.position >= 0 && req.position != held && !retry) {
         res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
                           "expected past length " + str(req.position) + ", cached length is " + str(held));
         return false;
     }
-    start = held;
+    start = retry ? req.position : held;  // a retry recomputes the applied step from its start
     return true;
 }
 

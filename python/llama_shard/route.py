@@ -111,12 +111,18 @@ class RemoteStage:
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
     def _call(self, method, request, attempts: int = 4):
-        # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly; a step
-        # that did run twice is caught by its expected position and re-prefilled, never doubled
+        # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly, and a
+        # DEADLINE_EXCEEDED once: the same request again. A decode the worker did apply is then
+        # answered again from its start (the worker's retry rule), so a lost reply costs one step,
+        # not a re-prefill; anything else that ran twice is caught by its expected position
+        deadline_retried = False
         for attempt in range(attempts):
             try:
                 return method(request, timeout=self.timeout_s)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not deadline_retried:
+                    deadline_retried = True
+                    continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
                     time.sleep(0.25 * (attempt + 1))
                     continue

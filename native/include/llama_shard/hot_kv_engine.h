@@ -244,6 +244,10 @@ public:
                           float * out, double now);
 
     // appends `input` at the session's length; expected_seq_len >= 0 must equal it (else a miss)
+    // A retry: a decode whose expected past length is the start of the last step this session
+    // applied, with the same input, while the session still ends right after that step (its reply
+    // was lost), is recomputed from that start and answered again, bit-exact, instead of a
+    // SEQ_LEN_MISMATCH miss. Only for sessions hot since that step.
     hot_kv_result decode(const std::string & sid, int64_t epoch, int32_t expected_seq_len, const shard_input & input,
                          float * out, double now);
 
@@ -290,6 +294,10 @@ private:
         int32_t seq_len;
         double  last_used;
         std::list<std::string>::iterator lru_pos;
+        // the last step applied (its start and a hash of its input; -1: none since the session
+        // became hot): a decode that repeats it, expecting its start, is a retry (see decode)
+        int32_t  last_start = -1;
+        uint64_t last_input = 0;
     };
 
     struct dropped {

@@ -68,10 +68,19 @@ class _Session:
     seq_id: int
     kv: SequenceKv
     last_used: float
+    last_start: int = -1             # the last step applied: its start and its input (a retry repeats both)
+    last_input: bytes | None = None
 
     @property
     def seq_len(self) -> int:
         return self.kv.seq_len
+
+
+def _input_bytes(step: Step) -> bytes:
+    """A step's input as bytes: what identifies a retried step (the native engine hashes the same)."""
+    if step.token_ids is not None:
+        return np.asarray(step.token_ids, dtype=np.int32).tobytes()
+    return np.asarray(step.hidden, dtype=np.float32).tobytes()
 
 
 @dataclasses.dataclass
@@ -550,6 +559,7 @@ class ReferenceHotKvEngine:
         for i, s, start, _ in plan:  # the reference computes one session at a time
             toks, hid, n = inputs[i]
             outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid)
+            s.last_start, s.last_input = start, _input_bytes(requests[i])
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += n
             results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
@@ -574,9 +584,11 @@ class ReferenceHotKvEngine:
             if not known:
                 self._misses[res.miss] += 1
                 return res
-            if req.position >= 0 and req.position != held:
+            retry = (s is not None and req.position >= 0 and req.position == s.last_start
+                     and held == s.last_start + n and s.last_input == _input_bytes(req))
+            if req.position >= 0 and req.position != held and not retry:
                 return self._miss(MissReason.SEQ_LEN_MISMATCH, f"expected past length {req.position}, cached length is {held}")
-            start = held
+            start = req.position if retry else held  # a retry recomputes the applied step from its start
 
         def refuse(status, detail):
             if s is None:
