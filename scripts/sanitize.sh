@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs the native code under sanitizers: bash scripts/sanitize.sh [address|thread]
+#   address: AddressSanitizer + UndefinedBehaviorSanitizer; thread: ThreadSanitizer.
+# Builds the engine, the Python module and the CTest suite with the sanitizer into a persistent
+# build directory of its own (build/sanitize-<kind>), runs CTest and a pytest subset that drives the
+# native code (bad input, the contract, batching, split parity, the warm tier) against that module,
+# and fails on any report. ggml's OpenMP is off here: libgomp is not instrumented.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KIND=${1:-address}
+shift || true  # the rest goes to pytest
+PY=${PYTHON:-python3}
+case "$KIND" in
+    address) FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1"
+             RUNTIME=$(gcc -print-file-name=libasan.so) ;;
+    thread)  FLAGS="-fsanitize=thread -fno-omit-frame-pointer -g -O1"
+             RUNTIME=$(gcc -print-file-name=libtsan.so) ;;
+    *) echo "usage: $0 [address|thread]" >&2; exit 2 ;;
+esac
+BUILD=build/sanitize-$KIND
+"$PY" -m pip install --quiet "pybind11>=2.12" "cmake>=3.21" ninja
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGGML_OPENMP=OFF \
+    -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" -DCMAKE_EXE_LINKER_FLAGS="${FLAGS%% *}" \
+    -DCMAKE_SHARED_LINKER_FLAGS="${FLAGS%% *}" -DPython_EXECUTABLE="$(command -v "$PY")" > /dev/null
+cmake --build "$BUILD" --target _native test-split-parity test-bad-input test-hot-kv test-step-loop test-engine-stress
+export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+ctest --test-dir "$BUILD" --output-on-failure
+# the module under test: this checkout's Python files with the sanitized extension beside them
+PKG="$BUILD/pkg"
+rm -rf "$PKG" && mkdir -p "$PKG" && cp -r python/llama_shard "$PKG/"
+cp "$BUILD"/native/_native*.so "$PKG/llama_shard/"
+# libstdc++ preloaded too: the sanitizer's __cxa_throw interceptor needs it when python itself does not link it
+LD_PRELOAD="$RUNTIME:$(g++ -print-file-name=libstdc++.so)" PYTHONPATH="$PKG" "$PY" -m pytest -q -p no:cacheprovider -x \
+    tests/test_bad_input.py tests/test_hot_kv_contract.py tests/test_batching.py tests/test_split_parity.py \
+    tests/test_warm_tier.py tests/test_retry.py -m "not model" "$@"
+echo "sanitize.sh $KIND: no reports"
