@@ -827,8 +827,11 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
         const int64_t n = requests[p.index].input.n_tokens;
         if (status == SHARD_STATUS_OK) {
             p.s->seq_len = p.start + (int32_t) n;
-            p.s->last_start = p.start;
-            p.s->last_input = input_hash(requests[p.index].input);
+            // only decodes can be retried (a prefill names its start): hidden rows of a long prefill
+            // are not hashed on the way
+            const bool decode = requests[p.index].kind == HOT_KV_STEP_DECODE;
+            p.s->last_start = decode ? p.start : -1;
+            p.s->last_input = decode ? input_hash(requests[p.index].input) : 0;
             counters_.steps++;
             counters_.tokens_computed += (uint64_t) n;
         } else {

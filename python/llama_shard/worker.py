@@ -237,17 +237,19 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._serve(context, "decode", [(StepKind.DECODE, request)], request.forward)[0]
 
     def StepBatch(self, request, context):
-        self._principal(context)  # before the size check: an unauthenticated caller learns nothing
+        principal = self._principal(context)  # before the size check: an unauthenticated caller learns nothing
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}")
         kinds = {pb.STEP_KIND_PREFILL: StepKind.PREFILL, pb.STEP_KIND_DECODE: StepKind.DECODE}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
-        return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True))
+        return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True,
+                                                     principal=principal))
 
-    def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False) -> list[pb.StepReply]:
-        principal = self._principal(context)
+    def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False,
+               principal: str | None = None) -> list[pb.StepReply]:
+        principal = self._principal(context) if principal is None else principal
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()

@@ -294,8 +294,8 @@ private:
         int32_t seq_len;
         double  last_used;
         std::list<std::string>::iterator lru_pos;
-        // the last step applied (its start and a hash of its input; -1: none since the session
-        // became hot): a decode that repeats it, expecting its start, is a retry (see decode)
+        // the last decode applied (its start and a hash of its input; -1: none, or a prefill came
+        // after it): a decode that repeats it, expecting its start, is a retry (see decode)
         int32_t  last_start = -1;
         uint64_t last_input = 0;
     };

@@ -68,7 +68,7 @@ class _Session:
     seq_id: int
     kv: SequenceKv
     last_used: float
-    last_start: int = -1             # the last step applied: its start and its input (a retry repeats both)
+    last_start: int = -1             # the last decode applied: its start and its input (a retry repeats both)
     last_input: bytes | None = None
 
     @property
@@ -322,13 +322,18 @@ class ReferenceHotKvEngine:
             self._remember(sid, w.epoch, MissReason.EVICTED_LRU)
             self._counters["warm_drops"] += 1
 
-    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+    def _take_warm(self, sid: str) -> tuple[_Warm, bool]:
+        """Removes a warm session from the host tier or the disk tier: (entry, from disk)."""
         if sid in self._warm:
             w = self._warm.pop(sid)
             self._warm_held -= w.nbytes
-        else:
-            w = self._disk.pop(sid)
-            self._disk_held -= w.nbytes
+            return w, False
+        w = self._disk.pop(sid)
+        self._disk_held -= w.nbytes
+        return w, True
+
+    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
+        w, _ = self._take_warm(sid)
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else w.epoch, reason)
         self._counters["warm_drops"] += 1
         if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
@@ -336,13 +341,8 @@ class ReferenceHotKvEngine:
 
     def _restore(self, sid: str, now: float) -> _Session:
         t0 = time.perf_counter()
-        if sid in self._warm:
-            w = self._warm.pop(sid)
-            self._warm_held -= w.nbytes
-        else:
-            w = self._disk.pop(sid)
-            self._disk_held -= w.nbytes
-            self._counters["disk_restores"] += 1
+        w, from_disk = self._take_warm(sid)
+        self._counters["disk_restores"] += int(from_disk)
         s = _Session(w.epoch, self._take_free_id(), copy.deepcopy(w.kv), now)
         self._live[sid] = s
         self._reserved += s.seq_len
@@ -559,7 +559,8 @@ class ReferenceHotKvEngine:
         for i, s, start, _ in plan:  # the reference computes one session at a time
             toks, hid, n = inputs[i]
             outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid)
-            s.last_start, s.last_input = start, _input_bytes(requests[i])
+            decode = requests[i].kind == StepKind.DECODE  # only decodes can be retried, as natively
+            s.last_start, s.last_input = (start, _input_bytes(requests[i])) if decode else (-1, None)
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += n
             results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
