@@ -98,6 +98,7 @@ def run_threads(route, fn):
     return errors, time.perf_counter() - t0
 
 
+@pytest.mark.real_model_threads
 def test_eight_threads_get_the_tokens_they_get_alone(embedded_model, alone):
     route = Route(embedded_model)
     results = {}
@@ -124,6 +125,7 @@ def test_eight_threads_get_the_tokens_they_get_alone(embedded_model, alone):
         assert lengths[f"sess-{i}"] == len(route.head.tokenize(PROMPTS[i])) + N_STEPS
 
 
+@pytest.mark.real_model_threads
 def test_release_from_another_thread_mid_decode(embedded_model, alone):
     route = Route(embedded_model)
     victim = 3

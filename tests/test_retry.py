@@ -3,6 +3,11 @@
 the length it expected the first time, the engine recomputes it from that start. Both engines."""
 from __future__ import annotations
 
+import collections
+import threading
+import time
+from concurrent import futures
+
 import grpc
 import numpy as np
 import pytest
@@ -40,6 +45,7 @@ def test_a_different_step_at_an_old_position_is_still_a_miss(adapter):
     assert isinstance(two_back, CacheMiss)
 
 
+@pytest.mark.grpc
 def test_a_lost_reply_on_the_wire_is_retried_with_no_re_prefill(synthetic_model):
     from llama_shard.proto import shard_pb2 as pb
     from llama_shard.proto import shard_pb2_grpc as pb_grpc
@@ -58,3 +64,78 @@ def test_a_lost_reply_on_the_wire_is_retried_with_no_re_prefill(synthetic_model)
         assert sum(info.misses.values()) == 0
     finally:
         stop_worker(proc)
+
+
+class ReplyDroppingProxy(grpc.GenericRpcHandler):
+    """A loopback gRPC proxy in front of one worker that forwards every call and loses chosen
+    replies after the worker has applied the step: `drops[(method, n)]` is "deadline" (the reply
+    is held until the caller's deadline has passed) or "unavailable" (the connection is reported
+    dropped). `calls` counts the calls per method name."""
+
+    def __init__(self, target: str, drops: dict, hold_s: float):
+        self.upstream = grpc.insecure_channel(target)
+        self.drops, self.hold_s = drops, hold_s
+        self.calls: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((self,))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        forward = self.upstream.unary_unary(method)  # raw bytes both ways
+
+        def handle(request: bytes, context):
+            with self.lock:
+                self.calls[method.rsplit("/", 1)[-1]] += 1
+                n = self.calls[method.rsplit("/", 1)[-1]]
+            reply = forward(request, timeout=30)
+            drop = self.drops.get((method.rsplit("/", 1)[-1], n))
+            if drop == "deadline":
+                time.sleep(self.hold_s)  # the caller has given up by now
+            elif drop == "unavailable":
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection dropped by the test proxy")
+            return reply
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def close(self):
+        self.server.stop(0)
+        self.upstream.close()
+
+
+@pytest.mark.grpc
+def test_route_client_retries_lost_decode_replies_with_the_same_tokens_and_no_re_prefill(synthetic_model):
+    """Two workers (0-2, 3-5), each behind a proxy: the head loses its 3rd decode reply to the
+    caller's deadline, the tail its 5th to a dropped connection, both after the step was applied.
+    RouteClient retries each once and gets the tokens of an undisturbed route, with no re-prefill
+    and no miss on either worker."""
+    from llama_shard.route import RemoteStage, RouteClient
+    from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
+
+    workers = [start_worker(synthetic_model, 0, 2, 1), start_worker(synthetic_model, 3, 5, 1)]
+    proxies = []
+    try:
+        for proc, addr in workers:
+            wait_serving(proc, addr)
+        prompt, n_tokens, timeout_s = [1, 17, 42, 99, 7], 12, 2.0
+        direct = RouteClient([RemoteStage(addr) for _, addr in workers])
+        expected = direct.session("direct").generate(prompt, n_tokens)
+        proxies = [ReplyDroppingProxy(workers[0][1], {("Decode", 3): "deadline"}, hold_s=timeout_s + 0.5),
+                   ReplyDroppingProxy(workers[1][1], {("Decode", 5): "unavailable"}, hold_s=0)]
+        client = RouteClient([RemoteStage(p.address, timeout_s=timeout_s) for p in proxies])
+        session = client.session("through-proxies")
+        got = session.generate(prompt, n_tokens)
+        assert got == expected
+        assert session.reprefills == 0
+        decodes = n_tokens - 1
+        assert [(p.calls["Prefill"], p.calls["Decode"]) for p in proxies] == [(1, decodes + 1), (1, decodes + 1)]
+        for stage in direct.stages:
+            assert sum(stage.stats().misses.values()) == 0
+        client.close()
+        direct.close()
+    finally:
+        for p in proxies:
+            p.close()
+        for proc, _ in workers:
+            stop_worker(proc)
