@@ -7,7 +7,9 @@ values) before anything reaches an engine.
 """
 from __future__ import annotations
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from .errors import InvalidInputError
 from .proto import shard_pb2 as pb
@@ -42,3 +44,37 @@ def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise InvalidInputError("hidden contains a non-finite value")
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+class _Unparsable:
+    """What a request that did not parse becomes, so the handler can refuse it cleanly."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+class RefuseUnparsableRequests(grpc.ServerInterceptor):
+    """Bytes that do not parse as a unary method's request get INVALID_ARGUMENT with the parser's
+    reason. gRPC's own answer to a request its deserializer rejects is INTERNAL, which reads as a
+    fault of the worker on a dashboard; the fault is the caller's."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+
+        def lenient_parse(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Unparsable(e)
+
+        def refuse_unparsable(request, context):
+            if isinstance(request, _Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{handler_call_details.method}: the request does not parse: {request.error}")
+            return behavior(request, context)
+
+        return handler._replace(request_deserializer=lenient_parse, unary_unary=refuse_unparsable)
+

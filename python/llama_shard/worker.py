@@ -38,7 +38,7 @@ from .manager import HotKvStateManager, KvBoundaryAdapter
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
-from .wire import decode_tensor, encode_tensor
+from .wire import RefuseUnparsableRequests, decode_tensor, encode_tensor
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
 
@@ -465,7 +465,8 @@ class ShardWorker:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
-            maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions))
+            maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions),
+            interceptors=[RefuseUnparsableRequests()])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         credentials = options.security.server_credentials()
