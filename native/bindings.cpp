@@ -277,6 +277,7 @@ void register_model(py::module_ & m) {
           "'built in'), library, features (instruction sets), available (the variants shipped).");
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
+    m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
     m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");
     m.def("kv_bytes_per_token",
           py::overload_cast<int32_t, int32_t, int32_t, const std::string &>(&llama_shard::kv_bytes_per_token),

@@ -12,11 +12,12 @@ BAD = {
               ("--threads", "0"), ("--batch", "0"), ("--gather-ms", "-1"), ("--gather-ms", "nan"),
               ("--max-step-sessions", "0"), ("--prefill-chunk", "0"), ("--max-sessions", "0"),
               ("--max-sessions", "257"), ("--context-tokens", "0"), ("--context-tokens", "x"),
+              ("--context-tokens", "1048577"),
               ("--budget-tokens", "-5"), ("--ttl", "-1"), ("--ttl", "inf"), ("--sweep-seconds", "-0.5"),
               ("--warm-ttl", "nan"), ("--max-sessions-per-principal", "0"), ("--max-concurrent-rpcs", "0")],
     "generate": [("--max-tokens", "-1"), ("--threads", "-1"), ("--ctx", "0"), ("--batch", "0")],
     "demo": [("--threads", "0"), ("--max-tokens", "-3")],
-    "inspect": [("--context-tokens", "0")],
+    "inspect": [("--context-tokens", "0"), ("--context-tokens", "2147483648")],
 }
 
 

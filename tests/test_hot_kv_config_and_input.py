@@ -20,6 +20,9 @@ def test_config_from_env_reads_every_variable():
     ("MESHNET_HOT_KV_MAX_SESSIONS", "many"), ("MESHNET_HOT_KV_MAX_SESSIONS", "0"), ("MESHNET_HOT_KV_MAX_SESSIONS", "1000"),
     ("MESHNET_HOT_KV_CONTEXT_TOKENS", "-5"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "1.5"), ("MESHNET_HOT_KV_TTL_SECONDS", "nan"),
     ("MESHNET_HOT_KV_TTL_SECONDS", "-1"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "99999999999"),
+    ("MESHNET_HOT_KV_CONTEXT_TOKENS", "1048577"), ("MESHNET_HOT_KV_CONTEXT_TOKENS", "2147483648"),
+    ("MESHNET_HOT_KV_WARM_BYTES", "-1"), ("MESHNET_HOT_KV_WARM_BYTES", "lots"), ("MESHNET_HOT_KV_WARM_DISK_BYTES", "-3"),
+    ("MESHNET_HOT_KV_WARM_TTL_SECONDS", "inf"), ("MESHNET_HOT_KV_KV_TYPE", "f64"),
 ])
 def test_bad_env_value_is_a_clear_startup_error(key, value):
     with pytest.raises(InvalidInputError) as e:

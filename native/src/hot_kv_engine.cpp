@@ -115,8 +115,8 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     // summation order). Each stream holds context_tokens cells (llama.cpp pads to 256), and
     // admission keeps every session within context_tokens, so llama_decode always finds a slot.
     // KV memory is bounded by max_sessions x context_tokens; budget_tokens bounds what is held.
-    if (config.context_tokens > (1 << 20)) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens must be <= 1048576");
+    if (config.context_tokens > HOT_KV_MAX_CONTEXT_TOKENS) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens must be <= " + str(HOT_KV_MAX_CONTEXT_TOKENS));
     }
     shard_context_params cp;
     cp.n_ctx      = std::max(config.context_tokens, config.n_batch) * config.max_sessions;

@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 MAX_SESSIONS: int
 MAX_SESSION_ID_BYTES: int
+MAX_CONTEXT_TOKENS: int
 
 def certified_architectures() -> list[str]: ...
 def cpu_backend() -> dict: ...

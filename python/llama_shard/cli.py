@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidInputError, LlamaShardError
-from ._native import MAX_SESSIONS
+from ._native import MAX_CONTEXT_TOKENS, MAX_SESSIONS
 from .hot_kv import KV_TYPES
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
@@ -314,6 +314,7 @@ def _seconds(text: str) -> float:
 
 THREADS = _count(1, 1024)
 TOKENS = _count(1)
+CONTEXT_TOKENS = _count(1, MAX_CONTEXT_TOKENS)  # one session's tokens
 
 
 def _server_security_flags(sv: argparse.ArgumentParser) -> None:
@@ -382,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-memory", metavar="SIZE", default=None,
                     help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
     sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help="hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
-    sv.add_argument("--context-tokens", type=TOKENS, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
+    sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
     sv.add_argument("--budget-tokens", type=TOKENS, default=None,
                     help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
     sv.add_argument("--ttl", type=_seconds, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
@@ -413,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
     i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
-    i.add_argument("--context-tokens", type=TOKENS, default=2048)
+    i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=2048)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.set_defaults(func=cmd_inspect)

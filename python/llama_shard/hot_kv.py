@@ -203,6 +203,8 @@ class HotKvStateConfig:
         if self.max_sessions > _native.MAX_SESSIONS:
             raise InvalidInputError(f"max_sessions must be <= {_native.MAX_SESSIONS} (llama.cpp's sequence limit), "
                                     f"got {self.max_sessions}")
+        if self.context_tokens > _native.MAX_CONTEXT_TOKENS:
+            raise InvalidInputError(f"context_tokens must be <= {_native.MAX_CONTEXT_TOKENS}, got {self.context_tokens}")
         if self.budget_tokens > 1 << 24:
             raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
         for name in ("warm_bytes", "warm_disk_bytes"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -30,7 +29,7 @@ from .pipeline import check_tiling
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .security import ClientSecurity
-from .wire import decode_tensor, encode_tensor
+from .wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
 
 
 class RouteError(LlamaShardError):
@@ -98,9 +97,7 @@ class RemoteStage:
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.channel = security.channel(address, [("grpc.max_receive_message_length", 64 * 2**20),
-                                                  ("grpc.max_send_message_length", 64 * 2**20),
-                                                  ("grpc.initial_reconnect_backoff_ms", 100),
-                                                  ("grpc.max_reconnect_backoff_ms", 1000)])
+                                                  ("grpc.max_send_message_length", 64 * 2**20), *RECONNECT_OPTIONS])
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         try:
             r = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
@@ -110,23 +107,22 @@ class RemoteStage:
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
-    def _call(self, method, request, attempts: int = 4):
-        # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly, and a
-        # DEADLINE_EXCEEDED once: the same request again. A decode the worker did apply is then
-        # answered again from its start (the worker's retry rule), so a lost reply costs one step,
-        # not a re-prefill; anything else that ran twice is caught by its expected position
-        deadline_retried = False
-        for attempt in range(attempts):
+    def _call(self, method, request):
+        # UNAVAILABLE is retried while the channel reconnects, and a DEADLINE_EXCEEDED once: the
+        # same request again. A decode the worker did apply is then answered again from its start
+        # (the worker's retry rule), so a lost reply costs one step, not a re-prefill; anything
+        # else that ran twice is caught by its expected position
+        def once():
+            return method(request, timeout=self.timeout_s)
+        try:
             try:
-                return method(request, timeout=self.timeout_s)
+                return call_reconnecting(once)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not deadline_retried:
-                    deadline_retried = True
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
-                    time.sleep(0.25 * (attempt + 1))
-                    continue
-                raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                return call_reconnecting(once)
+        except grpc.RpcError as e:
+            raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
     def _request(self, step: Step, return_logits: bool | None = None) -> pb.StepRequest:
         req = pb.StepRequest(session_id=step.session_id, route_epoch=step.route_epoch,

@@ -7,6 +7,10 @@ values) before anything reaches an engine.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -44,6 +48,33 @@ def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise InvalidInputError("hidden contains a non-finite value")
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+#: a channel to a worker retries a lost connection after 0.1 s, backing off to at most 1 s (gRPC's
+#: default grows to 120 s): a restarted worker is reached again within a second
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+#: how long a call keeps retrying UNAVAILABLE: longer than the longest backoff (1 s plus gRPC's
+#: 20% jitter), so one reconnection attempt always falls inside it
+RECONNECT_WINDOW_S = 3.0
+
+T = TypeVar("T")
+
+
+def call_reconnecting(call: Callable[[], T], deadline: float | None = None) -> T:
+    """call() (one gRPC call); UNAVAILABLE (not connected, or reconnecting after a restart) is
+    retried every 0.25 s for up to RECONNECT_WINDOW_S, never past `deadline` (time.monotonic()).
+    A step that did run before the connection dropped is answered by the retry rule or caught by
+    its expected position."""
+    give_up = time.monotonic() + RECONNECT_WINDOW_S
+    if deadline is not None:
+        give_up = min(give_up, deadline)
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.25 > give_up:
+                raise
+            time.sleep(0.25)
 
 
 class _Unparsable:

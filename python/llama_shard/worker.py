@@ -38,7 +38,7 @@ from .manager import HotKvStateManager, KvBoundaryAdapter
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
-from .wire import RefuseUnparsableRequests, decode_tensor, encode_tensor
+from .wire import RECONNECT_OPTIONS, RefuseUnparsableRequests, call_reconnecting, decode_tensor, encode_tensor
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
 
@@ -117,10 +117,8 @@ class _Peers:
     def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity()):
         self.allowed = frozenset(allowed)
         self.security = security
-        # a restarted peer is reconnected within a second, not after gRPC's default backoff
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes),
-                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS]
         self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -323,22 +321,19 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
                                  return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype))
-            # always explicit: a retried hop that did run is then a miss at the peer, never a double append
+            # always explicit: a retried hop that did run is answered again (a decode) or a miss at the
+            # peer, never a double append
             nxt.position = out.start_pos
             nexts.append((kind, nxt))
-        for attempt in range(3):
+
+        def forward_once():
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            try:
-                replies = self.peers.call(hop.address, nexts, rest, timeout, batch, principal)
-                break
-            except grpc.RpcError as e:
-                # UNAVAILABLE (not connected, or reconnecting after a restart) is retried briefly, as
-                # the route client does; a step that did run twice is caught by its expected position
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < 2:
-                    time.sleep(0.25 * (attempt + 1))
-                    continue
-                detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
-                return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
+            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal)
+        try:
+            replies = call_reconnecting(forward_once, deadline)  # as the route client does
+        except grpc.RpcError as e:
+            detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
+            return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
         for r in replies:
             r.stage += 1
         return replies

@@ -146,6 +146,9 @@ const char * shard_miss_reason_name(shard_miss_reason reason);
 
 // a session id is 1 to this many bytes (any bytes: ids are compared, never interpreted)
 constexpr size_t HOT_KV_MAX_SESSION_ID_BYTES = 256;
+// The most tokens one session may hold (context_tokens): a stream of 2^20 cells, 256 streams still
+// within llama.cpp's int32 cell count.
+constexpr int32_t HOT_KV_MAX_CONTEXT_TOKENS = 1 << 20;
 
 struct hot_kv_config {
     int32_t max_sessions    = 8;

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .._native import MAX_SESSION_ID_BYTES, MAX_SESSIONS, MissReason, Status, StepKind, Tier, model_digest
+from .._native import MAX_CONTEXT_TOKENS, MAX_SESSION_ID_BYTES, MAX_SESSIONS, MissReason, Status, StepKind, Tier, model_digest
 from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
@@ -130,6 +130,8 @@ class ReferenceHotKvEngine:
         self._restore_buckets = [0] * len(RESTORE_BUCKETS)
         if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
             raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
+        if context_tokens > MAX_CONTEXT_TOKENS:
+            raise InvalidInputError(f"context_tokens must be <= {MAX_CONTEXT_TOKENS}")
         self.shard = shard
         self.max_sessions = max_sessions
         self.context_tokens = context_tokens
