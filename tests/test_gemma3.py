@@ -138,6 +138,7 @@ def test_real_gemma3_half_shard_holds_half_the_kv(gemma3_model):
 
 
 @pytest.mark.model
+@pytest.mark.grpc
 def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(gemma3_model):
     from llama_shard.pipeline import LocalPipeline
     from llama_shard.route import RemoteStage, RouteClient

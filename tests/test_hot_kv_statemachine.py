@@ -11,7 +11,7 @@ batches of several sessions' steps (`step_many`).
 
 Size: LLAMA_SHARD_LOCKSTEP_STEPS (default 10,000) compared operations over the four machines, a
 quarter each (a step through two shards counts once per shard); a machine fails if it ran fewer
-than its quarter. 100,000 for a long run.
+than its quarter, or, at 10,000 or more, if a path it exists for never ran. 100,000 for a long run.
 """
 from __future__ import annotations
 
@@ -305,9 +305,11 @@ class LockstepMachine(RuleBasedStateMachine):
 
     @rule(sid=sid)
     def recipe_mismatch(self, sid):
-        other = KvCacheRecipe(architecture_adapter="llama", kv_dtype="f16", n_kv_heads=2, head_dim=16, total_layers=6,
+        # q8_0 K/V: no machine's recipe (each runs f16), so every machine's head refuses it
+        other = KvCacheRecipe(architecture_adapter="llama", kv_dtype="q8_0", n_kv_heads=2, head_dim=16, total_layers=6,
                               start_layer=0, end_layer=2)
-        self.on_stage(0, lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1], recipe=other))
+        refused = self.on_stage(0, lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1], recipe=other))
+        assert refused == ("error", "IncompatibleCacheRecipeError"), refused
 
     @rule(sid=sid, bad=st.sampled_from(["empty", "oov", "negative_epoch", "too_long", "hidden_to_head"]))
     def bad_input(self, sid, bad):
@@ -384,4 +386,5 @@ def test_native_engine_and_reference_agree_step_for_step(name, lockstep_model):
     print(f"{name}: {programs} programs, {machine.compared} operations compared, {machine.seen}")
     share = TARGET_STEPS // len(MACHINES)
     assert machine.compared >= share, f"{machine.compared} operations ran, fewer than this machine's {share}"
-    assert all(machine.seen.get(k, 0) > 0 for k in MUST_RUN[name]), machine.seen
+    if TARGET_STEPS >= 10_000:  # smaller runs (the sanitizer jobs') may miss a rare path
+        assert all(machine.seen.get(k, 0) > 0 for k in MUST_RUN[name]), machine.seen

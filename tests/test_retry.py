@@ -114,7 +114,7 @@ def test_route_client_retries_lost_decode_replies_with_the_same_tokens_and_no_re
     from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
 
     workers = [start_worker(synthetic_model, 0, 2, 1), start_worker(synthetic_model, 3, 5, 1)]
-    proxies = []
+    proxies, client, direct = [], None, None
     try:
         for proc, addr in workers:
             wait_serving(proc, addr)
@@ -132,9 +132,10 @@ def test_route_client_retries_lost_decode_replies_with_the_same_tokens_and_no_re
         assert [(p.calls["Prefill"], p.calls["Decode"]) for p in proxies] == [(1, decodes + 1), (1, decodes + 1)]
         for stage in direct.stages:
             assert sum(stage.stats().misses.values()) == 0
-        client.close()
-        direct.close()
     finally:
+        for c in (client, direct):
+            if c is not None:
+                c.close()
         for p in proxies:
             p.close()
         for proc, _ in workers:

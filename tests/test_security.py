@@ -20,6 +20,8 @@ from llama_shard.security import ClientSecurity
 from llama_shard.testing.certs import CertificateAuthority
 from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
 
+pytestmark = pytest.mark.grpc
+
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
 
 

@@ -80,7 +80,7 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def fib(n):", "The 
            "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
 N_TOKENS = 20
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.grpc]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.testing.process import resident_bytes
 from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
 
+pytestmark = pytest.mark.grpc
+
 SERVICE = "/llama_shard.v1.ShardService/"
 # what a malformed call may get: a typed reply, or a status saying the call itself was refused
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
@@ -26,7 +28,6 @@ i32 = st.integers(-2**31, 2**31 - 1)
 ids = st.one_of(st.text(max_size=8), st.text(min_size=250, max_size=300), st.sampled_from(["", "a", "fz-0"]))
 tensors = st.builds(lambda shape, dtype, data: pb.Tensor(shape=shape, dtype=dtype, data=data),
                     st.lists(st.integers(-3, 1 << 40), max_size=3), st.integers(-1, 3), st.binary(max_size=1024))
-
 
 
 def _varint(n: int) -> bytes:

@@ -107,14 +107,17 @@ class RemoteStage:
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
-    def _call(self, method, request):
+    def _call(self, method, request, retry: bool = True):
         # UNAVAILABLE is retried while the channel reconnects, and a DEADLINE_EXCEEDED once: the
-        # same request again. A decode the worker did apply is then answered again from its start
-        # (the worker's retry rule), so a lost reply costs one step, not a re-prefill; anything
-        # else that ran twice is caught by its expected position
+        # same request again, which is safe when it may have run already: a decode at its expected
+        # position is answered again (the worker's retry rule; a lost reply costs one step, not a
+        # re-prefill), a prefill at its position recomputes the same cells, a release is
+        # idempotent, Info only reads. A step without a position is sent once (retry=False)
         def once():
             return method(request, timeout=self.timeout_s)
         try:
+            if not retry:
+                return once()
             try:
                 return call_reconnecting(once)
             except grpc.RpcError as e:
@@ -148,12 +151,12 @@ class RemoteStage:
             method = self.stub.Prefill if step.kind == StepKind.PREFILL else self.stub.Decode
             request = self._request(step, logits)
             request.forward.extend(forward)
-            replies = [self._call(method, request)]
+            replies = [self._call(method, request, retry=step.position >= 0)]
         else:
             kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
             batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s, logits))
                                                for s in steps], forward=forward)
-            replies = list(self._call(self.stub.StepBatch, batch).replies)
+            replies = list(self._call(self.stub.StepBatch, batch, retry=all(s.position >= 0 for s in steps)).replies)
             if len(replies) != len(steps):
                 raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(steps)} steps")
         route = [self, *chain]

@@ -63,8 +63,8 @@ T = TypeVar("T")
 def call_reconnecting(call: Callable[[], T], deadline: float | None = None) -> T:
     """call() (one gRPC call); UNAVAILABLE (not connected, or reconnecting after a restart) is
     retried every 0.25 s for up to RECONNECT_WINDOW_S, never past `deadline` (time.monotonic()).
-    A step that did run before the connection dropped is answered by the retry rule or caught by
-    its expected position."""
+    Only for calls that are safe to repeat: a step with its position (a decode that did run is
+    answered again by the retry rule, a prefill recomputes the same cells), Release, Info."""
     give_up = time.monotonic() + RECONNECT_WINDOW_S
     if deadline is not None:
         give_up = min(give_up, deadline)
@@ -108,4 +108,3 @@ class RefuseUnparsableRequests(grpc.ServerInterceptor):
             return behavior(request, context)
 
         return handler._replace(request_deserializer=lenient_parse, unary_unary=refuse_unparsable)
-

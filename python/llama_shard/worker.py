@@ -321,8 +321,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
                                  return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype))
-            # always explicit: a retried hop that did run is answered again (a decode) or a miss at the
-            # peer, never a double append
+            # always explicit: a retried hop that did run is answered again (a decode, by the retry
+            # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
             nexts.append((kind, nxt))
 
