@@ -9,7 +9,9 @@ export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
 "$PY" -m pytest -q -p no:cacheprovider tests "$@"
 build_dir=$("$PY" - <<'PY'
 import glob, os
-dirs = [d for d in glob.glob("build/*") if os.path.isfile(os.path.join(d, "CTestTestfile.cmake"))]
+# the build scripts/install.sh left (build/<wheel tag>), not scripts/sanitize.sh's
+dirs = [d for d in glob.glob("build/*") if os.path.isfile(os.path.join(d, "CTestTestfile.cmake"))
+        and not os.path.basename(d).startswith("sanitize-")]
 dirs.sort(key=lambda d: os.path.getmtime(os.path.join(d, "CMakeCache.txt")), reverse=True)
 print(dirs[0] if dirs else "")
 PY

@@ -171,3 +171,15 @@ def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model,
     assert a.fingerprint() != b.fingerprint()  # a cache made under one window is no use under another
     llama = kv_recipe_for(ShardModel(str(synthetic_model), (0, 2), 1))
     assert llama.sliding_window == 0 and "sliding_window" not in llama.canonical()  # fingerprints as before
+
+
+def test_the_reference_gives_the_same_recipe_as_the_native_engine(synthetic_gemma3):
+    """The numpy reference's shard describes the same sliding window, so a cache recipe (and its
+    fingerprint) made by one is the other's."""
+    from llama_shard.hot_kv import kv_recipe_for
+    from llama_shard.reference import ReferenceModel, ReferenceShard
+
+    native = kv_recipe_for(ShardModel(str(synthetic_gemma3), (0, 2), 1))
+    reference = kv_recipe_for(ReferenceShard(ReferenceModel.from_gguf(synthetic_gemma3), 0, 2))
+    assert reference == native and reference.sliding_window == 4
+    assert reference.fingerprint() == native.fingerprint()

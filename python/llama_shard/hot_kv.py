@@ -400,7 +400,7 @@ def kv_recipe_for(shard, kv_type: str | None = None) -> KvCacheRecipe:
     info = shard.info
     return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=kv_type or info.kv_dtype, n_kv_heads=info.n_head_kv,
                          head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last,
-                         sliding_window=getattr(info, "sliding_window", 0), swa_pattern=getattr(info, "swa_pattern", ""))
+                         sliding_window=info.sliding_window, swa_pattern=info.swa_pattern)
 
 
 # ---------------------------------------------------------------------------------------------

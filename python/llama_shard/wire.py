@@ -87,10 +87,23 @@ class _Unparsable:
 class RefuseUnparsableRequests(grpc.ServerInterceptor):
     """Bytes that do not parse as a unary method's request get INVALID_ARGUMENT with the parser's
     reason. gRPC's own answer to a request its deserializer rejects is INTERNAL, which reads as a
-    fault of the worker on a dashboard; the fault is the caller's."""
+    fault of the worker on a dashboard; the fault is the caller's. Each method's wrapped handler is
+    made once (the handlers are registered before the server starts), not per call."""
+
+    def __init__(self):
+        self._wrapped: dict[str, object] = {}
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrap(method, continuation(handler_call_details))
+            if wrapped is not None:  # only registered methods: a caller's made-up names are not kept
+                self._wrapped[method] = wrapped
+        return wrapped
+
+    @staticmethod
+    def _wrap(method: str, handler):
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
             return handler
         parse, behavior = handler.request_deserializer, handler.unary_unary
@@ -103,8 +116,7 @@ class RefuseUnparsableRequests(grpc.ServerInterceptor):
 
         def refuse_unparsable(request, context):
             if isinstance(request, _Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{handler_call_details.method}: the request does not parse: {request.error}")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
             return behavior(request, context)
 
         return handler._replace(request_deserializer=lenient_parse, unary_unary=refuse_unparsable)

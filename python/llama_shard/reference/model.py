@@ -59,6 +59,7 @@ class ReferenceHparams:
     swa_layers: tuple[bool, ...] = ()
     rope_theta_swa: float = 10000.0
     logit_softcap: float = 0.0
+    swa_pattern: str = ""  # the file's pattern key as llama.cpp prints it ("": absent), part of the KV recipe
 
 
 def _field_value(reader: GGUFReader, key: str, default=None):
@@ -88,11 +89,21 @@ class LayerWeights:
     post_ffn_norm: np.ndarray | None = None
 
 
+def _gguf_text(value) -> str:
+    """A GGUF value as llama.cpp's gguf_kv_to_str prints it (integers, booleans, arrays of them)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_gguf_text(v) for v in value) + "]"
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    return str(int(value))
+
+
 def _gemma3_hparams(reader: GGUFReader, n_layer: int) -> dict:
     """Gemma 3's sliding window as llama.cpp reads it: every 6th layer global unless the file
     gives a pattern (a period, or a per-layer list)."""
     window = int(_field_value(reader, "gemma3.attention.sliding_window", 0))
-    pattern = _field_value(reader, "gemma3.attention.sliding_window_pattern", 6)
+    written = _field_value(reader, "gemma3.attention.sliding_window_pattern")
+    pattern = 6 if written is None else written
     if isinstance(pattern, (list, tuple)):
         swa = tuple(bool(x) for x in pattern)[:n_layer]
     else:
@@ -100,7 +111,8 @@ def _gemma3_hparams(reader: GGUFReader, n_layer: int) -> dict:
         swa = tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
     return {"sliding_window": window, "swa_layers": swa if window > 0 else (),
             "rope_theta_swa": float(_field_value(reader, "gemma3.rope.freq_base_swa", 10000.0)),
-            "logit_softcap": float(_field_value(reader, "gemma3.final_logit_softcapping", 0.0))}
+            "logit_softcap": float(_field_value(reader, "gemma3.final_logit_softcapping", 0.0)),
+            "swa_pattern": "" if written is None else _gguf_text(written)}
 
 
 class ReferenceModel:
@@ -298,6 +310,8 @@ class ReferenceShardInfo:
     head_dim: int
     kv_dtype: str
     kv_bytes_per_token: int
+    sliding_window: int
+    swa_pattern: str
 
 
 class SequenceKv:
@@ -349,7 +363,8 @@ class ReferenceShard:
             architecture=hp.architecture, n_layer=hp.n_layer, first=self.first, last=self.last,
             is_head=self.is_head, is_tail=self.is_tail, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
             n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, kv_dtype="f16",
-            kv_bytes_per_token=kv_bytes_per_token(hp.n_head_kv, hp.head_dim, self.last - self.first + 1, "f16"))
+            kv_bytes_per_token=kv_bytes_per_token(hp.n_head_kv, hp.head_dim, self.last - self.first + 1, "f16"),
+            sliding_window=hp.sliding_window, swa_pattern=hp.swa_pattern)
 
     def new_sequence(self) -> SequenceKv:
         return SequenceKv(self.model, self.owned_layers)
