@@ -271,10 +271,15 @@ void register_model(py::module_ & m) {
               d["library"] = c.library;
               d["features"] = c.features;
               d["available"] = c.available;
+              d["amx"] = c.amx;
+              d["self_check"] = c.self_check;
+              d["fallbacks"] = c.fallbacks;
               return d;
           },
-          "The CPU kernels this process runs: variant (a portable build's libggml-cpu-<variant>.so, or "
-          "'built in'), library, features (instruction sets), available (the variants shipped).");
+          "The CPU kernels this process runs, after the start-up self-check: variant (a portable build's "
+          "libggml-cpu-<variant>.so, or 'built in'), library, features (instruction sets compiled in), "
+          "available (the variants shipped), amx (AMX kernels in use), self_check (one line), fallbacks "
+          "(each failed probe and what runs instead).");
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
