@@ -143,12 +143,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cpu_kernels() -> str:
-    """Which CPU variant this process runs, and its instruction sets."""
+    """Which CPU kernels this process runs, their instruction sets, and what the self-check found."""
     from ._native import cpu_backend
 
     c = cpu_backend()
     shipped = f"; shipped: {', '.join(c['available'])}" if c["available"] else ""
-    return f"{c['variant']} ({' '.join(c['features'])}){shipped}"
+    amx = "; AMX in use" if c["amx"] else ("; AMX off" if "AMX_INT8" in c["features"] else "")
+    return f"{c['variant']} ({' '.join(c['features'])}){amx}{shipped}; self-check {c['self_check']}"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
