@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab, pin_label,
-                    stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
+from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab,
+                    pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from routes import ours_two_stages, ours_worker_clients
@@ -246,6 +246,7 @@ class Shapes:
     rpc_tools: dict | None
     quick: bool
     repeat: int
+    build_stock: bool = True
 
     def __post_init__(self):
         self.n_layer, self.vocab = model_and_vocab(self.path)
@@ -364,7 +365,65 @@ def engine_choice_rows(s: Shapes) -> list[Row]:
     return rows
 
 
-SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, memory_rows, engine_choice_rows)
+_KERNELS_RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import llama_shard as ls
+from bench import ours_batched, ours_prefill_and_tg
+path, threads, npp, ntg, reps, vocab = Path(sys.argv[2]), *map(int, sys.argv[3:8])
+single = ours_prefill_and_tg(path, threads, npp, ntg, reps, vocab)
+batched = ours_batched(path, threads, npp, ntg, [8], vocab)[8]
+print(json.dumps({"amx": ls.cpu_backend()["amx"], "pp": single["pp"], "tg": single["tg"], "tg8": batched["tg"]}))
+"""
+
+
+def ours_kernels(s: Shapes, amx: bool) -> dict:
+    """pp, tg (1 session) and 8 sessions' aggregate decode in a process of its own: AMX is chosen
+    once per process, by the self-check (LLAMA_SHARD_CPU_PROBE_FAIL=amx is the fallback)."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_SHARD_CPU_PROBE_FAIL"}
+    if not amx:
+        env["LLAMA_SHARD_CPU_PROBE_FAIL"] = "amx"
+    out = subprocess.run([sys.executable, "-c", _KERNELS_RUN, str(Path(__file__).parent), str(s.path),
+                          *map(str, (s.threads, s.npp, s.ntg, s.reps, s.vocab))],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["amx"] == amx, res
+    return res
+
+
+def cpu_kernel_rows(s: Shapes) -> list[Row]:
+    """On a CPU with AMX: the AMX kernels against the fallback (AMX off, the same build's AVX-512
+    kernels), and both against stock llama.cpp built without AMX (the pin's AMX crashes unpatched)."""
+    from llama_shard import cpu_backend
+
+    if not cpu_backend()["amx"]:
+        log("AMX is not in use here: the AMX rows are left out")
+        return []
+    log("CPU kernels: AMX against the fallback, and stock llama.cpp built without AMX")
+    stock = None if s.stock is None else find_stock_tools(build=s.build_stock, no_amx=True)
+    amx, off, peer, peer8 = alternate(
+        s.repeat, lambda: ours_kernels(s, True), lambda: ours_kernels(s, False),
+        stock and (lambda: stock_llama_bench(stock["llama-bench"], s.path, s.threads, s.npp, s.ntg, s.reps)),
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg, [8])))
+    peer_tg8 = peer8.get(8, {}).get("tg")
+    note = "peer: the fallback in this run"
+    stock_note = "peer: stock built with " + NO_AMX_FLAGS
+    return [Row(f"prefill pp{s.npp}, AMX (vs fallback)", amx["pp"], off["pp"], "tok/s", "", note),
+            Row(f"decode tg{s.ntg}, 1 session, AMX (vs fallback)", amx["tg"], off["tg"], "tok/s", "", note),
+            Row("aggregate decode, 8 sessions, AMX (vs fallback)", amx["tg8"], off["tg8"], "tok/s", "", note),
+            Row(f"prefill pp{s.npp}, AMX (vs stock without AMX)", amx["pp"], peer.get("pp"), "tok/s", "", stock_note),
+            Row(f"prefill pp{s.npp}, fallback (vs stock without AMX)", off["pp"], peer.get("pp"), "tok/s", ">= 0.95",
+                stock_note),
+            Row(f"decode tg{s.ntg}, 1 session, fallback (vs stock without AMX)", off["tg"], peer.get("tg"), "tok/s",
+                ">= 0.95", stock_note),
+            Row("aggregate decode, 8 sessions, fallback (vs stock without AMX)", off["tg8"], peer_tg8, "tok/s",
+                ">= 0.95", stock_note)]
+
+
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, memory_rows, engine_choice_rows,
+            cpu_kernel_rows)
+SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-bin-dir", help="where stock llama-bench and llama-batched-bench are (default: "
                     "LLAMA_SHARD_STOCK_BIN_DIR, else build/stock-bench, built there if missing)")
     ap.add_argument("--require-stock", action="store_true", help="exit 2, measuring nothing, without the stock tools")
+    ap.add_argument("--sections", default=",".join(SECTION_NAMES), metavar="NAMES",
+                    help=f"which sections to run, comma-separated (default: all of {', '.join(SECTION_NAMES)})")
     args = ap.parse_args(argv)
+    sections = [SECTION_NAMES.get(n) for n in args.sections.split(",")]
+    if None in sections:
+        ap.error(f"--sections: choose among {', '.join(SECTION_NAMES)}")
     if args.stock_bin_dir:
         os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()
@@ -392,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"stock llama.cpp {' and '.join(missing)}: {why}; their peer columns are n/a")
         if args.require_stock:
             return 2
-    shapes = Shapes(path, args.threads, stock, rpc_tools, args.quick, max(1, args.repeat))
-    rows = [row for section in SECTIONS for row in section(shapes)]
+    shapes = Shapes(path, args.threads, stock, rpc_tools, args.quick, max(1, args.repeat), not args.no_build)
+    rows = [row for section in sections for row in section(shapes)]
     cmd = ("python benchmarks/bench.py" + (f" --model {args.model}" if args.model else "") +
-           f" --threads {args.threads} --repeat {args.repeat}")
+           f" --threads {args.threads} --repeat {args.repeat}" +
+           (f" --sections {args.sections}" if args.sections != ",".join(SECTION_NAMES) else ""))
     print(format_table(rows, f"{path.name}, {args.threads} threads, {os.cpu_count()} CPUs; peer: stock llama.cpp "
                              f"({pin_label()}) unless noted; command: `{cmd}`"))
     if args.json:

@@ -91,15 +91,22 @@ def alternate(repeat: int, *measures) -> list[dict]:
 # the peer: stock llama.cpp tools from the same pin
 # ---------------------------------------------------------------------------------------------
 
-def find_stock_tools(build: bool = True, rpc: bool = False) -> dict[str, Path] | None:
+# what stock llama.cpp built "without AMX" means: the flags that worked around the pin's AMX crash
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False) -> dict[str, Path] | None:
     """The stock tools from the pinned source: in LLAMA_SHARD_STOCK_BIN_DIR (or
     LLAMA_SHARD_STOCK_RPC_BIN_DIR) when set, else in build/stock-bench, built there when missing (CMake option
     LLAMA_SHARD_BUILD_STOCK_BENCH; the patches are gated, so without a shard range they behave as
     upstream). With rpc=True, an RPC-enabled build (GGML_RPC=ON) with ggml-rpc-server, for
-    llama.cpp's own way of splitting a model across processes."""
+    llama.cpp's own way of splitting a model across processes. With no_amx=True, llama-bench and
+    llama-batched-bench compiled without the AMX kernels (NO_AMX_FLAGS): in LLAMA_SHARD_STOCK_NOAMX_BIN_DIR
+    when set, else in build/stock-noamx."""
     tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else STOCK_TOOLS
-    name = "stock-rpc" if rpc else "stock-bench"
-    env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else "LLAMA_SHARD_STOCK_BIN_DIR")
+    name = "stock-rpc" if rpc else ("stock-noamx" if no_amx else "stock-bench")
+    env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else
+                         "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR" if no_amx else "LLAMA_SHARD_STOCK_BIN_DIR")
     if env:  # a directory named explicitly is the only place looked at
         found = {t: Path(env) / t for t in tools}
         return found if all(p.is_file() for p in found.values()) else None
@@ -115,6 +122,7 @@ def find_stock_tools(build: bool = True, rpc: bool = False) -> dict[str, Path] |
     subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
                     "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
+                    *([f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []),
                     f"-DPython_EXECUTABLE={sys.executable}"], check=True, stdout=sys.stderr)
     subprocess.run([cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],
                    check=True, stdout=sys.stderr)

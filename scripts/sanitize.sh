@@ -34,7 +34,8 @@ REPORTS="$PWD/$BUILD/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:log_path=$REPORTS/asan
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan
-export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$REPORTS/tsan
+# die_after_fork=0: the CPU self-check probes its kernels in a forked child that starts threads
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:log_path=$REPORTS/tsan
 reports() {  # prints every report written so far; fails if there is one
     if compgen -G "$REPORTS/*" > /dev/null; then
         cat "$REPORTS"/* >&2
@@ -50,9 +51,23 @@ rm -rf "$PKG" && mkdir -p "$PKG" && cp -r python/llama_shard "$PKG/"
 cp "$BUILD"/native/_native*.so "$PKG/llama_shard/"
 # libstdc++ preloaded too: the sanitizer's __cxa_throw interceptor needs it when python itself does
 # not link it. The lockstep state machine runs at a fifth of its usual size (2,000 operations).
-LD_PRELOAD="$RUNTIME:$(g++ -print-file-name=libstdc++.so)" PYTHONPATH="$PKG" LLAMA_SHARD_LOCKSTEP_STEPS=2000 "$PY" -m pytest -q -p no:cacheprovider -x \
+# A pytest killed by a signal (an instruction the CPU refuses, a sanitizer that aborts) says so, with
+# the test it was running (tests/conftest.py writes each test's id to LLAMA_SHARD_TEST_PROGRESS).
+PROGRESS="$PWD/$BUILD/current-test"
+rm -f "$PROGRESS"
+set +e
+LD_PRELOAD="$RUNTIME:$(g++ -print-file-name=libstdc++.so)" PYTHONPATH="$PKG" LLAMA_SHARD_LOCKSTEP_STEPS=2000 \
+    LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider -x \
     tests/test_bad_input.py tests/test_hot_kv_contract.py tests/test_batching.py tests/test_split_parity.py \
-    tests/test_warm_tier.py tests/test_retry.py tests/test_hot_kv_statemachine.py tests/test_hot_kv_real_model.py "${SELECT[@]}" "$@"
+    tests/test_warm_tier.py tests/test_retry.py tests/test_hot_kv_statemachine.py tests/test_hot_kv_real_model.py \
+    tests/test_cpu_self_check.py "${SELECT[@]}" "$@"
+rc=$?
+set -e
+if [ "$rc" -gt 128 ]; then
+    echo "sanitize.sh $KIND: pytest was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128)))) during" \
+         "$(cat "$PROGRESS" 2>/dev/null || echo "its start-up")" >&2
+fi
+[ "$rc" -eq 0 ] || { reports; exit "$rc"; }
 trap - EXIT
 reports
 echo "sanitize.sh $KIND: no reports"

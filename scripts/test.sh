@@ -5,8 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
-# tests import the installed package (python/ is not on sys.path)
-"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+# tests import the installed package (python/ is not on sys.path). A pytest killed by a signal
+# names the signal and the test it was running (tests/conftest.py writes it to this file).
+PROGRESS=$(mktemp)
+trap 'rm -f "$PROGRESS"' EXIT
+set +e
+LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider tests "$@"
+rc=$?
+set -e
+if [ "$rc" -gt 128 ]; then
+    echo "test.sh: pytest was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128)))) during $(cat "$PROGRESS")" >&2
+fi
+[ "$rc" -eq 0 ] || exit "$rc"
 build_dir=$("$PY" - <<'PY'
 import glob, os
 # the build scripts/install.sh left (build/<wheel tag>), not scripts/sanitize.sh's

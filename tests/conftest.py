@@ -16,6 +16,14 @@ from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    """With LLAMA_SHARD_TEST_PROGRESS=FILE, the test about to run is written there first, so a
+    script whose pytest dies from a signal can name the test (scripts/sanitize.sh, scripts/test.sh)."""
+    progress = os.environ.get("LLAMA_SHARD_TEST_PROGRESS")
+    if progress:
+        Path(progress).write_text(nodeid + "\n")
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -48,7 +48,8 @@ def fake_stock_env(tmp_path) -> dict:
         p = bin_dir / name
         p.write_text(textwrap.dedent(body.format(python=sys.executable)))
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
-    return dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir))
+    return dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir),
+                LLAMA_SHARD_STOCK_NOAMX_BIN_DIR=str(bin_dir))
 
 
 def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_stock_env):
@@ -70,6 +71,9 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
         assert r["ratio"] is not None, r
     kv = [r for m, r in rows.items() if m.startswith("KV bytes/token")]
     assert kv and all(abs(r["ratio"] - 0.5) < 1e-9 for r in kv)
+    from llama_shard import cpu_backend
+    amx_rows = [m for m in rows if "AMX" in m or "fallback" in m]
+    assert len(amx_rows) == (7 if cpu_backend()["amx"] else 0), amx_rows  # AMX vs fallback vs stock without AMX
 
 
 def test_bench_says_why_the_stock_columns_are_missing_and_can_require_them(synthetic_model, tmp_path):

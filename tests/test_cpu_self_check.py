@@ -96,6 +96,7 @@ def test_the_self_check_is_reported():
         assert c["amx"], f"this CPU has AMX and the kernels carry it, but the self-check turned it off: {c}"
 
 
+@pytest.mark.model
 def test_a_failing_builtin_probe_is_a_clear_error_not_a_crash(embedded_model):
     if cpu_backend()["available"]:
         pytest.skip("a portable build probes variants (test_a_failing_best_variant_picks_the_next)")
@@ -108,6 +109,7 @@ def test_a_failing_builtin_probe_is_a_clear_error_not_a_crash(embedded_model):
     assert "Fatal Python error" not in res.stderr
 
 
+@pytest.mark.model
 def test_a_failing_best_variant_picks_the_next(embedded_model, tmp_path):
     c = cpu_backend()
     if not c["available"]:
@@ -119,6 +121,7 @@ def test_a_failing_best_variant_picks_the_next(embedded_model, tmp_path):
     assert f"trying the {info['backend']['variant']} kernels" in err
 
 
+@pytest.mark.model
 def test_a_forced_variant_that_fails_its_probe_is_a_clear_error(embedded_model):
     c = cpu_backend()
     if not c["available"]:
@@ -129,6 +132,7 @@ def test_a_forced_variant_that_fails_its_probe_is_a_clear_error(embedded_model):
     assert res.returncode != 0 and "LLAMA_SHARD_CPU_VARIANT=x64: its kernels failed the self-check" in res.stderr
 
 
+@pytest.mark.model
 def test_a_failing_amx_probe_turns_amx_off_in_one_line(embedded_model, tmp_path):
     if not _amx_compiled_in():
         pytest.skip("these CPU kernels carry no AMX (the AMX probe runs only where they do)")
@@ -146,6 +150,7 @@ def test_a_failing_amx_probe_turns_amx_off_in_one_line(embedded_model, tmp_path)
 AMX_LOGIT_ATOL = {"smollm2": 3.0, "gemma3": 3.0}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_amx_and_the_fallback_agree(which, embedded_model, gemma3_model, tmp_path):
     """Prefill, decode and batched steps through the AMX kernels, and the fallback fed the same
