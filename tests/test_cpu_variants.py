@@ -1,11 +1,13 @@
 """The CPU kernels: which ones run is reported, and on a portable install (the wheel from
-scripts/build-wheel.sh) the x86-64 baseline variant, forced, gives the greedy tokens the chosen
-variant gives, except where the two best logits are nearer than the kernels differ.
+scripts/build-wheel.sh) the x86-64 baseline variant, forced and fed the chosen variant's tokens,
+makes the same greedy choice at every step except where the two best logits are nearer than the
+kernels differ.
 
-Measured on this machine (zen4 chosen): the zen4 variant is bit-identical to a source build
-(GGML_NATIVE) here; x64 gives the same 32 tokens on 3 of these 4 prompts, and on the first it
-differs at token 19, where zen4's two best logits are 0.081 apart while the variants' logits
-differ by up to 1.5 (different kernels, other roundings)."""
+Measured on an AMD machine (zen4 chosen): the zen4 variant is bit-identical to a source build
+(GGML_NATIVE) there; x64 gave the same 32 free-running tokens on 3 of these 4 prompts, the variants'
+logits differing by up to 1.5 (different kernels, other roundings). On an Intel Xeon with AMX
+(sapphirerapids chosen) only 1 of 4 free-running prompts stayed identical for 32 tokens, every
+parting at a near tie: hence teacher forcing, which compares every step."""
 from __future__ import annotations
 
 import json
@@ -22,13 +24,22 @@ PROMPTS = ["The three primary colors are", "The capital of France is", "def add(
 
 GREEDY = """
 import json, sys
+import numpy as np
 import llama_shard as ls
 from llama_shard.pipeline import LocalPipeline
 pipe = LocalPipeline(sys.argv[1], [(0, 14), (15, 29)], n_ctx=256, n_seq_max=1, n_batch=64, n_threads=2)
+forced = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None  # teacher forcing: another run's tokens
 runs = []
-for prompt in json.loads(sys.argv[2]):
-    out = list(pipe.generate(pipe.head.tokenize(prompt), 32))
-    runs.append({"tokens": [t for t, _ in out], "logits": [l.tolist() for _, l in out]})
+for i, prompt in enumerate(json.loads(sys.argv[2])):
+    tokens = pipe.head.tokenize(prompt)
+    pipe.seq_rm(0, 0)
+    logits, chosen, pos = [pipe.step(0, 0, tokens)], [], len(tokens)
+    for k in range(32):
+        chosen.append(int(np.argmax(logits[-1])))
+        if k < 31:
+            logits.append(pipe.step(0, pos, [forced[i][k] if forced else chosen[-1]]))
+            pos += 1
+    runs.append({"tokens": chosen, "logits": [l.tolist() for l in logits]})
 print(json.dumps({"variant": ls.cpu_backend()["variant"], "runs": runs}))
 """
 
@@ -43,13 +54,14 @@ def test_the_cpu_backend_is_reported():
         assert c["variant"] == "built in"
 
 
-def _greedy(model, variant: str | None) -> dict:
+def _greedy(model, variant: str | None, forced: list[list[int]] | None = None) -> dict:
     env = dict(os.environ)
     env.pop("LLAMA_SHARD_CPU_VARIANT", None)
     if variant:
         env["LLAMA_SHARD_CPU_VARIANT"] = variant
-    res = subprocess.run([sys.executable, "-c", GREEDY, str(model), json.dumps(PROMPTS)], capture_output=True, text=True,
-                         env=env, timeout=300)
+    forcing = [json.dumps(forced)] if forced else []
+    res = subprocess.run([sys.executable, "-c", GREEDY, str(model), json.dumps(PROMPTS), *forcing], capture_output=True,
+                         text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -57,18 +69,22 @@ def _greedy(model, variant: str | None) -> dict:
 def test_a_forced_baseline_variant_gives_the_same_greedy_tokens(embedded_model):
     if not cpu_backend()["available"]:
         pytest.skip("a source build has its CPU kernels built in: one variant (the portable wheel has several)")
-    best, baseline = _greedy(embedded_model, None), _greedy(embedded_model, "x64")
+    best = _greedy(embedded_model, None)
+    baseline = _greedy(embedded_model, "x64", forced=[r["tokens"] for r in best["runs"]])
     assert baseline["variant"] == "x64" and best["variant"] != "x64"
-    same = 0
+    worst = max(float(np.abs(np.subtract(p, q)).max()) for b, x in zip(best["runs"], baseline["runs"])
+                for p, q in zip(b["logits"], x["logits"]))
+    steps = disagreements = 0
     for b, x in zip(best["runs"], baseline["runs"]):
-        first = next((i for i, (p, q) in enumerate(zip(b["tokens"], x["tokens"])) if p != q), None)
-        if first is None:
-            same += 1
-            continue
-        deviation = max(float(np.abs(np.subtract(p, q)).max()) for p, q in zip(b["logits"][:first], x["logits"][:first]))
-        top2 = np.sort(b["logits"][first])[-2:]
-        assert top2[1] - top2[0] < deviation, "the tokens part where the kernels' differences cannot explain it"
-    assert same >= len(PROMPTS) // 2, f"only {same} of {len(PROMPTS)} prompts give the same 32 tokens"
+        for p, q, logits in zip(b["tokens"], x["tokens"], b["logits"]):
+            steps += 1
+            if p != q:
+                disagreements += 1
+                top2 = np.sort(logits)[-2:]
+                assert top2[1] - top2[0] < worst, "the choices part where the kernels' differences cannot explain it"
+    print(f"{best['variant']} vs x64: worst logit difference {worst:.4f}; {disagreements} of {steps} teacher-forced "
+          "greedy choices differ (near ties)")
+    assert disagreements <= steps // 10
 
 
 def test_an_unknown_variant_is_a_clear_error(embedded_model):

@@ -183,6 +183,20 @@ static int probe_compute(ggml_backend_reg_t reg, bool amx) {
     _exit(reg == nullptr ? PROBE_NO_BACKEND : probe_compute(reg, spec.amx));
 }
 
+// "SIGILL (Illegal instruction)" (sigabbrev_np needs glibc 2.32: the wheel may be built on older)
+static std::string signal_name(int sig) {
+    static const std::pair<int, const char *> names[] = {
+        {SIGILL, "SIGILL"}, {SIGSEGV, "SIGSEGV"}, {SIGBUS, "SIGBUS"}, {SIGFPE, "SIGFPE"}, {SIGABRT, "SIGABRT"},
+        {SIGKILL, "SIGKILL"}, {SIGTERM, "SIGTERM"}, {SIGSYS, "SIGSYS"}};
+    std::string name = "signal " + std::to_string(sig);
+    for (const auto & [number, text] : names) {
+        if (number == sig) {
+            name = text;
+        }
+    }
+    return name + " (" + strsignal(sig) + ")";
+}
+
 // runs the probe; "" when it passed, else why it failed ("killed by SIGILL (Illegal instruction)")
 static std::string run_probe(const probe_spec & spec) {
     std::fflush(nullptr);  // the child must not flush the parent's buffered output again
@@ -208,10 +222,7 @@ static std::string run_probe(const probe_spec & spec) {
         return std::string("lost its probe process: ") + std::strerror(errno);
     }
     if (WIFSIGNALED(status)) {
-        const int sig = WTERMSIG(status);
-        const char * abbrev = sigabbrev_np(sig);
-        return "killed by SIG" + std::string(abbrev != nullptr ? abbrev : std::to_string(sig).c_str()) + " (" +
-               strsignal(sig) + ")";
+        return "killed by " + signal_name(WTERMSIG(status));
     }
     switch (WEXITSTATUS(status)) {
         case PROBE_PASSED:      return "";
