@@ -386,8 +386,10 @@ def ours_kernels(s: Shapes, amx: bool) -> dict:
         env["LLAMA_SHARD_CPU_PROBE_FAIL"] = "amx"
     out = subprocess.run([sys.executable, "-c", _KERNELS_RUN, str(Path(__file__).parent), str(s.path),
                           *map(str, (s.threads, s.npp, s.ntg, s.reps, s.vocab))],
-                         capture_output=True, text=True, env=env, check=True).stdout
-    res = json.loads(out.strip().splitlines()[-1])
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"the kernels' run exited {out.returncode}: {out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["amx"] == amx, res
     return res
 
@@ -448,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()
     stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
-    rpc_tools = None if args.no_stock else find_stock_tools(build=not args.no_build, rpc=True)
+    wants_rpc = route_rows in sections
+    rpc_tools = None if args.no_stock or not wants_rpc else find_stock_tools(build=not args.no_build, rpc=True)
     missing = [name for name, tools in (("llama-bench/llama-batched-bench", stock), ("the RPC split", rpc_tools))
-               if tools is None]
+               if tools is None and (wants_rpc or name != "the RPC split")]
     if missing:
         why = "--no-stock" if args.no_stock else "not found (--stock-bin-dir) and not built (--no-build, or the build failed)"
         log(f"stock llama.cpp {' and '.join(missing)}: {why}; their peer columns are n/a")

@@ -33,7 +33,7 @@ from llama_shard.errors import InvalidInputError
 from llama_shard.hot_kv import kv_bytes_per_token
 from llama_shard.models import compute_balanced_cut, require_embedded_model
 from llama_shard.route import LocalStage, RemoteStage, RouteClient
-from llama_shard.testing.workers import start_worker, stop_worker, wait_serving
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 
 _WARM = 256 << 20
 # prompts for the route study: slices of one text, so greedy decoding follows confident paths

@@ -1,6 +1,7 @@
 // Bad input never aborts and never changes state: every case throws shard_error with the right
 // code, and afterwards the context still holds exactly what it held and computes the same bits.
 
+#include "llama_shard/cpu_backend.h"
 #include "llama_shard/shard_context.h"
 #include "test-common.h"
 

@@ -283,6 +283,21 @@ void register_model(py::module_ & m) {
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
+    m.attr("MAX_BUDGET_TOKENS")    = HOT_KV_MAX_BUDGET_TOKENS;
+    m.attr("MAX_EPOCH")            = HOT_KV_MAX_EPOCH;
+    // the defaults, from the structs that hold them (Python's defaults are these values)
+    m.attr("DEFAULT_PREFILL_CHUNK")    = step_loop_config{}.prefill_chunk;
+    m.attr("DEFAULT_GATHER_S")         = step_loop_config{}.gather_s;
+    m.attr("DEFAULT_WARM_TTL_SECONDS") = hot_kv_config{}.warm_ttl_seconds;
+    m.attr("DEFAULT_N_BATCH")          = hot_kv_config{}.n_batch;
+    m.attr("DEFAULT_RECENT_CAPACITY")  = hot_kv_config{}.recent_capacity;
+    // upper bounds (seconds) of the restore-time histogram buckets, the last +Inf
+    py::list buckets;
+    for (double b : HOT_KV_RESTORE_BUCKETS) {
+        buckets.append(b);
+    }
+    buckets.append(std::numeric_limits<double>::infinity());
+    m.attr("RESTORE_BUCKETS") = py::tuple(buckets);
     m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");
     m.def("kv_bytes_per_token",
           py::overload_cast<int32_t, int32_t, int32_t, const std::string &>(&llama_shard::kv_bytes_per_token),
@@ -503,7 +518,7 @@ void register_step_loop(py::module_ & m) {
                  return std::make_unique<step_loop>(engine, cfg);
              }),
              py::arg("engine"), py::arg("max_step_tokens") = 0, py::arg("max_step_sessions") = 0,
-             py::arg("prefill_chunk") = 64, py::arg("gather_s") = 0.010,
+             py::arg("prefill_chunk") = step_loop_config{}.prefill_chunk, py::arg("gather_s") = step_loop_config{}.gather_s,
              py::keep_alive<1, 2>())  // the loop keeps its engine alive
         .def_property_readonly("max_step_tokens", [](const step_loop & l) { return l.config().max_step_tokens; })
         .def_property_readonly("max_step_sessions", [](const step_loop & l) { return l.config().max_step_sessions; })
@@ -562,9 +577,9 @@ void register_engine(py::module_ & m) {
     py::class_<hot_kv_engine>(m, "HotKvEngine")
         .def(py::init(&make_engine),
              py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
-             py::arg("ttl_seconds"), py::arg("n_batch") = 512, py::arg("n_threads") = py::none(),
-             py::arg("recent_capacity") = 4096, py::arg("warm_bytes") = 0, py::arg("warm_ttl_seconds") = 3600.0,
-             py::arg("kv_type") = "f16", py::arg("warm_dir") = "", py::arg("warm_disk_bytes") = 0,
+             py::arg("ttl_seconds"), py::arg("n_batch") = hot_kv_config{}.n_batch, py::arg("n_threads") = py::none(),
+             py::arg("recent_capacity") = hot_kv_config{}.recent_capacity, py::arg("warm_bytes") = 0,
+             py::arg("warm_ttl_seconds") = hot_kv_config{}.warm_ttl_seconds, py::arg("kv_type") = hot_kv_config{}.kv_type, py::arg("warm_dir") = "", py::arg("warm_disk_bytes") = 0,
              py::arg("recipe_fingerprint") = "", py::keep_alive<1, 2>())
         .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })

@@ -80,3 +80,12 @@ def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):
     assert res.returncode == 2 and "not both" in res.stderr
     res = run_cli("serve", "--model", str(synthetic_model), "--kv-memory", "lots", "--port", "0")
     assert res.returncode == 2 and "not a size" in res.stderr
+
+
+def test_the_shipped_demo_imports_nothing_from_testing():
+    """The demo is part of the product: it starts workers through llama_shard.local_workers, not the
+    test helpers."""
+    res = subprocess.run([sys.executable, "-c", "import sys, llama_shard.demo; "
+                          "print([m for m in sys.modules if m.startswith('llama_shard.testing')])"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

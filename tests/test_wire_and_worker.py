@@ -19,7 +19,7 @@ from llama_shard.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import RemoteStage, RouteClient, RouteError
-from llama_shard.testing.workers import free_port, start_worker, wait_serving
+from llama_shard.local_workers import free_port, start_worker, wait_serving
 from llama_shard.wire import decode_tensor, encode_tensor
 
 from conftest import REPO
@@ -465,9 +465,15 @@ def test_a_huge_prompt_is_refused_before_anything_is_allocated(chain):
     head, _ = chain
     with grpc.insecure_channel(head.address, options=[("grpc.max_send_message_length", 64 * 2**20)]) as ch:
         stub = pb_grpc.ShardServiceStub(ch)
+        before = stub.Info(pb.InfoRequest(), timeout=10)
         r = stub.Prefill(pb.StepRequest(session_id="huge", route_epoch=0, token_ids=[1] * 2_000_000), timeout=60)
         assert r.outcome == pb.OUTCOME_BUDGET_EXCEEDED, r
-        assert stub.Info(pb.InfoRequest(), timeout=10).live_sessions >= 0
+        after = stub.Info(pb.InfoRequest(), timeout=10)
+        assert (after.live_sessions, after.reserved_tokens) == (before.live_sessions, before.reserved_tokens)
+        # and it keeps serving: the same session id with a prompt that fits
+        r = stub.Prefill(pb.StepRequest(session_id="huge", route_epoch=0, token_ids=[1, 2, 3]), timeout=60)
+        assert r.outcome == pb.OUTCOME_OK, r
+        stub.Release(pb.SessionRequest(session_id="huge", route_epoch=0), timeout=10)
 
 
 def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, whole_tokens, tokenizer):

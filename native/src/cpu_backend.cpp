@@ -1,10 +1,10 @@
 #include "llama_shard/cpu_backend.h"
 #include "llama_shard/shard_error.h"
-#include "llama_shard/shard_model.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "llama.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -38,6 +38,48 @@ struct self_check_state {
     bool                     amx = false;
 };
 static self_check_state g_check;
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp process state
+// ---------------------------------------------------------------------------------------------
+
+static thread_local std::string g_last_error;
+
+static void shard_log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        std::string line(text);
+        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+            line.pop_back();
+        }
+        if (!line.empty()) {
+            g_last_error = line;
+        }
+    }
+    // llama.cpp is chatty at info level; LLAMA_SHARD_LOG=1 shows everything, otherwise only errors
+    static const bool verbose = [] {
+        const char * v = std::getenv("LLAMA_SHARD_LOG");
+        return v != nullptr && std::strcmp(v, "0") != 0;
+    }();
+    if (verbose || level == GGML_LOG_LEVEL_ERROR) {
+        std::fputs(text, stderr);
+    }
+}
+
+void shard_backend_init() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(shard_log_callback, nullptr);
+        llama_backend_init();
+    });
+}
+
+std::string shard_last_llama_error() {
+    return g_last_error;
+}
+
+void shard_clear_llama_error() {
+    g_last_error.clear();
+}
 
 // the file a function of this process comes from
 static std::string library_of(const void * fn) {

@@ -97,8 +97,8 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     if (config.context_tokens < 1 || config.budget_tokens < 1 || config.n_batch < 1 || config.n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens, budget_tokens and n_batch must be >= 1");
     }
-    if (config.budget_tokens > (int64_t) 1 << 24) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "budget_tokens must be <= 16777216");
+    if (config.budget_tokens > HOT_KV_MAX_BUDGET_TOKENS) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "budget_tokens must be <= " + str(HOT_KV_MAX_BUDGET_TOKENS));
     }
     if (config.recent_capacity < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
@@ -182,8 +182,9 @@ void hot_kv_engine::validate_key(const std::string & sid, int64_t epoch) const {
     if (sid.empty() || sid.size() > HOT_KV_MAX_SESSION_ID_BYTES) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "session id must be 1 to " + str(HOT_KV_MAX_SESSION_ID_BYTES) + " bytes");
     }
-    if (epoch < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "route epoch must be >= 0, got " + str(epoch));
+    if (epoch < 0 || epoch > HOT_KV_MAX_EPOCH) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+                          "route epoch must be 0 to " + str(HOT_KV_MAX_EPOCH) + ", got " + str(epoch));
     }
 }
 

@@ -1,3 +1,4 @@
+#include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_file_store.h"
 
 #include "llama_shard/shard_error.h"
@@ -16,7 +17,6 @@ namespace llama_shard {
 
 static constexpr char     MAGIC[4]      = {'L', 'S', 'K', 'V'};
 static constexpr uint32_t VERSION       = 1;
-static constexpr size_t   MAX_SID_BYTES = 256;
 static constexpr size_t   MAX_FIELD     = 128;  // fingerprint and KV type names
 static const char *       SUFFIX        = ".kv";
 static const char *       TMP_SUFFIX    = ".kv.tmp";
@@ -204,7 +204,7 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     }
     struct stat st {};
     ::fstat(fd, &st);
-    std::vector<uint8_t> head(4 + 4 + 4 * (4 + MAX_FIELD) + (4 + MAX_SID_BYTES) + 64);
+    std::vector<uint8_t> head(4 + 4 + 4 * (4 + MAX_FIELD) + (4 + HOT_KV_MAX_SESSION_ID_BYTES) + 64);
     const ssize_t n = ::read(fd, head.data(), head.size());
     ::close(fd);
     reader r{head.data(), n > 0 ? (size_t) n : 0};
@@ -219,7 +219,7 @@ bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry,
     const std::string model = r.get_str(MAX_FIELD);
     const int32_t first = r.get<int32_t>(), last = r.get<int32_t>(), n_layer = r.get<int32_t>();
     const std::string kv_type = r.get_str(MAX_FIELD);
-    entry.session_id = r.get_str(MAX_SID_BYTES);
+    entry.session_id = r.get_str(HOT_KV_MAX_SESSION_ID_BYTES);
     entry.epoch      = r.get<int64_t>();
     entry.seq_len    = r.get<int32_t>();
     payload_bytes    = r.get<uint64_t>();

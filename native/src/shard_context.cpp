@@ -1,4 +1,5 @@
 #include "llama_shard/shard_context.h"
+#include "llama_shard/cpu_backend.h"
 
 #include "llama.h"
 
@@ -21,40 +22,6 @@ struct shard_context::batch_buffers {
 
 static std::string str(int64_t v) { return std::to_string(v); }
 
-const std::vector<std::string> & shard_kv_types() {
-    static const std::vector<std::string> names{"f16", "q8_0", "q4_0"};  // in the order of kv_ggml_type's
-    return names;
-}
-
-static ggml_type kv_ggml_type(const std::string & name) {
-    static const ggml_type types[] = {GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0};
-    const auto & names = shard_kv_types();
-    for (size_t i = 0; i < names.size(); ++i) {
-        if (names[i] == name) {
-            return types[i];
-        }
-    }
-    throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type must be f16, q8_0 or q4_0, got '" + name + "'");
-}
-
-uint64_t kv_bytes_per_token(int32_t n_head_kv, int32_t head_dim, int32_t n_layers, const std::string & kv_type) {
-    const ggml_type type = kv_ggml_type(kv_type);
-    if (n_head_kv < 1 || head_dim < 1 || n_layers < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_head_kv and head_dim must be >= 1 and n_layers >= 0");
-    }
-    if (head_dim % ggml_blck_size(type) != 0) {  // llama.cpp quantizes each head's row in blocks
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + kv_type + " needs a head size that is a multiple of " +
-                          str(ggml_blck_size(type)) + "; this model's is " + str(head_dim));
-    }
-    // one K row and one V row per layer
-    return 2ull * (uint64_t) ggml_row_size(type, (int64_t) n_head_kv * head_dim) * (uint64_t) n_layers;
-}
-
-uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type) {
-    const shard_model_info & info = model.info();
-    return kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), kv_type);
-}
-
 shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
     if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_ctx, n_seq_max and n_batch must be >= 1 and n_threads >= 0");
@@ -67,7 +34,8 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_batch (" + str(params.n_batch) + ") must not exceed n_ctx (" + str(params.n_ctx) + ")");
     }
     const shard_model_info & info = model.info();
-    kv_bytes_per_token_ = llama_shard::kv_bytes_per_token(model, params.kv_type);  // validates the type first
+    // validates the type first
+    kv_bytes_per_token_ = llama_shard::kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), params.kv_type);
     kv_type_ = params.kv_type;
     const ggml_type type = kv_ggml_type(params.kv_type);
 

@@ -1,6 +1,6 @@
 #include "llama_shard/shard_model.h"
 #include "llama_shard/cpu_backend.h"
-#include "llama_shard/shard_context.h"
+#include "llama_shard/kv_type.h"
 
 #include "gguf.h"
 #include "llama.h"
@@ -42,44 +42,6 @@ static std::string certified_list() {
         out += (out.empty() ? "" : ", ") + a;
     }
     return out;
-}
-
-//
-// llama.cpp process state
-//
-
-static thread_local std::string g_last_error;
-
-static void shard_log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
-    if (level == GGML_LOG_LEVEL_ERROR) {
-        std::string line(text);
-        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
-            line.pop_back();
-        }
-        if (!line.empty()) {
-            g_last_error = line;
-        }
-    }
-    // llama.cpp is chatty at info level; LLAMA_SHARD_LOG=1 shows everything, otherwise only errors
-    static const bool verbose = [] {
-        const char * v = std::getenv("LLAMA_SHARD_LOG");
-        return v != nullptr && std::strcmp(v, "0") != 0;
-    }();
-    if (verbose || level == GGML_LOG_LEVEL_ERROR) {
-        std::fputs(text, stderr);
-    }
-}
-
-void shard_backend_init() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-        llama_log_set(shard_log_callback, nullptr);
-        llama_backend_init();
-    });
-}
-
-std::string shard_last_llama_error() {
-    return g_last_error;
 }
 
 //
@@ -182,7 +144,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         mparams.shard_layer_first = params.layers->first;
         mparams.shard_layer_last  = params.layers->second;
     }
-    g_last_error.clear();
+    shard_clear_llama_error();
     model_ = llama_model_load_from_file(params.path.c_str(), mparams);
     if (model_ == nullptr) {
         const std::string why = shard_last_llama_error();
@@ -205,7 +167,8 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.n_ctx_train  = llama_model_n_ctx_train(model_);
     info_.kv_dtype     = "f16";
     info_.weight_bytes = llama_model_weight_bytes(model_);
-    info_.kv_bytes_per_token = kv_bytes_per_token(*this, info_.kv_dtype);  // at the default KV type
+    info_.kv_bytes_per_token = kv_bytes_per_token(info_.n_head_kv, info_.head_dim, info_.n_owned_layers(),
+                                                  info_.kv_dtype);  // at the default KV type
     info_.sliding_window     = llama_model_n_swa(model_);
     {
         char buf[512] = {0};

@@ -8,6 +8,14 @@ import numpy.typing as npt
 MAX_SESSIONS: int
 MAX_SESSION_ID_BYTES: int
 MAX_CONTEXT_TOKENS: int
+MAX_BUDGET_TOKENS: int
+MAX_EPOCH: int
+DEFAULT_PREFILL_CHUNK: int
+DEFAULT_GATHER_S: float
+DEFAULT_WARM_TTL_SECONDS: float
+DEFAULT_N_BATCH: int
+DEFAULT_RECENT_CAPACITY: int
+RESTORE_BUCKETS: tuple[float, ...]
 
 def certified_architectures() -> list[str]: ...
 def cpu_backend() -> dict: ...
@@ -142,7 +150,7 @@ class StepTicket:
 
 class StepLoop:
     def __init__(self, engine: HotKvEngine, max_step_tokens: int = 0, max_step_sessions: int = 0,
-                 prefill_chunk: int = 64, gather_s: float = 0.010) -> None: ...
+                 prefill_chunk: int = ..., gather_s: float = ...) -> None: ...
     @property
     def max_step_tokens(self) -> int: ...
     @property
@@ -157,9 +165,9 @@ class StepLoop:
 
 class HotKvEngine:
     def __init__(self, model: ShardModel, max_sessions: int, context_tokens: int, budget_tokens: int,
-                 ttl_seconds: float, n_batch: int = 512, n_threads: int | None = None,
-                 recent_capacity: int = 4096, warm_bytes: int = 0, warm_ttl_seconds: float = 3600.0,
-                 kv_type: str = "f16", warm_dir: str = "", warm_disk_bytes: int = 0,
+                 ttl_seconds: float, n_batch: int = ..., n_threads: int | None = None,
+                 recent_capacity: int = ..., warm_bytes: int = 0, warm_ttl_seconds: float = ...,
+                 kv_type: str = ..., warm_dir: str = "", warm_disk_bytes: int = 0,
                  recipe_fingerprint: str = "") -> None: ...
     @property
     def n_batch(self) -> int: ...

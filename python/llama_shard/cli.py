@@ -12,18 +12,21 @@ Generated text goes to stdout as it is produced; status and figures go to stderr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ._native import (DEFAULT_GATHER_S, DEFAULT_N_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS,
+                      MAX_SESSIONS)
 from .errors import InvalidInputError, LlamaShardError
-from ._native import MAX_CONTEXT_TOKENS, MAX_SESSIONS
-from .hot_kv import KV_TYPES
+from .hot_kv import KV_TYPES, HotKvStateConfig
 from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .pipeline import LocalPipeline, parse_split
+
+#: the configuration's defaults, as the help texts state them
+_DEFAULTS = HotKvStateConfig()
 
 
 def _status(msg: str) -> None:
@@ -207,7 +210,8 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     from .memory import memory_plan
     from .models import gguf_shape
 
-    env = HotKvStateConfig.from_env()  # MESHNET_HOT_KV_* are the defaults; flags override them
+    env_set = HotKvStateConfig.env_values()  # MESHNET_HOT_KV_* are the defaults; flags override them
+    env = HotKvStateConfig.from_env_values(env_set)  # ... and must make a valid configuration on their own
     pick = lambda flag, default: flag if flag is not None else default  # noqa: E731
     try:
         warm = parse_size(args.warm_memory) if args.warm_memory is not None else env.warm_bytes
@@ -219,7 +223,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     first, last = layers if layers is not None else (0, shape.n_layer - 1)
     context = pick(args.context_tokens, env.context_tokens)
     kv_type = pick(args.kv_type, env.kv_type)
-    budget = pick(args.budget_tokens, env.budget_tokens if "MESHNET_HOT_KV_BUDGET_TOKENS" in os.environ else None)
+    budget = pick(args.budget_tokens, env_set.get("budget_tokens"))
     if kv_memory is None:
         slots = pick(args.max_sessions, env.max_sessions)
         probe = memory_plan(shape.range_info(first, last), 1 << 62, context, args.batch, kv_type)
@@ -288,7 +292,7 @@ def _port(text: str) -> int:
     return _count(0, 65535)(text)
 
 
-def _count(lo: int, hi: int = 1 << 24):
+def _count(lo: int, hi: int = MAX_BUDGET_TOKENS):
     """An integer in [lo, hi]."""
     def parse(text: str) -> int:
         try:
@@ -374,20 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=THREADS, default=None)
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
-    sv.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="most tokens per llama_decode")
-    sv.add_argument("--gather-ms", type=_seconds, default=10.0,
+    sv.add_argument("--batch", type=_count(1, 1 << 16), default=DEFAULT_N_BATCH, help="most tokens per llama_decode")
+    sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,
                     help="most sessions per engine step (default: max sessions)")
-    sv.add_argument("--prefill-chunk", type=_count(1, 1 << 16), default=64,
+    sv.add_argument("--prefill-chunk", type=_count(1, 1 << 16), default=DEFAULT_PREFILL_CHUNK,
                     help="most tokens of one prompt per engine step while other sessions wait")
     sv.add_argument("--kv-memory", metavar="SIZE", default=None,
                     help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
-    sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help="hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or 8")
-    sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help="default: MESHNET_HOT_KV_CONTEXT_TOKENS or 2048")
+    sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help=f"hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or {_DEFAULTS.max_sessions}")
+    sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help=f"default: MESHNET_HOT_KV_CONTEXT_TOKENS or {_DEFAULTS.context_tokens}")
     sv.add_argument("--budget-tokens", type=TOKENS, default=None,
                     help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
-    sv.add_argument("--ttl", type=_seconds, default=None, help="seconds; default: MESHNET_HOT_KV_TTL_SECONDS or 600")
+    sv.add_argument("--ttl", type=_seconds, default=None, help=f"seconds; default: MESHNET_HOT_KV_TTL_SECONDS or {_DEFAULTS.ttl_seconds:g}")
     sv.add_argument("--sweep-seconds", type=_seconds, default=10.0,
                     help="how often idle sessions are checked against --ttl and --warm-ttl (0: only when requests arrive)")
     sv.add_argument("--warm-memory", metavar="SIZE", default=None,
@@ -398,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--warm-disk", metavar="SIZE", default=None,
                     help="bound of the disk tier (default: MESHNET_HOT_KV_WARM_DISK_BYTES; required with --warm-dir)")
     sv.add_argument("--warm-ttl", type=_seconds, default=None,
-                    help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or 3600")
+                    help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or "
+                         f"{_DEFAULTS.warm_ttl_seconds:g}")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
     _server_security_flags(sv)
@@ -415,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
     i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
-    i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=2048)
+    i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=_DEFAULTS.context_tokens)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.set_defaults(func=cmd_inspect)

@@ -17,7 +17,7 @@ from pathlib import Path
 from ._native import ShardModel
 from .models import gguf_layer_count
 from .route import RemoteStage, RouteClient
-from .testing.workers import free_port, start_worker, stop_worker, wait_serving
+from .local_workers import free_port, start_worker, stop_worker, wait_serving
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -187,7 +187,7 @@ class HotKvStateConfig:
     budget_tokens: int | None = None
     ttl_seconds: float = 600.0
     warm_bytes: int = 0
-    warm_ttl_seconds: float = 3600.0
+    warm_ttl_seconds: float = _native.DEFAULT_WARM_TTL_SECONDS
     kv_type: str = "f16"
     warm_dir: str | None = None
     warm_disk_bytes: int = 0
@@ -205,8 +205,8 @@ class HotKvStateConfig:
                                     f"got {self.max_sessions}")
         if self.context_tokens > _native.MAX_CONTEXT_TOKENS:
             raise InvalidInputError(f"context_tokens must be <= {_native.MAX_CONTEXT_TOKENS}, got {self.context_tokens}")
-        if self.budget_tokens > 1 << 24:
-            raise InvalidInputError(f"budget_tokens must be <= {1 << 24}, got {self.budget_tokens}")
+        if self.budget_tokens > _native.MAX_BUDGET_TOKENS:
+            raise InvalidInputError(f"budget_tokens must be <= {_native.MAX_BUDGET_TOKENS}, got {self.budget_tokens}")
         for name in ("warm_bytes", "warm_disk_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -228,6 +228,20 @@ class HotKvStateConfig:
         """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
         TTL_SECONDS, WARM_BYTES and WARM_DISK_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
         KV_TYPE, WARM_DIR); unset keeps the default."""
+        return cls.from_env_values(cls.env_values(environ))
+
+    @classmethod
+    def from_env_values(cls, values: Mapping[str, object]) -> "HotKvStateConfig":
+        """A configuration from env_values()' fields over the defaults, checked."""
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except InvalidInputError as e:
+            raise InvalidInputError(f"bad {ENV_PREFIX}* configuration: {e}") from None
+
+    @classmethod
+    def env_values(cls, environ: Mapping[str, str] | None = None) -> dict[str, object]:
+        """The fields MESHNET_HOT_KV_* set, parsed (not yet checked together: from_env does that);
+        a field the environment leaves unset is absent."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for field in dataclasses.fields(cls):
@@ -248,10 +262,7 @@ class HotKvStateConfig:
                     values[field.name] = int(raw.strip(), 10)
             except ValueError:
                 raise InvalidInputError(f"{key}={raw!r} is not a valid value for {field.name}") from None
-        try:
-            return cls(**values)
-        except InvalidInputError as e:
-            raise InvalidInputError(f"bad {ENV_PREFIX}* configuration: {e}") from None
+        return values
 
 
 def _positive_int(v) -> bool:
@@ -413,7 +424,7 @@ def check_key(session_id, route_epoch) -> None:
         raise InvalidInputError(f"route_session_id must be a str, got {type(session_id).__name__}")
     if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > _native.MAX_SESSION_ID_BYTES:
         raise InvalidInputError(f"route_session_id must be 1 to {_native.MAX_SESSION_ID_BYTES} bytes")
-    check_count("route_epoch", route_epoch, upper=2**62)
+    check_count("route_epoch", route_epoch, upper=_native.MAX_EPOCH)
 
 
 def check_count(name: str, value, upper: int = 2**31 - 1) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._native import HotKvEngine, MissReason, ShardModel, Status, StepKind, StepLoop, Tier
+from ._native import (DEFAULT_GATHER_S, DEFAULT_N_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_RECENT_CAPACITY, HotKvEngine,
+                      MissReason, ShardModel, Status, StepKind, StepLoop, Tier)
 from .errors import (
     CapacityError,
     ComputeError,
@@ -59,8 +60,9 @@ class HotKvStateManager:
     sessions wait), `gather_s` (after a step, the longest wait for as many sessions as it had)."""
 
     def __init__(self, model, config: HotKvStateConfig | None = None, clock: Callable[[], float] | None = None,
-                 *, n_batch: int = 512, n_threads: int | None = None, recent_capacity: int = 4096,
-                 max_step_sessions: int | None = None, prefill_chunk: int = 64, gather_s: float = 0.010):
+                 *, n_batch: int = DEFAULT_N_BATCH, n_threads: int | None = None,
+                 recent_capacity: int = DEFAULT_RECENT_CAPACITY, max_step_sessions: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = DEFAULT_GATHER_S):
         self.config = config if config is not None else HotKvStateConfig()
         if not isinstance(self.config, HotKvStateConfig):
             raise InvalidInputError("config must be a HotKvStateConfig")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import types
 from pathlib import Path
 
 from .errors import ModelLoadError
@@ -93,8 +92,21 @@ def gemma3_model_path(cache_dir: str | Path | None = None) -> Path | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RangeInfo:
+    """What the memory plan reads of a shard, from a GGUF header (a loaded ShardModel's ModelInfo
+    has the same fields)."""
+
+    n_head_kv: int
+    head_dim: int
+    first: int
+    last: int
+    weight_bytes: int  # its layers, plus the tensors outside the blocks for a head or tail shard
+
+
+@dataclasses.dataclass(frozen=True)
 class GgufShape:
-    """What a GGUF header says about a model's shape and where its bytes are (no weights loaded)."""
+    """What a GGUF header says about a model's shape and where its bytes are (no weights loaded):
+    read once by gguf_shape(), asked everything else."""
 
     architecture: str
     n_layer: int
@@ -102,18 +114,34 @@ class GgufShape:
     n_head: int
     n_head_kv: int
     head_dim: int
-    layer_bytes: tuple[int, ...]  # per block
-    other_bytes: int              # embedding, output norm and head
+    layer_bytes: tuple[int, ...]     # per block
+    other_bytes: int                 # embedding, output norm and head
+    layer_elements: tuple[int, ...]  # weight elements per block
+    lm_head_elements: int            # output.weight, or the tied token_embd
 
-    def range_info(self, first: int, last: int) -> types.SimpleNamespace:
-        """A shard's info as the memory plan reads it (weights: its layers, plus the tensors outside
-        the blocks for a head or tail shard)."""
+    def range_info(self, first: int, last: int) -> RangeInfo:
         outside = self.other_bytes if first == 0 or last == self.n_layer - 1 else 0
-        return types.SimpleNamespace(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
-                                     weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside)
+        return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
+                         weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside)
+
+    def balanced_cut(self) -> int:
+        """The first layer of the tail for a 2-shard split that balances per-token compute.
+
+        A token costs one multiply-add per weight element, whatever the quantization (bytes would
+        overweight a Q8_0 embedding in a Q4_1 file: on SmolLM2 that put the cut at 22, where the head
+        then takes 1.4x the tail's time). Each layer costs its elements, and the tail also pays for
+        the LM head, which the head's embedding lookup does not."""
+        per_layer = self.layer_elements
+        best, best_cost = 1, float("inf")
+        for cut in range(1, self.n_layer):
+            cost = max(sum(per_layer[:cut]), sum(per_layer[cut:]) + self.lm_head_elements)
+            if cost < best_cost:
+                best, best_cost = cut, cost
+        return best
 
 
 def gguf_shape(path: str | Path) -> GgufShape:
+    """The file's shape, from one read of its header and tensor table."""
     from gguf import GGUFReader
 
     try:
@@ -125,54 +153,31 @@ def gguf_shape(path: str | Path) -> GgufShape:
             return int(f.contents()) if f is not None else default
 
         n_layer, n_embd, n_head = field("block_count"), field("embedding_length"), field("attention.head_count")
-        per_layer = [0] * n_layer
+        per_layer, elements = [0] * n_layer, [0] * n_layer
         other = 0
+        outside: dict[str, int] = {}
         for t in reader.tensors:
             if t.name.startswith("blk."):
-                per_layer[int(t.name.split(".")[1])] += int(t.n_bytes)
+                il = int(t.name.split(".")[1])
+                per_layer[il] += int(t.n_bytes)
+                elements[il] += int(t.n_elements)
             else:
                 other += int(t.n_bytes)
+                outside[t.name] = int(t.n_elements)
         return GgufShape(architecture=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                          n_head_kv=field("attention.head_count_kv", n_head),
                          head_dim=field("attention.key_length", n_embd // n_head),
-                         layer_bytes=tuple(per_layer), other_bytes=other)
+                         layer_bytes=tuple(per_layer), other_bytes=other, layer_elements=tuple(elements),
+                         lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)))
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the shape of {path}: {e}") from e
 
 
 def gguf_layer_count(path: str | Path) -> int:
     """`<arch>.block_count` of a GGUF file, read from its header without loading weights."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-        arch = reader.get_field("general.architecture").contents()
-        return int(reader.get_field(f"{arch}.block_count").contents())
-    except (OSError, ValueError, AttributeError, KeyError) as e:
-        raise ModelLoadError(f"cannot read the layer count of {path}: {e}") from e
+    return gguf_shape(path).n_layer
 
 
 def compute_balanced_cut(path: str | Path) -> int:
-    """The first layer of the tail for a 2-shard split that balances per-token compute.
-
-    A token costs one multiply-add per weight element, whatever the quantization (bytes would
-    overweight a Q8_0 embedding in a Q4_1 file: on SmolLM2 that put the cut at 22, where the head
-    then takes 1.4x the tail's time). Each layer costs its elements, and the tail also pays for the
-    LM head (output.weight, or the tied token_embd), which the head's embedding lookup does not."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = reader.get_field("general.architecture").contents()
-    n_layer = int(reader.get_field(f"{arch}.block_count").contents())
-    per_layer = [0] * n_layer
-    elements = {t.name: int(t.n_elements) for t in reader.tensors}
-    for name, n in elements.items():
-        if name.startswith("blk."):
-            per_layer[int(name.split(".")[1])] += n
-    lm_head = elements.get("output.weight", elements.get("token_embd.weight", 0))
-    best, best_cost = 1, float("inf")
-    for cut in range(1, n_layer):
-        cost = max(sum(per_layer[:cut]), sum(per_layer[cut:]) + lm_head)
-        if cost < best_cost:
-            best, best_cost = cut, cost
-    return best
+    """GgufShape.balanced_cut of the file at `path`."""
+    return gguf_shape(path).balanced_cut()

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ._native import ShardModel
+from ._native import DEFAULT_GATHER_S, DEFAULT_N_BATCH, DEFAULT_PREFILL_CHUNK, ShardModel
 from .errors import (
     ComputeError,
     IncompatibleCacheRecipeError,
@@ -49,10 +49,10 @@ class WorkerOptions:
     port: int = 0                      # 0: any free port (see ShardWorker.port)
     metrics_port: int | None = None    # None: no metrics endpoint
     threads: int | None = None
-    n_batch: int = 512
-    gather_s: float = 0.010                # longest wait for as many sessions as the last step had
+    n_batch: int = DEFAULT_N_BATCH
+    gather_s: float = DEFAULT_GATHER_S     # longest wait for as many sessions as the last step had
     max_step_sessions: int | None = None   # None: up to max_sessions per engine step
-    prefill_chunk: int = 64                # most tokens of one prefill per step while others wait
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # most tokens of one prefill per step while others wait
     max_message_bytes: int = 64 * 2**20
     grace_s: float = 5.0
     peers: tuple[str, ...] = ()            # workers chained steps may be forwarded to (host:port)

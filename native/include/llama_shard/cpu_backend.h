@@ -1,4 +1,5 @@
-// Which CPU kernels this process runs, and the start-up self-check that proves they run here.
+// The process's llama.cpp backend: its initialisation and log, which CPU kernels run, and the
+// start-up self-check that proves they run here. Below the model and the context: it includes neither.
 //
 // A portable build (CMake option LLAMA_SHARD_PORTABLE: ggml's dynamic backends) ships one
 // libggml-cpu-<variant>.so per instruction-set level (x64 baseline, sse42, ..., haswell = AVX2,
@@ -26,6 +27,14 @@
 #include <vector>
 
 namespace llama_shard {
+
+// process-wide llama.cpp initialisation (backend init, log routing); idempotent and thread-safe
+void shard_backend_init();
+
+// the last error line llama.cpp logged on this thread (used to explain load failures), and its reset
+// before a call whose failure it should explain
+std::string shard_last_llama_error();
+void shard_clear_llama_error();
 
 struct cpu_backend_info {
     std::string              variant;     // "haswell", "x64", ...; "built in" for a source build

@@ -56,6 +56,7 @@
 // shard_error(SHARD_ERRC_INVALID_ARGUMENT) before any state changes. Time is passed in by the
 // caller (`now`, seconds on any monotonic scale), which makes the clock injectable.
 
+#include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_file_store.h"
 #include "llama_shard/shard_context.h"
 
@@ -143,12 +144,6 @@ enum shard_miss_reason {
 
 const char * shard_status_name(shard_status status);
 const char * shard_miss_reason_name(shard_miss_reason reason);
-
-// a session id is 1 to this many bytes (any bytes: ids are compared, never interpreted)
-constexpr size_t HOT_KV_MAX_SESSION_ID_BYTES = 256;
-// The most tokens one session may hold (context_tokens): a stream of 2^20 cells, 256 streams still
-// within llama.cpp's int32 cell count.
-constexpr int32_t HOT_KV_MAX_CONTEXT_TOKENS = 1 << 20;
 
 struct hot_kv_config {
     int32_t max_sessions    = 8;

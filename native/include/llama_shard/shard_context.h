@@ -17,6 +17,7 @@
 //    llama_decode has every position it added removed again before the error is thrown;
 //  - llama_context is not thread-safe: every public method takes the context's mutex.
 
+#include "llama_shard/kv_type.h"
 #include "llama_shard/shard_model.h"
 
 #include <cstdint>
@@ -43,14 +44,6 @@ struct shard_context_params {
     // only (less memory; the Hot KV engine always uses true)
     bool    swa_full = true;
 };
-
-// the KV element types a context may use, and what one cached token costs in bytes (K and V rows,
-// ggml's row size) over n_layers layers, or over `model`'s owned layers: the one formula (Python's
-// memory plan and the reference call it through the bindings); throws
-// shard_error(SHARD_ERRC_INVALID_ARGUMENT) for another type name or a head size it cannot quantize
-const std::vector<std::string> & shard_kv_types();
-uint64_t kv_bytes_per_token(int32_t n_head_kv, int32_t head_dim, int32_t n_layers, const std::string & kv_type);
-uint64_t kv_bytes_per_token(const shard_model & model, const std::string & kv_type);
 
 // what one forward call consumes: exactly one of tokens / hidden
 struct shard_input {

@@ -94,10 +94,4 @@ private:
     shard_model_info info_{};
 };
 
-// process-wide llama.cpp initialisation (backend init, log routing); idempotent and thread-safe
-void shard_backend_init();
-
-// the last error line llama.cpp logged on this thread (used to explain load failures)
-std::string shard_last_llama_error();
-
 } // namespace llama_shard

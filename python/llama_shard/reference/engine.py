@@ -21,7 +21,10 @@ import time
 
 import numpy as np
 
-from .._native import MAX_CONTEXT_TOKENS, MAX_SESSION_ID_BYTES, MAX_SESSIONS, MissReason, Status, StepKind, Tier, model_digest
+#: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
+from .._native import (DEFAULT_N_BATCH, DEFAULT_RECENT_CAPACITY, DEFAULT_WARM_TTL_SECONDS, MAX_CONTEXT_TOKENS, MAX_EPOCH,
+                       MAX_SESSION_ID_BYTES, MAX_SESSIONS, RESTORE_BUCKETS, MissReason, Status, StepKind, Tier,
+                       model_digest)
 from ..hot_kv import Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
@@ -29,9 +32,7 @@ from .model import ReferenceShard, SequenceKv
 # the native enums: one status and miss-reason type for both engines
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
 INVALID_INPUT, COMPUTE_ERROR, BUSY = Status.INVALID_INPUT, Status.COMPUTE_ERROR, Status.BUSY
-#: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-RESTORE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0, float("inf"))
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
@@ -104,8 +105,9 @@ class _Dropped:
 
 class ReferenceHotKvEngine:
     def __init__(self, shard: ReferenceShard, max_sessions: int, context_tokens: int, budget_tokens: int,
-                 ttl_seconds: float, n_batch: int = 512, recent_capacity: int = 4096, warm_bytes: int = 0,
-                 warm_ttl_seconds: float = 3600.0, kv_type: str = "f16", warm_disk_bytes: int = 0,
+                 ttl_seconds: float, n_batch: int = DEFAULT_N_BATCH, recent_capacity: int = DEFAULT_RECENT_CAPACITY,
+                 warm_bytes: int = 0, warm_ttl_seconds: float = DEFAULT_WARM_TTL_SECONDS, kv_type: str = "f16",
+                 warm_disk_bytes: int = 0,
                  recipe_fingerprint: str = ""):
         if not 1 <= max_sessions <= MAX_SESSIONS:
             raise InvalidInputError(f"max_sessions must be in [1, {MAX_SESSIONS}]")
@@ -160,8 +162,8 @@ class ReferenceHotKvEngine:
             raise InvalidInputError("a request's key is (str session id, int epoch)")
         if not sid or len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
             raise InvalidInputError(f"session id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
-        if epoch < 0:
-            raise InvalidInputError(f"route epoch must be >= 0, got {epoch}")
+        if epoch < 0 or epoch > MAX_EPOCH:
+            raise InvalidInputError(f"route epoch must be 0 to {MAX_EPOCH}, got {epoch}")
 
     def validate_step(self, step) -> None:
         """The checks the native StepLoop makes before queueing a llama_shard.Step (a prefill may

@@ -1,4 +1,4 @@
-"""Start and stop `llama-shard serve` workers on loopback: for tests, the demo and the benchmarks.
+"""Start and stop `llama-shard serve` workers on loopback: for the demo, the tests and the benchmarks.
 
     proc, address = start_worker(model_path, 0, 14, threads=1)
     wait_serving(proc, address)      # the gRPC health check says SERVING
