@@ -122,6 +122,7 @@ def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False
     subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
                     "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
+                    "-DLLAMA_SHARD_OPENMP=ON",  # stock as upstream builds it (the engine uses ggml's own pool)
                     *([f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []),
                     f"-DPython_EXECUTABLE={sys.executable}"], check=True, stdout=sys.stderr)
     subprocess.run([cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],
