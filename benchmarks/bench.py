@@ -24,7 +24,7 @@ import numpy as np
 from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab,
                     pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
-from llama_shard.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
+from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from routes import ours_two_stages, ours_worker_clients
 
 

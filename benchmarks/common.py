@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, ShardModel
-from llama_shard.hot_kv import ManualClock
+from llama_shard.engine.hot_kv import ManualClock
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK_TOOLS = ("llama-bench", "llama-batched-bench")
@@ -156,7 +156,7 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
     llama-batched-bench (1 thread) the rest; the halves run one after the other."""
     import socket
 
-    from llama_shard.local_workers import free_port
+    from llama_shard.serve.local_workers import free_port
 
     port = free_port()
     server = subprocess.Popen([str(tools["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one side, as JSON
     args = ap.parse_args(argv)
     if args.model is None:
-        from llama_shard.models import require_embedded_model
+        from llama_shard.engine.models import require_embedded_model
         args.model = str(require_embedded_model())
     if args.measure:
         print(json.dumps(measure(args.model, args.threads, args.quick)))

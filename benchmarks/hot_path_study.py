@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common import model_and_vocab, user_manager
 from llama_shard import KvBoundaryAdapter, ShardModel
-from llama_shard.models import require_embedded_model
+from llama_shard.engine.models import require_embedded_model
 from routes import ours_worker_clients
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from common import bench_manager, find_stock_tools, model_and_vocab, stock_batched_bench, stock_rpc_split
 from llama_shard import ShardModel, Step
-from llama_shard.models import compute_balanced_cut, require_embedded_model
+from llama_shard.engine.models import compute_balanced_cut, require_embedded_model
 from routes import TOPOLOGIES, ours_two_stages
 
 

@@ -28,12 +28,12 @@ import numpy as np
 
 from common import log
 from llama_shard.testing.process import resident_bytes as rss
-from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
+from llama_shard import HotKvConfig, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
 from llama_shard.errors import InvalidInputError
-from llama_shard.hot_kv import kv_bytes_per_token
-from llama_shard.models import compute_balanced_cut, require_embedded_model
+from llama_shard.engine.hot_kv import kv_bytes_per_token
+from llama_shard.engine.models import compute_balanced_cut, require_embedded_model
 from llama_shard.route import LocalStage, RemoteStage, RouteClient
-from llama_shard.local_workers import start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 
 _WARM = 256 << 20
 # prompts for the route study: slices of one text, so greedy decoding follows confident paths
@@ -265,7 +265,8 @@ def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 
         stop_worker(proc)
     added = info.restores + info.warm_drops + info.warm_sessions
     return {"sessions": n_sessions, "wall_s": wall, "rss_start": rss0, "rss_peak": peak,
-            "hot_bytes": info.max_sessions * 512 * info.kv_bytes_per_token, "spills": info.spills,
+            "hot_bytes": info.max_sessions * HotKvConfig(context_tokens=info.context_tokens).slot_cells * info.kv_bytes_per_token,
+            "spills": info.spills,
             "restores": info.restores, "warm_drops": info.warm_drops, "warm_sessions": info.warm_sessions,
             "warm_bytes": info.warm_bytes, "counters_add_up": info.spills == added}
 

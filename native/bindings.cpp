@@ -288,9 +288,6 @@ void register_model(py::module_ & m) {
     // the defaults, from the structs that hold them (Python's defaults are these values)
     m.attr("DEFAULT_PREFILL_CHUNK")    = step_loop_config{}.prefill_chunk;
     m.attr("DEFAULT_GATHER_S")         = step_loop_config{}.gather_s;
-    m.attr("DEFAULT_WARM_TTL_SECONDS") = hot_kv_config{}.warm_ttl_seconds;
-    m.attr("DEFAULT_N_BATCH")          = hot_kv_config{}.n_batch;
-    m.attr("DEFAULT_RECENT_CAPACITY")  = hot_kv_config{}.recent_capacity;
     // upper bounds (seconds) of the restore-time histogram buckets, the last +Inf
     py::list buckets;
     for (double b : HOT_KV_RESTORE_BUCKETS) {
@@ -549,38 +546,61 @@ void register_step_loop(py::module_ & m) {
              });
 }
 
-// HotKvEngine: the Hot KV state of one shard
-std::unique_ptr<hot_kv_engine> make_engine(const shard_model & model, int32_t max_sessions, int32_t context_tokens,
-                                           int64_t budget_tokens, double ttl_seconds, int32_t n_batch,
-                                           std::optional<int32_t> n_threads, int32_t recent_capacity, int64_t warm_bytes,
-                                           double warm_ttl_seconds, const std::string & kv_type, const std::string & warm_dir,
-                                           int64_t warm_disk_bytes, const std::string & recipe_fingerprint) {
-    hot_kv_config cfg;
-    cfg.max_sessions       = max_sessions;
-    cfg.context_tokens     = context_tokens;
-    cfg.budget_tokens      = budget_tokens;
-    cfg.ttl_seconds        = ttl_seconds;
-    cfg.n_batch            = n_batch;
-    cfg.n_threads          = n_threads.value_or(0);
-    cfg.recent_capacity    = recent_capacity;
-    cfg.warm_bytes         = warm_bytes;
-    cfg.warm_ttl_seconds   = warm_ttl_seconds;
-    cfg.kv_type            = kv_type;
-    cfg.warm_dir           = warm_dir;
-    cfg.warm_disk_bytes    = warm_disk_bytes;
-    cfg.recipe_fingerprint = recipe_fingerprint;
-    py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
-    return std::make_unique<hot_kv_engine>(model, cfg);
+// HotKvConfig: the engine's one configuration (hot_kv_config), its defaults the struct's
+void register_config(py::module_ & m) {
+    const hot_kv_config d;
+    py::class_<hot_kv_config>(m, "HotKvConfig",
+        "The Hot KV engine's configuration (hot_kv_config): the defaults are the native struct's, check() the one "
+        "check of its bounds; both engines take it")
+        .def(py::init([](int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens, double ttl_seconds,
+                         int32_t n_batch, int32_t n_threads, int32_t recent_capacity, int64_t warm_bytes,
+                         double warm_ttl_seconds, std::string kv_type, std::string warm_dir, int64_t warm_disk_bytes,
+                         std::string recipe_fingerprint) {
+                 return hot_kv_config{max_sessions, context_tokens, budget_tokens, ttl_seconds, n_batch, n_threads,
+                                      recent_capacity, warm_bytes, warm_ttl_seconds, std::move(kv_type), std::move(warm_dir),
+                                      warm_disk_bytes, std::move(recipe_fingerprint)};
+             }),
+             py::kw_only(), py::arg("max_sessions") = d.max_sessions, py::arg("context_tokens") = d.context_tokens,
+             py::arg("budget_tokens") = d.budget_tokens, py::arg("ttl_seconds") = d.ttl_seconds,
+             py::arg("n_batch") = d.n_batch, py::arg("n_threads") = d.n_threads,
+             py::arg("recent_capacity") = d.recent_capacity, py::arg("warm_bytes") = d.warm_bytes,
+             py::arg("warm_ttl_seconds") = d.warm_ttl_seconds, py::arg("kv_type") = d.kv_type,
+             py::arg("warm_dir") = d.warm_dir, py::arg("warm_disk_bytes") = d.warm_disk_bytes,
+             py::arg("recipe_fingerprint") = d.recipe_fingerprint)
+        .def_readwrite("max_sessions", &hot_kv_config::max_sessions)
+        .def_readwrite("context_tokens", &hot_kv_config::context_tokens)
+        .def_readwrite("budget_tokens", &hot_kv_config::budget_tokens)
+        .def_readwrite("ttl_seconds", &hot_kv_config::ttl_seconds)
+        .def_readwrite("n_batch", &hot_kv_config::n_batch)
+        .def_readwrite("n_threads", &hot_kv_config::n_threads)
+        .def_readwrite("recent_capacity", &hot_kv_config::recent_capacity)
+        .def_readwrite("warm_bytes", &hot_kv_config::warm_bytes)
+        .def_readwrite("warm_ttl_seconds", &hot_kv_config::warm_ttl_seconds)
+        .def_readwrite("kv_type", &hot_kv_config::kv_type)
+        .def_readwrite("warm_dir", &hot_kv_config::warm_dir)
+        .def_readwrite("warm_disk_bytes", &hot_kv_config::warm_disk_bytes)
+        .def_readwrite("recipe_fingerprint", &hot_kv_config::recipe_fingerprint)
+        .def("check", &hot_kv_check_config, "InvalidInputError naming the first field outside its bounds")
+        .def_property_readonly("slot_cells", [](const hot_kv_config & c) { return hot_kv_slot_cells(c.context_tokens, c.n_batch); },
+             "Cells one hot slot allocates: max(context_tokens, n_batch) padded to 256, as llama_context does")
+        .def("__repr__", [](const hot_kv_config & c) {
+            return "HotKvConfig(max_sessions=" + std::to_string(c.max_sessions) + ", context_tokens=" +
+                   std::to_string(c.context_tokens) + ", budget_tokens=" + std::to_string(c.budget_tokens) +
+                   ", kv_type='" + c.kv_type + "', warm_bytes=" + std::to_string(c.warm_bytes) + ", warm_dir='" +
+                   c.warm_dir + "', warm_disk_bytes=" + std::to_string(c.warm_disk_bytes) + ", n_batch=" +
+                   std::to_string(c.n_batch) + ")";
+        });
 }
 
 void register_engine(py::module_ & m) {
     py::class_<hot_kv_engine>(m, "HotKvEngine")
-        .def(py::init(&make_engine),
-             py::arg("model"), py::arg("max_sessions"), py::arg("context_tokens"), py::arg("budget_tokens"),
-             py::arg("ttl_seconds"), py::arg("n_batch") = hot_kv_config{}.n_batch, py::arg("n_threads") = py::none(),
-             py::arg("recent_capacity") = hot_kv_config{}.recent_capacity, py::arg("warm_bytes") = 0,
-             py::arg("warm_ttl_seconds") = hot_kv_config{}.warm_ttl_seconds, py::arg("kv_type") = hot_kv_config{}.kv_type, py::arg("warm_dir") = "", py::arg("warm_disk_bytes") = 0,
-             py::arg("recipe_fingerprint") = "", py::keep_alive<1, 2>())
+        .def(py::init([](const shard_model & model, const hot_kv_config & config) {
+                 py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
+                 return std::make_unique<hot_kv_engine>(model, config);
+             }),
+             py::arg("model"), py::arg("config"), py::keep_alive<1, 2>())
+        .def_property_readonly("config", [](const hot_kv_engine & e) { return e.config(); },
+             "A copy of the engine's configuration (n_batch as the context granted it)")
         .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
         .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
@@ -618,13 +638,12 @@ void register_engine(py::module_ & m) {
         .def("sessions", [](const hot_kv_engine & e) {
                  std::vector<hot_kv_session_info> live;
                  {
-                     py::gil_scoped_release release;  // the engine mutex can be held for a whole step
+                     py::gil_scoped_release release;  // a short lock of its own (a published snapshot)
                      live = e.sessions();
                  }
                  py::list out;
                  for (const auto & s : live) {
-                     out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used,
-                                               s.tier == HOT_KV_TIER_DISK ? "disk" : s.tier == HOT_KV_TIER_WARM ? "warm" : "hot"));
+                     out.append(py::make_tuple(s.session_id, s.epoch, s.seq_id, s.seq_len, s.last_used, s.tier));
                  }
                  return out;
              })
@@ -647,5 +666,6 @@ PYBIND11_MODULE(_native, m) {
     register_context(m);
     register_contract_types(m);
     register_step_loop(m);
+    register_config(m);
     register_engine(m);
 }

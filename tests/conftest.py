@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_shard.models import embedded_model_path
+from llama_shard.engine.models import embedded_model_path
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def embedded_model() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_model() -> Path:
     """Gemma 3 270M Q4_K_M assembled from its chunk packages (required when LLAMA_SHARD_REQUIRE_MODEL=1)."""
-    from llama_shard.models import GEMMA3_DISTRIBUTIONS, gemma3_model_path
+    from llama_shard.engine.models import GEMMA3_DISTRIBUTIONS, gemma3_model_path
 
     path = gemma3_model_path()
     if path is None:

@@ -24,7 +24,7 @@ def test_compute_balanced_cut_counts_weight_elements_not_bytes(embedded_model):
     """SmolLM2 Q4_1 keeps its tied 49152 x 576 embedding in Q8_0: by bytes the LM head looks like
     14 layers and the cut lands at 22; by elements (multiply-adds per token) it is 8 layers, and
     the cut is 19 (`python benchmarks/pipeline_study.py N` times both stages there)."""
-    from llama_shard.models import compute_balanced_cut
+    from llama_shard.engine.models import compute_balanced_cut
 
     assert compute_balanced_cut(embedded_model) == 19
     res = run_cli("inspect", str(embedded_model))
@@ -83,7 +83,7 @@ def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):
 
 
 def test_the_shipped_demo_imports_nothing_from_testing():
-    """The demo is part of the product: it starts workers through llama_shard.local_workers, not the
+    """The demo is part of the product: it starts workers through llama_shard.serve.local_workers, not the
     test helpers."""
     res = subprocess.run([sys.executable, "-c", "import sys, llama_shard.demo; "
                           "print([m for m in sys.modules if m.startswith('llama_shard.testing')])"],

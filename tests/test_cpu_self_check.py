@@ -30,7 +30,7 @@ import json, sys
 import numpy as np
 import llama_shard as ls
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ManualClock, ShardModel, Step
-from llama_shard.pipeline import LocalPipeline
+from llama_shard.engine.pipeline import LocalPipeline
 
 path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 forced = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None  # teacher forcing: another run's tokens

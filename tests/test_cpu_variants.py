@@ -26,7 +26,7 @@ GREEDY = """
 import json, sys
 import numpy as np
 import llama_shard as ls
-from llama_shard.pipeline import LocalPipeline
+from llama_shard.engine.pipeline import LocalPipeline
 pipe = LocalPipeline(sys.argv[1], [(0, 14), (15, 29)], n_ctx=256, n_seq_max=1, n_batch=64, n_threads=2)
 forced = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None  # teacher forcing: another run's tokens
 runs = []

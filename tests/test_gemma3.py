@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
-from llama_shard.hot_kv import ManualClock
+from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Tier
+from llama_shard.engine.hot_kv import ManualClock
 
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]  # 12 tokens: three windows
 
@@ -59,7 +59,7 @@ def route(synthetic_gemma3):
 
 
 def test_a_gemma3_split_gives_the_whole_models_tokens_and_logits(synthetic_gemma3, route):
-    from llama_shard.pipeline import LocalPipeline
+    from llama_shard.engine.pipeline import LocalPipeline
 
     whole = LocalPipeline(synthetic_gemma3, None, n_ctx=128, n_seq_max=1, n_batch=32, n_threads=1)
     expected = list(whole.generate(PROMPT, 16))
@@ -90,7 +90,7 @@ def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_g
     try:
         tokens, _ = r.greedy("a", PROMPT, 6)
         r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" goes to the warm tier
-        assert all(m.resolve("a", 0).tier == "warm" for m in r.managers)
+        assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
         out = r.decode("a", tokens[-1])                     # restored, no miss
         ref_tokens, _ = ref.greedy("a", PROMPT, 6)
         expected = ref.decode("a", ref_tokens[-1])
@@ -119,7 +119,7 @@ def _real_prompts(model) -> list[list[int]]:
 @pytest.mark.model
 @pytest.mark.parametrize("split", [[(0, 8), (9, 17)], [(0, 5), (6, 11), (12, 17)]], ids=["2-shard", "3-shard"])
 def test_real_gemma3_split_gives_the_whole_models_tokens_and_logits(gemma3_model, split):
-    from llama_shard.pipeline import LocalPipeline
+    from llama_shard.engine.pipeline import LocalPipeline
 
     whole = LocalPipeline(gemma3_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=2)
     pipe = LocalPipeline(gemma3_model, split, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=2)
@@ -140,9 +140,9 @@ def test_real_gemma3_half_shard_holds_half_the_kv(gemma3_model):
 @pytest.mark.model
 @pytest.mark.grpc
 def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(gemma3_model):
-    from llama_shard.pipeline import LocalPipeline
+    from llama_shard.engine.pipeline import LocalPipeline
     from llama_shard.route import RemoteStage, RouteClient
-    from llama_shard.local_workers import start_worker, stop_worker, wait_serving
+    from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 
     flags = ("--context-tokens", "1024", "--budget-tokens", "4096", "--max-sessions", "2")
     workers = [start_worker(gemma3_model, 0, 8, 1, extra=flags), start_worker(gemma3_model, 9, 17, 1, extra=flags)]
@@ -161,7 +161,7 @@ def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(ge
 
 
 def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model, model_dir):
-    from llama_shard.hot_kv import kv_recipe_for
+    from llama_shard.engine.hot_kv import kv_recipe_for
     from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
     other = write_synthetic_gguf(model_dir / "gemma3-8L-w8.gguf",
@@ -176,7 +176,7 @@ def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model,
 def test_the_reference_gives_the_same_recipe_as_the_native_engine(synthetic_gemma3):
     """The numpy reference's shard describes the same sliding window, so a cache recipe (and its
     fingerprint) made by one is the other's."""
-    from llama_shard.hot_kv import kv_recipe_for
+    from llama_shard.engine.hot_kv import kv_recipe_for
     from llama_shard.reference import ReferenceModel, ReferenceShard
 
     native = kv_recipe_for(ShardModel(str(synthetic_gemma3), (0, 2), 1))

@@ -88,7 +88,7 @@ def test_smollm2_shard_memory(embedded_model):
 PLANNED = """
 import json
 import llama_shard as ls
-from llama_shard.memory import memory_plan
+from llama_shard.engine.memory import memory_plan
 from llama_shard.testing.process import resident_bytes as rss
 m = ls.ShardModel({path!r}, (0, 14), 1)
 plan = memory_plan(m.info, {kv_memory}, 2048, n_batch=512)

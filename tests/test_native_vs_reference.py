@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_shard.pipeline import LocalPipeline
+from llama_shard.engine.pipeline import LocalPipeline
 from llama_shard.reference import NATIVE_LOGIT_ATOL, ReferenceModel, ReferenceShard
 
 

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.security import ClientSecurity
+from llama_shard.serve.security import ClientSecurity
 from llama_shard.testing.certs import CertificateAuthority
-from llama_shard.local_workers import start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 
 pytestmark = pytest.mark.grpc
 
@@ -326,7 +326,7 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
         assert client.chained
         session = client.session("tls-route")
         tokens = client.generate_many([session], [[1, 17, 42, 99, 5]], 8)[0]
-        from llama_shard.pipeline import LocalPipeline
+        from llama_shard.engine.pipeline import LocalPipeline
         whole = [t for t, _ in LocalPipeline(synthetic_model, None, n_ctx=256, n_seq_max=1, n_batch=32,
                                              n_threads=1).generate([1, 17, 42, 99, 5], 8)]
         assert tokens == whole

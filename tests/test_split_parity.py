@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from llama_shard import ShardContext, ShardModel
-from llama_shard.pipeline import LocalPipeline
+from llama_shard.engine.pipeline import LocalPipeline
 
 
 def layouts(n_layer: int) -> list[list[tuple[int, int]]]:

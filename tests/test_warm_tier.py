@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llama_shard import (
+    Tier,
     CacheMiss,
     CacheMissReason,
     HotKvStateConfig,
@@ -17,8 +18,8 @@ from llama_shard import (
     TailOutput,
 )
 from llama_shard.errors import InvalidInputError
-from llama_shard.hot_kv import kv_bytes_per_token, parse_size
-from llama_shard.memory import memory_plan
+from llama_shard.engine.hot_kv import kv_bytes_per_token, parse_size
+from llama_shard.engine.memory import memory_plan
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "The three primary colors are",
@@ -102,16 +103,16 @@ def test_resolve_reports_a_warm_session_without_moving_it(synthetic_model):
     ad.prefill("a", 0, token_ids=[1, 2, 3])
     ad.prefill("b", 0, token_ids=[4, 5])  # "a" goes warm
     info = m.resolve("a", 0)
-    assert (info.tier, info.seq_len, info.seq_id) == ("warm", 3, -1)
-    assert m.resolve("b", 0).tier == "hot"
-    assert [(s[0], s[5]) for s in m.sessions()] == [("b", "hot"), ("a", "warm")]
+    assert (info.tier, info.seq_len, info.seq_id) == (Tier.WARM, 3, -1)
+    assert m.resolve("b", 0).tier == Tier.HOT
+    assert [(s.session_id, s.tier) for s in m.sessions()] == [("b", Tier.HOT), ("a", Tier.WARM)]
     assert m.stats()["restores"] == 0
     # truncate brings it back; a length past the warm length is refused before anything moves
     with pytest.raises(InvalidInputError):
         m.truncate("a", 0, 4)
-    assert m.resolve("a", 0).tier == "warm"
-    assert m.truncate("a", 0, 2).seq_len == 2 and m.resolve("a", 0).tier == "hot"
-    assert m.resolve("b", 0).tier == "warm"
+    assert m.resolve("a", 0).tier == Tier.WARM
+    assert m.truncate("a", 0, 2).seq_len == 2 and m.resolve("a", 0).tier == Tier.HOT
+    assert m.resolve("b", 0).tier == Tier.WARM
     m.check_invariants()
 
 
@@ -136,7 +137,7 @@ def test_warm_sessions_expire_after_warm_ttl(synthetic_model):
     ad.prefill("a", 0, token_ids=[1, 2, 3])
     clock.advance(11)
     m.sweep()
-    assert m.resolve("a", 0).tier == "warm"  # idle past ttl: spilled, not lost
+    assert m.resolve("a", 0).tier == Tier.WARM  # idle past ttl: spilled, not lost
     clock.advance(90)
     assert isinstance(m.resolve("a", 0), CacheMiss) and m.resolve("a", 0).reason == CacheMissReason.EVICTED_TTL
 
@@ -152,7 +153,7 @@ def test_a_full_warm_tier_drops_its_least_recently_used_session(synthetic_model)
     ad.prefill("b", 0, token_ids=[4, 5, 6])  # "a" warm
     ad.prefill("c", 0, token_ids=[7, 8, 9])  # "b" warm: "a" is dropped to make room
     assert m.resolve("a", 0).reason == CacheMissReason.EVICTED_LRU
-    assert m.resolve("b", 0).tier == "warm"
+    assert m.resolve("b", 0).tier == Tier.WARM
     st = m.stats()
     assert (st["spills"], st["warm_drops"], st["warm_sessions"]) == (2, 1, 1) and st["warm_bytes"] <= one_session + 10
 
@@ -245,7 +246,7 @@ def test_a_restarted_route_resumes_its_sessions_from_disk_bit_exact(embedded_mod
 
     second = Route(embedded_model, config("head"), config("tail"))  # a new process would see the same files
     assert all(m.stats()["disk_loaded"] == 8 for m in second.managers)
-    assert all(s[5] == "disk" for s in second.managers[0].sessions())
+    assert all(s.tier == Tier.DISK for s in second.managers[0].sessions())
     for _ in range(3):
         for sid in history:
             out = second.decode(sid, history[sid][-1][0], past[sid])
@@ -271,7 +272,7 @@ def _one_file_on_disk(path, warm_dir):
     m, ad = _disk_manager(path, warm_dir)
     ad.prefill("a", 0, token_ids=[1, 2, 3])
     ad.prefill("b", 0, token_ids=[4])  # "a" goes to disk (no host tier)
-    assert m.resolve("a", 0).tier == "disk"
+    assert m.resolve("a", 0).tier == Tier.DISK
     files = list(warm_dir.glob("*.kv"))
     assert len(files) == 1
     return m, ad, files[0]
@@ -303,9 +304,11 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
         m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
                                                       warm_disk_bytes=1 << 20), n_batch=8)
     elif damage == "foreign_recipe":  # another shard's file: the same range under another recipe
-        from llama_shard._native import HotKvEngine
-        engine = HotKvEngine(ShardModel(str(synthetic_model), None, 1), 1, 16, 16, 0.0, 8, None, 16, 0, 0.0, "f16",
-                             str(warm_dir), 1 << 20, "another-recipe")
+        from llama_shard._native import HotKvConfig, HotKvEngine
+        engine = HotKvEngine(ShardModel(str(synthetic_model), None, 1),
+                             HotKvConfig(max_sessions=1, context_tokens=16, budget_tokens=16, ttl_seconds=0.0, n_batch=8,
+                                         recent_capacity=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20,
+                                         recipe_fingerprint="another-recipe"))
         m = None
         assert engine.stats()["disk_loaded"] == 0
     elif damage == "foreign_model":  # the same shape and recipe, other weights (a fine-tune, say)

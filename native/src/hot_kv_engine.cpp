@@ -1,8 +1,10 @@
 #include "llama_shard/hot_kv_engine.h"
+#include "llama_shard/kv_type.h"
 
 #include <algorithm>
 #include <cassert>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 namespace llama_shard {
@@ -86,28 +88,83 @@ static hot_kv_result stale_result(int64_t epoch, int64_t current, const char * w
     return res;
 }
 
+// the answer for a session that is hot after the call
+static hot_kv_result hot_result(int32_t seq_len, int32_t seq_id) {
+    hot_kv_result res;
+    res.seq_len = seq_len;
+    res.seq_id  = seq_id;
+    res.tier    = HOT_KV_TIER_HOT;
+    return res;
+}
+
+// a cache miss (counted where it is answered: count_miss_locked)
+static hot_kv_result miss_result(shard_miss_reason reason, std::string detail) {
+    hot_kv_result res;
+    res.status = SHARD_STATUS_CACHE_MISS;
+    res.miss   = reason;
+    res.detail = std::move(detail);
+    return res;
+}
+
 //
 // construction
 //
 
+void hot_kv_check_config(const hot_kv_config & c) {
+    auto bad = [](const std::string & why) { throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, why); };
+    if (c.max_sessions < 1 || c.max_sessions > SHARD_MAX_SEQUENCES) {
+        bad("max_sessions must be in [1, " + str(SHARD_MAX_SEQUENCES) + "] (llama.cpp's sequence limit), got " + str(c.max_sessions));
+    }
+    if (c.context_tokens < 1 || c.context_tokens > HOT_KV_MAX_CONTEXT_TOKENS) {
+        bad("context_tokens must be in [1, " + str(HOT_KV_MAX_CONTEXT_TOKENS) + "], got " + str(c.context_tokens));
+    }
+    if (c.budget_tokens < 1 || c.budget_tokens > HOT_KV_MAX_BUDGET_TOKENS) {
+        bad("budget_tokens must be in [1, " + str(HOT_KV_MAX_BUDGET_TOKENS) + "], got " + str(c.budget_tokens));
+    }
+    if (c.n_batch < 1 || c.n_batch > HOT_KV_MAX_CONTEXT_TOKENS) {
+        bad("n_batch must be in [1, " + str(HOT_KV_MAX_CONTEXT_TOKENS) + "], got " + str(c.n_batch));
+    }
+    if (c.n_threads < 0) {
+        bad("n_threads must be >= 0 (0: the model's), got " + str(c.n_threads));
+    }
+    if (c.recent_capacity < 0) {
+        bad("recent_capacity must be >= 0, got " + str(c.recent_capacity));
+    }
+    if (!std::isfinite(c.ttl_seconds) || c.ttl_seconds < 0) {
+        bad("ttl_seconds must be a finite number >= 0 (0 disables), got " + std::to_string(c.ttl_seconds));
+    }
+    if (!std::isfinite(c.warm_ttl_seconds) || c.warm_ttl_seconds < 0) {
+        bad("warm_ttl_seconds must be a finite number >= 0 (0 disables), got " + std::to_string(c.warm_ttl_seconds));
+    }
+    if (c.warm_bytes < 0) {
+        bad("warm_bytes must be >= 0, got " + str(c.warm_bytes));
+    }
+    if (c.warm_disk_bytes < 0) {
+        bad("warm_disk_bytes must be >= 0, got " + str(c.warm_disk_bytes));
+    }
+    if (!c.warm_dir.empty() && c.warm_disk_bytes == 0) {
+        bad("a warm_dir needs warm_disk_bytes > 0 (the disk tier's bound)");
+    }
+    const auto & types = shard_kv_types();
+    if (std::find(types.begin(), types.end(), c.kv_type) == types.end()) {
+        std::string names;
+        for (const std::string & t : types) {
+            names += (names.empty() ? "" : ", ") + t;
+        }
+        bad("kv_type must be one of " + names + ", got '" + c.kv_type + "'");
+    }
+}
+
+int32_t hot_kv_slot_cells(int32_t context_tokens, int32_t n_batch) {
+    constexpr int64_t pad = 256;  // llama_context's stream padding
+    const int64_t cells = std::max<int64_t>(std::max(context_tokens, n_batch), 1);
+    return (int32_t) ((cells + pad - 1) / pad * pad);
+}
+
 hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config) : model_(model), config_(config) {
-    if (config.max_sessions < 1 || config.max_sessions > SHARD_MAX_SEQUENCES) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "max_sessions must be in [1, " + str(SHARD_MAX_SEQUENCES) + "]");
-    }
-    if (config.context_tokens < 1 || config.budget_tokens < 1 || config.n_batch < 1 || config.n_threads < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens, budget_tokens and n_batch must be >= 1");
-    }
-    if (config.budget_tokens > HOT_KV_MAX_BUDGET_TOKENS) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "budget_tokens must be <= " + str(HOT_KV_MAX_BUDGET_TOKENS));
-    }
-    if (config.recent_capacity < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "recent_capacity must be >= 0");
-    }
-    if (config.warm_bytes < 0 || config.warm_disk_bytes < 0) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "warm_bytes and warm_disk_bytes must be >= 0");
-    }
-    if (!config.warm_dir.empty() && (config.warm_disk_bytes == 0 || config.recipe_fingerprint.empty())) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a warm_dir needs warm_disk_bytes > 0 and the recipe fingerprint");
+    hot_kv_check_config(config);
+    if (!config.warm_dir.empty() && config.recipe_fingerprint.empty()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a warm_dir needs the recipe fingerprint (written into every file)");
     }
     // One KV stream per session (kv_unified = false): a session's cells stay in position order
     // whatever other sessions do, so its results are bit-identical to running alone (in a shared
@@ -115,11 +172,8 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     // summation order). Each stream holds context_tokens cells (llama.cpp pads to 256), and
     // admission keeps every session within context_tokens, so llama_decode always finds a slot.
     // KV memory is bounded by max_sessions x context_tokens; budget_tokens bounds what is held.
-    if (config.context_tokens > HOT_KV_MAX_CONTEXT_TOKENS) {
-        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "context_tokens must be <= " + str(HOT_KV_MAX_CONTEXT_TOKENS));
-    }
     shard_context_params cp;
-    cp.n_ctx      = std::max(config.context_tokens, config.n_batch) * config.max_sessions;
+    cp.n_ctx      = hot_kv_slot_cells(config.context_tokens, config.n_batch) * config.max_sessions;
     cp.n_seq_max  = config.max_sessions;
     cp.n_batch    = config.n_batch;
     cp.kv_unified = false;
@@ -362,7 +416,8 @@ int32_t hot_kv_engine::sweep_warm_locked(double now) {
     return n;
 }
 
-hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, double now, hot_kv_result & res) {
+hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, double now, hot_kv_result & res,
+                                                       id_placement & ids) {
     auto it = warm_.find(sid);
     assert(it != warm_.end() && !free_ids_.empty());
     warm_entry & w = it->second;
@@ -380,7 +435,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     const page_buffer & state = w.on_disk ? from_disk : w.state;
     int32_t seq_id = -1;
     if (ok) {
-        seq_id = take_free_id_locked();
+        seq_id = take_free_id_locked(ids);
         try {
             ok = ctx_->seq_restore(seq_id, state.data(), state.size()) && ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
         } catch (const shard_error &) {
@@ -394,7 +449,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
             free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), seq_id, std::greater<int32_t>()), seq_id);
         }
         drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
-        res = miss_locked(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be restored");
+        res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be restored");
         return nullptr;
     }
     const int64_t epoch = w.epoch;
@@ -492,14 +547,15 @@ void hot_kv_engine::touch_locked(session & s, double now) {
     lru_.splice(lru_.end(), lru_, s.lru_pos);
 }
 
-hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, int64_t epoch, double now) {
+hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, int64_t epoch, double now,
+                                                      id_placement & ids) {
     assert(live_.count(sid) == 0);
     if (free_ids_.empty()) {
         const bool room = make_room_locked(0, /*need_id*/ true, {sid}, {});
         assert(room);  // max_sessions >= 1: another session holds an id
         (void) room;
     }
-    const int32_t seq_id = take_free_id_locked();
+    const int32_t seq_id = take_free_id_locked(ids);
     lru_.push_back(sid);
     session & s = live_[sid];
     s = session{epoch, seq_id, 0, now, std::prev(lru_.end())};
@@ -507,22 +563,22 @@ hot_kv_engine::session & hot_kv_engine::create_locked(const std::string & sid, i
     return s;
 }
 
-int32_t hot_kv_engine::take_free_id_locked() {
+int32_t hot_kv_engine::take_free_id_locked(id_placement & ids) {
     assert(!free_ids_.empty());
     auto take = [&](std::vector<int32_t>::iterator it) {
         const int32_t id = *it;
         free_ids_.erase(it);
-        last_created_id_ = id;
-        new_in_step_ = std::max(new_in_step_ - 1, 0);
+        ids.last     = id;
+        ids.to_place = std::max(ids.to_place - 1, 0);
         return id;
     };
-    if (last_created_id_ >= 0) {  // next to the session this step created before
-        auto it = std::find(free_ids_.begin(), free_ids_.end(), last_created_id_ + 1);
+    if (ids.last >= 0) {  // next to the session this step created before
+        auto it = std::find(free_ids_.begin(), free_ids_.end(), ids.last + 1);
         if (it != free_ids_.end()) {
             return take(it);
         }
     }
-    if (new_in_step_ > 1) {  // the lowest run long enough for the step's remaining new sessions
+    if (ids.to_place > 1) {  // the lowest run long enough for the step's remaining new sessions
         int32_t run_start = -1;
         int32_t run_len   = 0;
         for (auto it = free_ids_.rbegin(); it != free_ids_.rend(); ++it) {  // ascending ids
@@ -532,7 +588,7 @@ int32_t hot_kv_engine::take_free_id_locked() {
                 run_start = *it;
                 run_len   = 1;
             }
-            if (run_len >= new_in_step_) {
+            if (run_len >= ids.to_place) {
                 return take(std::find(free_ids_.begin(), free_ids_.end(), run_start));
             }
         }
@@ -540,33 +596,15 @@ int32_t hot_kv_engine::take_free_id_locked() {
     return take(std::prev(free_ids_.end()));  // the lowest
 }
 
-hot_kv_engine::session * hot_kv_engine::identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res,
-                                                                bool query) {
-    session * s = identify_locked(sid, epoch, res, nullptr, query);
-    if (s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
+void hot_kv_engine::count_miss_locked(const hot_kv_result & res) {
+    if (res.status == SHARD_STATUS_CACHE_MISS) {
         counters_.misses[res.miss]++;
     }
-    return s;
-}
-
-hot_kv_engine::session * hot_kv_engine::identify_hot_locked(const std::string & sid, int64_t epoch, double now,
-                                                            hot_kv_result & res, bool count_miss) {
-    warm_entry * w = nullptr;
-    session * s = identify_locked(sid, epoch, res, &w);
-    if (w == nullptr) {
-        if (count_miss && s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
-            counters_.misses[res.miss]++;
-        }
-        return s;
-    }
-    return restore_alone_locked(sid, w->seq_len, now, res);
 }
 
 hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string & sid, int32_t seq_len, double now,
                                                              hot_kv_result & res) {
     // a warm session fits alone (it was hot under the same limits), so evicting others makes room
-    new_in_step_     = 0;  // outside a step: the lowest free id
-    last_created_id_ = -1;
     bool room;
     {
         pin_guard pin(warm_pinned_, &sid);
@@ -575,19 +613,11 @@ hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string &
     res = hot_kv_result{};
     if (!room) {  // larger than this engine's budget (never written by it: a guard, not a path)
         drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
-        res = miss_locked(SHARD_MISS_EVICTED_LRU, "the session's warm copy does not fit this shard's budget");
+        res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy does not fit this shard's budget");
         return nullptr;
     }
-    return restore_locked(sid, now, res);
-}
-
-hot_kv_result hot_kv_engine::miss_locked(shard_miss_reason reason, std::string detail) {
-    counters_.misses[reason]++;
-    hot_kv_result res;
-    res.status = SHARD_STATUS_CACHE_MISS;
-    res.miss   = reason;
-    res.detail = std::move(detail);
-    return res;
+    id_placement lone;  // outside a step: the lowest free id
+    return restore_locked(sid, now, res, lone);
 }
 
 hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid, int64_t epoch, hot_kv_result & res,
@@ -664,21 +694,21 @@ hot_kv_result hot_kv_engine::open(const std::string & sid, int64_t epoch, double
     const publisher publish_on_return(*this);  // stats() sees this call once it is done
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    session * s = identify_hot_locked(sid, epoch, now, res, /*count_miss*/ false);
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, epoch, res, &w);
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
         return res;
     }
-    if (s == nullptr) {
-        new_in_step_     = 0;  // outside a step: the lowest free id
-        last_created_id_ = -1;
-        s = &create_locked(sid, epoch, now);
+    if (w != nullptr) {
+        s = restore_alone_locked(sid, w->seq_len, now, res);
+        count_miss_locked(res);  // a lost warm copy is a miss even though open answers with a new session
+    }
+    if (s == nullptr) {  // nothing cached (not a miss: open asks for a session, and gets one)
+        id_placement lone;
+        s = &create_locked(sid, epoch, now, lone);
     }
     touch_locked(*s, now);
-    res = hot_kv_result{};
-    res.seq_len = s->seq_len;
-    res.seq_id  = s->seq_id;
-    res.tier    = HOT_KV_TIER_HOT;
-    return res;
+    return hot_result(s->seq_len, s->seq_id);
 }
 
 static hot_kv_request single_request(const std::string & sid, int64_t epoch, hot_kv_step_kind kind, int32_t position,
@@ -751,6 +781,9 @@ std::vector<hot_kv_result> hot_kv_engine::step_locked(const std::vector<hot_kv_r
     if (!plan.empty()) {
         compute_locked(requests, plan, results);
     }
+    for (const hot_kv_result & r : results) {
+        count_miss_locked(r);
+    }
     return results;
 }
 
@@ -784,25 +817,22 @@ std::vector<hot_kv_engine::planned> hot_kv_engine::admit_step_locked(const std::
                                                                      const std::vector<bool> & valid,
                                                                      const std::vector<std::string> & participants,
                                                                      double now, std::vector<hot_kv_result> & results) {
-    new_in_step_     = 0;  // sessions the step creates or restores: the ids to place together
-    last_created_id_ = -1;
+    id_placement ids;  // the sessions the step creates or restores: their ids are placed together
     for (size_t i = 0; i < requests.size(); ++i) {
         const hot_kv_request & req = requests[i];
         auto it = live_.find(req.session_id);
         if (valid[i] && (it == live_.end() || it->second.epoch != req.epoch)) {
             auto wit = warm_.find(req.session_id);
             const bool warm = wit != warm_.end() && wit->second.epoch == req.epoch;
-            new_in_step_ += (req.kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
+            ids.to_place += (req.kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
         }
     }
     std::vector<planned> plan;
     for (size_t i = 0; i < requests.size(); ++i) {
         if (valid[i]) {
-            admit_locked(requests[i], participants, now, plan, i, results[i]);
+            admit_locked(requests[i], participants, now, plan, i, results[i], ids);
         }
     }
-    new_in_step_     = 0;
-    last_created_id_ = -1;
     return plan;
 }
 
@@ -839,30 +869,22 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
             reserved_ -= n;  // reserved at admission, never held
         }
         hot_kv_result & r = results[p.index];
-        r = hot_kv_result{};
-        r.status  = status;
-        r.seq_len = p.s->seq_len;
-        r.seq_id  = p.s->seq_id;
-        r.tier    = HOT_KV_TIER_HOT;
-        r.detail  = detail;
+        r = hot_result(p.s->seq_len, p.s->seq_id);
+        r.status = status;
+        r.detail = detail;
     }
 }
 
 // the answer to a request that is refused with its session (if any) left as it is
 static bool refused(hot_kv_result & res, shard_status status, const std::string & why, int32_t seq_len, int32_t seq_id) {
-    res = hot_kv_result{};
+    res = seq_id >= 0 ? hot_result(seq_len, seq_id) : hot_kv_result{};
     res.status = status;
     res.detail = why;
-    if (seq_id >= 0) {
-        res.seq_len = seq_len;
-        res.seq_id  = seq_id;
-        res.tier    = HOT_KV_TIER_HOT;
-    }
     return false;
 }
 
 bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
-                                 std::vector<planned> & plan, size_t index, hot_kv_result & res) {
+                                 std::vector<planned> & plan, size_t index, hot_kv_result & res, id_placement & ids) {
     const std::string & sid = req.session_id;
     warm_entry * w = nullptr;
     session * s = identify_locked(sid, req.epoch, res, &w);
@@ -882,12 +904,12 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
         return false;
     }
     if (w != nullptr) {
-        s = restore_locked(sid, now, res);
+        s = restore_locked(sid, now, res, ids);
         if (s == nullptr) {
-            return false;  // a counted miss: the head re-prefills
+            return false;  // a miss: the head re-prefills
         }
     } else if (s == nullptr) {
-        s = &create_locked(sid, req.epoch, now);
+        s = &create_locked(sid, req.epoch, now, ids);
     }
     if (start < s->seq_len) {
         ctx_->seq_rm(s->seq_id, start);
@@ -902,32 +924,30 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
 }
 
 // where the request's tokens go: a prefill at its position (or after the cached tokens), a decode
-// after the cached tokens (checked against the length the head expects); false with a counted miss
+// after the cached tokens (checked against the length the head expects); false with the miss in `res`
 bool hot_kv_engine::start_position_locked(const hot_kv_request & req, const session * s, const warm_entry * w,
                                           hot_kv_result & res, int32_t & start) {
     const bool known = s != nullptr || w != nullptr;
     const int32_t held = s != nullptr ? s->seq_len : (w != nullptr ? w->seq_len : 0);  // the cached length, hot or warm
     if (req.kind == HOT_KV_STEP_PREFILL) {
         if (!known && req.position > 0) {
-            counters_.misses[res.miss]++;  // nothing cached to continue from: the head re-prefills from token zero
-            return false;
+            return false;  // nothing cached to continue from (identify's miss): the head re-prefills from token zero
         }
         start = req.position < 0 ? held : req.position;
         if (start > held) {
-            res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+            res = miss_result(SHARD_MISS_SEQ_LEN_MISMATCH,
                               "start position " + str(start) + " is past the cached length " + str(held));
             return false;
         }
         return true;
     }
     if (!known) {
-        counters_.misses[res.miss]++;
-        return false;
+        return false;  // identify's miss
     }
     const bool retry = s != nullptr && req.position >= 0 && req.position == s->last_start &&
                        (int64_t) held == (int64_t) s->last_start + req.input.n_tokens && s->last_input == input_hash(req.input);
     if (req.position >= 0 && req.position != held && !retry) {
-        res = miss_locked(SHARD_MISS_SEQ_LEN_MISMATCH,
+        res = miss_result(SHARD_MISS_SEQ_LEN_MISMATCH,
                           "expected past length " + str(req.position) + ", cached length is " + str(held));
         return false;
     }
@@ -985,10 +1005,9 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
                 "cannot truncate a session of " + str(w->seq_len) + " tokens to " + str(length));
         }
         s = restore_alone_locked(sid, w->seq_len, now, res);
-    } else if (s == nullptr && res.status == SHARD_STATUS_CACHE_MISS) {
-        counters_.misses[res.miss]++;
     }
     if (s == nullptr) {
+        count_miss_locked(res);
         return res;
     }
     if (length > s->seq_len) {
@@ -1001,11 +1020,7 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
         s->seq_len = length;
     }
     touch_locked(*s, now);
-    res = hot_kv_result{};
-    res.seq_len = s->seq_len;
-    res.seq_id  = s->seq_id;
-    res.tier    = HOT_KV_TIER_HOT;
-    return res;
+    return hot_result(s->seq_len, s->seq_id);
 }
 
 hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, double now) {
@@ -1051,14 +1066,12 @@ hot_kv_result hot_kv_engine::resolve(const std::string & sid, int64_t epoch, dou
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     // a query: a warm session is reported where it is, a newer epoch supersedes nothing
-    session * s = identify_counted_locked(sid, epoch, res, /*query*/ true);
+    session * s = identify_locked(sid, epoch, res, nullptr, /*query*/ true);
     if (s == nullptr) {
+        count_miss_locked(res);
         return res;
     }
-    res.seq_len = s->seq_len;
-    res.seq_id  = s->seq_id;
-    res.tier    = HOT_KV_TIER_HOT;
-    return res;
+    return hot_result(s->seq_len, s->seq_id);
 }
 
 int32_t hot_kv_engine::persist(double now) {
@@ -1106,8 +1119,10 @@ void hot_kv_engine::publish_locked() const {
     st.warm_bytes      = warm_held_;
     st.disk_sessions   = (int32_t) disk_lru_.size();
     st.disk_bytes      = disk_held_;
+    std::vector<hot_kv_session_info> sessions = sessions_locked();
     std::lock_guard<std::mutex> lock(stats_mutex_);
     published_ = st;
+    published_sessions_.swap(sessions);
 }
 
 hot_kv_stats hot_kv_engine::stats() const {
@@ -1116,7 +1131,11 @@ hot_kv_stats hot_kv_engine::stats() const {
 }
 
 std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
-    std::lock_guard<fair_mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(stats_mutex_);  // never the engine lock, as stats()
+    return published_sessions_;
+}
+
+std::vector<hot_kv_session_info> hot_kv_engine::sessions_locked() const {
     std::vector<hot_kv_session_info> out;
     out.reserve(live_.size() + warm_.size());
     for (const std::string & sid : lru_) {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from . import errors
 from ._native import (
+    HotKvConfig,
     HotKvEngine,
     MissReason,
     ModelInfo,
@@ -27,6 +28,7 @@ from ._native import (
     StepLoop,
     StepResult,
     StepTicket,
+    Tier,
     certified_architectures,
     cpu_backend,
 )
@@ -42,7 +44,7 @@ from .errors import (
     StaleRouteEpochError,
     UncertifiedArchitectureError,
 )
-from .hot_kv import (
+from .engine.hot_kv import (
     BoundaryBundle,
     CacheMiss,
     CacheMissReason,
@@ -50,13 +52,15 @@ from .hot_kv import (
     KvCacheRecipe,
     ManualClock,
     SessionInfo,
+    SessionRecord,
     Step,
     TailOutput,
     certified_architecture,
     kv_recipe_for,
 )
-from .manager import HotKvStateManager, KvBoundaryAdapter
-from .models import embedded_model_path
+from .engine.adapter import KvBoundaryAdapter
+from .engine.manager import HotKvStateManager
+from .engine.models import embedded_model_path
 
 __version__ = "0.1.0"
 
@@ -75,6 +79,9 @@ __all__ = [
     "CacheMiss",
     "CacheMissReason",
     "SessionInfo",
+    "SessionRecord",
+    "Tier",
+    "HotKvConfig",
     "BoundaryBundle",
     "TailOutput",
     "KvCacheRecipe",

@@ -12,9 +12,6 @@ MAX_BUDGET_TOKENS: int
 MAX_EPOCH: int
 DEFAULT_PREFILL_CHUNK: int
 DEFAULT_GATHER_S: float
-DEFAULT_WARM_TTL_SECONDS: float
-DEFAULT_N_BATCH: int
-DEFAULT_RECENT_CAPACITY: int
 RESTORE_BUCKETS: tuple[float, ...]
 
 def certified_architectures() -> list[str]: ...
@@ -163,12 +160,32 @@ class StepLoop:
     def close(self) -> None: ...
     def stats(self) -> dict: ...
 
+class HotKvConfig:
+    max_sessions: int
+    context_tokens: int
+    budget_tokens: int
+    ttl_seconds: float
+    n_batch: int
+    n_threads: int
+    recent_capacity: int
+    warm_bytes: int
+    warm_ttl_seconds: float
+    kv_type: str
+    warm_dir: str
+    warm_disk_bytes: int
+    recipe_fingerprint: str
+    def __init__(self, *, max_sessions: int = ..., context_tokens: int = ..., budget_tokens: int = ...,
+                 ttl_seconds: float = ..., n_batch: int = ..., n_threads: int = ..., recent_capacity: int = ...,
+                 warm_bytes: int = ..., warm_ttl_seconds: float = ..., kv_type: str = ..., warm_dir: str = ...,
+                 warm_disk_bytes: int = ..., recipe_fingerprint: str = ...) -> None: ...
+    def check(self) -> None: ...
+    @property
+    def slot_cells(self) -> int: ...
+
 class HotKvEngine:
-    def __init__(self, model: ShardModel, max_sessions: int, context_tokens: int, budget_tokens: int,
-                 ttl_seconds: float, n_batch: int = ..., n_threads: int | None = None,
-                 recent_capacity: int = ..., warm_bytes: int = 0, warm_ttl_seconds: float = ...,
-                 kv_type: str = ..., warm_dir: str = "", warm_disk_bytes: int = 0,
-                 recipe_fingerprint: str = "") -> None: ...
+    def __init__(self, model: ShardModel, config: HotKvConfig) -> None: ...
+    @property
+    def config(self) -> HotKvConfig: ...
     @property
     def n_batch(self) -> int: ...
     @property
@@ -182,7 +199,7 @@ class HotKvEngine:
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult: ...
     def sweep(self, now: float) -> int: ...
     def check_invariants(self) -> None: ...
-    def sessions(self) -> list[tuple[str, int, int, int, float, str]]: ...
+    def sessions(self) -> list[tuple[str, int, int, int, float, Tier]]: ...
     def stats(self) -> dict: ...
 
 class ShardContext:

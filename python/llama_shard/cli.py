@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ._native import (DEFAULT_GATHER_S, DEFAULT_N_BATCH, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS,
+from ._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS,
                       MAX_SESSIONS)
 from .errors import InvalidInputError, LlamaShardError
-from .hot_kv import KV_TYPES, HotKvStateConfig
-from .models import compute_balanced_cut, gguf_layer_count, require_embedded_model
-from .pipeline import LocalPipeline, parse_split
+from .engine.hot_kv import KV_TYPES, HotKvStateConfig
+from .engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
+from .engine.pipeline import LocalPipeline, parse_split
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -56,7 +56,7 @@ def _parse_route(text: str) -> list[str]:
 
 def cmd_generate_route(args: argparse.Namespace) -> int:
     from .route import RemoteStage, RouteClient
-    from .security import ClientSecurity
+    from .serve.security import ClientSecurity
 
     entries = _parse_route(args.route)
     security = ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
@@ -157,9 +157,9 @@ def _cpu_kernels() -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._native import certified_architectures
-    from .hot_kv import kv_bytes_per_token, parse_size
-    from .memory import memory_plan
-    from .models import gguf_shape
+    from .engine.hot_kv import kv_bytes_per_token, parse_size
+    from .engine.memory import memory_plan
+    from .engine.models import gguf_shape
 
     path = _model_path(args.path)
     shape = gguf_shape(path)
@@ -206,9 +206,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     """The HotKvStateConfig and memory plan of `serve`: flags over MESHNET_HOT_KV_* over defaults;
     --kv-memory sizes max_sessions."""
-    from .hot_kv import HotKvStateConfig, parse_size
-    from .memory import memory_plan
-    from .models import gguf_shape
+    from .engine.hot_kv import HotKvStateConfig, parse_size
+    from .engine.memory import memory_plan
+    from .engine.models import gguf_shape
 
     env_set = HotKvStateConfig.env_values()  # MESHNET_HOT_KV_* are the defaults; flags override them
     env = HotKvStateConfig.from_env_values(env_set)  # ... and must make a valid configuration on their own
@@ -224,15 +224,11 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     context = pick(args.context_tokens, env.context_tokens)
     kv_type = pick(args.kv_type, env.kv_type)
     budget = pick(args.budget_tokens, env_set.get("budget_tokens"))
-    if kv_memory is None:
-        slots = pick(args.max_sessions, env.max_sessions)
-        probe = memory_plan(shape.range_info(first, last), 1 << 62, context, args.batch, kv_type)
-        kv_memory = slots * probe.slot_bytes
-    elif args.max_sessions is not None:
+    if kv_memory is not None and args.max_sessions is not None:
         raise InvalidInputError("llama-shard serve: give --kv-memory or --max-sessions, not both")
     warm_dir = pick(args.warm_dir, env.warm_dir)
     plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
-                       warm_disk_bytes=disk if warm_dir else 0)
+                       warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions))
     config = plan.config(ttl_seconds=pick(args.ttl, env.ttl_seconds),
                          warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)
     return config, plan
@@ -241,7 +237,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
 def serve_security(args: argparse.Namespace):
     """The worker's TLS, authentication and peer credentials from its flags; refuses (exit 2) an
     exposed address without TLS and authentication, and peers it could not authenticate."""
-    from .security import ClientSecurity, ServerSecurity
+    from .serve.security import ClientSecurity, ServerSecurity
 
     security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
                               tuple(args.admin), args.insecure, tuple(args.forwarder))
@@ -258,7 +254,7 @@ def serve_security(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .worker import ShardWorker, WorkerOptions
+    from .serve.worker import ShardWorker, WorkerOptions
 
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
     security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
@@ -378,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=THREADS, default=None)
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
-    sv.add_argument("--batch", type=_count(1, 1 << 16), default=DEFAULT_N_BATCH, help="most tokens per llama_decode")
+    sv.add_argument("--batch", type=_count(1, 1 << 16), default=_DEFAULTS.engine_config().n_batch, help="most tokens per llama_decode")
     sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from ._native import ShardModel
-from .models import gguf_layer_count
+from .engine.models import gguf_layer_count
 from .route import RemoteStage, RouteClient
-from .local_workers import free_port, start_worker, stop_worker, wait_serving
+from .serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -144,7 +144,7 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
 
 
 if __name__ == "__main__":
-    from .models import require_embedded_model
+    from .engine.models import require_embedded_model
 
     raise SystemExit(run_demo(Path(os.environ.get("LLAMA_SHARD_MODEL", "")) if os.environ.get("LLAMA_SHARD_MODEL")
                               else require_embedded_model()))

@@ -145,16 +145,18 @@ enum shard_miss_reason {
 const char * shard_status_name(shard_status status);
 const char * shard_miss_reason_name(shard_miss_reason reason);
 
+// The engine's one configuration: Python binds this struct (HotKvConfig), its defaults are these,
+// and hot_kv_check_config is the one check of its bounds (HotKvStateConfig and the engine run it).
 struct hot_kv_config {
     int32_t max_sessions    = 8;
     int32_t context_tokens  = 2048;   // most tokens one session may hold
     int64_t budget_tokens   = 8192;   // most tokens all sessions together may hold
-    double  ttl_seconds     = 600.0;  // idle time after which a session is evicted; <= 0 disables
+    double  ttl_seconds     = 600.0;  // idle time after which a session is evicted; 0 disables
     int32_t n_batch         = 512;    // most tokens in one step
     int32_t n_threads       = 0;      // 0 = the model's
     int32_t recent_capacity = 4096;   // remembered dropped keys (bounded: a flood cannot grow memory)
     int64_t warm_bytes      = 0;      // host memory for evicted sessions' KV; 0: no warm tier
-    double  warm_ttl_seconds = 3600.0; // idle time (since last use) after which a warm session is dropped; <= 0 disables
+    double  warm_ttl_seconds = 3600.0; // idle time (since last use) after which a warm session is dropped; 0 disables
     std::string kv_type     = "f16";  // K/V element type: f16, q8_0, q4_0
     // the disk tier: sessions that fall out of the host tier go to files in warm_dir (at most
     // warm_disk_bytes), and a worker restarted on the same directory, model, range and recipe
@@ -163,6 +165,16 @@ struct hot_kv_config {
     int64_t     warm_disk_bytes = 0;
     std::string recipe_fingerprint;   // written into every file and checked on load (required with warm_dir)
 };
+
+// throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) naming the first field outside its bounds
+// (hot_kv_limits.h and the comments above); the recipe fingerprint a warm_dir needs is the
+// engine's own check, since the configuration is checked before the model's recipe is known
+void hot_kv_check_config(const hot_kv_config & config);
+
+// the cells one hot slot allocates: max(context_tokens, n_batch) rounded up to 256, as
+// llama_context sizes each sequence's stream (llama-context.cpp pads n_ctx and n_ctx_seq to 256);
+// the hot tier is max_sessions of these, so a byte size buys bytes / (cells x KV bytes per token)
+int32_t hot_kv_slot_cells(int32_t context_tokens, int32_t n_batch);
 
 // upper bounds (seconds) of the restore-time histogram buckets; the last bucket is +Inf
 constexpr std::array<double, 8> HOT_KV_RESTORE_BUCKETS = {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0};
@@ -279,7 +291,8 @@ public:
 
     // the counters as of the last call that finished: never waits for a step in progress
     hot_kv_stats stats() const;
-    // hot sessions least recently used first, then warm and disk ones; waits for a step in progress
+    // hot sessions least recently used first, then warm and disk ones, as of the last call that
+    // finished: like stats(), never waits for a step in progress
     std::vector<hot_kv_session_info> sessions() const;
 
     // throws std::logic_error naming the first violated invariant
@@ -315,8 +328,16 @@ private:
         uint64_t bytes() const;      // what its tier charges: state pages + key in memory, the file on disk
     };
 
-    // stats() reads a snapshot published at the end of every call that holds the engine lock
+    // where new sessions' seq ids go (see the invariants): a step's placement lives for that step
+    // only, a single request's (to_place 0, last -1) takes the lowest free id
+    struct id_placement {
+        int32_t to_place = 0;   // the step's sessions still to be created or restored
+        int32_t last     = -1;  // the id the step gave last (-1: none yet)
+    };
+
+    // stats() and sessions() read a snapshot published at the end of every call that holds the engine lock
     void publish_locked() const;
+    std::vector<hot_kv_session_info> sessions_locked() const;
     struct publisher {
         const hot_kv_engine & engine;
         explicit publisher(const hot_kv_engine & e) : engine(e) {}
@@ -345,7 +366,7 @@ private:
     int32_t  sweep_warm_locked(double now);
     // brings a warm session back hot (room and a free id must be there); null with a counted miss
     // in `res` if llama.cpp refused the state (the warm copy is dropped)
-    session * restore_locked(const std::string & sid, double now, hot_kv_result & res);
+    session * restore_locked(const std::string & sid, double now, hot_kv_result & res, id_placement & ids);
     // makes room for `tokens` more hot tokens and, if `need_id`, a free seq id: least recently
     // used sessions outside `keep` leave the hot set (those in `later`, the step's sessions not yet
     // admitted, only after all others); false, with nothing evicted, if that cannot be enough
@@ -360,8 +381,8 @@ private:
     void     demote_locked(const std::string & sid);
     void     load_disk_tier();
     void     touch_locked(session & s, double now);
-    session & create_locked(const std::string & sid, int64_t epoch, double now);
-    int32_t  take_free_id_locked();
+    session & create_locked(const std::string & sid, int64_t epoch, double now, id_placement & ids);
+    int32_t  take_free_id_locked(id_placement & ids);
 
     // classifies (sid, epoch): returns the live session of that exact key, or null with `res` saying
     // why (stale, or the miss a step would get; not yet counted: the caller counts what it returns).
@@ -372,10 +393,9 @@ private:
                               bool query = false);
     // identify_locked, then a warm session is restored (room made by evicting anyone but sid)
     session * restore_alone_locked(const std::string & sid, int32_t seq_len, double now, hot_kv_result & res);
-    session * identify_hot_locked(const std::string & sid, int64_t epoch, double now, hot_kv_result & res, bool count_miss);
-    // identify_locked for a request answered at once (truncate, resolve): a miss it returns is counted
-    session * identify_counted_locked(const std::string & sid, int64_t epoch, hot_kv_result & res, bool query = false);
-    hot_kv_result miss_locked(shard_miss_reason reason, std::string detail);
+    // the one place a miss is counted: every CACHE_MISS answered to a caller, once, by reason
+    // (step results, truncate, resolve; and the lost warm copy an open replaces with a new session)
+    void      count_miss_locked(const hot_kv_result & res);
 
     // a request that passed identity and admission, waiting for compute
     struct planned {
@@ -388,7 +408,7 @@ private:
     // identity + admission for one validated request; on success appends to `plan` (the session is
     // truncated to its start and touched), otherwise returns the answer
     bool admit_locked(const hot_kv_request & req, const std::vector<std::string> & participants, double now,
-                      std::vector<planned> & plan, size_t index, hot_kv_result & res);
+                      std::vector<planned> & plan, size_t index, hot_kv_result & res, id_placement & ids);
     bool start_position_locked(const hot_kv_request & req, const session * s, const warm_entry * w, hot_kv_result & res,
                                int32_t & start);
     bool room_for_locked(const std::string & sid, const session * s, const warm_entry * w, int64_t grow,
@@ -411,15 +431,12 @@ private:
     std::unique_ptr<shard_context> ctx_;
 
     mutable fair_mutex mutex_;
-    mutable std::mutex   stats_mutex_;  // guards published_ only; taken with or without mutex_
+    mutable std::mutex   stats_mutex_;  // guards published_ and published_sessions_ only; taken with or without mutex_
     mutable hot_kv_stats published_{};
+    mutable std::vector<hot_kv_session_info> published_sessions_;
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
-    // id placement within one step: the step's sessions still to be created, and the id the step
-    // created last (-1: none), so that sessions opened together take consecutive ids
-    int32_t                                  new_in_step_ = 0;
-    int32_t                                  last_created_id_ = -1;
     int64_t                                  reserved_ = 0;
     double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
 

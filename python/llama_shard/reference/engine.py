@@ -22,10 +22,9 @@ import time
 import numpy as np
 
 #: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
-from .._native import (DEFAULT_N_BATCH, DEFAULT_RECENT_CAPACITY, DEFAULT_WARM_TTL_SECONDS, MAX_CONTEXT_TOKENS, MAX_EPOCH,
-                       MAX_SESSION_ID_BYTES, MAX_SESSIONS, RESTORE_BUCKETS, MissReason, Status, StepKind, Tier,
+from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, RESTORE_BUCKETS, HotKvConfig, MissReason, Status, StepKind, Tier,
                        model_digest)
-from ..hot_kv import Step
+from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
 
@@ -34,6 +33,13 @@ OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Sta
 INVALID_INPUT, COMPUTE_ERROR, BUSY = Status.INVALID_INPUT, Status.COMPUTE_ERROR, Status.BUSY
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
+
+
+@dataclasses.dataclass
+class _IdPlacement:
+    """As the native id_placement: a step's new sessions take ids together; a single request's, the lowest."""
+    to_place: int = 0
+    last: int = -1
 
 
 @dataclasses.dataclass
@@ -104,17 +110,15 @@ class _Dropped:
 
 
 class ReferenceHotKvEngine:
-    def __init__(self, shard: ReferenceShard, max_sessions: int, context_tokens: int, budget_tokens: int,
-                 ttl_seconds: float, n_batch: int = DEFAULT_N_BATCH, recent_capacity: int = DEFAULT_RECENT_CAPACITY,
-                 warm_bytes: int = 0, warm_ttl_seconds: float = DEFAULT_WARM_TTL_SECONDS, kv_type: str = "f16",
-                 warm_disk_bytes: int = 0,
-                 recipe_fingerprint: str = ""):
-        if not 1 <= max_sessions <= MAX_SESSIONS:
-            raise InvalidInputError(f"max_sessions must be in [1, {MAX_SESSIONS}]")
-        if kv_type != "f16":
+    def __init__(self, shard: ReferenceShard, config: HotKvConfig):
+        """The native engine's configuration, checked by the same native function; a warm_dir is
+        simulated (the same decisions and sizes as the disk tier's files, no files)."""
+        config.check()
+        if config.kv_type != "f16":
             raise InvalidInputError("the numpy reference computes an f16 cache only")
-        if warm_bytes < 0:
-            raise InvalidInputError("warm_bytes must be >= 0")
+        warm_disk_bytes = config.warm_disk_bytes if config.warm_dir else 0
+        max_sessions = config.max_sessions
+        warm_bytes, warm_ttl_seconds, recipe_fingerprint = config.warm_bytes, config.warm_ttl_seconds, config.recipe_fingerprint
         self._lock = threading.RLock()
         self.warm_bytes = warm_bytes
         self.warm_ttl_seconds = warm_ttl_seconds
@@ -130,21 +134,16 @@ class ReferenceHotKvEngine:
         path = getattr(shard.model, "path", None)
         self._model_digest = model_digest(str(path)) if warm_disk_bytes > 0 and path is not None else ""
         self._restore_buckets = [0] * len(RESTORE_BUCKETS)
-        if context_tokens < 1 or budget_tokens < 1 or n_batch < 1:
-            raise InvalidInputError("context_tokens, budget_tokens and n_batch must be >= 1")
-        if context_tokens > MAX_CONTEXT_TOKENS:
-            raise InvalidInputError(f"context_tokens must be <= {MAX_CONTEXT_TOKENS}")
         self.shard = shard
+        self.config = config
         self.max_sessions = max_sessions
-        self.context_tokens = context_tokens
-        self.budget_tokens = budget_tokens
-        self.ttl_seconds = ttl_seconds
-        self.n_batch = n_batch
-        self.recent_capacity = recent_capacity
+        self.context_tokens = config.context_tokens
+        self.budget_tokens = config.budget_tokens
+        self.ttl_seconds = config.ttl_seconds
+        self.n_batch = config.n_batch
+        self.recent_capacity = config.recent_capacity
         self._live: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()  # LRU order
         self._free_ids = list(range(max_sessions - 1, -1, -1))  # descending: [-1] is the lowest
-        self._new_in_step = 0        # id placement within one step (see _take_free_id)
-        self._last_created_id = -1
         self._reserved = 0
         self._recent: dict[str, _Dropped] = {}
         self._recent_order: collections.deque[tuple[str, int]] = collections.deque()
@@ -343,11 +342,11 @@ class ReferenceHotKvEngine:
         if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
             self._counters[self._LEAVING[reason]] += 1
 
-    def _restore(self, sid: str, now: float) -> _Session:
+    def _restore(self, sid: str, now: float, ids: _IdPlacement) -> _Session:
         t0 = time.perf_counter()
         w, from_disk = self._take_warm(sid)
         self._counters["disk_restores"] += int(from_disk)
-        s = _Session(w.epoch, self._take_free_id(), copy.deepcopy(w.kv), now)
+        s = _Session(w.epoch, self._take_free_id(ids), copy.deepcopy(w.kv), now)
         self._live[sid] = s
         self._reserved += s.seq_len
         self._counters["restores"] += 1
@@ -407,7 +406,8 @@ class ReferenceHotKvEngine:
         return now
 
     def _counted(self, res: StepResult) -> StepResult:
-        """A miss that is returned is counted; stale answers are not misses."""
+        """The one place a miss is counted (the native count_miss_locked): every CACHE_MISS answered,
+        once; stale answers are not misses."""
         if res.status == CACHE_MISS:
             self._misses[res.miss] += 1
         return res
@@ -420,40 +420,40 @@ class ReferenceHotKvEngine:
         s.last_used = now
         self._live.move_to_end(sid)
 
-    def _create(self, sid: str, epoch: int, now: float) -> _Session:
+    def _create(self, sid: str, epoch: int, now: float, ids: _IdPlacement) -> _Session:
         if not self._free_ids:
             self._evict_lru(sid)
-        seq_id = self._take_free_id()
+        seq_id = self._take_free_id(ids)
         s = _Session(epoch, seq_id, self.shard.new_sequence(), now)
         self._live[sid] = s
         self._recent.pop(sid, None)
         return s
 
-    def _take_free_id(self) -> int:
+    def _take_free_id(self, ids: _IdPlacement) -> int:
         """As the native engine: the id after the one this step created last, else the start of the
         lowest run of free ids long enough for the step's remaining new sessions, else the lowest."""
         free = self._free_ids
-        if self._last_created_id >= 0 and self._last_created_id + 1 in free:
-            seq_id = self._last_created_id + 1
+        if ids.last >= 0 and ids.last + 1 in free:
+            seq_id = ids.last + 1
         else:
             seq_id = free[-1]
-            if self._new_in_step > 1:
+            if ids.to_place > 1:
                 run_start, run_len = -1, 0
                 for i in reversed(free):  # ascending ids
                     if run_len > 0 and i == run_start + run_len:
                         run_len += 1
                     else:
                         run_start, run_len = i, 1
-                    if run_len >= self._new_in_step:
+                    if run_len >= ids.to_place:
                         seq_id = run_start
                         break
         free.remove(seq_id)
-        self._last_created_id = seq_id
-        self._new_in_step = max(self._new_in_step - 1, 0)
+        ids.last = seq_id
+        ids.to_place = max(ids.to_place - 1, 0)
         return seq_id
 
-    def _miss(self, reason: str, detail: str) -> StepResult:
-        self._misses[reason] += 1
+    @staticmethod
+    def _miss(reason: MissReason, detail: str) -> StepResult:
         return StepResult(status=CACHE_MISS, miss=reason, detail=detail)
 
     @staticmethod
@@ -497,7 +497,6 @@ class ReferenceHotKvEngine:
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
     def _restore_alone(self, sid: str, seq_len: int, now: float) -> tuple[_Session | None, StepResult]:
-        self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
         self._warm_pinned = sid
         try:
             room = self._make_room(seq_len, True, [sid], [])
@@ -506,7 +505,7 @@ class ReferenceHotKvEngine:
         if not room:  # larger than this engine's budget: a guard, as in the native engine
             self._drop_warm(sid, MissReason.EVICTED_LRU)
             return None, self._miss(MissReason.EVICTED_LRU, "the session's warm copy does not fit this shard's budget")
-        return self._restore(sid, now), StepResult()
+        return self._restore(sid, now, _IdPlacement()), StepResult()  # outside a step: the lowest free id
 
     @_serialised
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
@@ -515,10 +514,10 @@ class ReferenceHotKvEngine:
         if res.status == STALE_EPOCH:
             return res
         if res.tier in (Tier.WARM, Tier.DISK):
-            s, _ = self._restore_alone(session_id, res.seq_len, now)
-        if s is None:
-            self._new_in_step, self._last_created_id = 0, -1  # outside a step: the lowest free id
-            s = self._create(session_id, epoch, now)
+            s, restored = self._restore_alone(session_id, res.seq_len, now)
+            self._counted(restored)  # a lost warm copy is a miss even though open answers with a new session
+        if s is None:  # nothing cached (not a miss: open asks for a session, and gets one)
+            s = self._create(session_id, epoch, now, _IdPlacement())
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
@@ -550,13 +549,14 @@ class ReferenceHotKvEngine:
                 return False
             return req.kind == StepKind.PREFILL or (warm is not None and warm.epoch == req.route_epoch)
 
-        self._new_in_step = sum(1 for i, req in enumerate(requests) if results[i] is None and takes_id(req))
-        self._last_created_id = -1
+        ids = _IdPlacement(to_place=sum(1 for i, req in enumerate(requests) if results[i] is None and takes_id(req)))
         plan = []
         for i, req in enumerate(requests):
             if results[i] is None:
-                results[i] = self._admit(req, inputs[i][2], participants, now, plan, i)
-        self._new_in_step, self._last_created_id = 0, -1
+                results[i] = self._admit(req, inputs[i][2], participants, now, plan, i, ids)
+        for r in results:
+            if r is not None:
+                self._counted(r)
         outs: list[np.ndarray | None] = [None] * len(requests)
         if plan:
             self.n_decode_calls += 1  # what one native step costs at least
@@ -570,7 +570,7 @@ class ReferenceHotKvEngine:
             results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
         return list(zip(results, outs))
 
-    def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int):
+    def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int, ids: _IdPlacement):
         sid = req.session_id
         s, res = self._identify(sid, req.route_epoch)
         if res.status == STALE_EPOCH:
@@ -580,14 +580,12 @@ class ReferenceHotKvEngine:
         held = s.seq_len if s is not None else (res.seq_len if warm else 0)
         if req.kind == StepKind.PREFILL:
             if not known and req.position > 0:
-                self._misses[res.miss] += 1
                 return res
             start = held if req.position < 0 else req.position
             if start > held:
                 return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {held}")
         else:
             if not known:
-                self._misses[res.miss] += 1
                 return res
             retry = (s is not None and req.position >= 0 and req.position == s.last_start
                      and held == s.last_start + n and s.last_input == _input_bytes(req))
@@ -621,9 +619,9 @@ class ReferenceHotKvEngine:
                 return refuse(BUDGET_EXCEEDED, f"all {self.max_sessions} sessions take part in this step")
             return refuse(BUDGET_EXCEEDED, f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
         if warm:
-            s = self._restore(sid, now)
+            s = self._restore(sid, now, ids)
         elif s is None:
-            s = self._create(sid, req.route_epoch, now)
+            s = self._create(sid, req.route_epoch, now, ids)
         if start < s.seq_len:
             self._reserved -= s.seq_len - start
             s.kv.truncate(start)
@@ -642,8 +640,6 @@ class ReferenceHotKvEngine:
             if length > res.seq_len:  # refused before the warm session is moved
                 raise InvalidInputError(f"cannot truncate a session of {res.seq_len} tokens to {length}")
             s, res = self._restore_alone(session_id, res.seq_len, now)
-            if s is None:
-                return res
         if s is None:
             return self._counted(res)
         if length > s.seq_len:
@@ -748,10 +744,10 @@ class ReferenceHotKvEngine:
         }
 
     @_serialised
-    def sessions(self) -> list[tuple[str, int, int, int, float, str]]:
-        return ([(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, "hot") for sid, s in self._live.items()]
-                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "warm") for sid, w in self._warm.items()]
-                + [(sid, w.epoch, -1, w.seq_len, w.last_used, "disk") for sid, w in self._disk.items()])
+    def sessions(self) -> list[SessionRecord]:
+        return ([SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
+                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.items()]
+                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._disk.items()])
 
     @_serialised
     def session_kv(self, session_id: str) -> SequenceKv:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._native import ShardContext, ShardModel
-from .errors import InvalidInputError
+from .._native import ShardContext, ShardModel
+from ..errors import InvalidInputError
 
 LayerRange = tuple[int, int]
 

@@ -17,12 +17,13 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from . import _native
-from ._native import StepKind, certified_architectures
-from .errors import InvalidInputError, UncertifiedArchitectureError
+from .. import _native
+from .._native import StepKind, Tier, certified_architectures
+from ..errors import InvalidInputError, UncertifiedArchitectureError
 
 # ---------------------------------------------------------------------------------------------
 # misses
@@ -123,11 +124,23 @@ class SessionInfo:
     seq_id: int
     owned_layers: tuple[int, ...]
     bytes_per_token: int
-    tier: str = "hot"  # "hot": in the shard's context; "warm"/"disk": spilled (resolve does not move it)
+    tier: Tier = Tier.HOT  # HOT: in the shard's context; WARM/DISK: spilled (resolve does not move it)
 
     @property
     def nbytes(self) -> int:
         return self.seq_len * self.bytes_per_token
+
+
+class SessionRecord(NamedTuple):
+    """A cached session as an engine lists it (`sessions()`): hot ones least recently used first,
+    then warm and disk ones (seq_id -1)."""
+
+    session_id: str
+    route_epoch: int
+    seq_id: int
+    seq_len: int
+    last_used: float
+    tier: Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +174,7 @@ class TailOutput:
 # ---------------------------------------------------------------------------------------------
 
 ENV_PREFIX = "MESHNET_HOT_KV_"
+_ENGINE_DEFAULTS = _native.HotKvConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,46 +196,53 @@ class HotKvStateConfig:
     the same directory, model, range and recipe resumes them. One worker per directory.
     """
 
-    max_sessions: int = 8
-    context_tokens: int = 2048
+    max_sessions: int = _ENGINE_DEFAULTS.max_sessions
+    context_tokens: int = _ENGINE_DEFAULTS.context_tokens
     budget_tokens: int | None = None
-    ttl_seconds: float = 600.0
-    warm_bytes: int = 0
-    warm_ttl_seconds: float = _native.DEFAULT_WARM_TTL_SECONDS
-    kv_type: str = "f16"
+    ttl_seconds: float = _ENGINE_DEFAULTS.ttl_seconds
+    warm_bytes: int = _ENGINE_DEFAULTS.warm_bytes
+    warm_ttl_seconds: float = _ENGINE_DEFAULTS.warm_ttl_seconds
+    kv_type: str = _ENGINE_DEFAULTS.kv_type
     warm_dir: str | None = None
-    warm_disk_bytes: int = 0
+    warm_disk_bytes: int = _ENGINE_DEFAULTS.warm_disk_bytes
 
     def __post_init__(self):
-        if self.budget_tokens is None:
-            object.__setattr__(self, "budget_tokens", self.max_sessions * self.context_tokens
-                               if _positive_int(self.max_sessions) and _positive_int(self.context_tokens) else 0)
-        for name in ("max_sessions", "context_tokens", "budget_tokens"):
+        # types here (the native struct would raise TypeError); bounds once, in hot_kv_check_config
+        for name in ("max_sessions", "context_tokens", "budget_tokens", "warm_bytes", "warm_disk_bytes"):
             v = getattr(self, name)
-            if not _positive_int(v):
-                raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_sessions > _native.MAX_SESSIONS:
-            raise InvalidInputError(f"max_sessions must be <= {_native.MAX_SESSIONS} (llama.cpp's sequence limit), "
-                                    f"got {self.max_sessions}")
-        if self.context_tokens > _native.MAX_CONTEXT_TOKENS:
-            raise InvalidInputError(f"context_tokens must be <= {_native.MAX_CONTEXT_TOKENS}, got {self.context_tokens}")
-        if self.budget_tokens > _native.MAX_BUDGET_TOKENS:
-            raise InvalidInputError(f"budget_tokens must be <= {_native.MAX_BUDGET_TOKENS}, got {self.budget_tokens}")
-        for name in ("warm_bytes", "warm_disk_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
-        if self.warm_dir is not None:
-            if not isinstance(self.warm_dir, str) or not self.warm_dir:
-                raise InvalidInputError(f"warm_dir must be a directory path, got {self.warm_dir!r}")
-            if self.warm_disk_bytes < 1:
-                raise InvalidInputError("a warm_dir needs warm_disk_bytes > 0 (the disk tier's bound)")
+            if not (v is None and name == "budget_tokens") and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InvalidInputError(f"{name} must be an integer, got {v!r}")
         for name in ("ttl_seconds", "warm_ttl_seconds"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
-                raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.kv_type not in KV_TYPES:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidInputError(f"{name} must be a number of seconds, got {v!r}")
+        if not isinstance(self.kv_type, str):
             raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
+        if self.warm_dir is not None and (not isinstance(self.warm_dir, str) or not self.warm_dir):
+            raise InvalidInputError(f"warm_dir must be a directory path, got {self.warm_dir!r}")
+        if self.budget_tokens is None:  # no cap beyond the slots
+            object.__setattr__(self, "budget_tokens", max(self.max_sessions, 0) * max(self.context_tokens, 0) or 0)
+        self.engine_config().check()
+
+    def engine_config(self, *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,
+                      recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,
+                      recipe_fingerprint: str = "") -> "_native.HotKvConfig":
+        """The engine's configuration (the one type both engines take), with the manager's step
+        options; checked by the engine itself."""
+        try:
+            return _native.HotKvConfig(
+                max_sessions=self.max_sessions, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
+                ttl_seconds=float(self.ttl_seconds), n_batch=n_batch, n_threads=n_threads or 0,
+                recent_capacity=recent_capacity, warm_bytes=self.warm_bytes,
+                warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, warm_dir=self.warm_dir or "",
+                warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint)
+        except TypeError:  # an integer beyond its native field's width
+            for name, bits in (("max_sessions", 31), ("context_tokens", 31), ("budget_tokens", 63), ("warm_bytes", 63),
+                               ("warm_disk_bytes", 63), ("n_batch", 31), ("recent_capacity", 31)):
+                v = getattr(self, name, locals().get(name))
+                if isinstance(v, int) and not -(1 << bits) <= v < (1 << bits):
+                    raise InvalidInputError(f"{name} is outside its bounds, got {v}") from None
+            raise
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
@@ -263,10 +284,6 @@ class HotKvStateConfig:
             except ValueError:
                 raise InvalidInputError(f"{key}={raw!r} is not a valid value for {field.name}") from None
         return values
-
-
-def _positive_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,

@@ -1,9 +1,10 @@
 """The memory plan: what an operator's byte sizes mean for a shard's Hot KV state.
 
-The hot tier is `max_sessions` KV streams of `context_tokens` cells each, allocated (and touched)
-when the context is created: llama.cpp pads each stream to a multiple of 256 cells and makes it
-at least n_batch cells. So `--kv-memory SIZE` buys `SIZE // (padded cells x KV bytes per token)`
-hot slots; `budget_tokens` then defaults to slots x context_tokens (no cap beyond the slots) and,
+The hot tier is `max_sessions` KV streams, allocated (and touched) when the context is created;
+the native engine says how many cells one stream takes (`HotKvConfig.slot_cells`: llama.cpp pads
+max(context_tokens, n_batch) to 256) and what a token costs (`kv_bytes_per_token`), so
+`--kv-memory SIZE` buys `SIZE // (slot cells x KV bytes per token)` hot slots, and `--max-sessions N`
+is N slots. `budget_tokens` then defaults to slots x context_tokens (no cap beyond the slots) and,
 when set, caps the tokens held hot. The warm tier holds evicted sessions' KV in at most
 `warm_bytes` of host memory. The process holds about model + hot + warm + a fixed overhead.
 """
@@ -11,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._native import MAX_SESSIONS
-from .errors import InvalidInputError
+from .._native import MAX_SESSIONS, HotKvConfig
+from ..errors import InvalidInputError
 from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
-
-STREAM_PADDING = 256  # llama.cpp rounds each sequence's KV stream up to a multiple of this many cells
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +61,21 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def memory_plan(info, kv_memory: int, context_tokens: int, n_batch: int = 512, kv_type: str = "f16",
-                warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0) -> MemoryPlan:
+def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int = HotKvConfig().n_batch,
+                kv_type: str = "f16", warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0,
+                *, max_sessions: int | None = None) -> MemoryPlan:
     """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
-    weight_bytes: a ShardModel's info or the same read from a GGUF header). InvalidInputError when
-    not even one slot fits."""
+    weight_bytes: a ShardModel's info or the same read from a GGUF header): `kv_memory` bytes buy
+    the hot slots, or `max_sessions` (kv_memory None) names them. InvalidInputError when not even
+    one slot fits."""
     n_layers = info.last - info.first + 1
     bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)
-    cells = max(context_tokens, n_batch)
-    cells = -(-cells // STREAM_PADDING) * STREAM_PADDING
-    slots = min(kv_memory // (cells * bpt), MAX_SESSIONS)
+    cells = HotKvConfig(context_tokens=context_tokens, n_batch=n_batch).slot_cells
+    if kv_memory is None:
+        slots = max_sessions if max_sessions is not None else HotKvStateConfig().max_sessions
+        kv_memory = slots * cells * bpt
+    else:
+        slots = min(kv_memory // (cells * bpt), MAX_SESSIONS)
     if slots < 1:
         raise InvalidInputError(
             f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import grpc
 
-from ._native import MAX_SESSION_ID_BYTES
-from .errors import InvalidInputError
+from .._native import MAX_SESSION_ID_BYTES
+from ..errors import InvalidInputError
 
 #: the principal of every caller of a worker without authentication
 ANONYMOUS = ""

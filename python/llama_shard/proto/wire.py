@@ -15,8 +15,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from .errors import InvalidInputError
-from .proto import shard_pb2 as pb
+from .._native import Tier
+from ..errors import InvalidInputError
+from . import shard_pb2 as pb
 
 _NP_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_FLOAT16: np.dtype("<f2")}
 
@@ -120,3 +121,8 @@ class RefuseUnparsableRequests(grpc.ServerInterceptor):
             return behavior(request, context)
 
         return handler._replace(request_deserializer=lenient_parse, unary_unary=refuse_unparsable)
+
+
+def tier_name(tier: Tier) -> str:
+    """The wire's name of a tier (SessionReply.tier, SessionInfo.tier): "hot", "warm" or "disk"."""
+    return tier.name.lower()

@@ -24,8 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ._native import DEFAULT_GATHER_S, DEFAULT_N_BATCH, DEFAULT_PREFILL_CHUNK, ShardModel
-from .errors import (
+from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel
+from ..errors import (
     ComputeError,
     IncompatibleCacheRecipeError,
     InvalidInputError,
@@ -33,12 +33,13 @@ from .errors import (
     LlamaShardError,
     StaleRouteEpochError,
 )
-from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
-from .manager import HotKvStateManager, KvBoundaryAdapter
-from .proto import shard_pb2 as pb
-from .proto import shard_pb2_grpc as pb_grpc
+from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
+from ..engine.adapter import KvBoundaryAdapter
+from ..engine.manager import HotKvStateManager
+from ..proto import shard_pb2 as pb
+from ..proto import shard_pb2_grpc as pb_grpc
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
-from .wire import RECONNECT_OPTIONS, RefuseUnparsableRequests, call_reconnecting, decode_tensor, encode_tensor
+from ..proto.wire import RECONNECT_OPTIONS, RefuseUnparsableRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
 
@@ -49,7 +50,7 @@ class WorkerOptions:
     port: int = 0                      # 0: any free port (see ShardWorker.port)
     metrics_port: int | None = None    # None: no metrics endpoint
     threads: int | None = None
-    n_batch: int = DEFAULT_N_BATCH
+    n_batch: int = HotKvConfig().n_batch
     gather_s: float = DEFAULT_GATHER_S     # longest wait for as many sessions as the last step had
     max_step_sessions: int | None = None   # None: up to max_sessions per engine step
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # most tokens of one prefill per step while others wait
@@ -178,7 +179,7 @@ class _Owners:
             held = self._held.setdefault(principal, set())
             new = [k for k in dict.fromkeys(keys) if k not in held]
             if new and len(held) + len(new) > self.cap:
-                live = {key for key, *_ in self.manager.sessions()}
+                live = {r.session_id for r in self.manager.sessions()}
                 held &= live
             if new and len(held) + len(new) > self.cap:
                 return (f"this caller holds {len(held)} sessions here and asks for {len(new)} more; "
@@ -399,7 +400,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             if out:
                 self.owners.forget(principal, key)
             return pb.SessionReply(outcome=pb.OUTCOME_OK, released=out)
-        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=out.tier)
+        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=tier_name(out.tier))
 
     def Truncate(self, request, context):
         return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
@@ -415,9 +416,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if self.security.authenticated and principal not in self.security.admins:
             return []
         out = []
-        for key, ep, _, n, _, tier in self.manager.sessions():
-            tag, sid = self.security.split_key(key) if self.security.authenticated else (None, key)
-            out.append(pb.SessionInfo(session_id=sid, route_epoch=ep, seq_len=n, tier=tier,
+        for r in self.manager.sessions():
+            tag, sid = self.security.split_key(r.session_id) if self.security.authenticated else (None, r.session_id)
+            out.append(pb.SessionInfo(session_id=sid, route_epoch=r.route_epoch, seq_len=r.seq_len, tier=tier_name(r.tier),
                                       owner=self.owners.principal_of(tag)))
         return out
 

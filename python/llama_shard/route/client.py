@@ -22,14 +22,15 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from .errors import InvalidInputError, LlamaShardError
-from .hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
-from .manager import HotKvStateManager, KvBoundaryAdapter
-from .pipeline import check_tiling
-from .proto import shard_pb2 as pb
-from .proto import shard_pb2_grpc as pb_grpc
-from .security import ClientSecurity
-from .wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
+from ..errors import InvalidInputError, LlamaShardError
+from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
+from ..engine.adapter import KvBoundaryAdapter
+from ..engine.manager import HotKvStateManager
+from ..engine.pipeline import check_tiling
+from ..proto import shard_pb2 as pb
+from ..proto import shard_pb2_grpc as pb_grpc
+from ..serve.security import ClientSecurity
+from ..proto.wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
 
 
 class RouteError(LlamaShardError):

@@ -1,0 +1,240 @@
+"""HotKvStateManager: the seed contract's session operations over a Hot KV engine (the adapter,
+adapter.py, runs steps through it).
+
+The manager is thin: it checks arguments, reads the clock, hands steps to the engine and turns the
+engine's status into the contract's values and exceptions:
+
+    OK -> SessionInfo / BoundaryBundle / TailOutput      CACHE_MISS -> CacheMiss(reason)
+    STALE_EPOCH -> StaleRouteEpochError                   BUDGET_EXCEEDED -> KvBudgetExceededError
+
+Steps always go through a queue: for a native `ShardModel`, the native `StepLoop` (continuous
+batching: concurrent callers share engine steps, long prefills are chunked; callers wait without
+the GIL); for the numpy `ReferenceShard`, the same rules run synchronously in `reference.step_loop.ReferenceStepLoop`.
+All session state lives in the engine, which serialises calls itself; the manager holds none.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, HotKvEngine, MissReason, ShardModel, Status, StepLoop
+from ..errors import (
+    ComputeError,
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    KvCacheMissError,
+    LlamaShardError,
+    StaleRouteEpochError,
+)
+from .hot_kv import (
+    CacheMiss,
+    CacheMissReason,
+    HotKvStateConfig,
+    KvCacheRecipe,
+    SessionInfo,
+    SessionRecord,
+    Step,
+    check_count,
+    check_key,
+    kv_recipe_for,
+    monotonic_clock,
+)
+
+_REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
+_ENGINE_DEFAULTS = HotKvConfig()
+
+
+class HotKvStateManager:
+    """The Hot KV state of one shard: (route_session_id, route_epoch) -> cached KV of the owned layers.
+
+    Step options: `n_batch` (most tokens in one engine step), `max_step_sessions` (most sessions in
+    one step; None: max_sessions), `prefill_chunk` (most tokens of one prefill per step while other
+    sessions wait), `gather_s` (after a step, the longest wait for as many sessions as it had)."""
+
+    def __init__(self, model, config: HotKvStateConfig | None = None, clock: Callable[[], float] | None = None,
+                 *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,
+                 recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity, max_step_sessions: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = DEFAULT_GATHER_S):
+        self.config = config if config is not None else HotKvStateConfig()
+        if not isinstance(self.config, HotKvStateConfig):
+            raise InvalidInputError("config must be a HotKvStateConfig")
+        for name, value in (("n_batch", n_batch), ("prefill_chunk", prefill_chunk), ("max_step_sessions", max_step_sessions or 1)):
+            check_count(name, value)
+            if value < 1:
+                raise InvalidInputError(f"{name} must be >= 1")
+        if not 0 <= gather_s <= 1:
+            raise InvalidInputError("gather_s must be in [0, 1] seconds")
+        self.clock = clock if clock is not None else monotonic_clock
+        self.model = model
+        self.recipe: KvCacheRecipe = kv_recipe_for(model, self.config.kv_type)  # raises for an uncertified architecture
+        # the one configuration both engines take
+        engine_config = self.config.engine_config(n_batch=n_batch, n_threads=n_threads, recent_capacity=recent_capacity,
+                                                  recipe_fingerprint=self.recipe.fingerprint())
+        if isinstance(model, ShardModel):
+            self.engine = HotKvEngine(model, engine_config)
+            self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
+        else:
+            from ..reference.engine import ReferenceHotKvEngine
+            from ..reference.step_loop import ReferenceStepLoop
+            self.engine = ReferenceHotKvEngine(model, engine_config)
+            self._loop = ReferenceStepLoop(self.engine, max_step_sessions, prefill_chunk)
+        self.n_batch = int(self.engine.n_batch)
+
+    # --- outcome mapping --------------------------------------------------------------------------
+
+    def _session(self, sid: str, epoch: int, r) -> SessionInfo:
+        return SessionInfo(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, seq_id=r.seq_id,
+                           owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token(),
+                           tier=r.tier)
+
+    @staticmethod
+    def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
+        """None for OK, the CacheMiss for a miss; raises the contract's exception for the rest."""
+        status = r.status
+        if status == Status.OK:
+            return None
+        if status == Status.CACHE_MISS:
+            return CacheMiss(session_id=sid, route_epoch=epoch, reason=_REASONS[r.miss], detail=r.detail)
+        if status == Status.STALE_EPOCH:
+            raise StaleRouteEpochError(f"({sid!r}, {epoch}): {r.detail}", current_epoch=r.current_epoch)
+        if status == Status.BUDGET_EXCEEDED:
+            raise KvBudgetExceededError(f"({sid!r}, {epoch}): {r.detail}")
+        if status == Status.INVALID_INPUT:
+            raise InvalidInputError(r.detail)
+        if status == Status.COMPUTE_ERROR:
+            raise ComputeError(f"({sid!r}, {epoch}): {r.detail}")
+        raise AssertionError(f"unknown engine status {status}")
+
+    def check_recipe(self, recipe: KvCacheRecipe | None) -> None:
+        if recipe is None:
+            return
+        if not isinstance(recipe, KvCacheRecipe):
+            raise InvalidInputError("recipe must be a KvCacheRecipe")
+        if not self.recipe.is_compatible(recipe):
+            raise IncompatibleCacheRecipeError(
+                f"request recipe {recipe.canonical()} does not match this shard's {self.recipe.canonical()}")
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def open(self, session_id: str, route_epoch: int, recipe: KvCacheRecipe | None = None) -> SessionInfo:
+        check_key(session_id, route_epoch)
+        self.check_recipe(recipe)
+        r = self.engine.open(session_id, int(route_epoch), self.clock())
+        self.outcome(session_id, route_epoch, r)
+        return self._session(session_id, route_epoch, r)
+
+    def truncate(self, session_id: str, route_epoch: int, length: int) -> SessionInfo | CacheMiss:
+        check_key(session_id, route_epoch)
+        check_count("length", length)
+        r = self.engine.truncate(session_id, int(route_epoch), int(length), self.clock())
+        return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+
+    def release(self, session_id: str, route_epoch: int) -> bool:
+        """Releases exactly this epoch's state; True if something was released."""
+        check_key(session_id, route_epoch)
+        r = self.engine.release(session_id, int(route_epoch), self.clock())
+        self.outcome(session_id, route_epoch, r)
+        if r.changed:
+            self._loop.session_left(session_id)
+        return bool(r.changed)
+
+    def resolve(self, session_id: str, route_epoch: int) -> SessionInfo | CacheMiss:
+        check_key(session_id, route_epoch)
+        r = self.engine.resolve(session_id, int(route_epoch), self.clock())
+        return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+
+    def get(self, session_id: str, route_epoch: int) -> SessionInfo:
+        out = self.resolve(session_id, route_epoch)
+        if isinstance(out, CacheMiss):
+            raise KvCacheMissError(out)
+        return out
+
+    def persist(self) -> int:
+        """For a worker shutting down with a disk tier: writes every hot and warm session to
+        warm_dir (a worker restarted on it resumes them); returns the sessions on disk. Without a
+        disk tier, sessions are dropped."""
+        return int(self.engine.persist(self.clock()))
+
+    def sweep(self) -> int:
+        """Evicts every session idle longer than ttl_seconds now; returns how many."""
+        return int(self.engine.sweep(self.clock()))
+
+    # --- steps --------------------------------------------------------------------------------------
+
+    def submit(self, steps: Sequence[Step], notify_fd: int = -1) -> list:
+        """Queues steps together (a micro-batch shares an engine step where the caps allow); returns
+        per step a ticket to wait on, or the InvalidInputError that step raised (it was not queued).
+        A ticket's `wait()` releases the GIL; `result` and `output` are read once it is done."""
+        now = self.clock()
+        out: list = []
+        tickets = []
+        for step in steps:
+            try:
+                if not isinstance(step, Step):
+                    raise InvalidInputError(f"a step is a llama_shard.Step, not {type(step).__name__}")
+                ticket = self._loop.ticket(step, now, notify_fd)
+            except InvalidInputError as e:
+                out.append(e)
+                continue
+            out.append(ticket)
+            tickets.append(ticket)
+        if tickets:
+            self._loop.submit(tickets)
+        return out
+
+    def step_batch(self, steps: Sequence[Step]) -> list:
+        """Runs steps together and waits: per step (engine result, output or None), or the
+        InvalidInputError it raised."""
+        answers = []
+        for t in self.submit(steps):
+            if isinstance(t, LlamaShardError):
+                answers.append(t)
+            else:
+                t.wait()
+                answers.append((t.result, t.output))
+        return answers
+
+    def loop_stats(self) -> dict:
+        """The step loop's counters: steps, requests, chunks, tokens, busy_seconds, pending."""
+        return dict(self._loop.stats())
+
+    def close(self) -> None:
+        """Completes every queued step, then stops the step loop (steps after this are refused)."""
+        self._loop.close()
+
+    @property
+    def n_decode_calls(self) -> int:
+        """llama_decode calls the engine made (batched steps make fewer than tokens computed)."""
+        return int(self.engine.n_decode_calls)
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    @property
+    def session_count(self) -> int:
+        return int(self.engine.stats()["live_sessions"])
+
+    @property
+    def reserved_tokens(self) -> int:
+        return int(self.engine.stats()["reserved_tokens"])
+
+    @property
+    def total_bytes(self) -> int:
+        """KV bytes held by live sessions (owned layers only)."""
+        return int(self.engine.stats()["reserved_bytes"])
+
+    def session_keys(self) -> list[tuple[str, int]]:
+        """Cached (route_session_id, route_epoch) keys: hot ones least recently used first, then warm ones."""
+        return [(r.session_id, r.route_epoch) for r in self.sessions()]
+
+    def sessions(self) -> list[SessionRecord]:
+        """Cached sessions: the hot ones least recently used first, then the warm ones (tier
+        Tier.WARM or Tier.DISK, seq_id -1); as of the last engine call that finished."""
+        return [SessionRecord._make(t) for t in self.engine.sessions()]
+
+    def stats(self) -> dict:
+        """The engine's counters, among them live_sessions, reserved_tokens, evictions_*, misses
+        (by reason) and the warm tier's spills, restores, warm_drops, warm_sessions, warm_bytes."""
+        return dict(self.engine.stats())
+
+    def check_invariants(self) -> None:
+        self.engine.check_invariants()

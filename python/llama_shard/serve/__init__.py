@@ -1,0 +1,10 @@
+"""The served worker: one shard behind gRPC.
+
+- `worker`: `ShardWorker` (the gRPC service, metrics, health, forwarding to the next shard);
+- `security`: TLS, tokens, principals, the exposure rule;
+- `local_workers`: starting and stopping worker processes on this machine (the demo, benchmarks
+  and tests use it).
+
+The wire format (`llama_shard.proto`: the .proto, its generated code, `wire` for tensors and
+reconnects) is shared with the route client.
+"""
