@@ -113,3 +113,22 @@ def test_hot_kv_memory_follows_the_plan(embedded_model):
     grown = large["kv_rss"] - small["kv_rss"]
     planned = large["hot_bytes"] - small["hot_bytes"]
     assert 0.9 * planned <= grown <= 1.1 * planned, runs
+
+
+@pytest.mark.parametrize("context,n_batch,sessions", [(100, 8, 3), (600, 512, 3), (600, 64, 5), (257, 16, 8),
+                                                      (512, 512, 1), (2048, 512, 7), (3000, 4096, 2)])
+def test_a_slot_has_the_cells_the_native_plan_says(synthetic_model, context, n_batch, sessions):
+    """The memory plan's slot (HotKvConfig.slot_cells, from the native hot_kv_slot_cells) is what
+    llama.cpp gives each sequence of a context sized the way the engine sizes it, and what the
+    engine's hot tier takes: a plan that disagreed would buy more or fewer slots than it says."""
+    from llama_shard import HotKvConfig, HotKvEngine, ShardContext
+
+    cells = HotKvConfig(context_tokens=context, n_batch=n_batch).slot_cells
+    assert cells % 256 == 0 and cells >= max(context, n_batch)
+    model = ShardModel(str(synthetic_model), None, 1)
+    ctx = ShardContext(model, n_ctx=max(context, n_batch) * sessions, n_seq_max=sessions,
+                       n_batch=min(n_batch, max(context, n_batch) * sessions), kv_unified=False)
+    assert ctx.n_ctx_seq == cells
+    engine = HotKvEngine(model, HotKvConfig(max_sessions=sessions, context_tokens=context, budget_tokens=context,
+                                            n_batch=n_batch))
+    assert engine.stats()["context_tokens"] == context and engine.config.n_batch <= n_batch

@@ -221,6 +221,7 @@ void hot_kv_engine::load_disk_tier() {
         drop_warm_locked(std::string(disk_lru_.front()), SHARD_MISS_EVICTED_LRU);
     }
     disk_times_pending_ = !disk_lru_.empty();
+    warm_listed_        = false;
     publish_locked();
 }
 
@@ -333,6 +334,7 @@ bool hot_kv_engine::store_host_locked(const std::string & sid, warm_entry && w) 
     w.lru_pos = insert_by_last_used(warm_lru_, warm_, sid, w.last_used);
     warm_[sid] = std::move(w);
     warm_held_ += bytes;
+    warm_listed_ = false;
     return true;
 }
 
@@ -365,6 +367,7 @@ bool hot_kv_engine::store_disk_locked(const std::string & sid, warm_entry && w) 
     w.lru_pos      = insert_by_last_used(disk_lru_, warm_, sid, w.last_used);
     warm_[sid]     = std::move(w);
     disk_held_    += written;
+    warm_listed_   = false;
     counters_.disk_spills++;
     return true;
 }
@@ -376,6 +379,7 @@ void hot_kv_engine::demote_locked(const std::string & sid) {
     warm_held_ -= (uint64_t) w.state.capacity() + (uint64_t) sid.size();
     warm_lru_.erase(w.lru_pos);
     warm_.erase(it);
+    warm_listed_ = false;
     if (!store_disk_locked(sid, std::move(w))) {
         remember_locked(sid, w.epoch, SHARD_MISS_EVICTED_LRU);
         counters_.warm_drops++;
@@ -395,6 +399,7 @@ void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason 
         warm_lru_.erase(it->second.lru_pos);
     }
     warm_.erase(it);
+    warm_listed_ = false;
     remember_locked(sid, epoch, reason);
     counters_.warm_drops++;
     if (reason == SHARD_MISS_RELEASED || reason == SHARD_MISS_SUPERSEDED_EPOCH) {
@@ -464,6 +469,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
         warm_lru_.erase(w.lru_pos);
     }
     warm_.erase(it);
+    warm_listed_ = false;
     lru_.push_back(sid);
     session & s = live_[sid];
     s = session{epoch, seq_id, seq_len, now, std::prev(lru_.end())};
@@ -524,6 +530,7 @@ double hot_kv_engine::tick_locked(double now) {
             warm_.at(sid).last_used = clock_;
         }
         disk_times_pending_ = false;
+        warm_listed_        = false;
     }
     return clock_;
 }
@@ -1119,10 +1126,30 @@ void hot_kv_engine::publish_locked() const {
     st.warm_bytes      = warm_held_;
     st.disk_sessions   = (int32_t) disk_lru_.size();
     st.disk_bytes      = disk_held_;
-    std::vector<hot_kv_session_info> sessions = sessions_locked();
+    std::vector<hot_kv_session_info> hot;
+    hot.reserve(live_.size());
+    for (const std::string & sid : lru_) {
+        const session & s = live_.at(sid);
+        hot.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used, HOT_KV_TIER_HOT});
+    }
+    std::vector<hot_kv_session_info> warm;
+    const bool warm_changed = !warm_listed_;
+    if (warm_changed) {
+        warm.reserve(warm_.size());
+        for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
+            for (const std::string & sid : *tier) {
+                const warm_entry & w = warm_.at(sid);
+                warm.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM});
+            }
+        }
+        warm_listed_ = true;
+    }
     std::lock_guard<std::mutex> lock(stats_mutex_);
     published_ = st;
-    published_sessions_.swap(sessions);
+    published_hot_.swap(hot);
+    if (warm_changed) {
+        published_warm_.swap(warm);
+    }
 }
 
 hot_kv_stats hot_kv_engine::stats() const {
@@ -1132,22 +1159,10 @@ hot_kv_stats hot_kv_engine::stats() const {
 
 std::vector<hot_kv_session_info> hot_kv_engine::sessions() const {
     std::lock_guard<std::mutex> lock(stats_mutex_);  // never the engine lock, as stats()
-    return published_sessions_;
-}
-
-std::vector<hot_kv_session_info> hot_kv_engine::sessions_locked() const {
     std::vector<hot_kv_session_info> out;
-    out.reserve(live_.size() + warm_.size());
-    for (const std::string & sid : lru_) {
-        const session & s = live_.at(sid);
-        out.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used, HOT_KV_TIER_HOT});
-    }
-    for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
-        for (const std::string & sid : *tier) {
-            const warm_entry & w = warm_.at(sid);
-            out.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM});
-        }
-    }
+    out.reserve(published_hot_.size() + published_warm_.size());
+    out.insert(out.end(), published_hot_.begin(), published_hot_.end());
+    out.insert(out.end(), published_warm_.begin(), published_warm_.end());
     return out;
 }
 
@@ -1215,6 +1230,21 @@ void hot_kv_engine::check_invariants() const {
     if (sums[1] != disk_held_) fail("disk bytes held != sum of disk entries");
     if (warm_held_ > (uint64_t) std::max<int64_t>(config_.warm_bytes, 0)) fail("warm bytes exceed warm_bytes");
     if (disk_held_ > (uint64_t) std::max<int64_t>(config_.warm_disk_bytes, 0)) fail("disk bytes exceed warm_disk_bytes");
+    if (warm_listed_) {  // what sessions() shows of the warm tier is what it holds
+        std::lock_guard<std::mutex> lock(stats_mutex_);
+        bool same = published_warm_.size() == warm_.size();
+        size_t i = 0;
+        for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
+            for (const std::string & sid : *tier) {
+                const warm_entry & w = warm_.at(sid);
+                same = same && published_warm_[i].session_id == sid && published_warm_[i].epoch == w.epoch &&
+                       published_warm_[i].seq_len == w.seq_len && published_warm_[i].last_used == w.last_used &&
+                       published_warm_[i].tier == (w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM);
+                ++i;
+            }
+        }
+        if (!same) fail("the published warm and disk list is stale");
+    }
     if (counters_.spills + counters_.disk_loaded != counters_.restores + counters_.warm_drops + warm_.size()) {
         fail("spills + disk_loaded != restores + warm drops + warm and disk sessions");
     }

@@ -335,9 +335,10 @@ private:
         int32_t last     = -1;  // the id the step gave last (-1: none yet)
     };
 
-    // stats() and sessions() read a snapshot published at the end of every call that holds the engine lock
+    // stats() and sessions() read a snapshot published at the end of every call that holds the engine
+    // lock; the warm and disk list is rebuilt only when it changed (warm_listed_ false), so a step
+    // pays for its hot sessions, not for every session the warm tier holds
     void publish_locked() const;
-    std::vector<hot_kv_session_info> sessions_locked() const;
     struct publisher {
         const hot_kv_engine & engine;
         explicit publisher(const hot_kv_engine & e) : engine(e) {}
@@ -433,7 +434,9 @@ private:
     mutable fair_mutex mutex_;
     mutable std::mutex   stats_mutex_;  // guards published_ and published_sessions_ only; taken with or without mutex_
     mutable hot_kv_stats published_{};
-    mutable std::vector<hot_kv_session_info> published_sessions_;
+    mutable std::vector<hot_kv_session_info> published_hot_;
+    mutable std::vector<hot_kv_session_info> published_warm_;
+    mutable bool                             warm_listed_ = false;  // published_warm_ is current
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
