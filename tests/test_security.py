@@ -235,6 +235,12 @@ def test_an_exposed_address_needs_tls_and_authentication_or_insecure(synthetic_m
     token_in_clear = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
                                      "--auth-token-file", str(pki["tokens"])], capture_output=True, text=True, timeout=120)
     assert token_in_clear.returncode == 2 and "needs TLS" in token_in_clear.stderr
+    # the metrics endpoint (plaintext, no authentication) joins the rule, even beside a TLS worker
+    exposed_metrics = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                                      "--port", "0", "--metrics-port", "0", "--metrics-host", "0.0.0.0",
+                                      "--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+                                      "--auth-token-file", str(pki["tokens"])], capture_output=True, text=True, timeout=120)
+    assert exposed_metrics.returncode == 2 and "metrics" in exposed_metrics.stderr
     proc, addr = start_worker(synthetic_model, 0, 5, 1, extra=("--host", "0.0.0.0", "--insecure"))
     try:
         wait_serving(proc, "127.0.0.1:" + addr.rsplit(":", 1)[1])
@@ -310,7 +316,7 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
     _PKI.update(pki)
     tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
            "--auth-token-file", str(pki["tokens"]))
-    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops"), 3, 5)
+    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops", "--admin", "bob"), 3, 5)
     tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
     refused = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
                               "--layers", "0-2", "--port", "0", *tls, "--peer", tail_name],
@@ -336,8 +342,23 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
         assert tail_alice.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10).seq_len > 0
         bob = _stub(tail_name, _as(pki, "bob"))
         r = bob.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10,
-                        metadata=(("llama-shard-on-behalf-of", "alice"),))
+                        metadata=(("llama-shard-on-behalf-of-bin", b"alice"),))
         assert r.miss_reason == "UNKNOWN_SESSION"
+        # the forwarder's scope: it acts for others on step RPCs only, and never for an admin. Acting
+        # "for alice" on a session call or Info it is itself: it cannot see, list or drop her session
+        ops = _stub(tail_name, _as(pki, "ops"))
+        for_alice = (("llama-shard-on-behalf-of-bin", b"alice"),)
+        key = pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch)
+        assert ops.Resolve(key, timeout=10, metadata=for_alice).miss_reason == "UNKNOWN_SESSION"
+        assert not ops.Release(key, timeout=10, metadata=for_alice).released
+        assert ops.Truncate(pb.TruncateRequest(session_id="tls-route", route_epoch=session.epoch, length=0), timeout=10,
+                            metadata=for_alice).outcome == pb.OUTCOME_CACHE_MISS
+        assert list(ops.Info(pb.InfoRequest(), timeout=10, metadata=(("llama-shard-on-behalf-of-bin", b"bob"),)).sessions) == []
+        assert tail_alice.Resolve(key, timeout=10).seq_len > 0  # untouched
+        with pytest.raises(grpc.RpcError) as e:  # stepping for an admin: not believed, and not the forwarder either
+            ops.Prefill(pb.StepRequest(session_id="x", route_epoch=0), timeout=10,
+                        metadata=(("llama-shard-on-behalf-of-bin", b"bob"),))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         session.release()
         r = tail_alice.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10)
         assert r.outcome == pb.OUTCOME_CACHE_MISS  # released on every worker by its owner
@@ -365,3 +386,85 @@ def test_generate_reaches_a_route_over_tls_with_a_token_and_is_refused_without(e
     finally:
         for proc, _ in workers:
             stop_worker(proc)
+
+
+# --- the token file: read between two stats, a bad version refused, a deleted file revokes ------------
+
+def test_a_token_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch):
+    """Forced ordering: the file is rewritten (alice -> alice + bob) between the reload's read and
+    its second stat. The table must end with bob (a stamp taken after the read would keep the old
+    table until the next edit)."""
+    import pathlib
+
+    from llama_shard.serve.security import TokenTable
+
+    path = tmp_path / "tokens"
+    path.write_text(f"alice:{TOKENS['alice']}\n")
+    table = TokenTable(str(path))
+    real_read = pathlib.Path.read_text
+    rewritten = []
+
+    def read_then_rewrite(self, *args, **kwargs):
+        text = real_read(self, *args, **kwargs)
+        if not rewritten and self == path:
+            rewritten.append(True)
+            path.write_text(f"alice:{TOKENS['alice']}\nbob:{TOKENS['bob']}\n")
+        return text
+
+    path.write_text(f"alice:{TOKENS['alice']}\n# edited\n")  # a change, so the next call reloads
+    monkeypatch.setattr(pathlib.Path, "read_text", read_then_rewrite)
+    assert table.principal(TOKENS["alice"]) == "alice"
+    assert rewritten and table.principal(TOKENS["bob"]) == "bob"
+
+
+@pytest.mark.parametrize("bad", ["", "# only a comment\n", f"alice:{TOKENS['alice']}\nbob:{TOKENS['alice']}\n",
+                                 "alice:short\n"])
+def test_a_bad_token_file_keeps_the_last_good_table_and_says_so(tmp_path, capfd, bad):
+    from llama_shard.serve.security import TokenTable
+
+    path = tmp_path / "tokens"
+    path.write_text(f"alice:{TOKENS['alice']}\n")
+    table = TokenTable(str(path))
+    path.write_text(bad)
+    assert table.principal(TOKENS["alice"]) == "alice"  # the last good table
+    assert "keeping the last good token table" in capfd.readouterr().err
+    with pytest.raises(ValueError):
+        TokenTable(str(path))  # at start-up a bad file is an error
+
+
+def test_a_deleted_token_file_revokes_every_token(tmp_path, capfd):
+    from llama_shard.serve.security import TokenTable
+
+    path = tmp_path / "tokens"
+    path.write_text(f"alice:{TOKENS['alice']}\n")
+    table = TokenTable(str(path))
+    assert table.principal(TOKENS["alice"]) == "alice"
+    path.unlink()
+    assert table.principal(TOKENS["alice"]) is None
+    assert "is gone" in capfd.readouterr().err
+    path.write_text(f"bob:{TOKENS['bob']}\n")
+    assert table.principal(TOKENS["bob"]) == "bob" and table.principal(TOKENS["alice"]) is None
+
+
+def test_sessions_resumed_from_disk_count_against_their_owners_cap(synthetic_model, pki, tmp_path):
+    """alice (cap 1) holds one session; the worker restarts on its disk tier and resumes it: it
+    is still hers, so a second new session is refused (before: the restarted worker counted 0)."""
+    _PKI.update(pki)
+    flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
+             str(pki["tokens"]), "--warm-dir", str(tmp_path / "warm"), "--warm-disk", "64MiB",
+             "--max-sessions-per-principal", "1")
+    (tmp_path / "warm").mkdir(mode=0o700)
+    proc, addr = _serve(synthetic_model, flags)
+    alice = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "alice"))
+    assert _prefill(alice, "kept").outcome == pb.OUTCOME_OK
+    assert stop_worker(proc)[0] == 0  # SIGTERM: the session goes to disk
+    proc, addr = _serve(synthetic_model, flags)
+    try:
+        alice = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "alice"))
+        assert _code(lambda: _prefill(alice, "second")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        r = alice.Resolve(pb.SessionRequest(session_id="kept", route_epoch=1), timeout=10)
+        assert r.outcome == pb.OUTCOME_OK and r.seq_len == 3  # resumed, and hers
+        bob = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "bob"))
+        assert _prefill(bob, "bobs").outcome == pb.OUTCOME_OK  # the cap is per principal
+    finally:
+        assert stop_worker(proc)[0] == 0

@@ -290,15 +290,13 @@ def test_a_corrupt_file_is_refused_deleted_and_logged(synthetic_model, tmp_path,
     m.check_invariants()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model", "not_ours"])
+@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model"])
 def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, damage):
     warm_dir = tmp_path / "w"
     m, _, f = _one_file_on_disk(synthetic_model, warm_dir)
     del m
     if damage == "truncated":
         f.write_bytes(f.read_bytes()[:-10])
-    elif damage == "not_ours":
-        f.write_bytes(b"\0" * 100)
     if damage == "foreign_range":
         model = ShardModel(str(synthetic_model), (0, 2), 1)
         m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
@@ -320,6 +318,80 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
         assert m.stats()["disk_loaded"] == 0
     assert not f.exists()
     assert "llama-shard warm tier: deleted" in capfd.readouterr().err
+
+
+def test_a_file_that_is_not_ours_is_left_alone_at_start_up(synthetic_model, tmp_path, capfd):
+    """An operator's file named *.kv (not this format) is logged and kept, not deleted."""
+    warm_dir = tmp_path / "w"
+    m, _, f = _one_file_on_disk(synthetic_model, warm_dir)
+    del m
+    f.write_bytes(b"an operator's notes, not a KV file\n")
+    m, _ = _disk_manager(synthetic_model, warm_dir)
+    assert m.stats()["disk_loaded"] == 0
+    assert f.read_bytes() == b"an operator's notes, not a KV file\n"
+    assert "left alone" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("mode,why", [(0o777, "writable by others"), (0o770, "writable by others"),
+                                      (0o722, "writable by others")])
+def test_a_warm_directory_others_can_write_is_refused(synthetic_model, tmp_path, mode, why):
+    """Whoever can write the directory can plant files the worker loads: the engine refuses it, and
+    `serve` exits 2 with the reason."""
+    import subprocess
+    import sys
+
+    warm_dir = tmp_path / "w"
+    warm_dir.mkdir()
+    warm_dir.chmod(mode)
+    with pytest.raises(InvalidInputError, match=why):
+        _disk_manager(synthetic_model, warm_dir)
+    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model), "--port", "0",
+                          "--warm-dir", str(warm_dir), "--warm-disk", "1MiB"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and why in res.stderr, res.stderr
+    warm_dir.chmod(0o700)
+    m, _ = _disk_manager(synthetic_model, warm_dir)  # this user's, not writable by others: fine
+    m.check_invariants()
+
+
+DIRECTORY_TRAPS = """
+import os, sys
+import llama_shard as ls
+warm_dir, victim = sys.argv[1], sys.argv[2]
+os.mkfifo(os.path.join(warm_dir, "0123456789abcdef0123456789abcdef.kv"))      # a FIFO: opening it blocks
+os.symlink(victim, os.path.join(warm_dir, "fedcba9876543210fedcba9876543210.kv"))  # a link to someone's file
+model = ls.ShardModel(sys.argv[3], None, 1)
+config = ls.HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=warm_dir, warm_disk_bytes=1 << 20)
+m = ls.HotKvStateManager(model, config, ls.ManualClock(), n_batch=8)        # the start-up scan
+ad = ls.KvBoundaryAdapter(model, m)
+ad.prefill("a", 0, token_ids=[1, 2, 3])
+ad.prefill("b", 0, token_ids=[4])                                         # "a" goes to disk
+name = [f for f in os.listdir(warm_dir) if f.endswith(".kv") and os.path.isfile(os.path.join(warm_dir, f))
+        and not os.path.islink(os.path.join(warm_dir, f))][0]
+os.symlink(victim, os.path.join(warm_dir, name[:-3] + ".kv.tmp"))          # a link at the next temporary name
+ad.decode("a", 0, token_ids=[5])                                          # "a" back, "b" to disk ...
+ad.decode("b", 0, token_ids=[6])                                          # ... and "a" written again, via the name
+m.check_invariants()
+print("OK", m.stats()["disk_failures"])
+"""
+
+
+def test_the_warm_directory_does_not_follow_links_or_block_on_fifos(synthetic_model, tmp_path):
+    """A FIFO named *.kv kept the worker from ever serving; a symlink at the temporary name was
+    followed and its target overwritten. Now: the scan never blocks or follows (both are left
+    alone, logged), and a write never goes through a planted link (it is removed, not its target)."""
+    import subprocess
+    import sys
+
+    warm_dir, victim = tmp_path / "w", tmp_path / "victim.txt"
+    warm_dir.mkdir(mode=0o700)
+    victim.write_text("precious\n")
+    res = subprocess.run([sys.executable, "-c", DIRECTORY_TRAPS, str(warm_dir), str(victim), str(synthetic_model)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "OK 0" in res.stdout, res.stderr
+    assert victim.read_text() == "precious\n"
+    assert "left alone" in res.stderr
+    assert (warm_dir / "0123456789abcdef0123456789abcdef.kv").exists()  # not ours: kept
+    assert (warm_dir / "fedcba9876543210fedcba9876543210.kv").is_symlink()
 
 
 def test_an_unwritable_directory_degrades_to_a_miss(synthetic_model, tmp_path, capfd):

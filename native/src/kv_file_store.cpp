@@ -146,6 +146,33 @@ kv_file_store::kv_file_store(std::string dir, kv_file_identity identity) : dir_(
     if (::stat(dir_.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory " + dir_ + " is not a directory");
     }
+    // whoever can write the directory can plant or swap files the worker loads: only this user may
+    if (st.st_uid != ::geteuid()) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory " + dir_ + " belongs to another user (uid " +
+                                                       std::to_string(st.st_uid) + "); use a directory of this user's");
+    }
+    if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+        char mode[8];
+        std::snprintf(mode, sizeof(mode), "%04o", (unsigned) (st.st_mode & 07777));
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "the warm tier's directory " + dir_ + " is writable by others (mode " +
+                                                       mode + "); chmod go-w it (0700 is what the worker creates)");
+    }
+}
+
+// opens a file of the directory for reading: never through a symlink, never blocking (a FIFO), and
+// only a regular file; -1 with `why` otherwise
+static int open_regular(const std::string & path, std::string & why, struct stat & st) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        why = errno == ELOOP ? "a symbolic link" : std::string("cannot open: ") + std::strerror(errno);
+        return -1;
+    }
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        ::close(fd);
+        why = "not a regular file";
+        return -1;
+    }
+    return fd;
 }
 
 std::string kv_file_store::path_for(const std::string & sid) const {
@@ -153,6 +180,21 @@ std::string kv_file_store::path_for(const std::string & sid) const {
     std::snprintf(name, sizeof(name), "%016" PRIx64 "%016" PRIx64, fnv1a(sid, 0xcbf29ce484222325ull),
                   fnv1a(sid, 0x84222325cbf29ce4ull));
     return dir_ + "/" + name + SUFFIX;
+}
+
+// a regular file that starts with this format's magic: a file the worker (or another of its
+// versions) wrote, which it may delete when it is stale or damaged
+static bool ours(const std::string & path) {
+    std::string why;
+    struct stat st {};
+    const int fd = open_regular(path, why, st);
+    if (fd < 0) {
+        return false;
+    }
+    char magic[4] = {};
+    const bool match = ::read(fd, magic, 4) == 4 && std::memcmp(magic, MAGIC, 4) == 0;
+    ::close(fd);
+    return match;
 }
 
 void kv_file_store::discard(const std::string & path, const std::string & why) const {
@@ -178,7 +220,12 @@ uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t se
 
     const std::string path = path_for(sid);
     const std::string tmp  = path.substr(0, path.size() - std::strlen(SUFFIX)) + TMP_SUFFIX;
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    // a new file of ours, never an existing one or a symlink planted at the name (O_EXCL | O_NOFOLLOW);
+    // a leftover (a crash, or someone else's) is removed first: unlink removes a link, not its target
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0) {
+        fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    }
     if (fd < 0) {
         log_line("cannot write " + tmp + ": " + std::strerror(errno) + "; the session is dropped (a cache miss later)");
         return 0;
@@ -197,13 +244,11 @@ uint64_t kv_file_store::write(const std::string & sid, int64_t epoch, int32_t se
 
 bool kv_file_store::read_header(const std::string & path, kv_file_entry & entry, uint64_t & payload_bytes, uint64_t & sum,
                                 size_t & header_bytes, std::string & why) const {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st {};
+    const int fd = open_regular(path, why, st);
     if (fd < 0) {
-        why = std::string("cannot open: ") + std::strerror(errno);
         return false;
     }
-    struct stat st {};
-    ::fstat(fd, &st);
     std::vector<uint8_t> head(4 + 4 + 4 * (4 + MAX_FIELD) + (4 + HOT_KV_MAX_SESSION_ID_BYTES) + 64);
     const ssize_t n = ::read(fd, head.data(), head.size());
     ::close(fd);
@@ -261,7 +306,11 @@ bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len
     size_t header_bytes = 0;
     std::string why;
     if (!read_header(path, entry, payload_bytes, sum, header_bytes, why)) {
-        discard(path, why);
+        if (ours(path)) {
+            discard(path, why);
+        } else {
+            log_line("left alone " + path + ": " + why + " (not a file of this worker's); the session is dropped");
+        }
         return false;
     }
     if (entry.session_id != sid || entry.epoch != epoch || entry.seq_len != seq_len) {
@@ -278,8 +327,9 @@ bool kv_file_store::read(const std::string & sid, int64_t epoch, int32_t seq_len
         log_line("no memory to read " + path + "; the session is dropped");
         return false;
     }
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    const bool ok = fd >= 0 && ::lseek(fd, (off_t) header_bytes, SEEK_SET) == (off_t) header_bytes &&
+    struct stat st {};
+    const int fd = open_regular(path, why, st);
+    const bool ok = fd >= 0 && (uint64_t) st.st_size == header_bytes + payload_bytes && ::lseek(fd, (off_t) header_bytes, SEEK_SET) == (off_t) header_bytes &&
                     read_all(fd, state.data(), state.size());
     if (fd >= 0) {
         ::close(fd);
@@ -343,6 +393,10 @@ std::vector<kv_file_entry> kv_file_store::scan(int32_t max_seq_len) {
         size_t header_bytes = 0;
         std::string why;
         if (!read_header(path, entry, payload_bytes, sum, header_bytes, why)) {
+            if (!ours(path)) {  // an operator's file, a link, a FIFO: not ours to delete
+                log_line("left alone " + path + ": " + why + " (not a file of this worker's)");
+                continue;
+            }
             discard(path, why);
         } else if (entry.seq_len < 1 || entry.seq_len > max_seq_len) {
             discard(path, "length " + std::to_string(entry.seq_len) + " outside [1, " + std::to_string(max_seq_len) + "]");

@@ -24,6 +24,7 @@ from .errors import InvalidInputError, LlamaShardError
 from .engine.hot_kv import KV_TYPES, HotKvStateConfig
 from .engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
+from .serve import DEFAULT_MAX_HOP_S
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -242,6 +243,8 @@ def serve_security(args: argparse.Namespace):
     security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
                               tuple(args.admin), args.insecure, tuple(args.forwarder))
     security.check_exposure(args.host)
+    if args.metrics_port is not None:
+        security.check_metrics_exposure(args.metrics_host)
     peer_security = ClientSecurity(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, args.peer_token_file)
     for peer in args.peer:
         host, _, port = peer.rpartition(":")
@@ -264,13 +267,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _status(f"CPU kernels: {_cpu_kernels()}")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                                       metrics_host=args.metrics_host,
                                        threads=args.threads, n_batch=args.batch,
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
                                        prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
                                        sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
                                        max_sessions_per_principal=args.max_sessions_per_principal,
-                                       max_concurrent_rpcs=args.max_concurrent_rpcs))
+                                       max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                       max_hop_s=args.max_hop_seconds))
     worker.start()
     return worker.serve_until_signal()
 
@@ -310,6 +315,14 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 <= value <= 365 * 86400:  # also refuses nan and inf
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """Seconds > 0 (at most a year)."""
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -371,9 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=_port, default=50551)
     sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
+    sv.add_argument("--metrics-host", default="127.0.0.1",
+                    help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "
+                         "so another address needs --insecure)")
     sv.add_argument("--threads", type=THREADS, default=None)
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
+    sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
+                    help="the longest a chained step may hold this worker, whatever the caller's deadline "
+                         f"(default {DEFAULT_MAX_HOP_S:g})")
     sv.add_argument("--batch", type=_count(1, 1 << 16), default=_DEFAULTS.engine_config().n_batch, help="most tokens per llama_decode")
     sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")

@@ -8,3 +8,7 @@
 The wire format (`llama_shard.proto`: the .proto, its generated code, `wire` for tensors and
 reconnects) is shared with the route client.
 """
+
+#: the longest a chained step may hold a worker's handler (and the next hop), whatever the caller's
+#: deadline: a call with none, or a long one, cannot hold a worker (serve --max-hop-seconds)
+DEFAULT_MAX_HOP_S = 60.0

@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -33,8 +34,9 @@ from ..errors import InvalidInputError
 
 #: the principal of every caller of a worker without authentication
 ANONYMOUS = ""
-#: call metadata a forwarding worker sends: the principal its caller authenticated as
-ON_BEHALF_OF = "llama-shard-on-behalf-of"
+#: call metadata a forwarding worker sends: the principal its caller authenticated as (UTF-8 in a
+#: binary value: a principal may be any text, a client certificate's CN, and text metadata is ASCII)
+ON_BEHALF_OF = "llama-shard-on-behalf-of-bin"
 
 
 def is_loopback(host: str) -> bool:
@@ -62,34 +64,80 @@ def _mtimes(paths) -> tuple:
 
 class TokenTable:
     """`principal:token` lines (blank lines and `#` comments ignored), re-read when the file
-    changes or on reload(). Tokens are kept as SHA-256 digests and compared in constant time."""
+    changes or on reload(). Tokens are kept as SHA-256 digests and compared in constant time.
+
+    A reload reads the file between two stats and retries if it changed in between, so a rewrite
+    during the read is never half-seen and never missed. A file that is empty, malformed or lists a
+    token twice is refused with a log line and the last good table stays; a deleted file means no
+    tokens (every caller is refused until it is back). At start-up a bad file is an error."""
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
-        self._mtime: tuple = ()
+        self._stamp: tuple | None = None  # the file's identity when the table (or a refusal) was taken
         self._entries: list[tuple[bytes, str]] = []
-        self.reload()
+        self.reload(strict=True)
 
-    def reload(self) -> None:
-        entries = []
-        for n, line in enumerate(Path(self.path).read_text().splitlines(), 1):
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _parse(self, text: str) -> list[tuple[bytes, str]]:
+        entries, seen = [], set()
+        for n, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
             principal, sep, token = line.partition(":")
             if not sep or not principal.strip() or len(token.strip()) < 16:
                 raise ValueError(f"{self.path}:{n}: expected 'principal:token' with a token of 16 or more characters")
-            entries.append((hashlib.sha256(token.strip().encode()).digest(), principal.strip()))
-        with self._lock:
-            self._entries, self._mtime = entries, _mtimes([self.path])
+            digest = hashlib.sha256(token.strip().encode()).digest()
+            if digest in seen:
+                raise ValueError(f"{self.path}:{n}: a token listed twice (each token names one principal)")
+            seen.add(digest)
+            entries.append((digest, principal.strip()))
+        if not entries:
+            raise ValueError(f"{self.path}: no 'principal:token' line (an empty table would refuse everyone)")
+        return entries
+
+    def reload(self, strict: bool = False) -> None:
+        """Re-reads the file; `strict` (start-up): a bad or missing file raises (OSError, ValueError)."""
+        for _ in range(5):
+            before = self._stat()
+            if before is None:
+                if strict:
+                    raise OSError(f"cannot read the token file {self.path}")
+                with self._lock:
+                    self._entries, self._stamp = [], None
+                _log(f"token file {self.path} is gone: no tokens are valid until it is back")
+                return
+            try:
+                text = Path(self.path).read_text()
+            except OSError:
+                continue
+            stamp = self._stat()
+            if stamp != before:
+                continue  # rewritten while it was read: read it again
+            try:
+                entries = self._parse(text)
+            except ValueError as e:
+                if strict:
+                    raise
+                with self._lock:
+                    self._stamp = stamp  # refused once per version of the file; the last good table stays
+                _log(f"{e}; keeping the last good token table")
+                return
+            with self._lock:
+                self._entries, self._stamp = entries, stamp
+            return
+        _log(f"token file {self.path} kept changing while it was read; keeping the last good table")
 
     def principal(self, token: str) -> str | None:
-        if _mtimes([self.path]) != self._mtime:
-            try:
-                self.reload()
-            except (OSError, ValueError):
-                pass  # a half-written file: keep the last good table until the next change
+        if self._stat() != self._stamp:
+            self.reload()
         digest = hashlib.sha256(token.encode()).digest()
         found = None
         with self._lock:
@@ -97,6 +145,10 @@ class TokenTable:
                 if hmac.compare_digest(known, digest):
                     found = principal
         return found
+
+
+def _log(message: str) -> None:
+    print(f"llama-shard: {message}", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -119,7 +171,10 @@ class ServerSecurity:
         if self.token_file and not self.tls_cert:
             raise InvalidInputError("--auth-token-file needs TLS (--tls-cert and --tls-key): a bearer token "
                                     "must not cross the network in clear")
-        self.tokens = TokenTable(self.token_file) if self.token_file else None
+        try:
+            self.tokens = TokenTable(self.token_file) if self.token_file else None
+        except (OSError, ValueError) as e:
+            raise InvalidInputError(f"--auth-token-file: {e}") from None
         for path in (self.tls_cert, self.tls_key, self.tls_client_ca):
             if path is not None:
                 _read(path)  # fails now, with the path, rather than at the first handshake
@@ -134,6 +189,13 @@ class ServerSecurity:
             raise InvalidInputError(
                 f"refusing to serve on {host} without TLS and authentication: give --tls-cert and --tls-key "
                 "with --auth-token-file or --tls-client-ca (mutual TLS), or --insecure to serve in clear anyway")
+
+    def check_metrics_exposure(self, host: str) -> None:
+        """The metrics endpoint is plaintext HTTP without authentication: loopback, unless --insecure."""
+        if not is_loopback(host) and not self.insecure:
+            raise InvalidInputError(
+                f"refusing to serve metrics on {host}: the endpoint is plaintext and unauthenticated; keep the "
+                "default (--metrics-host 127.0.0.1, scraped through a local agent) or give --insecure")
 
     # --- the port ---------------------------------------------------------------------------
 
@@ -169,10 +231,12 @@ class ServerSecurity:
 
     # --- each call --------------------------------------------------------------------------
 
-    def principal(self, context: grpc.ServicerContext) -> str | None:
-        """The principal a call acts for; None when it presents no valid credentials. A forwarder
-        (a worker this one trusts, `--forwarder`) acts for the principal it names in ON_BEHALF_OF,
-        so that a session keeps its owner along a chained route."""
+    def principal(self, context: grpc.ServicerContext, step: bool = False) -> str | None:
+        """The principal a call acts for; None when it presents no valid credentials. On a step RPC
+        (`step`: Prefill, Decode, StepBatch), a forwarder (a worker this one trusts, `--forwarder`)
+        acts for the principal it names in ON_BEHALF_OF, so that a session keeps its owner along a
+        chained route; never for an admin, and on no other call (Info, Release, Truncate, Resolve
+        are the forwarder's own): a leaked peer token steps sessions, it does not list or drop them."""
         if not self.authenticated:
             return ANONYMOUS
         metadata = dict(context.invocation_metadata())
@@ -183,8 +247,13 @@ class ServerSecurity:
         else:
             names = context.auth_context().get("x509_common_name") or []
             caller = names[0].decode("utf-8", "replace") if names else None
-        if caller is not None and caller in self.forwarders and metadata.get(ON_BEHALF_OF):
-            return metadata[ON_BEHALF_OF]
+        named = metadata.get(ON_BEHALF_OF)
+        if step and caller is not None and caller in self.forwarders and isinstance(named, bytes) and named:
+            try:
+                principal = named.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            return None if principal in self.admins else principal
         return caller
 
     @staticmethod

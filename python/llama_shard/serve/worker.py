@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,10 +40,17 @@ from ..engine.adapter import KvBoundaryAdapter
 from ..engine.manager import HotKvStateManager
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
+from . import DEFAULT_MAX_HOP_S
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, RefuseUnparsableRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
+#: the most hops a chained step may name after this worker, whatever the model (a route has no more
+#: stages after a shard than layers after it, and fewer than this in any deployment we know of)
+MAX_FORWARD_HOPS = 32
+#: the workers a forwarded step has passed through (their random ids, comma-separated): a worker
+#: that finds its own id there refuses the step, whatever address the loop went through
+VISITED = "llama-shard-visited"
 
 
 @dataclasses.dataclass
@@ -49,6 +58,7 @@ class WorkerOptions:
     host: str = "127.0.0.1"
     port: int = 0                      # 0: any free port (see ShardWorker.port)
     metrics_port: int | None = None    # None: no metrics endpoint
+    metrics_host: str = "127.0.0.1"    # plaintext and unauthenticated: loopback unless the operator says --insecure
     threads: int | None = None
     n_batch: int = HotKvConfig().n_batch
     gather_s: float = DEFAULT_GATHER_S     # longest wait for as many sessions as the last step had
@@ -62,6 +72,7 @@ class WorkerOptions:
     peer_security: ClientSecurity = ClientSecurity()  # how this worker reaches its peers
     max_sessions_per_principal: int | None = None    # None: no cap beyond the engine's
     max_concurrent_rpcs: int | None = None           # None: 4 x max sessions, at least 64
+    max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
 
 
 class _EngineCollector:
@@ -134,12 +145,15 @@ class _Peers:
                 stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
             return stub
 
-    def call(self, address: str, steps: list[tuple], forward: list, timeout: float | None, batch: bool,
-             principal: str = ANONYMOUS) -> list:
+    def call(self, address: str, steps: list[tuple], forward: list, timeout: float, batch: bool,
+             principal: str = ANONYMOUS, visited: tuple[str, ...] = ()) -> list:
         """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
-        that came alone, else StepBatch, for `principal`; raises grpc.RpcError when the peer fails."""
+        that came alone, else StepBatch, for `principal`, through the workers `visited`; raises
+        grpc.RpcError when the peer fails."""
         stub = self._stub(address)
-        metadata = ((ON_BEHALF_OF, principal),) if principal != ANONYMOUS else None
+        metadata = [(VISITED, ",".join(visited))]
+        if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
+            metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
         if not batch and len(steps) == 1:
             kind, req = steps[0]
             del req.forward[:]  # a retry sends the same hops once
@@ -160,13 +174,16 @@ class _Peers:
 
 
 class _Owners:
-    """Which engine keys each principal holds, for the per-principal session cap. A key is counted
-    from the step that creates it; keys the engine has since dropped (evicted, expired) are pruned
-    against its session list when a principal reaches the cap, so the count is never too low."""
+    """Which engine keys each principal holds, for the per-principal session cap. A principal's
+    count starts from the keys the engine already holds under its tag (sessions a restarted worker
+    resumed from disk count too); a key is counted from the step that creates it; keys the engine
+    has since dropped (evicted, expired) are pruned against its session list when a principal
+    reaches the cap, so the count is never too low."""
 
-    def __init__(self, manager: HotKvStateManager, cap: int | None):
+    def __init__(self, manager: HotKvStateManager, cap: int | None, security: ServerSecurity):
         self.manager = manager
         self.cap = cap
+        self.security = security
         self._held: dict[str, set[str]] = {}
         self._names: dict[str, str] = {}  # principal tag -> principal, for Info
         self._lock = threading.Lock()
@@ -176,7 +193,11 @@ class _Owners:
         if self.cap is None:
             return None
         with self._lock:
-            held = self._held.setdefault(principal, set())
+            held = self._held.get(principal)
+            if held is None:  # what the engine holds for this principal already (a resumed worker's sessions)
+                tag = self.security.tag(principal)
+                held = self._held[principal] = {r.session_id for r in self.manager.sessions()
+                                                if tag is not None and self.security.split_key(r.session_id)[0] == tag}
             new = [k for k in dict.fromkeys(keys) if k not in held]
             if new and len(held) + len(new) > self.cap:
                 live = {r.session_id for r in self.manager.sessions()}
@@ -208,11 +229,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.adapter = KvBoundaryAdapter(model, manager)
         self.peers = _Peers(tuple(options.peers), options.max_message_bytes, options.peer_security)
         self.security = options.security
-        self.owners = _Owners(manager, options.max_sessions_per_principal)
+        self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.stopping = threading.Event()
         self.in_flight = 0
         self._lock = threading.Lock()
+        self.max_hop_s = options.max_hop_s
+        self.worker_id = secrets.token_hex(8)  # this worker in VISITED
+        self.own_addresses = frozenset()  # set by ShardWorker once bound: forwards to these are loops
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -220,9 +244,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # --- steps ---------------------------------------------------------------------------------
 
-    def _principal(self, context) -> str:
-        """The caller's principal; a call without valid credentials ends here, UNAUTHENTICATED."""
-        principal = self.security.principal(context)
+    def _principal(self, context, step: bool = False) -> str:
+        """The caller's principal (on a step RPC, the one a forwarder acts for); a call without valid
+        credentials ends here, UNAUTHENTICATED."""
+        principal = self.security.principal(context, step)
         if principal is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "valid credentials are required (a bearer token or a client "
                                                            "certificate this worker trusts)")
@@ -236,7 +261,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._serve(context, "decode", [(StepKind.DECODE, request)], request.forward)[0]
 
     def StepBatch(self, request, context):
-        principal = self._principal(context)  # before the size check: an unauthenticated caller learns nothing
+        principal = self._principal(context, step=True)  # before the size check: an unauthenticated caller learns nothing
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -248,18 +273,20 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False,
                principal: str | None = None) -> list[pb.StepReply]:
-        principal = self._principal(context) if principal is None else principal
+        principal = self._principal(context, step=True) if principal is None else principal
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the step started")
+        # the caller's deadline, never longer than max_hop_s: a call without one (gRPC reports about
+        # 7.5e9 s left) or with a long one holds this handler, and the next hop, at most that long
+        remaining = self.max_hop_s if remaining is None else min(remaining, self.max_hop_s)
         t0 = time.perf_counter()
         with self._lock:
             self.in_flight += 1
         try:
-            deadline = None if remaining is None else time.monotonic() + remaining
-            replies = self._run_steps(principal, context, items, list(forward), deadline, batch)
+            replies = self._run_steps(principal, context, items, list(forward), time.monotonic() + remaining, batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -269,12 +296,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
-    def _run_steps(self, principal: str, context, items: list[tuple], forward: list, deadline: float | None,
+    def _run_steps(self, principal: str, context, items: list[tuple], forward: list, deadline: float,
                    batch: bool) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
         Sessions are the principal's own: the engine key carries its tag."""
-        refusal = self._forward_refusal(forward)
+        visited = self._visited(context)
+        refusal = self._forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
         replies: list = [None] * len(items)
@@ -296,23 +324,43 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 replies[i] = self._reply(items[i][1], out)
         if computed:
             for i, reply in zip([i for i, _, _ in computed],
-                                self._forward(principal, items, computed, forward, deadline, batch)):
+                                self._forward(principal, items, computed, forward, deadline, batch, visited)):
                 replies[i] = reply
         return replies
 
-    def _forward_refusal(self, forward: list) -> str | None:
-        """Why a chained call cannot be served here (None: it can, or it is not chained)."""
+    def _visited(self, context) -> tuple[str, ...]:
+        """The workers the step passed through before this one (VISITED)."""
+        for key, value in context.invocation_metadata():
+            if key == VISITED and isinstance(value, str):
+                return tuple(v for v in value.split(",")[:MAX_FORWARD_HOPS + 1] if v)
+        return ()
+
+    def _forward_refusal(self, forward: list, visited: tuple[str, ...] = ()) -> str | None:
+        """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
+        this worker cannot forward. Checked before anything is computed."""
+        if self.worker_id in visited:
+            return "a forwarding loop: this step already passed through this worker"
         if not forward:
             return None
         if self.info.is_tail:
             return "this worker is the tail of the model: there is no next worker to forward to"
+        # each later stage owns at least one layer: no more hops than layers after this shard
+        hops_left = min(MAX_FORWARD_HOPS, self.info.n_layer - 1 - self.info.last)
+        if len(forward) > hops_left:
+            return (f"{len(forward)} hops after this worker (layers {self.info.first}-{self.info.last} of "
+                    f"{self.info.n_layer}): a route has at most {hops_left} more")
+        addresses = [hop.address for hop in forward]
+        if len(set(addresses)) != len(addresses):
+            return "the forward list names a worker twice: a route visits each worker once"
+        if self.own_addresses.intersection(addresses):
+            return "the forward list names this worker: a route visits each worker once"
         if forward[0].address not in self.peers.allowed:
             return (f"this worker does not forward to {forward[0].address!r}; its operator allows "
                     f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
         return None
 
     def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list,
-                 deadline: float | None, batch: bool) -> list[pb.StepReply]:
+                 deadline: float, batch: bool, visited: tuple[str, ...] = ()) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
@@ -328,8 +376,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             nexts.append((kind, nxt))
 
         def forward_once():
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal)
+            timeout = max(deadline - time.monotonic(), 0.001)
+            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,))
         try:
             replies = call_reconnecting(forward_once, deadline)  # as the route client does
         except grpc.RpcError as e:
@@ -350,7 +398,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             raise InvalidInputError("send token_ids or hidden, not both")
         if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
             raise InvalidInputError(f"unknown reply_dtype {req.reply_dtype}")
-        tokens = list(req.token_ids) if len(req.token_ids) else None
+        n_tokens = len(req.token_ids)  # counted before anything is converted: a huge list costs nothing more
+        if n_tokens > self.manager.config.context_tokens:
+            raise KvBudgetExceededError(f"{n_tokens} token ids: a session holds at most "
+                                        f"{self.manager.config.context_tokens} (context_tokens)")
+        tokens = list(req.token_ids) if n_tokens else None
         hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
                   if req.HasField("hidden") else None)
         position = req.position if req.HasField("position") else None
@@ -474,9 +526,11 @@ class ShardWorker:
             raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
         if self.port == 0:
             raise OSError(f"cannot bind {options.host}:{options.port}")
+        self.servicer.own_addresses = frozenset(
+            f"{h}:{self.port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()})
         self.metrics_port = None
         if options.metrics_port is not None:
-            server, _ = start_http_server(options.metrics_port, addr=options.host, registry=self.registry)
+            server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
             self.metrics_port = server.server_port
         self._stopped = threading.Event()
 
