@@ -143,3 +143,18 @@ def test_hidden_rows_to_a_middle_are_forwarded_with_the_loop_rules_too(mesh):
                                         forward=[pb.Hop(address=mesh["tail"]), pb.Hop(address=mesh["head_alias"])]),
                          timeout=30)
         assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT, r
+
+
+def test_an_oversized_forward_list_or_message_is_refused_before_it_is_parsed(mesh):
+    """100,000 hops (500 kB, under the message bound) are refused by length before the list is copied; a message
+    larger than any valid request of this worker (a full batch of full-context rows) is refused by
+    gRPC before any handler runs; the worker keeps serving."""
+    with grpc.insecure_channel(mesh["head"], options=[("grpc.max_send_message_length", 256 << 20)]) as ch:
+        stub = pb_grpc.ShardServiceStub(ch)
+        hops = [pb.Hop(address="x")] * 100_000
+        r = stub.Prefill(pb.StepRequest(session_id="hops", route_epoch=0, token_ids=[1], forward=hops), timeout=60)
+        assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "at most" in r.detail, r.detail
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(pb.StepRequest(session_id="big", route_epoch=0, token_ids=[1] * (40 << 20)), timeout=60)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stub.Info(pb.InfoRequest(), timeout=10).first == 0

@@ -286,7 +286,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self._lock:
             self.in_flight += 1
         try:
-            replies = self._run_steps(principal, context, items, list(forward), time.monotonic() + remaining, batch)
+            # a forward list longer than any route is refused before it is copied (its length is free)
+            hops = list(forward) if len(forward) <= MAX_FORWARD_HOPS else [pb.Hop()] * (MAX_FORWARD_HOPS + 1)
+            replies = self._run_steps(principal, context, items, hops, time.monotonic() + remaining, batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -508,11 +510,15 @@ class ShardWorker:
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
         self.servicer = ShardServicer(self.model, self.manager, self.registry, options)
         self.health = health.HealthServicer()
-        limit = options.max_message_bytes
+        # no valid request is larger than a full batch of full-context float32 rows: a larger message
+        # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
+        needed = config.max_sessions * (config.context_tokens * (info.n_embd * 4 + 8) + 4096) + (1 << 16)
+        limit = min(options.max_message_bytes, needed)
         # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=[("grpc.max_receive_message_length", limit),
+                     ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
             maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions),
             interceptors=[RefuseUnparsableRequests()])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
