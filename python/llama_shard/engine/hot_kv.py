@@ -236,12 +236,14 @@ class HotKvStateConfig:
                 recent_capacity=recent_capacity, warm_bytes=self.warm_bytes,
                 warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, warm_dir=self.warm_dir or "",
                 warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint)
-        except TypeError:  # an integer beyond its native field's width
-            for name, bits in (("max_sessions", 31), ("context_tokens", 31), ("budget_tokens", 63), ("warm_bytes", 63),
-                               ("warm_disk_bytes", 63), ("n_batch", 31), ("recent_capacity", 31)):
-                v = getattr(self, name, locals().get(name))
-                if isinstance(v, int) and not -(1 << bits) <= v < (1 << bits):
-                    raise InvalidInputError(f"{name} is outside its bounds, got {v}") from None
+        except TypeError:  # an integer beyond its native field's width (int32 or int64)
+            fields = {"max_sessions": (self.max_sessions, 31), "context_tokens": (self.context_tokens, 31),
+                      "budget_tokens": (self.budget_tokens, 63), "warm_bytes": (self.warm_bytes, 63),
+                      "warm_disk_bytes": (self.warm_disk_bytes, 63), "n_batch": (n_batch, 31),
+                      "recent_capacity": (recent_capacity, 31)}
+            for name, (value, bits) in fields.items():
+                if isinstance(value, int) and not -(1 << bits) <= value < (1 << bits):
+                    raise InvalidInputError(f"{name} is outside its bounds, got {value}") from None
             raise
 
     @classmethod
