@@ -23,6 +23,7 @@ from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serv
 pytestmark = pytest.mark.grpc
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
+ZOE_TOKEN = "zoe-token-0123456789abcd"
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,12 @@ def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
     ca, other = CertificateAuthority.create(d, "mesh-ca"), CertificateAuthority.create(d, "other-ca")
     tokens = d / "tokens"
-    tokens.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items()))
+    # and a principal whose name is not ASCII (a token file is UTF-8; so is a certificate's CN)
+    tokens.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items())
+                      + f"zoë:{ZOE_TOKEN}\n", encoding="utf-8")
     for principal, token in TOKENS.items():
         (d / f"{principal}.token").write_text(token + "\n")
+    (d / "zoe.token").write_text(ZOE_TOKEN + "\n")
     return {"dir": d, "ca": ca, "other": other, "server": ca.issue("worker", server=True), "tokens": tokens,
             "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice")}
 
@@ -336,6 +340,16 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
         whole = [t for t, _ in LocalPipeline(synthetic_model, None, n_ctx=256, n_seq_max=1, n_batch=32,
                                              n_threads=1).generate([1, 17, 42, 99, 5], 8)]
         assert tokens == whole
+        # a principal whose name is not ASCII: the head names her to the tail in -bin metadata
+        zoe = ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(pki["dir"] / "zoe.token"))
+        zoe_client = RouteClient([RemoteStage(stages[0].address, security=zoe), RemoteStage(tail_name, security=zoe)])
+        zoe_session = zoe_client.session("tls-route-zoe")
+        assert zoe_client.generate_many([zoe_session], [[1, 17, 42, 99, 5]], 8)[0] == whole
+        zoe_tail = _stub(tail_name, zoe)
+        assert zoe_tail.Resolve(pb.SessionRequest(session_id="tls-route-zoe", route_epoch=zoe_session.epoch),
+                                timeout=10).seq_len > 0  # keyed by zoë on the tail too
+        zoe_session.release()
+        zoe_client.close()
         # the tail keyed the session by alice (the head, "ops", forwards on her behalf): she sees it
         # there herself, bob does not, and bob naming alice as a forwarder would is not believed
         tail_alice = _stub(tail_name, security)

@@ -115,7 +115,7 @@ class TokenTable:
                 _log(f"token file {self.path} is gone: no tokens are valid until it is back")
                 return
             try:
-                text = Path(self.path).read_text()
+                text = Path(self.path).read_text(encoding="utf-8")  # principals may be any text
             except OSError:
                 continue
             stamp = self._stat()
