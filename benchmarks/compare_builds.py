@@ -3,6 +3,10 @@ this CPU) against another interpreter's (e.g. a venv with the portable wheel), s
 and shapes, alternating rounds, each side's best kept.
 
     python benchmarks/compare_builds.py --other /path/to/venv/bin/python [--rounds 3] [--model PATH]
+        [--other-benchmarks /path/to/other/checkout/benchmarks]
+
+With --other-benchmarks the other side measures with its own checkout's benchmark code (an A/B
+against an older commit whose package layout differs: build it in a worktree into a venv).
 
 Rows: prefill of a 128-token prompt, decode of 1 session, aggregate decode of 8 sessions; the ratio
 is the other install over this one. Each side's CPU kernels (cpu_backend()) are printed first.
@@ -33,16 +37,18 @@ def measure(model: str, threads: int, quick: bool) -> dict:
             "features": backend["features"]}
 
 
-def run_side(python: str, model: str, threads: int, quick: bool) -> dict:
-    cmd = [python, str(HERE / "compare_builds.py"), "--measure", "--model", model, "--threads", str(threads)]
+def run_side(python: str, model: str, threads: int, quick: bool, bench_dir: Path = HERE) -> dict:
+    cmd = [python, str(bench_dir / "compare_builds.py"), "--measure", "--model", model, "--threads", str(threads)]
     out = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, check=True,
-                         cwd=HERE.parent, env=dict(os.environ, PYTHONPATH=str(HERE)))
+                         cwd=bench_dir.parent, env=dict(os.environ, PYTHONPATH=str(bench_dir)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/compare_builds.py", description=__doc__.splitlines()[0])
     ap.add_argument("--other", help="the other install's python (e.g. a venv with the portable wheel)")
+    ap.add_argument("--other-benchmarks", type=Path, default=HERE,
+                    help="the benchmarks directory the other side measures with (default: this one)")
     ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -60,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from common import Row, format_table
 
     sides: dict[str, list[dict]] = {"this": [], "other": []}
-    order = [("this", sys.executable), ("other", args.other)]
+    order = [("this", sys.executable, HERE), ("other", args.other, args.other_benchmarks.resolve())]
     for k in range(args.rounds):
-        for name, python in (order if k % 2 == 0 else order[::-1]):  # neither side always goes first
-            sides[name].append(run_side(python, args.model, args.threads, args.quick))
+        for name, python, bench_dir in (order if k % 2 == 0 else order[::-1]):  # neither side always goes first
+            sides[name].append(run_side(python, args.model, args.threads, args.quick, bench_dir))
     best = {name: {k: max(r[k] for r in runs) for k in ("pp", "tg1", "tg8")} | {"variant": runs[0]["variant"],
             "features": runs[0]["features"]} for name, runs in sides.items()}
     rows = [Row(label, best["other"][key], best["this"][key], "tok/s", ">= 0.97")

@@ -221,7 +221,7 @@ class HotKvStateConfig:
         if self.warm_dir is not None and (not isinstance(self.warm_dir, str) or not self.warm_dir):
             raise InvalidInputError(f"warm_dir must be a directory path, got {self.warm_dir!r}")
         if self.budget_tokens is None:  # no cap beyond the slots
-            object.__setattr__(self, "budget_tokens", max(self.max_sessions, 0) * max(self.context_tokens, 0) or 0)
+            object.__setattr__(self, "budget_tokens", max(self.max_sessions, 0) * max(self.context_tokens, 0))
         self.engine_config().check()
 
     def engine_config(self, *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,

@@ -286,9 +286,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self._lock:
             self.in_flight += 1
         try:
-            # a forward list longer than any route is refused before it is copied (its length is free)
-            hops = list(forward) if len(forward) <= MAX_FORWARD_HOPS else [pb.Hop()] * (MAX_FORWARD_HOPS + 1)
-            replies = self._run_steps(principal, context, items, hops, time.monotonic() + remaining, batch)
+            replies = self._run_steps(principal, context, items, forward, time.monotonic() + remaining, batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -298,15 +296,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
-    def _run_steps(self, principal: str, context, items: list[tuple], forward: list, deadline: float,
+    def _run_steps(self, principal: str, context, items: list[tuple], forward, deadline: float,
                    batch: bool) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
         Sessions are the principal's own: the engine key carries its tag."""
         visited = self._visited(context)
         refusal = self._forward_refusal(forward, visited)
-        if refusal is not None:  # before anything is computed
+        if refusal is not None:  # before anything is computed, and before the hops are copied
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
+        forward = list(forward)
         replies: list = [None] * len(items)
         parsed = []
         for i, (kind, req) in enumerate(items):
@@ -337,9 +336,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 return tuple(v for v in value.split(",")[:MAX_FORWARD_HOPS + 1] if v)
         return ()
 
-    def _forward_refusal(self, forward: list, visited: tuple[str, ...] = ()) -> str | None:
+    def _forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> str | None:
         """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
-        this worker cannot forward. Checked before anything is computed."""
+        this worker cannot forward. Checked before anything is computed; `forward` (the request's
+        repeated field) is read by length first, so a huge list costs nothing before its refusal."""
         if self.worker_id in visited:
             return "a forwarding loop: this step already passed through this worker"
         if not forward:
