@@ -7,6 +7,7 @@
 
 #include "llama_shard/cpu_backend.h"
 #include "llama_shard/hot_kv_engine.h"
+#include "llama_shard/kv_state_check.h"
 #include "llama_shard/shard_context.h"
 #include "llama_shard/shard_model.h"
 #include "llama_shard/step_loop.h"
@@ -438,8 +439,19 @@ void register_context(py::module_ & m) {
 
 // the engine's enums and StepResult, shared by the native and reference engines
 void register_contract_types(py::module_ & m) {
+    m.def(
+        "kv_state_problem",
+        [](py::bytes state, int32_t seq_len) {
+            const std::string blob = state;
+            std::string why;
+            return kv_state_positions_ok((const uint8_t *) blob.data(), blob.size(), seq_len, why) ? std::string() : why;
+        },
+        py::arg("state"), py::arg("seq_len"),
+        "What the restore check (kv_state_check.h) finds wrong with a llama.cpp sequence state of seq_len tokens; '' if nothing.");
+    m.def("warm_sha256", &kv_file_store::sha256_implementation,
+          "Whose SHA-256 the warm files' MAC uses: 'openssl' (libcrypto, when the build found it) or 'vendored'.");
     m.def("model_digest", &kv_file_store::model_digest, py::arg("path"),
-          "The model identity the disk tier writes into its files: the file's size and a checksum of its first and last MiB");
+          "The model identity the disk tier writes into its files: the file's size and XXH3-128 of all of it (one read of the file)");
 
     py::enum_<shard_status>(m, "Status", "What the engine answered for a request")
         .value("OK", SHARD_STATUS_OK)

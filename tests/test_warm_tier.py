@@ -285,9 +285,221 @@ def test_a_corrupt_file_is_refused_deleted_and_logged(synthetic_model, tmp_path,
     f.write_bytes(bytes(data))
     out = ad.decode("a", 0, token_ids=[5])
     assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.EVICTED_LRU
-    assert not f.exists() and "checksum mismatch" in capfd.readouterr().err
+    assert not f.exists() and "payload digest mismatch" in capfd.readouterr().err
     assert m.stats()["disk_failures"] == 1
     m.check_invariants()
+
+
+class KvFile:
+    """A warm file taken apart (kv_file_store.cpp's layout, version 2): the signed header fields,
+    the payload's SHA-256, the HMAC and the payload. `signed(key)` puts it back together the way a
+    holder of the directory's key would."""
+
+    def __init__(self, data: bytes):
+        import struct
+
+        self.fields, at = [], 4
+        assert data[:4] == b"LSKV"
+
+        def take(fmt):
+            nonlocal at
+            value = struct.unpack_from(fmt, data, at)
+            at += struct.calcsize(fmt)
+            return value[0]
+
+        def take_str():
+            nonlocal at
+            n = take("<I")
+            at += n
+            return data[at - n:at]
+
+        self.version = take("<I")
+        self.fingerprint, self.model = take_str(), take_str()
+        self.first, self.last, self.n_layer = take("<i"), take("<i"), take("<i")
+        self.kv_type, self.sid = take_str(), take_str()
+        self.epoch, self.seq_len, payload_bytes = take("<q"), take("<i"), take("<Q")
+        self.payload_sha, self.mac = data[at:at + 32], data[at + 32:at + 64]
+        self.payload = bytearray(data[at + 64:])
+        assert len(self.payload) == payload_bytes
+
+    def signed(self, key: bytes) -> bytes:
+        import hashlib
+        import hmac
+        import struct
+
+        def s(b):
+            return struct.pack("<I", len(b)) + b
+
+        head = (b"LSKV" + struct.pack("<I", self.version) + s(self.fingerprint) + s(self.model)
+                + struct.pack("<iii", self.first, self.last, self.n_layer) + s(self.kv_type) + s(self.sid)
+                + struct.pack("<qiQ", self.epoch, self.seq_len, len(self.payload)) + hashlib.sha256(self.payload).digest())
+        return head + hmac.new(key, head, hashlib.sha256).digest() + bytes(self.payload)
+
+
+def test_a_file_not_signed_with_the_directorys_key_is_refused(synthetic_model, tmp_path, capfd):
+    """Anyone who could write the directory could mint a file for any session (the checksum was
+    unkeyed): now a file must carry an HMAC under the directory's key. A header edited to move a
+    session to another epoch, a file signed with a guessed key, and another worker's file copied
+    in are each deleted with a log line, and the session is a miss."""
+    warm_dir = tmp_path / "w"
+    m, ad, f = _one_file_on_disk(synthetic_model, warm_dir)
+    key = (warm_dir / "llama-shard.key").read_bytes()
+    assert len(key) == 32 and (warm_dir / "llama-shard.key").stat().st_mode & 0o777 == 0o600
+    original = f.read_bytes()
+    del m, ad
+
+    kv = KvFile(original)
+    kv.epoch = 7                                       # the same payload under another epoch, re-hashed
+    f.write_bytes(kv.signed(b"\0" * 32))               # ... signed with a key the attacker guessed
+    m, ad = _disk_manager(synthetic_model, warm_dir)
+    assert m.stats()["disk_loaded"] == 0 and not f.exists()
+    assert "not signed with this directory's key" in capfd.readouterr().err
+
+    other_dir = tmp_path / "other"                      # another worker's directory, same model and shard
+    m2, ad2, f2 = _one_file_on_disk(synthetic_model, other_dir)
+    del m2, ad2
+    f.write_bytes(f2.read_bytes())                      # its file, transplanted
+    m, ad = _disk_manager(synthetic_model, warm_dir)
+    assert m.stats()["disk_loaded"] == 0 and not f.exists()
+    assert "not signed with this directory's key" in capfd.readouterr().err
+
+    f.write_bytes(original)                             # this directory's own file comes back
+    m, ad = _disk_manager(synthetic_model, warm_dir)
+    assert m.stats()["disk_loaded"] == 1
+    assert isinstance(ad.decode("a", 0, token_ids=[5]), TailOutput)
+    m.check_invariants()
+
+
+CROSS_READ = """
+import sys
+import llama_shard as ls
+from llama_shard._native import warm_sha256
+model = ls.ShardModel(sys.argv[2], None, 1)
+config = ls.HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=sys.argv[1], warm_disk_bytes=1 << 20)
+m = ls.HotKvStateManager(model, config, ls.ManualClock(), n_batch=8)
+ad = ls.KvBoundaryAdapter(model, m)
+if sys.argv[3] == "write":
+    ad.prefill("a", 0, token_ids=[1, 2, 3])
+    print(warm_sha256(), m.persist())
+else:
+    out = ad.decode("a", 0, token_ids=[5])
+    print(warm_sha256(), m.stats()["disk_loaded"], type(out).__name__, out.logits.tobytes().hex() if hasattr(out, "logits") else "")
+"""
+
+
+def test_files_written_with_one_sha256_are_read_with_the_other(synthetic_model, tmp_path):
+    """The MAC's SHA-256 is OpenSSL's where the build found it and the vendored C otherwise (or with
+    LLAMA_SHARD_SHA256=vendored): a file written by either is read by either, and the session
+    decodes the same logits."""
+    import os
+    import subprocess
+    import sys
+
+    def run(warm_dir, mode, sha):
+        env = dict(os.environ)
+        env.pop("LLAMA_SHARD_SHA256", None)
+        if sha == "vendored":
+            env["LLAMA_SHARD_SHA256"] = "vendored"
+        res = subprocess.run([sys.executable, "-c", CROSS_READ, str(warm_dir), str(synthetic_model), mode], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.split()
+
+    reads = []
+    for writer, reader in (("default", "vendored"), ("vendored", "default")):
+        warm_dir = tmp_path / f"{writer}-{reader}"
+        assert run(warm_dir, "write", writer)[1] == "1"
+        reads.append(run(warm_dir, "read", reader))
+    assert [r[1:3] for r in reads] == [["1", "TailOutput"]] * 2
+    assert reads[0][3] == reads[1][3]
+    assert reads[0][0] == "vendored"
+
+
+@pytest.mark.parametrize("trap", ["group_readable", "wrong_size", "symlink", "fifo"])
+def test_a_bad_key_file_is_refused(synthetic_model, tmp_path, trap):
+    """The key must be this user's, private, 32 bytes and a regular file: anything else refuses to
+    start (InvalidInputError; `serve` exits 2 with the reason), never opens a link or blocks."""
+    import os
+    import subprocess
+    import sys
+
+    warm_dir = tmp_path / "w"
+    warm_dir.mkdir(mode=0o700)
+    key = warm_dir / "llama-shard.key"
+    if trap == "group_readable":
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o640)
+    elif trap == "wrong_size":
+        key.write_bytes(b"short")
+        key.chmod(0o600)
+    elif trap == "symlink":
+        (tmp_path / "elsewhere").write_bytes(os.urandom(32))
+        key.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(key)
+    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model), "--port", "0",
+                          "--warm-dir", str(warm_dir), "--warm-disk", "1MiB"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "the warm tier's key" in res.stderr, res.stderr
+    with pytest.raises(InvalidInputError, match="the warm tier's key"):
+        _disk_manager(synthetic_model, warm_dir)
+
+
+def test_a_signed_state_with_wrong_positions_is_refused(synthetic_model, tmp_path, capfd):
+    """llama.cpp restores whatever positions a state lists: a cell at position -1 loaded and the
+    session decoded wrong logits. The restore now reads the cell list first (kv_state_check.h):
+    even a file signed with the right key is refused unless its positions are exactly 0..n-1."""
+    from llama_shard._native import kv_state_problem
+
+    warm_dir = tmp_path / "w"
+    m, ad, f = _one_file_on_disk(synthetic_model, warm_dir)
+    key = (warm_dir / "llama-shard.key").read_bytes()
+    kv = KvFile(f.read_bytes())
+    assert kv_state_problem(bytes(kv.payload), 3) == ""
+    assert "holds 3 cells for 4 tokens" in kv_state_problem(bytes(kv.payload), 4)
+    cells = _cell_offsets(kv.payload, 3)
+    kv.payload[cells[0]:cells[0] + 4] = (-1).to_bytes(4, "little", signed=True)
+    assert "cell 0 at position -1, expected 0" in kv_state_problem(bytes(kv.payload), 3)
+    f.write_bytes(kv.signed(key))
+    out = ad.decode("a", 0, token_ids=[5])
+    assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.EVICTED_LRU
+    assert "refused a state of 3 tokens: cache 0 cell 0 at position -1" in capfd.readouterr().err
+    assert m.stats()["disk_failures"] == 1 and not f.exists()
+    m.check_invariants()
+
+
+def _cell_offsets(state: bytes, seq_len: int) -> list[int]:
+    """Where each cell's position lies in a one-cache state (magic, seq id, stream count, the cell
+    count of each stream: the sequence's stream is the one whose count is seq_len)."""
+    import struct
+
+    n_stream = struct.unpack_from("<I", state, 8)[0]
+    at = 12
+    for _ in range(n_stream):
+        (count,) = struct.unpack_from("<I", state, at)
+        at += 4
+        if count == seq_len:
+            return [at + 12 * i for i in range(seq_len)]
+    raise AssertionError("no stream holds the sequence")
+
+
+def test_the_state_check_survives_any_damage(synthetic_model, tmp_path):
+    """Every truncation and every single-byte change of a real state either passes (a byte of K/V
+    rows) or is named; none crashes the reader."""
+    from llama_shard._native import kv_state_problem
+
+    m, ad, f = _one_file_on_disk(synthetic_model, tmp_path / "w")
+    state = bytes(KvFile(f.read_bytes()).payload)
+    for n in range(len(state)):
+        assert kv_state_problem(state[:n], 3) != ""
+    rows = 0
+    for i in range(len(state)):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(state)
+            damaged[i] ^= flip
+            rows += kv_state_problem(bytes(damaged), 3) == ""
+    assert 0 < rows < 3 * len(state)
+    for seq_len in (-1, 0, 2, 4, 1 << 30):
+        assert kv_state_problem(state, seq_len) != ""
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model"])
@@ -318,6 +530,31 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
         assert m.stats()["disk_loaded"] == 0
     assert not f.exists()
     assert "llama-shard warm tier: deleted" in capfd.readouterr().err
+
+
+def test_a_model_changed_only_in_its_middle_is_another_model(embedded_model, tmp_path, capfd):
+    """The digest sampled the file's size and its first and last MiB: a model re-quantised or
+    fine-tuned in place with the same size kept the same digest, and its old KV files loaded. Now
+    the digest reads every byte (XXH3-128, about 30 ms for this 98 MB file)."""
+    import shutil
+
+    from llama_shard._native import model_digest
+
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(embedded_model, copy)
+    warm_dir = tmp_path / "w"
+    m, ad, f = _one_file_on_disk(copy, warm_dir)
+    del m, ad
+    before = model_digest(str(copy))
+    data = bytearray(copy.read_bytes())
+    middle = len(data) // 2                              # inside the tensor data, far from either end
+    data[middle] ^= 0x01
+    copy.write_bytes(bytes(data))
+    assert len(data) > 4 << 20 and model_digest(str(copy)) != before
+    assert model_digest(str(copy)).split("-")[0] == before.split("-")[0] == str(len(data))
+    m, _ = _disk_manager(copy, warm_dir)
+    assert m.stats()["disk_loaded"] == 0 and not f.exists()
+    assert "written for another model file" in capfd.readouterr().err
 
 
 def test_a_file_that_is_not_ours_is_left_alone_at_start_up(synthetic_model, tmp_path, capfd):
@@ -397,7 +634,9 @@ def test_the_warm_directory_does_not_follow_links_or_block_on_fifos(synthetic_mo
 def test_an_unwritable_directory_degrades_to_a_miss(synthetic_model, tmp_path, capfd):
     warm_dir = tmp_path / "w"
     m, ad = _disk_manager(synthetic_model, warm_dir)
-    warm_dir.rmdir()
+    import shutil
+
+    shutil.rmtree(warm_dir)
     warm_dir.write_text("a file where the directory was")
     ad.prefill("a", 0, token_ids=[1, 2, 3])
     assert isinstance(ad.prefill("b", 0, token_ids=[4]), TailOutput)  # the step that evicted "a" goes on

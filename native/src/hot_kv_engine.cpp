@@ -1,10 +1,12 @@
 #include "llama_shard/hot_kv_engine.h"
 #include "llama_shard/kv_type.h"
+#include "llama_shard/kv_state_check.h"
 
 #include <algorithm>
 #include <cassert>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 
 namespace llama_shard {
@@ -427,7 +429,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     assert(it != warm_.end() && !free_ids_.empty());
     warm_entry & w = it->second;
     const auto t0 = std::chrono::steady_clock::now();
-    page_buffer from_disk;  // read and verified (header, size, checksum) before llama.cpp sees it
+    page_buffer from_disk;  // read and verified (MAC, header, size, digest) before llama.cpp sees it
     bool ok = true;
     if (w.on_disk) {
         const shard_model_info & info = model_.info();
@@ -439,6 +441,12 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     }
     const page_buffer & state = w.on_disk ? from_disk : w.state;
     int32_t seq_id = -1;
+    std::string why;
+    if (ok && !kv_state_positions_ok(state.data(), state.size(), w.seq_len, why)) {
+        std::fprintf(stderr, "llama-shard warm tier: refused a state of %d tokens: %s\n", (int) w.seq_len, why.c_str());
+        counters_.disk_failures += w.on_disk ? 1 : 0;
+        ok = false;
+    }
     if (ok) {
         seq_id = take_free_id_locked(ids);
         try {

@@ -4,21 +4,28 @@
 // owns; a local cache of KV this process wrote, never a way to accept KV from elsewhere.
 //
 // A file is a header and a payload (llama.cpp's sequence state of the owned layers):
-//   magic "LSKV", format version, the shard's identity (recipe fingerprint, owned range, total
-//   layers, KV type), the session key (id, epoch), its length in tokens, the payload's size and
-//   a 64-bit checksum of the payload.
+//   magic "LSKV", format version, the shard's identity (recipe fingerprint, model digest, owned
+//   range, total layers, KV type), the session key (id, which carries the owner's tag, and epoch),
+//   its length in tokens, the payload's size and SHA-256, then an HMAC-SHA256 of all of that under
+//   the directory's key.
+// The key: 32 random bytes in <dir>/llama-shard.key, created 0600 on first use and refused if it is
+// not this user's, not private, or not 32 bytes. Whoever lacks it cannot make a file this worker
+// loads, for any session or owner, nor move a file between directories (workers).
 // Invariants:
 //  - a file is written to a temporary name, flushed with fsync and renamed into place, so a crash
 //    leaves either the old file, the new one, or a temporary that the next scan deletes;
-//  - nothing is handed back unless every header field matches what the caller expects, the size
-//    is exact and the checksum matches; a file that fails any check is deleted, with a log line;
+//  - nothing is handed back unless the MAC is right, every header field matches what the caller
+//    expects, the size is exact and the payload's digest matches; a file of this format that fails
+//    a check is deleted, with a log line; anything else (another format, a link, a FIFO) is left alone;
 //  - failures (a full disk, an unwritable directory) are return values with a log line, never
 //    exceptions: the tier degrades to a cache miss.
-// The checksum detects corruption and truncation, not tampering: the directory must be as private
-// as the process's memory.
+// The directory must still be this user's and not writable by others (checked at start): the MAC
+// stops forgery and transplanting, not deletion or a replay of this directory's own older file of
+// the same session, epoch and length.
 
 #include "llama_shard/page_buffer.h"
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,7 +35,7 @@ namespace llama_shard {
 // what a file must have been written by to be read back
 struct kv_file_identity {
     std::string recipe_fingerprint;  // the KvCacheRecipe fingerprint (architecture, KV type, geometry, range)
-    std::string model_digest;        // the model file's size and a checksum of its first and last MiB (weights)
+    std::string model_digest;        // the model file's size and XXH3-128 of all of it (model_digest())
     int32_t     first   = 0;
     int32_t     last    = 0;
     int32_t     n_layer = 0;
@@ -61,8 +68,12 @@ public:
     bool read(const std::string & sid, int64_t epoch, int32_t seq_len, uint64_t min_bytes, uint64_t max_bytes,
               page_buffer & state);
 
-    // the digest of a model file kv_file_identity::model_digest holds ("" if it cannot be read)
+    // the digest of a model file kv_file_identity::model_digest holds ("" if it cannot be read): it
+    // reads the whole file once (about 1 s per 4 GB from the page cache, more from a cold disk)
     static std::string model_digest(const std::string & model_path);
+
+    // "openssl" or "vendored": whose SHA-256 the MAC uses in this process (the same digest either way)
+    static const char * sha256_implementation();
 
     void remove(const std::string & sid);
 
@@ -73,15 +84,17 @@ public:
     // the path a session's file has (two 64-bit hashes of the id: a collision costs a miss, no more)
     std::string path_for(const std::string & sid) const;
 
-    static uint64_t checksum(const uint8_t * data, size_t size);
-
 private:
-    bool read_header(const std::string & path, kv_file_entry & entry, uint64_t & payload_bytes, uint64_t & sum,
+    using digest = std::array<uint8_t, 32>;  // SHA-256
+
+    void load_or_create_key();
+    bool read_header(const std::string & path, kv_file_entry & entry, uint64_t & payload_bytes, digest & payload_sha,
                      size_t & header_bytes, std::string & why) const;
     void discard(const std::string & path, const std::string & why) const;
 
     std::string      dir_;
     kv_file_identity identity_;
+    digest           key_{};
 };
 
 } // namespace llama_shard

@@ -245,11 +245,11 @@ class ReferenceHotKvEngine:
 
     def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
         """The size of the native disk tier's file for a session (kv_file_store.cpp: magic, version,
-        the recipe fingerprint, range and KV type, the key, epoch, length, payload size, checksum,
-        then llama.cpp's sequence state)."""
+        the recipe fingerprint, range and KV type, the key, epoch, length, payload size, the payload's
+        SHA-256 and the header's HMAC-SHA256, then llama.cpp's sequence state)."""
         sid = len(session_id.encode("utf-8", "surrogatepass"))
         header = (4 + 4 + (4 + len(self.recipe_fingerprint)) + (4 + len(self._model_digest)) + 12 + (4 + 3) + (4 + sid)
-                  + 8 + 4 + 8 + 8)
+                  + 8 + 4 + 8 + 32 + 32)
         return header + self._state_bytes(seq_len)
 
     def _state_bytes(self, seq_len: int) -> int:
