@@ -520,3 +520,140 @@ def test_a_killed_tail_on_a_chained_route_is_a_clear_error_then_a_reprefill(embe
     finally:
         head.stop()
         tail.stop()
+
+
+def _peak_and_current_rss(pid: int) -> tuple[int, int]:
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmHWM"], fields["VmRSS"]
+
+
+def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded(embedded_model):
+    """max_concurrent_rpcs callers each send the largest message the worker parses: 16 token lists
+    of one-byte ids (each becomes a 4-byte int when parsed), then 16 hidden tensors, then 16 that
+    are one KiB too large. What may be alive at once: each call's bytes as gRPC received them and
+    Python's copy (2 x max_concurrent_rpcs x the largest request), and what is parsed and held by
+    handlers, at most max_in_flight_request_bytes admitted at once, 5x its size once parsed. Before
+    the ids were counted ahead of list(), one 60 MB request alone took the worker to 1.89 GB.
+    Measured here: +259-261 MiB over a resting 149 MiB, for a bound of 2 x 16 x 9.6 + 5 x 19.1 MB."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, address = start_worker(embedded_model, 0, 5, 1, extra=("--max-concurrent-rpcs", "16"))
+    try:
+        wait_serving(proc, address)
+        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * 2**20),
+                                                     ("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
+            stub = pb_grpc.ShardServiceStub(ch)
+            info = stub.Info(pb.InfoRequest(), timeout=10)
+            limit, in_flight = info.max_request_bytes, info.max_in_flight_request_bytes
+            assert limit == 8 * (512 * (576 * 4 + 8) + 4096) + (1 << 16) and in_flight == 2 * limit
+            assert stub.Prefill(pb.StepRequest(session_id="warm-up", route_epoch=0, token_ids=[1, 2, 3]),
+                                timeout=60).outcome == pb.OUTCOME_OK
+            _, resting = _peak_and_current_rss(proc.pid)
+
+            head = pb.StepRequest(session_id="big", route_epoch=0).SerializeToString()
+            field = pb.StepRequest.DESCRIPTOR.fields_by_name["token_ids"].number
+
+            def packed_ids(total: int) -> bytes:  # a packed repeated int32 of ids 1, filling `total` bytes
+                for n in range(total - len(head) - 2, 0, -1):
+                    body = b"\x01" * n
+                    out = head + _varint(field << 3 | 2) + _varint(len(body)) + body
+                    if len(out) <= total:
+                        return out
+                raise AssertionError
+
+            rows = (limit - 1024) // (576 * 4)
+            hidden = pb.StepRequest(session_id="big", route_epoch=0, hidden=pb.Tensor(
+                shape=[rows, 576], dtype=pb.DTYPE_FLOAT32, data=bytes(rows * 576 * 4))).SerializeToString()
+            waves = {"token ids": packed_ids(limit), "hidden rows": hidden, "one KiB too large": packed_ids(limit + 1024)}
+            assert len(waves["token ids"]) == limit and len(hidden) <= limit
+            prefill = ch.unary_unary("/llama_shard.v1.ShardService/Prefill", request_serializer=lambda b: b,
+                                     response_deserializer=pb.StepReply.FromString)
+
+            def send(message: bytes) -> str:
+                try:
+                    return pb.Outcome.Name(prefill(message, timeout=120).outcome)
+                except grpc.RpcError as e:
+                    return e.code().name
+
+            seen = {}
+            for name, message in waves.items():
+                with ThreadPoolExecutor(16) as pool:
+                    seen[name] = sorted(set(pool.map(send, [message] * 16)))
+            peak, _ = _peak_and_current_rss(proc.pid)
+            assert proc.poll() is None
+            print(f"largest request {limit / 1e6:.1f} MB, in flight {in_flight / 1e6:.1f} MB; resting RSS "
+                  f"{resting / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - resting) / 2**20:.0f}); {seen}")
+            assert set(seen["token ids"]) <= {"OUTCOME_BUDGET_EXCEEDED", "RESOURCE_EXHAUSTED"}
+            assert set(seen["hidden rows"]) <= {"OUTCOME_INVALID_ARGUMENT", "OUTCOME_BUDGET_EXCEEDED", "RESOURCE_EXHAUSTED"}
+            assert seen["one KiB too large"] == ["RESOURCE_EXHAUSTED"]
+            assert peak - resting <= 2 * 16 * limit + 5 * in_flight, (peak - resting) / 2**20
+            r = stub.Prefill(pb.StepRequest(session_id="after", route_epoch=0, token_ids=[1, 2, 3]), timeout=60)
+            assert r.outcome == pb.OUTCOME_OK
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
+    """AdmitRequests in isolation: a request is admitted while the bytes already admitted leave room,
+    refused (RESOURCE_EXHAUSTED, nothing parsed) when they do not, and its share comes back when the
+    handler returns, raises, or when gRPC drops the call before the handler runs."""
+    import gc
+
+    from llama_shard.proto.wire import AdmitRequests
+
+    parsed = []
+
+    def behavior(request, context):
+        if request.session_id.startswith("raise"):
+            raise RuntimeError("handler failed")
+        return request.session_id
+
+    handler = grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=lambda b: parsed.append(b) or
+                                                  pb.StepRequest.FromString(b))
+    admission = AdmitRequests(max_in_flight_bytes=100)
+    wrapped = admission.intercept_service(lambda _details: handler, type("D", (), {"method": "/x/Prefill"})())
+
+    class Context:
+        def abort(self, code, details):
+            raise grpc.RpcError(code, details)
+
+    def message(sid: str, size: int) -> bytes:
+        return pb.StepRequest(session_id=sid + "x" * (size - len(sid) - 2)).SerializeToString()
+
+    a = wrapped.request_deserializer(message("a", 60))
+    assert admission.in_flight.held == 60
+    b = wrapped.request_deserializer(message("b", 60))             # 120 > 100: refused, not parsed
+    assert admission.in_flight.held == 60 and len(parsed) == 1
+    with pytest.raises(grpc.RpcError) as refused:
+        wrapped.unary_unary(b, Context())
+    assert refused.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert wrapped.unary_unary(a, Context()).startswith("a") and admission.in_flight.held == 0
+    c = wrapped.request_deserializer(message("raise", 90))
+    with pytest.raises(RuntimeError):
+        wrapped.unary_unary(c, Context())
+    assert admission.in_flight.held == 0
+    d = wrapped.request_deserializer(message("d", 90))             # a call dropped before its handler
+    assert admission.in_flight.held == 90
+    del d
+    gc.collect()
+    assert admission.in_flight.held == 0
+    bad = wrapped.request_deserializer(b"\xff\xff\xff")            # does not parse: nothing held
+    assert admission.in_flight.held == 0
+    with pytest.raises(grpc.RpcError) as unparsable:
+        wrapped.unary_unary(bad, Context())
+    assert unparsable.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT

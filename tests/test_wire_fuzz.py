@@ -1,7 +1,8 @@
 """Wire fuzzing against a live worker: generated messages for every step and session method
 (extreme and negative numbers, empty and long ids, wrong shapes, dtypes and truncated tensor bytes,
-unknown enum values, unknown fields, chained hops to nowhere) and raw random bytes. Every call gets an Outcome or
-a clean gRPC status; afterwards the worker still serves the whole model's tokens, its RSS bounded."""
+unknown enum values, unknown fields, chained hops to nowhere), each field at the largest size the
+receive limit lets through and just past it, and raw random bytes. Every call gets an Outcome or a
+clean gRPC status; afterwards the worker still serves the whole model's tokens, its RSS bounded."""
 from __future__ import annotations
 
 import collections
@@ -128,6 +129,58 @@ def test_raw_bytes_get_a_clean_status(worker, method, payload):
     assert proc.poll() is None
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_maximum_and_oversize_fields_get_an_outcome_or_a_clean_status(worker, data):
+    """Each field at the largest size the worker's receive limit lets through, and at one that makes
+    the message just too large: a token list of one-byte or five-byte ids, hidden bytes, a session
+    id, a recipe fingerprint, a forward list. Each gets a typed reply or a clean status (the
+    oversize ones RESOURCE_EXHAUSTED before they are parsed), and the worker keeps serving."""
+    proc, channel = worker
+    limit = pb_grpc.ShardServiceStub(channel).Info(pb.InfoRequest(), timeout=30).max_request_bytes
+    assert 0 < limit < 64 << 20
+    field = data.draw(st.sampled_from(["ids1", "ids5", "hidden", "session_id", "fingerprint", "forward"]))
+    over = data.draw(st.booleans())
+    head = pb.StepRequest(route_epoch=data.draw(i64), position=data.draw(st.integers(-1, 600))).SerializeToString()
+    room = limit - len(head) - 16                   # what one field may take, with its tag and length
+    size = room + (2048 if over else 0)
+    req = pb.StepRequest()
+    if field == "ids1":
+        req.token_ids.extend([data.draw(st.integers(0, 127))] * size)
+    elif field == "ids5":
+        req.token_ids.extend([data.draw(st.sampled_from([-1, -2**31, 2**31 - 1]))] * (size // 10))
+    elif field == "hidden":
+        rows = data.draw(st.integers(1, 4))
+        req.hidden.CopyFrom(pb.Tensor(shape=[rows, max(1, size // (4 * rows))], dtype=pb.DTYPE_FLOAT32, data=bytes(size)))
+    elif field == "session_id":
+        req.session_id = "s" * size
+    elif field == "fingerprint":
+        req.recipe_fingerprint = "f" * size
+    else:
+        hop = pb.Hop(address="127.0.0.1:1")
+        req.forward.extend([hop] * (size // len(pb.StepRequest(forward=[hop]).SerializeToString())))
+    message = head + req.SerializeToString()
+    method = data.draw(st.sampled_from(["Prefill", "Decode", "StepBatch"]))
+    if method == "StepBatch":
+        message = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=1, step=pb.StepRequest.FromString(message))]).SerializeToString()
+    call = channel.unary_unary(SERVICE + method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    try:
+        reply = call(message, timeout=60)
+        assert len(message) <= limit
+        if method == "StepBatch":
+            outcomes = [r.outcome for r in pb.StepBatchReply.FromString(reply).replies]
+        else:
+            outcomes = [pb.StepReply.FromString(reply).outcome]
+        assert all(o in pb.Outcome.values() for o in outcomes)
+        COUNTS[f"max-size {field}: {','.join(pb.Outcome.Name(o) for o in outcomes)}"] += 1
+    except grpc.RpcError as e:
+        assert e.code() in CLEAN, (e.code(), e.details())
+        if len(message) > limit:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        COUNTS[f"{'over' if len(message) > limit else 'max'}-size {field}: {e.code().name}"] += 1
+    assert proc.poll() is None
+
+
 def test_after_the_fuzzing_the_worker_serves_exact_tokens_in_bounded_memory(worker, synthetic_model):
     proc, channel = worker
     stub = pb_grpc.ShardServiceStub(channel)
@@ -143,3 +196,4 @@ def test_after_the_fuzzing_the_worker_serves_exact_tokens_in_bounded_memory(work
     rss = resident_bytes(proc.pid)
     print(f"fuzz: {sum(COUNTS.values())} calls: {dict(COUNTS)}; worker RSS {rss / 2**20:.0f} MiB")
     assert rss < 512 << 20
+

@@ -7,6 +7,7 @@ values) before anything reaches an engine.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -85,14 +86,65 @@ class _Unparsable:
         self.error = error
 
 
-class RefuseUnparsableRequests(grpc.ServerInterceptor):
-    """Bytes that do not parse as a unary method's request get INVALID_ARGUMENT with the parser's
-    reason. gRPC's own answer to a request its deserializer rejects is INTERNAL, which reads as a
-    fault of the worker on a dashboard; the fault is the caller's. Each method's wrapped handler is
-    made once (the handlers are registered before the server starts), not per call."""
+class _Overloaded:
+    """What a request becomes when the bytes already in flight leave no room for it."""
 
-    def __init__(self):
+    def __init__(self, size: int, in_flight: int, limit: int):
+        self.size, self.in_flight, self.limit = size, in_flight, limit
+
+
+class _InFlightBytes:
+    """The request bytes this worker has admitted and not yet answered."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.held + n > self.limit:
+                return False
+            self.held += n
+            return True
+
+    def give_back(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+class _Admitted:
+    """A parsed request holding its share of the in-flight bytes. The share goes back when the
+    handler returns, or when gRPC drops the call before the handler runs (a cancelled call: this
+    object is freed, and with it the share)."""
+
+    def __init__(self, message, size: int, budget: _InFlightBytes):
+        self.message, self._size, self._budget = message, size, budget
+
+    def release(self) -> None:
+        size, self._size = self._size, 0
+        if size:
+            self._budget.give_back(size)
+
+    def __del__(self):
+        self.release()
+
+
+class AdmitRequests(grpc.ServerInterceptor):
+    """Every unary request passes here before its handler.
+    - Bytes that do not parse get INVALID_ARGUMENT with the parser's reason. gRPC's own answer to a
+      request its deserializer rejects is INTERNAL, which reads as a fault of the worker on a
+      dashboard; the fault is the caller's.
+    - The request bytes being parsed and handled at once are bounded: a request that would take the
+      total past `max_in_flight_bytes` gets RESOURCE_EXHAUSTED before it is parsed. gRPC bounds
+      each message (the receive limit) and the calls (max_concurrent_rpcs), not their sum; a parsed
+      message takes up to 5x its bytes (one-byte token ids become 4-byte ints), so without this
+      a worker's pool of handler threads, each parsing a maximum-size message, could take gigabytes.
+    Each method's wrapped handler is made once (the handlers are registered before the server
+    starts), not per call."""
+
+    def __init__(self, max_in_flight_bytes: int):
         self._wrapped: dict[str, object] = {}
+        self.in_flight = _InFlightBytes(max_in_flight_bytes)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -103,24 +155,35 @@ class RefuseUnparsableRequests(grpc.ServerInterceptor):
                 self._wrapped[method] = wrapped
         return wrapped
 
-    @staticmethod
-    def _wrap(method: str, handler):
+    def _wrap(self, method: str, handler):
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
             return handler
-        parse, behavior = handler.request_deserializer, handler.unary_unary
+        parse, behavior, budget = handler.request_deserializer, handler.unary_unary, self.in_flight
 
-        def lenient_parse(data: bytes):
+        def admit_and_parse(data: bytes):
+            if not budget.take(len(data)):
+                return _Overloaded(len(data), budget.held, budget.limit)
+            admitted = _Admitted(None, len(data), budget)
             try:
-                return parse(data)
+                admitted.message = parse(data)
             except DecodeError as e:
+                admitted.release()
                 return _Unparsable(e)
+            return admitted
 
-        def refuse_unparsable(request, context):
+        def handle(request, context):
             if isinstance(request, _Unparsable):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
-            return behavior(request, context)
+            if isinstance(request, _Overloaded):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{method}: {request.in_flight} request bytes are in flight, {request.size} more would pass "
+                              f"this worker's bound of {request.limit}; retry shortly")
+            try:
+                return behavior(request.message, context)
+            finally:
+                request.release()
 
-        return handler._replace(request_deserializer=lenient_parse, unary_unary=refuse_unparsable)
+        return handler._replace(request_deserializer=admit_and_parse, unary_unary=handle)
 
 
 def tier_name(tier: Tier) -> str:

@@ -42,7 +42,7 @@ from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
-from ..proto.wire import RECONNECT_OPTIONS, RefuseUnparsableRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
+from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
 #: the most hops a chained step may name after this worker, whatever the model (a route has no more
@@ -237,6 +237,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.max_hop_s = options.max_hop_s
         self.worker_id = secrets.token_hex(8)  # this worker in VISITED
         self.own_addresses = frozenset()  # set by ShardWorker once bound: forwards to these are loops
+        # no valid request is larger than a full batch of full-context float32 rows: a larger message
+        # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
+        config = manager.config
+        needed = config.max_sessions * (config.context_tokens * (self.info.n_embd * 4 + 8) + 4096) + (1 << 16)
+        self.max_request_bytes = min(options.max_message_bytes, needed)
+        # every session's rows at once fit in one such request; twice that may be parsed and handled
+        # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
+        self.max_in_flight_request_bytes = 2 * self.max_request_bytes
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -492,7 +500,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
-            peers=sorted(self.peers.allowed))
+            peers=sorted(self.peers.allowed), max_request_bytes=self.max_request_bytes,
+            max_in_flight_request_bytes=self.max_in_flight_request_bytes)
 
 
 class ShardWorker:
@@ -510,17 +519,15 @@ class ShardWorker:
         self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
         self.servicer = ShardServicer(self.model, self.manager, self.registry, options)
         self.health = health.HealthServicer()
-        # no valid request is larger than a full batch of full-context float32 rows: a larger message
-        # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
-        needed = config.max_sessions * (config.context_tokens * (info.n_embd * 4 + 8) + 4096) + (1 << 16)
-        limit = min(options.max_message_bytes, needed)
+        limit = self.servicer.max_request_bytes
+        self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.max_in_flight_request_bytes)
         # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
             maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions),
-            interceptors=[RefuseUnparsableRequests()])
+            interceptors=[self.admission])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         credentials = options.security.server_credentials()
