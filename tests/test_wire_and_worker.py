@@ -19,7 +19,7 @@ from llama_shard.engine.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import RemoteStage, RouteClient, RouteError
-from llama_shard.serve.local_workers import free_port, start_worker, wait_serving
+from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto.wire import decode_tensor, encode_tensor
 
 from conftest import REPO
@@ -595,8 +595,7 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
             r = stub.Prefill(pb.StepRequest(session_id="after", route_epoch=0, token_ids=[1, 2, 3]), timeout=60)
             assert r.outcome == pb.OUTCOME_OK
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_worker(proc)
 
 
 def _varint(n: int) -> bytes:
