@@ -11,6 +11,7 @@
 #include "llama_shard/shard_context.h"
 #include "llama_shard/shard_model.h"
 #include "llama_shard/step_loop.h"
+#include "llama_shard/token_sampler.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -604,6 +605,62 @@ void register_config(py::module_ & m) {
         });
 }
 
+// SamplingParams and TokenSampler: llama.cpp's sampler chain for one session (token_sampler.h)
+void register_sampling(py::module_ & m) {
+    const sampling_params d;
+    py::class_<sampling_params>(m, "SamplingParams",
+        "Sampling parameters (sampling_params): defaults leave every sampler but dist off; check() the one check of "
+        "their ranges")
+        .def(py::init([](float temperature, int32_t top_k, float top_p, float min_p, int32_t penalty_last_n,
+                         float penalty_repeat, float penalty_freq, float penalty_present, uint32_t seed) {
+                 return sampling_params{temperature, top_k, top_p, min_p, penalty_last_n, penalty_repeat, penalty_freq,
+                                        penalty_present, seed};
+             }),
+             py::kw_only(), py::arg("temperature") = d.temperature, py::arg("top_k") = d.top_k, py::arg("top_p") = d.top_p,
+             py::arg("min_p") = d.min_p, py::arg("penalty_last_n") = d.penalty_last_n,
+             py::arg("penalty_repeat") = d.penalty_repeat, py::arg("penalty_freq") = d.penalty_freq,
+             py::arg("penalty_present") = d.penalty_present, py::arg("seed") = d.seed)
+        .def_readonly("temperature", &sampling_params::temperature)
+        .def_readonly("top_k", &sampling_params::top_k)
+        .def_readonly("top_p", &sampling_params::top_p)
+        .def_readonly("min_p", &sampling_params::min_p)
+        .def_readonly("penalty_last_n", &sampling_params::penalty_last_n)
+        .def_readonly("penalty_repeat", &sampling_params::penalty_repeat)
+        .def_readonly("penalty_freq", &sampling_params::penalty_freq)
+        .def_readonly("penalty_present", &sampling_params::penalty_present)
+        .def_readonly("seed", &sampling_params::seed)
+        .def("check", &sampling_check, py::arg("n_vocab"), py::arg("max_penalty_last_n"),
+             "InvalidInputError naming the first parameter outside its range")
+        .def("__repr__", [](const sampling_params & p) {
+            return "SamplingParams(temperature=" + std::to_string(p.temperature) + ", top_k=" + std::to_string(p.top_k) +
+                   ", top_p=" + std::to_string(p.top_p) + ", min_p=" + std::to_string(p.min_p) + ", penalty_last_n=" +
+                   std::to_string(p.penalty_last_n) + ", penalty_repeat=" + std::to_string(p.penalty_repeat) +
+                   ", penalty_freq=" + std::to_string(p.penalty_freq) + ", penalty_present=" +
+                   std::to_string(p.penalty_present) + ", seed=" + std::to_string(p.seed) + ")";
+        });
+
+    py::class_<token_sampler>(m, "TokenSampler",
+        "One session's sampler: llama.cpp's penalties -> top_k -> top_p -> min_p -> temperature -> dist(seed). Built "
+        "from the tokens it has accepted and the draws it has made, so a replay gives the same tokens")
+        .def(py::init([](int32_t n_vocab, const sampling_params & params, int32_t max_penalty_last_n,
+                         std::vector<int32_t> history, uint64_t draws) {
+                 return token_sampler::resume(n_vocab, params, max_penalty_last_n, history, draws);
+             }),
+             py::arg("n_vocab"), py::arg("params"), py::arg("max_penalty_last_n"), py::kw_only(),
+             py::arg("history") = std::vector<int32_t>{}, py::arg("draws") = 0)
+        .def("sample", [](token_sampler & s, py::array logits) {
+                 if (!py::isinstance<py::array_t<float>>(logits) || logits.ndim() != 1 ||
+                     !(logits.flags() & py::array::c_style)) {
+                     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "logits must be a contiguous 1-D numpy float32 array");
+                 }
+                 return s.sample(static_cast<const float *>(logits.data()), (size_t) logits.shape(0));
+             },
+             py::arg("logits"), "One draw over a row of n_vocab logits (not accepted: call accept with the token kept)")
+        .def("accept", &token_sampler::accept, py::arg("token"), "The penalties remember this token")
+        .def_property_readonly("draws", &token_sampler::draws)
+        .def_property_readonly("params", &token_sampler::params);
+}
+
 void register_engine(py::module_ & m) {
     py::class_<hot_kv_engine>(m, "HotKvEngine")
         .def(py::init([](const shard_model & model, const hot_kv_config & config) {
@@ -680,4 +737,5 @@ PYBIND11_MODULE(_native, m) {
     register_step_loop(m);
     register_config(m);
     register_engine(m);
+    register_sampling(m);
 }

@@ -165,7 +165,7 @@ void step_loop::session_left(const std::string & session_id) {
 step_loop_stats step_loop::stats() const {
     std::lock_guard<std::mutex> lock(executor_->mutex_);
     step_loop_stats st = stats_;
-    st.pending = (int32_t) pending_.size();
+    st.pending = (int32_t) (pending_.size() - handing_back_);  // a woken caller never counts its own ticket
     return st;
 }
 
@@ -419,6 +419,7 @@ void step_loop::step_once(std::unique_lock<std::mutex> & lock) {
     stats_.chunks += parts.size();
     stats_.tokens += tokens;
     stats_.busy_seconds += std::chrono::duration<double>(t1 - t0).count();
+    handing_back_ = finished.size();
     lock.unlock();
     for (auto & [ticket, res] : finished) {
         ticket->complete(std::move(res));
@@ -428,6 +429,7 @@ void step_loop::step_once(std::unique_lock<std::mutex> & lock) {
     for (const auto & [ticket, res] : finished) {
         pending_.erase(std::find(pending_.begin(), pending_.end(), ticket));
     }
+    handing_back_ = 0;
 }
 
 } // namespace llama_shard

@@ -107,7 +107,7 @@ struct step_loop_stats {
     uint64_t chunks        = 0;  // request parts computed (a chunked prefill counts each chunk)
     uint64_t tokens        = 0;  // tokens those parts carried
     double   busy_seconds  = 0;  // wall time inside engine steps
-    int32_t  pending       = 0;  // tickets waiting now
+    int32_t  pending       = 0;  // tickets waiting now (a computed ticket being handed back is not)
 };
 
 class step_loop;
@@ -196,6 +196,7 @@ private:
     std::shared_ptr<step_executor>            executor_;  // its mutex guards everything below
 
     std::deque<std::shared_ptr<step_ticket>>  pending_;  // submission order
+    size_t                                    handing_back_ = 0;  // computed, in pending_ until completed
     std::vector<std::string>                  last_sessions_;
     clock::time_point                         last_end_{};
     clock::duration                           last_duration_{};

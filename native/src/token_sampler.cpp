@@ -1,0 +1,135 @@
+#include "llama_shard/token_sampler.h"
+
+#include "llama_shard/shard_error.h"
+
+#include "llama.h"
+
+#include <cmath>
+#include <utility>
+
+namespace llama_shard {
+
+static void bad(const std::string & what) {
+    throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "sampling: " + what);
+}
+
+static bool within(float v, float lo, float hi) {
+    return std::isfinite(v) && v >= lo && v <= hi;
+}
+
+void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) {
+    if (n_vocab < 1) {
+        bad("the vocabulary is empty");
+    }
+    if (!std::isfinite(p.temperature) || (p.temperature != 0.0f && !within(p.temperature, SAMPLING_MIN_TEMPERATURE, 100.0f))) {
+        bad("temperature must be 0 or in [0.001, 100], got " + std::to_string(p.temperature));
+    }
+    if (p.top_k < 0 || p.top_k > n_vocab) {
+        bad("top_k must be in [0, " + std::to_string(n_vocab) + "] (0: off), got " + std::to_string(p.top_k));
+    }
+    if (!std::isfinite(p.top_p) || p.top_p <= 0.0f || p.top_p > 1.0f) {
+        bad("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+    }
+    if (!within(p.min_p, 0.0f, 1.0f)) {
+        bad("min_p must be in [0, 1], got " + std::to_string(p.min_p));
+    }
+    if (p.penalty_last_n < 0 || p.penalty_last_n > max_penalty_last_n) {
+        bad("penalty_last_n must be in [0, " + std::to_string(max_penalty_last_n) + "], got " + std::to_string(p.penalty_last_n));
+    }
+    if (!within(p.penalty_repeat, 0.01f, 100.0f)) {
+        bad("repeat penalty must be in [0.01, 100] (1: off), got " + std::to_string(p.penalty_repeat));
+    }
+    if (!within(p.penalty_freq, -100.0f, 100.0f) || !within(p.penalty_present, -100.0f, 100.0f)) {
+        bad("frequency and presence penalties must be in [-100, 100]");
+    }
+    if (p.seed == LLAMA_DEFAULT_SEED) {
+        bad("seed 4294967295 means a random seed to llama.cpp, which no replay can repeat: choose another");
+    }
+}
+
+token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n)
+    : n_vocab_(n_vocab), params_(p) {
+    sampling_check(p, n_vocab, max_penalty_last_n);
+    chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
+                                                                 p.penalty_present));
+    llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p.top_k));
+    llama_sampler_chain_add(chain_, llama_sampler_init_top_p(p.top_p, 1));
+    llama_sampler_chain_add(chain_, llama_sampler_init_min_p(p.min_p, 1));
+    llama_sampler_chain_add(chain_, llama_sampler_init_temp(p.temperature));
+    llama_sampler_chain_add(chain_, llama_sampler_init_dist(p.seed));
+    candidates_.resize((size_t) n_vocab);
+}
+
+token_sampler token_sampler::resume(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n,
+                                    const std::vector<int32_t> & history, uint64_t draws) {
+    token_sampler s(n_vocab, p, max_penalty_last_n);
+    for (int32_t t : history) {
+        s.accept(t);
+    }
+    // dist draws once per apply whatever the row (one candidate is enough); the other samplers keep
+    // no state between applies, so this moves the generator and nothing else
+    llama_token_data one{0, 0.0f, 0.0f};
+    for (uint64_t i = 0; i < draws; ++i) {
+        llama_token_data_array row{&one, 1, -1, false};
+        one = llama_token_data{0, 0.0f, 0.0f};
+        llama_sampler_apply(s.chain_, &row);
+    }
+    s.draws_ = draws;
+    return s;
+}
+
+token_sampler::~token_sampler() {
+    if (chain_ != nullptr) {
+        llama_sampler_free(chain_);
+    }
+}
+
+token_sampler::token_sampler(token_sampler && o) noexcept
+    : n_vocab_(o.n_vocab_), params_(o.params_), chain_(std::exchange(o.chain_, nullptr)), draws_(o.draws_),
+      candidates_(std::move(o.candidates_)) {}
+
+token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
+    if (this != &o) {
+        if (chain_ != nullptr) {
+            llama_sampler_free(chain_);
+        }
+        n_vocab_ = o.n_vocab_;
+        params_ = o.params_;
+        chain_ = std::exchange(o.chain_, nullptr);
+        draws_ = o.draws_;
+        candidates_ = std::move(o.candidates_);
+    }
+    return *this;
+}
+
+int32_t token_sampler::sample(const float * logits, size_t n) {
+    if (logits == nullptr || n != (size_t) n_vocab_) {
+        bad("a row of " + std::to_string(n) + " logits for a vocabulary of " + std::to_string(n_vocab_));
+    }
+    for (size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(logits[i])) {
+            bad("logit " + std::to_string(i) + " is not finite");
+        }
+    }
+    for (int32_t i = 0; i < n_vocab_; ++i) {
+        candidates_[(size_t) i] = llama_token_data{i, logits[i], 0.0f};
+    }
+    llama_token_data_array row{candidates_.data(), candidates_.size(), -1, false};
+    llama_sampler_apply(chain_, &row);
+    draws_++;
+    if (row.selected < 0 || (size_t) row.selected >= row.size) {
+        // cannot happen with a checked chain over finite logits (dist always selects)
+        throw shard_error(SHARD_ERRC_COMPUTE, "sampling: the chain selected no token");
+    }
+    return row.data[row.selected].id;
+}
+
+void token_sampler::accept(int32_t token) {
+    if (token < 0 || token >= n_vocab_) {
+        bad("token " + std::to_string(token) + " is outside the vocabulary [0, " + std::to_string(n_vocab_) + ")");
+    }
+    llama_sampler_accept(chain_, token);
+}
+
+} // namespace llama_shard

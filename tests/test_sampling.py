@@ -1,0 +1,159 @@
+"""The sampler a route's tail will use: llama.cpp's own samplers in stock llama.cpp's order
+(penalties -> top_k -> top_p -> min_p -> temperature -> dist(seed)), one per session.
+
+What is shown here, on rows of logits (no model needed):
+- temperature 0 without penalties is today's greedy token (the first of equal maxima);
+- the state is (params, tokens accepted, draws): a sampler rebuilt from those samples exactly what
+  the running one samples, step by step, so a retried step or a re-prefilled session is exact;
+- a seed fixes the tokens; temperature 1 with everything else off samples the softmax;
+- every parameter outside its range, a row of the wrong length or with a NaN, and a token outside
+  the vocabulary are InvalidInputError before llama.cpp sees them (risky ones in a subprocess)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llama_shard._native import SamplingParams, TokenSampler
+from llama_shard.errors import InvalidInputError
+
+N_VOCAB = 512
+
+
+def rows(n: int, seed: int = 0, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, N_VOCAB)) * scale).astype(np.float32)
+
+
+def run(params: SamplingParams, logits: np.ndarray, prompt: list[int]) -> list[int]:
+    s = TokenSampler(N_VOCAB, params, 4096)
+    for t in prompt:
+        s.accept(t)
+    out = []
+    for row in logits:
+        t = s.sample(row)
+        s.accept(t)
+        out.append(t)
+    return out
+
+
+def test_temperature_zero_without_penalties_is_the_greedy_token():
+    logits = rows(200)
+    logits[:50, 7] = logits[:50, 300] = 50.0  # ties: the first of equal maxima, as np.argmax
+    s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, seed=1), 4096)
+    for row in logits:
+        t = s.sample(row)
+        assert t == int(np.argmax(row))
+        s.accept(t)
+    assert s.draws == 200
+
+
+PARAMS = [
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=42),
+    SamplingParams(temperature=1.1, top_k=0, top_p=0.9, min_p=0.0, penalty_last_n=16, penalty_repeat=1.3,
+                   penalty_freq=0.2, penalty_present=0.4, seed=7),
+    SamplingParams(temperature=0.0, penalty_last_n=8, penalty_repeat=1.5, seed=3),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["top-k-p-min-p", "penalties", "greedy-penalised"])
+def test_a_sampler_rebuilt_from_its_history_and_draws_samples_the_same_tokens(params):
+    logits = rows(120, seed=5, scale=2.0)
+    prompt = [3, 3, 9, 200, 3]
+    running = TokenSampler(N_VOCAB, params, 4096)
+    for t in prompt:
+        running.accept(t)
+    history = list(prompt)
+    for i, row in enumerate(logits):
+        rebuilt = TokenSampler(N_VOCAB, params, 4096, history=history, draws=running.draws)
+        t = running.sample(row)
+        assert rebuilt.sample(row) == t, f"step {i}"
+        running.accept(t)
+        history.append(t)
+    assert run(params, logits, prompt) == history[len(prompt):]
+
+
+def test_a_seed_fixes_the_tokens_and_another_seed_changes_them():
+    logits = rows(100, seed=9, scale=1.0)
+    a = run(SamplingParams(temperature=1.0, seed=11), logits, [1])
+    assert a == run(SamplingParams(temperature=1.0, seed=11), logits, [1])
+    assert a != run(SamplingParams(temperature=1.0, seed=12), logits, [1])
+
+
+def test_temperature_one_with_everything_else_off_samples_the_softmax():
+    row = np.zeros(N_VOCAB, dtype=np.float32)
+    row[:4] = np.log(np.array([0.5, 0.25, 0.15, 0.1], dtype=np.float32)) + 20.0
+    s = TokenSampler(N_VOCAB, SamplingParams(temperature=1.0, seed=5), 4096)
+    counts = np.bincount([s.sample(row) for _ in range(4000)], minlength=N_VOCAB)
+    assert counts[4:].sum() == 0
+    assert np.allclose(counts[:4] / 4000, [0.5, 0.25, 0.15, 0.1], atol=0.03), counts[:4]
+
+
+def test_the_repeat_penalty_sees_the_window_of_accepted_tokens():
+    row = np.zeros(N_VOCAB, dtype=np.float32)
+    row[5], row[6] = 2.0, 1.5
+    s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, penalty_last_n=4, penalty_repeat=2.0, seed=1), 4096)
+    assert s.sample(row) == 5
+    s.accept(5)                                   # 2.0 / 2 = 1.0 < 1.5
+    assert s.sample(row) == 6
+    for t in (1, 2, 3, 4):                        # 5 leaves the 4-token window
+        s.accept(t)
+    assert s.sample(row) == 5
+
+
+BAD = [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e-6), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=N_VOCAB + 1), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=float("nan")), "min_p"),
+    (dict(penalty_last_n=-1), "penalty_last_n"), (dict(penalty_last_n=1 << 30), "penalty_last_n"),
+    (dict(penalty_repeat=0.0), "repeat penalty"), (dict(penalty_repeat=float("inf")), "repeat penalty"),
+    (dict(penalty_freq=float("nan")), "frequency"), (dict(penalty_present=1e9), "presence"),
+    (dict(seed=0xFFFFFFFF), "seed"),
+]
+
+
+@pytest.mark.parametrize("kwargs,word", BAD, ids=[f"{k}={v}" for k, v in (next(iter(b[0].items())) for b in BAD)])
+def test_every_parameter_outside_its_range_is_refused_before_llama_cpp_sees_it(kwargs, word):
+    params = SamplingParams(**kwargs)
+    with pytest.raises(InvalidInputError, match=word):
+        params.check(N_VOCAB, 4096)
+    with pytest.raises(InvalidInputError, match=word):
+        TokenSampler(N_VOCAB, params, 4096)
+
+
+RISKY = """
+import numpy as np
+from llama_shard._native import SamplingParams, TokenSampler
+from llama_shard.errors import InvalidInputError
+s = TokenSampler(512, SamplingParams(temperature=0.7, top_p=0.9, penalty_repeat=1.2, seed=2), 4096)
+refused = 0
+cases = [np.full(512, np.nan, np.float32), np.full(512, np.inf, np.float32), np.zeros(511, np.float32),
+         np.zeros(0, np.float32), np.zeros((2, 512), np.float32), np.zeros(512, np.float64), np.zeros(1024, np.float32)[::2]]
+for logits in cases:
+    try:
+        s.sample(logits)
+    except InvalidInputError:
+        refused += 1
+for token in (-1, 512, 2**31 - 1):
+    try:
+        s.accept(token)
+    except InvalidInputError:
+        refused += 1
+for kwargs in ({"history": [600]}, {"draws": -1}):
+    try:
+        TokenSampler(512, SamplingParams(seed=2), 4096, **kwargs)
+    except (InvalidInputError, TypeError):
+        refused += 1
+assert s.draws == 0
+row = np.zeros(512, np.float32); row[9] = 5.0
+print("refused", refused, "then", TokenSampler(512, SamplingParams(temperature=0.0, seed=2), 4096).sample(row))
+"""
+
+
+def test_bad_rows_and_tokens_are_refused_and_change_nothing():
+    res = subprocess.run([sys.executable, "-c", RISKY], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["refused", "12", "then", "9"]
