@@ -3,7 +3,7 @@
 #   address: AddressSanitizer + UndefinedBehaviorSanitizer; thread: ThreadSanitizer.
 # Builds the engine, the Python module and the CTest suite with the sanitizer into a persistent
 # build directory of its own (build/sanitize-<kind>), runs CTest and a pytest subset that drives the
-# native code (bad input, the contract, batching, split parity, the warm tier, retries; with
+# native code (bad input, the contract, batching, split parity, the warm tier, retries, the sampler; with
 # address also the real-model threads tests) against that module, and fails on any report.
 # Reports go to files in $BUILD/reports (pytest would swallow a report written to its captured
 # stderr) and are printed at the end. ggml runs its own thread pool (no OpenMP), as in every build. The
@@ -61,7 +61,7 @@ LD_PRELOAD="$RUNTIME:$(g++ -print-file-name=libstdc++.so)" PYTHONPATH="$PKG" LLA
     LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider -x \
     tests/test_bad_input.py tests/test_hot_kv_contract.py tests/test_batching.py tests/test_split_parity.py \
     tests/test_warm_tier.py tests/test_retry.py tests/test_hot_kv_statemachine.py tests/test_hot_kv_real_model.py \
-    tests/test_cpu_self_check.py "${SELECT[@]}" "$@"
+    tests/test_cpu_self_check.py tests/test_sampling.py "${SELECT[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -gt 128 ]; then
