@@ -16,6 +16,16 @@ from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 REPO = Path(__file__).resolve().parent.parent
 
 
+def varint(n: int) -> bytes:
+    """A protobuf base-128 varint, for messages built byte by byte (tags, lengths)."""
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
 def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
     """With LLAMA_SHARD_TEST_PROGRESS=FILE, the test about to run is written there first, so a
     script whose pytest dies from a signal can name the test (scripts/sanitize.sh, scripts/test.sh)."""

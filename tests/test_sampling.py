@@ -157,3 +157,16 @@ def test_bad_rows_and_tokens_are_refused_and_change_nothing():
     res = subprocess.run([sys.executable, "-c", RISKY], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["refused", "12", "then", "9"]
+
+
+def test_a_history_or_draw_count_no_session_can_have_is_refused_at_once():
+    """A resume replays its draws: 2^40 of them would hold the caller for hours. No session holds
+    more than 2^20 tokens, so more draws (or history), or a wider penalty window, is refused."""
+    import time
+
+    t = time.perf_counter()
+    with pytest.raises(InvalidInputError, match="draws"):
+        TokenSampler(N_VOCAB, SamplingParams(seed=1), 4096, draws=1 << 40)
+    with pytest.raises(InvalidInputError, match="penalty_last_n"):
+        TokenSampler(N_VOCAB, SamplingParams(penalty_last_n=(1 << 20) + 1, seed=1), 1 << 30)
+    assert time.perf_counter() - t < 5

@@ -22,7 +22,7 @@ from llama_shard.route import RemoteStage, RouteClient, RouteError
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto.wire import decode_tensor, encode_tensor
 
-from conftest import REPO
+from conftest import REPO, varint
 
 
 def test_generated_code_matches_the_proto(tmp_path):
@@ -561,7 +561,7 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
             def packed_ids(total: int) -> bytes:  # a packed repeated int32 of ids 1, filling `total` bytes
                 for n in range(total - len(head) - 2, 0, -1):
                     body = b"\x01" * n
-                    out = head + _varint(field << 3 | 2) + _varint(len(body)) + body
+                    out = head + varint(field << 3 | 2) + varint(len(body)) + body
                     if len(out) <= total:
                         return out
                 raise AssertionError
@@ -597,14 +597,6 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
     finally:
         stop_worker(proc)
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
 
 
 def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():

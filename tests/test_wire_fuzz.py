@@ -18,6 +18,8 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.testing.process import resident_bytes
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 
+from conftest import varint
+
 pytestmark = pytest.mark.grpc
 
 SERVICE = "/llama_shard.v1.ShardService/"
@@ -31,18 +33,9 @@ tensors = st.builds(lambda shape, dtype, data: pb.Tensor(shape=shape, dtype=dtyp
                     st.lists(st.integers(-3, 1 << 40), max_size=3), st.integers(-1, 3), st.binary(max_size=1024))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 # fields this schema does not have (a newer client's), appended to a message's bytes: a varint
 # field 99 and a length-delimited field 1234
-unknown_fields = st.sampled_from([b"", b"", _varint(99 << 3) + _varint(7), _varint(1234 << 3 | 2) + _varint(3) + b"xyz"])
+unknown_fields = st.sampled_from([b"", b"", varint(99 << 3) + varint(7), varint(1234 << 3 | 2) + varint(3) + b"xyz"])
 
 
 def with_unknown_fields(message, extra: bytes):

@@ -1,9 +1,11 @@
 #include "llama_shard/token_sampler.h"
 
+#include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/shard_error.h"
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -33,8 +35,10 @@ void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_pena
     if (!within(p.min_p, 0.0f, 1.0f)) {
         bad("min_p must be in [0, 1], got " + std::to_string(p.min_p));
     }
-    if (p.penalty_last_n < 0 || p.penalty_last_n > max_penalty_last_n) {
-        bad("penalty_last_n must be in [0, " + std::to_string(max_penalty_last_n) + "], got " + std::to_string(p.penalty_last_n));
+    // no session is longer than HOT_KV_MAX_CONTEXT_TOKENS: a longer window only allocates
+    const int32_t max_last_n = std::min(max_penalty_last_n, HOT_KV_MAX_CONTEXT_TOKENS);
+    if (p.penalty_last_n < 0 || p.penalty_last_n > max_last_n) {
+        bad("penalty_last_n must be in [0, " + std::to_string(max_last_n) + "], got " + std::to_string(p.penalty_last_n));
     }
     if (!within(p.penalty_repeat, 0.01f, 100.0f)) {
         bad("repeat penalty must be in [0.01, 100] (1: off), got " + std::to_string(p.penalty_repeat));
@@ -63,6 +67,12 @@ token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t
 
 token_sampler token_sampler::resume(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n,
                                     const std::vector<int32_t> & history, uint64_t draws) {
+    // a session holds at most HOT_KV_MAX_CONTEXT_TOKENS tokens, each sampled at most once: more is
+    // not a session's state (and replaying 2^60 draws would hold the caller for ever)
+    if (history.size() > (size_t) HOT_KV_MAX_CONTEXT_TOKENS || draws > (uint64_t) HOT_KV_MAX_CONTEXT_TOKENS) {
+        bad("a history of " + std::to_string(history.size()) + " tokens and " + std::to_string(draws) +
+            " draws: a session holds at most " + std::to_string(HOT_KV_MAX_CONTEXT_TOKENS));
+    }
     token_sampler s(n_vocab, p, max_penalty_last_n);
     for (int32_t t : history) {
         s.accept(t);

@@ -137,8 +137,9 @@ class AdmitRequests(grpc.ServerInterceptor):
     - The request bytes being parsed and handled at once are bounded: a request that would take the
       total past `max_in_flight_bytes` gets RESOURCE_EXHAUSTED before it is parsed. gRPC bounds
       each message (the receive limit) and the calls (max_concurrent_rpcs), not their sum; a parsed
-      message takes up to 5x its bytes (one-byte token ids become 4-byte ints), so without this
-      a worker's pool of handler threads, each parsing a maximum-size message, could take gigabytes.
+      message takes up to 5x its bytes (one-byte token ids become 4-byte ints), and a handler keeps
+      its request while it waits for the engine or the next hop, so every handler thread could hold
+      a maximum-size request at once. (Parsing itself holds the GIL: parses do not overlap.)
     Each method's wrapped handler is made once (the handlers are registered before the server
     starts), not per call."""
 
