@@ -69,6 +69,11 @@ class ShardServiceStub:
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.InfoRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/llama_shard.v1.ShardService/Generate',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -121,6 +126,18 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generation on the route, run by the head worker (the first shard): it prefills the prompt
+        (reusing the longest prefix the session already holds), then loops: each step goes down the
+        chain `forward`, the tail samples, its token comes back in the reply and the head submits the
+        next step itself. One event per token, then one final event (always the last). A miss anywhere
+        is re-prefilled by the head; a closed stream or a passed deadline stops the session at the next
+        step and leaves its KV (Release frees it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +175,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.InfoRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.InfoReply.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +371,33 @@ class ShardService:
             '/llama_shard.v1.ShardService/Info',
             llama__shard_dot_proto_dot_shard__pb2.InfoRequest.SerializeToString,
             llama__shard_dot_proto_dot_shard__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llama_shard.v1.ShardService/Generate',
+            llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import queue
 import secrets
 import signal
 import socket
@@ -26,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel
+from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, SamplingParams, ShardModel
 from ..errors import (
     ComputeError,
     IncompatibleCacheRecipeError,
@@ -41,6 +42,8 @@ from ..engine.manager import HotKvStateManager
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
+from .generation import GenerationLoops
+from .sampling import TailSamplers, check_step_sampling, log_softmax_of
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
@@ -220,6 +223,10 @@ class _Owners:
         return "" if tag is None else self._names.get(tag, "")
 
 
+class _Refused(Exception):
+    """The principal's session cap refused a new session (RESOURCE_EXHAUSTED, nothing computed)."""
+
+
 class ShardServicer(pb_grpc.ShardServiceServicer):
     def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
                  options: WorkerOptions = WorkerOptions()):
@@ -245,6 +252,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # every session's rows at once fit in one such request; twice that may be parsed and handled
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
+        self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        self.generation = GenerationLoops(self, registry)
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -279,6 +288,30 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True,
                                                      principal=principal))
 
+    def Generate(self, request, context):
+        principal = self._principal(context)
+        if self.stopping.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        remaining = context.time_remaining()
+        stream = self.generation.open(principal, request, remaining if remaining is not None and remaining < 1e8 else None)
+        if isinstance(stream, pb.GenerateFinal):  # refused before anything was computed
+            yield pb.GenerateEvent(final=stream)
+            return
+        context.add_callback(lambda: stream.cancel("the client closed the stream"))
+        try:
+            while True:
+                try:
+                    event = stream.events.get(timeout=0.25)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                yield event
+                if event.HasField("final"):
+                    return
+        finally:  # a closed stream stops before its next step (its KV stays)
+            stream.cancel("the client closed the stream")
+
     def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False,
                principal: str | None = None) -> list[pb.StepReply]:
         principal = self._principal(context, step=True) if principal is None else principal
@@ -309,7 +342,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
         Sessions are the principal's own: the engine key carries its tag."""
-        visited = self._visited(context)
+        try:
+            replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch)
+        except _Refused as e:  # nothing computed: the caller holds its share of the sessions
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        for (_, req) in items:  # a step from outside the head's generation loop: its record is no longer the route's
+            self.generation.forget(self.security.engine_key(principal, req.session_id))
+        return replies
+
+    def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
+                  batch: bool) -> list[pb.StepReply]:
+        """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too);
+        raises _Refused when the principal's session cap refuses a new session."""
         refusal = self._forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed, and before the hops are copied
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
@@ -318,19 +362,20 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         parsed = []
         for i, (kind, req) in enumerate(items):
             try:
-                parsed.append((i, self._parse_step(kind, req, principal)))
+                parsed.append((i, self._parse_step(kind, req, principal),
+                               check_step_sampling(req, self.info.n_vocab, self.manager.config.context_tokens)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
-        refused = self.owners.admit(principal, [step.session_id for _, step in parsed])
-        if refused is not None:  # nothing computed: the caller holds its share of the sessions
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-        outs = self.adapter.step_many([step for _, step in parsed]) if parsed else []
+        refused = self.owners.admit(principal, [step.session_id for _, step, _ in parsed])
+        if refused is not None:
+            raise _Refused(refused)
+        outs = self.adapter.step_many([step for _, step, _ in parsed]) if parsed else []
         computed = []
-        for (i, step), out in zip(parsed, outs):
+        for (i, step, params), out in zip(parsed, outs):
             if forward and isinstance(out, BoundaryBundle):
                 computed.append((i, step.kind, out))
             else:
-                replies[i] = self._reply(items[i][1], out)
+                replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
         if computed:
             for i, reply in zip([i for i, _, _ in computed],
                                 self._forward(principal, items, computed, forward, deadline, batch, visited)):
@@ -379,7 +424,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             req = items[i][1]
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
-                                 return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype))
+                                 return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype),
+                                 logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+            if req.HasField("sampler"):
+                nxt.sampler.CopyFrom(req.sampler)
             # always explicit: a retried hop that did run is answered again (a decode, by the retry
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
@@ -421,9 +469,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
-    @staticmethod
-    def _reply(req, out) -> pb.StepReply:
-        """The typed reply for a step's outcome, or for the contract error it raised."""
+    def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
+        """The typed reply for a step's outcome, or for the contract error it raised; the tail
+        samples here when the step carries a sampler state (params, checked by check_step_sampling)."""
         if isinstance(out, StaleRouteEpochError):
             return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(out), current_epoch=out.current_epoch or 0)
         if isinstance(out, KvBudgetExceededError):
@@ -437,7 +485,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if isinstance(out, CacheMiss):
             return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, TailOutput):
-            reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=out.token_id)
+            token = out.token_id
+            if params is not None:
+                token = self.samplers.sample(key, params, req.sampler, out.logits)
+            reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=token)
+            if req.logprobs or req.top_logprobs:
+                logprob, top = log_softmax_of(out.logits, token, req.top_logprobs)
+                reply.logprob = logprob
+                reply.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
             if req.return_logits:  # n_vocab floats per step: only when asked
                 reply.logits.CopyFrom(encode_tensor(out.logits.reshape(1, -1)))
             return reply
@@ -465,10 +520,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=tier_name(out.tier))
 
     def Truncate(self, request, context):
+        self.generation.forget(self.security.engine_key(self._principal(context), request.session_id))
         return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
 
     def Release(self, request, context):
-        return self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
+        reply = self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
+        key = self.security.engine_key(self._principal(context), request.session_id)
+        self.generation.forget(key)
+        self.samplers.forget((key, request.route_epoch))
+        return reply
 
     def Resolve(self, request, context):
         return self._session_call(context, self.manager.resolve, request.session_id, request.route_epoch)
@@ -572,6 +632,8 @@ class ShardWorker:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.servicer.stopping.set()
+        # every stream ends with a final event saying so after its step in flight
+        self.servicer.generation.wait_idle(self.options.grace_s)
         self.server.stop(self.options.grace_s).wait()
         self.manager.close()
         self.servicer.peers.close()

@@ -1,0 +1,372 @@
+"""The head's generation loop: `Generate` streams run inside the route, not in the client.
+
+- Each stream is one session: the head keeps its tokens (the prompt, then every sampled token),
+  how many of them the route holds, and its sampler's draw count. A step sends the tokens the
+  route lacks (a prompt chunk of at most GENERATE_CHUNK, or the last sampled token) down the chain
+  with the sampler state; the tail samples and its token comes back in the reply of the chained
+  call; the head submits the next step itself.
+- Streams of one principal on one route share a `_RouteLoop`: its streams are spread over one
+  group per stage, each driven by its own thread, one StepBatch per step per group. While one
+  group is on the tail the next is on the head (the pipelining `RouteClient.generate_many` does
+  from the client side). A new stream joins the smallest group at its next step.
+- A miss anywhere re-prefills the route from token zero with the same tokens and the same draw
+  count, so it samples what it would have sampled anyway (MAX_REPREFILLS in a row, then an error).
+- A stream whose client went away, or whose deadline passed, stops before its next step; its KV
+  stays. The prompt may be the whole conversation: the longest prefix of it the session holds (by
+  the head's record of its last stream) is kept, the rest truncated by the prefill's position.
+- The final event is always the last one a stream gets: stop, length, cancelled, shutdown, error.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+
+from prometheus_client import Gauge, Histogram
+
+from ..engine.hot_kv import StepKind, check_key
+from ..errors import InvalidInputError
+from ..proto import shard_pb2 as pb
+from .sampling import MAX_TOP_LOGPROBS, params_from_wire
+
+#: prompt tokens per step: a long prompt does not hold up the decoders grouped with it for long
+GENERATE_CHUNK = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKENS = 64
+#: re-prefills in a row after misses before a stream ends with an error (as RouteClient)
+MAX_REPREFILLS = 3
+#: a group's thread waits this long for a new stream before it ends
+IDLE_S = 2.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Stream:
+    """One Generate call: its session's tokens on the head, and the events for its handler."""
+
+    def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
+                 cached: int, deadline: float | None, detokenize):
+        self.principal, self.key, self.req = principal, key, req
+        self.params = params
+        self.max_tokens = max_tokens
+        self.tokens = list(req.prompt)       # every token; the route holds the first `computed`
+        self.computed = cached
+        self.cached = cached
+        self.first_step = True               # a prefill (at `computed`: truncating what follows)
+        self.draws = 0
+        self.generated: list[int] = []
+        self.reprefills = 0
+        self.deadline = deadline
+        self.detokenize = detokenize
+        self.text = ""
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop_reason: str | None = None  # set from the handler's thread: the loop ends the stream
+        self.done = False
+        self.t_start = time.monotonic()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self._in_flight = (0, False)          # (tokens sent, whether the tail samples this step)
+
+    def cancel(self, reason: str) -> None:
+        if not self.done and self.stop_reason is None:
+            self.stop_reason = reason
+
+    def request(self, wire_dtype: int) -> tuple[StepKind, pb.StepRequest]:
+        start = self.computed
+        chunk = self.tokens[start:start + GENERATE_CHUNK]
+        final = start + len(chunk) == len(self.tokens)
+        kind = StepKind.PREFILL if self.first_step or len(chunk) > 1 else StepKind.DECODE
+        req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
+                             reply_dtype=wire_dtype, position=start)
+        if final:
+            req.logprobs, req.top_logprobs = self.req.logprobs, self.req.top_logprobs
+            if self.params is not None:
+                window = self.params.penalty_last_n
+                req.sampler.params.CopyFrom(self.req.sampling)
+                req.sampler.draws = self.draws
+                req.sampler.recent.extend(self.tokens[-window:] if window else [])
+        self._in_flight = (len(chunk), final)
+        return kind, req
+
+
+class _RouteLoop:
+    """The streams of one principal on one route: a group per stage, a thread per group."""
+
+    def __init__(self, owner: "GenerationLoops", principal: str, forward: tuple, wire_dtype: int):
+        self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
+        self.forward = [pb.Hop(address=a, recipe_fingerprint=f) for a, f in forward]
+        self.groups: list[list[_Stream]] = [[] for _ in range(1 + len(forward))]
+        self.threads: list[threading.Thread | None] = [None] * len(self.groups)
+
+    def add(self, stream: _Stream) -> None:  # under the owner's lock
+        g = min(range(len(self.groups)), key=lambda k: len(self.groups[k]))
+        self.groups[g].append(stream)
+        if self.threads[g] is None:
+            self.threads[g] = threading.Thread(target=self._run, args=(g,), name=f"generate-{g}", daemon=True)
+            self.threads[g].start()
+        self.owner.cond.notify_all()
+
+    def idle(self) -> bool:
+        return all(t is None for t in self.threads)
+
+    def _run(self, g: int) -> None:
+        owner = self.owner
+        while True:
+            with owner.cond:
+                if not self.groups[g]:
+                    owner.cond.wait(IDLE_S)
+                if not self.groups[g]:
+                    self.threads[g] = None
+                    owner.drop_if_idle(self)
+                    return
+                streams = list(self.groups[g])
+                owner.busy += 1
+            try:
+                self._step(streams)
+            finally:
+                with owner.cond:
+                    owner.busy -= 1
+                    for s in streams:
+                        if s.done and s in self.groups[g]:
+                            self.groups[g].remove(s)
+                    owner.cond.notify_all()
+
+    def _step(self, streams: list[_Stream]) -> None:
+        owner = self.owner
+        now = time.monotonic()
+        live = []
+        for s in streams:
+            if owner.servicer.stopping.is_set():
+                owner.finish(s, "shutdown", detail="the worker is shutting down")
+            elif s.stop_reason is not None:
+                owner.finish(s, "cancelled", detail=s.stop_reason)
+            elif s.deadline is not None and now >= s.deadline:
+                owner.finish(s, "cancelled", detail="the stream's deadline passed")
+            else:
+                live.append(s)
+        if not live:
+            return
+        items = [s.request(self.wire_dtype) for s in live]
+        from .worker import _Refused  # the worker module imports this one
+        try:
+            replies = owner.servicer.run_steps(self.principal, (), items, self.forward,
+                                               now + owner.servicer.max_hop_s, batch=True)
+        except _Refused as e:
+            for s in live:
+                owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
+            return
+        for s, reply in zip(live, replies):
+            owner.settle(s, reply)
+
+
+class GenerationLoops:
+    """Every Generate stream of a head worker, and the record of what each session holds."""
+
+    def __init__(self, servicer, registry):
+        self.servicer = servicer
+        self.cond = threading.Condition()
+        self.loops: dict[tuple, _RouteLoop] = {}
+        self.streams: dict[str, _Stream] = {}          # engine key -> its running stream
+        self.busy = 0                                   # group steps in progress
+        # engine key -> (epoch, tokens the route holds): what the next stream of the session may reuse
+        self._records: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._records_cap = 2 * servicer.manager.config.max_sessions
+        self.active = Gauge("llama_shard_generate_streams", "Generate streams running on this head", registry=registry)
+        self.active.set_function(lambda: len(self.streams))
+        self.ttft = Histogram("llama_shard_generate_time_to_first_token_seconds",
+                              "Time from a Generate call to its first token", registry=registry,
+                              buckets=(.01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+        self.itl = Histogram("llama_shard_generate_inter_token_seconds", "Time between a stream's tokens",
+                             registry=registry, buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1, 2))
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    def open(self, principal: str, req: pb.GenerateRequest, time_remaining: float | None) -> _Stream | pb.GenerateFinal:
+        """A running stream, or the final event of one refused before anything was computed."""
+        try:
+            params, max_tokens = self._check(req)
+            key = self.servicer.security.engine_key(principal, req.session_id)
+        except InvalidInputError as e:
+            return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(e),
+                                    prompt_tokens=len(req.prompt))
+        cap = self.servicer.owners.cap
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        with self.cond:
+            if key in self.streams:
+                return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_INVALID_ARGUMENT,
+                                        detail=f"session {req.session_id!r} already has a Generate stream running",
+                                        prompt_tokens=len(req.prompt))
+            mine = sum(1 for s in self.streams.values() if s.principal == principal)
+            limit = self.servicer.manager.config.max_sessions
+            if cap is not None and mine >= cap:
+                return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_BUDGET_EXCEEDED,
+                                        detail=f"this caller has {mine} streams running; the cap is {cap} per caller "
+                                               f"(serve --max-sessions-per-principal)", prompt_tokens=len(req.prompt))
+            if len(self.streams) >= limit:
+                return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_BUDGET_EXCEEDED,
+                                        detail=f"all {limit} sessions of this worker are streaming",
+                                        prompt_tokens=len(req.prompt))
+            record = self._records.get(key)
+            cached = 0
+            if record is not None and record[0] == req.route_epoch:
+                cached = min(_common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
+            stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize)
+            route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
+            loop_key = (principal, route, req.wire_dtype)
+            loop = self.loops.get(loop_key)
+            if loop is None:
+                loop = self.loops[loop_key] = _RouteLoop(self, principal, route, req.wire_dtype)
+            self.streams[key] = stream
+            loop.add(stream)
+        return stream
+
+    def _check(self, req: pb.GenerateRequest):
+        """(sampling params or None, max_tokens); InvalidInputError says what is wrong."""
+        sv = self.servicer
+        info, context = sv.info, sv.manager.config.context_tokens
+        check_key(req.session_id, req.route_epoch)
+        if req.recipe_fingerprint and req.recipe_fingerprint != sv.fingerprint:
+            raise InvalidInputError("the request's KV recipe fingerprint does not match this worker's")
+        if info.first != 0:
+            raise InvalidInputError(f"Generate runs on the head of a route; this worker holds layers "
+                                    f"{info.first}-{info.last}")
+        if not req.forward and not info.is_tail:
+            raise InvalidInputError(f"this worker holds layers {info.first}-{info.last} of {info.n_layer}: name the "
+                                    f"rest of the route in forward")
+        refusal = sv._forward_refusal(req.forward)
+        if refusal is not None:
+            raise InvalidInputError(refusal)
+        if req.wire_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
+            raise InvalidInputError(f"unknown wire_dtype {req.wire_dtype}")
+        n = len(req.prompt)
+        if n == 0:
+            raise InvalidInputError("the prompt is empty")
+        if n >= context:
+            raise InvalidInputError(f"the prompt has {n} tokens; a session holds at most {context} (context_tokens), "
+                                    f"the prompt and at least one generated token")
+        if any(not 0 <= t < info.n_vocab for t in req.prompt):
+            raise InvalidInputError(f"a prompt token is outside the vocabulary (0..{info.n_vocab - 1})")
+        room = context - n
+        if req.max_tokens < 0 or req.max_tokens > room:
+            raise InvalidInputError(f"max_tokens is {req.max_tokens}; with a {n}-token prompt the context "
+                                    f"({context} tokens) leaves room for 1..{room} (0: all of it)")
+        if len(req.stop_token_ids) > MAX_STOP_TOKENS or any(not 0 <= t < info.n_vocab for t in req.stop_token_ids):
+            raise InvalidInputError(f"stop_token_ids takes at most {MAX_STOP_TOKENS} tokens of the vocabulary")
+        if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
+            raise InvalidInputError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                    f"{MAX_STOP_CHARS} characters")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidInputError(f"top_logprobs is {req.top_logprobs}; it must be 0..{MAX_TOP_LOGPROBS}")
+        params = params_from_wire(req.sampling, info.n_vocab, context) if req.HasField("sampling") else None
+        return params, req.max_tokens or room
+
+    # --- the loop's outcomes -------------------------------------------------------------------
+
+    def settle(self, s: _Stream, reply: pb.StepReply) -> None:
+        """What one step's reply means for its stream (called by the stream's group thread)."""
+        n_sent, final = s._in_flight
+        if reply.outcome == pb.OUTCOME_CACHE_MISS:
+            s.reprefills += 1
+            if s.reprefills > MAX_REPREFILLS:
+                self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
+                            detail=f"still a cache miss after {MAX_REPREFILLS} re-prefills: {reply.detail}")
+            else:
+                s.computed, s.first_step = 0, True
+            return
+        if reply.outcome != pb.OUTCOME_OK:
+            self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, detail=reply.detail)
+            return
+        s.computed += n_sent
+        s.first_step = False
+        if not final:
+            return
+        token = reply.token_id
+        if not 0 <= token < self.servicer.info.n_vocab:  # a tail must not make the head crash
+            self.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, stage=reply.stage,
+                        detail=f"the tail answered token {token}, outside the vocabulary")
+            return
+        if s.params is not None:
+            s.draws += 1
+        now = time.monotonic()
+        if s.t_first is None:
+            s.t_first = now
+            self.ttft.observe(now - s.t_start)
+        else:
+            self.itl.observe(now - s.t_last)
+        s.t_last = now
+        s.generated.append(token)
+        s.tokens.append(token)
+        text = s.detokenize(s.generated).rstrip("\ufffd")  # an incomplete character comes with a later token
+        piece = text[len(s.text):] if text.startswith(s.text) else ""
+        start = max(0, len(s.text) - MAX_STOP_CHARS)
+        s.text = text
+        event = pb.GeneratedToken(token_id=token, piece=piece)
+        if s.req.logprobs or s.req.top_logprobs:
+            event.logprob = reply.logprob
+            event.top_logprobs.extend(reply.top_logprobs)
+        s.events.put(pb.GenerateEvent(token=event))
+        if token in s.req.stop_token_ids:
+            self.finish(s, "stop", stop=f"token {token}")
+            return
+        hit = next((x for x in s.req.stop if x in text[start:]), None)
+        if hit is not None:
+            self.finish(s, "stop", stop=hit)
+        elif len(s.generated) >= s.max_tokens:
+            self.finish(s, "length")
+
+    def finish(self, s: _Stream, reason: str, *, outcome: int = pb.OUTCOME_OK, stage: int = 0, detail: str = "",
+               miss_reason: str = "", stop: str = "") -> None:
+        if s.done:
+            return
+        s.done = True
+        n = len(s.generated)
+        rate = (n - 1) / (s.t_last - s.t_first) if n > 1 and s.t_last > s.t_first else 0.0
+        final = pb.GenerateFinal(
+            finish_reason=reason, outcome=outcome, stage=stage, detail=detail, miss_reason=miss_reason,
+            prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
+            time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
+            seq_len=s.computed, stop=stop)
+        with self.cond:
+            if self.streams.get(s.key) is s:
+                del self.streams[s.key]
+            if reason == "error":
+                self._records.pop(s.key, None)  # the route's state is unknown: the next stream starts over
+            else:
+                self._records[s.key] = (s.req.route_epoch, s.tokens[:s.computed])
+                self._records.move_to_end(s.key)
+                while len(self._records) > self._records_cap:
+                    self._records.popitem(last=False)
+        s.events.put(pb.GenerateEvent(final=final))
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def forget(self, key: str) -> None:
+        """The session was stepped, truncated or released from outside a stream: its record is stale."""
+        if key in self._records:
+            with self.cond:
+                self._records.pop(key, None)
+
+    def drop_if_idle(self, loop: _RouteLoop) -> None:  # under self.cond
+        if loop.idle() and not any(loop.groups):
+            for k, v in list(self.loops.items()):
+                if v is loop:
+                    del self.loops[k]
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no stream is left and no group step is running (shutdown)."""
+        end = time.monotonic() + timeout
+        with self.cond:
+            while self.streams or self.busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+        return True

@@ -1,0 +1,110 @@
+"""Sampling at the tail: llama.cpp's sampler chain for each session, rebuilt from the step itself.
+
+A step that asks the tail to sample carries the sampler's whole state (`SamplerState`: the params,
+the draws made so far, the last penalty_last_n tokens), so the tail keeps nothing it could lose:
+a retried step, or a session re-prefilled after a miss, samples exactly the token it would have
+sampled anyway. `TailSamplers` only saves the rebuild: it keeps each session's sampler after a
+step and uses it again when the next step's state is the one it has reached, otherwise it rebuilds
+(`TokenSampler(history=recent, draws=draws)`, a replay of `draws` draws).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from .._native import SamplingParams, TokenSampler
+from ..errors import InvalidInputError
+from ..proto import shard_pb2 as pb
+
+#: the most alternatives a caller may ask for per token (OpenAI's top_logprobs bound)
+MAX_TOP_LOGPROBS = 20
+_FIELDS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+           ("penalty_last_n", "penalty_last_n"), ("repeat_penalty", "penalty_repeat"),
+           ("frequency_penalty", "penalty_freq"), ("presence_penalty", "penalty_present"))
+
+
+def params_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> SamplingParams:
+    """The checked SamplingParams for a wire Sampling (unset fields: off); InvalidInputError names
+    the first parameter out of range."""
+    kwargs = {name: getattr(s, field) for field, name in _FIELDS if s.HasField(field)}
+    params = SamplingParams(seed=s.seed, **kwargs)
+    params.check(n_vocab, max_window)
+    return params
+
+
+def params_to_wire(p: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(seed=p.seed, **{field: getattr(p, name) for field, name in _FIELDS})
+
+
+def params_key(p: SamplingParams) -> tuple:
+    return (p.temperature, p.top_k, p.top_p, p.min_p, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
+            p.penalty_present, p.seed)
+
+
+def check_step_sampling(req: pb.StepRequest, n_vocab: int, max_window: int) -> SamplingParams | None:
+    """The params of a step's sampler state, checked with the state itself and the logprob request
+    (InvalidInputError otherwise); None when the step does not sample."""
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInputError(f"top_logprobs is {req.top_logprobs}; it must be 0..{MAX_TOP_LOGPROBS}")
+    if not req.HasField("sampler"):
+        return None
+    state = req.sampler
+    params = params_from_wire(state.params, n_vocab, max_window)
+    if len(state.recent) > params.penalty_last_n:
+        raise InvalidInputError(f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
+                                f"is {params.penalty_last_n}")
+    if state.draws > max_window:
+        raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
+    if any(not 0 <= t < n_vocab for t in state.recent):
+        raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
+    return params
+
+
+def log_softmax_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The token's logprob under the model's distribution, and the top_n most likely (best first)."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    if top_n:
+        idx = np.argpartition(-x, top_n - 1)[:top_n]
+        idx = idx[np.lexsort((idx, -x[idx]))]  # best first; equal logits by token id
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return float(x[token] - lse), top
+
+
+class TailSamplers:
+    """Each session's sampler, kept between its steps (bounded, least recently used dropped)."""
+
+    def __init__(self, n_vocab: int, max_window: int, capacity: int):
+        self.n_vocab = n_vocab
+        self.max_window = max_window
+        self.capacity = max(1, capacity)
+        self._kept: OrderedDict[tuple, tuple] = OrderedDict()  # (key, epoch) -> (sampler, params, draws, recent)
+        self._lock = threading.Lock()
+        self.rebuilds = 0
+
+    def sample(self, key: tuple, params: SamplingParams, state: pb.SamplerState, logits: np.ndarray) -> int:
+        pkey, recent, draws = params_key(params), tuple(state.recent), state.draws
+        with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
+            kept = self._kept.pop(key, None)
+        if kept is not None and kept[1:] == (pkey, draws, recent):
+            sampler = kept[0]
+        else:
+            sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws)
+            self.rebuilds += 1
+        token = sampler.sample(logits)
+        sampler.accept(token)
+        window = params.penalty_last_n
+        after = (recent + (token,))[-window:] if window else ()
+        with self._lock:
+            self._kept[key] = (sampler, pkey, draws + 1, after)
+            while len(self._kept) > self.capacity:
+                self._kept.popitem(last=False)
+        return token
+
+    def forget(self, key: tuple) -> None:
+        with self._lock:
+            self._kept.pop(key, None)
