@@ -12,6 +12,7 @@ Generated text goes to stdout as it is produced; status and figures go to stderr
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,9 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
         if (st.info.first, st.info.last) != rng:
             raise InvalidInputError(f"{addr} serves layers {st.info.first}-{st.info.last}, not {rng[0]}-{rng[1]}")
     client = RouteClient(stages)
+    sampling = _sampling(args)
+    if sampling is not None and not client.chained:
+        stages[-1].return_logits = True  # this client samples from the tail's logits
     # the tokenizer runs on the head side, from the same GGUF the workers serve
     path = _model_path(args.model)
     from ._native import ShardModel
@@ -75,7 +79,7 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     tokens: list[int] = []
     printed = ""
     t0 = time.perf_counter()
-    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,)):
+    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,), sampling=sampling):
         if token == vocab.token_eos:
             break
         tokens.append(token)
@@ -86,10 +90,32 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
             printed = text
     sys.stdout.write("\n")
     dt = time.perf_counter() - t0
-    _status(f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers; {session.reprefills} re-prefill(s)")
+    final = session.last_final
+    where = "the route's loop (Generate)" if final is not None else "this client's loop"
+    ttft = f", first token after {final.time_to_first_token_s * 1000:.0f} ms" if final is not None else ""
+    _status(f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers, driven by {where}{ttft}; "
+            f"{session.reprefills} re-prefill(s)")
     session.release()
     client.close()
     return 0
+
+
+SAMPLING_FLAGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                  ("repeat_last_n", "penalty_last_n"), ("repeat_penalty", "penalty_repeat"),
+                  ("frequency_penalty", "penalty_freq"), ("presence_penalty", "penalty_present"))
+
+
+def _sampling(args: argparse.Namespace):
+    """SamplingParams from the sampling flags (None: greedy, no flag given); a sampler without
+    --seed gets a random one, printed so the run can be repeated."""
+    given = {name: getattr(args, flag) for flag, name in SAMPLING_FLAGS if getattr(args, flag) is not None}
+    if not given and args.seed is None:
+        return None
+    from ._native import SamplingParams
+    seed = args.seed if args.seed is not None else secrets.randbelow(0xFFFFFFFF)
+    if args.seed is None:
+        _status(f"sampling with seed {seed} (--seed {seed} repeats this run)")
+    return SamplingParams(seed=seed, **given)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -121,7 +147,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     logits_seen: list[np.ndarray] = []
     printed = ""
     t1 = time.perf_counter()
-    for token, logits in pipe.generate(prompt, args.max_tokens, stop=(eos,) if eos >= 0 else ()):
+    sampling = _sampling(args)
+    sampler = None
+    if sampling is not None:
+        from ._native import TokenSampler
+        window = sampling.penalty_last_n
+        sampler = TokenSampler(pipe.head.info.n_vocab, sampling, args.ctx, history=prompt[-window:] if window else [])
+    for token, logits in pipe.generate(prompt, args.max_tokens, stop=(eos,) if eos >= 0 else (), sampler=sampler):
         if token == eos:
             break
         tokens.append(token)
@@ -364,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="greedy generation through an in-process split of a model")
+    g = sub.add_parser("generate", help="generation through an in-process split of a model, or a route of workers (--route)")
     g.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--split", default="half", help="layer ranges, e.g. 0-14,15-29; 'half' (default) or 'whole'")
     g.add_argument("--prompt", default="The three primary colors are")
@@ -375,6 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
     g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
+    sm = g.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature, "
+                              "then a seeded draw; without these flags: greedy; an unset one is off)")
+    sm.add_argument("--temperature", type=float, help="0: the largest logit; else 0.001..100")
+    sm.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off)")
+    sm.add_argument("--top-p", type=float, help="keep the most likely tokens up to this probability mass (0, 1]")
+    sm.add_argument("--min-p", type=float, help="drop tokens less likely than this fraction of the best [0, 1]")
+    sm.add_argument("--repeat-penalty", type=float, help="divide repeated tokens' logits (1: off)")
+    sm.add_argument("--frequency-penalty", type=float, help="subtract per repetition (0: off)")
+    sm.add_argument("--presence-penalty", type=float, help="subtract once per repeated token (0: off)")
+    sm.add_argument("--repeat-last-n", type=int, help="the window of tokens the penalties see (default 64)")
+    sm.add_argument("--seed", type=_count(0, 0xFFFFFFFE), help="the sampler's seed (default: a random one, printed)")
     _client_security_flags(g, "")
     g.set_defaults(func=cmd_generate)
 

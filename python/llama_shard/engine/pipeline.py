@@ -88,8 +88,9 @@ class LocalPipeline:
             ctx.seq_rm(seq_id, p0)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, seq_id: int = 0,
-                 stop: Sequence[int] = ()) -> Iterator[tuple[int, np.ndarray]]:
-        """Greedy decoding from a fresh sequence: yields (token, logits that chose it) per step."""
+                 stop: Sequence[int] = (), sampler=None) -> Iterator[tuple[int, np.ndarray]]:
+        """Decoding from a fresh sequence: yields (token, logits that chose it) per step. Greedy, or
+        drawn by `sampler` (a TokenSampler; the caller accepts the prompt into it first, as stock does)."""
         if max_tokens < 0:
             raise InvalidInputError("max_tokens must be >= 0")
         self.seq_rm(seq_id, 0)
@@ -103,7 +104,11 @@ class LocalPipeline:
         if logits is None:
             raise InvalidInputError("the prompt is empty")
         for _ in range(max_tokens):
-            token = int(np.argmax(logits))
+            if sampler is None:
+                token = int(np.argmax(logits))
+            else:
+                token = sampler.sample(logits)
+                sampler.accept(token)
             yield token, logits
             if token in stop:
                 return

@@ -29,6 +29,8 @@ from ..engine.manager import HotKvStateManager
 from ..engine.pipeline import check_tiling
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
+from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
+from ..serve.sampling import params_to_wire
 from ..serve.security import ClientSecurity
 from ..proto.wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
 
@@ -165,7 +167,7 @@ class RemoteStage:
 
     def _outcome(self, reply, route: Sequence["RemoteStage"]):
         """A reply as a StepOutcome or RouteError; `route` names the stage a chained reply came from."""
-        stage = route[min(max(reply.stage, 0), len(route) - 1)]
+        stage = route_stage(route, reply.stage)
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             return StepOutcome(miss=reply.miss_reason)
         if reply.outcome != pb.OUTCOME_OK:
@@ -185,6 +187,11 @@ class RemoteStage:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def route_stage(route: Sequence, stage: int):
+    """The stage a chained reply names (clamped: a worker's number is not trusted as an index)."""
+    return route[min(max(stage, 0), len(route) - 1)]
 
 
 def check_route(stages: Sequence) -> None:
@@ -327,15 +334,20 @@ class RouteClient:
 
     def generate_many(self, sessions: Sequence["RouteSession"], prompts: Sequence[Sequence[int]], max_tokens: int,
                       stop: Sequence[int] = (), micro_batches: int | None = None,
-                      on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-        """Greedy generation for several sessions at once; returns each one's tokens.
+                      on_token: Callable[[int, int], None] | None = None, *,
+                      sampling: SamplingParams | None = None) -> list[list[int]]:
+        """Generation for several sessions at once (greedy, or each with `sampling`); returns each
+        one's tokens.
 
-        The sessions are split into `micro_batches` groups (default: one per stage), each driven by
+        On a chained route each session is one `Generate` stream, and the head groups the streams
+        into one micro-batch per stage itself. Otherwise the sessions are split into `micro_batches` groups (default: one per stage), each driven by
         its own thread, one message per stage per step: while one group is on the tail, the next is
         on the head, so every worker computes at once. on_token(index, token) is called as tokens
         arrive (from those threads). Raises the first RouteError after every group has finished."""
         if len(prompts) != len(sessions) or any(not p for p in prompts):
             raise InvalidInputError("generate_many takes one non-empty prompt per session")
+        if self.chained or sampling is not None:
+            return self._generate_streams(sessions, prompts, max_tokens, stop, on_token, sampling)
         n = len(sessions)
         n_groups = max(1, min(n, micro_batches or len(self.stages)))
         # consecutive sessions per group: opened in one step, they get consecutive seq ids on every
@@ -379,6 +391,30 @@ class RouteClient:
             raise errors[0]
         return generated
 
+    def _generate_streams(self, sessions, prompts, max_tokens, stop, on_token, sampling) -> list[list[int]]:
+        """generate_many with one thread per session: Generate streams on a chained route (the head
+        batches them), or client-driven sampled sessions (whose steps the workers' loops batch)."""
+        generated: list[list[int]] = [[] for _ in sessions]
+        errors: list[Exception] = []
+
+        def run(i: int) -> None:
+            try:
+                for token in sessions[i].stream(prompts[i], max_tokens, stop, sampling=sampling):
+                    generated[i].append(token)
+                    if on_token:
+                        on_token(i, token)
+            except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"route-stream-{i}") for i in range(len(sessions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return generated
+
     def close(self) -> None:
         for s in self.stages:
             s.close()
@@ -393,6 +429,7 @@ class RouteSession:
         self.history: list[int] = []      # every token whose KV the route should hold
         self.epoch = client.epoch
         self.reprefills = 0
+        self.last_final: pb.GenerateFinal | None = None  # the last Generate stream's final event
 
     def _step(self, kind: StepKind, new_tokens: list[int]) -> StepOutcome:
         out, = self.client.step_sessions(kind, [self], [new_tokens])
@@ -401,33 +438,98 @@ class RouteSession:
         return out
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None) -> list[int]:
-        """Greedy generation: prefill the prompt, then decode token by token."""
-        if not prompt:
-            raise InvalidInputError("the prompt is empty")
-        out = self._step(StepKind.PREFILL, list(prompt))
-        generated: list[int] = []
-        for _ in range(max_tokens):
-            token = int(out.token_id)
+                 on_token: Callable[[int], None] | None = None, *, sampling: SamplingParams | None = None,
+                 stop_strings: Sequence[str] = ()) -> list[int]:
+        """Generates after the tokens the session holds plus `prompt`: greedy, or with llama.cpp's
+        sampler chain (`sampling`). Ends after a stop token (included), a stop string (chained
+        routes) or max_tokens. See `stream`."""
+        generated = []
+        for token in self.stream(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings):
             generated.append(token)
             if on_token:
                 on_token(token)
-            if token in stop or len(generated) == max_tokens:
-                break
-            out = self._step(StepKind.DECODE, [token])
         return generated
 
-    def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
-        """`generate` as an iterator of tokens."""
+    def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
+               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = ()) -> Iterator[int]:
+        """`generate` as an iterator of tokens. On a chained route the head runs the loop (one
+        `Generate` stream; its final event is kept in `last_final`); otherwise this client drives
+        every step, sampling from the tail's logits (a RemoteStage tail needs return_logits=True)."""
         if not prompt:
             raise InvalidInputError("the prompt is empty")
+        if max_tokens < 1:
+            return
+        if self.client.chained:
+            for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings):
+                yield event.token_id
+            return
+        if stop_strings:
+            raise InvalidInputError("stop strings need a chained route (the head detokenizes)")
+        sampler = None
         out = self._step(StepKind.PREFILL, list(prompt))
         for i in range(max_tokens):
-            token = int(out.token_id)
+            if sampling is None:
+                token = int(out.token_id)
+            else:
+                if out.logits is None:
+                    raise InvalidInputError("sampling on a client-driven route needs the tail's logits: "
+                                            "RemoteStage(..., return_logits=True)")
+                if sampler is None:  # the session's tokens so far are accepted first, as stock does
+                    window = sampling.penalty_last_n
+                    sampler = TokenSampler(len(out.logits), sampling, MAX_CONTEXT_TOKENS,
+                                           history=self.history[-window:] if window else [])
+                token = sampler.sample(np.ascontiguousarray(out.logits, dtype=np.float32))
+                sampler.accept(token)
             yield token
             if token in stop or i + 1 == max_tokens:
                 return
             out = self._step(StepKind.DECODE, [token])
+
+    def events(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
+               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (), logprobs: bool = False,
+               top_logprobs: int = 0) -> Iterator[pb.GeneratedToken]:
+        """The head's `Generate` stream on a chained route: one GeneratedToken per token (id, text
+        piece, logprobs when asked). The final event is kept in `last_final`; a stream that ends in
+        an error raises (InvalidInputError for a refused request, RouteError naming the stage).
+        Closing the iterator early cancels the stream; the session's KV stays."""
+        client = self.client
+        if not client.chained:
+            raise InvalidInputError("Generate needs a chained route (workers that forward to each other)")
+        if self.epoch != client.epoch:
+            self.epoch = client.epoch  # the head's record is of the old epoch: it re-prefills from zero
+        head, rest = client.stages[0], client.stages[1:]
+        whole = self.history + list(prompt)
+        req = pb.GenerateRequest(session_id=self.session_id, route_epoch=self.epoch, prompt=whole,
+                                 max_tokens=max_tokens, stop_token_ids=list(stop), stop=list(stop_strings),
+                                 forward=[pb.Hop(address=s.address, recipe_fingerprint=s.fingerprint) for s in rest],
+                                 wire_dtype=head.wire_dtype, recipe_fingerprint=head.fingerprint,
+                                 logprobs=logprobs, top_logprobs=top_logprobs)
+        if sampling is not None:
+            req.sampling.CopyFrom(params_to_wire(sampling))
+        self.last_final = None
+        call = head.stub.Generate(req)
+        generated: list[int] = []
+        try:
+            for event in call:
+                if event.HasField("token"):
+                    generated.append(event.token.token_id)
+                    yield event.token
+                    continue
+                final = self.last_final = event.final
+                self.history = (whole + generated)[:final.seq_len]
+                self.reprefills += final.reprefills
+                if final.finish_reason == "error":
+                    if final.outcome == pb.OUTCOME_INVALID_ARGUMENT:
+                        raise InvalidInputError(final.detail)
+                    stage = route_stage(client.stages, final.stage)
+                    raise RouteError(f"worker {stage.info.name} (stage {final.stage} of the route): "
+                                     f"{pb.Outcome.Name(final.outcome)}: {final.detail}")
+                return
+        except grpc.RpcError as e:
+            raise RouteError(f"worker {head.info.name} failed: {e.code().name}: {e.details()}") from None
+        finally:
+            call.cancel()  # no-op after the final event; otherwise the head stops the session's loop
+        raise RouteError(f"worker {head.info.name} ended the stream without a final event")
 
     def release(self) -> None:
         for stage in self.client.stages:

@@ -561,7 +561,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
             peers=sorted(self.peers.allowed), max_request_bytes=self.max_request_bytes,
-            max_in_flight_request_bytes=self.max_in_flight_request_bytes)
+            max_in_flight_request_bytes=self.max_in_flight_request_bytes,
+            generate_streams=len(self.generation.streams))
 
 
 class ShardWorker:
