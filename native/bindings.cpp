@@ -352,8 +352,18 @@ void register_model(py::module_ & m) {
              }, py::arg("text"))
         .def("detokenize", [](const shard_model & self, const py::object & ids) {
                  std::vector<int32_t> tokens = tokens_from_python(ids, self.info().n_vocab);
-                 py::gil_scoped_release release;  // the ids were copied above
-                 return self.detokenize(tokens);
+                 std::string text;
+                 {
+                     py::gil_scoped_release release;  // the ids were copied above
+                     text = self.detokenize(tokens);
+                 }
+                 // a character split across tokens (the ids end inside it) becomes U+FFFD, never an
+                 // exception: a stream detokenizes after every token
+                 PyObject * str = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
+                 if (str == nullptr) {
+                     throw py::error_already_set();
+                 }
+                 return py::reinterpret_steal<py::str>(str);
              }, py::arg("ids"));
 
 }

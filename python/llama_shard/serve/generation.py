@@ -131,6 +131,9 @@ class _RouteLoop:
                 owner.busy += 1
             try:
                 self._step(streams)
+            except Exception as e:  # noqa: BLE001 - a bug must end its streams, not leave them waiting
+                for s in streams:
+                    owner.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, detail=f"the head failed: {e!r}")
             finally:
                 with owner.cond:
                     owner.busy -= 1
