@@ -398,7 +398,7 @@ def test_demo_runs_end_to_end():
                          text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    assert "four concurrent chat sessions through both workers, chained" in out and "[chat-1]" in out and "Paris" in out
+    assert "four concurrent chat sessions through both workers, each a Generate stream" in out and "[chat-1]" in out and "Paris" in out
     assert out.count("0 live session(s) [none]; 0 of 2048 budget tokens reserved") == 2
     assert out.count(": exit 0") == 2
 

@@ -93,19 +93,25 @@ class _Transcript:
 def _chat(model: Path, stages: list[RemoteStage], max_tokens: int) -> None:
     client = RouteClient(stages)  # chained: every worker forwards to the next
     vocab = ShardModel(str(model), (0, 0), 1)  # tokenizer and chat template on the head side
-    _say(f"\nfour concurrent chat sessions through both workers, {'chained' if client.chained else 'client-relayed'} "
-         f"(greedy, up to {max_tokens} tokens):")
+    how = ("each a Generate stream: the head runs the loop, the tail picks each token" if client.chained
+           else "client-relayed")
+    _say(f"\nfour concurrent chat sessions through both workers, {how} (greedy, up to {max_tokens} tokens):")
     sessions = [client.session(f"chat-{i + 1}") for i in range(len(QUESTIONS))]
     transcript = _Transcript(vocab, len(QUESTIONS))
     for i, q in enumerate(QUESTIONS):
         _say(f"  [chat-{i + 1}] user: {q}")
     prompts = [vocab.tokenize(vocab.apply_chat_template([("user", q)], True)) for q in QUESTIONS]
     t0 = time.perf_counter()
-    # two micro-batches of two sessions: while the tail computes one, the head computes the other
+    # the head groups the streams into two micro-batches: while the tail computes one, it computes the other
     client.generate_many(sessions, prompts, max_tokens, stop=(vocab.token_eos,), micro_batches=2,
                          on_token=transcript.on_token)
     dt = time.perf_counter() - t0
     transcript.finish()
+    finals = [s.last_final for s in sessions if s.last_final is not None]
+    if finals:
+        _say("  per stream: " + "; ".join(f"chat-{i + 1} {f.finish_reason}, {f.completion_tokens} tokens, first after "
+                                          f"{f.time_to_first_token_s * 1000:.0f} ms, {f.tokens_per_s:.1f} tok/s"
+                                          for i, f in enumerate(finals)))
     _say(f"\n{len(QUESTIONS)} sessions done in {dt:.1f}s; {sum(len(s.history) for s in sessions)} tokens held per "
          f"worker; {sum(s.reprefills for s in sessions)} re-prefill(s)")
     _show_workers(stages)

@@ -219,10 +219,14 @@ class RouteClient:
     `chained` (None: chosen per route): the client sends each step to the first worker only, and
     every worker forwards the rows to the next itself (one round trip per token from the client
     instead of one per stage); otherwise the client relays the rows from stage to stage. Chaining
-    needs every stage to be a worker whose operator allowed the next one (`serve --peer`)."""
+    needs every stage to be a worker whose operator allowed the next one (`serve --peer`). On a
+    chained route generation runs in the route (`Generate` on the head) unless `route_loop=False`
+    (this client then sends every token's step itself, as before)."""
 
-    def __init__(self, stages: Sequence, *, max_reprefills: int = 3, chained: bool | None = None):
+    def __init__(self, stages: Sequence, *, max_reprefills: int = 3, chained: bool | None = None,
+                 route_loop: bool = True):
         self._chain_choice = chained
+        self.route_loop = route_loop  # False: a chained route is still driven token by token from here
         self.max_reprefills = max_reprefills
         self.epoch = 0
         self._ids = itertools.count()
@@ -346,7 +350,7 @@ class RouteClient:
         arrive (from those threads). Raises the first RouteError after every group has finished."""
         if len(prompts) != len(sessions) or any(not p for p in prompts):
             raise InvalidInputError("generate_many takes one non-empty prompt per session")
-        if self.chained or sampling is not None:
+        if (self.chained and self.route_loop) or sampling is not None:
             return self._generate_streams(sessions, prompts, max_tokens, stop, on_token, sampling)
         n = len(sessions)
         n_groups = max(1, min(n, micro_batches or len(self.stages)))
@@ -459,7 +463,7 @@ class RouteSession:
             raise InvalidInputError("the prompt is empty")
         if max_tokens < 1:
             return
-        if self.client.chained:
+        if self.client.chained and self.client.route_loop:
             for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings):
                 yield event.token_id
             return

@@ -41,6 +41,12 @@ MAX_REPREFILLS = 3
 IDLE_S = 2.0
 
 
+def max_generate_streams(config) -> int:
+    """Streams a worker runs at once: one per hot session, or two with a warm tier (the sessions of
+    the group not computing wait there); more would evict each other at every step."""
+    return config.max_sessions * (2 if config.warm_bytes else 1)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -181,7 +187,9 @@ class GenerationLoops:
         self.busy = 0                                   # group steps in progress
         # engine key -> (epoch, tokens the route holds): what the next stream of the session may reuse
         self._records: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
-        self._records_cap = 2 * servicer.manager.config.max_sessions
+        config = servicer.manager.config
+        self._records_cap = 2 * config.max_sessions
+        self.max_streams = max_generate_streams(config)
         self.active = Gauge("llama_shard_generate_streams", "Generate streams running on this head", registry=registry)
         self.active.set_function(lambda: len(self.streams))
         self.ttft = Histogram("llama_shard_generate_time_to_first_token_seconds",
@@ -208,14 +216,15 @@ class GenerationLoops:
                                         detail=f"session {req.session_id!r} already has a Generate stream running",
                                         prompt_tokens=len(req.prompt))
             mine = sum(1 for s in self.streams.values() if s.principal == principal)
-            limit = self.servicer.manager.config.max_sessions
+            limit = self.max_streams
             if cap is not None and mine >= cap:
                 return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_BUDGET_EXCEEDED,
                                         detail=f"this caller has {mine} streams running; the cap is {cap} per caller "
                                                f"(serve --max-sessions-per-principal)", prompt_tokens=len(req.prompt))
             if len(self.streams) >= limit:
                 return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_BUDGET_EXCEEDED,
-                                        detail=f"all {limit} sessions of this worker are streaming",
+                                        detail=f"this worker runs at most {limit} Generate streams at once (its hot "
+                                               f"sessions{', twice over with its warm tier' if limit > 1 and self.servicer.manager.config.warm_bytes else ''})",
                                         prompt_tokens=len(req.prompt))
             record = self._records.get(key)
             cached = 0

@@ -42,7 +42,7 @@ from ..engine.manager import HotKvStateManager
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
-from .generation import GenerationLoops
+from .generation import GenerationLoops, max_generate_streams
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
@@ -584,7 +584,9 @@ class ShardWorker:
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.max_in_flight_request_bytes)
         # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions), thread_name_prefix="shard-rpc"),
+            # a Generate stream holds a handler thread for its life: room for every stream beside the steps
+            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions) + max_generate_streams(config),
+                                       thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
             maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions),
