@@ -79,7 +79,9 @@ class _Stream:
         self.t_start = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
-        self._in_flight = (0, False)          # (tokens sent, whether the tail samples this step)
+        self.sent = (0, False)                # the step in flight: (tokens sent, whether the tail samples)
+        self.group = 0                        # the loop's group (a run of head seq ids)
+        self.in_flight = False                # in a group's step now
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:
@@ -99,53 +101,86 @@ class _Stream:
                 req.sampler.params.CopyFrom(self.req.sampling)
                 req.sampler.draws = self.draws
                 req.sampler.recent.extend(self.tokens[-window:] if window else [])
-        self._in_flight = (len(chunk), final)
+        self.sent = (len(chunk), final)
         return kind, req
 
 
 class _RouteLoop:
-    """The streams of one principal on one route: a group per stage, a thread per group."""
+    """The streams of one principal on one route: a group per stage, a thread per group.
+
+    Groups are contiguous runs of the head's seq ids (llama.cpp computes consecutive ids in one
+    ubatch: one pass over the weights per group step, not one per session). The partition is
+    recomputed when a stream joins, leaves or gets a new id; a stream moves to its new group once
+    its step in flight is back (`in_flight`: never in two steps at once)."""
 
     def __init__(self, owner: "GenerationLoops", principal: str, forward: tuple, wire_dtype: int):
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f) for a, f in forward]
-        self.groups: list[list[_Stream]] = [[] for _ in range(1 + len(forward))]
-        self.threads: list[threading.Thread | None] = [None] * len(self.groups)
+        self.n_groups = 1 + len(forward)
+        self.streams: list[_Stream] = []  # in arrival order
+        self.threads: list[threading.Thread | None] = [None] * self.n_groups
+        self._dirty = True
 
     def add(self, stream: _Stream) -> None:  # under the owner's lock
-        g = min(range(len(self.groups)), key=lambda k: len(self.groups[k]))
-        self.groups[g].append(stream)
-        if self.threads[g] is None:
-            self.threads[g] = threading.Thread(target=self._run, args=(g,), name=f"generate-{g}", daemon=True)
-            self.threads[g].start()
+        self.streams.append(stream)
+        self._dirty = True
+        for g, t in enumerate(self.threads):
+            if t is None:
+                self.threads[g] = threading.Thread(target=self._run, args=(g,), name=f"generate-{g}", daemon=True)
+                self.threads[g].start()
         self.owner.cond.notify_all()
 
     def idle(self) -> bool:
         return all(t is None for t in self.threads)
 
+    def _partition(self) -> None:  # under the owner's lock
+        if not self._dirty:
+            return
+        ids = self.owner.seq_ids()
+        order = sorted(range(len(self.streams)),
+                       key=lambda i: (ids.get(self.streams[i].key, 1 << 30), i))  # new ones: after, in arrival order
+        n, k = len(order), self.n_groups
+        for g in range(k):
+            for i in order[g * n // k:(g + 1) * n // k]:
+                self.streams[i].group = g
+        self._dirty = False
+
     def _run(self, g: int) -> None:
         owner = self.owner
+        idle_since = None
         while True:
             with owner.cond:
-                if not self.groups[g]:
+                self._partition()
+                mine = [s for s in self.streams if s.group == g and not s.in_flight]
+                if not mine:
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    if not self.streams and now - idle_since >= IDLE_S:
+                        self.threads[g] = None
+                        owner.drop_if_idle(self)
+                        return
                     owner.cond.wait(IDLE_S)
-                if not self.groups[g]:
-                    self.threads[g] = None
-                    owner.drop_if_idle(self)
-                    return
-                streams = list(self.groups[g])
+                    continue
+                idle_since = None
+                for s in mine:
+                    s.in_flight = True
                 owner.busy += 1
+            opening = [s.first_step for s in mine]
             try:
-                self._step(streams)
+                self._step(mine)
             except Exception as e:  # noqa: BLE001 - a bug must end its streams, not leave them waiting
-                for s in streams:
+                for s in mine:
                     owner.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, detail=f"the head failed: {e!r}")
             finally:
                 with owner.cond:
                     owner.busy -= 1
-                    for s in streams:
-                        if s.done and s in self.groups[g]:
-                            self.groups[g].remove(s)
+                    for s, was_opening in zip(mine, opening):
+                        s.in_flight = False
+                        if s.done:
+                            self.streams.remove(s)
+                            self._dirty = True
+                        elif was_opening and not s.first_step:  # it has a seq id now
+                            self._dirty = True
                     owner.cond.notify_all()
 
     def _step(self, streams: list[_Stream]) -> None:
@@ -284,7 +319,7 @@ class GenerationLoops:
 
     def settle(self, s: _Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
-        n_sent, final = s._in_flight
+        n_sent, final = s.sent
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             s.reprefills += 1
             if s.reprefills > MAX_REPREFILLS:
@@ -366,8 +401,12 @@ class GenerationLoops:
             with self.cond:
                 self._records.pop(key, None)
 
+    def seq_ids(self) -> dict[str, int]:
+        """Engine key -> seq id of the head's hot sessions."""
+        return {r.session_id: r.seq_id for r in self.servicer.manager.sessions() if r.seq_id >= 0}
+
     def drop_if_idle(self, loop: _RouteLoop) -> None:  # under self.cond
-        if loop.idle() and not any(loop.groups):
+        if loop.idle() and not loop.streams:
             for k, v in list(self.loops.items()):
                 if v is loop:
                     del self.loops[k]
