@@ -21,6 +21,8 @@ from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count, re
 from llama_shard.route import RemoteStage, RouteClient
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 
+from delay_proxy import DelayProxy
+
 
 def run(client: RouteClient, n: int, prompt_len: int, tokens: int, rng, tag: str) -> float:
     sessions = [client.session(f"{tag}-{n}-{i}-{time.monotonic_ns()}") for i in range(n)]
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--repeat", type=int, default=2, help="keep each side's best of this many")
+    ap.add_argument("--delay-ms", default="", help="also measure one session with every link delayed by each of "
+                                                   "these (ms each way, a loopback proxy), e.g. 2,10")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
     n_layer, cut = gguf_layer_count(path), compute_balanced_cut(path)
@@ -62,6 +66,19 @@ def main(argv: list[str] | None = None) -> int:
             route = max(run(in_route, n, args.prompt, args.tokens, rng, "route") for _ in range(args.repeat))
             client = max(run(in_client, n, args.prompt, args.tokens, rng, "client") for _ in range(args.repeat))
             print(f"| {n} | {route:.1f} | {client:.1f} | {route / client:.2f}x |", flush=True)
+        for delay in [float(x) for x in args.delay_ms.split(",") if x]:
+            # client -> proxy -> head -> proxy -> tail: the head forwards to the tail's proxy (its peer)
+            with DelayProxy(tail_addr, delay / 1000) as to_tail, DelayProxy(head_addr, delay / 1000) as to_head:
+                stop_worker(head)
+                head, head_addr2 = start_worker(path, 0, cut - 1, threads=1, extra=("--peer", to_tail.address),
+                                                port=int(head_addr.rsplit(":", 1)[1]))
+                wait_serving(head, head_addr2)
+                stages = [RemoteStage(to_head.address), RemoteStage(to_tail.address)]
+                in_route, in_client = RouteClient(stages), RouteClient(stages, route_loop=False)
+                route = max(run(in_route, 1, args.prompt, args.tokens, rng, "route-d") for _ in range(args.repeat))
+                client = max(run(in_client, 1, args.prompt, args.tokens, rng, "client-d") for _ in range(args.repeat))
+                print(f"| 1, links +{delay:g} ms each way | {route:.1f} | {client:.1f} | {route / client:.2f}x |",
+                      flush=True)
     finally:
         stop_worker(head)
         stop_worker(tail)
