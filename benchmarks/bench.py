@@ -25,7 +25,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
                     pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
-from routes import ours_two_stages, ours_worker_clients
+from routes import ours_generate_streams, ours_two_stages, ours_worker_clients
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +321,30 @@ def route_rows(s: Shapes) -> list[Row]:
     return rows
 
 
+def generate_rows(s: Shapes) -> list[Row]:
+    log("generation in the route: Generate streams against stock doing the same work")
+    n, stock, rpc_tools = s.n_layer, s.stock, s.rpc_tools
+    n_streams = 4 if s.quick else 8
+    cut = compute_balanced_cut(s.path)
+    split = [(0, cut - 1), (cut, n - 1)]
+    whole, chained, single, peer, rpc = alternate(
+        s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
+                                                            s.vocab)},
+        lambda: {n_streams: ours_generate_streams(s.path, split, 1, s.npp, s.ntg, n_streams, s.vocab)},
+        lambda: {1: ours_generate_streams(s.path, split, 1, s.npp, s.ntg, 1, s.vocab)},
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg,
+                                               [n_streams])),
+        rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, [1, n_streams])))
+    note = f"peer: ggml-rpc-server with layers {n - n // 2}-{n - 1} + llama-batched-bench, 1 thread each"
+    return [Row(f"1 worker ({s.threads} threads), {n_streams} Generate streams of {s.ntg} tokens (vs batched-bench)",
+                whole[n_streams], peer.get(n_streams, {}).get("tg"), "tok/s", ">= 0.95",
+                "decode phase; streams opened at once over gRPC"),
+            Row(f"2 workers x 1 thread chained (0-{cut - 1},{cut}-{n - 1}), {n_streams} Generate streams "
+                f"(vs RPC split)", chained[n_streams], rpc.get(n_streams, {}).get("tg"), "tok/s", ">= 1.7", note),
+            Row(f"the same, 1 Generate stream (vs RPC split)", single[1], rpc.get(1, {}).get("tg"), "tok/s", ">= 1.0",
+                note)]
+
+
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
@@ -423,7 +447,7 @@ def cpu_kernel_rows(s: Shapes) -> list[Row]:
                 ">= 0.95", stock_note)]
 
 
-SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, memory_rows, engine_choice_rows,
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, memory_rows, engine_choice_rows,
             cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}
 
@@ -450,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()
     stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
-    wants_rpc = route_rows in sections
+    wants_rpc = route_rows in sections or generate_rows in sections
     rpc_tools = None if args.no_stock or not wants_rpc else find_stock_tools(build=not args.no_build, rpc=True)
     missing = [name for name, tools in (("llama-bench/llama-batched-bench", stock), ("the RPC split", rpc_tools))
                if tools is None and (wants_rpc or name != "the RPC split")]

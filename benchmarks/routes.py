@@ -267,3 +267,59 @@ def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg:
         + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
         + ", ".join(f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
                     for stage, (b, n, r) in zip(("head", "tail"), eng)))
+
+
+def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
+                          n_streams: int, vocab: int) -> float:
+    """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
+    each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
+    after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
+    decode phase is what is timed: from the moment every stream has its first token to the last
+    token, counting the tokens that arrived in between."""
+    context = npp + ntg + 8
+    procs: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for first, last in reversed(ranges):
+            peer = ("--peer", procs[-1][1]) if procs else ()
+            procs.append(start_worker(path, first, last, threads, extra=(
+                "--max-sessions", str(n_streams), "--context-tokens", str(context),
+                "--budget-tokens", str(n_streams * context), *peer)))
+        procs.reverse()
+        for proc, addr in procs:
+            wait_serving(proc, addr)
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(n_streams)]
+        forward = [pb.Hop(address=addr) for _, addr in procs[1:]]
+        arrivals: list[list[float]] = [[] for _ in range(n_streams)]
+        failures: list[str] = []
+        ready = threading.Barrier(n_streams)
+
+        def stream(i: int) -> None:
+            with grpc.insecure_channel(procs[0][1]) as ch:
+                stub = pb_grpc.ShardServiceStub(ch)
+                ready.wait()
+                req = pb.GenerateRequest(session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward)
+                for event in stub.Generate(req, timeout=600):
+                    if event.HasField("token"):
+                        arrivals[i].append(time.perf_counter())
+                    elif event.final.finish_reason != "length":
+                        failures.append(str(event.final))
+
+        threads_ = [threading.Thread(target=stream, args=(i,)) for i in range(n_streams)]
+        cpu0 = [cpu_seconds(proc.pid) for proc, _ in procs]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        if failures:
+            raise RuntimeError(f"Generate streams failed: {failures[:3]}")
+        start = max(a[0] for a in arrivals)
+        end = max(a[-1] for a in arrivals)
+        tokens = sum(1 for a in arrivals for t in a if t > start)
+        cpu = [cpu_seconds(proc.pid) - c for (proc, _), c in zip(procs, cpu0)]
+        log(f"Generate profile, {len(ranges)} worker(s), {n_streams} streams: {tokens} tokens decoded in "
+            f"{end - start:.2f}s after the last first token; CPU per worker {', '.join(f'{c:.2f}s' for c in cpu)}")
+        return tokens / (end - start)
+    finally:
+        for proc, _ in procs:
+            stop_worker(proc)
