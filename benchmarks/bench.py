@@ -341,7 +341,7 @@ def generate_rows(s: Shapes) -> list[Row]:
                 "decode phase; streams opened at once over gRPC"),
             Row(f"2 workers x 1 thread chained (0-{cut - 1},{cut}-{n - 1}), {n_streams} Generate streams "
                 f"(vs RPC split)", chained[n_streams], rpc.get(n_streams, {}).get("tg"), "tok/s", ">= 1.7", note),
-            Row(f"the same, 1 Generate stream (vs RPC split)", single[1], rpc.get(1, {}).get("tg"), "tok/s", ">= 1.0",
+            Row("the same, 1 Generate stream (vs RPC split)", single[1], rpc.get(1, {}).get("tg"), "tok/s", ">= 1.0",
                 note)]
 
 

@@ -23,7 +23,6 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from llama_shard._native import SamplingParams, ShardModel, TokenSampler
