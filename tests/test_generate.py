@@ -352,6 +352,24 @@ def test_the_per_principal_cap_bounds_concurrent_streams(embedded_model):
         route.stop()
 
 
+def test_a_new_session_over_the_cap_ends_only_its_own_stream(embedded_model):
+    """A finished stream's session still counts against the cap (its KV stays): a new stream over
+    the cap is refused at its first step, and the stream it was batched with goes on."""
+    route = Route(embedded_model, [(0, 29)], extra=("--max-sessions-per-principal", "2"))
+    try:
+        _, final = route.generate("held", [1, 2, 3], 4)
+        assert final.finish_reason == "length"
+        running = route.stub().Generate(route.request("running", [4, 5, 6], 400), timeout=120)
+        events = iter(running)
+        assert next(events).HasField("token")
+        tokens, refused = route.generate("over", [7, 8, 9], 4)
+        assert tokens == [] and refused.outcome == pb.OUTCOME_BUDGET_EXCEEDED, refused
+        assert all(next(events).HasField("token") for _ in range(5))  # still streaming
+        running.cancel()
+    finally:
+        route.stop()
+
+
 def test_route_client_uses_generate_on_a_chained_route(smol_routes, smol_prompts, smol_reference):
     route = smol_routes["2 shards"]
     params = SamplingParams(seed=42, **PARAMS["top-k-p-min-p"])

@@ -520,7 +520,10 @@ class RouteSession:
                     yield event.token
                     continue
                 final = self.last_final = event.final
-                self.history = (whole + generated)[:final.seq_len]
+                # the route holds the prompt and all but the last token; a failed or cut-short turn
+                # leaves the history as it was (the head reuses whatever prefix it still holds)
+                if final.finish_reason != "error" and final.seq_len >= len(whole):
+                    self.history = (whole + generated)[:final.seq_len]
                 self.reprefills += final.reprefills
                 if final.finish_reason == "error":
                     if final.outcome == pb.OUTCOME_INVALID_ARGUMENT:
@@ -533,6 +536,8 @@ class RouteSession:
             raise RouteError(f"worker {head.info.name} failed: {e.code().name}: {e.details()}") from None
         finally:
             call.cancel()  # no-op after the final event; otherwise the head stops the session's loop
+            if self.last_final is None and generated:  # closed early: the conversation went on
+                self.history = whole + generated[:-1]
         raise RouteError(f"worker {head.info.name} ended the stream without a final event")
 
     def release(self) -> None:

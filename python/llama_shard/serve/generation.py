@@ -70,6 +70,7 @@ class _Stream:
         self.draws = 0
         self.generated: list[int] = []
         self.reprefills = 0
+        self.misses_in_row = 0
         self.deadline = deadline
         self.detokenize = detokenize
         self.text = ""
@@ -198,6 +199,17 @@ class _RouteLoop:
                 live.append(s)
         if not live:
             return
+        # a new session is admitted on its own: one over the principal's cap ends its stream only
+        admitted = []
+        for s in live:
+            refused = owner.servicer.owners.admit(self.principal, [s.key]) if s.first_step else None
+            if refused is None:
+                admitted.append(s)
+            else:
+                owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=refused)
+        live = admitted
+        if not live:
+            return
         items = [s.request(self.wire_dtype) for s in live]
         from .worker import _Refused  # the worker module imports this one
         try:
@@ -322,17 +334,19 @@ class GenerationLoops:
         n_sent, final = s.sent
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             s.reprefills += 1
-            if s.reprefills > MAX_REPREFILLS:
+            s.misses_in_row += 1
+            if s.misses_in_row > MAX_REPREFILLS:
                 self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
                             detail=f"still a cache miss after {MAX_REPREFILLS} re-prefills: {reply.detail}")
             else:
-                s.computed, s.first_step = 0, True
+                s.computed, s.first_step, s.cached = 0, True, 0
             return
         if reply.outcome != pb.OUTCOME_OK:
             self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, detail=reply.detail)
             return
         s.computed += n_sent
         s.first_step = False
+        s.misses_in_row = 0
         if not final:
             return
         token = reply.token_id
@@ -402,8 +416,11 @@ class GenerationLoops:
                 self._records.pop(key, None)
 
     def seq_ids(self) -> dict[str, int]:
-        """Engine key -> seq id of the head's hot sessions."""
-        return {r.session_id: r.seq_id for r in self.servicer.manager.sessions() if r.seq_id >= 0}
+        """Engine key -> seq id of the head's hot sessions ({} when the engine cannot say: closing)."""
+        try:
+            return {r.session_id: r.seq_id for r in self.servicer.manager.sessions() if r.seq_id >= 0}
+        except Exception:  # noqa: BLE001 - the partition falls back to arrival order
+            return {}
 
     def drop_if_idle(self, loop: _RouteLoop) -> None:  # under self.cond
         if loop.idle() and not loop.streams:

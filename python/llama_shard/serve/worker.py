@@ -347,7 +347,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         except _Refused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         for (_, req) in items:  # a step from outside the head's generation loop: its record is no longer the route's
-            self.generation.forget(self.security.engine_key(principal, req.session_id))
+            try:
+                self.generation.forget(self.security.engine_key(principal, req.session_id))
+            except LlamaShardError:
+                pass  # a session id no key can be made of was answered INVALID_ARGUMENT above
         return replies
 
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
@@ -487,7 +490,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if isinstance(out, TailOutput):
             token = out.token_id
             if params is not None:
-                token = self.samplers.sample(key, params, req.sampler, out.logits)
+                try:
+                    token = self.samplers.sample(key, params, req.sampler, out.logits)
+                except LlamaShardError as e:  # e.g. a non-finite logit: this step fails, not the batch
+                    return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=f"sampling failed: {e}")
             reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=token)
             if req.logprobs or req.top_logprobs:
                 logprob, top = log_softmax_of(out.logits, token, req.top_logprobs)
@@ -520,14 +526,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, tier=tier_name(out.tier))
 
     def Truncate(self, request, context):
-        self.generation.forget(self.security.engine_key(self._principal(context), request.session_id))
+        try:
+            self.generation.forget(self.security.engine_key(self._principal(context), request.session_id))
+        except LlamaShardError:
+            pass  # answered INVALID_ARGUMENT below
         return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
 
     def Release(self, request, context):
         reply = self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
-        key = self.security.engine_key(self._principal(context), request.session_id)
-        self.generation.forget(key)
-        self.samplers.forget((key, request.route_epoch))
+        if reply.outcome != pb.OUTCOME_INVALID_ARGUMENT:  # a key exists for this id
+            key = self.security.engine_key(self._principal(context), request.session_id)
+            self.generation.forget(key)
+            self.samplers.forget((key, request.route_epoch))
         return reply
 
     def Resolve(self, request, context):
