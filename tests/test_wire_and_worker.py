@@ -480,7 +480,9 @@ def test_a_huge_prompt_is_refused_before_anything_is_allocated(chain):
 
 def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, whole_tokens, tokenizer):
     head, tail = chain
-    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
+    # the client-driven loop on a chained route (a Generate stream would run ahead of what is read;
+    # the head's own loop and its re-prefill are tests/test_generate.py's)
+    client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)], route_loop=False)
     s = client.session("chained-miss")
     stream = s.stream(tokenizer.tokenize(PROMPTS[2]), N_TOKENS)
     got = [next(stream) for _ in range(6)]
@@ -501,7 +503,9 @@ def test_a_killed_tail_on_a_chained_route_is_a_clear_error_then_a_reprefill(embe
     tail = Worker(embedded_model, "15-29")
     head = Worker(embedded_model, "0-14", extra=("--peer", tail.address))
     try:
-        client = RouteClient([RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)])
+        # the client-driven loop on a chained route (the head's own loop: tests/test_generate.py)
+        client = RouteClient([RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)],
+                             route_loop=False)
         assert client.chained
         session = client.session("chained-survivor")
         stream = session.stream(tokenizer.tokenize(PROMPTS[0]), N_TOKENS)
