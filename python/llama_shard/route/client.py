@@ -189,6 +189,17 @@ class RemoteStage:
         self.channel.close()
 
 
+def _run_threads(fn: Callable, args: Sequence, name: str, errors: list[Exception]) -> None:
+    """fn(a) for each a, each on its own thread; then raises the first error they recorded."""
+    threads = [threading.Thread(target=fn, args=(a,), name=f"{name}-{k}") for k, a in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def route_stage(route: Sequence, stage: int):
     """The stage a chained reply names (clamped: a worker's number is not trusted as an index)."""
     return route[min(max(stage, 0), len(route) - 1)]
@@ -386,13 +397,7 @@ class RouteClient:
 
         if max_tokens < 1:
             return generated
-        threads = [threading.Thread(target=drive, args=(g,), name=f"route-group-{k}") for k, g in enumerate(groups)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        _run_threads(drive, groups, "route-group", errors)
         return generated
 
     def _generate_streams(self, sessions, prompts, max_tokens, stop, on_token, sampling) -> list[list[int]]:
@@ -410,13 +415,7 @@ class RouteClient:
             except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
                 errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"route-stream-{i}") for i in range(len(sessions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        _run_threads(run, range(len(sessions)), "route-stream", errors)
         return generated
 
     def close(self) -> None:

@@ -372,7 +372,7 @@ class GenerationLoops:
         event = pb.GeneratedToken(token_id=token, piece=piece)
         if s.req.logprobs or s.req.top_logprobs:
             event.logprob = reply.logprob
-            event.top_logprobs.extend(reply.top_logprobs)
+            event.top_logprobs.extend(reply.top_logprobs[:s.req.top_logprobs])  # no more than asked, whatever the tail sent
         s.events.put(pb.GenerateEvent(token=event))
         if token in s.req.stop_token_ids:
             self.finish(s, "stop", stop=f"token {token}")
@@ -408,6 +408,9 @@ class GenerationLoops:
         s.events.put(pb.GenerateEvent(final=final))
 
     # --- bookkeeping -----------------------------------------------------------------------------
+
+    def has_records(self) -> bool:
+        return bool(self._records)
 
     def forget(self, key: str) -> None:
         """The session was stepped, truncated or released from outside a stream: its record is stale."""

@@ -346,7 +346,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch)
         except _Refused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        for (_, req) in items:  # a step from outside the head's generation loop: its record is no longer the route's
+        # a step from outside the head's generation loop: its record is no longer the route's (only a
+        # head that ran streams has records: every other step pays one dict check)
+        for (_, req) in items if self.generation.has_records() else ():
             try:
                 self.generation.forget(self.security.engine_key(principal, req.session_id))
             except LlamaShardError:
