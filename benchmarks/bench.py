@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab,
-                    pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, user_manager)
+                    pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, stock_server_streams,
+                    user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from routes import ours_generate_streams, ours_two_stages, ours_worker_clients
@@ -327,20 +328,35 @@ def generate_rows(s: Shapes) -> list[Row]:
     n_streams = 4 if s.quick else 8
     cut = compute_balanced_cut(s.path)
     split = [(0, cut - 1), (cut, n - 1)]
-    whole, chained, single, peer, rpc = alternate(
+    server = stock and find_stock_tools(build=s.build_stock, server=True)
+    if stock and not server:
+        log("stock llama-server: not found and not built; its peer column is n/a")
+    whole, chained, single, peer, http, one_thread, rpc = alternate(
         s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
                                                             s.vocab)},
         lambda: {n_streams: ours_generate_streams(s.path, split, 1, s.npp, s.ntg, n_streams, s.vocab)},
         lambda: {1: ours_generate_streams(s.path, split, 1, s.npp, s.ntg, 1, s.vocab)},
         stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg,
                                                [n_streams])),
+        server and (lambda: {n_streams: stock_server_streams(server["llama-server"], s.path, s.threads, s.npp,
+                                                             s.ntg, n_streams, s.vocab)}),
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, 1, s.npp, s.ntg,
+                                               [n_streams // 2])),
         rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, [1, n_streams])))
     note = f"peer: ggml-rpc-server with layers {n - n // 2}-{n - 1} + llama-batched-bench, 1 thread each"
+    half_rate = one_thread.get(n_streams // 2, {}).get("tg")
     return [Row(f"1 worker ({s.threads} threads), {n_streams} Generate streams of {s.ntg} tokens (vs batched-bench)",
                 whole[n_streams], peer.get(n_streams, {}).get("tg"), "tok/s", ">= 0.95",
                 "decode phase; streams opened at once over gRPC"),
+            Row(f"the same (vs llama-server -np {n_streams} -t {s.threads}, {n_streams} HTTP clients streaming "
+                f"{s.ntg} tokens)", whole[n_streams], http.get(n_streams), "tok/s", ">= 1.0",
+                "the peer's decode phase timed the same way; llama-server built without its web page"),
             Row(f"2 workers x 1 thread chained (0-{cut - 1},{cut}-{n - 1}), {n_streams} Generate streams "
                 f"(vs RPC split)", chained[n_streams], rpc.get(n_streams, {}).get("tg"), "tok/s", ">= 1.7", note),
+            Row(f"the same (vs the ceiling: twice stock's 1-thread rate at {n_streams // 2} sessions)",
+                chained[n_streams], 2 * half_rate if half_rate else None, "tok/s", ">= 0.9",
+                f"each worker computes one of 2 groups of {n_streams // 2} at a time, while the other is on the "
+                "other worker"),
             Row("the same, 1 Generate stream (vs RPC split)", single[1], rpc.get(1, {}).get("tg"), "tok/s", ">= 1.0",
                 note)]
 

@@ -95,15 +95,17 @@ def alternate(repeat: int, *measures) -> list[dict]:
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
-def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False) -> dict[str, Path] | None:
+def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False,
+                     server: bool = False) -> dict[str, Path] | None:
     """The stock tools from the pinned source: in LLAMA_SHARD_STOCK_BIN_DIR (or
     LLAMA_SHARD_STOCK_RPC_BIN_DIR) when set, else in build/stock-bench, built there when missing (CMake option
     LLAMA_SHARD_BUILD_STOCK_BENCH; the patches are gated, so without a shard range they behave as
     upstream). With rpc=True, an RPC-enabled build (GGML_RPC=ON) with ggml-rpc-server, for
     llama.cpp's own way of splitting a model across processes. With no_amx=True, llama-bench and
     llama-batched-bench compiled without the AMX kernels (NO_AMX_FLAGS): in LLAMA_SHARD_STOCK_NOAMX_BIN_DIR
-    when set, else in build/stock-noamx."""
-    tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else STOCK_TOOLS
+    when set, else in build/stock-noamx. With server=True, llama-server (built without its web page),
+    where llama-bench is."""
+    tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else ("llama-server",) if server else STOCK_TOOLS
     name = "stock-rpc" if rpc else ("stock-noamx" if no_amx else "stock-bench")
     env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else
                          "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR" if no_amx else "LLAMA_SHARD_STOCK_BIN_DIR")
@@ -149,6 +151,79 @@ def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: in
             d = json.loads(line)
             res[int(d["pl"])] = {"pp": float(d["speed_pp"]), "tg": float(d["speed_tg"])}
     return res
+
+
+def stock_server_streams(tool: Path, model: Path, threads: int, npp: int, ntg: int, n_clients: int,
+                         vocab: int) -> float:
+    """Stock llama-server (-np n_clients -t threads) with n_clients HTTP clients at once, each
+    streaming ntg tokens (greedy, ignore_eos) after its own random npp-token prompt: aggregate
+    decode tokens/s, timed as ours_generate_streams times Generate streams (from the moment every
+    client has its first token to the last token, counting the tokens that arrived in between)."""
+    import http.client
+    import threading
+
+    import numpy as np
+
+    from llama_shard.serve.local_workers import free_port
+
+    port = free_port()
+    context = npp + ntg + 8
+    server = subprocess.Popen([str(tool), "-m", str(model), "-t", str(threads), "-np", str(n_clients), "-c",
+                               str(n_clients * context), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start (exit {server.poll()})")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        rng = np.random.default_rng(11)
+        prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(n_clients)]
+        arrivals: list[list[tuple[float, int]]] = [[] for _ in range(n_clients)]
+        failures: list[str] = []
+        ready = threading.Barrier(n_clients)
+
+        def client(i: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            body = json.dumps({"prompt": prompts[i], "n_predict": ntg, "stream": True, "ignore_eos": True,
+                               "temperature": 0.0, "cache_prompt": False})
+            ready.wait()
+            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                failures.append(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+                return
+            for line in resp:  # server-sent events: one `data: {json}` line per token, then the last
+                if line.startswith(b"data: "):
+                    chunk = json.loads(line[6:])
+                    arrivals[i].append((time.perf_counter(), int(chunk.get("tokens_predicted", 0))))
+                    if chunk.get("stop"):
+                        break
+
+        threads_ = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        if failures or not all(arrivals):
+            raise RuntimeError(f"llama-server streams failed: {failures[:3]}")
+        start = max(a[0][0] for a in arrivals)
+        end = max(a[-1][0] for a in arrivals)
+        tokens = sum(a[-1][1] - max((n for t, n in a if t <= start), default=0) for a in arrivals)
+        return tokens / (end - start)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, npl: list[int]) -> dict[int, dict]:

@@ -342,6 +342,8 @@ void register_model(py::module_ & m) {
         .def_property_readonly("path", &shard_model::path)
         .def_property_readonly("n_threads", &shard_model::n_threads)
         .def_property_readonly("token_eos", &shard_model::token_eos)
+        .def_property_readonly("token_bos_added", &shard_model::token_bos_added)
+        .def_property_readonly("eog_tokens", &shard_model::eog_tokens)
         .def_property_readonly("chat_template", &shard_model::chat_template)
         .def("apply_chat_template", [](const shard_model & self, const std::vector<std::pair<std::string, std::string>> & messages,
                                        bool add_assistant) { return self.apply_chat_template(messages, add_assistant); },

@@ -37,6 +37,25 @@ for pl in npl:
     print('{{"n_kv_max": 4096, "pp": 16, "tg": 8, "pl": %d, "speed_pp": 500.0, "speed_tg": %f}}' % (pl, 50.0 * pl), file=sys.stderr)
 """
 
+FAKE_LLAMA_SERVER = """#!{python}
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for i in range(1, req["n_predict"] + 1):
+            time.sleep(0.002)
+            self.wfile.write(b"data: " + json.dumps({{"content": "x", "stop": False, "tokens_predicted": i}}).encode() + b"\\n\\n")
+        self.wfile.write(b"data: " + json.dumps({{"content": "", "stop": True, "tokens_predicted": req["n_predict"]}}).encode() + b"\\n\\n")
+ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
 
 @pytest.fixture
 def fake_stock_env(tmp_path) -> dict:
@@ -44,7 +63,7 @@ def fake_stock_env(tmp_path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in [("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH),
-                       ("ggml-rpc-server", FAKE_RPC_SERVER)]:
+                       ("ggml-rpc-server", FAKE_RPC_SERVER), ("llama-server", FAKE_LLAMA_SERVER)]:
         p = bin_dir / name
         p.write_text(textwrap.dedent(body.format(python=sys.executable)))
         p.chmod(p.stat().st_mode | stat.S_IEXEC)

@@ -262,4 +262,24 @@ int32_t shard_model::token_eos() const {
     return llama_vocab_eos(vocab_);
 }
 
+int32_t shard_model::token_bos_added() const {
+    if (llama_vocab_type(vocab_) == LLAMA_VOCAB_TYPE_NONE || !llama_vocab_get_add_bos(vocab_)) {
+        return -1;
+    }
+    return llama_vocab_bos(vocab_);
+}
+
+std::vector<int32_t> shard_model::eog_tokens() const {
+    std::vector<int32_t> out;
+    if (llama_vocab_type(vocab_) == LLAMA_VOCAB_TYPE_NONE) {
+        return out;
+    }
+    for (int32_t t = 0; t < info_.n_vocab; ++t) {
+        if (llama_vocab_is_eog(vocab_, t)) {
+            out.push_back(t);
+        }
+    }
+    return out;
+}
+
 } // namespace llama_shard

@@ -307,7 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                       max_hop_s=args.max_hop_seconds))
+                                       max_hop_s=args.max_hop_seconds, http_port=args.http_port))
     worker.start()
     return worker.serve_until_signal()
 
@@ -426,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--layers", help="owned layers FIRST-LAST (default: all)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=_port, default=50551)
+    sv.add_argument("--http-port", type=_port, default=None,
+                    help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions) on this port, same "
+                         "host, TLS and tokens as gRPC; the route is this worker then its --peer workers in order")
     sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--metrics-host", default="127.0.0.1",
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "

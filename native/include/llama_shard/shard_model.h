@@ -83,6 +83,10 @@ public:
     std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
                                     bool add_assistant) const;
     int32_t token_eos() const;
+    // the BOS token tokenize() puts first, or -1 when the vocabulary adds none
+    int32_t token_bos_added() const;
+    // every end-of-generation token (EOS, EOT, EOM, and the vocabulary's own end markers)
+    std::vector<int32_t> eog_tokens() const;
 
     llama_model * raw() const { return model_; }
 

@@ -59,7 +59,7 @@ class _Stream:
     """One Generate call: its session's tokens on the head, and the events for its handler."""
 
     def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
-                 cached: int, deadline: float | None, detokenize):
+                 cached: int, deadline: float | None, detokenize, events=None):
         self.principal, self.key, self.req = principal, key, req
         self.params = params
         self.max_tokens = max_tokens
@@ -74,7 +74,7 @@ class _Stream:
         self.deadline = deadline
         self.detokenize = detokenize
         self.text = ""
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events = events if events is not None else queue.SimpleQueue()  # put(event): its reader's queue
         self.stop_reason: str | None = None  # set from the handler's thread: the loop ends the stream
         self.done = False
         self.t_start = time.monotonic()
@@ -247,8 +247,10 @@ class GenerationLoops:
 
     # --- opening ---------------------------------------------------------------------------------
 
-    def open(self, principal: str, req: pb.GenerateRequest, time_remaining: float | None) -> _Stream | pb.GenerateFinal:
-        """A running stream, or the final event of one refused before anything was computed."""
+    def open(self, principal: str, req: pb.GenerateRequest, time_remaining: float | None,
+             events=None) -> _Stream | pb.GenerateFinal:
+        """A running stream, or the final event of one refused before anything was computed. Its
+        events go to `events.put` (default: a SimpleQueue the gRPC handler reads)."""
         try:
             params, max_tokens = self._check(req)
             key = self.servicer.security.engine_key(principal, req.session_id)
@@ -277,7 +279,8 @@ class GenerationLoops:
             cached = 0
             if record is not None and record[0] == req.route_epoch:
                 cached = min(_common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
-            stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize)
+            stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize,
+                             events)
             route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
             loop_key = (principal, route, req.wire_dtype)
             loop = self.loops.get(loop_key)
@@ -408,6 +411,24 @@ class GenerationLoops:
         s.events.put(pb.GenerateEvent(final=final))
 
     # --- bookkeeping -----------------------------------------------------------------------------
+
+    def longest_prefix(self, principal: str, tokens: list[int]) -> tuple[str, int] | None:
+        """(session id, epoch) of the principal's session, with no stream running, whose record
+        shares the longest common prefix with `tokens`; None if none does. A session is continued
+        only where the prefix covers at least half of what it holds: a new chat that shares only a
+        system prompt with another does not cut that one's tail (it gets a session of its own)."""
+        security = self.servicer.security
+        tag = security.tag(principal) if security.authenticated else None
+        best, best_n = None, 0
+        with self.cond:
+            for key, (epoch, held) in self._records.items():
+                owner, sid = security.split_key(key) if security.authenticated else (None, key)
+                if owner != tag or key in self.streams:
+                    continue
+                n = _common_prefix(held, tokens)
+                if n > best_n and 2 * n >= len(held):
+                    best, best_n = (sid, epoch), n
+        return best
 
     def has_records(self) -> bool:
         return bool(self._records)

@@ -76,6 +76,7 @@ class WorkerOptions:
     max_sessions_per_principal: int | None = None    # None: no cap beyond the engine's
     max_concurrent_rpcs: int | None = None           # None: 4 x max sessions, at least 64
     max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
+    http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
 
 
 class _EngineCollector:
@@ -620,6 +621,12 @@ class ShardWorker:
         if options.metrics_port is not None:
             server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
             self.metrics_port = server.server_port
+        self.http = None
+        if options.http_port is not None:
+            from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
+
+            self.http = OpenAIEndpoint(self.servicer, options.host, options.http_port, options.peers,
+                                       options.max_concurrent_rpcs or max(64, 4 * config.max_sessions))
         self._stopped = threading.Event()
 
     @property
@@ -627,6 +634,8 @@ class ShardWorker:
         return f"{self.options.host}:{self.port}"
 
     def start(self) -> "ShardWorker":
+        if self.http is not None:
+            self.http.start()  # binds first: a port in use fails the start, not a request later
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -649,6 +658,8 @@ class ShardWorker:
         self.servicer.stopping.set()
         # every stream ends with a final event saying so after its step in flight
         self.servicer.generation.wait_idle(self.options.grace_s)
+        if self.http is not None:
+            self.http.stop(self.options.grace_s)
         self.server.stop(self.options.grace_s).wait()
         self.manager.close()
         self.servicer.peers.close()
@@ -680,7 +691,8 @@ class ShardWorker:
         signal.signal(signal.SIGHUP, lambda signum, _frame: reload.append(signum))
         info = self.model.info
         print(f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
-              f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else ""),
+              f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else "")
+              + (f", OpenAI API on {self.http.scheme}://{self.options.host}:{self.http.port}/v1" if self.http else ""),
               file=sys.stderr, flush=True)
         while not received:
             time.sleep(0.1)

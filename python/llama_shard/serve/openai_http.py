@@ -1,0 +1,556 @@
+"""The OpenAI-compatible HTTP endpoint of a head worker (`serve --http-port P`): /v1/chat/completions,
+/v1/completions, /v1/models and /health.
+
+Each request becomes a Generate stream of this head's own loop (`GenerationLoops.open`, in process):
+the same checks, sampling, admission and limits as the gRPC `Generate`, on the route the head's
+`--peer` flags give in order. A request carries the whole conversation; the head continues the
+caller's own session that holds the longest common token prefix (or the one `X-Session-Id` names),
+so a chat's next turn computes only its new tokens.
+
+Why aiohttp: one well-kept library gives the HTTP/1.1 server, streamed responses (server-sent
+events), a bound on the request body (413 before it is read in full) and TLS through `ssl`, on one
+event loop thread beside gRPC's pool; no second server process or ASGI adapter to run.
+
+Invariants: nothing a client sends reaches llama.cpp unchecked (every parameter is checked here,
+then again by `GenerationLoops`); every error is OpenAI's JSON shape with its status; a closed
+connection cancels its stream before the next step (the session's KV stays for the next turn)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import ssl
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from aiohttp import web
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import InvalidInputError
+from ..proto import shard_pb2 as pb
+from .sampling import MAX_TOP_LOGPROBS
+from .security import ANONYMOUS
+
+#: the largest request body (a longer one gets 413 before it is read in full)
+MAX_BODY_BYTES = 4 * 2**20
+#: OpenAI's and the Generate stream's bounds on stop sequences
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+_OUTCOME_STATUS = {pb.OUTCOME_INVALID_ARGUMENT: 400, pb.OUTCOME_BUDGET_EXCEEDED: 429}
+
+
+class HttpError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+# --- the chat template ----------------------------------------------------------------------------
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    """The GGUF's `tokenizer.chat_template`, rendered as transformers and llama-cpp-python render it:
+    jinja2 in an immutable sandbox (a template cannot reach Python objects or change its inputs)."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: time.strftime(fmt))
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: list[dict]) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                        eos_token=self.eos_token)
+        except TemplateError as e:
+            raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+
+
+# --- request checks: each names the parameter it refuses -------------------------------------------
+
+def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}",
+                        name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise HttpError(400, f"{name} must be a finite number", name)
+    if not lo <= value <= hi:
+        raise HttpError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{name} must be a boolean", name)
+    return value
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise HttpError(400, "stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise HttpError(400, f"stop takes at most {MAX_STOPS} sequences of 1 to {MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+def sampling_from(body: dict) -> pb.Sampling:
+    """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty); a
+    parameter not given keeps llama.cpp's neutral default (temperature 1, no truncation, no
+    penalty); no seed: a random one."""
+    s = pb.Sampling()
+    for name, field, lo, hi, integer in (("temperature", "temperature", 0, 100, False), ("top_p", "top_p", 0, 1, False),
+                                         ("top_k", "top_k", 0, 1 << 30, True), ("min_p", "min_p", 0, 1, False),
+                                         ("repeat_penalty", "repeat_penalty", 0.01, 100, False),
+                                         ("presence_penalty", "presence_penalty", -2, 2, False),
+                                         ("frequency_penalty", "frequency_penalty", -2, 2, False)):
+        value = _number(body, name, lo, hi, integer=integer)
+        if value is not None:
+            setattr(s, field, value)
+    if s.HasField("top_p") and s.top_p == 0:
+        raise HttpError(400, "top_p must be in (0, 1]", "top_p")
+    if s.HasField("temperature") and 0 < s.temperature < 0.001:
+        s.temperature = 0.0  # llama.cpp: below its smallest temperature the largest logit wins
+    seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    s.seed = (seed % 0xFFFFFFFF) if seed is not None else secrets.randbelow(0xFFFFFFFF)
+    return s
+
+
+class _StopTrimmer:
+    """The text a client sees: the pieces up to (not including) the first stop sequence, holding back
+    a tail that could still begin one (OpenAI never sends a stop sequence's text)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        window = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
+        end = min(hits) if hits else len(self.text) - self.hold
+        self.stopped = bool(hits)
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def flush(self) -> str:
+        out = "" if self.stopped else self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+class _LoopEvents:
+    """A stream's events handed from the head's group threads to the endpoint's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, event: pb.GenerateEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the endpoint's loop has closed (shutdown): nobody reads this stream
+            pass
+
+
+# --- the endpoint -----------------------------------------------------------------------------------
+
+class OpenAIEndpoint:
+    """The HTTP server of one head worker, on its own event loop thread."""
+
+    def __init__(self, servicer, host: str, port: int, forward: tuple[str, ...], max_in_flight: int):
+        self.servicer, self.host, self.port = servicer, host, port
+        self.forward = [pb.Hop(address=a) for a in forward]
+        self.max_in_flight, self.in_flight = max_in_flight, 0
+        model = servicer.model
+        self.model_id = Path(model.path).name.removesuffix(".gguf")
+        self.created = int(time.time())
+        self.eog = list(model.eog_tokens)
+        bos = model.token_bos_added
+        self.bos_text = model.detokenize([bos]) if bos >= 0 else ""
+        eos = model.token_eos
+        source = model.chat_template
+        self.template = ChatTemplate(source, self.bos_text, model.detokenize([eos]) if eos >= 0 else "") \
+            if source else None
+        self._pieces: OrderedDict[int, str] = OrderedDict()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- life ---------------------------------------------------------------------------------
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        sec = self.servicer.security
+        if not sec.tls_cert:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
+        if sec.tls_client_ca:
+            ctx.load_verify_locations(sec.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.servicer.security.tls_cert else "http"
+
+    def start(self) -> "OpenAIEndpoint":
+        """Binds the port (OSError when it cannot) and serves on a thread of its own."""
+        self.loop = asyncio.new_event_loop()
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+
+        async def setup() -> int:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl_context())
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]  # the port bound (0 asked for any free one)
+
+        try:
+            self.port = self.loop.run_until_complete(setup())
+        except OSError as e:
+            self.loop.run_until_complete(self._runner.cleanup())
+            self.loop.close()
+            raise OSError(f"cannot bind the HTTP endpoint on {self.host}:{self.port}: {e}") from None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="openai-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.loop is None or self._thread is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop)
+        try:
+            future.result(timeout_s)
+        except Exception:  # noqa: BLE001 - shutting down: a slow client must not hold the worker
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        self.loop = self._thread = None
+
+    # --- every request ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return e.response()
+        except web.HTTPRequestEntityTooLarge:
+            return HttpError(413, f"the request body is over {MAX_BODY_BYTES} bytes").response()
+        except web.HTTPException as e:  # aiohttp's own (an unknown path, a wrong method): in OpenAI's shape
+            if e.status < 400:
+                raise
+            return HttpError(e.status, f"{request.method} {request.path}: {e.reason}").response()
+
+    def _principal(self, request: web.Request) -> str:
+        sec = self.servicer.security
+        if not sec.authenticated:
+            return ANONYMOUS
+        principal = None
+        if sec.tokens is not None:
+            value = request.headers.get("Authorization", "")
+            principal = sec.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
+        else:
+            cert = request.transport.get_extra_info("peercert") if request.transport else None
+            for rdn in (cert or {}).get("subject", ()):
+                for key, value in rdn:
+                    if key == "commonName":
+                        principal = value
+        if principal is None:
+            raise HttpError(401, "no valid credentials: send Authorization: Bearer <token>", code="invalid_api_key")
+        return principal
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.servicer.stopping.is_set():
+            raise HttpError(503, "the worker is shutting down")
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._principal(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}]})
+
+    async def _body(self, request: web.Request) -> dict:
+        self._principal(request)
+        if self.servicer.stopping.is_set():
+            raise HttpError(503, "the worker is shutting down")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise HttpError(400, "model must be a string", "model")
+        if model and model not in (self.model_id, Path(self.servicer.model.path).name):
+            raise HttpError(404, f"the model {model!r} does not exist here; this route serves {self.model_id!r}",
+                            "model", "model_not_found")
+        n = _number(body, "n", 1, 1 << 20, integer=True)
+        if n is not None and n != 1:
+            raise HttpError(400, "n must be 1: a route generates one choice per request", "n")
+        return body
+
+    # --- the two generation endpoints ---------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if self.template is None:
+            raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
+                            "messages")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages must be a non-empty list", "messages")
+        rendered = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise HttpError(400, "each message must be an object with a string role", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise HttpError(400, "only text content parts are supported", "messages")
+                content = "".join(p["text"] for p in content)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise HttpError(400, "a message's content must be a string or a list of text parts", "messages")
+            rendered.append({"role": m["role"], "content": content})
+        text = self.template.render(rendered)
+        if self.bos_text and text.startswith(self.bos_text):
+            text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
+        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
+        logprobs = _flag(body, "logprobs")
+        if top and not logprobs:
+            raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return await self._generate(request, body, self._tokenize(text), chat=True, logprobs=logprobs, top=top)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list
+        if isinstance(prompt, str):
+            tokens = self._tokenize(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            n_vocab = self.servicer.info.n_vocab
+            if not all(0 <= t < n_vocab for t in prompt):
+                raise HttpError(400, f"a prompt token is outside the vocabulary (0..{n_vocab - 1})", "prompt")
+            tokens = list(prompt)
+        else:
+            raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise HttpError(400, f"{name} is not supported", name)
+        best_of = _number(body, "best_of", 1, 1 << 20, integer=True)
+        if best_of not in (None, 1):
+            raise HttpError(400, "best_of must be 1", "best_of")
+        top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        return await self._generate(request, body, tokens, chat=False, logprobs=top is not None, top=top or 0)
+
+    def _tokenize(self, text: str) -> list[int]:
+        try:
+            tokens = self.servicer.model.tokenize(text)
+        except InvalidInputError as e:
+            raise HttpError(400, str(e), "prompt") from None
+        if not tokens:
+            raise HttpError(400, "the prompt is empty", "prompt")
+        return tokens
+
+    def _piece(self, token: int) -> str:
+        """One token's own text (for logprobs), remembered."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.servicer.model.detokenize([token])
+            if len(self._pieces) > 4096:
+                self._pieces.popitem(last=False)
+        return piece
+
+    def _session(self, request: web.Request, principal: str, tokens: list[int]) -> tuple[str, int]:
+        """The caller's session to continue: the one X-Session-Id names, else the principal's session
+        (no stream running) holding the longest common prefix of these tokens, else a new one."""
+        pinned = request.headers.get("X-Session-Id")
+        if pinned is not None:
+            if not 0 < len(pinned) <= 128:
+                raise HttpError(400, "X-Session-Id must be 1 to 128 characters", "X-Session-Id")
+            return pinned, 0
+        found = self.servicer.generation.longest_prefix(principal, tokens)
+        return found if found is not None else (f"oai-{uuid.uuid4().hex}", 0)
+
+    async def _generate(self, request: web.Request, body: dict, tokens: list[int], *, chat: bool, logprobs: bool,
+                        top: int) -> web.StreamResponse:
+        principal = self._principal(request)
+        max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
+        if max_tokens is None:
+            max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+        stream_it = _flag(body, "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise HttpError(400, "stream_options must be an object", "stream_options")
+        include_usage = _flag(options, "include_usage")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise HttpError(400, "user must be a string", "user")
+        stops = _stops(body)
+        session_id, epoch = self._session(request, principal, tokens)
+        req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling_from(body),
+                                 max_tokens=max_tokens or 0, stop_token_ids=self.eog[:64], stop=stops,
+                                 forward=self.forward, logprobs=logprobs, top_logprobs=top)
+        if self.in_flight >= self.max_in_flight:
+            raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
+                                 "(serve --max-concurrent-rpcs)")
+        self.in_flight += 1
+        try:
+            return await self._run(request, req, principal, chat=chat, stream_it=stream_it,
+                                    include_usage=include_usage)
+        finally:
+            self.in_flight -= 1
+
+    async def _run(self, request: web.Request, req: pb.GenerateRequest, principal: str, *, chat: bool,
+                   stream_it: bool, include_usage: bool) -> web.StreamResponse:
+        loops = self.servicer.generation
+        events = _LoopEvents(asyncio.get_running_loop())
+        stream = loops.open(principal, req, None, events=events)
+        if isinstance(stream, pb.GenerateFinal) and "already has a Generate stream" in stream.detail \
+                and request.headers.get("X-Session-Id") is None:
+            req.session_id, req.route_epoch = f"oai-{uuid.uuid4().hex}", 0  # another request took it first
+            stream = loops.open(principal, req, None, events=events)
+        if isinstance(stream, pb.GenerateFinal):
+            raise HttpError(_OUTCOME_STATUS.get(stream.outcome, 503), stream.detail)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        trimmer = _StopTrimmer(list(req.stop))
+        stop_ids = set(req.stop_token_ids)
+        want_logprobs = req.logprobs or req.top_logprobs
+        response: web.StreamResponse | None = None
+        texts: list[str] = []
+        lp_items: list[tuple[int, float, list]] = []
+
+        def chunk(text: str | None, finish: str | None, lp: list | None) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                if lp is not None:
+                    choice["logprobs"] = self._chat_logprobs(lp)
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
+                        "choices": [choice]}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": self._completion_logprobs(lp) if lp is not None else None}
+            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+                    "choices": [choice]}
+
+        async def send(obj: dict) -> None:
+            await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        try:
+            if stream_it:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                if chat:
+                    first = chunk(None, None, None)
+                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    await send(first)
+            while True:
+                event = await events.queue.get()
+                if event.HasField("final"):
+                    final = event.final
+                    break
+                tok = event.token
+                text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
+                lp = [(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None
+                if stream_it:
+                    if text or lp:
+                        await send(chunk(text, None, lp))
+                else:
+                    texts.append(text)
+                    if lp:
+                        lp_items.extend(lp)
+            tail = trimmer.flush() if final.finish_reason != "stop" else ""
+            if final.finish_reason in ("stop", "length"):
+                finish = final.finish_reason
+            elif final.finish_reason == "error" or not stream_it:
+                status = _OUTCOME_STATUS.get(final.outcome, 503 if final.outcome != pb.OUTCOME_INTERNAL else 500)
+                where = f" (stage {final.stage})" if final.stage else ""
+                error = HttpError(status, f"generation failed{where}: {final.detail}")
+                if not stream_it:
+                    raise error
+                await send(json.loads(error.response().body))
+                return response
+            else:  # cancelled or shutdown while streaming: end it as OpenAI ends a cut stream
+                finish = "length"
+            usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+                     "total_tokens": final.prompt_tokens + final.completion_tokens,
+                     "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+            headers = {"X-Session-Id": req.session_id}
+            if stream_it:
+                await send(chunk(tail or None, finish, None))
+                if include_usage:
+                    await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": self.model_id, "choices": [], "usage": usage})
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            content = "".join(texts) + tail
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+                          "logprobs": self._chat_logprobs(lp_items) if want_logprobs else None}
+                out = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
+                       "choices": [choice], "usage": usage}
+            else:
+                choice = {"index": 0, "text": content, "finish_reason": finish,
+                          "logprobs": self._completion_logprobs(lp_items) if want_logprobs else None}
+                out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+                       "choices": [choice], "usage": usage}
+            return web.json_response(out, headers=headers)
+        except (ConnectionError, asyncio.CancelledError):
+            stream.cancel("the client closed the connection")
+            raise
+        finally:
+            stream.cancel("the request ended")  # a no-op once the stream is done
+
+    def _chat_logprobs(self, items: list) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text = self._piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]}
+                            for t, lp, alts in items]}
+
+    def _completion_logprobs(self, items: list) -> dict:
+        return {"tokens": [self._piece(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [{self._piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
