@@ -1,0 +1,320 @@
+"""The OpenAI-compatible endpoint of a head worker (`serve --http-port`), driven by the official
+`openai` client and by raw HTTP, against a live two-worker route of the embedded SmolLM2 on loopback.
+
+What is shown here:
+- chat and completions, streamed and not; a seeded completion equals the `Generate` stream's
+  tokens for the same prompt tokens and parameters, and a chat's prompt is the GGUF template
+  rendered in jinja2's sandbox (the same tokens as llama.cpp's own rendering of it);
+- stop sequences are not in the text; EOG tokens end a chat with finish_reason "stop";
+- a 20-turn conversation computes only each turn's new tokens (usage.prompt_tokens_details);
+- bad requests each get their status in OpenAI's error shape (400 naming the parameter, 404, 413,
+  401, 429) and the worker still serves; unknown fields are ignored; a closed connection stops the
+  stream's compute; 100 concurrent requests past the limit get 429 and leave no stream behind.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+import pytest
+
+from llama_shard._native import ShardModel
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.openai_http import ChatTemplate, HttpError, _StopTrimmer, sampling_from
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.grpc
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+
+
+class HttpRoute:
+    """Two workers (0-14, 15-29); the head serves HTTP and forwards to the tail."""
+
+    def __init__(self, model, head_extra=()):
+        self.tail, self.tail_addr = start_worker(model, 15, 29, 1, extra=("--context-tokens", "1024"))
+        self.http_port = free_port()
+        self.head, self.head_addr = start_worker(model, 0, 14, 1, extra=(
+            "--context-tokens", "1024", "--peer", self.tail_addr, "--http-port", str(self.http_port), *head_extra))
+        wait_serving(self.tail, self.tail_addr)
+        wait_serving(self.head, self.head_addr)
+        self.base = f"http://127.0.0.1:{self.http_port}/v1"
+        self.client = openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
+
+    def raw(self, method: str, path: str, body: bytes | str | None = None, headers=None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
+        conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        return resp.status, json.loads(data) if data else {}
+
+    def info(self) -> pb.InfoReply:
+        with grpc.insecure_channel(self.head_addr) as ch:
+            return pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
+
+    def generate(self, prompt: list[int], **kw) -> tuple[list[int], str, pb.GenerateFinal]:
+        req = pb.GenerateRequest(session_id=f"grpc-{time.monotonic_ns()}", prompt=prompt,
+                                 forward=[pb.Hop(address=self.tail_addr)], **kw)
+        with grpc.insecure_channel(self.head_addr) as ch:
+            events = list(pb_grpc.ShardServiceStub(ch).Generate(req, timeout=120))
+        return ([e.token.token_id for e in events[:-1]], "".join(e.token.piece for e in events[:-1]), events[-1].final)
+
+    def stop(self):
+        self.client.close()
+        stop_worker(self.head)
+        stop_worker(self.tail)
+
+
+@pytest.fixture(scope="module")
+def route(embedded_model):
+    r = HttpRoute(embedded_model)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def vocab(embedded_model):
+    return ShardModel(str(embedded_model), (0, 0), 1)
+
+
+def test_models_and_health(route):
+    assert [m.id for m in route.client.models.list().data] == [MODEL_ID]
+    assert route.raw("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_a_seeded_completion_equals_the_generate_stream(route, vocab):
+    prompt = vocab.tokenize("Once upon a time, in a small village,")
+    params = dict(temperature=0.8, top_p=0.9, seed=42, extra_body={"top_k": 40})  # top_k: llama.cpp's extension
+    r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, logprobs=1, **params)
+    ids, text, final = route.generate(prompt, max_tokens=24, stop_token_ids=vocab.eog_tokens,
+                                      sampling=pb.Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=42))
+    assert r.choices[0].text == text
+    assert r.choices[0].logprobs.tokens == [vocab.detokenize([t]) for t in ids]
+    assert r.usage.completion_tokens == final.completion_tokens == len(ids)
+    assert r.choices[0].finish_reason == ("length" if final.finish_reason == "length" else "stop")
+    # the same request again, streamed: the same text
+    chunks = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, stream=True, **params)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+
+
+def test_chat_renders_the_gguf_template_and_streams_what_it_answers(route, vocab):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    rendered = ChatTemplate(vocab.chat_template, "", vocab.detokenize([vocab.token_eos])).render(messages)
+    assert rendered == vocab.apply_chat_template([(m["role"], m["content"]) for m in messages], True)
+    prompt = vocab.tokenize(rendered)
+    r = route.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=40, temperature=0)
+    ids, text, final = route.generate(prompt, max_tokens=40, stop_token_ids=vocab.eog_tokens)
+    if final.finish_reason == "stop":  # an EOG token: its text is not part of the answer
+        text = text[:len(text) - len(vocab.detokenize([ids[-1]]))]
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if final.finish_reason == "stop" else "length")
+    assert r.usage.prompt_tokens == len(prompt) and r.id.startswith("chatcmpl-")
+    stream = route.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=40, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id != r.id
+
+
+def test_stop_sequences_are_not_in_the_text(route):
+    prompt = "The three primary colors are"
+    full = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "zzzz"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    chunks = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                             stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
+def test_stop_trimmer_holds_back_what_may_begin_a_stop():
+    t = _StopTrimmer(["END"])
+    out = [t.feed(p) for p in ["abc E", "N", "x E", "ND more"]]
+    assert "".join(out) == "abc ENx " and t.stopped and t.flush() == ""
+    t = _StopTrimmer([])
+    assert t.feed("a") + t.feed("b") + t.flush() == "ab"
+
+
+def test_a_twenty_turn_chat_computes_only_each_turns_new_tokens(route):
+    messages = [{"role": "system", "content": "You answer in one short sentence."}]
+    computed, prompts = [], []
+    for turn in range(20):
+        messages.append({"role": "user", "content": f"Tell me fact number {turn + 1} about the sea."})
+        r = route.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, temperature=0)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        prompts.append(r.usage.prompt_tokens)
+        computed.append(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens)
+    assert prompts[-1] > 300 and computed[0] == prompts[0]
+    # each later turn: its new user message, the template's markers, and the end of the last answer
+    assert all(c <= 30 for c in computed[1:]), computed
+
+
+def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
+    ok = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps([1, 2]), 400, None),
+        (json.dumps(ok | {"temperature": "hot"}), 400, "temperature"),
+        ('{"model": "%s", "prompt": "Hi", "temperature": NaN}' % MODEL_ID, 400, "temperature"),
+        (json.dumps(ok | {"temperature": -0.5}), 400, "temperature"),
+        (json.dumps(ok | {"top_p": 0}), 400, "top_p"),
+        (json.dumps(ok | {"max_tokens": 0}), 400, "max_tokens"),
+        (json.dumps(ok | {"max_tokens": True}), 400, "max_tokens"),
+        (json.dumps(ok | {"n": 2}), 400, "n"),
+        (json.dumps(ok | {"stop": ["x"] * 17}), 400, "stop"),
+        (json.dumps(ok | {"prompt": ""}), 400, "prompt"),
+        (json.dumps(ok | {"prompt": [1, 10 ** 9]}), 400, "prompt"),
+        (json.dumps(ok | {"logprobs": 21}), 400, "logprobs"),
+        (json.dumps(ok | {"max_tokens": 5000}), 400, None),  # beyond the context: the Generate check
+        (json.dumps(ok | {"model": "gpt-9"}), 404, "model"),
+    ]
+    for body, status, param in cases:
+        got, answer = route.raw("POST", "/v1/completions", body)
+        assert got == status, (body, got, answer)
+        assert set(answer["error"]) >= {"message", "type", "param", "code"} and answer["error"]["message"]
+        if param:
+            assert answer["error"]["param"] == param, (body, answer)
+    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL_ID, "messages": "hi"}))
+    assert got == 400 and answer["error"]["param"] == "messages"
+    assert route.raw("GET", "/v2/anything")[0] == 404
+    assert route.raw("GET", "/v1/chat/completions")[0] == 405
+    got, answer = route.raw("POST", "/v1/completions", b"x" * (10 * 2**20))
+    assert got == 413 and answer["error"]["type"] == "invalid_request_error"
+    # unknown fields are ignored, as OpenAI ignores them; the worker served through all of it
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | {"frobnicate": {"a": 1}, "temperature": 0}))
+    assert got == 200 and answer["usage"]["completion_tokens"] == 2
+    assert route.info().generate_streams == 0
+
+
+def test_sampling_parameters_are_checked_before_anything_runs():
+    s = sampling_from({"temperature": 0.5, "top_k": 3, "min_p": 0.1, "repeat_penalty": 1.1, "seed": 7})
+    assert (s.temperature, s.top_k, s.seed) == (0.5, 3, 7) and not s.HasField("top_p")
+    for body in ({"top_k": 1.5}, {"presence_penalty": 3}, {"seed": "x"}, {"min_p": float("inf")}):
+        with pytest.raises(HttpError) as e:
+            sampling_from(body)
+        assert e.value.status == 400 and e.value.param == next(iter(body))
+
+
+def test_the_template_sandbox_refuses_reaching_python():
+    template = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "", "")
+    with pytest.raises(HttpError) as e:
+        template.render([{"role": "user", "content": "x"}])
+    assert e.value.status == 400
+    raising = ChatTemplate("{{ raise_exception('roles must alternate') }}", "", "")
+    with pytest.raises(HttpError, match="roles must alternate"):
+        raising.render([])
+
+
+def test_a_closed_connection_stops_the_streams_compute(route):
+    body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
+                       "stream": True})
+    sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    received = b""
+    while received.count(b"data: ") < 5:
+        received += sock.recv(4096)
+    assert route.info().generate_streams == 1
+    sock.close()
+    deadline = time.monotonic() + 10
+    while route.info().generate_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert route.info().generate_streams == 0
+    steps = route.info().engine_steps
+    time.sleep(0.5)
+    assert route.info().engine_steps == steps  # nothing computes for the closed stream
+
+
+def test_a_hundred_requests_past_the_limits_get_429_and_leave_nothing(embedded_model):
+    r = HttpRoute(embedded_model, head_extra=("--max-concurrent-rpcs", "4", "--max-sessions", "4"))
+    try:
+        statuses: list[int] = []
+
+        def call(i: int) -> None:
+            statuses.append(r.raw("POST", "/v1/completions", json.dumps(
+                {"model": MODEL_ID, "prompt": f"Story {i}:", "max_tokens": 8, "temperature": 0}))[0])
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(100)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(statuses) <= {200, 429} and statuses.count(200) >= 4 and statuses.count(429) >= 1, statuses
+        assert r.info().generate_streams == 0
+        assert r.client.completions.create(model=MODEL_ID, prompt="Still there?", max_tokens=2).usage.completion_tokens
+    finally:
+        r.stop()
+
+
+def test_a_model_without_a_chat_template_serves_completions_only(synthetic_model):
+    port = free_port()
+    proc, addr = start_worker(synthetic_model, 0, 5, 1, extra=("--http-port", str(port)))
+    try:
+        wait_serving(proc, addr)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
+            model_id = client.models.list().data[0].id
+            with pytest.raises(openai.BadRequestError, match="no chat template"):
+                client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}])
+            r = client.completions.create(model=model_id, prompt=[1, 2, 3], max_tokens=4, temperature=0)
+            assert r.usage.completion_tokens == 4
+    finally:
+        stop_worker(proc)
+
+
+def test_bearer_tokens_over_tls(embedded_model, tmp_path):
+    from llama_shard.testing.certs import CertificateAuthority
+
+    ca = CertificateAuthority.create(tmp_path, "http-ca")
+    server = ca.issue("worker", server=True)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:alice-secret-token-123456\n")
+    port = free_port()
+    proc, addr = start_worker(embedded_model, 0, 29, 1, extra=(
+        "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--auth-token-file", str(tokens),
+        "--http-port", str(port), "--context-tokens", "256"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the HTTP port binds before gRPC serves
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        base = f"https://localhost:{port}/v1"
+
+        def client(key: str):
+            return openai.OpenAI(base_url=base, api_key=key, max_retries=0,
+                                 http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(ca.cert))))
+
+        with client("wrong-token") as wrong, pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
+        with client("alice-secret-token-123456") as alice:
+            assert alice.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        status, answer = _https_status(port, ca.cert)
+        assert status == 401 and answer["error"]["type"] == "authentication_error"
+    finally:
+        stop_worker(proc)
+
+
+def _https_status(port: int, ca_cert) -> tuple[int, dict]:
+    """A request without credentials over TLS."""
+    conn = http.client.HTTPSConnection("localhost", port, timeout=30,
+                                       context=ssl.create_default_context(cafile=str(ca_cert)))
+    try:
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
