@@ -26,7 +26,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
                     user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
-from routes import ours_generate_streams, ours_two_stages, ours_worker_clients
+from routes import ours_chat_reuse, ours_generate_streams, ours_two_stages, ours_worker_clients
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,6 +361,26 @@ def generate_rows(s: Shapes) -> list[Row]:
                 note)]
 
 
+def openai_rows(s: Shapes) -> list[Row]:
+    log("the OpenAI-compatible endpoint: streamed HTTP against Generate streams, and a long chat's reuse")
+    n, n_streams = s.n_layer, 4 if s.quick else 8
+    turns, answer = (3, 4) if s.quick else (20, 16)
+    has_template = bool(ShardModel(str(s.path), (0, 0), 1).chat_template)
+    http, streams, chat = alternate(
+        s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
+                                                            s.vocab, http=True)},
+        lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams, s.vocab)},
+        has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer)))
+    rows = [Row(f"1 worker ({s.threads} threads), {n_streams} streamed /v1/completions of {s.ntg} tokens (vs "
+                f"{n_streams} Generate streams)", http[n_streams], streams[n_streams], "tok/s", ">= 0.9",
+                "the same prompts at once; peer: Generate over gRPC in this run")]
+    if has_template:
+        rows.append(Row(f"a {turns}-turn chat through /v1/chat/completions: 1 / time to first token of turn {turns} "
+                        "(vs the same request cold)", chat["warm"], chat["cold"], "1/s", ">= 10",
+                        "every request the whole conversation; cold: a new session (X-Session-Id)"))
+    return rows
+
+
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
@@ -463,8 +483,8 @@ def cpu_kernel_rows(s: Shapes) -> list[Row]:
                 ">= 0.95", stock_note)]
 
 
-SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, memory_rows, engine_choice_rows,
-            cpu_kernel_rows)
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, memory_rows,
+            engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}
 
 

@@ -2,6 +2,8 @@
 four topologies. Shared by the table (bench.py) and the studies."""
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import os
 import subprocess
 import tempfile
@@ -270,20 +272,23 @@ def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg:
 
 
 def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
-                          n_streams: int, vocab: int) -> float:
+                          n_streams: int, vocab: int, http: bool = False) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
     after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
     decode phase is what is timed: from the moment every stream has its first token to the last
-    token, counting the tokens that arrived in between."""
+    token, counting the tokens that arrived in between. http=True: the same requests as streamed
+    /v1/completions through the head's OpenAI-compatible endpoint (one event per token)."""
     context = npp + ntg + 8
     procs: list[tuple[subprocess.Popen, str]] = []
+    http_port = free_port()
     try:
         for first, last in reversed(ranges):
             peer = ("--peer", procs[-1][1]) if procs else ()
+            head = ("--http-port", str(http_port)) if http and first == 0 else ()
             procs.append(start_worker(path, first, last, threads, extra=(
                 "--max-sessions", str(n_streams), "--context-tokens", str(context),
-                "--budget-tokens", str(n_streams * context), *peer)))
+                "--budget-tokens", str(n_streams * context), *peer, *head)))
         procs.reverse()
         for proc, addr in procs:
             wait_serving(proc, addr)
@@ -295,6 +300,8 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
         ready = threading.Barrier(n_streams)
 
         def stream(i: int) -> None:
+            if http:
+                return http_stream(i)
             with grpc.insecure_channel(procs[0][1]) as ch:
                 stub = pb_grpc.ShardServiceStub(ch)
                 ready.wait()
@@ -304,6 +311,24 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
                         arrivals[i].append(time.perf_counter())
                     elif event.final.finish_reason != "length":
                         failures.append(str(event.final))
+
+        def http_stream(i: int) -> None:
+            conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
+            body = json.dumps({"prompt": prompts[i], "max_tokens": ntg, "temperature": 0, "stream": True,
+                               "ignore_eos": True})
+            ready.wait()
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk or not chunk["choices"]:
+                        failures.append(str(chunk)[:300])
+                    elif chunk["choices"][0]["finish_reason"] is None:
+                        arrivals[i].append(time.perf_counter())
+                    elif chunk["choices"][0]["finish_reason"] != "length":
+                        failures.append(str(chunk)[:300])
+            conn.close()
 
         threads_ = [threading.Thread(target=stream, args=(i,)) for i in range(n_streams)]
         cpu0 = [cpu_seconds(proc.pid) for proc, _ in procs]
@@ -323,3 +348,48 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
     finally:
         for proc, _ in procs:
             stop_worker(proc)
+
+
+def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: int = 16) -> dict[str, float]:
+    """A `turns`-turn greedy chat through one worker's OpenAI-compatible endpoint, every request the
+    whole conversation: 1 / time to first token of the last turn (continuing the session that
+    holds the conversation), and of the same request cold (a new session: X-Session-Id)."""
+    http_port = free_port()
+    proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads, extra=(
+        "--http-port", str(http_port), "--context-tokens", "4096", "--max-sessions", "2"))
+    try:
+        wait_serving(proc, addr)
+
+        def ask(messages: list[dict], session: str | None = None) -> tuple[float, str, dict]:
+            conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
+            body = json.dumps({"messages": messages, "max_tokens": answer_tokens, "temperature": 0, "stream": True,
+                               "stream_options": {"include_usage": True}})
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body,
+                         {"Content-Type": "application/json", **({"X-Session-Id": session} if session else {})})
+            first, text, usage = None, "", {}
+            for line in conn.getresponse():
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None \
+                            and chunk["choices"][0]["delta"].get("role") is None:
+                        first = first or time.perf_counter()
+                        text += chunk["choices"][0]["delta"]["content"]
+            conn.close()
+            return (first or time.perf_counter()) - t0, text, usage
+
+        messages = [{"role": "system", "content": "You are a patient teacher who answers briefly."}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Question {turn + 1}: tell me one fact about the number "
+                                                       f"{turn * 7 + 3} and why it matters."})
+            warm, answer, usage = ask(messages)
+            messages.append({"role": "assistant", "content": answer})
+        cold, _, cold_usage = ask(messages[:-1], session=f"cold-{time.monotonic_ns()}")
+        log(f"chat reuse: turn {turns} prompt {usage['prompt_tokens']} tokens, {usage['prompt_tokens_details']['cached_tokens']} "
+            f"reused, first token after {warm * 1e3:.0f} ms; cold: {cold_usage['prompt_tokens_details']['cached_tokens']} "
+            f"reused, first token after {cold * 1e3:.0f} ms")
+        return {"warm": 1 / warm, "cold": 1 / cold}
+    finally:
+        stop_worker(proc)

@@ -7,11 +7,13 @@ SIGTERM and reports their exit.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from ._native import ShardModel
@@ -32,7 +34,7 @@ def _say(msg: str) -> None:
 
 
 def _start_route(model: Path, ranges: list[tuple[int, int]], threads: int,
-                 procs: list[tuple[subprocess.Popen, str]]) -> None:
+                 procs: list[tuple[subprocess.Popen, str]], http_port: int) -> None:
     """Two workers, the head chained to the tail: the head forwards each step to the tail itself
     (serve --peer), so a token costs the client one round trip instead of one per worker. Two hot
     slots each for four sessions: the others wait in the warm tier (host memory) and come back
@@ -41,12 +43,12 @@ def _start_route(model: Path, ranges: list[tuple[int, int]], threads: int,
     t0 = time.perf_counter()
     tail_port = free_port()
     tiers = ("--max-sessions", "2", "--warm-memory", "64MiB")
-    for (first, last), port, extra in [(ranges[0], None, ("--peer", f"127.0.0.1:{tail_port}")),
-                                       (ranges[1], tail_port, ())]:
+    head = ("--peer", f"127.0.0.1:{tail_port}", "--http-port", str(http_port))  # and the OpenAI-compatible API
+    for (first, last), port, extra in [(ranges[0], None, head), (ranges[1], tail_port, ())]:
         proc, addr = start_worker(model, first, last, threads, extra=extra + tiers, port=port)
         procs.append((proc, addr))
         _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier)"
-             + (f", forwards to {extra[1]}" if extra else "") + " ...")
+             + (f", forwards to {extra[1]}, OpenAI API on :{http_port}" if extra else "") + " ...")
     for (proc, addr), (first, last) in zip(procs, ranges):
         wait_serving(proc, addr)
         _say(f"  worker {first}-{last} is serving ({time.perf_counter() - t0:.1f}s)")
@@ -122,6 +124,23 @@ def _chat(model: Path, stages: list[RemoteStage], max_tokens: int) -> None:
     client.close()
 
 
+def _http_turn(http_port: int, max_tokens: int) -> None:
+    """One chat turn through the head's OpenAI-compatible endpoint, as curl or any OpenAI client sends it."""
+    question = "Name three colours of the rainbow."
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
+    url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    _say(f"\none chat turn through the head's OpenAI-compatible endpoint (curl {url} -d '{{\"messages\": ...}}'):")
+    _say(f"  user: {question}")
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    usage = answer["usage"]
+    _say(f"  assistant: {answer['choices'][0]['message']['content'].strip()}")
+    _say(f"  {answer['choices'][0]['finish_reason']} after {usage['completion_tokens']} tokens, prompt "
+         f"{usage['prompt_tokens']} tokens, in {time.perf_counter() - t0:.2f}s")
+
+
 def _stop(procs: list[tuple[subprocess.Popen, str]]) -> bool:
     """SIGTERM to every worker; prints each one's exit code and shutdown report; True if all exit 0."""
     _say("\nshutting the workers down (SIGTERM):")
@@ -141,9 +160,11 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
     ranges = [(0, half - 1), (half, n_layer - 1)]
     _say(f"llama-shard demo: {model.name}, {n_layer} layers split {ranges[0][0]}-{ranges[0][1]} | {ranges[1][0]}-{ranges[1][1]}")
     procs: list[tuple[subprocess.Popen, str]] = []
+    http_port = free_port()
     try:
-        _start_route(model, ranges, threads, procs)
+        _start_route(model, ranges, threads, procs, http_port)
         _chat(model, [RemoteStage(addr) for _, addr in procs], max_tokens)
+        _http_turn(http_port, max_tokens)
     finally:
         ok = _stop(procs)
     return 0 if ok else 1

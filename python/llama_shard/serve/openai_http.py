@@ -428,9 +428,10 @@ class OpenAIEndpoint:
         if user is not None and not isinstance(user, str):
             raise HttpError(400, "user must be a string", "user")
         stops = _stops(body)
+        stop_ids = [] if _flag(body, "ignore_eos") else self.eog[:64]  # ignore_eos: llama.cpp's extension
         session_id, epoch = self._session(request, principal, tokens)
         req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling_from(body),
-                                 max_tokens=max_tokens or 0, stop_token_ids=self.eog[:64], stop=stops,
+                                 max_tokens=max_tokens or 0, stop_token_ids=stop_ids, stop=stops,
                                  forward=self.forward, logprobs=logprobs, top_logprobs=top)
         if self.in_flight >= self.max_in_flight:
             raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
@@ -494,9 +495,8 @@ class OpenAIEndpoint:
                 tok = event.token
                 text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
                 lp = [(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None
-                if stream_it:
-                    if text or lp:
-                        await send(chunk(text, None, lp))
+                if stream_it:  # a chunk per token, its text empty while held back (a stop may begin there)
+                    await send(chunk(text, None, lp))
                 else:
                     texts.append(text)
                     if lp:
@@ -538,7 +538,10 @@ class OpenAIEndpoint:
                 out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
                        "choices": [choice], "usage": usage}
             return web.json_response(out, headers=headers)
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:  # the client went away mid-stream: its stream stops at the next step
+            stream.cancel("the client closed the connection")
+            return response
+        except asyncio.CancelledError:
             stream.cancel("the client closed the connection")
             raise
         finally:
