@@ -319,6 +319,8 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             ready.wait()
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
+            if resp.status != 200:
+                failures.append(f"HTTP {resp.status}: {resp.read()[:300]!r}")
             for line in resp:
                 if line.startswith(b"data: {"):
                     chunk = json.loads(line[6:])

@@ -318,3 +318,29 @@ def _https_status(port: int, ca_cert) -> tuple[int, dict]:
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
+
+
+def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
+    port = free_port()
+    proc, addr = start_worker(embedded_model, 0, 14, 1, extra=("--peer", f"127.0.0.1:{free_port()}",
+                                                               "--http-port", str(port), "--max-hop-seconds", "5"))
+    try:
+        wait_serving(proc, addr)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert resp.status == 503 and "stage 1" in answer["error"]["message"], answer
+        assert answer["error"]["type"] == "server_error"
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200  # the head still serves
+        conn.close()
+    finally:
+        stop_worker(proc)
+
+
+def test_http_needs_the_head(embedded_model):
+    proc, _ = start_worker(embedded_model, 15, 29, 1, extra=("--http-port", str(free_port())))
+    code, stderr = stop_worker(proc, send_sigterm=False)
+    assert code == 2 and "needs the head worker" in stderr

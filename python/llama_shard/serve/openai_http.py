@@ -121,13 +121,15 @@ def _stops(body: dict) -> list[str]:
 
 
 def sampling_from(body: dict) -> pb.Sampling:
-    """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty); a
+    """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty,
+    repeat_last_n); a
     parameter not given keeps llama.cpp's neutral default (temperature 1, no truncation, no
     penalty); no seed: a random one."""
     s = pb.Sampling()
     for name, field, lo, hi, integer in (("temperature", "temperature", 0, 100, False), ("top_p", "top_p", 0, 1, False),
                                          ("top_k", "top_k", 0, 1 << 30, True), ("min_p", "min_p", 0, 1, False),
                                          ("repeat_penalty", "repeat_penalty", 0.01, 100, False),
+                                         ("repeat_last_n", "penalty_last_n", 0, 1 << 20, True),
                                          ("presence_penalty", "presence_penalty", -2, 2, False),
                                          ("frequency_penalty", "frequency_penalty", -2, 2, False)):
         value = _number(body, name, lo, hi, integer=integer)
@@ -429,8 +431,11 @@ class OpenAIEndpoint:
             raise HttpError(400, "user must be a string", "user")
         stops = _stops(body)
         stop_ids = [] if _flag(body, "ignore_eos") else self.eog[:64]  # ignore_eos: llama.cpp's extension
+        sampling = sampling_from(body)
+        if not sampling.HasField("penalty_last_n"):  # llama.cpp's 64, on a context that may be shorter
+            sampling.penalty_last_n = min(64, self.servicer.manager.config.context_tokens)
         session_id, epoch = self._session(request, principal, tokens)
-        req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling_from(body),
+        req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling,
                                  max_tokens=max_tokens or 0, stop_token_ids=stop_ids, stop=stops,
                                  forward=self.forward, logprobs=logprobs, top_logprobs=top)
         if self.in_flight >= self.max_in_flight:

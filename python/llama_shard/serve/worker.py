@@ -622,6 +622,9 @@ class ShardWorker:
             server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
             self.metrics_port = server.server_port
         self.http = None
+        if options.http_port is not None and info.first != 0:
+            raise InvalidInputError(f"--http-port serves generation: it needs the head worker (layers from 0), "
+                                    f"not layers {info.first}-{info.last}")
         if options.http_port is not None:
             from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
