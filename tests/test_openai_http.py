@@ -278,7 +278,7 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
     ca = CertificateAuthority.create(tmp_path, "http-ca")
     server = ca.issue("worker", server=True)
     tokens = tmp_path / "tokens"
-    tokens.write_text("alice:alice-secret-token-123456\n")
+    tokens.write_text("alice:alice-secret-token-123456\nbob:bob-secret-token-1234567890\n")
     port = free_port()
     proc, addr = start_worker(embedded_model, 0, 29, 1, extra=(
         "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--auth-token-file", str(tokens),
@@ -300,8 +300,14 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
 
         with client("wrong-token") as wrong, pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
-        with client("alice-secret-token-123456") as alice:
-            assert alice.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        prompt = "A conversation only alice has had so far, about the sea and its tides."
+        with client("alice-secret-token-123456") as alice, client("bob-secret-token-1234567890") as bob:
+            assert alice.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=2).usage.completion_tokens == 2
+            again = alice.completions.create(model=MODEL_ID, prompt=prompt + " More", max_tokens=2)
+            assert again.usage.prompt_tokens_details.cached_tokens > 10  # alice continues her own session
+            # bob sends the same conversation: he never continues alice's session
+            assert bob.completions.create(model=MODEL_ID, prompt=prompt + " More",
+                                          max_tokens=2).usage.prompt_tokens_details.cached_tokens == 0
         status, answer = _https_status(port, ca.cert)
         assert status == 401 and answer["error"]["type"] == "authentication_error"
     finally:
