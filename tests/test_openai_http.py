@@ -131,7 +131,8 @@ def test_stop_sequences_are_not_in_the_text(route):
     full = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]
     cut = full[:full.index(stop)]
-    r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "zzzz"])
+    r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
+                                        stop=[stop, "zzzz"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     chunks = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
                                              stream=True)
@@ -192,7 +193,8 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     got, answer = route.raw("POST", "/v1/completions", b"x" * (10 * 2**20))
     assert got == 413 and answer["error"]["type"] == "invalid_request_error"
     # unknown fields are ignored, as OpenAI ignores them; the worker served through all of it
-    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | {"frobnicate": {"a": 1}, "temperature": 0}))
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | {"frobnicate": {"a": 1}, "temperature": 0,
+                                                                       "ignore_eos": True}))
     assert got == 200 and answer["usage"]["completion_tokens"] == 2
     assert route.info().generate_streams == 0
 
@@ -218,7 +220,7 @@ def test_the_template_sandbox_refuses_reaching_python():
 
 def test_a_closed_connection_stops_the_streams_compute(route):
     body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
-                       "stream": True})
+                       "ignore_eos": True, "stream": True})
     sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
@@ -293,21 +295,23 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.2)
         base = f"https://localhost:{port}/v1"
+        trust = ssl.create_default_context(cafile=str(ca.cert))
 
         def client(key: str):
             return openai.OpenAI(base_url=base, api_key=key, max_retries=0,
-                                 http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(ca.cert))))
+                                 http_client=openai.DefaultHttpxClient(verify=trust))
 
         with client("wrong-token") as wrong, pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
         prompt = "A conversation only alice has had so far, about the sea and its tides."
+        fixed = dict(model=MODEL_ID, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
         with client("alice-secret-token-123456") as alice, client("bob-secret-token-1234567890") as bob:
-            assert alice.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=2).usage.completion_tokens == 2
-            again = alice.completions.create(model=MODEL_ID, prompt=prompt + " More", max_tokens=2)
+            assert alice.completions.create(prompt=prompt, **fixed).usage.completion_tokens == 2
+            again = alice.completions.create(prompt=prompt + " More", **fixed)
             assert again.usage.prompt_tokens_details.cached_tokens > 10  # alice continues her own session
             # bob sends the same conversation: he never continues alice's session
-            assert bob.completions.create(model=MODEL_ID, prompt=prompt + " More",
-                                          max_tokens=2).usage.prompt_tokens_details.cached_tokens == 0
+            theirs = bob.completions.create(prompt=prompt + " More", **fixed)
+            assert theirs.usage.prompt_tokens_details.cached_tokens == 0
         status, answer = _https_status(port, ca.cert)
         assert status == 401 and answer["error"]["type"] == "authentication_error"
     finally:
