@@ -236,6 +236,20 @@ def test_a_closed_connection_stops_the_streams_compute(route):
     steps = route.info().engine_steps
     time.sleep(0.5)
     assert route.info().engine_steps == steps  # nothing computes for the closed stream
+    # the same without streaming: no write fails, the closed connection is seen at the next token
+    body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
+                       "ignore_eos": True})
+    sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    deadline = time.monotonic() + 10
+    while not route.info().generate_streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sock.close()
+    deadline = time.monotonic() + 5  # 900 tokens would take far longer
+    while route.info().generate_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert route.info().generate_streams == 0
 
 
 def test_a_hundred_requests_past_the_limits_get_429_and_leave_nothing(embedded_model):

@@ -486,7 +486,8 @@ class OpenAIEndpoint:
 
         try:
             if stream_it:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                       "X-Session-Id": req.session_id})
                 await response.prepare(request)
                 if chat:
                     first = chunk(None, None, None)
@@ -497,6 +498,8 @@ class OpenAIEndpoint:
                 if event.HasField("final"):
                     final = event.final
                     break
+                if request.transport is None or request.transport.is_closing():
+                    stream.cancel("the client closed the connection")  # also without a write to fail
                 tok = event.token
                 text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
                 lp = [(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None
