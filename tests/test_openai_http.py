@@ -186,6 +186,12 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
         assert set(answer["error"]) >= {"message", "type", "param", "code"} and answer["error"]["message"]
         if param:
             assert answer["error"]["param"] == param, (body, answer)
+    # lone surrogates ("\ud800" escapes) and a session id that is not printable ASCII: 400, not a 500
+    for body in ('{"prompt": "hi \\ud800 there", "max_tokens": 2}', '{"prompt": "hi", "stop": ["\\udfff"]}'):
+        got, answer = route.raw("POST", "/v1/completions", body)
+        assert got == 400 and "Unicode" in answer["error"]["message"], (body, answer)
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok), {"X-Session-Id": "\xff\xfe"})
+    assert got == 400 and answer["error"]["param"] == "X-Session-Id"
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL_ID, "messages": "hi"}))
     assert got == 400 and answer["error"]["param"] == "messages"
     assert route.raw("GET", "/v2/anything")[0] == 404

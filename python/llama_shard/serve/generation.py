@@ -375,7 +375,8 @@ class GenerationLoops:
         event = pb.GeneratedToken(token_id=token, piece=piece)
         if s.req.logprobs or s.req.top_logprobs:
             event.logprob = reply.logprob
-            event.top_logprobs.extend(reply.top_logprobs[:s.req.top_logprobs])  # no more than asked, whatever the tail sent
+            n_vocab = self.servicer.info.n_vocab  # no more than asked, and only tokens, whatever the tail sent
+            event.top_logprobs.extend(a for a in reply.top_logprobs[:s.req.top_logprobs] if 0 <= a.token_id < n_vocab)
         s.events.put(pb.GenerateEvent(token=event))
         if token in s.req.stop_token_ids:
             self.finish(s, "stop", stop=f"token {token}")

@@ -278,6 +278,10 @@ class OpenAIEndpoint:
             if e.status < 400:
                 raise
             return HttpError(e.status, f"{request.method} {request.path}: {e.reason}").response()
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 in OpenAI's shape; the worker serves on
+            return HttpError(500, f"internal error: {type(e).__name__}").response()
 
     def _principal(self, request: web.Request) -> str:
         sec = self.servicer.security
@@ -307,15 +311,17 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}]})
 
-    async def _body(self, request: web.Request) -> dict:
-        self._principal(request)
+    async def _body(self, request: web.Request) -> tuple[dict, str]:
+        """The request's JSON object and its caller's principal."""
+        principal = self._principal(request)
         if self.servicer.stopping.is_set():
             raise HttpError(503, "the worker is shutting down")
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"the body is not JSON: {e}") from None
+            json.dumps(body, ensure_ascii=False).encode("utf-8")  # "\ud800" escapes decode to lone surrogates
+        except (ValueError, UnicodeError) as e:
+            raise HttpError(400, f"the body is not JSON of valid Unicode: {e}") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -327,12 +333,12 @@ class OpenAIEndpoint:
         n = _number(body, "n", 1, 1 << 20, integer=True)
         if n is not None and n != 1:
             raise HttpError(400, "n must be 1: a route generates one choice per request", "n")
-        return body
+        return body, principal
 
     # --- the two generation endpoints ---------------------------------------------------------
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body, principal = await self._body(request)
         if self.template is None:
             raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
                             "messages")
@@ -354,22 +360,27 @@ class OpenAIEndpoint:
             if not isinstance(content, str):
                 raise HttpError(400, "a message's content must be a string or a list of text parts", "messages")
             rendered.append({"role": m["role"], "content": content})
-        text = self.template.render(rendered)
-        if self.bos_text and text.startswith(self.bos_text):
-            text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
         top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
         logprobs = _flag(body, "logprobs")
         if top and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return await self._generate(request, body, self._tokenize(text), chat=True, logprobs=logprobs, top=top)
+
+        def prompt_tokens() -> list[int]:
+            text = self.template.render(rendered)
+            if self.bos_text and text.startswith(self.bos_text):
+                text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
+            return self._tokenize(text)
+
+        tokens = await asyncio.get_running_loop().run_in_executor(None, prompt_tokens)  # a long one: off the loop
+        return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body, principal = await self._body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list
         if isinstance(prompt, str):
-            tokens = self._tokenize(prompt)
+            tokens = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             n_vocab = self.servicer.info.n_vocab
             if not all(0 <= t < n_vocab for t in prompt):
@@ -384,7 +395,8 @@ class OpenAIEndpoint:
         if best_of not in (None, 1):
             raise HttpError(400, "best_of must be 1", "best_of")
         top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        return await self._generate(request, body, tokens, chat=False, logprobs=top is not None, top=top or 0)
+        return await self._generate(request, principal, body, tokens, chat=False, logprobs=top is not None,
+                                    top=top or 0)
 
     def _tokenize(self, text: str) -> list[int]:
         try:
@@ -409,15 +421,14 @@ class OpenAIEndpoint:
         (no stream running) holding the longest common prefix of these tokens, else a new one."""
         pinned = request.headers.get("X-Session-Id")
         if pinned is not None:
-            if not 0 < len(pinned) <= 128:
-                raise HttpError(400, "X-Session-Id must be 1 to 128 characters", "X-Session-Id")
+            if not 0 < len(pinned) <= 128 or not pinned.isprintable() or not pinned.isascii():
+                raise HttpError(400, "X-Session-Id must be 1 to 128 printable ASCII characters", "X-Session-Id")
             return pinned, 0
         found = self.servicer.generation.longest_prefix(principal, tokens)
         return found if found is not None else (f"oai-{uuid.uuid4().hex}", 0)
 
-    async def _generate(self, request: web.Request, body: dict, tokens: list[int], *, chat: bool, logprobs: bool,
-                        top: int) -> web.StreamResponse:
-        principal = self._principal(request)
+    async def _generate(self, request: web.Request, principal: str, body: dict, tokens: list[int], *, chat: bool,
+                        logprobs: bool, top: int) -> web.StreamResponse:
         max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
         if max_tokens is None:
             max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)

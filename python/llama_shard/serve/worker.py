@@ -595,14 +595,16 @@ class ShardWorker:
         self.health = health.HealthServicer()
         limit = self.servicer.max_request_bytes
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.max_in_flight_request_bytes)
-        # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
+        # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs (and the
+        # HTTP endpoint 429, counting its requests in flight)
+        self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
             futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions) + max_generate_streams(config),
                                        thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
-            maximum_concurrent_rpcs=options.max_concurrent_rpcs or max(64, 4 * config.max_sessions),
+            maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             interceptors=[self.admission])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -629,7 +631,7 @@ class ShardWorker:
             from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
             self.http = OpenAIEndpoint(self.servicer, options.host, options.http_port, options.peers,
-                                       options.max_concurrent_rpcs or max(64, 4 * config.max_sessions))
+                                       self.max_concurrent_rpcs)
         self._stopped = threading.Event()
 
     @property
