@@ -420,15 +420,15 @@ class GenerationLoops:
         system prompt with another does not cut that one's tail (it gets a session of its own)."""
         security = self.servicer.security
         tag = security.tag(principal) if security.authenticated else None
+        with self.cond:  # the candidates only: the group threads need this lock at every step
+            mine = [(key, epoch, held) for key, (epoch, held) in self._records.items()
+                    if key not in self.streams
+                    and (security.split_key(key)[0] if security.authenticated else None) == tag]
         best, best_n = None, 0
-        with self.cond:
-            for key, (epoch, held) in self._records.items():
-                owner, sid = security.split_key(key) if security.authenticated else (None, key)
-                if owner != tag or key in self.streams:
-                    continue
-                n = _common_prefix(held, tokens)
-                if n > best_n and 2 * n >= len(held):
-                    best, best_n = (sid, epoch), n
+        for key, epoch, held in mine:  # a record's list is replaced, never changed: safe to read here
+            n = _common_prefix(held, tokens)
+            if n > best_n and 2 * n >= len(held):
+                best, best_n = (security.split_key(key)[1] if security.authenticated else key, epoch), n
         return best
 
     def has_records(self) -> bool:
