@@ -366,18 +366,20 @@ def openai_rows(s: Shapes) -> list[Row]:
     n, n_streams = s.n_layer, 4 if s.quick else 8
     turns, answer = (3, 4) if s.quick else (20, 16)
     has_template = bool(ShardModel(str(s.path), (0, 0), 1).chat_template)
-    http, streams, chat = alternate(
+    http, streams, chat, chat_plain = alternate(
         s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
                                                             s.vocab, http=True)},
         lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams, s.vocab)},
-        has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer)))
+        has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer)),
+        has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer, flash_attn=False)))
     rows = [Row(f"1 worker ({s.threads} threads), {n_streams} streamed /v1/completions of {s.ntg} tokens (vs "
                 f"{n_streams} Generate streams)", http[n_streams], streams[n_streams], "tok/s", ">= 0.9",
                 "the same prompts at once; peer: Generate over gRPC in this run")]
     if has_template:
-        rows.append(Row(f"a {turns}-turn chat through /v1/chat/completions: 1 / time to first token of turn {turns} "
-                        "(vs the same request cold)", chat["warm"], chat["cold"], "1/s", ">= 10",
-                        "every request the whole conversation; cold: a new session (X-Session-Id)"))
+        for attention, got in (("flash attention on (the default)", chat), ("--flash-attn off", chat_plain)):
+            rows.append(Row(f"a {turns}-turn chat through /v1/chat/completions, {attention}: 1 / time to first "
+                            f"token of turn {turns} (vs the same request cold)", got["warm"], got["cold"], "1/s",
+                            ">= 10", "every request the whole conversation; cold: a new session (X-Session-Id)"))
     return rows
 
 

@@ -352,13 +352,16 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             stop_worker(proc)
 
 
-def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: int = 16) -> dict[str, float]:
+def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: int = 16,
+                    flash_attn: bool = True) -> dict[str, float]:
     """A `turns`-turn greedy chat through one worker's OpenAI-compatible endpoint, every request the
     whole conversation: 1 / time to first token of the last turn (continuing the session that
-    holds the conversation), and of the same request cold (a new session: X-Session-Id)."""
+    holds the conversation), and of the same request cold (a new session: X-Session-Id); the
+    worker runs with or without flash attention (`--flash-attn`)."""
     http_port = free_port()
     proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads, extra=(
-        "--http-port", str(http_port), "--context-tokens", "4096", "--max-sessions", "2"))
+        "--http-port", str(http_port), "--context-tokens", "4096", "--max-sessions", "2",
+        "--flash-attn", "on" if flash_attn else "off"))
     try:
         wait_serving(proc, addr)
 

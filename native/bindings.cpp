@@ -374,10 +374,11 @@ void register_model(py::module_ & m) {
 void register_context(py::module_ & m) {
     py::class_<shard_context>(m, "ShardContext")
         .def(py::init([](const shard_model & model, int32_t n_ctx, int32_t n_seq_max, int32_t n_batch, std::optional<int32_t> n_threads,
-                         bool kv_unified, bool swa_full) {
+                         bool kv_unified, bool swa_full, bool flash_attn) {
                  shard_context_params params;
                  params.kv_unified = kv_unified;
                  params.swa_full   = swa_full;
+                 params.flash_attn = flash_attn;
                  params.n_ctx     = n_ctx;
                  params.n_seq_max = n_seq_max;
                  params.n_batch   = n_batch;
@@ -387,7 +388,7 @@ void register_context(py::module_ & m) {
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_seq_max") = 4, py::arg("n_batch") = 512,
              py::arg("n_threads") = py::none(), py::arg("kv_unified") = true, py::arg("swa_full") = true,
-             py::keep_alive<1, 2>())  // the context keeps its model alive
+             py::arg("flash_attn") = true, py::keep_alive<1, 2>())  // the context keeps its model alive
         .def_property_readonly("n_ctx", &shard_context::n_ctx)
         .def_property_readonly("n_seq_max", &shard_context::n_seq_max)
         .def_property_readonly("n_batch", &shard_context::n_batch)
@@ -579,18 +580,18 @@ void register_config(py::module_ & m) {
         "check of its bounds; both engines take it")
         .def(py::init([](int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens, double ttl_seconds,
                          int32_t n_batch, int32_t n_threads, int32_t recent_capacity, int64_t warm_bytes,
-                         double warm_ttl_seconds, std::string kv_type, std::string warm_dir, int64_t warm_disk_bytes,
-                         std::string recipe_fingerprint) {
+                         double warm_ttl_seconds, std::string kv_type, bool flash_attn, std::string warm_dir,
+                         int64_t warm_disk_bytes, std::string recipe_fingerprint) {
                  return hot_kv_config{max_sessions, context_tokens, budget_tokens, ttl_seconds, n_batch, n_threads,
-                                      recent_capacity, warm_bytes, warm_ttl_seconds, std::move(kv_type), std::move(warm_dir),
-                                      warm_disk_bytes, std::move(recipe_fingerprint)};
+                                      recent_capacity, warm_bytes, warm_ttl_seconds, std::move(kv_type), flash_attn,
+                                      std::move(warm_dir), warm_disk_bytes, std::move(recipe_fingerprint)};
              }),
              py::kw_only(), py::arg("max_sessions") = d.max_sessions, py::arg("context_tokens") = d.context_tokens,
              py::arg("budget_tokens") = d.budget_tokens, py::arg("ttl_seconds") = d.ttl_seconds,
              py::arg("n_batch") = d.n_batch, py::arg("n_threads") = d.n_threads,
              py::arg("recent_capacity") = d.recent_capacity, py::arg("warm_bytes") = d.warm_bytes,
              py::arg("warm_ttl_seconds") = d.warm_ttl_seconds, py::arg("kv_type") = d.kv_type,
-             py::arg("warm_dir") = d.warm_dir, py::arg("warm_disk_bytes") = d.warm_disk_bytes,
+             py::arg("flash_attn") = d.flash_attn, py::arg("warm_dir") = d.warm_dir, py::arg("warm_disk_bytes") = d.warm_disk_bytes,
              py::arg("recipe_fingerprint") = d.recipe_fingerprint)
         .def_readwrite("max_sessions", &hot_kv_config::max_sessions)
         .def_readwrite("context_tokens", &hot_kv_config::context_tokens)
@@ -602,6 +603,7 @@ void register_config(py::module_ & m) {
         .def_readwrite("warm_bytes", &hot_kv_config::warm_bytes)
         .def_readwrite("warm_ttl_seconds", &hot_kv_config::warm_ttl_seconds)
         .def_readwrite("kv_type", &hot_kv_config::kv_type)
+        .def_readwrite("flash_attn", &hot_kv_config::flash_attn)
         .def_readwrite("warm_dir", &hot_kv_config::warm_dir)
         .def_readwrite("warm_disk_bytes", &hot_kv_config::warm_disk_bytes)
         .def_readwrite("recipe_fingerprint", &hot_kv_config::recipe_fingerprint)
@@ -611,7 +613,7 @@ void register_config(py::module_ & m) {
         .def("__repr__", [](const hot_kv_config & c) {
             return "HotKvConfig(max_sessions=" + std::to_string(c.max_sessions) + ", context_tokens=" +
                    std::to_string(c.context_tokens) + ", budget_tokens=" + std::to_string(c.budget_tokens) +
-                   ", kv_type='" + c.kv_type + "', warm_bytes=" + std::to_string(c.warm_bytes) + ", warm_dir='" +
+                   ", kv_type='" + c.kv_type + "', flash_attn=" + (c.flash_attn ? "True" : "False") + ", warm_bytes=" + std::to_string(c.warm_bytes) + ", warm_dir='" +
                    c.warm_dir + "', warm_disk_bytes=" + std::to_string(c.warm_disk_bytes) + ", n_batch=" +
                    std::to_string(c.n_batch) + ")";
         });
@@ -683,6 +685,7 @@ void register_engine(py::module_ & m) {
         .def_property_readonly("config", [](const hot_kv_engine & e) { return e.config(); },
              "A copy of the engine's configuration (n_batch as the context granted it)")
         .def_property_readonly("kv_type", [](const hot_kv_engine & e) { return e.config().kv_type; })
+        .def_property_readonly("flash_attn", [](const hot_kv_engine & e) { return e.config().flash_attn; })
         .def_property_readonly("n_batch", [](const hot_kv_engine & e) { return e.config().n_batch; })
         .def("open", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
                  py::gil_scoped_release release;  // waits for the engine lock, held for a whole step

@@ -89,3 +89,20 @@ def test_the_shipped_demo_imports_nothing_from_testing():
                           "print([m for m in sys.modules if m.startswith('llama_shard.testing')])"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_serve_flash_attention_flag_and_its_environment_default(synthetic_model, monkeypatch, tmp_path):
+    from llama_shard.cli import build_parser, serve_config
+    from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    def config(*flags):
+        return serve_config(build_parser().parse_args(["serve", "--model", str(synthetic_model), *flags]), None)[0]
+
+    assert config().flash_attn is True
+    assert config("--flash-attn", "off").flash_attn is False
+    monkeypatch.setenv("MESHNET_HOT_KV_FLASH_ATTN", "off")
+    assert config().flash_attn is False and config("--flash-attn", "on").flash_attn is True
+    monkeypatch.delenv("MESHNET_HOT_KV_FLASH_ATTN")
+    head32 = write_synthetic_gguf(tmp_path / "head32.gguf", SyntheticSpec(n_layer=3, n_embd=64, n_head=2, n_head_kv=1))
+    res = run_cli("serve", "--model", str(head32), "--flash-attn", "off", "--kv-type", "q8_0")
+    assert res.returncode == 2 and "needs flash_attn" in res.stderr, res.stderr

@@ -14,6 +14,27 @@ def test_config_from_env_reads_every_variable():
     assert HotKvStateConfig.from_env(env) == HotKvStateConfig(max_sessions=12, context_tokens=1024,
                                                               budget_tokens=4096, ttl_seconds=2.5)
     assert HotKvStateConfig.from_env({}) == HotKvStateConfig()
+    assert HotKvStateConfig.from_env({"MESHNET_HOT_KV_FLASH_ATTN": "off"}).flash_attn is False
+    assert HotKvStateConfig.from_env({"MESHNET_HOT_KV_FLASH_ATTN": "On"}).flash_attn is True
+
+
+def test_flash_attention_is_a_checked_setting_of_the_cache_recipe(synthetic_model):
+    """Without flash attention llama.cpp stores V transposed: another layout, so another recipe
+    fingerprint (warm files and hops check it); the default keeps the fingerprints it always had;
+    a quantized cache needs flash attention and is refused without it (not llama.cpp's abort)."""
+    from llama_shard import ShardModel
+    from llama_shard.engine.hot_kv import kv_recipe_for
+
+    model = ShardModel(str(synthetic_model), None, 1)
+    on, off = kv_recipe_for(model), kv_recipe_for(model, flash_attn=False)
+    assert "flash_attn" not in on.canonical() and off.canonical()["flash_attn"] is False
+    assert not on.is_compatible(off)
+    for bad in ({"kv_type": "q8_0", "flash_attn": False}, {"flash_attn": "off"}, {"flash_attn": 0}):
+        with pytest.raises(InvalidInputError, match="flash_attn"):
+            HotKvStateConfig(**bad)
+    from llama_shard._native import HotKvConfig, HotKvEngine
+    with pytest.raises(InvalidInputError, match="needs flash_attn"):  # the engine's own check, not only Python's
+        HotKvEngine(model, HotKvConfig(kv_type="q8_0", flash_attn=False))
 
 
 @pytest.mark.parametrize("key,value", [
@@ -22,7 +43,7 @@ def test_config_from_env_reads_every_variable():
     ("MESHNET_HOT_KV_TTL_SECONDS", "-1"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "99999999999"),
     ("MESHNET_HOT_KV_CONTEXT_TOKENS", "1048577"), ("MESHNET_HOT_KV_CONTEXT_TOKENS", "2147483648"),
     ("MESHNET_HOT_KV_WARM_BYTES", "-1"), ("MESHNET_HOT_KV_WARM_BYTES", "lots"), ("MESHNET_HOT_KV_WARM_DISK_BYTES", "-3"),
-    ("MESHNET_HOT_KV_WARM_TTL_SECONDS", "inf"), ("MESHNET_HOT_KV_KV_TYPE", "f64"),
+    ("MESHNET_HOT_KV_WARM_TTL_SECONDS", "inf"), ("MESHNET_HOT_KV_KV_TYPE", "f64"), ("MESHNET_HOT_KV_FLASH_ATTN", "maybe"),
 ])
 def test_bad_env_value_is_a_clear_startup_error(key, value):
     with pytest.raises(InvalidInputError) as e:

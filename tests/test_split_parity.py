@@ -61,10 +61,12 @@ def test_split_matches_whole_bit_for_bit(request, model_fixture):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("split", [[(0, 14), (15, 29)], [(0, 9), (10, 19), (20, 29)]], ids=["2-shard", "3-shard"])
-def test_smollm2_split_generates_the_whole_models_tokens(embedded_model, split):
-    whole = LocalPipeline(embedded_model, None, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2)
-    pipe = LocalPipeline(embedded_model, split, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2)
+@pytest.mark.parametrize("split, flash_attn", [([(0, 14), (15, 29)], True), ([(0, 9), (10, 19), (20, 29)], True),
+                                               ([(0, 14), (15, 29)], False)],
+                         ids=["2-shard", "3-shard", "2-shard-flash-attn-off"])
+def test_smollm2_split_generates_the_whole_models_tokens(embedded_model, split, flash_attn):
+    whole = LocalPipeline(embedded_model, None, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2, flash_attn=flash_attn)
+    pipe = LocalPipeline(embedded_model, split, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2, flash_attn=flash_attn)
     prompts = [
         "The capital of France is",
         "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
@@ -77,3 +79,25 @@ def test_smollm2_split_generates_the_whole_models_tokens(embedded_model, split):
         assert [t for t, _ in got] == [t for t, _ in ref], text
         for (_, a), (_, b) in zip(ref, got):
             assert a.tobytes() == b.tobytes(), "logits are not bit-identical"
+
+
+@pytest.mark.parametrize("model_fixture", ["synthetic_model", "synthetic_gemma3"])
+def test_without_flash_attention_split_matches_whole_bit_for_bit(request, model_fixture):
+    """`--flash-attn off` (V stored transposed, llama.cpp's plain attention kernels) keeps split
+    equal to whole at equal settings; the setting reaches llama.cpp (the logits round differently
+    from flash attention's, within float noise)."""
+    path = request.getfixturevalue(model_fixture)
+    n_layer = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32).head.info.n_layer
+    flash = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32, n_threads=2)
+    whole = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32, n_threads=2, flash_attn=False)
+    split = LocalPipeline(path, [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)], n_ctx=256, n_seq_max=1,
+                          n_batch=32, n_threads=2, flash_attn=False)
+    pos, pending, differs = 0, [1, 17, 42, 99, 5, 250, 3, 8, 19, 77], False
+    for _ in range(24):
+        ref, got, fa = (p.step(0, pos, pending) for p in (whole, split, flash))
+        assert got.tobytes() == ref.tobytes(), f"split logits differ from whole at position {pos}"
+        np.testing.assert_allclose(fa, ref, rtol=0, atol=1e-2 * float(np.abs(ref).max()))
+        differs |= fa.tobytes() != ref.tobytes()
+        pos += len(pending)
+        pending = [int(np.argmax(ref))]
+    assert differs, "flash attention on and off gave the same bytes: the setting did not reach llama.cpp"

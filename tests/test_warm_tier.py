@@ -502,7 +502,7 @@ def test_the_state_check_survives_any_damage(synthetic_model, tmp_path):
         assert kv_state_problem(state, seq_len) != ""
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model"])
+@pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model", "flash_attn_off"])
 def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, damage):
     warm_dir = tmp_path / "w"
     m, _, f = _one_file_on_disk(synthetic_model, warm_dir)
@@ -521,6 +521,10 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
                                          recipe_fingerprint="another-recipe"))
         m = None
         assert engine.stats()["disk_loaded"] == 0
+    elif damage == "flash_attn_off":  # the same shard restarted with --flash-attn off: V is laid out transposed
+        model = ShardModel(str(synthetic_model), None, 1)
+        m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
+                                                      warm_disk_bytes=1 << 20, flash_attn=False), n_batch=8)
     elif damage == "foreign_model":  # the same shape and recipe, other weights (a fine-tune, say)
         other = write_synthetic_gguf(tmp_path / "other.gguf", SyntheticSpec(seed=99))
         m, _ = _disk_manager(other, warm_dir)

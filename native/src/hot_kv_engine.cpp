@@ -155,6 +155,9 @@ void hot_kv_check_config(const hot_kv_config & c) {
         }
         bad("kv_type must be one of " + names + ", got '" + c.kv_type + "'");
     }
+    if (!c.flash_attn && c.kv_type != "f16") {
+        bad("kv_type " + c.kv_type + " needs flash_attn (llama.cpp's quantized V cache)");
+    }
 }
 
 int32_t hot_kv_slot_cells(int32_t context_tokens, int32_t n_batch) {
@@ -181,6 +184,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     cp.kv_unified = false;
     cp.n_threads  = config.n_threads;
     cp.kv_type    = config.kv_type;
+    cp.flash_attn = config.flash_attn;
     ctx_ = std::make_unique<shard_context>(model, cp);
     config_.n_batch = ctx_->n_batch();
 

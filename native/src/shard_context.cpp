@@ -38,6 +38,10 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     kv_bytes_per_token_ = llama_shard::kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), params.kv_type);
     kv_type_ = params.kv_type;
     const ggml_type type = kv_ggml_type(params.kv_type);
+    if (!params.flash_attn && type != GGML_TYPE_F16) {
+        // llama.cpp would abort context creation with a log line; say why here
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + params.kv_type + " needs flash attention (llama.cpp's quantized V cache)");
+    }
 
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx           = (uint32_t) params.n_ctx;
@@ -54,9 +58,9 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
     cparams.type_k          = type;
     cparams.type_v          = type;
-    if (type != GGML_TYPE_F16) {
-        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;  // llama.cpp's quantized V cache needs it
-    }
+    // explicit either way (llama.cpp's AUTO resolves to enabled on a CPU): the cache layout and the
+    // logits' rounding follow this setting, so it must not depend on what llama.cpp detects
+    cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.no_perf         = true;
     cparams.swa_full        = params.swa_full;  // see shard_context_params
 

@@ -262,7 +262,8 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     warm_dir = pick(args.warm_dir, env.warm_dir)
     plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
                        warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions))
-    config = plan.config(ttl_seconds=pick(args.ttl, env.ttl_seconds),
+    flash_attn = env.flash_attn if args.flash_attn is None else args.flash_attn == "on"
+    config = plan.config(flash_attn=flash_attn, ttl_seconds=pick(args.ttl, env.ttl_seconds),
                          warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)
     return config, plan
 
@@ -296,7 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, plan = serve_config(args, layers)
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
-    _status(f"CPU kernels: {_cpu_kernels()}")
+    _status(f"CPU kernels: {_cpu_kernels()}; flash attention {'on' if config.flash_attn else 'off'}")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        metrics_host=args.metrics_host,
@@ -467,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{_DEFAULTS.warm_ttl_seconds:g}")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
+    sv.add_argument("--flash-attn", choices=("on", "off"), default=None,
+                    help="llama.cpp's flash attention (default: MESHNET_HOT_KV_FLASH_ATTN or on, llama.cpp's CPU "
+                         "default); off is f16 only and, on some CPUs, much faster for sessions holding hundreds of "
+                         "tokens (docs/benchmarks.md); the logits round differently, so every shard of a route "
+                         "should agree")
     _server_security_flags(sv)
     _client_security_flags(sv, "peer-")
     sv.set_defaults(func=cmd_serve)

@@ -38,7 +38,8 @@ struct shard_context_params {
     int32_t n_batch   = 512;   // most tokens in one forward call
     int32_t n_threads = 0;     // 0 = the model's thread count
     bool    kv_unified = true; // one pool of cells for all sequences, or one stream per sequence
-    std::string kv_type = "f16"; // K and V element type: f16, q8_0 or q4_0 (the quantized ones run flash attention)
+    std::string kv_type = "f16"; // K and V element type: f16, q8_0 or q4_0 (the quantized ones need flash attention)
+    bool    flash_attn = true;   // llama.cpp's flash attention; off: V is stored transposed (f16 only)
     // sliding-window layers (Gemma 3) keep every cell, not just the window, so that a truncation or a
     // continuation may reach any position a session holds and stays exact; false holds the window
     // only (less memory; the Hot KV engine always uses true)

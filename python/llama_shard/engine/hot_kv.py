@@ -190,7 +190,8 @@ class HotKvStateConfig:
     warm_bytes: host memory for the KV of sessions evicted from the hot set (0: no warm tier; then
     an evicted session is a cache miss); warm_ttl_seconds: idle time before a warm session is
     dropped (0 disables); kv_type: the K/V element type, f16, q8_0 or q4_0 (part of the recipe:
-    the shards of a route must agree).
+    the shards of a route must agree); flash_attn: llama.cpp's flash attention (its CPU default);
+    off stores V transposed (part of the recipe) and needs f16; the logits round differently.
     warm_dir, warm_disk_bytes: the disk tier (native engine only): sessions that fall out of the
     host tier go to files in warm_dir, at most warm_disk_bytes of them, and a worker restarted on
     the same directory, model, range and recipe resumes them. One worker per directory.
@@ -203,6 +204,7 @@ class HotKvStateConfig:
     warm_bytes: int = _ENGINE_DEFAULTS.warm_bytes
     warm_ttl_seconds: float = _ENGINE_DEFAULTS.warm_ttl_seconds
     kv_type: str = _ENGINE_DEFAULTS.kv_type
+    flash_attn: bool = _ENGINE_DEFAULTS.flash_attn
     warm_dir: str | None = None
     warm_disk_bytes: int = _ENGINE_DEFAULTS.warm_disk_bytes
 
@@ -218,6 +220,8 @@ class HotKvStateConfig:
                 raise InvalidInputError(f"{name} must be a number of seconds, got {v!r}")
         if not isinstance(self.kv_type, str):
             raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
+        if not isinstance(self.flash_attn, bool):
+            raise InvalidInputError(f"flash_attn must be true or false, got {self.flash_attn!r}")
         if self.warm_dir is not None and (not isinstance(self.warm_dir, str) or not self.warm_dir):
             raise InvalidInputError(f"warm_dir must be a directory path, got {self.warm_dir!r}")
         if self.budget_tokens is None:  # no cap beyond the slots
@@ -234,7 +238,8 @@ class HotKvStateConfig:
                 max_sessions=self.max_sessions, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
                 ttl_seconds=float(self.ttl_seconds), n_batch=n_batch, n_threads=n_threads or 0,
                 recent_capacity=recent_capacity, warm_bytes=self.warm_bytes,
-                warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, warm_dir=self.warm_dir or "",
+                warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, flash_attn=self.flash_attn,
+                warm_dir=self.warm_dir or "",
                 warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint)
         except TypeError:  # an integer beyond its native field's width (int32 or int64)
             fields = {"max_sessions": (self.max_sessions, 31), "context_tokens": (self.context_tokens, 31),
@@ -250,7 +255,7 @@ class HotKvStateConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
         """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
         TTL_SECONDS, WARM_BYTES and WARM_DISK_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
-        KV_TYPE, WARM_DIR); unset keeps the default."""
+        KV_TYPE, FLASH_ATTN (on/off), WARM_DIR); unset keeps the default."""
         return cls.from_env_values(cls.env_values(environ))
 
     @classmethod
@@ -279,6 +284,8 @@ class HotKvStateConfig:
                     values[field.name] = raw.strip().lower()
                 elif field.name == "warm_dir":
                     values[field.name] = raw.strip()
+                elif field.name == "flash_attn":
+                    values[field.name] = parse_switch(raw)
                 elif field.name in ("warm_bytes", "warm_disk_bytes"):
                     values[field.name] = parse_size(raw)
                 else:
@@ -290,6 +297,16 @@ class HotKvStateConfig:
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
                "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_switch(text: str) -> bool:
+    """True from on/true/1/yes, False from off/false/0/no (any case); ValueError otherwise."""
+    word = text.strip().lower()
+    if word in ("on", "true", "1", "yes"):
+        return True
+    if word in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on or off, got {text!r}")
 
 
 def parse_size(text: str | int) -> int:
@@ -387,6 +404,7 @@ class KvCacheRecipe:
     end_layer: int
     sliding_window: int = 0   # sliding-window layers' span (Gemma 3); 0: none
     swa_pattern: str = ""     # which layers slide, as the GGUF writes it ("": the architecture's default)
+    flash_attn: bool = True   # off: V is stored transposed, another layout (and other rounding)
 
     def __post_init__(self):
         certified_architecture(self.architecture_adapter)  # fails closed
@@ -410,6 +428,8 @@ class KvCacheRecipe:
             "end_layer": self.end_layer,
             # only models with sliding-window layers carry these: others keep their fingerprints
             **({"sliding_window": self.sliding_window, "swa_pattern": self.swa_pattern} if self.sliding_window else {}),
+            # only without flash attention (the default keeps its fingerprints)
+            **({} if self.flash_attn else {"flash_attn": False}),
         }
 
     def fingerprint(self) -> str:
@@ -424,13 +444,13 @@ class KvCacheRecipe:
         return kv_bytes_per_token(self.n_kv_heads, self.head_dim, len(self.owned_layers), self.kv_dtype)
 
 
-def kv_recipe_for(shard, kv_type: str | None = None) -> KvCacheRecipe:
+def kv_recipe_for(shard, kv_type: str | None = None, flash_attn: bool = True) -> KvCacheRecipe:
     """The recipe of a native `ShardModel` or a reference shard (anything with the same info)
-    whose cache uses `kv_type` (None: the model's default, f16)."""
+    whose cache uses `kv_type` (None: the model's default, f16), with or without flash attention."""
     info = shard.info
     return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=kv_type or info.kv_dtype, n_kv_heads=info.n_head_kv,
                          head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last,
-                         sliding_window=info.sliding_window, swa_pattern=info.swa_pattern)
+                         sliding_window=info.sliding_window, swa_pattern=info.swa_pattern, flash_attn=flash_attn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ class HotKvStateManager:
             raise InvalidInputError("gather_s must be in [0, 1] seconds")
         self.clock = clock if clock is not None else monotonic_clock
         self.model = model
-        self.recipe: KvCacheRecipe = kv_recipe_for(model, self.config.kv_type)  # raises for an uncertified architecture
+        self.recipe: KvCacheRecipe = kv_recipe_for(model, self.config.kv_type, self.config.flash_attn)  # raises for an uncertified architecture
         # the one configuration both engines take
         engine_config = self.config.engine_config(n_batch=n_batch, n_threads=n_threads, recent_capacity=recent_capacity,
                                                   recipe_fingerprint=self.recipe.fingerprint())
