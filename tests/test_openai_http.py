@@ -304,7 +304,7 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
     port = free_port()
     proc, addr = start_worker(embedded_model, 0, 29, 1, extra=(
         "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--auth-token-file", str(tokens),
-        "--http-port", str(port), "--context-tokens", "256"))
+        "--http-port", str(port), "--context-tokens", "256", "--max-sessions-per-principal", "2"))
     try:
         deadline = time.monotonic() + 120
         while True:  # the HTTP port binds before gRPC serves
@@ -332,6 +332,13 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
             # bob sends the same conversation: he never continues alice's session
             theirs = bob.completions.create(prompt=prompt + " More", **fixed)
             assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+            # at her cap of 2 sessions, alice's new conversations take over her least recently used
+            # one (not a 429 until a TTL); bob's session is not hers to take
+            for topic in ("mountains", "rivers", "deserts"):
+                other = alice.completions.create(prompt=f"An unrelated question about {topic}, far from the sea.",
+                                                 **fixed)
+                assert other.usage.completion_tokens == 2
+            assert bob.completions.create(prompt=prompt + " More", **fixed).usage.prompt_tokens_details.cached_tokens > 10
         status, answer = _https_status(port, ca.cert)
         assert status == 401 and answer["error"]["type"] == "authentication_error"
     finally:

@@ -472,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp's flash attention (default: MESHNET_HOT_KV_FLASH_ATTN or on, llama.cpp's CPU "
                          "default); off is f16 only and, on some CPUs, much faster for sessions holding hundreds of "
                          "tokens (docs/benchmarks.md); the logits round differently, so every shard of a route "
-                         "should agree")
+                         "should agree; part of the cache layout: a restart with the other setting deletes the "
+                         "--warm-dir files")
     _server_security_flags(sv)
     _client_security_flags(sv, "peer-")
     sv.set_defaults(func=cmd_serve)

@@ -431,6 +431,18 @@ class GenerationLoops:
                 best, best_n = (security.split_key(key)[1] if security.authenticated else key, epoch), n
         return best
 
+    def least_recent(self, principal: str, prefix: str) -> tuple[str, int] | None:
+        """(session id, epoch) of the principal's least recently finished session, with no stream
+        running, whose id begins with `prefix`; None if there is none."""
+        security = self.servicer.security
+        tag = security.tag(principal) if security.authenticated else None
+        with self.cond:
+            for key, (epoch, _) in self._records.items():  # oldest first
+                owner, sid = security.split_key(key) if security.authenticated else (None, key)
+                if key not in self.streams and owner == tag and sid.startswith(prefix):
+                    return sid, epoch
+        return None
+
     def has_records(self) -> bool:
         return bool(self._records)
 

@@ -418,13 +418,19 @@ class OpenAIEndpoint:
 
     def _session(self, request: web.Request, principal: str, tokens: list[int]) -> tuple[str, int]:
         """The caller's session to continue: the one X-Session-Id names, else the principal's session
-        (no stream running) holding the longest common prefix of these tokens, else a new one."""
+        (no stream running) holding the longest common prefix of these tokens, else a new one; a
+        caller at its session cap (--max-sessions-per-principal) takes over its least recently used
+        endpoint session instead (the route truncates it to what the prompts share), so new
+        conversations do not wait for a TTL."""
         pinned = request.headers.get("X-Session-Id")
         if pinned is not None:
             if not 0 < len(pinned) <= 128 or not pinned.isprintable() or not pinned.isascii():
                 raise HttpError(400, "X-Session-Id must be 1 to 128 printable ASCII characters", "X-Session-Id")
             return pinned, 0
-        found = self.servicer.generation.longest_prefix(principal, tokens)
+        loops = self.servicer.generation
+        found = loops.longest_prefix(principal, tokens)
+        if found is None and self.servicer.owners.full(principal):
+            found = loops.least_recent(principal, "oai-")
         return found if found is not None else (f"oai-{uuid.uuid4().hex}", 0)
 
     async def _generate(self, request: web.Request, principal: str, body: dict, tokens: list[int], *, chat: bool,

@@ -192,16 +192,30 @@ class _Owners:
         self._names: dict[str, str] = {}  # principal tag -> principal, for Info
         self._lock = threading.Lock()
 
+    def _held_by(self, principal: str) -> set[str]:  # under self._lock
+        held = self._held.get(principal)
+        if held is None:  # what the engine holds for this principal already (a resumed worker's sessions)
+            tag = self.security.tag(principal)
+            held = self._held[principal] = {r.session_id for r in self.manager.sessions()
+                                            if tag is not None and self.security.split_key(r.session_id)[0] == tag}
+        return held
+
+    def full(self, principal: str) -> bool:
+        """Whether the principal holds as many sessions as its cap allows (a new one would be refused)."""
+        if self.cap is None:
+            return False
+        with self._lock:
+            held = self._held_by(principal)
+            if len(held) >= self.cap:
+                held &= {r.session_id for r in self.manager.sessions()}
+            return len(held) >= self.cap
+
     def admit(self, principal: str, keys: list[str]) -> str | None:
         """Counts the new keys among `keys` against the principal's cap; the refusal, or None."""
         if self.cap is None:
             return None
         with self._lock:
-            held = self._held.get(principal)
-            if held is None:  # what the engine holds for this principal already (a resumed worker's sessions)
-                tag = self.security.tag(principal)
-                held = self._held[principal] = {r.session_id for r in self.manager.sessions()
-                                                if tag is not None and self.security.split_key(r.session_id)[0] == tag}
+            held = self._held_by(principal)
             new = [k for k in dict.fromkeys(keys) if k not in held]
             if new and len(held) + len(new) > self.cap:
                 live = {r.session_id for r in self.manager.sessions()}
