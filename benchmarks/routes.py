@@ -333,7 +333,7 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             conn.close()
 
         threads_ = [threading.Thread(target=stream, args=(i,)) for i in range(n_streams)]
-        cpu0 = [cpu_seconds(proc.pid) for proc, _ in procs]
+        cpu0, wall0 = [cpu_seconds(proc.pid) for proc, _ in procs], time.perf_counter()
         for t in threads_:
             t.start()
         for t in threads_:
@@ -345,7 +345,8 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
         tokens = sum(1 for a in arrivals for t in a if t > start)
         cpu = [cpu_seconds(proc.pid) - c for (proc, _), c in zip(procs, cpu0)]
         log(f"Generate profile, {len(ranges)} worker(s), {n_streams} streams: {tokens} tokens decoded in "
-            f"{end - start:.2f}s after the last first token; CPU per worker {', '.join(f'{c:.2f}s' for c in cpu)}")
+            f"{end - start:.2f}s after the last first token; CPU per worker {', '.join(f'{c:.2f}s' for c in cpu)} "
+            f"in {time.perf_counter() - wall0:.2f}s from the first request to the last token")
         return tokens / (end - start)
     finally:
         for proc, _ in procs:
