@@ -331,7 +331,7 @@ def generate_rows(s: Shapes) -> list[Row]:
     server = stock and find_stock_tools(build=s.build_stock, server=True)
     if stock and not server:
         log("stock llama-server: not found and not built; its peer column is n/a")
-    whole, chained, single, peer, http, one_thread, rpc = alternate(
+    whole, chained, single, peer, http, one_thread, rpc, plain, plain_peer = alternate(
         s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
                                                             s.vocab)},
         lambda: {n_streams: ours_generate_streams(s.path, split, 1, s.npp, s.ntg, n_streams, s.vocab)},
@@ -342,12 +342,19 @@ def generate_rows(s: Shapes) -> list[Row]:
                                                              s.ntg, n_streams, s.vocab)}),
         stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, 1, s.npp, s.ntg,
                                                [n_streams // 2])),
-        rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, [1, n_streams])))
+        rpc_tools and (lambda: stock_rpc_split(rpc_tools, s.path, n, s.npp, s.ntg, [1, n_streams])),
+        lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
+                                                  s.vocab, worker_flags=("--flash-attn", "off"))},
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg,
+                                               [n_streams], extra=("-fa", "off"))))
     note = f"peer: ggml-rpc-server with layers {n - n // 2}-{n - 1} + llama-batched-bench, 1 thread each"
     half_rate = one_thread.get(n_streams // 2, {}).get("tg")
     return [Row(f"1 worker ({s.threads} threads), {n_streams} Generate streams of {s.ntg} tokens (vs batched-bench)",
                 whole[n_streams], peer.get(n_streams, {}).get("tg"), "tok/s", ">= 0.95",
                 "decode phase; streams opened at once over gRPC"),
+            Row("the same, --flash-attn off (vs batched-bench -fa off)", plain[n_streams],
+                plain_peer.get(n_streams, {}).get("tg"), "tok/s", ">= 0.95",
+                "llama.cpp's plain attention kernels on both sides"),
             Row(f"the same (vs llama-server -np {n_streams} -t {s.threads}, {n_streams} HTTP clients streaming "
                 f"{s.ntg} tokens)", whole[n_streams], http.get(n_streams), "tok/s", ">= 1.0",
                 "the peer's decode phase timed the same way; llama-server built without its web page"),

@@ -272,13 +272,14 @@ def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg:
 
 
 def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
-                          n_streams: int, vocab: int, http: bool = False) -> float:
+                          n_streams: int, vocab: int, http: bool = False, worker_flags: tuple = ()) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
     after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
     decode phase is what is timed: from the moment every stream has its first token to the last
     token, counting the tokens that arrived in between. http=True: the same requests as streamed
-    /v1/completions through the head's OpenAI-compatible endpoint (one event per token)."""
+    /v1/completions through the head's OpenAI-compatible endpoint (one event per token);
+    worker_flags: more `serve` flags for every worker (`--flash-attn off`)."""
     context = npp + ntg + 8
     procs: list[tuple[subprocess.Popen, str]] = []
     http_port = free_port()
@@ -288,7 +289,7 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             head = ("--http-port", str(http_port)) if http and first == 0 else ()
             procs.append(start_worker(path, first, last, threads, extra=(
                 "--max-sessions", str(n_streams), "--context-tokens", str(context),
-                "--budget-tokens", str(n_streams * context), *peer, *head)))
+                "--budget-tokens", str(n_streams * context), *peer, *head, *worker_flags)))
         procs.reverse()
         for proc, addr in procs:
             wait_serving(proc, addr)
