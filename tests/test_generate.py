@@ -249,6 +249,27 @@ def test_a_cancelled_stream_stops_computing_and_its_session_goes_on(smol_routes,
     assert final.finish_reason == "length" and final.cached_tokens >= len(smol_prompts[0]) and len(tokens) == 4
 
 
+def test_releasing_a_session_mid_stream_ends_the_stream_and_it_stays_released(smol_routes, smol_prompts):
+    """A Release on the head while a Generate stream runs on the session: the stream ends
+    (cancelled) before the release, so no step built for it brings the session back (its next
+    decode would have been a miss the head re-prefills)."""
+    route = smol_routes["2 shards"]
+    call = route.stub().Generate(route.request("released", smol_prompts[1], 400), timeout=120)
+    events = iter(call)
+    for _ in range(3):
+        assert next(events).HasField("token")
+    reply = route.stub().Release(pb.SessionRequest(session_id="released", route_epoch=0), timeout=30)
+    assert reply.outcome == pb.OUTCOME_OK and reply.released
+    rest = list(events)
+    final = rest[-1].final
+    assert final.finish_reason == "cancelled" and "released" in final.detail, final
+    assert final.reprefills == 0 and len(rest) < 20
+    time.sleep(0.3)
+    gone = route.stub().Resolve(pb.SessionRequest(session_id="released", route_epoch=0), timeout=10)
+    assert gone.outcome == pb.OUTCOME_CACHE_MISS and gone.miss_reason == "RELEASED", gone
+    assert "released" not in [s.session_id for s in route.info().sessions]
+
+
 def test_a_killed_tail_ends_the_stream_naming_its_stage_and_a_restart_continues(embedded_model, smol_prompts):
     route = Route(embedded_model, [(0, 14), (15, 29)], extra=("--max-hop-seconds", "5"))
     try:

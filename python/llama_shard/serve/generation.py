@@ -443,6 +443,24 @@ class GenerationLoops:
                     return sid, epoch
         return None
 
+    def stop_stream(self, key: str, reason: str, timeout: float) -> bool:
+        """Ends the stream running on engine key `key`, if any, and waits (at most `timeout`
+        seconds) until it has ended: a step already built for it must not run after a Release,
+        or it would bring the session back. False if it had not ended in time."""
+        end = time.monotonic() + timeout
+        with self.cond:
+            s = self.streams.get(key)
+            if s is None:
+                return True
+            s.cancel(reason)
+            self.cond.notify_all()  # an idle group thread picks it up at once
+            while self.streams.get(key) is s:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+        return True
+
     def has_records(self) -> bool:
         return bool(self._records)
 

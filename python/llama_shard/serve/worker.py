@@ -550,6 +550,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
 
     def Release(self, request, context):
+        try:  # a stream running on the session ends first (its next step would bring the session back)
+            key = self.security.engine_key(self._principal(context), request.session_id)
+            self.generation.stop_stream(key, "the session was released", self.max_hop_s)
+        except LlamaShardError:
+            pass  # answered INVALID_ARGUMENT below
         reply = self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
         if reply.outcome != pb.OUTCOME_INVALID_ARGUMENT:  # a key exists for this id
             key = self.security.engine_key(self._principal(context), request.session_id)
