@@ -345,6 +345,61 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
         stop_worker(proc)
 
 
+def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
+    """--tls-client-ca on the HTTP port: a client certificate is the credential (its CN the
+    principal), a client without one does not get through the handshake; the port follows its
+    files as the gRPC port does: after the server certificate and the client CA are replaced
+    (another CA), new connections get the new certificate and the old CA's clients are refused."""
+    import shutil
+
+    from llama_shard.testing.certs import CertificateAuthority
+
+    old, new = CertificateAuthority.create(tmp_path, "old-ca"), CertificateAuthority.create(tmp_path, "new-ca")
+    live = {name: tmp_path / f"live-{name}" for name in ("cert", "key", "ca")}
+    server = old.issue("worker", server=True)
+    for name, src in (("cert", server.cert), ("key", server.key), ("ca", old.cert)):
+        shutil.copy(src, live[name])
+    port = free_port()
+    proc, _ = start_worker(embedded_model, 0, 29, 1, extra=(
+        "--tls-cert", str(live["cert"]), "--tls-key", str(live["key"]), "--tls-client-ca", str(live["ca"]),
+        "--http-port", str(port), "--context-tokens", "256"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+
+        def client(ca, identity=None):
+            trust = ssl.create_default_context(cafile=str(ca.cert))
+            if identity is not None:
+                trust.load_cert_chain(identity.cert, identity.key)
+            return openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="unused", max_retries=0,
+                                 http_client=openai.DefaultHttpxClient(verify=trust))
+
+        fixed = dict(model=MODEL_ID, prompt="Hello", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+        with client(old, old.issue("carol")) as carol:
+            assert carol.completions.create(**fixed).usage.completion_tokens == 2
+        with client(old) as anonymous, pytest.raises(openai.APIConnectionError):
+            anonymous.completions.create(**fixed)
+        # rotation: a new CA for the server certificate and for the clients
+        rotated = new.issue("worker", server=True)
+        time.sleep(0.01)  # a new modification time
+        for name, src in (("cert", rotated.cert), ("key", rotated.key), ("ca", new.cert)):
+            shutil.copy(src, live[name])
+        with client(new, new.issue("dave")) as dave:
+            assert dave.completions.create(**fixed).usage.completion_tokens == 2
+        with client(new, old.issue("carol")) as stale, pytest.raises(openai.APIConnectionError):
+            stale.completions.create(**fixed)  # the old CA's client is no longer trusted
+        with client(old, old.issue("carol")) as carol, pytest.raises(openai.APIConnectionError):
+            carol.completions.create(**fixed)  # nor is the old server certificate served
+    finally:
+        stop_worker(proc)
+
+
 def _https_status(port: int, ca_cert) -> tuple[int, dict]:
     """A request without credentials over TLS."""
     conn = http.client.HTTPSConnection("localhost", port, timeout=30,

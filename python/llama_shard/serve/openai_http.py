@@ -34,7 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .sampling import MAX_TOP_LOGPROBS
-from .security import ANONYMOUS
+from .security import ANONYMOUS, file_mtimes
 
 #: the largest request body (a longer one gets 413 before it is read in full)
 MAX_BODY_BYTES = 4 * 2**20
@@ -211,16 +211,39 @@ class OpenAIEndpoint:
     # --- life ---------------------------------------------------------------------------------
 
     def _ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the port; like the gRPC port's, it follows its files: before each
+        handshake (the SNI callback runs with or without a server name) the files' times are
+        compared, and a changed set is loaded into a new context the connection switches to (a
+        file being rewritten keeps the last good context)."""
         sec = self.servicer.security
         if not sec.tls_cert:
             return None
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
-        if sec.tls_client_ca:
-            ctx.load_verify_locations(sec.tls_client_ca)
-            ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
+        files = (sec.tls_cert, sec.tls_key, sec.tls_client_ca)
+
+        def load() -> ssl.SSLContext:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
+            if sec.tls_client_ca:
+                ctx.load_verify_locations(sec.tls_client_ca)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.sni_callback = follow
+            return ctx
+
+        state = {"mtimes": file_mtimes(files)}
+
+        def follow(conn, _server_name, _ctx) -> None:
+            now = file_mtimes(files)
+            if now != state["mtimes"]:
+                try:
+                    state["ctx"], state["mtimes"] = load(), now
+                except (OSError, ssl.SSLError, ValueError):
+                    pass  # a half-written file: keep the last good context
+            if conn.context is not state["ctx"]:
+                conn.context = state["ctx"]
+
+        state["ctx"] = load()
+        return state["ctx"]
 
     @property
     def scheme(self) -> str:

@@ -52,7 +52,7 @@ def _read(path: str | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
 
-def _mtimes(paths) -> tuple:
+def file_mtimes(paths) -> tuple:
     out = []
     for p in paths:
         try:
@@ -208,10 +208,10 @@ class ServerSecurity:
         if not self.tls_cert:
             return None
         files = (self.tls_cert, self.tls_key, self.tls_client_ca)
-        state = {"mtimes": _mtimes(files)}
+        state = {"mtimes": file_mtimes(files)}
 
         def fetch():  # called by gRPC before each new handshake: None keeps the current configuration
-            now = _mtimes(files)
+            now = file_mtimes(files)
             if now == state["mtimes"]:
                 return None
             try:
