@@ -436,3 +436,58 @@ def test_http_needs_the_head(embedded_model):
     proc, _ = start_worker(embedded_model, 15, 29, 1, extra=("--http-port", str(free_port())))
     code, stderr = stop_worker(proc, send_sigterm=False)
     assert code == 2 and "needs the head worker" in stderr
+
+
+class _HostileTail(pb_grpc.ShardServiceServicer):
+    """A 'tail' that answers every step OK with the token it is told to, and top log-probabilities
+    naming ids outside the vocabulary: what a compromised or buggy peer could send the head."""
+
+    def __init__(self):
+        self.token = 42
+
+    def _reply(self, step: pb.StepRequest) -> pb.StepReply:
+        n = step.hidden.shape[0] if step.hidden.shape else 1
+        alternatives = [pb.TokenLogprob(token_id=t, logprob=-1.0) for t in (-7, 10**9, 42, 3, 2**31 - 1)]
+        return pb.StepReply(outcome=pb.OUTCOME_OK, token_id=self.token, seq_len=step.position + n, logprob=-0.5,
+                            top_logprobs=alternatives)
+
+    def StepBatch(self, request, context):
+        return pb.StepBatchReply(replies=[self._reply(b.step) for b in request.steps])
+
+    def Prefill(self, request, context):
+        return self._reply(request)
+
+    def Decode(self, request, context):
+        return self._reply(request)
+
+
+def test_a_hostile_tail_cannot_make_the_endpoint_fail_or_lie(embedded_model, vocab):
+    """Top log-probabilities naming ids outside the vocabulary are dropped (not detokenized); a
+    token outside the vocabulary ends the request with a 500 in OpenAI's shape; the worker serves on."""
+    from concurrent import futures
+
+    tail = _HostileTail()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ShardServiceServicer_to_server(tail, server)
+    tail_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    http_port = free_port()
+    head, head_addr = start_worker(embedded_model, 0, 14, 1, extra=(
+        "--context-tokens", "256", "--peer", f"127.0.0.1:{tail_port}", "--http-port", str(http_port)))
+    try:
+        wait_serving(head, head_addr)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        fixed = dict(model=MODEL_ID, prompt="Hello there", max_tokens=3, extra_body={"ignore_eos": True})
+        r = client.completions.create(logprobs=5, **fixed)
+        assert r.choices[0].logprobs.tokens == [vocab.detokenize([42])] * 3
+        assert all(set(alts) <= {vocab.detokenize([42]), vocab.detokenize([3])}
+                   for alts in r.choices[0].logprobs.top_logprobs)
+        tail.token = 10**9
+        with pytest.raises(openai.InternalServerError, match="outside the vocabulary"):
+            client.completions.create(**fixed)
+        tail.token = 42
+        assert client.completions.create(**fixed).usage.completion_tokens == 3
+        client.close()
+    finally:
+        stop_worker(head)
+        server.stop(0)
