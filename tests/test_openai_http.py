@@ -380,9 +380,30 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
             return openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="unused", max_retries=0,
                                  http_client=openai.DefaultHttpxClient(verify=trust))
 
+        def tls12(identity):
+            ctx = ssl.create_default_context(cafile=str(old.cert))
+            ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(identity.cert, identity.key)
+            return ctx
+
+        def models_over_tls12(ctx, session=None):
+            """GET /v1/models on a TLS 1.2 connection (resuming `session` if given): (status, its
+            session, whether it was resumed)."""
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+                    ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls:
+                tls.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := tls.recv(65536):
+                    answer += chunk
+                return int(answer.split(b" ", 2)[1]), tls.session, tls.session_reused
+
         fixed = dict(model=MODEL_ID, prompt="Hello", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-        with client(old, old.issue("carol")) as carol:
+        carol_id = old.issue("carol")
+        with client(old, carol_id) as carol:
             assert carol.completions.create(**fixed).usage.completion_tokens == 2
+        carol_tls12 = tls12(carol_id)
+        status, carol_session, _ = models_over_tls12(carol_tls12)
+        assert status == 200
         with client(old) as anonymous, pytest.raises(openai.APIConnectionError):
             anonymous.completions.create(**fixed)
         # rotation: a new CA for the server certificate and for the clients
@@ -396,6 +417,11 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
             stale.completions.create(**fixed)  # the old CA's client is no longer trusted
         with client(old, old.issue("carol")) as carol, pytest.raises(openai.APIConnectionError):
             carol.completions.create(**fixed)  # nor is the old server certificate served
+        try:  # nor does a TLS 1.2 session of the old CA's client resume past the change
+            status, _, resumed = models_over_tls12(carol_tls12, carol_session)
+            assert resumed and status == 401
+        except ssl.SSLError:
+            pass  # not resumed: a full handshake, refused
     finally:
         stop_worker(proc)
 

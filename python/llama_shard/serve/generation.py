@@ -409,6 +409,7 @@ class GenerationLoops:
                 self._records.move_to_end(s.key)
                 while len(self._records) > self._records_cap:
                     self._records.popitem(last=False)
+            self.cond.notify_all()  # a Release waiting for this stream to end (stop_stream)
         s.events.put(pb.GenerateEvent(final=final))
 
     # --- bookkeeping -----------------------------------------------------------------------------
@@ -432,14 +433,16 @@ class GenerationLoops:
         return best
 
     def least_recent(self, principal: str, prefix: str) -> tuple[str, int] | None:
-        """(session id, epoch) of the principal's least recently finished session, with no stream
-        running, whose id begins with `prefix`; None if there is none."""
+        """(session id, epoch) of the principal's least recently finished session that the engine
+        still holds, with no stream running, whose id begins with `prefix`; None if there is none
+        (a record outlives a session the engine evicted: continuing that one would be a new session)."""
         security = self.servicer.security
         tag = security.tag(principal) if security.authenticated else None
+        held = {r.session_id for r in self.servicer.manager.sessions()}
         with self.cond:
             for key, (epoch, _) in self._records.items():  # oldest first
                 owner, sid = security.split_key(key) if security.authenticated else (None, key)
-                if key not in self.streams and owner == tag and sid.startswith(prefix):
+                if key in held and key not in self.streams and owner == tag and sid.startswith(prefix):
                     return sid, epoch
         return None
 

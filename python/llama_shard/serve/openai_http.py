@@ -205,6 +205,7 @@ class OpenAIEndpoint:
             if source else None
         self._pieces: OrderedDict[int, str] = OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._tls_reloads = 0  # certificate sets loaded since start (see _ssl_context)
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
 
@@ -223,7 +224,11 @@ class OpenAIEndpoint:
         def load() -> ssl.SSLContext:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
+            # no session tickets: a resumed session would skip the rotated context's checks (its
+            # ticket keys are the first context's); TLS 1.2 session ids: see _principal
+            ctx.options |= ssl.OP_NO_TICKET
+            ctx.num_tickets = 0
+            ctx.load_cert_chain(sec.tls_cert, sec.tls_key, password=b"")  # encrypted: fail, never prompt
             if sec.tls_client_ca:
                 ctx.load_verify_locations(sec.tls_client_ca)
                 ctx.verify_mode = ssl.CERT_REQUIRED
@@ -234,11 +239,12 @@ class OpenAIEndpoint:
 
         def follow(conn, _server_name, _ctx) -> None:
             now = file_mtimes(files)
-            if now != state["mtimes"]:
+            if now != state["mtimes"] and now != state.get("failed"):
                 try:
                     state["ctx"], state["mtimes"] = load(), now
+                    self._tls_reloads += 1
                 except (OSError, ssl.SSLError, ValueError):
-                    pass  # a half-written file: keep the last good context
+                    state["failed"] = now  # a half-written file: keep the last good context, read it again once it changes
             if conn.context is not state["ctx"]:
                 conn.context = state["ctx"]
 
@@ -315,6 +321,12 @@ class OpenAIEndpoint:
             value = request.headers.get("Authorization", "")
             principal = sec.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
         else:
+            tls = request.transport.get_extra_info("ssl_object") if request.transport else None
+            if tls is not None and tls.session_reused and self._tls_reloads:
+                # a TLS 1.2 session resumed from before a certificate change was not checked against
+                # the current client CA: a new handshake is
+                raise HttpError(401, "a resumed TLS session from before a certificate change: reconnect",
+                                code="invalid_api_key")
             cert = request.transport.get_extra_info("peercert") if request.transport else None
             for rdn in (cert or {}).get("subject", ()):
                 for key, value in rdn:
@@ -495,7 +507,8 @@ class OpenAIEndpoint:
         stream = loops.open(principal, req, None, events=events)
         if isinstance(stream, pb.GenerateFinal) and "already has a Generate stream" in stream.detail \
                 and request.headers.get("X-Session-Id") is None:
-            req.session_id, req.route_epoch = f"oai-{uuid.uuid4().hex}", 0  # another request took it first
+            # another request took it first: choose again (that one is now running, so not it)
+            req.session_id, req.route_epoch = self._session(request, principal, list(req.prompt))
             stream = loops.open(principal, req, None, events=events)
         if isinstance(stream, pb.GenerateFinal):
             raise HttpError(_OUTCOME_STATUS.get(stream.outcome, 503), stream.detail)

@@ -552,7 +552,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def Release(self, request, context):
         try:  # a stream running on the session ends first (its next step would bring the session back)
             key = self.security.engine_key(self._principal(context), request.session_id)
-            self.generation.stop_stream(key, "the session was released", self.max_hop_s)
+            remaining = context.time_remaining()
+            self.generation.stop_stream(key, "the session was released",
+                                        self.max_hop_s if remaining is None else min(remaining, self.max_hop_s))
         except LlamaShardError:
             pass  # answered INVALID_ARGUMENT below
         reply = self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
