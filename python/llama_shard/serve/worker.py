@@ -200,15 +200,19 @@ class _Owners:
                                             if tag is not None and self.security.split_key(r.session_id)[0] == tag}
         return held
 
+    def _over_cap(self, held: set[str], more: int) -> bool:  # under self._lock
+        """Whether `more` new keys would take `held` past the cap, after pruning the keys the
+        engine has dropped (only then: it lists every session)."""
+        if len(held) + more > self.cap:
+            held &= {r.session_id for r in self.manager.sessions()}
+        return len(held) + more > self.cap
+
     def full(self, principal: str) -> bool:
         """Whether the principal holds as many sessions as its cap allows (a new one would be refused)."""
         if self.cap is None:
             return False
         with self._lock:
-            held = self._held_by(principal)
-            if len(held) >= self.cap:
-                held &= {r.session_id for r in self.manager.sessions()}
-            return len(held) >= self.cap
+            return self._over_cap(self._held_by(principal), 1)
 
     def admit(self, principal: str, keys: list[str]) -> str | None:
         """Counts the new keys among `keys` against the principal's cap; the refusal, or None."""
@@ -217,10 +221,7 @@ class _Owners:
         with self._lock:
             held = self._held_by(principal)
             new = [k for k in dict.fromkeys(keys) if k not in held]
-            if new and len(held) + len(new) > self.cap:
-                live = {r.session_id for r in self.manager.sessions()}
-                held &= live
-            if new and len(held) + len(new) > self.cap:
+            if new and self._over_cap(held, len(new)):
                 return (f"this caller holds {len(held)} sessions here and asks for {len(new)} more; "
                         f"the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
             held.update(new)
