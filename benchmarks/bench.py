@@ -26,6 +26,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
                     user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
+from llama_shard.proto import shard_pb2 as pb
 from routes import ours_chat_reuse, ours_generate_streams, ours_two_stages, ours_worker_clients
 
 
@@ -368,6 +369,13 @@ def generate_rows(s: Shapes) -> list[Row]:
                 note)]
 
 
+def http_temperature_0(context_tokens: int) -> pb.Sampling:
+    """What the endpoint asks the tail for on a request with "temperature": 0 (sampling_from:
+    llama.cpp's chain, its penalty window of 64 or the context if shorter, a seed), given to the
+    Generate streams the endpoint is compared with."""
+    return pb.Sampling(temperature=0.0, penalty_last_n=min(64, context_tokens), seed=1)
+
+
 def openai_rows(s: Shapes) -> list[Row]:
     log("the OpenAI-compatible endpoint: streamed HTTP against Generate streams, and a long chat's reuse")
     n, n_streams = s.n_layer, 4 if s.quick else 8
@@ -376,12 +384,14 @@ def openai_rows(s: Shapes) -> list[Row]:
     http, streams, chat, chat_plain = alternate(
         s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
                                                             s.vocab, http=True)},
-        lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams, s.vocab)},
+        lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams, s.vocab,
+                                                  sampling=http_temperature_0(s.npp + s.ntg + 8))},
         has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer)),
         has_template and (lambda: ours_chat_reuse(s.path, s.threads, turns, answer, flash_attn=False)))
     rows = [Row(f"1 worker ({s.threads} threads), {n_streams} streamed /v1/completions of {s.ntg} tokens (vs "
                 f"{n_streams} Generate streams)", http[n_streams], streams[n_streams], "tok/s", ">= 0.9",
-                "the same prompts at once; peer: Generate over gRPC in this run")]
+                "the same prompts at once; peer: Generate over gRPC in this run, the sampling the endpoint "
+                "sets for temperature 0 (penalty window 64, a seed)")]
     if has_template:
         for attention, got in (("flash attention on (the default)", chat), ("--flash-attn off", chat_plain)):
             rows.append(Row(f"a {turns}-turn chat through /v1/chat/completions, {attention}: 1 / time to first "

@@ -272,14 +272,16 @@ def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg:
 
 
 def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
-                          n_streams: int, vocab: int, http: bool = False, worker_flags: tuple = ()) -> float:
+                          n_streams: int, vocab: int, http: bool = False, worker_flags: tuple = (),
+                          sampling: pb.Sampling | None = None) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
     after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
     decode phase is what is timed: from the moment every stream has its first token to the last
     token, counting the tokens that arrived in between. http=True: the same requests as streamed
     /v1/completions through the head's OpenAI-compatible endpoint (one event per token);
-    worker_flags: more `serve` flags for every worker (`--flash-attn off`)."""
+    worker_flags: more `serve` flags for every worker (`--flash-attn off`); sampling: what the
+    Generate streams ask the tail for (None: the greedy token without a sampler chain)."""
     context = npp + ntg + 8
     procs: list[tuple[subprocess.Popen, str]] = []
     http_port = free_port()
@@ -306,7 +308,8 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             with grpc.insecure_channel(procs[0][1]) as ch:
                 stub = pb_grpc.ShardServiceStub(ch)
                 ready.wait()
-                req = pb.GenerateRequest(session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward)
+                req = pb.GenerateRequest(session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward,
+                                         sampling=sampling)
                 for event in stub.Generate(req, timeout=600):
                     if event.HasField("token"):
                         arrivals[i].append(time.perf_counter())

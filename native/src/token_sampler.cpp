@@ -63,6 +63,7 @@ token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t
     llama_sampler_chain_add(chain_, llama_sampler_init_temp(p.temperature));
     llama_sampler_chain_add(chain_, llama_sampler_init_dist(p.seed));
     candidates_.resize((size_t) n_vocab);
+    argmax_only_ = p.temperature == 0.0f && p.top_k == 0 && p.top_p >= 1.0f && p.min_p == 0.0f;
 }
 
 token_sampler token_sampler::resume(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n,
@@ -97,7 +98,8 @@ token_sampler::~token_sampler() {
 
 token_sampler::token_sampler(token_sampler && o) noexcept
     : n_vocab_(o.n_vocab_), params_(o.params_), chain_(std::exchange(o.chain_, nullptr)), draws_(o.draws_),
-      candidates_(std::move(o.candidates_)) {}
+      candidates_(std::move(o.candidates_)), argmax_only_(o.argmax_only_), window_(std::move(o.window_)),
+      row_(std::move(o.row_)) {}
 
 token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
     if (this != &o) {
@@ -109,6 +111,9 @@ token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
         chain_ = std::exchange(o.chain_, nullptr);
         draws_ = o.draws_;
         candidates_ = std::move(o.candidates_);
+        argmax_only_ = o.argmax_only_;
+        window_ = std::move(o.window_);
+        row_ = std::move(o.row_);
     }
     return *this;
 }
@@ -121,6 +126,9 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
         if (!std::isfinite(logits[i])) {
             bad("logit " + std::to_string(i) + " is not finite");
         }
+    }
+    if (argmax_only_) {
+        return sample_argmax(logits);
     }
     for (int32_t i = 0; i < n_vocab_; ++i) {
         candidates_[(size_t) i] = llama_token_data{i, logits[i], 0.0f};
@@ -135,11 +143,53 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
     return row.data[row.selected].id;
 }
 
+int32_t token_sampler::sample_argmax(const float * logits) {
+    // the penalties change only the logits of the tokens they count: apply llama.cpp's own
+    // penalties sampler (the chain's first) to those alone (a token it does not count is unchanged)
+    const float * row = logits;
+    if (!window_.empty()) {
+        std::vector<llama_token_data> counted;
+        counted.reserve(window_.size());
+        for (int32_t t : window_) {
+            counted.push_back(llama_token_data{t, logits[t], 0.0f});
+        }
+        llama_token_data_array small{counted.data(), counted.size(), -1, false};
+        llama_sampler_apply(llama_sampler_chain_get(chain_, 0), &small);
+        row_.assign(logits, logits + n_vocab_);
+        for (const auto & c : counted) {
+            row_[(size_t) c.id] = c.logit;
+        }
+        row = row_.data();
+    }
+    int32_t best = 0;  // the first of equals, as llama.cpp's temperature 0 keeps it
+    for (int32_t i = 1; i < n_vocab_; ++i) {
+        if (row[i] > row[best]) {
+            best = i;
+        }
+    }
+    // the chain on token 0 (masked) and the winner: dist draws once and, on a draw of exactly 0,
+    // selects the first candidate, token 0, as it does from the whole row
+    llama_token_data two[2] = {{0, -INFINITY, 0.0f}, {best, row[best], 0.0f}};
+    llama_token_data_array pair{best == 0 ? two + 1 : two, best == 0 ? 1u : 2u, -1, false};
+    llama_sampler_apply(chain_, &pair);
+    draws_++;
+    if (pair.selected < 0 || (size_t) pair.selected >= pair.size) {
+        throw shard_error(SHARD_ERRC_COMPUTE, "sampling: the chain selected no token");
+    }
+    return pair.data[pair.selected].id;
+}
+
 void token_sampler::accept(int32_t token) {
     if (token < 0 || token >= n_vocab_) {
         bad("token " + std::to_string(token) + " is outside the vocabulary [0, " + std::to_string(n_vocab_) + ")");
     }
     llama_sampler_accept(chain_, token);
+    if (argmax_only_ && !penalties_off()) {
+        if (window_.size() == (size_t) params_.penalty_last_n) {
+            window_.pop_front();
+        }
+        window_.push_back(token);
+    }
 }
 
 } // namespace llama_shard
