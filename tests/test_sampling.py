@@ -53,17 +53,31 @@ def test_temperature_zero_without_penalties_is_the_greedy_token():
                                                      penalty_present=0.5)], ids=["plain", "penalised"])
 def test_temperature_zero_takes_the_argmax_path_and_picks_what_the_whole_chain_picks(penalties):
     """temperature 0 with top_k/top_p/min_p off skips the chain over the whole row (what an OpenAI
-    request with temperature 0 asks for: ~25 us instead of ~570 us on a 49,152-token row); the
-    same chain with top_k = the vocabulary (which keeps every token) runs the whole row."""
+    request with temperature 0 asks for: ~100 us instead of ~570 us on a 49,152-token row). The
+    reference runs the whole row: min_p 1e-30 keeps every token, in id order, unsorted (llama.cpp's
+    unsorted min_p path), so ties go to the first id as without it. (dist's draw of exactly 0,
+    which picks token 0 from the whole row, has a probability near 2^-64: not tested.)"""
     logits = rows(300, seed=4, scale=0.5)  # close logits: the penalties change the winner often
+    logits[::7, 20] = logits[::7, 21] = 9.0  # ties: the first id wins
     prompt = [7, 7, 100, 3]
     fast = run(SamplingParams(temperature=0.0, seed=9, **penalties), logits, prompt)
-    whole = run(SamplingParams(temperature=0.0, top_k=N_VOCAB, seed=9, **penalties), logits, prompt)
+    whole = run(SamplingParams(temperature=0.0, min_p=1e-30, seed=9, **penalties), logits, prompt)
     assert fast == whole
     if penalties:
         assert fast != run(SamplingParams(temperature=0.0, seed=9), logits, prompt)  # the window counted
     s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, seed=9, **penalties), 4096, history=prompt, draws=0)
     assert [s.sample(r) for r in logits[:1]] == fast[:1] and s.draws == 1
+
+
+@pytest.mark.parametrize("in_window", [40, 10])
+def test_a_tie_made_by_the_repeat_penalty_goes_to_the_first_id_on_the_argmax_path(in_window):
+    row = np.full(N_VOCAB, -5.0, dtype=np.float32)
+    row[10] = row[40] = -2.0
+    row[in_window] = -1.0  # penalised: -1.0 x 2 = -2.0 exactly, tied with the other
+    for min_p in (0.0, 1e-30):  # the argmax path, and the whole row
+        s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, min_p=min_p, penalty_last_n=4, penalty_repeat=2.0,
+                                                 seed=1), 4096, history=[in_window], draws=0)
+        assert s.sample(row) == 10
 
 
 PARAMS = [

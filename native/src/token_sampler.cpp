@@ -99,7 +99,7 @@ token_sampler::~token_sampler() {
 token_sampler::token_sampler(token_sampler && o) noexcept
     : n_vocab_(o.n_vocab_), params_(o.params_), chain_(std::exchange(o.chain_, nullptr)), draws_(o.draws_),
       candidates_(std::move(o.candidates_)), argmax_only_(o.argmax_only_), window_(std::move(o.window_)),
-      row_(std::move(o.row_)) {}
+      row_(std::move(o.row_)), counted_(std::move(o.counted_)) {}
 
 token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
     if (this != &o) {
@@ -114,6 +114,7 @@ token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
         argmax_only_ = o.argmax_only_;
         window_ = std::move(o.window_);
         row_ = std::move(o.row_);
+        counted_ = std::move(o.counted_);
     }
     return *this;
 }
@@ -128,7 +129,10 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
         }
     }
     if (argmax_only_) {
-        return sample_argmax(logits);
+        const int32_t token = sample_argmax(logits);
+        if (token >= 0) {
+            return token;
+        }
     }
     for (int32_t i = 0; i < n_vocab_; ++i) {
         candidates_[(size_t) i] = llama_token_data{i, logits[i], 0.0f};
@@ -143,20 +147,23 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
     return row.data[row.selected].id;
 }
 
+// -1: undecided (the caller runs the whole row)
 int32_t token_sampler::sample_argmax(const float * logits) {
     // the penalties change only the logits of the tokens they count: apply llama.cpp's own
     // penalties sampler (the chain's first) to those alone (a token it does not count is unchanged)
     const float * row = logits;
     if (!window_.empty()) {
-        std::vector<llama_token_data> counted;
-        counted.reserve(window_.size());
+        counted_.clear();
         for (int32_t t : window_) {
-            counted.push_back(llama_token_data{t, logits[t], 0.0f});
+            counted_.push_back(llama_token_data{t, logits[t], 0.0f});
         }
-        llama_token_data_array small{counted.data(), counted.size(), -1, false};
+        llama_token_data_array small{counted_.data(), counted_.size(), -1, false};
         llama_sampler_apply(llama_sampler_chain_get(chain_, 0), &small);
         row_.assign(logits, logits + n_vocab_);
-        for (const auto & c : counted) {
+        for (const auto & c : counted_) {
+            if (!std::isfinite(c.logit)) {
+                return -1;  // a penalty overflowed (|logit| near FLT_MAX): the whole row decides, as stock
+            }
             row_[(size_t) c.id] = c.logit;
         }
         row = row_.data();
@@ -169,7 +176,8 @@ int32_t token_sampler::sample_argmax(const float * logits) {
     }
     // the chain on token 0 (masked) and the winner: dist draws once and, on a draw of exactly 0,
     // selects the first candidate, token 0, as it does from the whole row
-    llama_token_data two[2] = {{0, -INFINITY, 0.0f}, {best, row[best], 0.0f}};
+    // (the winner's logit here is any finite value: the chain penalises it again, harmlessly)
+    llama_token_data two[2] = {{0, -INFINITY, 0.0f}, {best, 0.0f, 0.0f}};
     llama_token_data_array pair{best == 0 ? two + 1 : two, best == 0 ? 1u : 2u, -1, false};
     llama_sampler_apply(chain_, &pair);
     draws_++;
