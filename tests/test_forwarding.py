@@ -158,3 +158,38 @@ def test_an_oversized_forward_list_or_message_is_refused_before_it_is_parsed(mes
             stub.Prefill(pb.StepRequest(session_id="big", route_epoch=0, token_ids=[1] * (40 << 20)), timeout=60)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert stub.Info(pb.InfoRequest(), timeout=10).first == 0
+
+
+def test_a_route_that_mixes_attention_kernels_is_refused_naming_both(synthetic_model):
+    """A head with flash attention and a tail without (or K/V types that differ) would give logits
+    that are neither setting's whole model: the tail refuses the head's chained step and its
+    Generate stream, naming both settings; a client's route over the two is refused up front."""
+    from llama_shard.errors import InvalidInputError
+    from llama_shard.route import RemoteStage, RouteClient
+
+    tail_port, head_port = free_port(), free_port()
+    tail, head = f"127.0.0.1:{tail_port}", f"127.0.0.1:{head_port}"
+    procs = [start_worker(synthetic_model, 3, 5, port=tail_port, extra=("--flash-attn", "off"))[0],
+             start_worker(synthetic_model, 0, 2, port=head_port, extra=("--peer", tail))[0]]
+    try:
+        wait_serving(procs[0], tail)
+        wait_serving(procs[1], head)
+        info = _info(tail)
+        assert (info.flash_attn, info.numerics) == (False, "K/V f16, flash attention off")
+        assert _info(head).numerics == "K/V f16, flash attention on"
+        reply = _prefill(head, [tail], "mixed")
+        assert reply.outcome == pb.OUTCOME_INCOMPATIBLE_RECIPE and reply.stage == 1, reply
+        assert "flash attention off" in reply.detail and "flash attention on" in reply.detail
+        with grpc.insecure_channel(head) as ch:
+            events = list(pb_grpc.ShardServiceStub(ch).Generate(
+                pb.GenerateRequest(session_id="mixed-gen", prompt=[1, 2, 3], max_tokens=2,
+                                   forward=[pb.Hop(address=tail)]), timeout=30))
+        final = events[-1].final
+        assert (final.finish_reason, final.outcome, final.stage) == ("error", pb.OUTCOME_INCOMPATIBLE_RECIPE, 1)
+        with pytest.raises(InvalidInputError, match="flash attention off.*flash attention on|flash attention on.*off"):
+            RouteClient([RemoteStage(head), RemoteStage(tail)])
+        assert procs[0].poll() is None and procs[1].poll() is None  # both still serve
+        assert _info(head).numerics and _info(tail).numerics
+    finally:
+        for proc in procs:
+            stop_worker(proc)

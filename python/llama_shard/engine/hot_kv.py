@@ -177,6 +177,13 @@ ENV_PREFIX = "MESHNET_HOT_KV_"
 _ENGINE_DEFAULTS = _native.HotKvConfig()
 
 
+def route_numerics(kv_type: str, flash_attn: bool) -> str:
+    """What every worker of a route must share for the route's logits to be the whole model's under
+    one setting: the K/V element type and the attention kernel (each rounds differently). Compared
+    as a string (StepRequest.numerics, InfoReply.numerics, check_route)."""
+    return f"K/V {kv_type}, flash attention {'on' if flash_attn else 'off'}"
+
+
 @dataclasses.dataclass(frozen=True)
 class HotKvStateConfig:
     """Bounds of the Hot KV state of one shard.
@@ -227,6 +234,10 @@ class HotKvStateConfig:
         if self.budget_tokens is None:  # no cap beyond the slots
             object.__setattr__(self, "budget_tokens", max(self.max_sessions, 0) * max(self.context_tokens, 0))
         self.engine_config().check()
+
+    @property
+    def numerics(self) -> str:
+        return route_numerics(self.kv_type, self.flash_attn)
 
     def engine_config(self, *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,
                       recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,

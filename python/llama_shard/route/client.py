@@ -47,6 +47,7 @@ class StageInfo:
     n_embd: int
     architecture: str
     name: str
+    numerics: str = ""  # route_numerics: K/V type and attention ("": not known)
 
 
 @dataclasses.dataclass
@@ -67,7 +68,8 @@ class LocalStage:
         self.manager = HotKvStateManager(model, config, n_batch=n_batch)
         self.adapter = KvBoundaryAdapter(model, self.manager)
         i = model.info
-        self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}")
+        self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}",
+                              self.manager.config.numerics)
 
     def step_many(self, steps: Sequence[Step]) -> list:
         """One StepOutcome or RouteError per step."""
@@ -106,7 +108,8 @@ class RemoteStage:
             r = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
             raise RouteError(f"worker {address} is not reachable: {e.code().name}: {e.details()}") from None
-        self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})")
+        self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})",
+                              r.numerics)
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
@@ -206,7 +209,8 @@ def route_stage(route: Sequence, stage: int):
 
 
 def check_route(stages: Sequence) -> None:
-    """Ranges tile the model exactly and the stages agree on the model (clear errors otherwise)."""
+    """Ranges tile the model exactly and the stages agree on the model, the K/V type and the
+    attention kernel (clear errors otherwise)."""
     infos = [s.info for s in stages]
     if not infos:
         raise InvalidInputError("a route needs at least one stage")
@@ -215,6 +219,10 @@ def check_route(stages: Sequence) -> None:
         if (i.n_layer, i.n_embd, i.architecture) != (ref.n_layer, ref.n_embd, ref.architecture):
             raise InvalidInputError(f"stage {i.name} serves a different model ({i.architecture}, {i.n_layer} layers, "
                                     f"n_embd {i.n_embd}) than {ref.name}")
+        if i.numerics and ref.numerics and i.numerics != ref.numerics:
+            raise InvalidInputError(f"stage {i.name} computes with {i.numerics}, {ref.name} with {ref.numerics}: every "
+                                    "stage of a route needs the same --kv-type and --flash-attn (a mixed route's "
+                                    "logits are neither setting's)")
     check_tiling([(i.first, i.last) for i in infos], ref.n_layer)
 
 

@@ -254,6 +254,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.security = options.security
         self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
+        self.numerics = manager.config.numerics
         self.stopping = threading.Event()
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -446,7 +447,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
                                  return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype),
-                                 logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+                                 logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
             # always explicit: a retried hop that did run is answered again (a decode, by the retry
@@ -473,6 +474,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             raise InvalidInputError("a batched step needs kind STEP_KIND_PREFILL or STEP_KIND_DECODE")
         if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
             raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
+        if req.numerics and req.numerics != self.numerics:
+            raise IncompatibleCacheRecipeError(
+                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: every worker "
+                "of a route needs the same --kv-type and --flash-attn (a mixed route's logits are neither setting's)")
         if len(req.token_ids) and req.HasField("hidden"):
             raise InvalidInputError("send token_ids or hidden, not both")
         if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
@@ -591,7 +596,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=self._visible_sessions(principal),
-            kv_type=self.manager.config.kv_type, warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
+            kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.numerics,
+            warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
