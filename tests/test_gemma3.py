@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Tier
+from llama_shard import CacheMiss, CacheMissReason, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Tier
 from llama_shard.engine.hot_kv import ManualClock
 
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]  # 12 tokens: three windows
@@ -96,6 +96,46 @@ def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_g
         expected = ref.decode("a", ref_tokens[-1])
         assert out.logits.tobytes() == expected.logits.tobytes()
         assert np.array_equal(out.logits, expected.logits)
+    finally:
+        r.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("cut", [23, 22, 10, 6, 2])
+def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly(synthetic_gemma3, cut):
+    """llama.cpp saves a sliding-window model's sequence without the cells its window has passed:
+    the 23-token session comes back holding its sliding layers from position 19 (window 4). Cut to
+    22 (or not cut) it still has what the next position attends to, and continues as the same
+    session would have hot; cut further back it is a miss (dropped, as an eviction), and the head's
+    re-prefill gives the fresh run's logits. Before the check, such a cut left llama.cpp holding
+    nothing while the engine counted the tokens (the next step failed, the invariants broke)."""
+    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
+                              warm_bytes=64 << 20)
+    r, ref = Route(synthetic_gemma3, config), Route(synthetic_gemma3)
+    try:
+        tokens, _ = r.greedy("a", PROMPT, 12)
+        assert ref.greedy("a", PROMPT, 12)[0] == tokens     # the same steps, hot all along
+        history = PROMPT + tokens[:-1] + [5, 6, 7, 8, 9]    # 23 tokens held, then what the next turn says
+        r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" goes to the warm tier
+        assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
+        suffix = history[cut:cut + 5]
+        head, tail = r.adapters
+        out = head.prefill("a", 0, token_ids=suffix, start_pos=cut)  # what the head sends
+        if not isinstance(out, CacheMiss):
+            out = tail.prefill("a", 0, boundary=out, start_pos=cut)
+        assert isinstance(out, CacheMiss) == (cut < 22), out
+        if isinstance(out, CacheMiss):
+            assert out.reason == CacheMissReason.EVICTED_LRU and "warm tier" in out.detail
+            for m in r.managers:
+                m.release("a", 0)                           # the head starts the session over
+            out = r.prefill("a", history[:cut + 5], start_pos=0)
+            expected = ref.prefill("fresh", history[:cut + 5], start_pos=0)
+        else:
+            expected = ref.prefill("a", suffix, start_pos=cut)  # a hot cut is exact (above)
+        assert out.seq_len == expected.seq_len == cut + 5
+        assert out.logits.tobytes() == expected.logits.tobytes()
+        for m in r.managers:
+            m.check_invariants()
     finally:
         r.close()
         ref.close()

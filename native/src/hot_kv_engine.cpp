@@ -1,4 +1,6 @@
 #include "llama_shard/hot_kv_engine.h"
+
+#include "llama.h"
 #include "llama_shard/kv_type.h"
 #include "llama_shard/kv_state_check.h"
 
@@ -187,6 +189,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     cp.flash_attn = config.flash_attn;
     ctx_ = std::make_unique<shard_context>(model, cp);
     config_.n_batch = ctx_->n_batch();
+    n_swa_ = llama_model_n_swa(model.raw());
 
     free_ids_.reserve((size_t) config.max_sessions);
     for (int32_t id = config.max_sessions - 1; id >= 0; --id) {
@@ -485,6 +488,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     lru_.push_back(sid);
     session & s = live_[sid];
     s = session{epoch, seq_id, seq_len, now, std::prev(lru_.end())};
+    s.swa_floor = std::max(0, ctx_->seq_pos_min(seq_id));
     reserved_ += seq_len;
     counters_.restores++;
     counters_.restore_seconds += seconds;
@@ -930,10 +934,14 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
     } else if (s == nullptr) {
         s = &create_locked(sid, req.epoch, now, ids);
     }
+    if (drop_if_cut_inexact_locked(sid, *s, start, res)) {
+        return false;  // a miss: the head re-prefills
+    }
     if (start < s->seq_len) {
         ctx_->seq_rm(s->seq_id, start);
         reserved_ -= s->seq_len - start;
         s->seq_len = start;
+        s->swa_floor = start == 0 ? 0 : s->swa_floor;
     }
     touch_locked(*s, now);
     reserved_ += req.input.n_tokens;  // reserved now, held once computed, returned if the compute fails
@@ -1008,6 +1016,29 @@ bool hot_kv_engine::room_for_locked(const std::string & sid, const session * s, 
                    seq_len, seq_id);
 }
 
+// A session computed here holds every cell (swa_full). One restored from the warm tier holds its
+// sliding-window layers from swa_floor only (llama.cpp writes a sequence's state without the cells
+// its window has passed): cut to `length`, the next position attends back to length - n_swa + 1
+// (a chunked window to its chunk's start, later still), so the cut is exact when those are held.
+bool hot_kv_engine::cut_is_exact_locked(const session & s, int32_t length) const {
+    if (length == 0 || length >= s.seq_len || s.swa_floor == 0) {
+        return true;
+    }
+    return n_swa_ > 0 && s.swa_floor <= length - n_swa_ + 1;
+}
+
+bool hot_kv_engine::drop_if_cut_inexact_locked(const std::string & sid, const session & s, int32_t length,
+                                               hot_kv_result & res) {
+    if (cut_is_exact_locked(s, length)) {
+        return false;
+    }
+    const int32_t floor = s.swa_floor;
+    drop_locked(sid, SHARD_MISS_EVICTED_LRU);
+    res = miss_result(SHARD_MISS_EVICTED_LRU, "the session came back from the warm tier with its sliding-window layers "
+                      "from position " + str(floor) + " on; a cut to " + str(length) + " needs earlier ones: the head re-prefills");
+    return true;
+}
+
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
     const publisher publish_on_return(*this);  // stats() sees this call once it is done
@@ -1033,10 +1064,15 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
             "cannot truncate a session of " + str(s->seq_len) + " tokens to " + str(length));
     }
+    if (drop_if_cut_inexact_locked(sid, *s, length, res)) {
+        count_miss_locked(res);
+        return res;
+    }
     if (length < s->seq_len) {
         ctx_->seq_rm(s->seq_id, length);
         reserved_ -= s->seq_len - length;
         s->seq_len = length;
+        s->swa_floor = length == 0 ? 0 : s->swa_floor;
     }
     touch_locked(*s, now);
     return hot_result(s->seq_len, s->seq_id);
@@ -1188,6 +1224,7 @@ void hot_kv_engine::check_invariants() const {
 
     std::vector<bool> used((size_t) config_.max_sessions, false);
     int64_t sum = 0;
+    int64_t held = 0;  // cells: a restored sliding-window session holds its window, from swa_floor
     for (const auto & [sid, s] : live_) {
         if (s.seq_id < 0 || s.seq_id >= config_.max_sessions) fail("seq id out of range");
         if (used[(size_t) s.seq_id]) fail("seq id used twice");
@@ -1198,7 +1235,12 @@ void hot_kv_engine::check_invariants() const {
             fail("session '" + sid + "' has length " + str(s.seq_len) + " but llama.cpp holds positions up to " +
                  str(ctx_->seq_pos_max(s.seq_id)));
         }
+        if (s.seq_len > 0 && ctx_->seq_pos_min(s.seq_id) != s.swa_floor) {
+            fail("session '" + sid + "' should hold positions from " + str(s.swa_floor) + " but llama.cpp holds them from " +
+                 str(ctx_->seq_pos_min(s.seq_id)));
+        }
         sum += s.seq_len;
+        held += s.seq_len > 0 ? s.seq_len - s.swa_floor : 0;
     }
     if (!std::is_sorted(free_ids_.begin(), free_ids_.end(), std::greater<int32_t>())) fail("free seq ids are not in descending order");
     for (int32_t id : free_ids_) {
@@ -1208,8 +1250,8 @@ void hot_kv_engine::check_invariants() const {
     }
     if (sum != reserved_) fail("reserved tokens != sum of session lengths");
     if (reserved_ > config_.budget_tokens) fail("reserved tokens exceed the budget");
-    if (ctx_->n_cells_used() != reserved_) {
-        fail("llama.cpp holds " + str(ctx_->n_cells_used()) + " cells but " + str(reserved_) + " are reserved");
+    if (ctx_->n_cells_used() != held) {
+        fail("llama.cpp holds " + str(ctx_->n_cells_used()) + " cells but the sessions hold " + str(held));
     }
     double prev = -1e300;
     for (const std::string & sid : lru_) {

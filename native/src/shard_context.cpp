@@ -310,6 +310,12 @@ int32_t shard_context::seq_pos_max(int32_t seq_id) const {
     return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq_id);
 }
 
+int32_t shard_context::seq_pos_min(int32_t seq_id) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    return llama_memory_seq_pos_min(llama_get_memory(ctx_), seq_id);
+}
+
 int64_t shard_context::n_cells_used() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return n_cells_used_unlocked();

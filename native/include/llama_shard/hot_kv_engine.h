@@ -7,7 +7,9 @@
 //  - at most one live epoch per session id; live sessions <= max_sessions; each holds a distinct
 //    seq id in [0, max_sessions), and free ids + live ids are exactly that range;
 //  - a session's length is the number of positions llama.cpp holds for its seq id (0..len-1), and
-//    reserved_tokens, the sum of the lengths, equals the cells the context holds;
+//    reserved_tokens, the sum of the lengths, equals the cells the context holds, but for a session
+//    restored from the warm tier of a sliding-window model, which holds its sliding layers from
+//    swa_floor (llama.cpp's pos_min) on: it counts seq_len - swa_floor cells;
 //  - reserved_tokens <= budget_tokens, and every length <= context_tokens <= the cells of the
 //    session's own KV stream, so llama_decode never lacks a KV slot once admission said yes;
 //  - the table of recently dropped keys holds at most recent_capacity entries: stale-epoch fencing
@@ -48,7 +50,10 @@
 // file is read back only after its header, size and checksum check out (kv_file_store.h). A step, truncate or open of a
 // warm session restores it into a free seq id first (admitted like a prefill of its length) and
 // carries on: the caller sees no miss, and the KV is the same bytes, so the results are
-// bit-identical to never having left. resolve reports a warm session without moving it. Release
+// bit-identical to never having left. One exception keeps that true: llama.cpp saves a sliding-
+// window model's sequence without the cells its window has passed, so a restored session that is
+// then cut back (a truncate, or a prefill at an earlier position) past what its window still holds
+// is dropped as an EVICTED_LRU miss instead (the head re-prefills; cut_is_exact_locked). resolve reports a warm session without moving it. Release
 // and supersession drop a warm copy as they drop a hot session; warm sessions idle longer than
 // warm_ttl_seconds are dropped as EVICTED_TTL.
 //
@@ -313,6 +318,9 @@ private:
         // after it): a decode that repeats it, expecting its start, is a retry (see decode)
         int32_t  last_start = -1;
         uint64_t last_input = 0;
+        // the first position its sliding-window layers hold: 0, except after a restore from the
+        // warm tier (llama.cpp's sequence state keeps only the window), which cut_is_exact_locked checks
+        int32_t  swa_floor = 0;
     };
 
     struct dropped {
@@ -365,6 +373,10 @@ private:
     // it can be, dropped otherwise
     void     leave_hot_locked(const std::string & sid, shard_miss_reason reason);
     bool     spill_locked(const std::string & sid, shard_miss_reason reason);
+    // whether cutting `s` to `length` leaves every cell the next positions attend to
+    bool     cut_is_exact_locked(const session & s, int32_t length) const;
+    // drops `sid` (hot) as a miss when a cut to `length` would not be exact; true when it did
+    bool     drop_if_cut_inexact_locked(const std::string & sid, const session & s, int32_t length, hot_kv_result & res);
     // frees a hot session's cells, seq id and reservation (no record, no counters)
     void     free_hot_locked(const std::string & sid);
     void     drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
@@ -434,6 +446,7 @@ private:
     const shard_model &            model_;
     hot_kv_config                  config_;
     std::unique_ptr<shard_context> ctx_;
+    int32_t                        n_swa_ = 0;  // the model's sliding window (0: none)
 
     mutable fair_mutex mutex_;
     mutable std::mutex   stats_mutex_;  // guards published_ and published_sessions_ only; taken with or without mutex_

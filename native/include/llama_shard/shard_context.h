@@ -99,6 +99,8 @@ public:
 
     // last position held for `seq_id`, -1 when empty
     int32_t seq_pos_max(int32_t seq_id) const;
+    // first position held for `seq_id` (a sliding-window model: in its sliding-window layers), -1 when empty
+    int32_t seq_pos_min(int32_t seq_id) const;
 
     // cells in use over all sequences
     int64_t n_cells_used() const;
