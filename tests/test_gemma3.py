@@ -18,10 +18,11 @@ PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]  # 12 tokens: three window
 class Route:
     """A 2-shard split of the synthetic Gemma 3 (layers 0-4: sliding only; 5-7: the global layer 5)."""
 
-    def __init__(self, path, config: HotKvStateConfig | None = None):
+    def __init__(self, path, config: HotKvStateConfig | None = None, configs: list | None = None):
         config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
         self.models = [ShardModel(str(path), (0, 4), 1), ShardModel(str(path), (5, 7), 1)]
-        self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=32) for m in self.models]
+        self.managers = [HotKvStateManager(m, c, ManualClock(), n_batch=32)
+                         for m, c in zip(self.models, configs or [config, config])]
         self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
 
     def prefill(self, sid: str, tokens, start_pos: int | None = None):
@@ -101,12 +102,13 @@ def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_g
         ref.close()
 
 
-@pytest.mark.parametrize("cut", [23, 22, 10, 6, 2])
+@pytest.mark.parametrize("cut", [23, 22, 21, 20, 10, 6, 2])
 def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly(synthetic_gemma3, cut):
     """llama.cpp saves a sliding-window model's sequence without the cells its window has passed:
     the 23-token session comes back holding its sliding layers from position 19 (window 4). Cut to
-    22 (or not cut) it still has what the next position attends to, and continues as the same
-    session would have hot; cut further back it is a miss (dropped, as an eviction), and the head's
+    22 (or not cut) it still has what the next position attends to (19-22), and continues as the
+    same session would have hot; cut to 21 or further back it is a miss (dropped, as an eviction:
+    at 21 and 20 llama.cpp would still hold cells, and compute wrong logits), and the head's
     re-prefill gives the fresh run's logits. Before the check, such a cut left llama.cpp holding
     nothing while the engine counted the tokens (the next step failed, the invariants broke)."""
     config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
@@ -133,6 +135,28 @@ def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly
         else:
             expected = ref.prefill("a", suffix, start_pos=cut)  # a hot cut is exact (above)
         assert out.seq_len == expected.seq_len == cut + 5
+        assert out.logits.tobytes() == expected.logits.tobytes()
+        for m in r.managers:
+            m.check_invariants()
+    finally:
+        r.close()
+        ref.close()
+
+
+def test_a_gemma3_session_longer_than_its_window_comes_back_from_the_disk_tier(synthetic_gemma3, tmp_path):
+    """The disk tier's size check counts a sliding-window layer's window, not the whole sequence
+    (its state holds only that): a 23-token session (window 4) comes back from a file and continues
+    as it would have hot. Before, the file was refused as too short and the session was a miss."""
+    configs = [HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
+                                warm_dir=str(tmp_path / f"shard{i}"), warm_disk_bytes=64 << 20) for i in range(2)]
+    r, ref = Route(synthetic_gemma3, configs=configs), Route(synthetic_gemma3)
+    try:
+        tokens, _ = r.greedy("a", PROMPT, 12)
+        assert ref.greedy("a", PROMPT, 12)[0] == tokens
+        r.greedy("b", [7, 7, 7], 2)                         # no host tier: "a" goes to a file
+        assert all(m.resolve("a", 0).tier == Tier.DISK for m in r.managers)
+        out, expected = r.decode("a", tokens[-1]), ref.decode("a", tokens[-1])
+        assert not isinstance(out, CacheMiss), out
         assert out.logits.tobytes() == expected.logits.tobytes()
         for m in r.managers:
             m.check_invariants()

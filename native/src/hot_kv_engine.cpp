@@ -440,7 +440,9 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     bool ok = true;
     if (w.on_disk) {
         const shard_model_info & info = model_.info();
-        const uint64_t min_bytes = (uint64_t) w.seq_len * counters_.kv_bytes_per_token;
+        // every layer holds the sequence's cells, a sliding-window layer only its window of them
+        const int32_t  least_cells = n_swa_ > 0 ? std::min(w.seq_len, n_swa_) : w.seq_len;
+        const uint64_t min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
         const uint64_t max_bytes = (uint64_t) w.seq_len * (counters_.kv_bytes_per_token + 64) +
                                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
         ok = disk_->read(sid, w.epoch, w.seq_len, min_bytes, max_bytes, from_disk);

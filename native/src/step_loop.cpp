@@ -371,8 +371,9 @@ std::vector<std::pair<std::shared_ptr<step_ticket>, hot_kv_result>> step_loop::r
             try {
                 const hot_kv_result now_held = engine_.resolve(t.session_id, t.epoch, now);
                 if (now_held.status == SHARD_STATUS_OK && now_held.seq_len >= t.start_) {
-                    engine_.truncate(t.session_id, t.epoch, t.start_, now);
-                    r.seq_len = t.start_;
+                    // a session back from the warm tier that cannot be cut exactly is dropped (a miss)
+                    const hot_kv_result cut = engine_.truncate(t.session_id, t.epoch, t.start_, now);
+                    r.seq_len = cut.status == SHARD_STATUS_OK ? t.start_ : 0;
                 }
             } catch (const std::exception &) {
             }

@@ -130,8 +130,8 @@ class ReferenceStepLoop:
                 if t.offset > 0 and r.status not in (Status.CACHE_MISS, Status.STALE_EPOCH):
                     held = self.engine.resolve(step.session_id, step.route_epoch, now)
                     if held.status == Status.OK and held.seq_len >= t.start:
-                        self.engine.truncate(step.session_id, step.route_epoch, t.start, now)
-                        r.seq_len = t.start
+                        cut = self.engine.truncate(step.session_id, step.route_epoch, t.start, now)
+                        r.seq_len = t.start if cut.status == Status.OK else 0  # as the native loop
                 t.finish(r)
             self._stats["requests"] += 1
 
