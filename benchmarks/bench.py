@@ -27,6 +27,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
+from llama_shard.serve.openai_http import sampling_from
 from routes import ours_chat_reuse, ours_generate_streams, ours_two_stages, ours_worker_clients
 
 
@@ -370,10 +371,9 @@ def generate_rows(s: Shapes) -> list[Row]:
 
 
 def http_temperature_0(context_tokens: int) -> pb.Sampling:
-    """What the endpoint asks the tail for on a request with "temperature": 0 (sampling_from:
-    llama.cpp's chain, its penalty window of 64 or the context if shorter, a seed), given to the
-    Generate streams the endpoint is compared with."""
-    return pb.Sampling(temperature=0.0, penalty_last_n=min(64, context_tokens), seed=1)
+    """What the endpoint asks the tail for on a request with "temperature": 0 (its own
+    sampling_from, with a seed), given to the Generate streams the endpoint is compared with."""
+    return sampling_from({"temperature": 0, "seed": 1}, context_tokens)
 
 
 def openai_rows(s: Shapes) -> list[Row]:

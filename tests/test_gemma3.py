@@ -6,6 +6,8 @@ any held position, inside or beyond the window, continues exactly as a fresh run
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,22 @@ def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_g
         ref.close()
 
 
+@contextmanager
+def spilled_session(path, tier: Tier, **route_kw):
+    """(a route whose 23-token session "a" (12 greedy tokens after PROMPT) went to `tier`, the same
+    session on a route that kept it hot, a's tokens); both routes closed afterwards."""
+    r, ref = Route(path, **route_kw), Route(path)
+    try:
+        tokens, _ = r.greedy("a", PROMPT, 12)
+        assert ref.greedy("a", PROMPT, 12)[0] == tokens     # the same steps, hot all along
+        r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" leaves it
+        assert all(m.resolve("a", 0).tier == tier for m in r.managers)
+        yield r, ref, tokens
+    finally:
+        r.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("cut", [23, 22, 21, 20, 10, 6, 2])
 def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly(synthetic_gemma3, cut):
     """llama.cpp saves a sliding-window model's sequence without the cells its window has passed:
@@ -113,13 +131,8 @@ def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly
     nothing while the engine counted the tokens (the next step failed, the invariants broke)."""
     config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
                               warm_bytes=64 << 20)
-    r, ref = Route(synthetic_gemma3, config), Route(synthetic_gemma3)
-    try:
-        tokens, _ = r.greedy("a", PROMPT, 12)
-        assert ref.greedy("a", PROMPT, 12)[0] == tokens     # the same steps, hot all along
+    with spilled_session(synthetic_gemma3, Tier.WARM, config=config) as (r, ref, tokens):
         history = PROMPT + tokens[:-1] + [5, 6, 7, 8, 9]    # 23 tokens held, then what the next turn says
-        r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" goes to the warm tier
-        assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
         suffix = history[cut:cut + 5]
         head, tail = r.adapters
         out = head.prefill("a", 0, token_ids=suffix, start_pos=cut)  # what the head sends
@@ -138,9 +151,6 @@ def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly
         assert out.logits.tobytes() == expected.logits.tobytes()
         for m in r.managers:
             m.check_invariants()
-    finally:
-        r.close()
-        ref.close()
 
 
 def test_a_gemma3_session_longer_than_its_window_comes_back_from_the_disk_tier(synthetic_gemma3, tmp_path):
@@ -149,20 +159,12 @@ def test_a_gemma3_session_longer_than_its_window_comes_back_from_the_disk_tier(s
     as it would have hot. Before, the file was refused as too short and the session was a miss."""
     configs = [HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
                                 warm_dir=str(tmp_path / f"shard{i}"), warm_disk_bytes=64 << 20) for i in range(2)]
-    r, ref = Route(synthetic_gemma3, configs=configs), Route(synthetic_gemma3)
-    try:
-        tokens, _ = r.greedy("a", PROMPT, 12)
-        assert ref.greedy("a", PROMPT, 12)[0] == tokens
-        r.greedy("b", [7, 7, 7], 2)                         # no host tier: "a" goes to a file
-        assert all(m.resolve("a", 0).tier == Tier.DISK for m in r.managers)
+    with spilled_session(synthetic_gemma3, Tier.DISK, configs=configs) as (r, ref, tokens):  # no host tier
         out, expected = r.decode("a", tokens[-1]), ref.decode("a", tokens[-1])
         assert not isinstance(out, CacheMiss), out
         assert out.logits.tobytes() == expected.logits.tobytes()
         for m in r.managers:
             m.check_invariants()
-    finally:
-        r.close()
-        ref.close()
 
 
 # --- the real Gemma 3 270M (Q4_K_M; 18 layers, a 512-token window, every 6th layer global) ---------

@@ -206,11 +206,11 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
 
 
 def test_sampling_parameters_are_checked_before_anything_runs():
-    s = sampling_from({"temperature": 0.5, "top_k": 3, "min_p": 0.1, "repeat_penalty": 1.1, "seed": 7})
+    s = sampling_from({"temperature": 0.5, "top_k": 3, "min_p": 0.1, "repeat_penalty": 1.1, "seed": 7}, 4096)
     assert (s.temperature, s.top_k, s.seed) == (0.5, 3, 7) and not s.HasField("top_p")
     for body in ({"top_k": 1.5}, {"presence_penalty": 3}, {"seed": "x"}, {"min_p": float("inf")}):
         with pytest.raises(HttpError) as e:
-            sampling_from(body)
+            sampling_from(body, 4096)
         assert e.value.status == 400 and e.value.param == next(iter(body))
 
 

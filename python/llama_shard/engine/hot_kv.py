@@ -184,6 +184,10 @@ def route_numerics(kv_type: str, flash_attn: bool) -> str:
     return f"K/V {kv_type}, flash attention {'on' if flash_attn else 'off'}"
 
 
+#: the end of every refusal of a route whose workers' numerics differ
+MIXED_NUMERICS = "every worker of a route needs the same --kv-type and --flash-attn (a mixed route's logits are neither setting's)"
+
+
 @dataclasses.dataclass(frozen=True)
 class HotKvStateConfig:
     """Bounds of the Hot KV state of one shard.

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from ..errors import InvalidInputError, LlamaShardError
-from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
+from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput, MIXED_NUMERICS
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.manager import HotKvStateManager
 from ..engine.pipeline import check_tiling
@@ -220,9 +220,8 @@ def check_route(stages: Sequence) -> None:
             raise InvalidInputError(f"stage {i.name} serves a different model ({i.architecture}, {i.n_layer} layers, "
                                     f"n_embd {i.n_embd}) than {ref.name}")
         if i.numerics and ref.numerics and i.numerics != ref.numerics:
-            raise InvalidInputError(f"stage {i.name} computes with {i.numerics}, {ref.name} with {ref.numerics}: every "
-                                    "stage of a route needs the same --kv-type and --flash-attn (a mixed route's "
-                                    "logits are neither setting's)")
+            raise InvalidInputError(f"stage {i.name} computes with {i.numerics}, {ref.name} with {ref.numerics}: "
+                                    f"{MIXED_NUMERICS}")
     check_tiling([(i.first, i.last) for i in infos], ref.n_layer)
 
 

@@ -120,11 +120,10 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
-def sampling_from(body: dict) -> pb.Sampling:
+def sampling_from(body: dict, context_tokens: int) -> pb.Sampling:
     """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty,
-    repeat_last_n); a
-    parameter not given keeps llama.cpp's neutral default (temperature 1, no truncation, no
-    penalty); no seed: a random one."""
+    repeat_last_n); a parameter not given keeps llama.cpp's neutral default (temperature 1, no
+    truncation, no penalty, a penalty window of 64 or the context if shorter); no seed: a random one."""
     s = pb.Sampling()
     for name, field, lo, hi, integer in (("temperature", "temperature", 0, 100, False), ("top_p", "top_p", 0, 1, False),
                                          ("top_k", "top_k", 0, 1 << 30, True), ("min_p", "min_p", 0, 1, False),
@@ -141,6 +140,8 @@ def sampling_from(body: dict) -> pb.Sampling:
         s.temperature = 0.0  # llama.cpp: below its smallest temperature the largest logit wins
     seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
     s.seed = (seed % 0xFFFFFFFF) if seed is not None else secrets.randbelow(0xFFFFFFFF)
+    if not s.HasField("penalty_last_n"):  # llama.cpp's 64, on a context that may be shorter
+        s.penalty_last_n = min(64, context_tokens)
     return s
 
 
@@ -483,9 +484,7 @@ class OpenAIEndpoint:
             raise HttpError(400, "user must be a string", "user")
         stops = _stops(body)
         stop_ids = [] if _flag(body, "ignore_eos") else self.eog[:64]  # ignore_eos: llama.cpp's extension
-        sampling = sampling_from(body)
-        if not sampling.HasField("penalty_last_n"):  # llama.cpp's 64, on a context that may be shorter
-            sampling.penalty_last_n = min(64, self.servicer.manager.config.context_tokens)
+        sampling = sampling_from(body, self.servicer.manager.config.context_tokens)
         session_id, epoch = self._session(request, principal, tokens)
         req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling,
                                  max_tokens=max_tokens or 0, stop_token_ids=stop_ids, stop=stops,

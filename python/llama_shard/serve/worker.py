@@ -36,7 +36,7 @@ from ..errors import (
     LlamaShardError,
     StaleRouteEpochError,
 )
-from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
+from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput, MIXED_NUMERICS
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.manager import HotKvStateManager
 from ..proto import shard_pb2 as pb
@@ -476,8 +476,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
         if req.numerics and req.numerics != self.numerics:
             raise IncompatibleCacheRecipeError(
-                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: every worker "
-                "of a route needs the same --kv-type and --flash-attn (a mixed route's logits are neither setting's)")
+                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: {MIXED_NUMERICS}")
         if len(req.token_ids) and req.HasField("hidden"):
             raise InvalidInputError("send token_ids or hidden, not both")
         if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
