@@ -244,6 +244,13 @@ py::dict stats_dict(const hot_kv_stats & st) {
     d["disk_restores"] = st.disk_restores;
     d["disk_loaded"] = st.disk_loaded;
     d["disk_failures"] = st.disk_failures;
+    d["prefix_entries"] = st.prefix_entries;
+    d["prefix_bytes"] = st.prefix_bytes;
+    d["prefix_capacity"] = st.prefix_capacity;
+    d["prefix_stores"] = st.prefix_stores;
+    d["prefix_hits"] = st.prefix_hits;
+    d["prefix_tokens_saved"] = st.prefix_tokens_saved;
+    d["prefix_evictions"] = st.prefix_evictions;
     return d;
 }
 
@@ -297,6 +304,8 @@ void register_model(py::module_ & m) {
     }
     buckets.append(std::numeric_limits<double>::infinity());
     m.attr("RESTORE_BUCKETS") = py::tuple(buckets);
+    m.attr("PREFIX_HIT_SECONDS") = HOT_KV_PREFIX_HIT_SECONDS;  // the prefix store's eviction weight (hot_kv_engine.h)
+    m.attr("PREFIX_HIT_CAP")     = HOT_KV_PREFIX_HIT_CAP;
     m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");
     m.def("kv_bytes_per_token",
           py::overload_cast<int32_t, int32_t, int32_t, const std::string &>(&llama_shard::kv_bytes_per_token),
@@ -489,7 +498,8 @@ void register_contract_types(py::module_ & m) {
         .value("EVICTED_LRU", SHARD_MISS_EVICTED_LRU)
         .value("RELEASED", SHARD_MISS_RELEASED)
         .value("SUPERSEDED_EPOCH", SHARD_MISS_SUPERSEDED_EPOCH)
-        .value("SEQ_LEN_MISMATCH", SHARD_MISS_SEQ_LEN_MISMATCH);
+        .value("SEQ_LEN_MISMATCH", SHARD_MISS_SEQ_LEN_MISMATCH)
+        .value("PREFIX_EVICTED", SHARD_MISS_PREFIX_EVICTED);
 
     py::enum_<hot_kv_step_kind>(m, "StepKind", "A step appends a prompt chunk (PREFILL) or decode token(s) (DECODE)")
         .value("PREFILL", HOT_KV_STEP_PREFILL)
@@ -581,10 +591,10 @@ void register_config(py::module_ & m) {
         .def(py::init([](int32_t max_sessions, int32_t context_tokens, int64_t budget_tokens, double ttl_seconds,
                          int32_t n_batch, int32_t n_threads, int32_t recent_capacity, int64_t warm_bytes,
                          double warm_ttl_seconds, std::string kv_type, bool flash_attn, std::string warm_dir,
-                         int64_t warm_disk_bytes, std::string recipe_fingerprint) {
+                         int64_t warm_disk_bytes, std::string recipe_fingerprint, int64_t prefix_bytes) {
                  return hot_kv_config{max_sessions, context_tokens, budget_tokens, ttl_seconds, n_batch, n_threads,
                                       recent_capacity, warm_bytes, warm_ttl_seconds, std::move(kv_type), flash_attn,
-                                      std::move(warm_dir), warm_disk_bytes, std::move(recipe_fingerprint)};
+                                      std::move(warm_dir), warm_disk_bytes, std::move(recipe_fingerprint), prefix_bytes};
              }),
              py::kw_only(), py::arg("max_sessions") = d.max_sessions, py::arg("context_tokens") = d.context_tokens,
              py::arg("budget_tokens") = d.budget_tokens, py::arg("ttl_seconds") = d.ttl_seconds,
@@ -592,7 +602,7 @@ void register_config(py::module_ & m) {
              py::arg("recent_capacity") = d.recent_capacity, py::arg("warm_bytes") = d.warm_bytes,
              py::arg("warm_ttl_seconds") = d.warm_ttl_seconds, py::arg("kv_type") = d.kv_type,
              py::arg("flash_attn") = d.flash_attn, py::arg("warm_dir") = d.warm_dir, py::arg("warm_disk_bytes") = d.warm_disk_bytes,
-             py::arg("recipe_fingerprint") = d.recipe_fingerprint)
+             py::arg("recipe_fingerprint") = d.recipe_fingerprint, py::arg("prefix_bytes") = d.prefix_bytes)
         .def_readwrite("max_sessions", &hot_kv_config::max_sessions)
         .def_readwrite("context_tokens", &hot_kv_config::context_tokens)
         .def_readwrite("budget_tokens", &hot_kv_config::budget_tokens)
@@ -607,6 +617,7 @@ void register_config(py::module_ & m) {
         .def_readwrite("warm_dir", &hot_kv_config::warm_dir)
         .def_readwrite("warm_disk_bytes", &hot_kv_config::warm_disk_bytes)
         .def_readwrite("recipe_fingerprint", &hot_kv_config::recipe_fingerprint)
+        .def_readwrite("prefix_bytes", &hot_kv_config::prefix_bytes)
         .def("check", &hot_kv_check_config, "InvalidInputError naming the first field outside its bounds")
         .def_property_readonly("slot_cells", [](const hot_kv_config & c) { return hot_kv_slot_cells(c.context_tokens, c.n_batch); },
              "Cells one hot slot allocates: max(context_tokens, n_batch) padded to 256, as llama_context does")
@@ -614,7 +625,7 @@ void register_config(py::module_ & m) {
             return "HotKvConfig(max_sessions=" + std::to_string(c.max_sessions) + ", context_tokens=" +
                    std::to_string(c.context_tokens) + ", budget_tokens=" + std::to_string(c.budget_tokens) +
                    ", kv_type='" + c.kv_type + "', flash_attn=" + (c.flash_attn ? "True" : "False") + ", warm_bytes=" + std::to_string(c.warm_bytes) + ", warm_dir='" +
-                   c.warm_dir + "', warm_disk_bytes=" + std::to_string(c.warm_disk_bytes) + ", n_batch=" +
+                   c.warm_dir + "', warm_disk_bytes=" + std::to_string(c.warm_disk_bytes) + ", prefix_bytes=" + std::to_string(c.prefix_bytes) + ", n_batch=" +
                    std::to_string(c.n_batch) + ")";
         });
 }
@@ -707,6 +718,22 @@ void register_engine(py::module_ & m) {
                  py::gil_scoped_release release;  // waits for the engine lock, held for a whole step
                  return e.resolve(sid, epoch, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("now"))
+        .def("store_prefix", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, uint64_t key, int32_t length,
+                                double now) {
+                 py::gil_scoped_release release;  // waits for the engine lock; copies the session's state
+                 return e.store_prefix(sid, epoch, key, length, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("key"), py::arg("length"), py::arg("now"),
+             "Copies the hot session's first `length` tokens (all it holds) into the prefix store under `key`")
+        .def("open_prefix", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, uint64_t key, int32_t length,
+                               double now) {
+                 py::gil_scoped_release release;  // waits for the engine lock; restores the prefix's state
+                 return e.open_prefix(sid, epoch, key, length, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("key"), py::arg("length"), py::arg("now"),
+             "Makes the session hold a copy of the stored prefix (a PREFIX_EVICTED miss when it is not stored)")
+        .def("prefix_length", [](const hot_kv_engine & e, uint64_t key) {
+                 py::gil_scoped_release release;  // waits for the engine lock
+                 return e.prefix_length(key);
+             }, py::arg("key"), "The length of the prefix stored under `key`, 0 when none")
         .def("persist", [](hot_kv_engine & e, double now) {
                  py::gil_scoped_release release;  // writes files
                  return e.persist(now);

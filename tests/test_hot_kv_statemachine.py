@@ -45,10 +45,11 @@ from llama_shard.reference import NATIVE_LOGIT_ATOL, ReferenceModel, ReferenceSh
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SIDS = ["a", "b", "c", "d"]
-CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0)
-# the synthetic model's warm entries take 2-3 pages (about 0.8 KiB per token): this tier holds one to three
+# the synthetic model's warm and prefix entries take 2-3 pages (about 0.8 KiB per token): a tier of
+# 20,000 bytes holds one to three
+CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0, prefix_bytes=20_000)
 WARM_CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0,
-                               warm_bytes=20_000, warm_ttl_seconds=9.0)
+                               warm_bytes=20_000, warm_ttl_seconds=9.0, prefix_bytes=20_000)
 # host tier for one or two small sessions, then files (the native engine writes them in a fresh
 # directory per program; the reference simulates them)
 DISK_CONFIG = dataclasses.replace(WARM_CONFIG, warm_bytes=9_000, warm_dir="per-program", warm_disk_bytes=20_000)
@@ -128,7 +129,8 @@ class LockstepMachine(RuleBasedStateMachine):
         for native in self.native:
             stats = native.stats()
             for key in ("spills", "restores", "warm_drops", "evictions_ttl", "evictions_lru", "releases",
-                        "supersessions", "disk_spills", "disk_restores"):
+                        "supersessions", "disk_spills", "disk_restores", "prefix_stores", "prefix_hits",
+                        "prefix_evictions"):
                 self.seen[key] = self.seen.get(key, 0) + stats.get(key, 0)
             if native.config.warm_dir is not None:
                 shutil.rmtree(native.config.warm_dir, ignore_errors=True)
@@ -290,6 +292,25 @@ class LockstepMachine(RuleBasedStateMachine):
         }
         self.on_stage(stage, calls[op])
 
+    # the prefix store: a session's whole state stored under a key, sessions opened from it (through
+    # one shard, or every shard as a route does), a wrong length (a miss), a key never stored
+    @rule(sid=sid, key=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, -1, "all"]),
+          length=st.sampled_from(["held", "other"]))
+    def store_prefix(self, sid, key, stage, length):
+        def store(m, ad):
+            held = m.resolve(sid, self.epochs[sid])
+            n = held.seq_len if not isinstance(held, CacheMiss) and held.seq_len > 0 else 1
+            return m.store_prefix(sid, self.epochs[sid], key, n if length == "held" else n + 1)
+        self.on_all_stages(store) if stage == "all" else self.on_stage(stage, store)
+
+    @rule(sid=sid, key=st.sampled_from([1, 2, 3, 4]), stage=st.sampled_from([0, -1, "all"]),
+          length=st.sampled_from(["stored", "stored", "other"]))
+    def open_prefix(self, sid, key, stage, length):
+        def open_(m, ad):
+            n = m.prefix_length(key) or 3
+            return m.open_prefix(sid, self.epochs[sid], key, n if length == "stored" else n + 1)
+        self.on_all_stages(open_) if stage == "all" else self.on_stage(stage, open_)
+
     @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0, 10.0]))
     def advance_clock(self, seconds):
         self.clock.advance(seconds)
@@ -361,10 +382,11 @@ MACHINES = {"no_warm_tier": LockstepMachine, "warm_tier": WarmLockstepMachine,
 # programs per machine for the default 10,000 operations: 100 programs ran 4,347 to 7,414
 # compared operations per machine (measured), at least 1.7 times a machine's quarter
 PROGRAMS_PER_10K = 100
-MUST_RUN = {"no_warm_tier": ("releases", "evictions_lru", "evictions_ttl"),
+MUST_RUN = {"no_warm_tier": ("releases", "evictions_lru", "evictions_ttl", "prefix_stores", "prefix_hits",
+                             "prefix_evictions"),
             "warm_tier": ("spills", "restores", "warm_drops"),
             "warm_and_disk_tiers": ("disk_spills", "disk_restores", "warm_drops"),
-            "two_shards_warm_tier": ("spills", "restores", "warm_drops", "supersessions")}
+            "two_shards_warm_tier": ("spills", "restores", "warm_drops", "supersessions", "prefix_hits")}
 
 
 @pytest.fixture(scope="module")

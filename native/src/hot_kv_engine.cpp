@@ -35,6 +35,7 @@ const char * shard_miss_reason_name(shard_miss_reason reason) {
         case SHARD_MISS_RELEASED:         return "RELEASED";
         case SHARD_MISS_SUPERSEDED_EPOCH: return "SUPERSEDED_EPOCH";
         case SHARD_MISS_SEQ_LEN_MISMATCH: return "SEQ_LEN_MISMATCH";
+        case SHARD_MISS_PREFIX_EVICTED:   return "PREFIX_EVICTED";
         case SHARD_MISS_COUNT:            break;
     }
     return "UNKNOWN";
@@ -143,6 +144,9 @@ void hot_kv_check_config(const hot_kv_config & c) {
     if (c.warm_bytes < 0) {
         bad("warm_bytes must be >= 0, got " + str(c.warm_bytes));
     }
+    if (c.prefix_bytes < 0) {
+        bad("prefix_bytes must be >= 0, got " + str(c.prefix_bytes));
+    }
     if (c.warm_disk_bytes < 0) {
         bad("warm_disk_bytes must be >= 0, got " + str(c.warm_disk_bytes));
     }
@@ -201,6 +205,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     counters_.kv_bytes_per_token = ctx_->kv_bytes_per_token();
     counters_.warm_capacity      = (uint64_t) config.warm_bytes;
     counters_.disk_capacity      = (uint64_t) config.warm_disk_bytes;
+    counters_.prefix_capacity    = (uint64_t) config.prefix_bytes;
     if (!config.warm_dir.empty()) {
         load_disk_tier();
     }
@@ -1163,6 +1168,144 @@ int32_t hot_kv_engine::sweep(double now) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// the prefix store
+// ---------------------------------------------------------------------------------------------
+
+void hot_kv_engine::evict_prefix_locked() {
+    auto score = [](const prefix_entry & e) {
+        return e.last_used + HOT_KV_PREFIX_HIT_SECONDS * (double) std::min(e.hits, HOT_KV_PREFIX_HIT_CAP);
+    };
+    auto victim = prefixes_.end();
+    for (auto it = prefixes_.begin(); it != prefixes_.end(); ++it) {
+        if (victim == prefixes_.end() || score(it->second) < score(victim->second) ||
+            (score(it->second) == score(victim->second) && it->second.stamp < victim->second.stamp)) {
+            victim = it;
+        }
+    }
+    assert(victim != prefixes_.end());
+    prefix_held_ -= victim->second.bytes();
+    prefixes_.erase(victim);
+    counters_.prefix_evictions++;
+}
+
+hot_kv_result hot_kv_engine::store_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now) {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
+    if (length < 1 || length > config_.context_tokens) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "a prefix holds 1 to " + str(config_.context_tokens) + " tokens (context_tokens), got " + str(length));
+    }
+    now = begin_locked(sid, epoch, now);
+    hot_kv_result res;
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, epoch, res, &w, /*query*/ true);
+    if (s == nullptr) {
+        return res;  // warm (OK, nothing stored), or what a step would get: not counted, nothing moved
+    }
+    if (s->seq_len != length) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "the session holds " + str(s->seq_len) + " tokens, not the prefix's " + str(length));
+    }
+    res = hot_result(s->seq_len, s->seq_id);
+    if (config_.prefix_bytes <= 0 || prefixes_.count(key) != 0) {
+        return res;
+    }
+    page_buffer state = page_buffer::allocate(ctx_->seq_state_size(s->seq_id));
+    if (state.empty() || !ctx_->seq_save(s->seq_id, state.data(), state.size())) {
+        return res;  // no memory, or llama.cpp could not write it: not stored
+    }
+    prefix_entry e{length, std::move(state), now, 0, ++prefix_stamp_};
+    if (e.bytes() > (uint64_t) config_.prefix_bytes) {
+        return res;
+    }
+    while (prefix_held_ + e.bytes() > (uint64_t) config_.prefix_bytes) {
+        evict_prefix_locked();
+    }
+    prefix_held_ += e.bytes();
+    prefixes_.emplace(key, std::move(e));
+    counters_.prefix_stores++;
+    res.changed = true;
+    return res;
+}
+
+hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now) {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
+    if (length < 1) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a prefix holds at least 1 token, got " + str(length));
+    }
+    now = begin_locked(sid, epoch, now);
+    hot_kv_result res;
+    auto pit = prefixes_.find(key);
+    if (pit == prefixes_.end() || pit->second.length != length) {
+        res = miss_result(SHARD_MISS_PREFIX_EVICTED, "this shard does not hold the prefix of " + str(length) +
+                                                     " tokens: the head computes it");
+        count_miss_locked(res);
+        return res;
+    }
+    if (length > config_.context_tokens || length > config_.budget_tokens) {
+        res.status = SHARD_STATUS_BUDGET_EXCEEDED;
+        res.detail = "a prefix of " + str(length) + " tokens does not fit this shard's context or budget";
+        return res;
+    }
+    warm_entry * w = nullptr;
+    session * s = identify_locked(sid, epoch, res, &w);
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return res;
+    }
+    if (w != nullptr) {  // its warm copy is about to be replaced: dropped, not restored
+        drop_warm_locked(sid, SHARD_MISS_NONE);  // counted as a warm drop only; create_locked forgets the record
+        s = nullptr;
+    }
+    const int32_t held = s != nullptr ? s->seq_len : 0;
+    {
+        const bool room = make_room_locked(std::max(0, length - held), s == nullptr, {sid}, {});
+        assert(room);  // length <= budget: every other session can leave
+        (void) room;
+    }
+    if (s == nullptr) {
+        id_placement lone;
+        s = &create_locked(sid, epoch, now, lone);
+    } else if (held > 0) {
+        ctx_->seq_rm(s->seq_id, 0);
+        reserved_ -= held;
+        s->seq_len = 0;
+    }
+    s->swa_floor  = 0;
+    s->last_start = -1;
+    bool ok = false;
+    try {
+        ok = ctx_->seq_restore(s->seq_id, pit->second.state.data(), pit->second.state.size()) &&
+             ctx_->seq_pos_max(s->seq_id) == length - 1;
+    } catch (const shard_error &) {
+        ok = false;
+    }
+    touch_locked(*s, now);
+    if (!ok) {  // never for the store's own bytes (a guard): the session stays, empty; the entry goes
+        ctx_->seq_rm(s->seq_id, 0);
+        prefix_held_ -= pit->second.bytes();
+        prefixes_.erase(pit);
+        res = miss_result(SHARD_MISS_PREFIX_EVICTED, "the stored prefix could not be restored");
+        count_miss_locked(res);
+        return res;
+    }
+    s->seq_len   = length;
+    s->swa_floor = std::max(0, ctx_->seq_pos_min(s->seq_id));
+    reserved_ += length;
+    pit->second.hits++;
+    pit->second.last_used = now;
+    counters_.prefix_hits++;
+    counters_.prefix_tokens_saved += (uint64_t) length;
+    return hot_result(s->seq_len, s->seq_id);
+}
+
+int32_t hot_kv_engine::prefix_length(uint64_t key) const {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    auto it = prefixes_.find(key);
+    return it == prefixes_.end() ? 0 : it->second.length;
+}
+
+// ---------------------------------------------------------------------------------------------
 // introspection
 // ---------------------------------------------------------------------------------------------
 
@@ -1176,6 +1319,8 @@ void hot_kv_engine::publish_locked() const {
     st.warm_bytes      = warm_held_;
     st.disk_sessions   = (int32_t) disk_lru_.size();
     st.disk_bytes      = disk_held_;
+    st.prefix_entries  = (int32_t) prefixes_.size();
+    st.prefix_bytes    = prefix_held_;
     std::vector<hot_kv_session_info> hot;
     hot.reserve(live_.size());
     for (const std::string & sid : lru_) {
@@ -1301,6 +1446,15 @@ void hot_kv_engine::check_invariants() const {
         }
         if (!same) fail("the published warm and disk list is stale");
     }
+    uint64_t prefix_sum = 0;
+    for (const auto & [key, e] : prefixes_) {
+        (void) key;
+        if (e.length < 1 || e.length > config_.context_tokens) fail("prefix length outside [1, context_tokens]");
+        if (e.state.empty()) fail("a prefix entry holds no state");
+        prefix_sum += e.bytes();
+    }
+    if (prefix_sum != prefix_held_) fail("prefix bytes held != sum of prefix entries");
+    if (prefix_held_ > (uint64_t) std::max<int64_t>(config_.prefix_bytes, 0)) fail("prefix bytes exceed prefix_bytes");
     if (counters_.spills + counters_.disk_loaded != counters_.restores + counters_.warm_drops + warm_.size()) {
         fail("spills + disk_loaded != restores + warm drops + warm and disk sessions");
     }

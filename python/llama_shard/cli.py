@@ -249,6 +249,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     try:
         warm = parse_size(args.warm_memory) if args.warm_memory is not None else env.warm_bytes
         disk = parse_size(args.warm_disk) if args.warm_disk is not None else env.warm_disk_bytes
+        prefixes = parse_size(args.prefix_memory) if args.prefix_memory is not None else env.prefix_bytes
         kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
     except ValueError as e:
         raise InvalidInputError(f"llama-shard serve: {e}") from None
@@ -261,7 +262,8 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
         raise InvalidInputError("llama-shard serve: give --kv-memory or --max-sessions, not both")
     warm_dir = pick(args.warm_dir, env.warm_dir)
     plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
-                       warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions))
+                       warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions),
+                       prefix_bytes=prefixes)
     flash_attn = env.flash_attn if args.flash_attn is None else args.flash_attn == "on"
     config = plan.config(flash_attn=flash_attn, ttl_seconds=pick(args.ttl, env.ttl_seconds),
                          warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)
@@ -308,7 +310,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                       max_hop_s=args.max_hop_seconds, http_port=args.http_port))
+                                       max_hop_s=args.max_hop_seconds, http_port=args.http_port,
+                                       share_prefixes=args.share_prefixes))
     worker.start()
     return worker.serve_until_signal()
 
@@ -466,6 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--warm-ttl", type=_seconds, default=None,
                     help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or "
                          f"{_DEFAULTS.warm_ttl_seconds:g}")
+    sv.add_argument("--prefix-memory", metavar="SIZE", default=None,
+                    help="host memory for shared prefixes: sessions that begin alike (a system prompt) open from a "
+                         "stored copy of that start instead of computing it (default: MESHNET_HOT_KV_PREFIX_BYTES or "
+                         "0, off); every worker of a route needs one for the route to share")
+    sv.add_argument("--share-prefixes", choices=("principal", "all"), default="principal",
+                    help="whose sessions share prefixes: each caller's own (default), or every caller's; with "
+                         "'all', a caller's first token comes sooner when another caller sent the same start "
+                         "before, which tells it that someone did (README: shared prefixes)")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
     sv.add_argument("--flash-attn", choices=("on", "off"), default=None,

@@ -22,6 +22,9 @@
 //    start of the lowest run of free ids long enough for the step's remaining new sessions, else
 //    the lowest free id (outside a step: the lowest free id).
 //
+//  - the prefix store (prefix_bytes > 0): entries' bytes (state pages + 8 key bytes) sum to what it
+//    holds, which is <= prefix_bytes; each entry's length is in [1, context_tokens]; entries are
+//    copies, owned by the store alone (no session refers to one);
 //  - the warm tier (warm_bytes > 0 or a warm_dir): a session that leaves the hot set by LRU or TTL
 //    eviction keeps its KV as bytes (llama.cpp's sequence state of the owned layers) in host memory
 //    or, past that, in a file of the disk tier; a key is in at most one tier; host bytes held
@@ -69,6 +72,7 @@
 #include <cstdint>
 #include <deque>
 #include <list>
+#include <map>
 #include <memory>
 #include <condition_variable>
 #include <mutex>
@@ -144,6 +148,7 @@ enum shard_miss_reason {
     SHARD_MISS_RELEASED,
     SHARD_MISS_SUPERSEDED_EPOCH,
     SHARD_MISS_SEQ_LEN_MISMATCH,
+    SHARD_MISS_PREFIX_EVICTED,    // open_prefix: the prefix is not in this shard's store (evicted, or never stored here)
     SHARD_MISS_COUNT,
 };
 
@@ -173,7 +178,16 @@ struct hot_kv_config {
     std::string warm_dir;
     int64_t     warm_disk_bytes = 0;
     std::string recipe_fingerprint;   // written into every file and checked on load (required with warm_dir)
+    // the prefix store: host memory for shared starts of sessions (a system prompt's KV), which new
+    // sessions open from instead of computing them; 0: no prefix store
+    int64_t     prefix_bytes = 0;
 };
+
+// the prefix store's eviction: the entry with the least last_used + hits x this (hits counted up to
+// HOT_KV_PREFIX_HIT_CAP) goes first, the oldest stored on a tie: least recently used, weighted by
+// how often it was opened (a prefix hit 8 times outlives an unused one by 8 minutes of idleness)
+constexpr double  HOT_KV_PREFIX_HIT_SECONDS = 60.0;
+constexpr int64_t HOT_KV_PREFIX_HIT_CAP     = 8;
 
 // throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) naming the first field outside its bounds
 // (hot_kv_limits.h and the comments above); the recipe fingerprint a warm_dir needs is the
@@ -240,6 +254,14 @@ struct hot_kv_stats {
     uint64_t disk_restores;       // restores read from disk (included in restores)
     uint64_t disk_loaded;         // files found valid at start-up (a restarted worker's sessions)
     uint64_t disk_failures;       // writes or reads that failed (logged; the session became a miss)
+    // the prefix store
+    int32_t  prefix_entries;      // prefixes held
+    uint64_t prefix_bytes;        // held now (state pages + 8 key bytes per entry)
+    uint64_t prefix_capacity;     // config prefix_bytes
+    uint64_t prefix_stores;       // prefixes stored
+    uint64_t prefix_hits;         // sessions opened from a stored prefix
+    uint64_t prefix_tokens_saved; // tokens those sessions did not compute
+    uint64_t prefix_evictions;    // prefixes dropped to make room
 };
 
 class hot_kv_engine {
@@ -293,6 +315,27 @@ public:
 
     // evicts every session idle longer than ttl_seconds; returns how many
     int32_t sweep(double now);
+
+    // --- the prefix store (prefix_bytes > 0) ---
+    // Keys are the caller's (a chained hash of the prefix's token blocks, scoped by the caller: the
+    // engine never sees the tokens); an entry holds llama.cpp's sequence state of the owned layers for
+    // positions [0, length), as the warm tier does, so a session opened from it continues bit for bit
+    // as the session it was copied from would have (for a sliding-window model the state holds the
+    // window only: the opened session's swa_floor is set as after a warm restore, and a later cut
+    // below it is a miss). Entries are copies: releasing or superseding the source changes nothing.
+    //
+    // copies the hot session (sid, epoch), which must hold exactly `length` tokens, into the store
+    // under `key`: OK with changed = true when stored; OK with changed = false when the key is held
+    // already, the store is off or too small, or the session is warm (nothing moves); a miss or stale
+    // epoch as resolve would answer (not counted). Least valuable entries are evicted to make room.
+    hot_kv_result store_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now);
+    // makes (sid, epoch) hold a copy of the prefix stored under `key` (of `length` tokens), whatever it
+    // held before (a warm copy, a live state: replaced; an older epoch: superseded). A key not held
+    // (or held with another length) is a PREFIX_EVICTED miss and nothing changes; a prefix that cannot
+    // fit the budget is BUDGET_EXCEEDED, nothing changed. On OK: seq_len = length.
+    hot_kv_result open_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now);
+    // the length of the prefix stored under `key`, 0 when none (a query: nothing moves)
+    int32_t prefix_length(uint64_t key) const;
 
     // a worker shutting down with a disk tier: every hot and host-warm session is written to disk
     // (a restarted worker on the same directory resumes them); returns the sessions on disk
@@ -468,6 +511,19 @@ private:
     uint64_t                                    disk_held_ = 0;
     bool                                        disk_times_pending_ = false;  // loaded files get the first `now` seen
     const std::string *                         warm_pinned_ = nullptr;  // being restored: spills must not drop it
+
+    struct prefix_entry {
+        int32_t     length;
+        page_buffer state;      // shard_context::seq_save of the owned layers, positions [0, length)
+        double      last_used;
+        int64_t     hits  = 0;
+        uint64_t    stamp = 0;  // insertion order: the tie-break of eviction
+        uint64_t bytes() const { return (uint64_t) state.capacity() + sizeof(uint64_t); }
+    };
+    std::map<uint64_t, prefix_entry> prefixes_;
+    uint64_t                         prefix_held_  = 0;
+    uint64_t                         prefix_stamp_ = 0;
+    void evict_prefix_locked();  // drops the least valuable entry (see HOT_KV_PREFIX_HIT_SECONDS)
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

@@ -39,6 +39,7 @@ class CacheMissReason(str, enum.Enum):
     RELEASED = "released"
     SUPERSEDED_EPOCH = "superseded-epoch"
     SEQ_LEN_MISMATCH = "seq-len-mismatch"
+    PREFIX_EVICTED = "prefix-evicted"  # a step opening from a shared prefix this shard no longer holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +207,8 @@ class HotKvStateConfig:
     warm_dir, warm_disk_bytes: the disk tier (native engine only): sessions that fall out of the
     host tier go to files in warm_dir, at most warm_disk_bytes of them, and a worker restarted on
     the same directory, model, range and recipe resumes them. One worker per directory.
+    prefix_bytes: host memory for shared prefixes (the KV of a system prompt many sessions begin
+    with: new sessions open from a copy instead of computing it); 0: no prefix store.
     """
 
     max_sessions: int = _ENGINE_DEFAULTS.max_sessions
@@ -218,10 +221,11 @@ class HotKvStateConfig:
     flash_attn: bool = _ENGINE_DEFAULTS.flash_attn
     warm_dir: str | None = None
     warm_disk_bytes: int = _ENGINE_DEFAULTS.warm_disk_bytes
+    prefix_bytes: int = _ENGINE_DEFAULTS.prefix_bytes
 
     def __post_init__(self):
         # types here (the native struct would raise TypeError); bounds once, in hot_kv_check_config
-        for name in ("max_sessions", "context_tokens", "budget_tokens", "warm_bytes", "warm_disk_bytes"):
+        for name in ("max_sessions", "context_tokens", "budget_tokens", "warm_bytes", "warm_disk_bytes", "prefix_bytes"):
             v = getattr(self, name)
             if not (v is None and name == "budget_tokens") and (isinstance(v, bool) or not isinstance(v, int)):
                 raise InvalidInputError(f"{name} must be an integer, got {v!r}")
@@ -255,11 +259,13 @@ class HotKvStateConfig:
                 recent_capacity=recent_capacity, warm_bytes=self.warm_bytes,
                 warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, flash_attn=self.flash_attn,
                 warm_dir=self.warm_dir or "",
-                warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint)
+                warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint,
+                prefix_bytes=self.prefix_bytes)
         except TypeError:  # an integer beyond its native field's width (int32 or int64)
             fields = {"max_sessions": (self.max_sessions, 31), "context_tokens": (self.context_tokens, 31),
                       "budget_tokens": (self.budget_tokens, 63), "warm_bytes": (self.warm_bytes, 63),
-                      "warm_disk_bytes": (self.warm_disk_bytes, 63), "n_batch": (n_batch, 31),
+                      "warm_disk_bytes": (self.warm_disk_bytes, 63), "prefix_bytes": (self.prefix_bytes, 63),
+                      "n_batch": (n_batch, 31),
                       "recent_capacity": (recent_capacity, 31)}
             for name, (value, bits) in fields.items():
                 if isinstance(value, int) and not -(1 << bits) <= value < (1 << bits):
@@ -269,7 +275,7 @@ class HotKvStateConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
         """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
-        TTL_SECONDS, WARM_BYTES and WARM_DISK_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
+        TTL_SECONDS, WARM_BYTES, WARM_DISK_BYTES and PREFIX_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
         KV_TYPE, FLASH_ATTN (on/off), WARM_DIR); unset keeps the default."""
         return cls.from_env_values(cls.env_values(environ))
 
@@ -301,7 +307,7 @@ class HotKvStateConfig:
                     values[field.name] = raw.strip()
                 elif field.name == "flash_attn":
                     values[field.name] = parse_switch(raw)
-                elif field.name in ("warm_bytes", "warm_disk_bytes"):
+                elif field.name in ("warm_bytes", "warm_disk_bytes", "prefix_bytes"):
                     values[field.name] = parse_size(raw)
                 else:
                     values[field.name] = int(raw.strip(), 10)

@@ -44,6 +44,14 @@ _REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
 _ENGINE_DEFAULTS = HotKvConfig()
 
 
+def _check_prefix(key, length) -> None:
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 64:
+        raise InvalidInputError(f"a prefix key is an unsigned 64-bit integer, got {key!r}")
+    check_count("length", length)
+    if length < 1:
+        raise InvalidInputError(f"a prefix holds at least 1 token, got {length}")
+
+
 class HotKvStateManager:
     """The Hot KV state of one shard: (route_session_id, route_epoch) -> cached KV of the owned layers.
 
@@ -142,6 +150,34 @@ class HotKvStateManager:
         check_key(session_id, route_epoch)
         r = self.engine.resolve(session_id, int(route_epoch), self.clock())
         return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+
+    # --- the prefix store -------------------------------------------------------------------------
+
+    def store_prefix(self, session_id: str, route_epoch: int, key: int, length: int) -> bool:
+        """Copies the hot session, which holds exactly `length` tokens, into the prefix store under
+        `key` (a caller's 64-bit name for those tokens: `serve.prefixes` makes them); True when
+        stored, False when the key is held already, the store is off or too small, or the session is
+        warm or gone (nothing changes then)."""
+        check_key(session_id, route_epoch)
+        _check_prefix(key, length)
+        r = self.engine.store_prefix(session_id, int(route_epoch), int(key), int(length), self.clock())
+        if r.status == Status.CACHE_MISS:
+            return False
+        self.outcome(session_id, route_epoch, r)  # a stale epoch raises
+        return bool(r.changed)
+
+    def open_prefix(self, session_id: str, route_epoch: int, key: int, length: int) -> SessionInfo | CacheMiss:
+        """Makes the session hold a copy of the prefix stored under `key` (`length` tokens), whatever
+        it held; a PREFIX_EVICTED miss, nothing changed, when this shard does not hold it."""
+        check_key(session_id, route_epoch)
+        _check_prefix(key, length)
+        r = self.engine.open_prefix(session_id, int(route_epoch), int(key), int(length), self.clock())
+        return self.outcome(session_id, route_epoch, r) or self._session(session_id, route_epoch, r)
+
+    def prefix_length(self, key: int) -> int:
+        """The length of the prefix stored under `key`; 0 when none."""
+        _check_prefix(key, 1)
+        return int(self.engine.prefix_length(int(key)))
 
     def get(self, session_id: str, route_epoch: int) -> SessionInfo:
         out = self.resolve(session_id, route_epoch)

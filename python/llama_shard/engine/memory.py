@@ -6,7 +6,8 @@ max(context_tokens, n_batch) to 256) and what a token costs (`kv_bytes_per_token
 `--kv-memory SIZE` buys `SIZE // (slot cells x KV bytes per token)` hot slots, and `--max-sessions N`
 is N slots. `budget_tokens` then defaults to slots x context_tokens (no cap beyond the slots) and,
 when set, caps the tokens held hot. The warm tier holds evicted sessions' KV in at most
-`warm_bytes` of host memory. The process holds about model + hot + warm + a fixed overhead.
+`warm_bytes` of host memory, and the prefix store (shared starts of sessions) at most
+`prefix_bytes`. The process holds about model + hot + warm + prefixes + a fixed overhead.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class MemoryPlan:
     model_bytes: int          # the owned weights (0 when unknown)
     budget_tokens: int
     warm_disk_bytes: int = 0  # the disk tier's bound (files, not memory)
+    prefix_bytes: int = 0     # the prefix store's bound (host memory)
 
     @property
     def slot_bytes(self) -> int:
@@ -41,7 +43,8 @@ class MemoryPlan:
     def config(self, **overrides) -> HotKvStateConfig:
         """The HotKvStateConfig this plan sizes (ttl and the like from `overrides`)."""
         values = dict(max_sessions=self.hot_slots, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
-                      warm_bytes=self.warm_bytes, kv_type=self.kv_type, warm_disk_bytes=self.warm_disk_bytes)
+                      warm_bytes=self.warm_bytes, kv_type=self.kv_type, warm_disk_bytes=self.warm_disk_bytes,
+                      prefix_bytes=self.prefix_bytes)
         values.update(overrides)
         return HotKvStateConfig(**values)
 
@@ -53,17 +56,19 @@ class MemoryPlan:
             f"warm KV:  {format_size(self.warm_bytes) if self.warm_bytes else 'off'} in host memory"
             + (f", {format_size(self.warm_disk_bytes)} on disk" if self.warm_disk_bytes else "")
             + ("" if self.warm_bytes or self.warm_disk_bytes else " (an evicted session is a cache miss)"),
+            f"prefixes: {format_size(self.prefix_bytes) + ' in host memory' if self.prefix_bytes else 'off'} "
+            f"(shared starts of sessions)",
         ]
         if self.model_bytes:
             lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
-            lines.append(f"total:    about {format_size(self.model_bytes + self.hot_bytes + self.warm_bytes)} "
+            lines.append(f"total:    about {format_size(self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes)} "
                          f"+ compute buffers")
         return "\n".join(lines)
 
 
 def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int = HotKvConfig().n_batch,
                 kv_type: str = "f16", warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0,
-                *, max_sessions: int | None = None) -> MemoryPlan:
+                *, max_sessions: int | None = None, prefix_bytes: int = 0) -> MemoryPlan:
     """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
     weight_bytes: a ShardModel's info or the same read from a GGUF header): `kv_memory` bytes buy
     the hot slots, or `max_sessions` (kv_memory None) names them. InvalidInputError when not even
@@ -85,4 +90,4 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
     return MemoryPlan(kv_memory=kv_memory, context_tokens=context_tokens, kv_type=kv_type, kv_bytes_per_token=bpt,
                       slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
                       model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
-                      warm_disk_bytes=warm_disk_bytes)
+                      warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes)

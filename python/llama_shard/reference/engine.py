@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 #: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
-from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, RESTORE_BUCKETS, HotKvConfig, MissReason, Status, StepKind, Tier,
-                       model_digest)
+from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, PREFIX_HIT_CAP, PREFIX_HIT_SECONDS, RESTORE_BUCKETS, HotKvConfig,
+                       MissReason, Status, StepKind, Tier, model_digest)
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
 from .model import ReferenceShard, SequenceKv
@@ -103,6 +103,19 @@ class _Warm:
 
 
 @dataclasses.dataclass
+class _Prefix:
+    kv: SequenceKv
+    last_used: float
+    nbytes: int
+    stamp: int
+    hits: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.kv.seq_len
+
+
+@dataclasses.dataclass
 class _Dropped:
     epoch: int
     reason: MissReason
@@ -152,6 +165,11 @@ class ReferenceHotKvEngine:
         self.n_decode_calls = 0
         self._counters = collections.Counter()
         self._misses = collections.Counter()
+        # the prefix store: key -> a copy of a session's K/V (hot_kv_engine.h, store_prefix)
+        self.prefix_bytes = config.prefix_bytes
+        self._prefixes: dict[int, _Prefix] = {}
+        self._prefix_held = 0
+        self._prefix_stamp = 0
 
     # --- validation ----------------------------------------------------------------------------
 
@@ -521,6 +539,85 @@ class ReferenceHotKvEngine:
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
+    # --- the prefix store (as the native store_prefix / open_prefix / prefix_length) ----------------
+
+    def prefix_entry_bytes(self, length: int) -> int:
+        """What the native prefix store charges for a prefix: its state's whole pages and the 8-byte key."""
+        return -(-self._state_bytes(length) // _PAGE) * _PAGE + 8
+
+    def _evict_prefix(self) -> None:
+        """The entry with the least last_used + hits x PREFIX_HIT_SECONDS (hits up to the cap) goes,
+        the oldest stored on a tie."""
+        def score(e: _Prefix) -> tuple[float, int]:
+            return e.last_used + PREFIX_HIT_SECONDS * min(e.hits, PREFIX_HIT_CAP), e.stamp
+        key = min(self._prefixes, key=lambda k: score(self._prefixes[k]))
+        self._prefix_held -= self._prefixes.pop(key).nbytes
+        self._counters["prefix_evictions"] += 1
+
+    @_serialised
+    def store_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
+        if not 1 <= length <= self.context_tokens:
+            raise InvalidInputError(f"a prefix holds 1 to {self.context_tokens} tokens (context_tokens), got {length}")
+        now = self._begin(session_id, epoch, now)
+        s, res = self._identify(session_id, epoch, query=True)
+        if s is None:
+            return res
+        if s.seq_len != length:
+            raise InvalidInputError(f"the session holds {s.seq_len} tokens, not the prefix's {length}")
+        res = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
+        if self.prefix_bytes <= 0 or key in self._prefixes:
+            return res
+        nbytes = self.prefix_entry_bytes(length)
+        if nbytes > self.prefix_bytes:
+            return res
+        while self._prefix_held + nbytes > self.prefix_bytes:
+            self._evict_prefix()
+        self._prefix_stamp += 1
+        self._prefixes[key] = _Prefix(copy.deepcopy(s.kv), now, nbytes, self._prefix_stamp)
+        self._prefix_held += nbytes
+        self._counters["prefix_stores"] += 1
+        res.changed = True
+        return res
+
+    @_serialised
+    def open_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
+        if length < 1:
+            raise InvalidInputError(f"a prefix holds at least 1 token, got {length}")
+        now = self._begin(session_id, epoch, now)
+        p = self._prefixes.get(key)
+        if p is None or p.length != length:
+            return self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix of "
+                                                                       f"{length} tokens: the head computes it"))
+        if length > self.context_tokens or length > self.budget_tokens:
+            return StepResult(status=BUDGET_EXCEEDED,
+                              detail=f"a prefix of {length} tokens does not fit this shard's context or budget")
+        s, res = self._identify(session_id, epoch)
+        if res.status == STALE_EPOCH:
+            return res
+        if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped, not restored
+            self._drop_warm(session_id, MissReason.NONE)
+            s = None
+        held = s.seq_len if s is not None else 0
+        room = self._make_room(max(0, length - held), s is None, [session_id], [])
+        assert room  # length <= budget: every other session can leave
+        if s is None:
+            s = self._create(session_id, epoch, now, _IdPlacement())
+        self._reserved -= held
+        s.kv = copy.deepcopy(p.kv)
+        s.last_start, s.last_input = -1, None
+        self._touch(session_id, s, now)
+        self._reserved += length
+        p.hits += 1
+        p.last_used = now
+        self._counters["prefix_hits"] += 1
+        self._counters["prefix_tokens_saved"] += length
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
+
+    @_serialised
+    def prefix_length(self, key: int) -> int:
+        p = self._prefixes.get(key)
+        return p.length if p is not None else 0
+
     @_serialised
     def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
         """A batched step with the native engine's rules (see hot_kv_engine.h, step()); each
@@ -741,6 +838,10 @@ class ReferenceHotKvEngine:
             "disk_sessions": len(self._disk), "disk_bytes": self._disk_held, "disk_capacity": self.warm_disk_bytes,
             "disk_spills": self._counters["disk_spills"], "disk_restores": self._counters["disk_restores"],
             "disk_loaded": 0, "disk_failures": 0,  # no files: nothing to load, nothing to fail
+            "prefix_entries": len(self._prefixes), "prefix_bytes": self._prefix_held,
+            "prefix_capacity": self.prefix_bytes, "prefix_stores": self._counters["prefix_stores"],
+            "prefix_hits": self._counters["prefix_hits"], "prefix_tokens_saved": self._counters["prefix_tokens_saved"],
+            "prefix_evictions": self._counters["prefix_evictions"],
         }
 
     @_serialised
@@ -797,6 +898,10 @@ class ReferenceHotKvEngine:
             times = [w.last_used for w in tier.values()]
             if times != sorted(times):
                 fail("warm LRU order disagrees with last_used")
+        if sum(p.nbytes for p in self._prefixes.values()) != self._prefix_held or self._prefix_held > self.prefix_bytes:
+            fail("prefix bytes held disagree with the entries or exceed prefix_bytes")
+        if any(not 1 <= p.length <= self.context_tokens for p in self._prefixes.values()):
+            fail("prefix length outside [1, context_tokens]")
         c = self._counters
         if c["spills"] != c["restores"] + c["warm_drops"] + len(self._warm) + len(self._disk):
             fail("spills != restores + warm drops + warm and disk sessions")

@@ -28,10 +28,13 @@ from prometheus_client import Gauge, Histogram
 from ..engine.hot_kv import StepKind, check_key
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
+from .prefixes import PREFIX_BLOCK_TOKENS
 from .sampling import MAX_TOP_LOGPROBS, params_from_wire
 
 #: prompt tokens per step: a long prompt does not hold up the decoders grouped with it for long
 GENERATE_CHUNK = 256
+# a shared prefix ends where a chunk of a prompt computed from position 0 ends (prefixes.py says why)
+assert PREFIX_BLOCK_TOKENS % GENERATE_CHUNK == 0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKENS = 64
@@ -83,18 +86,41 @@ class _Stream:
         self.sent = (0, False)                # the step in flight: (tokens sent, whether the tail samples)
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
+        self.prefix = None                    # its PrefixPlan (prefixes.py), made at its first step
+        self.planned = False
+        self.may_open = True                  # False after a shard lacked the prefix: the re-prefill computes it
+        self.prefix_tokens = 0                # prompt tokens opened from a shared prefix
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:
             self.stop_reason = reason
 
+    def plan_prefix(self, prefixes) -> None:
+        """At a (re-)prefill's first step: open from the longest shared prefix the head holds, and
+        store the one to keep (prefixes.PrefixNames.plan)."""
+        self.planned = True
+        self.prefix = prefixes.plan(self.principal, self.tokens, self.computed, self.req.keep_prefix)
+        if self.prefix is not None and not self.may_open:
+            self.prefix.open_tokens = 0
+        if self.prefix is not None and self.prefix.open_tokens:
+            self.computed = self.prefix.open_tokens
+
     def request(self, wire_dtype: int) -> tuple[StepKind, pb.StepRequest]:
         start = self.computed
-        chunk = self.tokens[start:start + GENERATE_CHUNK]
+        end = start + GENERATE_CHUNK
+        plan = self.prefix
+        if plan is not None and plan.store_tokens > start:
+            end = min(end, plan.store_tokens)  # the step that stores a prefix ends with it
+        chunk = self.tokens[start:end]
         final = start + len(chunk) == len(self.tokens)
-        kind = StepKind.PREFILL if self.first_step or len(chunk) > 1 else StepKind.DECODE
+        opening = plan.open_tokens if plan is not None and self.first_step and start == plan.open_tokens else 0
+        storing = plan.store_tokens if plan is not None and start + len(chunk) == plan.store_tokens else 0
+        kind = StepKind.PREFILL if self.first_step or len(chunk) > 1 or opening or storing else StepKind.DECODE
         req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
                              reply_dtype=wire_dtype, position=start)
+        if opening or storing:
+            req.prefix.keys.extend(plan.keys)
+            req.prefix.open_tokens, req.prefix.store_tokens = opening, storing
         if final:
             req.logprobs, req.top_logprobs = self.req.logprobs, self.req.top_logprobs
             if self.params is not None:
@@ -210,11 +236,14 @@ class _RouteLoop:
         live = admitted
         if not live:
             return
+        for s in live:
+            if s.first_step and not s.planned:
+                s.plan_prefix(owner.servicer.prefixes)
         items = [s.request(self.wire_dtype) for s in live]
         from .worker import _Refused  # the worker module imports this one
         try:
             replies = owner.servicer.run_steps(self.principal, (), items, self.forward,
-                                               now + owner.servicer.max_hop_s, batch=True)
+                                               now + owner.servicer.max_hop_s, batch=True, own_loop=True)
         except _Refused as e:
             for s in live:
                 owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
@@ -342,11 +371,16 @@ class GenerationLoops:
                 self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
                             detail=f"still a cache miss after {MAX_REPREFILLS} re-prefills: {reply.detail}")
             else:
+                if reply.miss_reason == "PREFIX_EVICTED":  # a shard lacks the prefix: this time it is computed
+                    s.may_open = False
                 s.computed, s.first_step, s.cached = 0, True, 0
+                s.planned, s.prefix, s.prefix_tokens = False, None, 0
             return
         if reply.outcome != pb.OUTCOME_OK:
             self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, detail=reply.detail)
             return
+        if s.first_step and s.prefix is not None and s.prefix.open_tokens:
+            s.prefix_tokens = s.prefix.open_tokens
         s.computed += n_sent
         s.first_step = False
         s.misses_in_row = 0
@@ -398,7 +432,7 @@ class GenerationLoops:
             finish_reason=reason, outcome=outcome, stage=stage, detail=detail, miss_reason=miss_reason,
             prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
-            seq_len=s.computed, stop=stop)
+            seq_len=s.computed, stop=stop, prefix_tokens=s.prefix_tokens)
         with self.cond:
             if self.streams.get(s.key) is s:
                 del self.streams[s.key]

@@ -43,6 +43,7 @@ from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
 from .generation import GenerationLoops, max_generate_streams
+from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
@@ -77,6 +78,7 @@ class WorkerOptions:
     max_concurrent_rpcs: int | None = None           # None: 4 x max sessions, at least 64
     max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
     http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
+    share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
 
 
 class _EngineCollector:
@@ -97,7 +99,10 @@ class _EngineCollector:
                                ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
                                ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
                                ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
-                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files")]:
+                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files"),
+                               ("llama_shard_prefix_entries", "prefix_entries", "Shared prefixes held (--prefix-memory)"),
+                               ("llama_shard_prefix_bytes", "prefix_bytes", "Bytes the prefix store holds"),
+                               ("llama_shard_prefix_capacity_bytes", "prefix_capacity", "The prefix store's bound")]:
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, st[key])
             yield g
@@ -113,7 +118,11 @@ class _EngineCollector:
                                ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
                                ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
                                ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
-                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)")]:
+                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)"),
+                               ("llama_shard_prefix_hits", "prefix_hits", "Sessions opened from a stored shared prefix"),
+                               ("llama_shard_prefix_tokens_saved", "prefix_tokens_saved", "Tokens those sessions did not compute"),
+                               ("llama_shard_prefix_stores", "prefix_stores", "Shared prefixes stored"),
+                               ("llama_shard_prefix_evictions", "prefix_evictions", "Shared prefixes dropped to make room")]:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, st[key])
             yield c
@@ -255,6 +264,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
+        self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes)
         self.stopping = threading.Event()
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -373,9 +383,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return replies
 
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
-                  batch: bool) -> list[pb.StepReply]:
-        """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too);
-        raises _Refused when the principal's session cap refuses a new session."""
+                  batch: bool, own_loop: bool = False) -> list[pb.StepReply]:
+        """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too,
+        `own_loop`: its prefix plans are its own); raises _Refused when the principal's session cap
+        refuses a new session."""
         refusal = self._forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed, and before the hops are copied
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
@@ -384,16 +395,28 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         parsed = []
         for i, (kind, req) in enumerate(items):
             try:
-                parsed.append((i, self._parse_step(kind, req, principal),
-                               check_step_sampling(req, self.info.n_vocab, self.manager.config.context_tokens)))
+                step = self._parse_step(kind, req, principal)
+                parsed.append((i, step, check_step_sampling(req, self.info.n_vocab, self.manager.config.context_tokens),
+                               self._parse_prefix(req, step, principal, own_loop)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
-        refused = self.owners.admit(principal, [step.session_id for _, step, _ in parsed])
+        refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
         if refused is not None:
             raise _Refused(refused)
-        outs = self.adapter.step_many([step for _, step, _ in parsed]) if parsed else []
+        ready = []
+        for entry in parsed:  # a step from a shared prefix starts from a copy of it
+            i, step, _, prefix = entry
+            opened = (self.manager.open_prefix(step.session_id, step.route_epoch, prefix[1], prefix[0])
+                      if prefix is not None and prefix[0] else None)
+            if isinstance(opened, CacheMiss):
+                replies[i] = self._reply(items[i][1], opened)
+            else:
+                ready.append(entry)
+        outs = self.adapter.step_many([step for _, step, _, _ in ready]) if ready else []
         computed = []
-        for (i, step, params), out in zip(parsed, outs):
+        for (i, step, params, prefix), out in zip(ready, outs):
+            if prefix is not None and prefix[2] and isinstance(out, (BoundaryBundle, TailOutput)):
+                self.manager.store_prefix(step.session_id, step.route_epoch, prefix[3], prefix[2])
             if forward and isinstance(out, BoundaryBundle):
                 computed.append((i, step.kind, out))
             else:
@@ -450,6 +473,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                  logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
+            if req.HasField("prefix"):
+                nxt.prefix.CopyFrom(req.prefix)
             # always explicit: a retried hop that did run is answered again (a decode, by the retry
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
@@ -493,6 +518,42 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if kind == StepKind.PREFILL:
             return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
+
+    def _parse_prefix(self, req, step: Step, principal: str, own_loop: bool) -> tuple | None:
+        """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
+        raises InvalidInputError for a plan that does not fit the step (nothing is computed then)."""
+        if not req.HasField("prefix"):
+            return None
+        plan, B = req.prefix, PREFIX_BLOCK_TOKENS
+        n_keys = len(plan.keys)  # counted before anything is converted
+        if n_keys > self.manager.config.context_tokens // B:
+            raise InvalidInputError(f"a prefix plan names at most {self.manager.config.context_tokens // B} blocks "
+                                    f"(context_tokens / {B}), got {n_keys}")
+        if step.kind != StepKind.PREFILL or not req.HasField("position"):
+            raise InvalidInputError("a prefix plan comes with a prefill at an explicit position")
+        opening, storing = plan.open_tokens, plan.store_tokens
+        for name, n in (("open_tokens", opening), ("store_tokens", storing)):
+            if n < 0 or n % B or n > n_keys * B:
+                raise InvalidInputError(f"prefix {name} must be a multiple of {B} covered by the plan's "
+                                        f"{n_keys} keys, got {n}")
+        if opening and step.position != opening:
+            raise InvalidInputError(f"a step opened from a prefix of {opening} tokens starts at position {opening}, "
+                                    f"not {step.position}")
+        if storing and storing != step.position + step.n_tokens:
+            raise InvalidInputError(f"a step storing a prefix of {storing} tokens must end there, not at "
+                                    f"{step.position + step.n_tokens}")
+        if self.info.first == 0 and not own_loop:
+            # a head checks what it can: the keys of the step's own tokens, from position 0
+            if opening or step.position != 0:
+                raise InvalidInputError("a head opens a shared prefix for its own generation loop only; send the "
+                                        "tokens from position 0 (with keys, to store a prefix)")
+            if list(plan.keys) != block_keys(step.token_ids, n_keys) or n_keys > len(step.token_ids) // B:
+                raise InvalidInputError("the prefix keys do not match the step's tokens")
+        if not (opening or storing):
+            return None
+        local = self.prefixes.local
+        return (opening, local(principal, plan.keys[opening // B - 1]) if opening else 0,
+                storing, local(principal, plan.keys[storing // B - 1]) if storing else 0)
 
     def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
         """The typed reply for a step's outcome, or for the contract error it raised; the tail
@@ -602,7 +663,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
             peers=sorted(self.peers.allowed), max_request_bytes=self.max_request_bytes,
             max_in_flight_request_bytes=self.max_in_flight_request_bytes,
-            generate_streams=len(self.generation.streams))
+            generate_streams=len(self.generation.streams),
+            prefix_entries=st["prefix_entries"], prefix_bytes=st["prefix_bytes"], prefix_capacity=st["prefix_capacity"],
+            prefix_hits=st["prefix_hits"], prefix_tokens_saved=st["prefix_tokens_saved"],
+            prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
+            share_prefixes=self.prefixes.share)
 
 
 class ShardWorker:

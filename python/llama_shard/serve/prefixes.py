@@ -1,0 +1,116 @@
+"""Shared prefixes on a route: sessions that begin alike compute their common start once, on every shard.
+
+- The head names a session's prefixes by a chain of keys over whole blocks of PREFIX_BLOCK_TOKENS
+  tokens (`block_keys`): key i covers every token before the end of block i. Middle and tail shards
+  see only hidden rows; the keys travel with the prefill (StepRequest.prefix) so that they name the
+  same prefixes.
+- Every shard keeps a prefix under its own name for a key (`PrefixNames.local`): the key, the
+  caller's principal (unless the operator shares prefixes with every caller: `--share-prefixes all`)
+  and the worker's recipe (model, range, K/V type, attention kernel). A caller never reaches another
+  principal's prefixes, and a shard never opens bytes another recipe wrote.
+- The head's generation loop decides (`PrefixNames.plan`): a stream whose prompt starts with a
+  stored prefix opens from it and computes the rest; a prefix seen before (or one the caller marks,
+  GenerateRequest.keep_prefix) is stored by the step that ends at its last block.
+
+Why blocks of 256 tokens: the head's loop cuts a prompt into chunks at multiples of GENERATE_CHUNK
+(256) from position 0, and llama.cpp's results depend on how a prompt is cut (its flash-attention
+kernel takes another path for fewer than 64 query rows). A prefix that ends at a chunk boundary
+leaves a session opened from it computing exactly the chunks a session without it computes after
+that boundary, so its tokens and logits are the same bytes (tests/test_prefixes.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import InvalidInputError
+
+#: tokens per block of a prefix key (a multiple of the loop's chunk: see the module's docstring)
+PREFIX_BLOCK_TOKENS = 256
+#: prefix keys seen recently, per worker: a prefix is stored the second time it is seen
+SIGHTINGS_CAP = 4096
+SHARE_MODES = ("principal", "all")
+_SEED = hashlib.blake2b(b"llama-shard prefix keys v1", digest_size=8).digest()
+
+
+def block_keys(tokens, n_blocks: int | None = None) -> list[int]:
+    """The chained keys of the whole blocks of `tokens` (at most n_blocks): key i is the first 8
+    bytes of BLAKE2b(key i-1, block i's token ids as little-endian int32), block -1's key a constant."""
+    n = len(tokens) // PREFIX_BLOCK_TOKENS if n_blocks is None else min(n_blocks, len(tokens) // PREFIX_BLOCK_TOKENS)
+    ids = np.asarray(tokens[:n * PREFIX_BLOCK_TOKENS], dtype="<i4")
+    keys, prev = [], _SEED
+    for i in range(n):
+        prev = hashlib.blake2b(prev + ids[i * PREFIX_BLOCK_TOKENS:(i + 1) * PREFIX_BLOCK_TOKENS].tobytes(),
+                               digest_size=8).digest()
+        keys.append(int.from_bytes(prev, "little"))
+    return keys
+
+
+class PrefixPlan:
+    """What a stream's prefill does with shared prefixes: open from `open_tokens` (0: none), store
+    at `store_tokens` (0: none); `keys` cover the blocks up to the larger of the two."""
+
+    __slots__ = ("keys", "open_tokens", "store_tokens")
+
+    def __init__(self, keys: list[int], open_tokens: int, store_tokens: int):
+        self.keys, self.open_tokens, self.store_tokens = keys, open_tokens, store_tokens
+
+
+class PrefixNames:
+    """One worker's names for prefixes and, on a head, its decisions about them."""
+
+    def __init__(self, manager, fingerprint: str, share: str = "principal"):
+        if share not in SHARE_MODES:
+            raise InvalidInputError(f"share_prefixes must be one of {', '.join(SHARE_MODES)}, got {share!r}")
+        self.manager, self.share = manager, share
+        self._recipe = fingerprint.encode()
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # local names seen once, least recent first
+
+    @property
+    def enabled(self) -> bool:
+        return self.manager.config.prefix_bytes > 0
+
+    def local(self, principal: str, key: int) -> int:
+        """This worker's name for a prefix key sent by (or for) `principal`."""
+        scope = principal.encode("utf-8", "surrogatepass") if self.share == "principal" else b"*"
+        digest = hashlib.blake2b(key.to_bytes(8, "little") + len(scope).to_bytes(4, "little") + scope + self._recipe,
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0) -> PrefixPlan | None:
+        """The head's decision for a stream whose session holds its first `held` tokens: open from
+        the longest stored prefix longer than that, and store the longest prefix past the opened one
+        that was seen before (or that `keep` covers). Only whole blocks before the prompt's last
+        token count (the tail needs at least one token to compute). None: nothing to do."""
+        if not self.enabled:
+            return None
+        n = (len(tokens) - 1) // PREFIX_BLOCK_TOKENS
+        if n == 0:
+            return None
+        keys = block_keys(tokens, n)
+        names = [self.local(principal, k) for k in keys]
+        opened = 0
+        for i in range(n, 0, -1):
+            if i * PREFIX_BLOCK_TOKENS > held and self.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS:
+                opened = i
+                break
+        start = max(held, opened * PREFIX_BLOCK_TOKENS)
+        store = 0
+        with self._lock:
+            for i in range(n, 0, -1):
+                if (i * PREFIX_BLOCK_TOKENS > start and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
+                        and self.manager.prefix_length(names[i - 1]) == 0):
+                    store = i
+                    break
+            for name in names:
+                self._seen[name] = None
+                self._seen.move_to_end(name)
+            while len(self._seen) > SIGHTINGS_CAP:
+                self._seen.popitem(last=False)
+        if not opened and not store:
+            return None
+        return PrefixPlan(keys[:max(opened, store)], opened * PREFIX_BLOCK_TOKENS, store * PREFIX_BLOCK_TOKENS)
