@@ -99,9 +99,7 @@ class _Stream:
         """At a (re-)prefill's first step: open from the longest shared prefix the head holds, and
         store the one to keep (prefixes.PrefixNames.plan)."""
         self.planned = True
-        self.prefix = prefixes.plan(self.principal, self.tokens, self.computed, self.req.keep_prefix)
-        if self.prefix is not None and not self.may_open:
-            self.prefix.open_tokens = 0
+        self.prefix = prefixes.plan(self.principal, self.tokens, self.computed, self.req.keep_prefix, self.may_open)
         if self.prefix is not None and self.prefix.open_tokens:
             self.computed = self.prefix.open_tokens
 

@@ -81,11 +81,13 @@ class PrefixNames:
                                  digest_size=8).digest()
         return int.from_bytes(digest, "little")
 
-    def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0) -> PrefixPlan | None:
+    def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True) -> PrefixPlan | None:
         """The head's decision for a stream whose session holds its first `held` tokens: open from
         the longest stored prefix longer than that, and store the longest prefix past the opened one
         that was seen before (or that `keep` covers). Only whole blocks before the prompt's last
-        token count (the tail needs at least one token to compute). None: nothing to do."""
+        token count (the tail needs at least one token to compute). `may_open` False (a shard after
+        this one lacked the prefix): nothing is opened, and the prefix that would have been is
+        stored again, for the shards that lost it. None: nothing to do."""
         if not self.enabled:
             return None
         n = (len(tokens) - 1) // PREFIX_BLOCK_TOKENS
@@ -93,15 +95,16 @@ class PrefixNames:
             return None
         keys = block_keys(tokens, n)
         names = [self.local(principal, k) for k in keys]
-        opened = 0
+        stored = 0  # the longest prefix this worker holds, past what the session holds
         for i in range(n, 0, -1):
             if i * PREFIX_BLOCK_TOKENS > held and self.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS:
-                opened = i
+                stored = i
                 break
+        opened = stored if may_open else 0
         start = max(held, opened * PREFIX_BLOCK_TOKENS)
-        store = 0
+        store = 0 if may_open else stored
         with self._lock:
-            for i in range(n, 0, -1):
+            for i in range(n, store, -1):
                 if (i * PREFIX_BLOCK_TOKENS > start and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
                         and self.manager.prefix_length(names[i - 1]) == 0):
                     store = i

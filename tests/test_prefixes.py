@@ -1,0 +1,326 @@
+"""Shared prefixes: sessions that begin alike compute their common start once, on every shard.
+
+What is shown here:
+- in the engines, on every certified architecture (synthetic models, split in two shards): a
+  session opened from a stored prefix gives the same hidden rows and logits, to the byte, as the
+  session the prefix was copied from and as a fresh session computing the same chunks; on Gemma 3
+  the copy holds the sliding layers' window only, so a cut below it is a miss (the head re-prefills);
+- on live workers (SmolLM2 in two workers, Gemma 3 270M in two workers): Generate streams that
+  share a 512-token start give the tokens and logprobs, to the byte, of a route without a prefix
+  store; a prefix is stored the second time it is seen or on first sight when the caller marks it;
+  the counters say what was saved; a prefix the tail evicted while the head still holds it costs
+  one re-prefill, and the tail stores it again; a released or superseded source changes nothing;
+- bad plans (keys that do not match the tokens, a head asked to open for a caller, a plan on a
+  decode, a step that does not end where it stores) are refused, nothing computed;
+- memory stays within the plan, the prefix store included, under 10,000 sessions drawn from 20
+  prefixes (the native engine, a synthetic model).
+"""
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import pytest
+
+from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
+from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
+
+SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}
+KEY = 0x5EED
+
+
+class EngineRoute:
+    """A 2-shard split of a synthetic model through two managers, as two workers chain a step."""
+
+    def __init__(self, path, split, prefix_bytes=1 << 20):
+        config = HotKvStateConfig(max_sessions=4, context_tokens=64, budget_tokens=256, ttl_seconds=0,
+                                  prefix_bytes=prefix_bytes)
+        self.models = [ShardModel(str(path), layers, 1) for layers in split]
+        self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=64) for m in self.models]
+        self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
+
+    def prefill(self, sid, tokens, start):
+        head, tail = self.adapters
+        rows = head.prefill(sid, 0, token_ids=tokens, start_pos=start)
+        return rows.hidden.tobytes(), tail.prefill(sid, 0, boundary=rows, start_pos=start)
+
+    def close(self):
+        for m in self.managers:
+            m.close()
+
+
+@pytest.fixture(params=list(SPLITS))
+def arch_model(request, synthetic_model, synthetic_qwen2, synthetic_qwen3, synthetic_gemma3):
+    paths = {"llama": synthetic_model, "qwen2": synthetic_qwen2, "qwen3": synthetic_qwen3, "gemma3": synthetic_gemma3}
+    return request.param, paths[request.param]
+
+
+def test_a_session_opened_from_a_prefix_equals_its_source_and_a_fresh_run_to_the_byte(arch_model):
+    arch, path = arch_model
+    tokens = [int(t) for t in np.random.default_rng(3).integers(1, 300, 20)]
+    P = 12
+    shared, plain = EngineRoute(path, SPLITS[arch]), EngineRoute(path, SPLITS[arch], prefix_bytes=0)
+    try:
+        shared.prefill("source", tokens[:P], 0)
+        assert all(m.store_prefix("source", 0, KEY, P) for m in shared.managers)
+        rows_src, out_src = shared.prefill("source", tokens[P:], P)
+
+        for m in shared.managers:
+            assert m.open_prefix("copy", 0, KEY, P).seq_len == P
+        rows_copy, out_copy = shared.prefill("copy", tokens[P:], P)
+
+        plain.prefill("fresh", tokens[:P], 0)
+        rows_fresh, out_fresh = plain.prefill("fresh", tokens[P:], P)
+
+        assert rows_copy == rows_src == rows_fresh
+        assert out_copy.logits.tobytes() == out_src.logits.tobytes() == out_fresh.logits.tobytes()
+        for m in shared.managers:
+            st = m.stats()
+            assert (st["prefix_stores"], st["prefix_hits"], st["prefix_tokens_saved"], st["prefix_entries"]) == (1, 1, P, 1)
+            m.check_invariants()
+        if arch == "gemma3":
+            # the copy holds the sliding layers from P - 4 (window 4): a cut below that is a miss
+            head = shared.managers[0]
+            miss = head.truncate("copy", 0, 2)
+            assert isinstance(miss, CacheMiss) and miss.reason is CacheMissReason.EVICTED_LRU
+            head.check_invariants()
+    finally:
+        shared.close()
+        plain.close()
+
+
+def test_the_store_keeps_copies_releasing_or_superseding_the_source_changes_nothing(synthetic_model):
+    r = EngineRoute(synthetic_model, SPLITS["llama"])
+    try:
+        tokens = list(range(1, 17))
+        r.prefill("a", tokens[:8], 0)
+        assert all(m.store_prefix("a", 0, KEY, 8) for m in r.managers)
+        for m in r.managers:
+            assert m.store_prefix("a", 0, KEY, 8) is False  # held already
+            assert m.release("a", 0)
+        r.prefill("b", tokens[:8], 0)
+        for m in r.managers:
+            m.open_prefix("b", 1, KEY, 8)  # a newer epoch: b's state is superseded by the copy
+        expected = EngineRoute(synthetic_model, SPLITS["llama"], prefix_bytes=0)
+        try:
+            expected.prefill("x", tokens[:8], 0)
+            want = expected.prefill("x", tokens[8:], 8)
+        finally:
+            expected.close()
+        head, tail = r.adapters
+        rows = head.prefill("b", 1, token_ids=tokens[8:], start_pos=8)
+        assert rows.hidden.tobytes() == want[0]
+        assert tail.prefill("b", 1, boundary=rows, start_pos=8).logits.tobytes() == want[1].logits.tobytes()
+        miss = r.managers[1].open_prefix("c", 0, KEY + 1, 8)
+        assert isinstance(miss, CacheMiss) and miss.reason is CacheMissReason.PREFIX_EVICTED
+        assert r.managers[1].resolve("c", 0).reason is CacheMissReason.UNKNOWN_SESSION  # nothing changed
+    finally:
+        r.close()
+
+
+def test_ten_thousand_sessions_from_twenty_prefixes_stay_within_the_plan(synthetic_model):
+    """Sessions come and go (a third released, the rest evicted by LRU), each opening from its
+    prefix when the store holds it and storing it otherwise; the store holds about six of the
+    twenty. The engine's invariants hold, the store never passes its bound, and the process's
+    resident memory stops growing once the tiers are full."""
+    from llama_shard.engine.memory import memory_plan
+
+    model = ShardModel(str(synthetic_model), None, 1)
+    plan = memory_plan(model.info, None, 64, 64, max_sessions=4, budget_tokens=128, prefix_bytes=48_000)
+    mgr = HotKvStateManager(model, plan.config(ttl_seconds=0), ManualClock(), n_batch=64)
+    ad = KvBoundaryAdapter(model, mgr)
+    rng = np.random.default_rng(5)
+    prefixes = [[int(t) for t in rng.integers(1, 300, 8)] for _ in range(20)]
+    rss = []
+    try:
+        for i in range(10_000):
+            k = int(rng.integers(0, 20))
+            sid = f"s{i}"
+            if mgr.prefix_length(1000 + k) == 8:
+                assert mgr.open_prefix(sid, 0, 1000 + k, 8).seq_len == 8
+            else:
+                ad.prefill(sid, 0, token_ids=prefixes[k], start_pos=0)
+                mgr.store_prefix(sid, 0, 1000 + k, 8)
+            ad.prefill(sid, 0, token_ids=[int(rng.integers(1, 300)), 7], start_pos=8)
+            if i % 3 == 0:
+                mgr.release(sid, 0)
+            if i % 1000 == 999:
+                mgr.check_invariants()
+                st = mgr.stats()
+                assert st["prefix_bytes"] <= st["prefix_capacity"] == plan.prefix_bytes
+                assert st["reserved_tokens"] <= plan.budget_tokens and st["live_sessions"] <= plan.hot_slots
+                rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        st = mgr.stats()
+        assert st["prefix_stores"] + st["prefix_hits"] == 10_000
+        assert st["prefix_hits"] > 2_000 and st["prefix_evictions"] > 100, st
+        assert 4 <= st["prefix_entries"] <= 8, st
+        assert rss[-1] - rss[1] < 8 * 1024, rss  # KiB: no growth past the first thousand sessions
+    finally:
+        mgr.close()
+
+
+def test_block_keys_chain_and_local_names_scope_by_principal_and_recipe():
+    tokens = list(range(3 * PREFIX_BLOCK_TOKENS + 5))
+    keys = block_keys(tokens)
+    assert len(keys) == 3 and block_keys(tokens[:2 * PREFIX_BLOCK_TOKENS]) == keys[:2]
+    changed = list(tokens)
+    changed[3] += 1
+    assert all(a != b for a, b in zip(block_keys(changed), keys))  # block k's key covers every token before it
+
+    class _Manager:
+        class config:
+            prefix_bytes = 1
+
+    own, everyone = PrefixNames(_Manager, "recipe-a"), PrefixNames(_Manager, "recipe-a", share="all")
+    assert own.local("alice", keys[0]) != own.local("bob", keys[0])
+    assert everyone.local("alice", keys[0]) == everyone.local("bob", keys[0])
+    assert PrefixNames(_Manager, "recipe-b", share="all").local("alice", keys[0]) != everyone.local("alice", keys[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# live workers
+# ---------------------------------------------------------------------------------------------
+
+FLAGS = ("--context-tokens", "1024", "--budget-tokens", "4096")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(100, 40_000, n)]
+
+
+SYSTEM = _prompt(0, 2 * PREFIX_BLOCK_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def routes(embedded_model):
+    from test_generate import Route
+    made = {}
+    try:
+        made["plain"] = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS)
+        made["shared"] = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS + ("--prefix-memory", "64MiB"))
+        yield made
+    finally:
+        for r in made.values():
+            r.stop()
+
+
+def _run(route, sid, prompt, **kw):
+    tokens, final = None, None
+    events = list(route.stub().Generate(route.request(sid, prompt, 8, logprobs=True, top_logprobs=4, **kw), timeout=120))
+    assert events[-1].HasField("final") and events[-1].final.finish_reason == "length", events[-1]
+    tokens = [(e.token.token_id, e.token.logprob, [(a.token_id, a.logprob) for a in e.token.top_logprobs])
+              for e in events[:-1]]
+    return tokens, events[-1].final
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_streams_sharing_a_start_give_a_plain_routes_tokens_and_logprobs_to_the_byte(routes):
+    plain, shared = routes["plain"], routes["shared"]
+    prompts = [SYSTEM + _prompt(10 + i, 20 + 7 * i) for i in range(4)]
+    want = [_run(plain, f"p{i}", p)[0] for i, p in enumerate(prompts)]
+    got = []
+    # seen once: nothing stored; seen twice: stored by that stream; then opened by the others
+    for i, p in enumerate(prompts):
+        tokens, final = _run(shared, f"s{i}", p)
+        got.append(tokens)
+        assert final.prefix_tokens == (512 if i >= 2 else 0) and final.reprefills == 0
+    assert got == want  # token ids and float logprobs, equal
+    for k in (0, 1):
+        info = shared.info(k)
+        assert (info.prefix_stores, info.prefix_hits, info.prefix_tokens_saved, info.prefix_entries) == (1, 2, 1024, 1)
+        assert 0 < info.prefix_bytes <= info.prefix_capacity == 64 << 20 and info.share_prefixes == "principal"
+    assert plain.info(1).prefix_hits == 0
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_a_prefix_the_tail_evicted_costs_one_reprefill_and_is_stored_again(embedded_model, routes):
+    """The tail's store holds one 512-token prefix (about 5.9 MB for layers 15-29), the head's
+    several: after prefix B pushed A out of the tail, a stream from A is opened by the head, missed
+    by the tail (PREFIX_EVICTED), re-prefilled in full, and gives the plain route's tokens; the
+    re-prefill stores A on the tail again, so the next stream from A opens on both."""
+    from test_generate import Route
+
+    from llama_shard.serve.local_workers import stop_worker
+    first = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS + ("--prefix-memory", "64MiB"))
+    try:
+        # the tail alone with a small store: restart it with 8 MiB
+        stop_worker(first.procs[1])
+        first.start(1, FLAGS + ("--prefix-memory", "8MiB"))
+        a, b = SYSTEM, _prompt(1, 2 * PREFIX_BLOCK_TOKENS)
+        for sid, start in (("a1", a), ("b1", b)):
+            assert _run(first, sid, start + _prompt(20, 9), keep_prefix=512)[1].prefix_tokens == 0
+        assert first.info(1).prefix_evictions == 1 and first.info(0).prefix_entries == 2
+        prompt = a + _prompt(21, 9)
+        tokens, final = _run(first, "a2", prompt)
+        assert final.reprefills == 1 and final.prefix_tokens == 0
+        assert tokens == _run(routes["plain"], "a2", prompt)[0]
+        assert dict(first.info(1).misses)["PREFIX_EVICTED"] == 1
+        tokens, final = _run(first, "a3", prompt)
+        assert final.reprefills == 0 and final.prefix_tokens == 512
+        assert tokens == _run(routes["plain"], "a3", prompt)[0]
+    finally:
+        first.stop()
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
+    shared = routes["shared"]
+    head, tail = shared.stub(0), shared.stub(1)
+    tokens = _prompt(30, PREFIX_BLOCK_TOKENS + 3)
+    keys = block_keys(tokens)
+    before = shared.info(0)
+
+    def refused(stub, req, why):
+        reply = stub.Prefill(req, timeout=30)
+        assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and why in reply.detail, reply
+    step = lambda n=len(tokens), **kw: pb.StepRequest(session_id="bad", token_ids=tokens[:n], position=0, **kw)  # noqa: E731
+    refused(head, step(256, prefix=pb.PrefixPlan(keys=[keys[0] ^ 1], store_tokens=256)), "do not match the step's tokens")
+    refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), "must end there")
+    refused(head, pb.StepRequest(session_id="bad", token_ids=tokens[256:], position=256,
+                                 prefix=pb.PrefixPlan(keys=keys, open_tokens=256)), "its own generation loop")
+    refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=100)), "multiple of 256")
+    refused(head, step(prefix=pb.PrefixPlan(keys=keys * 5, store_tokens=256)), "at most 4 blocks")
+    reply = head.Decode(pb.StepRequest(session_id="bad", token_ids=[1], prefix=pb.PrefixPlan(keys=keys)), timeout=30)
+    assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and "comes with a prefill" in reply.detail
+    after = shared.info(0)
+    assert after.engine_requests == before.engine_requests and after.prefix_stores == before.prefix_stores
+    # keys that match, from position 0, ending where they store: a caller may store a prefix
+    reply = head.Prefill(pb.StepRequest(session_id="good", token_ids=tokens[:256], position=0,
+                                        prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), timeout=30)
+    assert reply.outcome == pb.OUTCOME_OK and shared.info(0).prefix_stores == before.prefix_stores + 1
+    # a tail asked to open a prefix it never stored: a miss, nothing changed
+    hidden = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 576], data=np.zeros(576, np.float32).tobytes())
+    reply = tail.Prefill(pb.StepRequest(session_id="t", hidden=hidden, position=256,
+                                        prefix=pb.PrefixPlan(keys=[12345], open_tokens=256)), timeout=30)
+    assert reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == "PREFIX_EVICTED"
+    resolved = tail.Resolve(pb.SessionRequest(session_id="t"), timeout=10)
+    assert resolved.outcome == pb.OUTCOME_CACHE_MISS and resolved.miss_reason == "UNKNOWN_SESSION"
+    assert shared.info(0).n_layer == 30 and shared.info(1).live_sessions >= 0  # both still serve
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_gemma3_streams_sharing_a_start_give_a_plain_routes_tokens(gemma3_model):
+    """Gemma 3 270M (sliding window 512) in two workers, a 768-token shared start: the copy holds
+    the sliding layers' last 512 positions, all a continuation reads, and the streams opened from
+    it give the plain route's tokens and logprobs to the byte."""
+    from test_generate import Route
+    flags = FLAGS + ("--max-sessions", "2")
+    plain = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags)
+    shared = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags + ("--prefix-memory", "64MiB"))
+    try:
+        start = [int(t) for t in np.random.default_rng(7).integers(100, 200_000, 3 * PREFIX_BLOCK_TOKENS)]
+        prompts = [start + [int(t) for t in np.random.default_rng(40 + i).integers(100, 200_000, 30)] for i in range(3)]
+        for i, p in enumerate(prompts):
+            tokens, final = _run(shared, f"g{i}", p, keep_prefix=768)
+            assert final.prefix_tokens == (768 if i else 0)
+            assert tokens == _run(plain, f"g{i}", p)[0]
+        assert shared.info(1).prefix_hits == 2
+    finally:
+        plain.stop()
+        shared.stop()
