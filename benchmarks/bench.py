@@ -28,7 +28,7 @@ from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepK
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.openai_http import sampling_from
-from routes import ours_chat_reuse, ours_generate_streams, ours_two_stages, ours_worker_clients
+from routes import ours_chat_reuse, ours_generate_streams, ours_shared_prefix, ours_two_stages, ours_worker_clients
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,6 +400,30 @@ def openai_rows(s: Shapes) -> list[Row]:
     return rows
 
 
+def prefixes_rows(s: Shapes) -> list[Row]:
+    log("shared prefixes: 64 sessions with one 512-token system prompt on a two-worker route, against today's route")
+    n = s.n_layer
+    cut = compute_balanced_cut(s.path)
+    split = [(0, cut - 1), (cut, n - 1)]
+    sessions = 8 if s.quick else 64
+    rows = []
+    for flags, label in (((), "flash attention on (the default)"), (("--flash-attn", "off"), "--flash-attn off")):
+        shared, today = alternate(
+            s.repeat, lambda: ours_shared_prefix(s.path, split, sessions, worker_flags=flags),
+            lambda: ours_shared_prefix(s.path, split, sessions, prefix_memory=None, worker_flags=flags))
+        note = (f"2 workers x 1 thread ({split[0][0]}-{split[0][1]},{split[1][0]}-{split[1][1]}); each prompt the "
+                f"system prompt (keep_prefix) + 32 tokens of its own, 8 generated; one session at a time")
+        rows += [Row(f"{label}: tokens computed per worker, {sessions} sessions (vs today's route)",
+                     shared["computed"], today["computed"], "tokens", "<= 0.125", note),
+                 Row(f"{label}: 1 / mean time to first token of sessions 2..{sessions} (vs session 1's)",
+                     shared["others_rate"], shared["first_rate"], "1/s", ">= 10",
+                     f"session 1 computes and stores the prefix; the others open from it (the slowest: "
+                     f"{1e3 / shared['others_max_rate']:.0f} ms)"),
+                 Row(f"{label}: generated tokens/s of the whole run (vs today's route)", shared["tok_s"],
+                     today["tok_s"], "tok/s", "", "wall time of all sessions, one after another")]
+    return rows
+
+
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
@@ -502,7 +526,8 @@ def cpu_kernel_rows(s: Shapes) -> list[Row]:
                 ">= 0.95", stock_note)]
 
 
-SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, memory_rows,
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, prefixes_rows,
+            memory_rows,
             engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}
 

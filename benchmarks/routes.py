@@ -403,3 +403,63 @@ def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: in
         return {"warm": 1 / warm, "cold": 1 / cold}
     finally:
         stop_worker(proc)
+
+
+def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int = 64, system_tokens: int = 512,
+                       own_tokens: int = 32, answer_tokens: int = 8, prefix_memory: str | None = "64MiB",
+                       worker_flags: tuple = ()) -> dict:
+    """`sessions` Generate streams on a route of workers (1 thread each), one after another, each
+    prompt the same system_tokens-token start (the caller marks it: keep_prefix) and own_tokens of
+    its own, answer_tokens generated: what a chat service with one system prompt does. With
+    prefix_memory None, today's route (no prefix store). Returns the time to first token of the
+    first session, of the others on average and at most (as rates, 1/s), the most tokens a worker
+    computed, the prefix tokens the streams opened, and the generated tokens per second of the
+    whole run."""
+    rng = np.random.default_rng(17)
+    vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
+    system = rng.integers(100, vocab, system_tokens).tolist()
+    prompts = [system + rng.integers(100, vocab, own_tokens).tolist() for _ in range(sessions)]
+    context = system_tokens + own_tokens + answer_tokens + 8
+    procs: list[tuple[subprocess.Popen, str]] = []
+    store = ("--prefix-memory", prefix_memory) if prefix_memory else ()
+    try:
+        for first, last in reversed(ranges):
+            peer = ("--peer", procs[-1][1]) if procs else ()
+            procs.append(start_worker(path, first, last, 1, extra=(
+                "--max-sessions", "8", "--context-tokens", str(context), "--budget-tokens", str(8 * context),
+                *peer, *store, *worker_flags)))
+        procs.reverse()
+        for proc, addr in procs:
+            wait_serving(proc, addr)
+        forward = [pb.Hop(address=addr) for _, addr in procs[1:]]
+        ttft, opened, generated = [], 0, 0
+        with grpc.insecure_channel(procs[0][1]) as ch:
+            stub = pb_grpc.ShardServiceStub(ch)
+            t0 = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                req = pb.GenerateRequest(session_id=f"chat-{i}", prompt=prompt, max_tokens=answer_tokens,
+                                         forward=forward, keep_prefix=system_tokens)
+                final = None
+                for event in stub.Generate(req, timeout=600):
+                    if event.HasField("final"):
+                        final = event.final
+                if final is None or final.finish_reason != "length":
+                    raise RuntimeError(f"a Generate stream failed: {final}")
+                ttft.append(final.time_to_first_token_s)
+                opened += final.prefix_tokens
+                generated += final.completion_tokens
+            wall = time.perf_counter() - t0
+            computed = []
+            for _, addr in procs:
+                with grpc.insecure_channel(addr) as c:
+                    computed.append(pb_grpc.ShardServiceStub(c).Info(pb.InfoRequest(), timeout=10).tokens_computed)
+        log(f"shared prefix {prefix_memory or 'off'} {' '.join(worker_flags)}: {sessions} sessions in {wall:.1f}s, "
+            f"first token {ttft[0] * 1e3:.0f} ms then mean {np.mean(ttft[1:]) * 1e3:.0f} ms (max "
+            f"{max(ttft[1:]) * 1e3:.0f}), tokens computed per worker {computed}, {opened} prompt tokens opened")
+        # figures where more is better (bench's `best` keeps each one's best over repeats)
+        return {"first_rate": 1 / ttft[0], "others_rate": 1 / float(np.mean(ttft[1:])),
+                "others_max_rate": 1 / max(ttft[1:]), "computed": max(computed), "opened": opened,
+                "tok_s": generated / wall}
+    finally:
+        for proc, _ in procs:
+            stop_worker(proc)

@@ -207,7 +207,6 @@ def routes(embedded_model):
 
 
 def _run(route, sid, prompt, **kw):
-    tokens, final = None, None
     events = list(route.stub().Generate(route.request(sid, prompt, 8, logprobs=True, top_logprobs=4, **kw), timeout=120))
     assert events[-1].HasField("final") and events[-1].final.finish_reason == "length", events[-1]
     tokens = [(e.token.token_id, e.token.logprob, [(a.token_id, a.logprob) for a in e.token.top_logprobs])

@@ -667,7 +667,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             prefix_entries=st["prefix_entries"], prefix_bytes=st["prefix_bytes"], prefix_capacity=st["prefix_capacity"],
             prefix_hits=st["prefix_hits"], prefix_tokens_saved=st["prefix_tokens_saved"],
             prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
-            share_prefixes=self.prefixes.share)
+            share_prefixes=self.prefixes.share, tokens_computed=st["tokens_computed"])
 
 
 class ShardWorker:
