@@ -3,7 +3,9 @@
 Starts two workers on loopback that split the model in half (each a `llama-shard serve` process),
 runs four concurrent chat sessions through them (two micro-batches, pipelined), streams their text, shows each worker's sessions
 and budget, releases the sessions and shows the budget returned, then shuts the workers down with
-SIGTERM and reports their exit.
+SIGTERM and reports their exit. Between, one chat turn through the head's OpenAI-compatible
+endpoint, and two chats that begin with the same long system prompt: the second opens from the
+prefix the first left on both workers (shared prefixes).
 """
 from __future__ import annotations
 
@@ -16,9 +18,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+
 from ._native import ShardModel
 from .engine.models import gguf_layer_count
+from .proto import shard_pb2 as pb
+from .proto import shard_pb2_grpc as pb_grpc
 from .route import RemoteStage, RouteClient
+from .serve.prefixes import PREFIX_BLOCK_TOKENS
 from .serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 QUESTIONS = [
@@ -27,6 +34,21 @@ QUESTIONS = [
     "Write a haiku about the sea.",
     "What is 12 times 12?",
 ]
+# a system prompt of some 300 tokens: long enough for one shared block of 256
+SYSTEM_PROMPT = " ".join([
+    "You are the help desk of a small public library. Answer in one or two short sentences, in plain words.",
+    "The library opens at nine in the morning and closes at six in the evening, Monday to Saturday; it is",
+    "closed on Sundays and public holidays. Anyone may read in the library; borrowing needs a free library",
+    "card, which the front desk issues on the spot to anyone who shows an identity document and an address.",
+    "A card holder may borrow up to eight items at a time: books for three weeks, films and music for one",
+    "week, magazines for one week. Items can be renewed twice, online or at the desk, unless someone else has",
+    "reserved them. Late returns cost ten cents a day per item, at most five euros per item; children's",
+    "items are never fined. Lost or damaged items are charged at their replacement price. The reading room",
+    "on the first floor is silent; the ground floor has a children's corner, computers that card holders may",
+    "use for two hours a day, a printer (ten cents a page) and free wireless internet. Rooms for groups of up",
+    "to twelve can be booked a week ahead. Volunteers help with computers on Tuesday and Thursday afternoons.",
+    "If a question is not about the library, say politely that you can only help with the library.",
+])
 
 
 def _say(msg: str) -> None:
@@ -42,12 +64,12 @@ def _start_route(model: Path, ranges: list[tuple[int, int]], threads: int,
     those that started if a later one fails."""
     t0 = time.perf_counter()
     tail_port = free_port()
-    tiers = ("--max-sessions", "2", "--warm-memory", "64MiB")
+    tiers = ("--max-sessions", "2", "--warm-memory", "64MiB", "--prefix-memory", "32MiB")
     head = ("--peer", f"127.0.0.1:{tail_port}", "--http-port", str(http_port))  # and the OpenAI-compatible API
     for (first, last), port, extra in [(ranges[0], None, head), (ranges[1], tail_port, ())]:
         proc, addr = start_worker(model, first, last, threads, extra=extra + tiers, port=port)
         procs.append((proc, addr))
-        _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier)"
+        _say(f"  starting worker {first}-{last} on {addr} (2 hot slots, 64 MiB warm tier, 32 MiB for shared prefixes)"
              + (f", forwards to {extra[1]}, OpenAI API on :{http_port}" if extra else "") + " ...")
     for (proc, addr), (first, last) in zip(procs, ranges):
         wait_serving(proc, addr)
@@ -62,7 +84,9 @@ def _show_workers(stages) -> None:
              f"[{sessions}]; {info.reserved_tokens} of {info.budget_tokens} budget tokens reserved "
              f"({info.reserved_tokens * info.kv_bytes_per_token / 2**20:.2f} MiB KV); warm tier: "
              f"{info.warm_sessions} session(s), {info.warm_bytes / 2**20:.2f} MiB, {info.spills} spills, "
-             f"{info.restores} restores")
+             f"{info.restores} restores; shared prefixes: {info.prefix_entries} held "
+             f"({info.prefix_bytes / 2**20:.2f} MiB), {info.prefix_hits} hit(s), {info.prefix_tokens_saved} tokens "
+             f"not computed")
 
 
 class _Transcript:
@@ -141,6 +165,39 @@ def _http_turn(http_port: int, max_tokens: int) -> None:
          f"{usage['prompt_tokens']} tokens, in {time.perf_counter() - t0:.2f}s")
 
 
+def _shared_prefix(model: Path, head: str, tail: str, max_tokens: int) -> None:
+    """Two chats that begin with the same system prompt: the first computes it and both workers keep
+    its first whole blocks (keep_prefix); the second opens from them and computes only the rest."""
+    vocab = ShardModel(str(model), (0, 0), 1)
+    questions = ["Can I borrow a film for two weeks?", "Is the library open on Sunday?"]
+    system = len(vocab.tokenize(vocab.apply_chat_template([("system", SYSTEM_PROMPT)], False)))
+    keep = system // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+    _say(f"\ntwo chats that begin with the same {system}-token system prompt: the first keeps its first {keep} "
+         f"tokens on both workers, the second opens from them:")
+    with grpc.insecure_channel(head) as ch:
+        stub = pb_grpc.ShardServiceStub(ch)
+        for i, q in enumerate(questions):
+            prompt = vocab.tokenize(vocab.apply_chat_template([("system", SYSTEM_PROMPT), ("user", q)], True))
+            req = pb.GenerateRequest(session_id=f"desk-{i + 1}", prompt=prompt, max_tokens=max_tokens,
+                                     stop_token_ids=[vocab.token_eos], forward=[pb.Hop(address=tail)],
+                                     keep_prefix=keep)
+            tokens, final = [], None
+            for event in stub.Generate(req, timeout=120):
+                if event.HasField("token"):
+                    tokens.append(event.token.token_id)
+                else:
+                    final = event.final
+            _say(f"  [desk-{i + 1}] user: {q}")
+            _say(f"  [desk-{i + 1}] {vocab.detokenize([t for t in tokens if t != vocab.token_eos]).strip()}")
+            _say(f"  [desk-{i + 1}] prompt {final.prompt_tokens} tokens, {final.prefix_tokens} from the shared prefix; "
+                 f"first token after {final.time_to_first_token_s * 1000:.0f} ms")
+    for address in (head, tail):  # the prefix stays: it is the store's copy, not the sessions'
+        with grpc.insecure_channel(address) as ch:
+            for i in range(len(questions)):
+                pb_grpc.ShardServiceStub(ch).Release(pb.SessionRequest(session_id=f"desk-{i + 1}"), timeout=10)
+    _show_workers([RemoteStage(head), RemoteStage(tail)])
+
+
 def _stop(procs: list[tuple[subprocess.Popen, str]]) -> bool:
     """SIGTERM to every worker; prints each one's exit code and shutdown report; True if all exit 0."""
     _say("\nshutting the workers down (SIGTERM):")
@@ -165,6 +222,7 @@ def run_demo(model: Path, threads: int = 1, max_tokens: int = 48) -> int:
         _start_route(model, ranges, threads, procs, http_port)
         _chat(model, [RemoteStage(addr) for _, addr in procs], max_tokens)
         _http_turn(http_port, max_tokens)
+        _shared_prefix(model, procs[0][1], procs[1][1], max_tokens)
     finally:
         ok = _stop(procs)
     return 0 if ok else 1

@@ -449,28 +449,33 @@ class RouteSession:
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None, *, sampling: SamplingParams | None = None,
-                 stop_strings: Sequence[str] = ()) -> list[int]:
+                 stop_strings: Sequence[str] = (), keep_prefix: int = 0) -> list[int]:
         """Generates after the tokens the session holds plus `prompt`: greedy, or with llama.cpp's
         sampler chain (`sampling`). Ends after a stop token (included), a stop string (chained
         routes) or max_tokens. See `stream`."""
         generated = []
-        for token in self.stream(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings):
+        for token in self.stream(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
+                                 keep_prefix=keep_prefix):
             generated.append(token)
             if on_token:
                 on_token(token)
         return generated
 
     def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
-               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = ()) -> Iterator[int]:
+               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
+               keep_prefix: int = 0) -> Iterator[int]:
         """`generate` as an iterator of tokens. On a chained route the head runs the loop (one
         `Generate` stream; its final event is kept in `last_final`); otherwise this client drives
-        every step, sampling from the tail's logits (a RemoteStage tail needs return_logits=True)."""
+        every step, sampling from the tail's logits (a RemoteStage tail needs return_logits=True).
+        keep_prefix (chained routes): the first keep_prefix tokens of the session's whole prompt are a
+        shared prefix to keep on every worker with a prefix store (see `events`)."""
         if not prompt:
             raise InvalidInputError("the prompt is empty")
         if max_tokens < 1:
             return
         if self.client.chained and self.client.route_loop:
-            for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings):
+            for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
+                                     keep_prefix=keep_prefix):
                 yield event.token_id
             return
         if stop_strings:
@@ -497,9 +502,12 @@ class RouteSession:
 
     def events(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
                sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (), logprobs: bool = False,
-               top_logprobs: int = 0) -> Iterator[pb.GeneratedToken]:
+               top_logprobs: int = 0, keep_prefix: int = 0) -> Iterator[pb.GeneratedToken]:
         """The head's `Generate` stream on a chained route: one GeneratedToken per token (id, text
-        piece, logprobs when asked). The final event is kept in `last_final`; a stream that ends in
+        piece, logprobs when asked). keep_prefix: the first keep_prefix tokens of the whole prompt
+        (history + prompt; whole blocks of 256) are stored on first sight by every worker with
+        `--prefix-memory` (a start seen twice is stored anyway); sessions that begin with them open
+        from the copy (`last_final.prefix_tokens`). The final event is kept in `last_final`; a stream that ends in
         an error raises (InvalidInputError for a refused request, RouteError naming the stage).
         Closing the iterator early cancels the stream; the session's KV stays."""
         client = self.client
@@ -513,7 +521,7 @@ class RouteSession:
                                  max_tokens=max_tokens, stop_token_ids=list(stop), stop=list(stop_strings),
                                  forward=[pb.Hop(address=s.address, recipe_fingerprint=s.fingerprint) for s in rest],
                                  wire_dtype=head.wire_dtype, recipe_fingerprint=head.fingerprint,
-                                 logprobs=logprobs, top_logprobs=top_logprobs)
+                                 logprobs=logprobs, top_logprobs=top_logprobs, keep_prefix=keep_prefix)
         if sampling is not None:
             req.sampling.CopyFrom(params_to_wire(sampling))
         self.last_final = None

@@ -352,6 +352,8 @@ class GenerationLoops:
         if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
             raise InvalidInputError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
                                     f"{MAX_STOP_CHARS} characters")
+        if not 0 <= req.keep_prefix <= n:
+            raise InvalidInputError(f"keep_prefix is {req.keep_prefix}; it counts prompt tokens (0..{n})")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidInputError(f"top_logprobs is {req.top_logprobs}; it must be 0..{MAX_TOP_LOGPROBS}")
         params = params_from_wire(req.sampling, info.n_vocab, context) if req.HasField("sampling") else None
