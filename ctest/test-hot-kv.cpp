@@ -1,5 +1,5 @@
 // Hot KV engine conformance without Python: lifecycle, admission, LRU/TTL eviction, stale epochs,
-// supersession, miss reasons, the bounded table of dropped keys, the warm tier, and
+// supersession, miss reasons, the bounded table of dropped keys, the warm tier, the prefix store, and
 // check_invariants() after every step. Expected outcomes are values; caller mistakes throw and change nothing.
 
 #include "llama_shard/hot_kv_engine.h"
@@ -313,6 +313,52 @@ void warm_tier(const std::string & path) {
     CHECK(res[0].status == SHARD_STATUS_OK && res[1].status == SHARD_STATUS_BUDGET_EXCEEDED);
 }
 
+// the prefix store: a copy of a session's state that new sessions open from, bounded by its bytes
+void prefix_store(const std::string & path) {
+    hot_kv_config c = config(3, 32, 64, 0);
+    c.prefix_bytes = 64 << 10;
+    harness h(path, c);
+    CHECK(h.prefill("src", 0, {1, 2, 3, 4}).status == SHARD_STATUS_OK);
+    CHECK_THROWS(h.engine.store_prefix("src", 0, 7, 3, h.now), SHARD_ERRC_INVALID_ARGUMENT);  // it holds 4
+    CHECK_THROWS(h.engine.store_prefix("src", 0, 7, 0, h.now), SHARD_ERRC_INVALID_ARGUMENT);
+    hot_kv_result r = h.engine.store_prefix("src", 0, 7, 4, h.now);
+    CHECK(r.status == SHARD_STATUS_OK && r.changed);
+    CHECK(!h.engine.store_prefix("src", 0, 7, 4, h.now).changed);  // held already
+    CHECK(h.engine.prefix_length(7) == 4 && h.engine.prefix_length(8) == 0);
+    CHECK(h.prefill("src", 0, {5}).status == SHARD_STATUS_OK);
+    std::vector<float> want(h.out.begin(), h.out.begin() + 320);
+
+    // a key not held: a miss, and the session it named is not created
+    CHECK(h.is_miss(h.engine.open_prefix("dst", 0, 8, 4, h.now), SHARD_MISS_PREFIX_EVICTED));
+    CHECK(h.is_miss(h.engine.open_prefix("dst", 0, 7, 3, h.now), SHARD_MISS_PREFIX_EVICTED));  // another length
+    CHECK(h.is_miss(h.engine.resolve("dst", 0, h.now), SHARD_MISS_UNKNOWN_SESSION));
+    // a live session of 6 tokens is replaced by the copy, then continues as the source did
+    CHECK(h.prefill("dst", 0, {9, 9, 9, 9, 9, 9}).status == SHARD_STATUS_OK);
+    r = h.engine.open_prefix("dst", 0, 7, 4, h.now);
+    h.engine.check_invariants();
+    CHECK(r.status == SHARD_STATUS_OK && r.seq_len == 4);
+    CHECK(h.prefill("dst", 0, {5}).status == SHARD_STATUS_OK);
+    CHECK(std::memcmp(want.data(), h.out.data(), 320 * sizeof(float)) == 0);
+    // the source released: the copy stays
+    CHECK(h.engine.release("src", 0, h.now).changed);
+    CHECK(h.engine.open_prefix("new", 0, 7, 4, h.now).status == SHARD_STATUS_OK);
+    h.engine.check_invariants();
+    hot_kv_stats st = h.engine.stats();
+    CHECK(st.prefix_stores == 1 && st.prefix_hits == 2 && st.prefix_tokens_saved == 8 && st.prefix_entries == 1);
+    CHECK(st.misses[SHARD_MISS_PREFIX_EVICTED] == 2);
+
+    // the bound: storing more evicts the least valuable (the unused before the opened one)
+    for (int32_t k = 0; k < 40; ++k) {
+        h.now += 1;
+        CHECK(h.prefill("s" + std::to_string(k % 2), 0, {k + 1, 2, 3}, 0).status == SHARD_STATUS_OK);
+        h.engine.store_prefix("s" + std::to_string(k % 2), 0, 100 + (uint64_t) k, 3, h.now);
+        h.engine.check_invariants();
+        st = h.engine.stats();
+        CHECK(st.prefix_bytes <= st.prefix_capacity);
+    }
+    CHECK(st.prefix_evictions > 0 && h.engine.prefix_length(139) == 3 && h.engine.prefix_length(100) == 0);
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -325,5 +371,6 @@ int main(int argc, char ** argv) {
     admission_and_eviction(argv[1]);
     bounded_and_invalid(argv[1]);
     warm_tier(argv[1]);
+    prefix_store(argv[1]);
     return finish("test-hot-kv");
 }
