@@ -25,8 +25,11 @@ import pytest
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
+from llama_shard.errors import StaleRouteEpochError
 from llama_shard.proto import shard_pb2 as pb
+from llama_shard.serve.local_workers import stop_worker
 from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
+from test_security import pki  # noqa: F401 - the certificates and tokens fixture
 
 SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}
 KEY = 0x5EED
@@ -114,6 +117,8 @@ def test_the_store_keeps_copies_releasing_or_superseding_the_source_changes_noth
         rows = head.prefill("b", 1, token_ids=tokens[8:], start_pos=8)
         assert rows.hidden.tobytes() == want[0]
         assert tail.prefill("b", 1, boundary=rows, start_pos=8).logits.tobytes() == want[1].logits.tobytes()
+        with pytest.raises(StaleRouteEpochError):  # stale before anything else, the key held or not
+            r.managers[0].open_prefix("b", 0, KEY + 1, 8)
         miss = r.managers[1].open_prefix("c", 0, KEY + 1, 8)
         assert isinstance(miss, CacheMiss) and miss.reason is CacheMissReason.PREFIX_EVICTED
         assert r.managers[1].resolve("c", 0).reason is CacheMissReason.UNKNOWN_SESSION  # nothing changed
@@ -230,9 +235,47 @@ def test_block_keys_chain_and_local_names_scope_by_principal_and_recipe():
             prefix_bytes = 1
 
     own, everyone = PrefixNames(_Manager, "recipe-a"), PrefixNames(_Manager, "recipe-a", share="all")
-    assert own.local("alice", keys[0]) != own.local("bob", keys[0])
-    assert everyone.local("alice", keys[0]) == everyone.local("bob", keys[0])
-    assert PrefixNames(_Manager, "recipe-b", share="all").local("alice", keys[0]) != everyone.local("alice", keys[0])
+    name = lambda names, who, shared=True: names.local(names.scope(who, shared), keys[0])  # noqa: E731
+    assert name(own, "alice") != name(own, "bob")
+    assert name(everyone, "alice") == name(everyone, "bob")
+    assert name(everyone, "alice", shared=False) != name(everyone, "bob", shared=False)  # a direct caller: its own
+    assert name(PrefixNames(_Manager, "recipe-b", share="all"), "alice") != name(everyone, "alice")
+    # another model file of the same shape (a fine-tune and its base): other names, other forwarded keys
+    tuned = PrefixNames(_Manager, "recipe-a", share="all", model_path=__file__)
+    assert name(tuned, "alice") != name(everyone, "alice") and tuned.forwarded(keys) != everyone.forwarded(keys)
+
+
+def test_the_heads_plan_opens_the_longest_stored_prefix_and_stores_only_clean_starts():
+    """What the head decides: open from the longest stored prefix past what the session holds;
+    store a start seen before (or kept) only when this prefill computes it from a fresh start (from
+    token zero or from the prefix it opens), never over tokens an earlier stream left."""
+    B = PREFIX_BLOCK_TOKENS
+
+    class _Manager:
+        class config:
+            prefix_bytes = 1
+        stored: dict = {}
+
+        @classmethod
+        def prefix_length(cls, name):
+            return cls.stored.get(name, 0)
+
+    names = PrefixNames(_Manager, "recipe")
+    tokens = _prompt(4, 3 * B + 10)
+    keys = block_keys(tokens)
+    local = [names.local(names.scope("alice", True), k) for k in keys]
+    assert names.plan("alice", tokens, 0) is None  # seen once
+    plan = names.plan("alice", tokens, 0)  # seen twice: the longest start is stored
+    assert (plan.open_tokens, plan.store_tokens, plan.keys) == (0, 3 * B, keys)
+    assert names.plan("alice", tokens, 0, keep=2 * B).store_tokens == 3 * B
+    _Manager.stored = {local[0]: B}
+    plan = names.plan("alice", tokens, 0)
+    assert (plan.open_tokens, plan.store_tokens) == (B, 3 * B)  # opened from block 1, stores past it
+    assert names.plan("alice", tokens, 2 * B + 5) is None  # the session holds more: nothing to open, no clean start
+    assert names.plan("bob", tokens, 0) is None  # another principal's names: nothing seen, nothing stored
+    plan = names.plan("alice", tokens, 0, may_open=False)  # after a shard lacked it: stored again, not opened
+    assert (plan.open_tokens, plan.store_tokens) == (0, 3 * B)
+    _Manager.stored = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,8 +341,6 @@ def test_a_prefix_the_tail_evicted_costs_one_reprefill_and_is_stored_again(embed
     by the tail (PREFIX_EVICTED), re-prefilled in full, and gives the plain route's tokens; the
     re-prefill stores A on the tail again, so the next stream from A opens on both."""
     from test_generate import Route
-
-    from llama_shard.serve.local_workers import stop_worker
     first = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS + ("--prefix-memory", "64MiB"))
     try:
         # the tail alone with a small store: restart it with 8 MiB
@@ -340,6 +381,9 @@ def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
                                  prefix=pb.PrefixPlan(keys=keys, open_tokens=256)), "its own generation loop")
     refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=100)), "multiple of 256")
     refused(head, step(prefix=pb.PrefixPlan(keys=keys * 5, store_tokens=256)), "at most 4 blocks")
+    hidden_rows = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 576], data=np.zeros(576, np.float32).tobytes())
+    refused(head, pb.StepRequest(session_id="bad", hidden=hidden_rows, position=0, prefix=pb.PrefixPlan()),
+            "send the tokens from position 0")
     reply = head.Decode(pb.StepRequest(session_id="bad", token_ids=[1], prefix=pb.PrefixPlan(keys=keys)), timeout=30)
     assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and "comes with a prefill" in reply.detail
     after = shared.info(0)
@@ -379,3 +423,45 @@ def test_gemma3_streams_sharing_a_start_give_a_plain_routes_tokens(gemma3_model)
     finally:
         plain.stop()
         shared.stop()
+
+
+@pytest.mark.grpc
+def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_model, pki):  # noqa: F811
+    """A tail sharing prefixes with every caller (`--share-prefixes all`), behind a head it trusts
+    as a forwarder: a caller stepping the tail directly (bob) stores and opens only prefixes of his
+    own, so hidden rows of his choosing never become the copy the route's sessions open from."""
+    from test_security import _PKI, _as, _serve, _stub
+
+    _PKI.update(pki)
+    flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
+             str(pki["tokens"]), "--forwarder", "ops", "--share-prefixes", "all", "--prefix-memory", "8MiB",
+             "--context-tokens", "512")
+    proc, addr = _serve(synthetic_model, flags, 3, 5)
+    tail = "localhost:" + addr.rsplit(":", 1)[1]
+    try:
+        bob, ops = _stub(tail, _as(pki, "bob")), _stub(tail, _as(pki, "ops"))
+        n_embd = bob.Info(pb.InfoRequest(), timeout=10).n_embd
+        key = block_keys(_prompt(3, PREFIX_BLOCK_TOKENS))[0]
+
+        def rows(n, seed):
+            data = np.random.default_rng(seed).standard_normal((n, n_embd)).astype(np.float32)
+            return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[n, n_embd], data=data.tobytes())
+
+        def step(stub, sid, n, position, plan, who=None):
+            meta = (("llama-shard-on-behalf-of-bin", who.encode()),) if who else None
+            return stub.Prefill(pb.StepRequest(session_id=sid, hidden=rows(n, position + len(sid)), position=position,
+                                               prefix=plan), timeout=30, metadata=meta)
+
+        store = pb.PrefixPlan(keys=[key], store_tokens=PREFIX_BLOCK_TOKENS)
+        opening = pb.PrefixPlan(keys=[key], open_tokens=PREFIX_BLOCK_TOKENS)
+        assert step(bob, "b1", PREFIX_BLOCK_TOKENS, 0, store).outcome == pb.OUTCOME_OK
+        assert bob.Info(pb.InfoRequest(), timeout=10).prefix_stores == 1
+        miss = step(ops, "a1", 1, PREFIX_BLOCK_TOKENS, opening, who="alice")
+        assert miss.outcome == pb.OUTCOME_CACHE_MISS and miss.miss_reason == "PREFIX_EVICTED"  # bob's is bob's
+        assert step(bob, "b2", 1, PREFIX_BLOCK_TOKENS, opening).outcome == pb.OUTCOME_OK  # his own, he opens
+        # the route's: stored for alice, opened for carol (every caller's, through the forwarder)
+        assert step(ops, "a2", PREFIX_BLOCK_TOKENS, 0, store, who="alice").outcome == pb.OUTCOME_OK
+        assert step(ops, "c1", 1, PREFIX_BLOCK_TOKENS, opening, who="carol").outcome == pb.OUTCOME_OK
+        assert bob.Info(pb.InfoRequest(), timeout=10).prefix_hits == 2
+    finally:
+        stop_worker(proc)

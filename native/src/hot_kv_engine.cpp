@@ -400,12 +400,9 @@ void hot_kv_engine::demote_locked(const std::string & sid) {
     }
 }
 
-void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
-    auto it = warm_.find(sid);
-    assert(it != warm_.end());
-    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : it->second.epoch;
+void hot_kv_engine::erase_warm_locked(std::unordered_map<std::string, warm_entry>::iterator it) {
     if (it->second.on_disk) {
-        disk_->remove(sid);
+        disk_->remove(it->first);
         disk_held_ -= it->second.bytes();
         disk_lru_.erase(it->second.lru_pos);
     } else {
@@ -414,7 +411,15 @@ void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason 
     }
     warm_.erase(it);
     warm_listed_ = false;
-    remember_locked(sid, epoch, reason);
+}
+
+void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
+    auto it = warm_.find(sid);
+    assert(it != warm_.end());
+    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : it->second.epoch;
+    const std::string key = sid;  // sid may be the entry's own key, erased below
+    erase_warm_locked(it);
+    remember_locked(key, epoch, reason);
     counters_.warm_drops++;
     if (reason == SHARD_MISS_RELEASED || reason == SHARD_MISS_SUPERSEDED_EPOCH) {
         count_leaving(counters_, reason);
@@ -1236,6 +1241,11 @@ hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch,
     }
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
+    identify_locked(sid, epoch, res, nullptr, /*query*/ true);  // a stale epoch is that, whatever the store holds
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return res;
+    }
+    res = hot_kv_result{};
     auto pit = prefixes_.find(key);
     if (pit == prefixes_.end() || pit->second.length != length) {
         res = miss_result(SHARD_MISS_PREFIX_EVICTED, "this shard does not hold the prefix of " + str(length) +
@@ -1253,8 +1263,9 @@ hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch,
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
         return res;
     }
-    if (w != nullptr) {  // its warm copy is about to be replaced: dropped, not restored
-        drop_warm_locked(sid, SHARD_MISS_NONE);  // counted as a warm drop only; create_locked forgets the record
+    if (w != nullptr) {  // its warm copy is about to be replaced: dropped (a warm drop), not restored
+        erase_warm_locked(warm_.find(sid));
+        counters_.warm_drops++;
         s = nullptr;
     }
     const int32_t held = s != nullptr ? s->seq_len : 0;
@@ -1285,6 +1296,7 @@ hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch,
         ctx_->seq_rm(s->seq_id, 0);
         prefix_held_ -= pit->second.bytes();
         prefixes_.erase(pit);
+        counters_.prefix_evictions++;
         res = miss_result(SHARD_MISS_PREFIX_EVICTED, "the stored prefix could not be restored");
         count_miss_locked(res);
         return res;

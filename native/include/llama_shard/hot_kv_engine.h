@@ -330,9 +330,11 @@ public:
     // epoch as resolve would answer (not counted). Least valuable entries are evicted to make room.
     hot_kv_result store_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now);
     // makes (sid, epoch) hold a copy of the prefix stored under `key` (of `length` tokens), whatever it
-    // held before (a warm copy, a live state: replaced; an older epoch: superseded). A key not held
-    // (or held with another length) is a PREFIX_EVICTED miss and nothing changes; a prefix that cannot
-    // fit the budget is BUDGET_EXCEEDED, nothing changed. On OK: seq_len = length.
+    // held before (a warm copy, a live state: replaced; an older epoch: superseded). A stale epoch is
+    // STALE_EPOCH; a key not held (or held with another length) is a PREFIX_EVICTED miss and nothing
+    // changes; a prefix that cannot fit the budget is BUDGET_EXCEEDED, nothing changed. On OK:
+    // seq_len = length. (Should llama.cpp refuse the store's own bytes, a guard, the entry is
+    // dropped and the session is left empty, a PREFIX_EVICTED miss.)
     hot_kv_result open_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now);
     // the length of the prefix stored under `key`, 0 when none (a query: nothing moves)
     int32_t prefix_length(uint64_t key) const;
@@ -423,6 +425,8 @@ private:
     // frees a hot session's cells, seq id and reservation (no record, no counters)
     void     free_hot_locked(const std::string & sid);
     void     drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
+    // removes a warm entry from its tier (no record, no counters)
+    void     erase_warm_locked(std::unordered_map<std::string, warm_entry>::iterator it);
     int32_t  sweep_warm_locked(double now);
     // brings a warm session back hot (room and a free id must be there); null with a counted miss
     // in `res` if llama.cpp refused the state (the warm copy is dropped)

@@ -584,6 +584,9 @@ class ReferenceHotKvEngine:
         if length < 1:
             raise InvalidInputError(f"a prefix holds at least 1 token, got {length}")
         now = self._begin(session_id, epoch, now)
+        _, res = self._identify(session_id, epoch, query=True)  # a stale epoch is that, whatever the store holds
+        if res.status == STALE_EPOCH:
+            return res
         p = self._prefixes.get(key)
         if p is None or p.length != length:
             return self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix of "
@@ -594,8 +597,9 @@ class ReferenceHotKvEngine:
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
             return res
-        if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped, not restored
-            self._drop_warm(session_id, MissReason.NONE)
+        if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped (a warm drop), not restored
+            self._take_warm(session_id)
+            self._counters["warm_drops"] += 1
             s = None
         held = s.seq_len if s is not None else 0
         room = self._make_room(max(0, length - held), s is None, [session_id], [])

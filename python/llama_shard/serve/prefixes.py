@@ -5,9 +5,12 @@
   see only hidden rows; the keys travel with the prefill (StepRequest.prefix) so that they name the
   same prefixes.
 - Every shard keeps a prefix under its own name for a key (`PrefixNames.local`): the key, the
-  caller's principal (unless the operator shares prefixes with every caller: `--share-prefixes all`)
-  and the worker's recipe (model, range, K/V type, attention kernel). A caller never reaches another
-  principal's prefixes, and a shard never opens bytes another recipe wrote.
+  caller's principal (unless the operator shares prefixes with every caller: `--share-prefixes all`,
+  and then only for steps that may speak for everyone: `PrefixNames.scope`), the worker's recipe
+  (model shape, range, K/V type, attention kernel) and its model file's digest. A worker mixes its
+  model's digest into the keys it forwards (`forwarded`), so a later shard's name covers every
+  weight its input came through. A caller never reaches another principal's prefixes, and a shard
+  never opens bytes another model wrote.
 - The head's generation loop decides (`PrefixNames.plan`): a stream whose prompt starts with a
   stored prefix opens from it and computes the rest; a prefix seen before (or one the caller marks,
   GenerateRequest.keep_prefix) is stored by the step that ends at its last block.
@@ -62,11 +65,13 @@ class PrefixPlan:
 class PrefixNames:
     """One worker's names for prefixes and, on a head, its decisions about them."""
 
-    def __init__(self, manager, fingerprint: str, share: str = "principal"):
+    def __init__(self, manager, fingerprint: str, share: str = "principal", model_path: str | None = None):
         if share not in SHARE_MODES:
             raise InvalidInputError(f"share_prefixes must be one of {', '.join(SHARE_MODES)}, got {share!r}")
         self.manager, self.share = manager, share
         self._recipe = fingerprint.encode()
+        self._model_path = model_path
+        self._digest: bytes | None = None  # the model file's digest, read at the first prefix step
         self._lock = threading.Lock()
         self._seen: OrderedDict[int, None] = OrderedDict()  # local names seen once, least recent first
 
@@ -74,12 +79,34 @@ class PrefixNames:
     def enabled(self) -> bool:
         return self.manager.config.prefix_bytes > 0
 
-    def local(self, principal: str, key: int) -> int:
-        """This worker's name for a prefix key sent by (or for) `principal`."""
-        scope = principal.encode("utf-8", "surrogatepass") if self.share == "principal" else b"*"
-        digest = hashlib.blake2b(key.to_bytes(8, "little") + len(scope).to_bytes(4, "little") + scope + self._recipe,
-                                 digest_size=8).digest()
+    def _model(self) -> bytes:
+        """The model file's digest (the weights the recipe does not name: a fine-tune and its base
+        share a recipe), read once; the same function the disk tier names its files' model by."""
+        if self._digest is None:
+            from .._native import model_digest
+            self._digest = model_digest(self._model_path).encode() if self._model_path else b""
+        return self._digest
+
+    def scope(self, principal: str, shared: bool) -> str:
+        """Whose prefixes a step reaches: every caller's ("*") when the worker shares them and the
+        step may speak for everyone (`shared`: a head, which computes what it stores from the
+        tokens; a trusted forwarder; a worker without authentication), else its principal's own."""
+        return "*" if self.share == "all" and shared else principal
+
+    def local(self, scope: str, key: int) -> int:
+        """This worker's name for a prefix key within `scope`: covers its recipe (model shape, range,
+        K/V type, attention kernel) and its model file."""
+        scoped = scope.encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(key.to_bytes(8, "little") + len(scoped).to_bytes(4, "little") + scoped + self._recipe
+                                 + b"\0" + self._model(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
+
+    def forwarded(self, keys) -> list[int]:
+        """The keys this worker sends the next one: mixed with its model file's digest, so that a
+        later shard's names cover every weight its input came through."""
+        model = self._model()
+        return [int.from_bytes(hashlib.blake2b(k.to_bytes(8, "little") + model, digest_size=8).digest(), "little")
+                for k in keys]
 
     def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True) -> PrefixPlan | None:
         """The head's decision for a stream whose session holds its first `held` tokens: open from
@@ -94,7 +121,8 @@ class PrefixNames:
         if n == 0:
             return None
         keys = block_keys(tokens, n)
-        names = [self.local(principal, k) for k in keys]
+        scope = self.scope(principal, shared=True)
+        names = [self.local(scope, k) for k in keys]
         stored = 0  # the longest prefix this worker holds, past what the session holds
         for i in range(n, 0, -1):
             if i * PREFIX_BLOCK_TOKENS > held and self.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS:
@@ -103,9 +131,13 @@ class PrefixNames:
         opened = stored if may_open else 0
         start = max(held, opened * PREFIX_BLOCK_TOKENS)
         store = 0 if may_open else stored
+        # only a prefix computed as a fresh prompt is: not over tokens an earlier stream left (its
+        # generated tokens were computed one by one, and would round otherwise)
+        clean = start == opened * PREFIX_BLOCK_TOKENS
         with self._lock:
             for i in range(n, store, -1):
-                if (i * PREFIX_BLOCK_TOKENS > start and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
+                if (clean and i * PREFIX_BLOCK_TOKENS > start
+                        and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
                         and self.manager.prefix_length(names[i - 1]) == 0):
                     store = i
                     break

@@ -256,6 +256,21 @@ class ServerSecurity:
             return None if principal in self.admins else principal
         return caller
 
+    def forwarded(self, context: grpc.ServicerContext) -> bool:
+        """Whether a step RPC comes from a forwarder (`--forwarder`) acting for a principal it names."""
+        if not self.authenticated or not self.forwarders:
+            return False
+        metadata = dict(context.invocation_metadata())
+        if not metadata.get(ON_BEHALF_OF):
+            return False
+        if self.tokens is not None:
+            value = metadata.get("authorization", "")
+            caller = self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
+        else:
+            names = context.auth_context().get("x509_common_name") or []
+            caller = names[0].decode("utf-8", "replace") if names else None
+        return caller is not None and caller in self.forwarders
+
     @staticmethod
     def tag(principal: str) -> str | None:
         """16 hex digits naming a principal inside engine keys (None: the anonymous caller)."""

@@ -264,7 +264,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
-        self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes)
+        self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -369,8 +369,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
         Sessions are the principal's own: the engine key carries its tag."""
+        # whose prefixes the step reaches: a head computes what it stores itself; another shard
+        # shares them only with steps a trusted forwarder (or anyone, without authentication) sends
+        shared = self.info.first == 0 or not self.security.authenticated or self.security.forwarded(context)
         try:
-            replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch)
+            replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch,
+                                     prefix_scope=self.prefixes.scope(principal, shared))
         except _Refused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # a step from outside the head's generation loop: its record is no longer the route's (only a
@@ -383,10 +387,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return replies
 
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
-                  batch: bool, own_loop: bool = False) -> list[pb.StepReply]:
+                  batch: bool, own_loop: bool = False, prefix_scope: str | None = None) -> list[pb.StepReply]:
         """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too,
         `own_loop`: its prefix plans are its own); raises _Refused when the principal's session cap
-        refuses a new session."""
+        refuses a new session. `prefix_scope`: whose shared prefixes the steps reach (None: the
+        principal's, or every caller's for the head's own loop when the worker shares them)."""
+        if prefix_scope is None:
+            prefix_scope = self.prefixes.scope(principal, shared=own_loop)
         refusal = self._forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed, and before the hops are copied
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
@@ -397,7 +404,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             try:
                 step = self._parse_step(kind, req, principal)
                 parsed.append((i, step, check_step_sampling(req, self.info.n_vocab, self.manager.config.context_tokens),
-                               self._parse_prefix(req, step, principal, own_loop)))
+                               self._parse_prefix(req, step, prefix_scope, own_loop)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
         refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
@@ -406,9 +413,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         ready = []
         for entry in parsed:  # a step from a shared prefix starts from a copy of it
             i, step, _, prefix = entry
-            opened = (self.manager.open_prefix(step.session_id, step.route_epoch, prefix[1], prefix[0])
-                      if prefix is not None and prefix[0] else None)
-            if isinstance(opened, CacheMiss):
+            try:
+                opened = (self.manager.open_prefix(step.session_id, step.route_epoch, prefix[1], prefix[0])
+                          if prefix is not None and prefix[0] else None)
+            except LlamaShardError as e:  # a stale epoch, a prefix over the budget: this step's answer
+                opened = e
+            if isinstance(opened, (CacheMiss, LlamaShardError)):
                 replies[i] = self._reply(items[i][1], opened)
             else:
                 ready.append(entry)
@@ -416,7 +426,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         computed = []
         for (i, step, params, prefix), out in zip(ready, outs):
             if prefix is not None and prefix[2] and isinstance(out, (BoundaryBundle, TailOutput)):
-                self.manager.store_prefix(step.session_id, step.route_epoch, prefix[3], prefix[2])
+                try:
+                    self.manager.store_prefix(step.session_id, step.route_epoch, prefix[3], prefix[2])
+                except LlamaShardError:
+                    pass  # the session moved on since (a newer epoch, another step): nothing is stored
             if forward and isinstance(out, BoundaryBundle):
                 computed.append((i, step.kind, out))
             else:
@@ -473,8 +486,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                  logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
-            if req.HasField("prefix"):
+            if req.HasField("prefix"):  # the keys, mixed with this worker's model (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
+                del nxt.prefix.keys[:]
+                nxt.prefix.keys.extend(self.prefixes.forwarded(req.prefix.keys))
             # always explicit: a retried hop that did run is answered again (a decode, by the retry
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
@@ -519,7 +534,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
-    def _parse_prefix(self, req, step: Step, principal: str, own_loop: bool) -> tuple | None:
+    def _parse_prefix(self, req, step: Step, scope: str, own_loop: bool) -> tuple | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
         raises InvalidInputError for a plan that does not fit the step (nothing is computed then)."""
         if not req.HasField("prefix"):
@@ -544,7 +559,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                     f"{step.position + step.n_tokens}")
         if self.info.first == 0 and not own_loop:
             # a head checks what it can: the keys of the step's own tokens, from position 0
-            if opening or step.position != 0:
+            if opening or step.position != 0 or step.token_ids is None:
                 raise InvalidInputError("a head opens a shared prefix for its own generation loop only; send the "
                                         "tokens from position 0 (with keys, to store a prefix)")
             if list(plan.keys) != block_keys(step.token_ids, n_keys) or n_keys > len(step.token_ids) // B:
@@ -552,8 +567,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if not (opening or storing):
             return None
         local = self.prefixes.local
-        return (opening, local(principal, plan.keys[opening // B - 1]) if opening else 0,
-                storing, local(principal, plan.keys[storing // B - 1]) if storing else 0)
+        return (opening, local(scope, plan.keys[opening // B - 1]) if opening else 0,
+                storing, local(scope, plan.keys[storing // B - 1]) if storing else 0)
 
     def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
         """The typed reply for a step's outcome, or for the contract error it raised; the tail
