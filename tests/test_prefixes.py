@@ -17,6 +17,7 @@ What is shown here:
 """
 from __future__ import annotations
 
+import os
 import resource
 import threading
 
@@ -217,7 +218,8 @@ def test_ten_thousand_sessions_from_twenty_prefixes_stay_within_the_plan(synthet
         assert st["prefix_stores"] + st["prefix_hits"] == 10_000
         assert st["prefix_hits"] > 2_000 and st["prefix_evictions"] > 100, st
         assert 4 <= st["prefix_entries"] <= 8, st
-        assert rss[-1] - rss[1] < 8 * 1024, rss  # KiB: no growth past the first thousand sessions
+        if "san.so" not in os.environ.get("LD_PRELOAD", ""):  # a sanitizer's allocator keeps freed memory a while
+            assert rss[-1] - rss[1] < 8 * 1024, rss  # KiB: no growth past the first thousand sessions
     finally:
         mgr.close()
 
