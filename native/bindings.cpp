@@ -473,7 +473,7 @@ void register_contract_types(py::module_ & m) {
         "What the restore check (kv_state_check.h) finds wrong with a llama.cpp sequence state of seq_len tokens; '' if nothing.");
     m.def("warm_sha256", &kv_file_store::sha256_implementation,
           "Whose SHA-256 the warm files' MAC uses: 'openssl' (libcrypto, when the build found it) or 'vendored'.");
-    m.def("model_digest", &kv_file_store::model_digest, py::arg("path"),
+    m.def("model_digest", &kv_file_store::model_digest, py::call_guard<py::gil_scoped_release>(), py::arg("path"),
           "The model identity the disk tier writes into its files: the file's size and XXH3-128 of all of it (one read of the file)");
 
     py::enum_<shard_status>(m, "Status", "What the engine answered for a request")

@@ -29,7 +29,7 @@ from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
 from llama_shard.errors import StaleRouteEpochError
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.local_workers import stop_worker
-from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
+from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, SHARED, PrefixNames, block_keys
 from test_security import pki  # noqa: F401 - the certificates and tokens fixture
 
 SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}
@@ -244,7 +244,15 @@ def test_block_keys_chain_and_local_names_scope_by_principal_and_recipe():
     assert name(PrefixNames(_Manager, "recipe-b", share="all"), "alice") != name(everyone, "alice")
     # another model file of the same shape (a fine-tune and its base): other names, other forwarded keys
     tuned = PrefixNames(_Manager, "recipe-a", share="all", model_path=__file__)
-    assert name(tuned, "alice") != name(everyone, "alice") and tuned.forwarded(keys) != everyone.forwarded(keys)
+    assert name(tuned, "alice") != name(everyone, "alice")
+    sent = everyone.forwarded(keys, SHARED, pb.DTYPE_FLOAT16)
+    assert tuned.forwarded(keys, SHARED, pb.DTYPE_FLOAT16) != sent
+    # what a worker forwards names what its own step was named in, and the rows' wire type: a caller
+    # stepping a middle worker directly (its own scope) or another range never sends the route's keys
+    assert everyone.forwarded(keys, "mallory", pb.DTYPE_FLOAT16) != sent
+    assert PrefixNames(_Manager, "recipe-b", share="all").forwarded(keys, SHARED, pb.DTYPE_FLOAT16) != sent
+    assert everyone.forwarded(keys, SHARED, pb.DTYPE_FLOAT32) != sent
+    assert own.local("SHARED", keys[0]) != everyone.local(SHARED, keys[0])  # no principal's name is the shared scope
 
 
 def test_the_heads_plan_opens_the_longest_stored_prefix_and_stores_only_clean_starts():

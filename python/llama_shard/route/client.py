@@ -506,8 +506,9 @@ class RouteSession:
         """The head's `Generate` stream on a chained route: one GeneratedToken per token (id, text
         piece, logprobs when asked). keep_prefix: the first keep_prefix tokens of the whole prompt
         (history + prompt; whole blocks of 256) are stored on first sight by every worker with
-        `--prefix-memory` (a start seen twice is stored anyway); sessions that begin with them open
-        from the copy (`last_final.prefix_tokens`). The final event is kept in `last_final`; a stream that ends in
+        `--prefix-memory` (a start seen twice is stored anyway) when this stream computes them from
+        token zero (a session that already holds part of them does not store); sessions that begin
+        with them open from the copy (`last_final.prefix_tokens`). The final event is kept in `last_final`; a stream that ends in
         an error raises (InvalidInputError for a refused request, RouteError naming the stage).
         Closing the iterator early cancels the stream; the session's KV stays."""
         client = self.client

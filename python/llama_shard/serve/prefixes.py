@@ -36,6 +36,21 @@ PREFIX_BLOCK_TOKENS = 256
 #: prefix keys seen recently, per worker: a prefix is stored the second time it is seen
 SIGHTINGS_CAP = 4096
 SHARE_MODES = ("principal", "all")
+class _SharedScope:
+    def __repr__(self) -> str:
+        return "SHARED"
+
+
+#: the scope of prefixes shared with every caller (`--share-prefixes all`): no principal's scope
+SHARED = _SharedScope()
+
+
+def _scoped(scope) -> bytes:
+    """A scope as bytes no other scope has: a tag, then a principal's name with its length."""
+    if scope is SHARED:
+        return b"A"
+    name = scope.encode("utf-8", "surrogatepass")
+    return b"P" + len(name).to_bytes(4, "little") + name
 _SEED = hashlib.blake2b(b"llama-shard prefix keys v1", digest_size=8).digest()
 
 
@@ -66,6 +81,8 @@ class PrefixNames:
     """One worker's names for prefixes and, on a head, its decisions about them."""
 
     def __init__(self, manager, fingerprint: str, share: str = "principal", model_path: str | None = None):
+        """`model_path`: the model file, whose digest names cover (read here with a prefix store,
+        else at the first prefix step a worker forwards)."""
         if share not in SHARE_MODES:
             raise InvalidInputError(f"share_prefixes must be one of {', '.join(SHARE_MODES)}, got {share!r}")
         self.manager, self.share = manager, share
@@ -74,6 +91,8 @@ class PrefixNames:
         self._digest: bytes | None = None  # the model file's digest, read at the first prefix step
         self._lock = threading.Lock()
         self._seen: OrderedDict[int, None] = OrderedDict()  # local names seen once, least recent first
+        if self.enabled:
+            self._model()
 
     @property
     def enabled(self) -> bool:
@@ -83,30 +102,33 @@ class PrefixNames:
         """The model file's digest (the weights the recipe does not name: a fine-tune and its base
         share a recipe), read once; the same function the disk tier names its files' model by."""
         if self._digest is None:
-            from .._native import model_digest
+            from .._native import model_digest  # reads the file without the GIL
             self._digest = model_digest(self._model_path).encode() if self._model_path else b""
         return self._digest
 
-    def scope(self, principal: str, shared: bool) -> str:
-        """Whose prefixes a step reaches: every caller's ("*") when the worker shares them and the
+    def scope(self, principal: str, shared: bool):
+        """Whose prefixes a step reaches: every caller's (SHARED) when the worker shares them and the
         step may speak for everyone (`shared`: a head, which computes what it stores from the
         tokens; a trusted forwarder; a worker without authentication), else its principal's own."""
-        return "*" if self.share == "all" and shared else principal
+        return SHARED if self.share == "all" and shared else principal
 
-    def local(self, scope: str, key: int) -> int:
+    def local(self, scope, key: int) -> int:
         """This worker's name for a prefix key within `scope`: covers its recipe (model shape, range,
         K/V type, attention kernel) and its model file."""
-        scoped = scope.encode("utf-8", "surrogatepass")
-        digest = hashlib.blake2b(key.to_bytes(8, "little") + len(scoped).to_bytes(4, "little") + scoped + self._recipe
-                                 + b"\0" + self._model(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        return self._hash(key.to_bytes(8, "little") + _scoped(scope) + self._recipe + b"\0" + self._model())
 
-    def forwarded(self, keys) -> list[int]:
-        """The keys this worker sends the next one: mixed with its model file's digest, so that a
-        later shard's names cover every weight its input came through."""
-        model = self._model()
-        return [int.from_bytes(hashlib.blake2b(k.to_bytes(8, "little") + model, digest_size=8).digest(), "little")
-                for k in keys]
+    def forwarded(self, keys, scope, wire_dtype: int) -> list[int]:
+        """The keys this worker sends the next one: mixed with the scope they were named in here,
+        its recipe (its range: the layers the rows went through), its model file and the rows' wire
+        type, so that a later shard's names cover everything its input depends on, and a step that
+        entered the route anywhere else (a caller stepping a middle worker, another head) never
+        names what the route's own steps name."""
+        suffix = _scoped(scope) + self._recipe + b"\0" + self._model() + wire_dtype.to_bytes(4, "little")
+        return [self._hash(k.to_bytes(8, "little") + suffix) for k in keys]
+
+    @staticmethod
+    def _hash(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
     def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True) -> PrefixPlan | None:
         """The head's decision for a stream whose session holds its first `held` tokens: open from

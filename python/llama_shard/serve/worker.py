@@ -387,7 +387,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return replies
 
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
-                  batch: bool, own_loop: bool = False, prefix_scope: str | None = None) -> list[pb.StepReply]:
+                  batch: bool, own_loop: bool = False, prefix_scope=None) -> list[pb.StepReply]:
         """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too,
         `own_loop`: its prefix plans are its own); raises _Refused when the principal's session cap
         refuses a new session. `prefix_scope`: whose shared prefixes the steps reach (None: the
@@ -436,7 +436,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
         if computed:
             for i, reply in zip([i for i, _, _ in computed],
-                                self._forward(principal, items, computed, forward, deadline, batch, visited)):
+                                self._forward(principal, items, computed, forward, deadline, batch, visited,
+                                              prefix_scope)):
                 replies[i] = reply
         return replies
 
@@ -473,7 +474,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return None
 
     def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list,
-                 deadline: float, batch: bool, visited: tuple[str, ...] = ()) -> list[pb.StepReply]:
+                 deadline: float, batch: bool, visited: tuple[str, ...] = (), prefix_scope=None) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
@@ -486,10 +487,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                  logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
-            if req.HasField("prefix"):  # the keys, mixed with this worker's model (PrefixNames.forwarded)
+            if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
                 del nxt.prefix.keys[:]
-                nxt.prefix.keys.extend(self.prefixes.forwarded(req.prefix.keys))
+                nxt.prefix.keys.extend(self.prefixes.forwarded(req.prefix.keys, prefix_scope, req.reply_dtype))
             # always explicit: a retried hop that did run is answered again (a decode, by the retry
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
@@ -534,7 +535,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
-    def _parse_prefix(self, req, step: Step, scope: str, own_loop: bool) -> tuple | None:
+    def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> tuple | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
         raises InvalidInputError for a plan that does not fit the step (nothing is computed then)."""
         if not req.HasField("prefix"):
