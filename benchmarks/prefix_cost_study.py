@@ -5,7 +5,7 @@
 
 For each shard of the bench's two-worker split (1 thread each, as its workers), with flash
 attention on and off: the prompt computed cold in the head's chunks of 256, against opening the
-stored prefix and computing the session's own tokens; best of 5 each.
+stored prefix and computing the session's own tokens, and the open alone; best of 5 each.
 """
 from __future__ import annotations
 
@@ -65,12 +65,18 @@ def main() -> None:
                     ad.prefill(f"w{i}", 0, start_pos=args.prefix, **feed(args.prefix, total))
                     mgr.release(f"w{i}", 0)
                 warm_ms = best_ms(opened)
+
+                def open_only(i):
+                    mgr.open_prefix(f"o{i}", 0, 1, args.prefix)
+                copy_ms = best_ms(open_only)
+                for i in range(5):
+                    mgr.release(f"o{i}", 0)
             finally:
                 mgr.close()
             cold_sum, warm_sum = cold_sum + cold_ms, warm_sum + warm_ms
             print(f"flash attention {'on' if flash_attn else 'off'}, layers {layers[0]}-{layers[1]}: {total} tokens "
                   f"cold {cold_ms:.0f} ms; the {args.prefix}-token prefix opened + {args.own} tokens {warm_ms:.1f} ms "
-                  f"({cold_ms / warm_ms:.1f}x)")
+                  f"({cold_ms / warm_ms:.1f}x; the open alone {copy_ms:.1f} ms)")
         print(f"flash attention {'on' if flash_attn else 'off'}, both shards: cold {cold_sum:.0f} ms, opened "
               f"{warm_sum:.1f} ms ({cold_sum / warm_sum:.1f}x): the compute ceiling of the bench's ratio")
 

@@ -240,13 +240,7 @@ class ServerSecurity:
         if not self.authenticated:
             return ANONYMOUS
         metadata = dict(context.invocation_metadata())
-        caller = None
-        if self.tokens is not None:
-            value = metadata.get("authorization", "")
-            caller = self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
-        else:
-            names = context.auth_context().get("x509_common_name") or []
-            caller = names[0].decode("utf-8", "replace") if names else None
+        caller = self._caller(context, metadata)
         named = metadata.get(ON_BEHALF_OF)
         if step and caller is not None and caller in self.forwarders and isinstance(named, bytes) and named:
             try:
@@ -263,13 +257,17 @@ class ServerSecurity:
         metadata = dict(context.invocation_metadata())
         if not metadata.get(ON_BEHALF_OF):
             return False
+        caller = self._caller(context, metadata)
+        return caller is not None and caller in self.forwarders
+
+    def _caller(self, context: grpc.ServicerContext, metadata: dict) -> str | None:
+        """Who presents the call's credentials: its bearer token's principal, else its client
+        certificate's common name; None for neither."""
         if self.tokens is not None:
             value = metadata.get("authorization", "")
-            caller = self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
-        else:
-            names = context.auth_context().get("x509_common_name") or []
-            caller = names[0].decode("utf-8", "replace") if names else None
-        return caller is not None and caller in self.forwarders
+            return self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
+        names = context.auth_context().get("x509_common_name") or []
+        return names[0].decode("utf-8", "replace") if names else None
 
     @staticmethod
     def tag(principal: str) -> str | None:
