@@ -142,7 +142,7 @@ int32_t optional_position(const py::object & value, const char * name) {
 }
 
 // a ticket for a llama_shard.Step (kind, session_id, route_epoch, token_ids, hidden, start_pos,
-// expected_seq_len): validated, its input copied into the ticket (the loop thread never touches a
+// expected_seq_len, logit_rows): validated, its input copied into the ticket (the loop thread never touches a
 // Python object), not queued yet
 std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_model_info & info, const py::object & step,
                                          double now, int notify_fd) {
@@ -159,6 +159,7 @@ std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_mod
             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step needs token ids (head) or hidden rows (other shards)");
         }
         t->n_tokens = p.input.n_tokens;
+        t->n_logits = py::cast<int32_t>(step.attr("logit_rows"));
         if (p.input.tokens != nullptr) {
             t->tokens = std::move(p.tokens);
         } else {
@@ -292,6 +293,7 @@ void register_model(py::module_ & m) {
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
+    m.attr("MAX_LOGIT_ROWS")       = HOT_KV_MAX_LOGIT_ROWS;
     m.attr("MAX_BUDGET_TOKENS")    = HOT_KV_MAX_BUDGET_TOKENS;
     m.attr("MAX_EPOCH")            = HOT_KV_MAX_EPOCH;
     // the defaults, from the structs that hold them (Python's defaults are these values)

@@ -84,9 +84,9 @@ shard_context::~shard_context() {
     }
 }
 
-int64_t shard_context::output_size(int64_t n_tokens) const {
+int64_t shard_context::output_size(int64_t n_tokens, int32_t n_logits) const {
     const shard_model_info & info = model_.info();
-    return info.is_tail ? (int64_t) info.n_vocab : n_tokens * info.n_embd;
+    return info.is_tail ? (int64_t) n_logits * info.n_vocab : n_tokens * info.n_embd;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -117,6 +117,11 @@ void shard_context::validate_input(const shard_input & input) const {
     if (input.n_tokens > n_batch_) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
             "batch of " + str(input.n_tokens) + " tokens exceeds the context's n_batch " + str(n_batch_));
+    }
+    if (input.n_logits < 1 || input.n_logits > input.n_tokens || input.n_logits > HOT_KV_MAX_LOGIT_ROWS) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "a step returns logits of 1 to min(n_tokens, " + str(HOT_KV_MAX_LOGIT_ROWS) + ") tokens, got " +
+            str(input.n_logits) + " of " + str(input.n_tokens));
     }
     if (input.tokens != nullptr) {
         for (int64_t i = 0; i < input.n_tokens; ++i) {
@@ -259,14 +264,14 @@ size_t shard_context::fill_batch(const std::vector<batch_item> & items, const st
             batch.pos[row]       = it.pos + i;
             batch.n_seq_id[row]  = 1;
             batch.seq_id[row][0] = it.seq_id;
-            batch.logits[row]    = info.is_tail ? (i == m - 1) : 1;  // the tail needs the last token's logits only
+            batch.logits[row]    = info.is_tail ? (i >= m - it.input.n_logits) : 1;  // the tail: the last n_logits only
         }
     }
     batch.n_tokens = row;
     return last;
 }
 
-// copies the outputs of items order[first..last) (logits of each item's last token on the tail,
+// copies the outputs of items order[first..last) (logits of each item's last n_logits tokens on the tail,
 // every token's hidden state elsewhere); null, or what llama.cpp failed to return
 const char * shard_context::read_outputs(const std::vector<batch_item> & items, const std::vector<size_t> & order,
                                          size_t first, size_t last) {
@@ -276,11 +281,14 @@ const char * shard_context::read_outputs(const std::vector<batch_item> & items, 
         const batch_item & it = items[order[k]];
         const int32_t m = (int32_t) it.input.n_tokens;
         if (info.is_tail) {
-            const float * logits = llama_get_logits_ith(ctx_, row + m - 1);
-            if (logits == nullptr) {
-                return "llama.cpp returned no logits";
+            const int32_t n_out = it.input.n_logits;
+            for (int32_t j = 0; j < n_out; ++j) {
+                const float * logits = llama_get_logits_ith(ctx_, row + m - n_out + j);
+                if (logits == nullptr) {
+                    return "llama.cpp returned no logits";
+                }
+                std::memcpy(it.out + (size_t) j * info.n_vocab, logits, sizeof(float) * (size_t) info.n_vocab);
             }
-            std::memcpy(it.out, logits, sizeof(float) * (size_t) info.n_vocab);
         } else {
             for (int32_t i = 0; i < m; ++i) {
                 const float * h = llama_get_embeddings_ith(ctx_, row + i);

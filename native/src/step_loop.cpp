@@ -192,6 +192,14 @@ void step_loop::check_ticket(const step_ticket & t) const {
     if (t.kind != HOT_KV_STEP_PREFILL && t.kind != HOT_KV_STEP_DECODE) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "unknown step kind");
     }
+    // several rows of logits: one computation (a verification), so it fits one step
+    if (t.n_logits < 1 || t.n_logits > n || t.n_logits > HOT_KV_MAX_LOGIT_ROWS ||
+        (t.n_logits > 1 && n > config_.max_step_tokens)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a step returns logits of 1 to min(n_tokens, " +
+                                                           std::to_string(HOT_KV_MAX_LOGIT_ROWS) + ") tokens, got " +
+                                                           std::to_string(t.n_logits) + " of " + std::to_string(n) +
+                                                           " (several rows: at most the step size in tokens)");
+    }
 }
 
 void step_loop::submit(const std::shared_ptr<step_ticket> & ticket) {
@@ -223,7 +231,7 @@ void step_loop::submit_many(const std::vector<std::shared_ptr<step_ticket>> & ti
         (prefill_cannot_fit(*t) ? refused : queued).push_back(t);
     }
     for (const auto & t : queued) {
-        t->out.assign((size_t) engine_.output_size(t->n_tokens), 0.0f);
+        t->out.assign((size_t) engine_.output_size(t->n_tokens, t->n_logits), 0.0f);
     }
     {
         std::lock_guard<std::mutex> lock(executor_->mutex_);
@@ -298,7 +306,7 @@ std::vector<step_loop::part> step_loop::form_step_locked() const {
             }
             const int64_t left = t.n_tokens - t.offset_;
             int64_t n = left;
-            if (t.kind == HOT_KV_STEP_PREFILL) {
+            if (t.kind == HOT_KV_STEP_PREFILL && t.n_logits == 1) {
                 n = std::min(left, others_waiting ? std::min<int64_t>(config_.prefill_chunk, room) : room);
             } else if (n > room) {
                 continue;  // a decode is not split: it waits for the next step
@@ -326,7 +334,8 @@ hot_kv_request step_loop::request_for(const part & p) const {
         req.input.hidden      = t.hidden.data() + t.offset_ * n_embd;
         req.input.hidden_cols = n_embd;
     }
-    const bool tail = engine_.model().info().is_tail;  // the tail writes the last token's logits only
+    req.input.n_logits = t.n_logits;  // > 1 only for a ticket computed whole
+    const bool tail = engine_.model().info().is_tail;  // the tail writes the last tokens' logits only
     req.out = const_cast<float *>(t.out.data()) + (tail ? 0 : t.offset_ * n_embd);
     return req;
 }

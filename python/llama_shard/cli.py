@@ -26,6 +26,7 @@ from .engine.hot_kv import KV_TYPES, HotKvStateConfig
 from .engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
+from .serve.speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -311,7 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
-                                       share_prefixes=args.share_prefixes))
+                                       share_prefixes=args.share_prefixes, draft=args.draft,
+                                       max_drafts=args.max_drafts))
     worker.start()
     return worker.serve_until_signal()
 
@@ -477,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whose sessions share prefixes: each caller's own (default), or every caller's; with "
                          "'all', a caller's first token comes sooner when another caller sent the same start "
                          "before, which tells it that someone did (README: shared prefixes)")
+    sv.add_argument("--draft", choices=DRAFT_SOURCES, default="ngram",
+                    help="speculative decoding on a head's Generate streams: where drafts come from; 'ngram' "
+                         "(default): the session's own earlier tokens (prompt lookup); 'off': none. The tail "
+                         "verifies them in one route step; the output is the tokens generation gives without them")
+    sv.add_argument("--max-drafts", type=int, default=DEFAULT_MAX_DRAFTS, metavar="K",
+                    help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "
+                         f"default {DEFAULT_MAX_DRAFTS}); the head uses fewer, or none, where they do not pay")
     sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
                     help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
     sv.add_argument("--flash-attn", choices=("on", "off"), default=None,

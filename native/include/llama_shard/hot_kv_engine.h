@@ -137,7 +137,7 @@ struct hot_kv_request {
     hot_kv_step_kind kind     = HOT_KV_STEP_DECODE;
     int32_t          position = -1;  // prefill: start position (-1: append); decode: expected past length (-1: unchecked)
     shard_input      input;
-    float *          out      = nullptr;  // output_size(input.n_tokens) floats, written on OK
+    float *          out      = nullptr;  // output_size(input.n_tokens, input.n_logits) floats, written on OK
 };
 
 enum shard_miss_reason {
@@ -273,7 +273,7 @@ public:
 
     const shard_model &   model()  const { return model_; }
     const hot_kv_config & config() const { return config_; }
-    int64_t output_size(int64_t n_tokens) const { return ctx_->output_size(n_tokens); }
+    int64_t output_size(int64_t n_tokens, int32_t n_logits = 1) const { return ctx_->output_size(n_tokens, n_logits); }
 
     // makes (sid, epoch) live with length 0 if it is not; a newer epoch supersedes the live one
     hot_kv_result open(const std::string & sid, int64_t epoch, double now);

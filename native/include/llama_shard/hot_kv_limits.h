@@ -15,6 +15,9 @@ constexpr int64_t HOT_KV_MAX_EPOCH = int64_t(1) << 62;
 // The most tokens one session may hold (context_tokens): a stream of 2^20 cells, 256 streams still
 // within llama.cpp's int32 cell count.
 constexpr int32_t HOT_KV_MAX_CONTEXT_TOKENS = 1 << 20;
+// the most rows of logits one step may return (a speculative verification: the last accepted token
+// and up to this many minus one drafts); one step's logits are then at most this many vocab rows
+constexpr int32_t HOT_KV_MAX_LOGIT_ROWS = 16;
 // the most tokens all sessions together may hold (budget_tokens)
 constexpr int64_t HOT_KV_MAX_BUDGET_TOKENS = int64_t(1) << 24;
 

@@ -12,11 +12,12 @@
 //    next position (seq_pos_max + 1); to rewrite a suffix, seq_rm() it first;
 //  - head shards take token ids, non-head shards take float32 hidden rows (n_tokens x n_embd);
 //    non-tail shards return the unnormalized residual of every input token, the tail returns the
-//    logits of the last input token;
+//    logits of the last n_logits input tokens (1 unless asked: a speculative verification);
 //  - every check runs before llama.cpp is called; a rejected call changes nothing, and a failed
 //    llama_decode has every position it added removed again before the error is thrown;
 //  - llama_context is not thread-safe: every public method takes the context's mutex.
 
+#include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_type.h"
 #include "llama_shard/shard_model.h"
 
@@ -52,6 +53,9 @@ struct shard_input {
     const float *   hidden   = nullptr;  // n_tokens * n_embd floats, row-major (non-head)
     int64_t         n_tokens = 0;
     int64_t         hidden_cols = 0;     // the caller's row width, checked against n_embd
+    // the tail: logits of the last n_logits tokens, in order (1..min(n_tokens, HOT_KV_MAX_LOGIT_ROWS));
+    // other shards ignore it (they return every token's row)
+    int32_t         n_logits = 1;
 };
 
 class shard_context {
@@ -69,8 +73,8 @@ public:
     int32_t n_ctx_seq() const { return n_ctx_seq_; }  // cells one sequence can hold
     bool    kv_unified() const { return kv_unified_; }
 
-    // floats forward() writes: n_tokens * n_embd (non-tail) or n_vocab (tail)
-    int64_t output_size(int64_t n_tokens) const;
+    // floats forward() writes: n_tokens * n_embd (non-tail) or n_logits * n_vocab (tail)
+    int64_t output_size(int64_t n_tokens, int32_t n_logits = 1) const;
 
     // runs the owned layers over `input` for `seq_id` starting at `pos`; writes output_size() floats to `out`
     void forward(int32_t seq_id, int32_t pos, const shard_input & input, float * out);

@@ -70,6 +70,9 @@ public:
     std::vector<int32_t> tokens;         // head shards
     std::vector<float>   hidden;         // other shards: n_tokens rows of n_embd floats
     int64_t              n_tokens = 0;
+    // the tail: logits of the last n_logits tokens (1..min(n_tokens, HOT_KV_MAX_LOGIT_ROWS)); a
+    // ticket asking for more than one row is computed whole, never cut into chunks
+    int32_t              n_logits = 1;
     double               now      = 0.0; // the submitter's clock reading
     int                  notify_fd = -1; // >= 0: one byte is written here on completion
 

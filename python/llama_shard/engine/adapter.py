@@ -47,8 +47,12 @@ class KvBoundaryAdapter:
         if miss is not None:
             return miss
         if self._is_tail:
+            rows = None
+            if step.logit_rows > 1:
+                rows = out.reshape(step.logit_rows, -1)
+                out = rows[-1]
             return TailOutput(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, logits=out,
-                              token_id=int(np.argmax(out)))
+                              token_id=int(np.argmax(out)), rows=rows)
         return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=r.seq_len - out.shape[0], hidden=out)
 
     def _answer(self, step, ticket):
@@ -62,16 +66,19 @@ class KvBoundaryAdapter:
     # --- public API -------------------------------------------------------------------------------
 
     def prefill(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
-                boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
-        """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch)."""
+                boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None, logit_rows: int = 1):
+        """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch;
+        an earlier start cuts what follows first). logit_rows: the tail's TailOutput.rows."""
         self.manager.check_recipe(recipe)
-        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos))
+        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos, logit_rows))
 
     def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
-               boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
+               boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None,
+               logit_rows: int = 1):
         """Appends decode token(s) at the cached length; expected_seq_len must match it when given."""
         self.manager.check_recipe(recipe)
-        return self._one(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len))
+        return self._one(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len,
+                                     logit_rows))
 
     def _one(self, step: Step):
         ticket, = self.manager.submit([step])

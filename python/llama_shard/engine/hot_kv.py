@@ -67,7 +67,10 @@ class Step:
     (`StepKind.DECODE`). The head sends `token_ids`, other shards `hidden` (float32
     (n_tokens, n_embd)). `start_pos` (prefill only): where the chunk goes, None for the cached
     length, 0 to re-prefill from scratch. `expected_seq_len` (decode only): the cached length the
-    step must find, None for unchecked. Constructing one validates it (InvalidInputError)."""
+    step must find, None for unchecked. `logit_rows`: the tail returns the logits of the step's last
+    logit_rows tokens (a speculative verification; 1..min(n_tokens, MAX_LOGIT_ROWS)); a step asking
+    for more than one is computed whole, never cut into chunks. Constructing one validates it
+    (InvalidInputError)."""
 
     kind: StepKind
     session_id: str
@@ -76,6 +79,7 @@ class Step:
     hidden: np.ndarray | None = None
     start_pos: int | None = None
     expected_seq_len: int | None = None
+    logit_rows: int = 1
 
     def __post_init__(self):
         if not isinstance(self.kind, StepKind):
@@ -93,15 +97,22 @@ class Step:
                 raise InvalidInputError("start_pos belongs to a prefill; a decode takes expected_seq_len")
             if self.expected_seq_len is not None:
                 check_count("expected_seq_len", self.expected_seq_len)
+        rows = self.logit_rows
+        if type(rows) is not int or not 1 <= rows <= min(self.n_tokens, _native.MAX_LOGIT_ROWS):
+            raise InvalidInputError(f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, "
+                                    f"{_native.MAX_LOGIT_ROWS}) tokens")
 
     @classmethod
-    def prefill(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None, start_pos: int | None = None) -> "Step":
-        return cls(StepKind.PREFILL, session_id, route_epoch, token_ids, hidden, start_pos=start_pos)
+    def prefill(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None, start_pos: int | None = None,
+                logit_rows: int = 1) -> "Step":
+        return cls(StepKind.PREFILL, session_id, route_epoch, token_ids, hidden, start_pos=start_pos,
+                   logit_rows=logit_rows)
 
     @classmethod
     def decode(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None,
-               expected_seq_len: int | None = None) -> "Step":
-        return cls(StepKind.DECODE, session_id, route_epoch, token_ids, hidden, expected_seq_len=expected_seq_len)
+               expected_seq_len: int | None = None, logit_rows: int = 1) -> "Step":
+        return cls(StepKind.DECODE, session_id, route_epoch, token_ids, hidden, expected_seq_len=expected_seq_len,
+                   logit_rows=logit_rows)
 
     @property
     def position(self) -> int:
@@ -161,13 +172,15 @@ class BoundaryBundle:
 
 @dataclasses.dataclass(frozen=True)
 class TailOutput:
-    """What the tail returns for a step: the last token's logits and the greedy next token."""
+    """What the tail returns for a step: the last token's logits and the greedy next token; for a
+    step with logit_rows > 1, `rows` holds the last logit_rows tokens' logits (the last is `logits`)."""
 
     session_id: str
     route_epoch: int
     seq_len: int
     logits: np.ndarray  # float32 (n_vocab,)
     token_id: int
+    rows: np.ndarray | None = None  # float32 (logit_rows, n_vocab), when the step asked for more than one
 
 
 # ---------------------------------------------------------------------------------------------

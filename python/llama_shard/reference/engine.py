@@ -186,7 +186,8 @@ class ReferenceHotKvEngine:
         """The checks the native StepLoop makes before queueing a llama_shard.Step (a prefill may
         exceed n_batch: it is computed in chunks; a decode may not)."""
         self._validate_key(step.session_id, step.route_epoch)
-        limit = 1 << 30 if step.kind == StepKind.PREFILL else self.n_batch
+        # several rows of logits: computed whole, so within one step's size
+        limit = 1 << 30 if step.kind == StepKind.PREFILL and step.logit_rows == 1 else self.n_batch
         self._validate_input(step.token_ids, step.hidden, limit)
 
     def _validate_input(self, tokens, hidden, limit: int | None = None) -> tuple[list[int] | None, np.ndarray | None, int]:
@@ -663,7 +664,7 @@ class ReferenceHotKvEngine:
             self.n_decode_calls += 1  # what one native step costs at least
         for i, s, start, _ in plan:  # the reference computes one session at a time
             toks, hid, n = inputs[i]
-            outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid)
+            outs[i] = self.shard.forward(s.kv, tokens=toks, hidden=hid, n_logits=requests[i].logit_rows)
             decode = requests[i].kind == StepKind.DECODE  # only decodes can be retried, as natively
             s.last_start, s.last_input = (start, _input_bytes(requests[i])) if decode else (-1, None)
             self._counters["steps"] += 1

@@ -369,8 +369,9 @@ class ReferenceShard:
     def new_sequence(self) -> SequenceKv:
         return SequenceKv(self.model, self.owned_layers)
 
-    def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None) -> np.ndarray:
-        """Appends the input to `seq` and returns residual rows (non-tail) or the last token's logits (tail)."""
+    def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None, n_logits: int = 1) -> np.ndarray:
+        """Appends the input to `seq` and returns residual rows (non-tail) or the last n_logits tokens'
+        logits, flat (tail)."""
         if (tokens is None) == (hidden is None):
             raise InvalidInputError("pass exactly one of tokens or hidden")
         if tokens is not None:
@@ -392,5 +393,5 @@ class ReferenceShard:
             new_layers[il] = (np.concatenate([past_k, k]), np.concatenate([past_v, v]))
         seq.layers = new_layers  # committed only once every layer succeeded
         if self.is_tail:
-            return self.model.lm_head(x[-1:])[0].astype(np.float32)
+            return self.model.lm_head(x[-n_logits:]).astype(np.float32).reshape(-1)
         return x.astype(np.float32)

@@ -87,7 +87,7 @@ class ReferenceStepLoop:
                 if t.deferred != deferred or (kind is not None and t.step.kind != kind):
                     continue
                 left = t.step.n_tokens - t.offset
-                if t.step.kind == StepKind.PREFILL:
+                if t.step.kind == StepKind.PREFILL and t.step.logit_rows == 1:
                     n = min(left, min(self.prefill_chunk, room) if others_waiting else room)
                 elif left > room:
                     continue
@@ -108,7 +108,8 @@ class ReferenceStepLoop:
                                  chunk if step.token_ids is not None else None,
                                  np.ascontiguousarray(chunk) if step.hidden is not None else None,
                                  start_pos=position if step.kind == StepKind.PREFILL and position >= 0 else None,
-                                 expected_seq_len=position if step.kind == StepKind.DECODE and position >= 0 else None))
+                                 expected_seq_len=position if step.kind == StepKind.DECODE and position >= 0 else None,
+                                 logit_rows=step.logit_rows if n == step.n_tokens else 1))
         answers = self.engine.step(requests, now)
         self._stats["steps"] += 1
         for (t, n), (r, out) in zip(parts, answers):

@@ -15,6 +15,10 @@
   stays. The prompt may be the whole conversation: the longest prefix of it the session holds (by
   the head's record of its last stream) is kept, the rest truncated by the prefill's position.
 - The final event is always the last one a stream gets: stop, length, cancelled, shutdown, error.
+- Speculative decoding (speculation.py): past the prompt, a step may carry drafts after the last
+  sampled token; the tail answers the drafts it accepted and one token of its own, so a step yields
+  1 to k + 1 tokens. The route then holds the rejected drafts' positions too (`held`): the next
+  step is a prefill at the position after the accepted ones, which cuts them on every shard.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ import threading
 import time
 from collections import OrderedDict
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from ..engine.hot_kv import StepKind, check_key
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .prefixes import PREFIX_BLOCK_TOKENS
 from .sampling import MAX_TOP_LOGPROBS, params_from_wire
+from .speculation import MAX_DRAFTS, DraftControl, NgramDrafter, StepCost
 
 #: prompt tokens per step: a long prompt does not hold up the decoders grouped with it for long
 GENERATE_CHUNK = 256
@@ -62,12 +67,13 @@ class _Stream:
     """One Generate call: its session's tokens on the head, and the events for its handler."""
 
     def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
-                 cached: int, deadline: float | None, detokenize, events=None):
+                 cached: int, deadline: float | None, detokenize, events=None, max_drafts: int = 0):
         self.principal, self.key, self.req = principal, key, req
         self.params = params
         self.max_tokens = max_tokens
         self.tokens = list(req.prompt)       # every token; the route holds the first `computed`
         self.computed = cached
+        self.held = cached                   # positions the route holds (more than computed after rejected drafts)
         self.cached = cached
         self.first_step = True               # a prefill (at `computed`: truncating what follows)
         self.draws = 0
@@ -83,7 +89,9 @@ class _Stream:
         self.t_start = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
-        self.sent = (0, False)                # the step in flight: (tokens sent, whether the tail samples)
+        self.sent = (0, False, [])            # the step in flight: (tokens sent, whether the tail samples, drafts)
+        self.control = DraftControl(max_drafts)  # speculative decoding: drafts per step, counters
+        self.drafter = NgramDrafter() if max_drafts else None
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
         self.prefix = None                    # its PrefixPlan (prefixes.py), made at its first step
@@ -103,19 +111,30 @@ class _Stream:
         if self.prefix is not None and self.prefix.open_tokens:
             self.computed = self.prefix.open_tokens
 
-    def request(self, wire_dtype: int) -> tuple[StepKind, pb.StepRequest]:
+    def drafts(self, beta: float) -> list[int]:
+        """The drafts for a step that continues generation (none while the prompt is being sent): as
+        many as DraftControl finds worth it at the route's cost beta, never past max_tokens."""
+        if self.drafter is None or self.first_step or self.computed != len(self.tokens) - 1:
+            return []
+        k = min(self.control.k(beta), self.max_tokens - len(self.generated) - 1)
+        return self.drafter.propose(self.tokens, k)
+
+    def request(self, wire_dtype: int, beta: float = 0.0) -> tuple[StepKind, pb.StepRequest]:
         start = self.computed
         end = start + GENERATE_CHUNK
         plan = self.prefix
         if plan is not None and plan.store_tokens > start:
             end = min(end, plan.store_tokens)  # the step that stores a prefix ends with it
-        chunk = self.tokens[start:end]
-        final = start + len(chunk) == len(self.tokens)
+        drafts = self.drafts(beta)
+        chunk = self.tokens[start:end] + drafts
+        final = start + len(chunk) - len(drafts) == len(self.tokens)
         opening = plan.open_tokens if plan is not None and self.first_step and start == plan.open_tokens else 0
-        storing = plan.store_tokens if plan is not None and start + len(chunk) == plan.store_tokens else 0
-        kind = StepKind.PREFILL if self.first_step or len(chunk) > 1 or opening or storing else StepKind.DECODE
+        storing = plan.store_tokens if plan is not None and not drafts and start + len(chunk) == plan.store_tokens else 0
+        # a prefill at `start` also cuts positions the route holds past it (rejected drafts)
+        kind = (StepKind.PREFILL if self.first_step or len(chunk) > 1 or opening or storing or self.held > start
+                else StepKind.DECODE)
         req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
-                             reply_dtype=wire_dtype, position=start)
+                             reply_dtype=wire_dtype, position=start, draft_tokens=drafts)
         if opening or storing:
             req.prefix.keys.extend(plan.keys)
             req.prefix.open_tokens, req.prefix.store_tokens = opening, storing
@@ -126,7 +145,7 @@ class _Stream:
                 req.sampler.params.CopyFrom(self.req.sampling)
                 req.sampler.draws = self.draws
                 req.sampler.recent.extend(self.tokens[-window:] if window else [])
-        self.sent = (len(chunk), final)
+        self.sent = (len(chunk), final, drafts)
         return kind, req
 
 
@@ -142,6 +161,7 @@ class _RouteLoop:
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f) for a, f in forward]
         self.n_groups = 1 + len(forward)
+        self.cost = StepCost()  # the route's step time against tokens per step (speculation's beta)
         self.streams: list[_Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
@@ -237,11 +257,16 @@ class _RouteLoop:
         for s in live:
             if s.first_step and not s.planned:
                 s.plan_prefix(owner.servicer.prefixes)
-        items = [s.request(self.wire_dtype) for s in live]
+        beta = self.cost.beta(len(live))
+        items = [s.request(self.wire_dtype, beta) for s in live]
         from .worker import _Refused  # the worker module imports this one
+        generating = all(not s.first_step and s.sent[1] for s in live)  # steps past the prompt: timed
+        t0 = time.perf_counter()
         try:
             replies = owner.servicer.run_steps(self.principal, (), items, self.forward,
                                                now + owner.servicer.max_hop_s, batch=True, own_loop=True)
+            if generating:
+                self.cost.observe(sum(s.sent[0] for s in live), time.perf_counter() - t0)
         except _Refused as e:
             for s in live:
                 owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
@@ -253,8 +278,10 @@ class _RouteLoop:
 class GenerationLoops:
     """Every Generate stream of a head worker, and the record of what each session holds."""
 
-    def __init__(self, servicer, registry):
+    def __init__(self, servicer, registry, draft_source: str = "ngram", max_drafts: int = 0):
         self.servicer = servicer
+        self.draft_source = draft_source   # speculative decoding: where drafts come from ("off": none)
+        self.max_drafts = max_drafts if draft_source != "off" else 0  # a request's default
         self.cond = threading.Condition()
         self.loops: dict[tuple, _RouteLoop] = {}
         self.streams: dict[str, _Stream] = {}          # engine key -> its running stream
@@ -269,6 +296,10 @@ class GenerationLoops:
         self.ttft = Histogram("llama_shard_generate_time_to_first_token_seconds",
                               "Time from a Generate call to its first token", registry=registry,
                               buckets=(.01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+        self.drafted = Counter("llama_shard_draft_tokens", "Drafts Generate streams sent to be verified",
+                               registry=registry)
+        self.accepted = Counter("llama_shard_draft_accepted_tokens", "Drafts the tail accepted", registry=registry)
+        self.drafted_total = self.accepted_total = 0
         self.itl = Histogram("llama_shard_generate_inter_token_seconds", "Time between a stream's tokens",
                              registry=registry, buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1, 2))
 
@@ -279,7 +310,7 @@ class GenerationLoops:
         """A running stream, or the final event of one refused before anything was computed. Its
         events go to `events.put` (default: a SimpleQueue the gRPC handler reads)."""
         try:
-            params, max_tokens = self._check(req)
+            params, max_tokens, max_drafts = self._check(req)
             key = self.servicer.security.engine_key(principal, req.session_id)
         except InvalidInputError as e:
             return pb.GenerateFinal(finish_reason="error", outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(e),
@@ -307,7 +338,7 @@ class GenerationLoops:
             if record is not None and record[0] == req.route_epoch:
                 cached = min(_common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
             stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize,
-                             events)
+                             events, max_drafts)
             route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
             loop_key = (principal, route, req.wire_dtype)
             loop = self.loops.get(loop_key)
@@ -318,7 +349,7 @@ class GenerationLoops:
         return stream
 
     def _check(self, req: pb.GenerateRequest):
-        """(sampling params or None, max_tokens); InvalidInputError says what is wrong."""
+        """(sampling params or None, max_tokens, max drafts per step); InvalidInputError says what is wrong."""
         sv = self.servicer
         info, context = sv.info, sv.manager.config.context_tokens
         check_key(req.session_id, req.route_epoch)
@@ -356,14 +387,19 @@ class GenerationLoops:
             raise InvalidInputError(f"keep_prefix is {req.keep_prefix}; it counts prompt tokens (0..{n})")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidInputError(f"top_logprobs is {req.top_logprobs}; it must be 0..{MAX_TOP_LOGPROBS}")
+        if req.HasField("max_drafts") and not 0 <= req.max_drafts <= MAX_DRAFTS:
+            raise InvalidInputError(f"max_drafts is {req.max_drafts}; it must be 0 (off) to {MAX_DRAFTS}")
         params = params_from_wire(req.sampling, info.n_vocab, context) if req.HasField("sampling") else None
-        return params, req.max_tokens or room
+        max_drafts = req.max_drafts if req.HasField("max_drafts") else self.max_drafts
+        if self.draft_source == "off" or req.logprobs or req.top_logprobs:  # a verification returns no logprobs
+            max_drafts = 0
+        return params, req.max_tokens or room, max_drafts
 
     # --- the loop's outcomes -------------------------------------------------------------------
 
     def settle(self, s: _Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
-        n_sent, final = s.sent
+        n_sent, final, drafts = s.sent
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             s.reprefills += 1
             s.misses_in_row += 1
@@ -373,7 +409,7 @@ class GenerationLoops:
             else:
                 if reply.miss_reason == "PREFIX_EVICTED":  # a shard lacks the prefix: this time it is computed
                     s.may_open = False
-                s.computed, s.first_step, s.cached = 0, True, 0
+                s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
                 s.planned, s.prefix, s.prefix_tokens = False, None, 0
             return
         if reply.outcome != pb.OUTCOME_OK:
@@ -381,16 +417,38 @@ class GenerationLoops:
             return
         if s.first_step and s.prefix is not None and s.prefix.open_tokens:
             s.prefix_tokens = s.prefix.open_tokens
-        s.computed += n_sent
         s.first_step = False
         s.misses_in_row = 0
         if not final:
+            s.computed += n_sent
+            s.held = s.computed
             return
-        token = reply.token_id
-        if not 0 <= token < self.servicer.info.n_vocab:  # a tail must not make the head crash
+        tokens = list(reply.tokens) if drafts else [reply.token_id]
+        n_vocab = self.servicer.info.n_vocab
+        # a tail must not make the head crash: its answer is checked against what was asked
+        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[:len(tokens) - 1]:
             self.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, stage=reply.stage,
-                        detail=f"the tail answered token {token}, outside the vocabulary")
+                        detail=f"the tail answered {len(tokens)} tokens that do not verify the {len(drafts)} drafts sent")
             return
+        if not 0 <= tokens[-1] < n_vocab:
+            self.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, stage=reply.stage,
+                        detail=f"the tail answered token {tokens[-1]}, outside the vocabulary")
+            return
+        accepted = len(tokens) - 1
+        s.held = s.computed + n_sent            # the rejected drafts' positions too, until the next step cuts them
+        s.computed += n_sent - len(drafts) + accepted
+        s.control.update(len(drafts), accepted)
+        if drafts:
+            self.drafted.inc(len(drafts))
+            self.accepted.inc(accepted)
+            self.drafted_total += len(drafts)  # for Info (read without prometheus' internals)
+            self.accepted_total += accepted
+        for token in tokens:
+            if not self._emit(s, token, reply):
+                return
+
+    def _emit(self, s: _Stream, token: int, reply: pb.StepReply) -> bool:
+        """One sampled token to the stream's client; False once the stream has finished."""
         if s.params is not None:
             s.draws += 1
         now = time.monotonic()
@@ -414,12 +472,13 @@ class GenerationLoops:
         s.events.put(pb.GenerateEvent(token=event))
         if token in s.req.stop_token_ids:
             self.finish(s, "stop", stop=f"token {token}")
-            return
+            return False
         hit = next((x for x in s.req.stop if x in text[start:]), None)
         if hit is not None:
             self.finish(s, "stop", stop=hit)
         elif len(s.generated) >= s.max_tokens:
             self.finish(s, "length")
+        return not s.done
 
     def finish(self, s: _Stream, reason: str, *, outcome: int = pb.OUTCOME_OK, stage: int = 0, detail: str = "",
                miss_reason: str = "", stop: str = "") -> None:
@@ -432,14 +491,15 @@ class GenerationLoops:
             finish_reason=reason, outcome=outcome, stage=stage, detail=detail, miss_reason=miss_reason,
             prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
-            seq_len=s.computed, stop=stop, prefix_tokens=s.prefix_tokens)
+            seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=s.prefix_tokens,
+            drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted)
         with self.cond:
             if self.streams.get(s.key) is s:
                 del self.streams[s.key]
             if reason == "error":
                 self._records.pop(s.key, None)  # the route's state is unknown: the next stream starts over
             else:
-                self._records[s.key] = (s.req.route_epoch, s.tokens[:s.computed])
+                self._records[s.key] = (s.req.route_epoch, s.tokens[:s.computed])  # (drafts past it: cut by the next prefill)
                 self._records.move_to_end(s.key)
                 while len(self._records) > self._records_cap:
                     self._records.popitem(last=False)

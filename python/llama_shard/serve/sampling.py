@@ -17,6 +17,7 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
+from .speculation import verify
 
 #: the most alternatives a caller may ask for per token (OpenAI's top_logprobs bound)
 MAX_TOP_LOGPROBS = 20
@@ -87,6 +88,12 @@ class TailSamplers:
         self.rebuilds = 0
 
     def sample(self, key: tuple, params: SamplingParams, state: pb.SamplerState, logits: np.ndarray) -> int:
+        return self.sample_rows(key, params, state, logits.reshape(1, -1), [])[0]
+
+    def sample_rows(self, key: tuple, params: SamplingParams, state: pb.SamplerState, rows: np.ndarray,
+                    drafts: list[int]) -> list[int]:
+        """A verification (speculation.verify) with the session's sampler: row by row, each draw
+        accepted as one step's would be, until a token is not the next draft."""
         pkey, recent, draws = params_key(params), tuple(state.recent), state.draws
         with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
             kept = self._kept.pop(key, None)
@@ -95,15 +102,19 @@ class TailSamplers:
         else:
             sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws)
             self.rebuilds += 1
-        token = sampler.sample(logits)
-        sampler.accept(token)
+
+        def draw(row):
+            token = sampler.sample(np.ascontiguousarray(row))
+            sampler.accept(token)
+            return token
+        tokens = verify(rows, drafts, draw)
         window = params.penalty_last_n
-        after = (recent + (token,))[-window:] if window else ()
+        after = (recent + tuple(tokens))[-window:] if window else ()
         with self._lock:
-            self._kept[key] = (sampler, pkey, draws + 1, after)
+            self._kept[key] = (sampler, pkey, draws + len(tokens), after)
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
-        return token
+        return tokens
 
     def forget(self, key: tuple) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -45,6 +46,7 @@ from . import DEFAULT_MAX_HOP_S
 from .generation import GenerationLoops, max_generate_streams
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
+from .speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, verify
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
@@ -79,6 +81,8 @@ class WorkerOptions:
     max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
     http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
     share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
+    draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
+    max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
 
 
 class _EngineCollector:
@@ -280,7 +284,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
-        self.generation = GenerationLoops(self, registry)
+        if options.draft not in DRAFT_SOURCES or not 0 <= options.max_drafts <= MAX_DRAFTS:
+            raise InvalidInputError(f"draft source {options.draft!r} with max drafts {options.max_drafts}: the source "
+                                    f"is one of {', '.join(DRAFT_SOURCES)}, max drafts 0..{MAX_DRAFTS}")
+        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts)
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -487,6 +494,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                  logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
+            nxt.draft_tokens.extend(req.draft_tokens)
             if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
                 del nxt.prefix.keys[:]
@@ -531,9 +539,30 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                   if req.HasField("hidden") else None)
         position = req.position if req.HasField("position") else None
         key = self.security.engine_key(principal, req.session_id)
+        n_drafts = len(req.draft_tokens)
+        if n_drafts:
+            self._check_drafts(req, kind, tokens, hidden, n_drafts)
         if kind == StepKind.PREFILL:
-            return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position)
+            return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position,
+                                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
+
+    def _check_drafts(self, req, kind, tokens, hidden, n_drafts: int) -> None:
+        """A verification step (StepRequest.draft_tokens) fits the protocol, or InvalidInputError."""
+        if n_drafts > MAX_DRAFTS:
+            raise InvalidInputError(f"a step carries at most {MAX_DRAFTS} drafts, got {n_drafts}")
+        if kind != StepKind.PREFILL or not req.HasField("position"):
+            raise InvalidInputError("a step with drafts is a prefill at an explicit position")
+        n_rows = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+        if n_drafts >= n_rows:
+            raise InvalidInputError(f"{n_drafts} drafts need a step of at least {n_drafts + 1} tokens (the last "
+                                    f"sampled one first), got {n_rows}")
+        if any(not 0 <= t < self.info.n_vocab for t in req.draft_tokens):
+            raise InvalidInputError(f"a draft token is outside the vocabulary (0..{self.info.n_vocab - 1})")
+        if tokens is not None and tokens[-n_drafts:] != list(req.draft_tokens):
+            raise InvalidInputError("the drafts must be the step's last token ids")
+        if req.logprobs or req.top_logprobs:
+            raise InvalidInputError("a step with drafts does not return logprobs; send it without drafts")
 
     def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> tuple | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
@@ -587,13 +616,19 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if isinstance(out, CacheMiss):
             return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
         if isinstance(out, TailOutput):
-            token = out.token_id
-            if params is not None:
-                try:
-                    token = self.samplers.sample(key, params, req.sampler, out.logits)
-                except LlamaShardError as e:  # e.g. a non-finite logit: this step fails, not the batch
-                    return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=f"sampling failed: {e}")
+            drafts = list(req.draft_tokens)
+            rows = out.rows if out.rows is not None else out.logits.reshape(1, -1)
+            try:
+                if params is not None:
+                    tokens = self.samplers.sample_rows(key, params, req.sampler, rows, drafts)
+                else:
+                    tokens = verify(rows, drafts, lambda row: int(np.argmax(row)))
+            except LlamaShardError as e:  # e.g. a non-finite logit: this step fails, not the batch
+                return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=f"sampling failed: {e}")
+            token = tokens[-1]
             reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=token)
+            if drafts:
+                reply.tokens.extend(tokens)
             if req.logprobs or req.top_logprobs:
                 logprob, top = log_softmax_of(out.logits, token, req.top_logprobs)
                 reply.logprob = logprob
@@ -683,7 +718,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             prefix_entries=st["prefix_entries"], prefix_bytes=st["prefix_bytes"], prefix_capacity=st["prefix_capacity"],
             prefix_hits=st["prefix_hits"], prefix_tokens_saved=st["prefix_tokens_saved"],
             prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
-            share_prefixes=self.prefixes.share, tokens_computed=st["tokens_computed"])
+            share_prefixes=self.prefixes.share, tokens_computed=st["tokens_computed"],
+            draft_source=self.generation.draft_source, drafted_tokens=self.generation.drafted_total,
+            accepted_tokens=self.generation.accepted_total)
 
 
 class ShardWorker:

@@ -1,0 +1,161 @@
+"""Speculative decoding on the route: the head drafts, one route step verifies, the tail accepts.
+
+- Drafts (the head): prompt lookup. The longest n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that
+  ends the session's tokens and occurred before names the tokens that followed it then; those are
+  the drafts. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
+  are often right.
+- How many (the head, per stream): `DraftControl` picks k in 0..max_drafts maximising expected
+  tokens per step over the step's cost, E(k) / (1 + beta k), with E(k) = 1 + a + ... + a^k for the
+  stream's acceptance rate a (each draft accepted with probability a, given the ones before it) and
+  beta the route's measured cost of one more token per step relative to a one-token step
+  (`StepCost`: a fit of the loop's step times against the tokens they carried). Where drafting does
+  not pay, k is 0; one step in PROBE_EVERY still drafts one token, so the rate follows the text.
+- Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
+  have sampled from had the step ended at its i-th token; it samples row by row with the session's
+  sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
+  the first token that is not the next draft. Drafts are deterministic (q puts all its mass on the
+  draft d), so the standard speculative-sampling rule (accept d with probability min(1, p(d)/q(d))
+  = p(d), otherwise sample from max(0, p - q) renormalised = p without d) is exactly this: draw
+  y ~ p, accept when y == d, else answer y. The tokens are the ones non-speculative generation
+  draws with the same seed from the same logits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._native import MAX_LOGIT_ROWS
+
+#: the most drafts one step carries (a step returns at most MAX_LOGIT_ROWS rows of logits)
+MAX_DRAFTS = MAX_LOGIT_ROWS - 1
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+#: a stream whose drafting does not pay drafts one token every this many steps (to follow the text)
+PROBE_EVERY = 8
+#: before the route's steps were timed: one more token per step costs this fraction of a step
+PRIOR_BETA = 0.3
+DRAFT_SOURCES = ("ngram", "off")
+#: a request's most drafts per step unless it says (serve --max-drafts)
+DEFAULT_MAX_DRAFTS = 8
+
+
+class NgramDrafter:
+    """Prompt lookup over one session's tokens, indexed as they grow (O(1) per token)."""
+
+    def __init__(self):
+        self._index: dict[tuple, int] = {}  # n-gram -> the position after its latest earlier occurrence
+        self._indexed = 0                     # n-grams ending before this index are in _index
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of the tokens' last n-gram."""
+        n_tok = len(tokens)
+        # index every n-gram that has a continuation (ends before the last token)
+        for end in range(self._indexed, n_tok - 1):
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end + 1 >= n:
+                    self._index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        self._indexed = max(self._indexed, n_tok - 1)
+        if k <= 0:
+            return []
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if n_tok < n:
+                continue
+            at = self._index.get(tuple(tokens[n_tok - n:]))
+            if at is not None:
+                return tokens[at:at + k]
+        return []
+
+    def reset(self) -> None:
+        """The tokens were replaced (a new prompt): index them again."""
+        self._index.clear()
+        self._indexed = 0
+
+
+class StepCost:
+    """The route's step time against the tokens a step carried: a least-squares line over the
+    loop's recent steps (exponentially forgotten), giving the relative cost of one more token."""
+
+    DECAY = 0.95
+
+    def __init__(self):
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + tokens, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+
+    def beta(self, base_tokens: int = 1) -> float:
+        """Cost of one more token relative to a step of base_tokens (PRIOR_BETA until the steps seen
+        differ in size enough to fit a slope)."""
+        w = self._w
+        if w < 2:
+            return PRIOR_BETA
+        var = self._xx / w - (self._x / w) ** 2
+        if var < 0.25:
+            return PRIOR_BETA
+        slope = (self._xy / w - self._x / w * self._y / w) / var
+        intercept = self._y / w - slope * self._x / w
+        base = intercept + slope * base_tokens
+        if base <= 0:
+            return PRIOR_BETA
+        return max(slope, 0.0) / base
+
+
+class DraftControl:
+    """One stream's number of drafts per step (see the module's docstring) and its counters."""
+
+    DECAY = 0.9
+
+    def __init__(self, max_drafts: int):
+        self.max_drafts = max_drafts
+        self._accepted, self._rejected = 1.0, 1.0  # prior: a = 0.5, worth two drafts
+        self._idle = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    @property
+    def rate(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    def k(self, beta: float) -> int:
+        if self.max_drafts <= 0:
+            return 0
+        a = min(self.rate, 0.999)
+        best_k, best, e, ai = 0, 1.0, 1.0, 1.0
+        for k in range(1, self.max_drafts + 1):
+            ai *= a
+            e += ai
+            value = e / (1 + beta * k)
+            if value > best:
+                best_k, best = k, value
+        if best_k == 0:
+            self._idle += 1
+            if self._idle >= PROBE_EVERY:
+                self._idle = 0
+                return 1
+        else:
+            self._idle = 0
+        return best_k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A verification's outcome: `accepted` of `drafted` drafts, the first rejected one after."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        d = self.DECAY
+        self._accepted = d * self._accepted + accepted
+        self._rejected = d * self._rejected + (1 if accepted < drafted else 0)
+
+
+def verify(rows: np.ndarray, drafts: list[int], draw) -> list[int]:
+    """The tail's answer to a step with drafts: `draw(row_logits)` samples (and accepts) one token
+    from a row, as one step would; the accepted drafts, then the first token drawn that was not the
+    next draft (or the token after the last draft)."""
+    out = []
+    for i in range(len(drafts) + 1):
+        token = draw(rows[i])
+        out.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return out
