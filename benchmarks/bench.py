@@ -28,7 +28,8 @@ from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepK
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.openai_http import sampling_from
-from routes import ours_chat_reuse, ours_generate_streams, ours_shared_prefix, ours_two_stages, ours_worker_clients
+from routes import (ours_chat_reuse, ours_generate_streams, ours_shared_prefix, ours_speculation, ours_two_stages,
+                    ours_worker_clients)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,6 +425,25 @@ def prefixes_rows(s: Shapes) -> list[Row]:
     return rows
 
 
+def speculation_rows(s: Shapes) -> list[Row]:
+    log("speculative decoding: one Generate stream on two chained workers, with and without drafts")
+    n = s.n_layer
+    cut = compute_balanced_cut(s.path)
+    split = [(0, cut - 1), (cut, n - 1)]
+    rows = []
+    for delay, label, targets in ((10.0, "head-tail link +10 ms each way", {"repetitive": ">= 1.6", "open": ">= 0.95"}),
+                                  (0.0, "loopback", {"repetitive": ">= 1.2", "open": ""})):
+        out = ours_speculation(s.path, split, delay, tokens=32 if s.quick else 64, repeat=s.repeat)
+        for name, what in (("repetitive", "rewrite or quote a text"), ("open", "open questions")):
+            r = out[name]
+            rows.append(Row(f"speculative decoding, {label}, {name} prompts ({what}): tokens/s of one stream "
+                            f"(vs without drafts)", r["on"], r["off"], "tok/s", targets[name],
+                            f"greedy, same tokens; {r['accepted']}/{r['drafted']} drafts accepted "
+                            f"({100 * r['rate']:.0f}%); 2 workers x 1 thread ({split[0][0]}-{split[0][1]},"
+                            f"{split[1][0]}-{split[1][1]})"))
+    return rows
+
+
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
@@ -527,6 +547,7 @@ def cpu_kernel_rows(s: Shapes) -> list[Row]:
 
 
 SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, prefixes_rows,
+            speculation_rows,
             memory_rows,
             engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}

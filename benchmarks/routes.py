@@ -23,6 +23,7 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
 from llama_shard.serve.security import ClientSecurity
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.speculation import DEFAULT_MAX_DRAFTS
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
 TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}
@@ -463,3 +464,101 @@ def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int 
     finally:
         for proc, _ in procs:
             stop_worker(proc)
+
+
+#: the speculation rows' prompt sets: texts to rewrite or quote (their answers repeat the prompt),
+#: and open questions (their answers do not)
+REPEAT_TEXTS = [
+    "The library opens at nine in the morning and closes at six in the evening. Members may borrow up to five "
+    "books at a time for three weeks. Late returns cost ten cents per book per day, and lost books must be "
+    "replaced or paid for at the price printed inside the cover.",
+    "To reset the router, unplug it from the wall, wait thirty seconds, and plug it back in. When the green light "
+    "stops blinking, open the settings page, sign in with the password on the label, and choose a new network "
+    "name and a new password.",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return total / len(values)\n\n"
+    "def variance(values):\n    m = mean(values)\n    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+    "    return total / len(values)\n",
+    "Dear team, the quarterly review moves from Tuesday to Thursday at two o'clock in the large meeting room. "
+    "Please bring your project updates, your budget figures for the next quarter, and a list of the risks you "
+    "see. Lunch will be served before the meeting.",
+]
+REPEAT_ASK = ["Rewrite the following text exactly as it is written.\n\nText: {}\n\nRewritten text: ",
+              "Quote the following text word for word.\n\n{}\n\nQuote: "]
+OPEN_QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                  "Explain in simple words why the sky is blue during the day and red at sunset.",
+                  "List some ideas for a birthday party for a ten year old who loves dinosaurs.",
+                  "Describe how bread is made, from the wheat field to the bakery shelf."]
+
+
+def speculation_prompts(vocab_model: ShardModel) -> dict[str, list[list[int]]]:
+    """The two prompt sets, tokenized: 'repetitive' (rewrite or quote a text) and 'open' (questions)."""
+    repeat = [REPEAT_ASK[i % 2].format(t) for i, t in enumerate(REPEAT_TEXTS)]
+    return {"repetitive": [vocab_model.tokenize(p) for p in repeat],
+            "open": [vocab_model.tokenize(p) for p in OPEN_QUESTIONS]}
+
+
+def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float, tokens: int = 64,
+                     repeat: int = 1, worker_flags: tuple = ()) -> dict:
+    """One Generate stream at a time on two chained 1-thread workers, greedy, `tokens` each, with
+    speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
+    turns on the same workers; with delay_ms > 0 the head reaches the tail through a proxy that
+    delays each direction by that much. Returns per prompt set: tokens/s of whole requests with and
+    without (best of `repeat`), the acceptance rate, and the drafts per step."""
+    from delay_proxy import DelayProxy
+
+    vocab = ShardModel(str(path), (0, 0), 1)
+    sets = speculation_prompts(vocab)
+    context = max(len(p) for ps in sets.values() for p in ps) + tokens + 16
+    common = ("--max-sessions", "4", "--context-tokens", str(context), "--budget-tokens", str(4 * context),
+              *worker_flags)
+    tail, tail_addr = start_worker(path, *ranges[1], 1, extra=common)
+    procs = [tail]
+    proxy = DelayProxy(tail_addr, delay_ms / 1000) if delay_ms > 0 else None
+    try:
+        wait_serving(tail, tail_addr)
+        peer = tail_addr
+        if proxy is not None:
+            peer = proxy.__enter__().address
+        head, head_addr = start_worker(path, *ranges[0], 1, extra=("--peer", peer, *common))
+        procs.append(head)
+        wait_serving(head, head_addr)
+        forward = [pb.Hop(address=peer)]
+        out = {}
+        with grpc.insecure_channel(head_addr) as ch:
+            stub = pb_grpc.ShardServiceStub(ch)
+
+            def run(prompts, max_drafts, tag):
+                t0, generated, drafted, accepted, outputs = time.perf_counter(), 0, 0, 0, []
+                for i, prompt in enumerate(prompts):
+                    req = pb.GenerateRequest(session_id=f"{tag}-{i}-{time.monotonic_ns()}", prompt=prompt,
+                                             max_tokens=tokens, forward=forward, max_drafts=max_drafts)
+                    events = list(stub.Generate(req, timeout=600))
+                    final = events[-1].final
+                    if final.finish_reason != "length":
+                        raise RuntimeError(f"a Generate stream failed: {final}")
+                    outputs.append([e.token.token_id for e in events[:-1]])
+                    generated += final.completion_tokens
+                    drafted += final.drafted_tokens
+                    accepted += final.accepted_tokens
+                    stub.Release(pb.SessionRequest(session_id=req.session_id), timeout=10)
+                return generated / (time.perf_counter() - t0), drafted, accepted, outputs
+
+            run(sets["open"][:1], 0, "warm-up")
+            for name, prompts in sets.items():
+                best_on = best_off = 0.0
+                for _ in range(repeat):
+                    off, _, _, plain = run(prompts, 0, "plain")
+                    on, drafted, accepted, spec = run(prompts, DEFAULT_MAX_DRAFTS, "spec")
+                    if spec != plain:  # greedy: speculation must not change a token
+                        raise RuntimeError(f"speculative decoding changed the greedy tokens of the {name} set")
+                    best_on, best_off = max(best_on, on), max(best_off, off)
+                out[name] = {"on": best_on, "off": best_off, "rate": accepted / max(drafted, 1),
+                             "drafted": drafted, "accepted": accepted}
+                log(f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
+                    f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted")
+        return out
+    finally:
+        for proc in procs:
+            stop_worker(proc)
+        if proxy is not None:
+            proxy.__exit__(None, None, None)

@@ -111,21 +111,21 @@ class _Stream:
         if self.prefix is not None and self.prefix.open_tokens:
             self.computed = self.prefix.open_tokens
 
-    def drafts(self, beta: float) -> list[int]:
+    def drafts(self, cost: list[float]) -> list[int]:
         """The drafts for a step that continues generation (none while the prompt is being sent): as
-        many as DraftControl finds worth it at the route's cost beta, never past max_tokens."""
+        many as DraftControl finds worth it at the route's step cost, never past max_tokens."""
         if self.drafter is None or self.first_step or self.computed != len(self.tokens) - 1:
             return []
-        k = min(self.control.k(beta), self.max_tokens - len(self.generated) - 1)
+        k = min(self.control.k(cost), self.max_tokens - len(self.generated) - 1)
         return self.drafter.propose(self.tokens, k)
 
-    def request(self, wire_dtype: int, beta: float = 0.0) -> tuple[StepKind, pb.StepRequest]:
+    def request(self, wire_dtype: int, cost: list[float] | None = None) -> tuple[StepKind, pb.StepRequest]:
         start = self.computed
         end = start + GENERATE_CHUNK
         plan = self.prefix
         if plan is not None and plan.store_tokens > start:
             end = min(end, plan.store_tokens)  # the step that stores a prefix ends with it
-        drafts = self.drafts(beta)
+        drafts = self.drafts(cost) if cost is not None else []
         chunk = self.tokens[start:end] + drafts
         final = start + len(chunk) - len(drafts) == len(self.tokens)
         opening = plan.open_tokens if plan is not None and self.first_step and start == plan.open_tokens else 0
@@ -161,7 +161,7 @@ class _RouteLoop:
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f) for a, f in forward]
         self.n_groups = 1 + len(forward)
-        self.cost = StepCost()  # the route's step time against tokens per step (speculation's beta)
+        self.cost = StepCost()  # the route's step time by tokens per step (what a draft costs)
         self.streams: list[_Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
@@ -257,16 +257,16 @@ class _RouteLoop:
         for s in live:
             if s.first_step and not s.planned:
                 s.plan_prefix(owner.servicer.prefixes)
-        beta = self.cost.beta(len(live))
-        items = [s.request(self.wire_dtype, beta) for s in live]
+        cost = self.cost.relative()
+        items = [s.request(self.wire_dtype, cost) for s in live]
         from .worker import _Refused  # the worker module imports this one
         generating = all(not s.first_step and s.sent[1] for s in live)  # steps past the prompt: timed
         t0 = time.perf_counter()
         try:
             replies = owner.servicer.run_steps(self.principal, (), items, self.forward,
                                                now + owner.servicer.max_hop_s, batch=True, own_loop=True)
-            if generating:
-                self.cost.observe(sum(s.sent[0] for s in live), time.perf_counter() - t0)
+            if generating:  # timed by the largest stream's step (what the batch's size follows)
+                self.cost.observe(max(s.sent[0] for s in live), time.perf_counter() - t0)
         except _Refused as e:
             for s in live:
                 owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))

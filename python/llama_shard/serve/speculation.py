@@ -5,11 +5,11 @@
   the drafts. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
   are often right.
 - How many (the head, per stream): `DraftControl` picks k in 0..max_drafts maximising expected
-  tokens per step over the step's cost, E(k) / (1 + beta k), with E(k) = 1 + a + ... + a^k for the
+  tokens per step over the step's cost, E(k) / c(k), with E(k) = 1 + a + ... + a^k for the
   stream's acceptance rate a (each draft accepted with probability a, given the ones before it) and
-  beta the route's measured cost of one more token per step relative to a one-token step
-  (`StepCost`: a fit of the loop's step times against the tokens they carried). Where drafting does
-  not pay, k is 0; one step in PROBE_EVERY still drafts one token, so the rate follows the text.
+  c(k) the route's measured time of a step of k + 1 tokens relative to a step of 1 (`StepCost`:
+  the loop's own steps, timed by size; llama.cpp's cost is not linear in the rows). Where drafting
+  does not pay, k is 0; one step in PROBE_EVERY still drafts one token, so the rate follows the text.
 - Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
   sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
@@ -31,8 +31,9 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 #: a stream whose drafting does not pay drafts one token every this many steps (to follow the text)
 PROBE_EVERY = 8
-#: before the route's steps were timed: one more token per step costs this fraction of a step
-PRIOR_BETA = 0.3
+#: a step size not timed yet: one more token costs this fraction of a one-token step (a guess on the
+#: low side, so that a size is tried; llama.cpp measured 0.2-0.5 per shard: docs/benchmarks.md)
+PRIOR_BETA = 0.15
 DRAFT_SOURCES = ("ngram", "off")
 #: a request's most drafts per step unless it says (serve --max-drafts)
 DEFAULT_MAX_DRAFTS = 8
@@ -71,34 +72,34 @@ class NgramDrafter:
 
 
 class StepCost:
-    """The route's step time against the tokens a step carried: a least-squares line over the
-    loop's recent steps (exponentially forgotten), giving the relative cost of one more token."""
+    """The route's step time by the tokens each stream's step carried (1 .. MAX_LOGIT_ROWS), each an
+    exponential average of the loop's recent steps. A size not timed yet is priced from the largest
+    smaller one timed, PRIOR_BETA of a one-token step per extra token (optimistic: a size is timed
+    once tried, and dropped again where it does not pay)."""
 
-    DECAY = 0.95
+    DECAY = 0.8
 
     def __init__(self):
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._t = [0.0] * (MAX_LOGIT_ROWS + 1)  # index: tokens per stream's step; 0.0: not timed
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.DECAY
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + tokens, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+    def observe(self, tokens_per_stream: int, seconds: float) -> None:
+        n = min(max(tokens_per_stream, 1), MAX_LOGIT_ROWS)
+        old = self._t[n]
+        self._t[n] = seconds if old == 0.0 else self.DECAY * old + (1 - self.DECAY) * seconds
 
-    def beta(self, base_tokens: int = 1) -> float:
-        """Cost of one more token relative to a step of base_tokens (PRIOR_BETA until the steps seen
-        differ in size enough to fit a slope)."""
-        w = self._w
-        if w < 2:
-            return PRIOR_BETA
-        var = self._xx / w - (self._x / w) ** 2
-        if var < 0.25:
-            return PRIOR_BETA
-        slope = (self._xy / w - self._x / w * self._y / w) / var
-        intercept = self._y / w - slope * self._x / w
-        base = intercept + slope * base_tokens
+    def relative(self) -> list[float]:
+        """Cost of a step of n tokens relative to one of 1 token, for n = 1 .. MAX_LOGIT_ROWS (index n - 1)."""
+        base = self._t[1]
         if base <= 0:
-            return PRIOR_BETA
-        return max(slope, 0.0) / base
+            return [1 + PRIOR_BETA * (n - 1) for n in range(1, MAX_LOGIT_ROWS + 1)]
+        out, last_n, last = [], 1, base
+        for n in range(1, MAX_LOGIT_ROWS + 1):
+            if self._t[n] > 0:
+                last_n, last = n, self._t[n]
+                out.append(last / base)
+            else:
+                out.append((last + PRIOR_BETA * base * (n - last_n)) / base)
+        return out
 
 
 class DraftControl:
@@ -117,7 +118,8 @@ class DraftControl:
     def rate(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
-    def k(self, beta: float) -> int:
+    def k(self, cost: list[float]) -> int:
+        """The drafts for the next step, given the route's relative step cost by size (StepCost.relative)."""
         if self.max_drafts <= 0:
             return 0
         a = min(self.rate, 0.999)
@@ -125,7 +127,7 @@ class DraftControl:
         for k in range(1, self.max_drafts + 1):
             ai *= a
             e += ai
-            value = e / (1 + beta * k)
+            value = e / cost[k]
             if value > best:
                 best_k, best = k, value
         if best_k == 0:

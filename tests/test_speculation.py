@@ -1,0 +1,319 @@
+"""Speculative decoding on the route (serve/speculation.py): the head drafts from the session's own
+tokens, one route step verifies, the tail accepts.
+
+What is shown here:
+- the engine's several rows of logits: a step with logit_rows k returns, for each of its last k
+  tokens, the logits one-token steps give (within llama.cpp's rounding, the same greedy token; the
+  reference engine: the same rows); out-of-range rows are refused before anything is computed;
+- the head's parts on their own: prompt lookup, the number of drafts against acceptance and cost
+  (down to none, with a probe), the tail's rule (greedy and sampled);
+- on live workers: greedy Generate with drafts gives the tokens of Generate without them, for the
+  whole SmolLM2, 2 and 3 shards, and 2 shards of Gemma 3, drafting and accepting on text that
+  repeats itself; seeded sampling with drafts is deterministic and gives the tokens without them,
+  seed by seed, and the token frequencies over many seeds pass a chi-square test against them;
+- bad input (max_drafts out of range, drafts that do not fit the step) gets INVALID_ARGUMENT and
+  changes nothing; a session truncated or released after a verification, or a tail restarted
+  between a verification and the next step, gives a miss that the next Generate re-prefills, with
+  the tokens a plain route gives.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llama_shard import KvBoundaryAdapter, ShardModel, Step
+from llama_shard._native import MAX_LOGIT_ROWS, SamplingParams
+from llama_shard.engine.hot_kv import HotKvStateConfig
+from llama_shard.engine.manager import HotKvStateManager
+from llama_shard.errors import InvalidInputError
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.serve.sampling import params_to_wire
+from llama_shard.serve.speculation import (MAX_DRAFTS, PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
+                                           verify)
+
+REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
+          "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
+          "page and choose a new password.\n\nRewritten text: ")
+OPEN = "Write a short story about a lighthouse keeper."
+
+
+# --- the head's and the tail's parts ------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_longest_earlier_ngram():
+    d = NgramDrafter()
+    tokens = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4]
+    assert d.propose(tokens, 3) == [5, 6, 9]           # [2, 3, 4] occurred before, then 5 6 9
+    tokens += [7]
+    assert d.propose(tokens, 3) == []                  # [3, 4, 7], [4, 7] never occurred
+    tokens += [1, 2]
+    assert d.propose(tokens, 8) == [3, 4, 5, 6, 9, 9, 2, 3]  # the latest earlier [1, 2]... [7, 1, 2] is new
+    assert NgramDrafter().propose([5, 5, 5], 4) == [5]  # [5, 5] was followed by one token
+    assert NgramDrafter().propose([1, 2, 1, 2], 0) == []
+
+
+def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
+    flat = [1.0 + 0.05 * n for n in range(MAX_LOGIT_ROWS)]  # drafts nearly free (a slow link)
+    steep = [1.0 + 1.0 * n for n in range(MAX_LOGIT_ROWS)]  # each token costs a whole step
+    good = DraftControl(8)
+    for _ in range(20):
+        good.update(4, 4)
+    assert good.rate > 0.9 and good.k(flat) == 8
+    assert good.k(steep) == 0 or good.k(steep) == 1  # never worth it at that cost (a probe at most)
+    bad = DraftControl(8)
+    for _ in range(20):
+        bad.update(2, 0)
+    ks = [bad.k(flat) for _ in range(3 * PROBE_EVERY)]
+    assert ks.count(1) == 3 and set(ks) == {0, 1}  # none, but one draft every PROBE_EVERY steps
+    assert DraftControl(0).k(flat) == 0
+    assert (bad.drafted, bad.accepted, good.drafted, good.accepted) == (40, 0, 80, 80)
+
+
+def test_step_cost_prices_untimed_sizes_from_timed_ones():
+    cost = StepCost()
+    assert cost.relative()[0] == 1.0 and cost.relative()[1] > 1.0
+    cost.observe(1, 0.010)
+    cost.observe(4, 0.020)
+    rel = cost.relative()
+    assert rel[0] == 1.0 and rel[3] == pytest.approx(2.0) and rel[1] < rel[3] < rel[5]
+
+
+def test_the_tail_accepts_drafts_while_its_own_draw_equals_them():
+    rows = np.zeros((4, 10), np.float32)
+    for i, best in enumerate([3, 5, 7, 1]):
+        rows[i, best] = 1.0
+    argmax = lambda row: int(np.argmax(row))  # noqa: E731
+    assert verify(rows, [3, 5, 7], argmax) == [3, 5, 7, 1]  # all accepted, then its own token
+    assert verify(rows, [3, 6, 7], argmax) == [3, 5]        # the second rejected: its own token instead
+    assert verify(rows, [2, 5, 7], argmax) == [3]
+    assert verify(rows[:1], [], argmax) == [3]
+
+
+# --- the engine's rows ----------------------------------------------------------------------------
+
+def _manager(path, layers=None, **kw):
+    model = ShardModel(str(path), layers, 1)
+    config = HotKvStateConfig(max_sessions=2, context_tokens=256, budget_tokens=512, **kw)
+    return model, HotKvStateManager(model, config, n_threads=1)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("flash_attn", [True, False], ids=["fa-on", "fa-off"])
+def test_a_step_with_several_logit_rows_gives_each_rows_one_token_logits(embedded_model, flash_attn):
+    model, mgr = _manager(embedded_model, flash_attn=flash_attn)
+    try:
+        ad = KvBoundaryAdapter(model, mgr)
+        text = model.tokenize(REPEAT)  # text, not random ids: a flat row's argmax is a coin toss
+        prompt, more = text[:40], text[40:46]
+        ad.prefill("one", 0, prompt, start_pos=0)
+        ad.prefill("rows", 0, prompt, start_pos=0)
+        singles = [ad.decode("one", 0, [t]).logits.copy() for t in more]
+        out = ad.prefill("rows", 0, more, start_pos=40, logit_rows=6)
+        assert out.rows.shape == (6, model.info.n_vocab) and out.seq_len == 46
+        # llama.cpp's rows of one step are one-token steps' up to its kernels' rounding, which
+        # depends on the step's shape (byte-equal in most rows here, 0.4 apart in the worst seen,
+        # flash attention off): the same greedy token, logits within 1
+        for i in range(6):
+            np.testing.assert_allclose(out.rows[i], singles[i], rtol=0, atol=1.0)
+            assert int(np.argmax(out.rows[i])) == int(np.argmax(singles[i])), i
+        assert out.logits.tobytes() == out.rows[-1].tobytes() and out.token_id == int(np.argmax(out.rows[-1]))
+        # a prefill at an earlier position cuts the rows after it (rejected drafts)
+        again = ad.prefill("rows", 0, more[2:4], start_pos=42, logit_rows=2)
+        assert again.seq_len == 44 and int(np.argmax(again.rows[1])) == int(np.argmax(singles[3]))
+        for bad in (0, 7, MAX_LOGIT_ROWS + 1, 2.0):
+            with pytest.raises(InvalidInputError):
+                Step.prefill("rows", 0, more, start_pos=44, logit_rows=bad)
+        assert mgr.resolve("rows", 0).seq_len == 44
+    finally:
+        mgr.close()
+
+
+def test_the_reference_engine_returns_the_same_rows(synthetic_model):
+    from llama_shard.reference import NATIVE_LOGIT_ATOL, ReferenceModel, ReferenceShard
+
+    model, mgr = _manager(synthetic_model)
+    shard = ReferenceShard(ReferenceModel.from_gguf(synthetic_model))
+    ref = HotKvStateManager(shard, mgr.config)
+    try:
+        rng = np.random.default_rng(4)
+        prompt = rng.integers(0, model.info.n_vocab, 12).tolist()
+        outs = [KvBoundaryAdapter(m, g).prefill("s", 0, prompt, start_pos=0, logit_rows=5)
+                for m, g in ((model, mgr), (shard, ref))]
+        assert outs[0].rows.shape == outs[1].rows.shape == (5, model.info.n_vocab)
+        np.testing.assert_allclose(outs[0].rows, outs[1].rows, rtol=0, atol=NATIVE_LOGIT_ATOL)
+        assert [int(np.argmax(r)) for r in outs[0].rows] == [int(np.argmax(r)) for r in outs[1].rows]
+    finally:
+        mgr.close()
+        ref.close()
+
+
+# --- on live workers ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_spec_routes(embedded_model):
+    from test_generate import Route
+
+    routes = {}
+    try:
+        routes["whole"] = Route(embedded_model, [(0, 29)])
+        routes["2 shards"] = Route(embedded_model, [(0, 14), (15, 29)])
+        routes["3 shards"] = Route(embedded_model, [(0, 9), (10, 19), (20, 29)])
+        yield routes
+    finally:
+        for r in routes.values():
+            r.stop()
+
+
+def _tokens(route, sid, prompt, n, **kw):
+    tokens, final = route.generate(sid, prompt, max_tokens=n, **kw)
+    assert final.finish_reason == "length", final
+    return tokens, final
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+@pytest.mark.parametrize("layout", ["whole", "2 shards", "3 shards"])
+def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_model, layout):
+    route = smol_spec_routes[layout]
+    vocab = ShardModel(str(embedded_model), (0, 0), 1)
+    for i, text in enumerate((REPEAT, OPEN)):
+        prompt = vocab.tokenize(text)
+        plain, final0 = _tokens(route, f"plain-{i}", prompt, 48, max_drafts=0)
+        spec, final = _tokens(route, f"spec-{i}", prompt, 48, max_drafts=MAX_DRAFTS)
+        assert spec == plain, (layout, i)
+        assert final0.drafted_tokens == 0 and final.accepted_tokens <= final.drafted_tokens
+        if text is REPEAT:  # a rewrite repeats the prompt: drafts are made and most are right
+            assert final.drafted_tokens > 0 and final.accepted_tokens > final.drafted_tokens // 2
+    info = route.info()
+    assert info.draft_source == "ngram" and info.accepted_tokens <= info.drafted_tokens
+
+
+@pytest.mark.grpc
+def test_greedy_with_drafts_on_gemma3_in_two_shards_gives_the_tokens_without(gemma3_model):
+    from test_generate import Route
+
+    vocab = ShardModel(str(gemma3_model), (0, 0), 1)
+    n_layer = vocab.info.n_layer
+    route = Route(gemma3_model, [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)])
+    try:
+        for i, text in enumerate((REPEAT, OPEN)):
+            prompt = vocab.tokenize(text)
+            plain, _ = _tokens(route, f"plain-{i}", prompt, 48, max_drafts=0)
+            spec, final = _tokens(route, f"spec-{i}", prompt, 48)  # the worker's default: drafts on
+            assert spec == plain, i
+            if text is REPEAT:
+                assert final.accepted_tokens > 0
+    finally:
+        route.stop()
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_seeded_sampling_with_drafts_is_deterministic_and_matches_without(smol_spec_routes, embedded_model):
+    """Seed by seed the same tokens; over 40 seeds, the frequencies of the tokens sampled at each
+    position pass a chi-square homogeneity test against generation without drafts (p > 0.01)."""
+    route = smol_spec_routes["2 shards"]
+    vocab = ShardModel(str(embedded_model), (0, 0), 1)
+    prompt = vocab.tokenize(REPEAT)
+    counts: dict[str, dict[int, int]] = {"on": {}, "off": {}}
+    drafted = 0
+    for seed in range(40):
+        sampling = params_to_wire(SamplingParams(seed=seed, temperature=0.7, top_k=40, top_p=0.95))
+        plain, _ = _tokens(route, f"s-plain-{seed}", prompt, 12, sampling=sampling, max_drafts=0)
+        spec, final = _tokens(route, f"s-spec-{seed}", prompt, 12, sampling=sampling, max_drafts=MAX_DRAFTS)
+        again, _ = _tokens(route, f"s-again-{seed}", prompt, 12, sampling=sampling, max_drafts=MAX_DRAFTS)
+        assert spec == again, seed  # deterministic per seed
+        assert spec == plain, seed  # and the tokens sampling gives without drafts
+        drafted += final.drafted_tokens
+        for side, toks in (("on", spec), ("off", plain)):
+            for t in toks:
+                counts[side][t] = counts[side].get(t, 0) + 1
+    assert drafted > 0
+    # chi-square homogeneity over the tokens seen (rare ones pooled)
+    keys = sorted(set(counts["on"]) | set(counts["off"]))
+    table = np.array([[counts[s].get(k, 0) for k in keys] for s in ("on", "off")], float)
+    common = table.sum(0) >= 5
+    table = np.column_stack([table[:, common], table[:, ~common].sum(1)]) if (~common).any() else table[:, common]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    chi2 = float(((table - expected) ** 2 / np.where(expected > 0, expected, 1)).sum())
+    dof = table.shape[1] - 1
+    # the upper 1% point of chi-square (Wilson-Hilferty)
+    z = 2.326
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < critical, (chi2, critical, dof)
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+@pytest.mark.parametrize("max_drafts", [-1, MAX_DRAFTS + 1, 1000])
+def test_max_drafts_out_of_range_is_refused_and_computes_nothing(smol_spec_routes, embedded_model, max_drafts):
+    route = smol_spec_routes["2 shards"]
+    before = route.info(1).tokens_computed
+    tokens, final = route.generate("bad-k", [1, 2, 3], max_tokens=4, max_drafts=max_drafts)
+    assert tokens == [] and final.outcome == pb.OUTCOME_INVALID_ARGUMENT and "max_drafts" in final.detail
+    assert route.info(1).tokens_computed == before
+
+
+def _prefill(route, sid, tokens, position, drafts=(), **kw):
+    req = pb.StepRequest(session_id=sid, token_ids=tokens, position=position, draft_tokens=list(drafts),
+                         forward=[pb.Hop(address=a) for a in route.addresses[1:]], **kw)
+    return route.stub().Prefill(req, timeout=60)
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_spec_routes):
+    route = smol_spec_routes["2 shards"]
+    prompt = list(range(100, 140))
+    assert _prefill(route, "fit", prompt, 0).outcome == pb.OUTCOME_OK
+    cases = {"too many": (list(range(200, 217)), list(range(201, 217))),
+             "as many as the tokens": ([5, 6], [5, 6]),
+             "not the step's last tokens": ([5, 6, 7], [6, 8]),
+             "outside the vocabulary": ([5, 6], [1 << 30])}
+    for name, (tokens, drafts) in cases.items():
+        reply = _prefill(route, "fit", tokens, 40, drafts)
+        assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT, name
+    with_logprobs = _prefill(route, "fit", [5, 6], 40, [6], logprobs=True)
+    assert with_logprobs.outcome == pb.OUTCOME_INVALID_ARGUMENT
+    decode = route.stub().Decode(pb.StepRequest(session_id="fit", token_ids=[5, 6], draft_tokens=[6],
+                                                forward=[pb.Hop(address=route.addresses[1])]), timeout=60)
+    assert decode.outcome == pb.OUTCOME_INVALID_ARGUMENT and "explicit position" in decode.detail
+    for k in (0, 1):  # nothing changed on either worker
+        assert route.stub(k).Resolve(pb.SessionRequest(session_id="fit"), timeout=10).seq_len == 40
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+@pytest.mark.parametrize("fault", ["truncated", "released", "tail restarted"])
+def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generation_goes_on(embedded_model, fault):
+    from test_generate import Route
+
+    route = Route(embedded_model, [(0, 14), (15, 29)])
+    try:
+        vocab = ShardModel(str(embedded_model), (0, 0), 1)
+        prompt = vocab.tokenize(REPEAT)
+        plain, _ = _tokens(route, "plain", prompt, 24, max_drafts=0)
+        # the route as the head's loop leaves it after a verification: the prompt, then the first
+        # token with three drafts (the plain tokens, the last one wrong)
+        n = len(prompt)
+        assert _prefill(route, "s", prompt, 0).token_id == plain[0]
+        drafts = [plain[1], plain[2], (plain[3] + 1) % 1000]
+        reply = _prefill(route, "s", [plain[0], *drafts], n, drafts)
+        assert reply.outcome == pb.OUTCOME_OK and list(reply.tokens) == plain[1:4]  # 2 accepted, then its own
+        if fault == "truncated":
+            route.stub(1).Truncate(pb.TruncateRequest(session_id="s", length=n - 5), timeout=10)
+        elif fault == "released":
+            route.stub(1).Release(pb.SessionRequest(session_id="s"), timeout=10)
+        else:
+            from llama_shard.serve.local_workers import stop_worker
+            stop_worker(route.procs[1])
+            route.start(1)
+        # the next step, at the position after the accepted drafts, finds the tail lacking them
+        after = _prefill(route, "s", [plain[3]], n + 3)
+        assert after.outcome == pb.OUTCOME_CACHE_MISS and after.stage == 1
+        # a Generate of the conversation so far re-prefills and goes on with the plain tokens
+        tokens, final = _tokens(route, "s", prompt + plain[:4], 20)
+        assert tokens == plain[4:24]
+    finally:
+        route.stop()
