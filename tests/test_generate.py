@@ -185,7 +185,7 @@ def test_the_next_turn_reuses_the_prefix_the_session_holds(smol_routes, smol_pro
     assert final1.cached_tokens == 0
     before = route.info(1).engine_requests
     conversation = prompt + first + smol_prompts[2]
-    _, final2 = route.generate("chat", conversation)
+    _, final2 = route.generate("chat", conversation, max_drafts=0)  # one token per step (speculation: off)
     # the session held the prompt and all but the last generated token: only the rest is computed
     assert final2.cached_tokens == len(prompt) + len(first) - 1 and final2.reprefills == 0
     assert final2.seq_len == len(conversation) + N_TOKENS - 1

@@ -44,13 +44,15 @@ OPEN = "Write a short story about a lighthouse keeper."
 def test_prompt_lookup_proposes_what_followed_the_longest_earlier_ngram():
     d = NgramDrafter()
     tokens = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4]
-    assert d.propose(tokens, 3) == [5, 6, 9]           # [2, 3, 4] occurred before, then 5 6 9
+    assert d.propose(tokens, 3) == ([5, 6, 9], 3)      # [2, 3, 4] occurred before, then 5 6 9
     tokens += [7]
-    assert d.propose(tokens, 3) == []                  # [3, 4, 7], [4, 7] never occurred
+    assert d.propose(tokens, 3) == ([], 0)             # 7 never occurred before
+    tokens += [4]
+    assert d.propose(tokens, 3) == ([7, 4], 1)         # [7, 4] did not either; 4 alone did (latest: then 7)
     tokens += [1, 2]
-    assert d.propose(tokens, 8) == [3, 4, 5, 6, 9, 9, 2, 3]  # the latest earlier [1, 2]... [7, 1, 2] is new
-    assert NgramDrafter().propose([5, 5, 5], 4) == [5]  # [5, 5] was followed by one token
-    assert NgramDrafter().propose([1, 2, 1, 2], 0) == []
+    assert d.propose(tokens, 8) == ([3, 4, 5, 6, 9, 9, 2, 3], 2)  # [4, 1, 2] is new, [1, 2] is not
+    assert NgramDrafter().propose([5, 5, 5], 4) == ([5], 2)  # [5, 5] was followed by one token
+    assert NgramDrafter().propose([1, 2, 1, 2], 0) == ([], 0)
 
 
 def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
@@ -59,7 +61,9 @@ def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
     good = DraftControl(8)
     for _ in range(20):
         good.update(4, 4)
-    assert good.rate > 0.9 and good.k(flat) == 8
+        good.update(4, 0, long=False)  # matches of one token: a rate of their own
+    assert good.rate() > 0.9 and good.k(flat) == 8
+    assert good.rate(long=False) < 0.1 and good.k(flat, long=False) in (0, 1)
     assert good.k(steep) == 0 or good.k(steep) == 1  # never worth it at that cost (a probe at most)
     bad = DraftControl(8)
     for _ in range(20):
@@ -67,7 +71,7 @@ def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
     ks = [bad.k(flat) for _ in range(3 * PROBE_EVERY)]
     assert ks.count(1) == 3 and set(ks) == {0, 1}  # none, but one draft every PROBE_EVERY steps
     assert DraftControl(0).k(flat) == 0
-    assert (bad.drafted, bad.accepted, good.drafted, good.accepted) == (40, 0, 80, 80)
+    assert (bad.drafted, bad.accepted, good.drafted, good.accepted) == (40, 0, 160, 80)
 
 
 def test_step_cost_prices_untimed_sizes_from_timed_ones():
@@ -317,3 +321,48 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
         assert tokens == plain[4:24]
     finally:
         route.stop()
+
+
+# --- a draft model --------------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_model, gemma3_model):
+    from llama_shard.serve.draft_model import check_vocabulary
+    from llama_shard.serve.local_workers import start_worker
+
+    check_vocabulary(embedded_model, embedded_model)  # the same tokenizer: fine
+    with pytest.raises(InvalidInputError, match="different vocabulary"):
+        check_vocabulary(gemma3_model, embedded_model)
+    proc, _ = start_worker(embedded_model, 0, 29, extra=("--draft-model", str(gemma3_model)))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "different vocabulary" in err and "gemma-3" in err
+    tail, _ = start_worker(embedded_model, 15, 29, extra=("--draft-model", str(embedded_model)))
+    _, err = tail.communicate(timeout=120)
+    assert tail.returncode == 2 and "needs the head worker" in err
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
+    """The route's own model as its draft model: every greedy draft is the route's token (a cheap
+    draft model would be a smaller one of the same tokenizer; the rule is the same)."""
+    from test_generate import Route
+
+    from llama_shard.serve.local_workers import stop_worker
+
+    route = Route(embedded_model, [(0, 14), (15, 29)])
+    drafting = Route(embedded_model, [(0, 14), (15, 29)])
+    try:
+        stop_worker(drafting.procs[0])  # the head again, with a draft model
+        drafting.start(0, ("--draft-model", str(embedded_model)))
+        vocab = ShardModel(str(embedded_model), (0, 0), 1)
+        for i, text in enumerate((OPEN, REPEAT)):
+            prompt = vocab.tokenize(text)
+            plain, _ = _tokens(route, f"plain-{i}", prompt, 32, max_drafts=0)
+            spec, final = _tokens(drafting, f"spec-{i}", prompt, 32)
+            assert spec == plain, i
+            assert final.drafted_tokens > 0 and final.accepted_tokens > final.drafted_tokens // 2
+        assert drafting.info().draft_source == f"model {embedded_model.name}"
+    finally:
+        route.stop()
+        drafting.stop()

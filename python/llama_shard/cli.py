@@ -313,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
-                                       max_drafts=args.max_drafts))
+                                       max_drafts=args.max_drafts, draft_model=args.draft_model))
     worker.start()
     return worker.serve_until_signal()
 
@@ -483,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative decoding on a head's Generate streams: where drafts come from; 'ngram' "
                          "(default): the session's own earlier tokens (prompt lookup); 'off': none. The tail "
                          "verifies them in one route step; the output is the tokens generation gives without them")
+    sv.add_argument("--draft-model", metavar="GGUF", default=None,
+                    help="a head's drafts come from this small model (loaded whole; its tokenizer must be the "
+                         "model's, or the worker refuses to start) instead of prompt lookup")
     sv.add_argument("--max-drafts", type=int, default=DEFAULT_MAX_DRAFTS, metavar="K",
                     help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "
                          f"default {DEFAULT_MAX_DRAFTS}); the head uses fewer, or none, where they do not pay")

@@ -181,3 +181,31 @@ def gguf_layer_count(path: str | Path) -> int:
 def compute_balanced_cut(path: str | Path) -> int:
     """GgufShape.balanced_cut of the file at `path`."""
     return gguf_shape(path).balanced_cut()
+
+
+def gguf_vocabulary_digest(path: str | Path) -> tuple[int, str]:
+    """(number of tokens, BLAKE2b of every token's text and type in id order) of a GGUF file's
+    tokenizer: two models whose digests are equal map ids to the same text (a draft model and the
+    model it drafts for must)."""
+    import hashlib
+
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        h = hashlib.blake2b(digest_size=16)
+        n = 0
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            f = reader.get_field(key)
+            if f is None:
+                continue
+            values = f.contents()
+            if key == "tokenizer.ggml.tokens":
+                n = len(values)
+            h.update(key.encode())
+            for v in values:
+                h.update(str(v).encode("utf-8", "surrogatepass"))
+                h.update(b"\0")
+        return n, h.hexdigest()
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"cannot read the vocabulary of {path}: {e}") from e

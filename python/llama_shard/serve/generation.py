@@ -34,7 +34,7 @@ from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .prefixes import PREFIX_BLOCK_TOKENS
 from .sampling import MAX_TOP_LOGPROBS, params_from_wire
-from .speculation import MAX_DRAFTS, DraftControl, NgramDrafter, StepCost
+from .speculation import MAX_DRAFTS, NGRAM_LONG, DraftControl, NgramDrafter, StepCost
 
 #: prompt tokens per step: a long prompt does not hold up the decoders grouped with it for long
 GENERATE_CHUNK = 256
@@ -67,7 +67,8 @@ class _Stream:
     """One Generate call: its session's tokens on the head, and the events for its handler."""
 
     def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
-                 cached: int, deadline: float | None, detokenize, events=None, max_drafts: int = 0):
+                 cached: int, deadline: float | None, detokenize, events=None, max_drafts: int = 0,
+                 draft_model=None):
         self.principal, self.key, self.req = principal, key, req
         self.params = params
         self.max_tokens = max_tokens
@@ -91,7 +92,9 @@ class _Stream:
         self.t_last: float | None = None
         self.sent = (0, False, [])            # the step in flight: (tokens sent, whether the tail samples, drafts)
         self.control = DraftControl(max_drafts)  # speculative decoding: drafts per step, counters
-        self.drafter = NgramDrafter() if max_drafts else None
+        self.draft_model = draft_model if max_drafts else None  # draft_model.DraftModel, or prompt lookup:
+        self.drafter = NgramDrafter() if max_drafts and draft_model is None else None
+        self.long_match = True                # the kind of match the step's drafts came from
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
         self.prefix = None                    # its PrefixPlan (prefixes.py), made at its first step
@@ -114,10 +117,16 @@ class _Stream:
     def drafts(self, cost: list[float]) -> list[int]:
         """The drafts for a step that continues generation (none while the prompt is being sent): as
         many as DraftControl finds worth it at the route's step cost, never past max_tokens."""
-        if self.drafter is None or self.first_step or self.computed != len(self.tokens) - 1:
+        if (self.drafter is None and self.draft_model is None) or self.first_step \
+                or self.computed != len(self.tokens) - 1:
             return []
-        k = min(self.control.k(cost), self.max_tokens - len(self.generated) - 1)
-        return self.drafter.propose(self.tokens, k)
+        room = min(self.control.max_drafts, self.max_tokens - len(self.generated) - 1)
+        if self.draft_model is not None:  # each draft costs a step of the draft model: k first
+            k = min(self.control.k(cost), room)
+            return self.draft_model.propose(self.key, self.tokens, k) if k > 0 else []
+        candidates, n = self.drafter.propose(self.tokens, room)
+        self.long_match = n >= NGRAM_LONG
+        return candidates[:self.control.k(cost, self.long_match)] if candidates else []
 
     def request(self, wire_dtype: int, cost: list[float] | None = None) -> tuple[StepKind, pb.StepRequest]:
         start = self.computed
@@ -258,10 +267,10 @@ class _RouteLoop:
             if s.first_step and not s.planned:
                 s.plan_prefix(owner.servicer.prefixes)
         cost = self.cost.relative()
+        t0 = time.perf_counter()  # a draft model's time counts in the step's cost
         items = [s.request(self.wire_dtype, cost) for s in live]
         from .worker import _Refused  # the worker module imports this one
         generating = all(not s.first_step and s.sent[1] for s in live)  # steps past the prompt: timed
-        t0 = time.perf_counter()
         try:
             replies = owner.servicer.run_steps(self.principal, (), items, self.forward,
                                                now + owner.servicer.max_hop_s, batch=True, own_loop=True)
@@ -278,9 +287,11 @@ class _RouteLoop:
 class GenerationLoops:
     """Every Generate stream of a head worker, and the record of what each session holds."""
 
-    def __init__(self, servicer, registry, draft_source: str = "ngram", max_drafts: int = 0):
+    def __init__(self, servicer, registry, draft_source: str = "ngram", max_drafts: int = 0, draft_model=None):
         self.servicer = servicer
-        self.draft_source = draft_source   # speculative decoding: where drafts come from ("off": none)
+        self.draft_model = draft_model     # draft_model.DraftModel (serve --draft-model), or None
+        self.draft_source = (f"model {draft_model.path.name}" if draft_model is not None
+                             else draft_source)  # speculative decoding: where drafts come from ("off": none)
         self.max_drafts = max_drafts if draft_source != "off" else 0  # a request's default
         self.cond = threading.Condition()
         self.loops: dict[tuple, _RouteLoop] = {}
@@ -338,7 +349,7 @@ class GenerationLoops:
             if record is not None and record[0] == req.route_epoch:
                 cached = min(_common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
             stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize,
-                             events, max_drafts)
+                             events, max_drafts, self.draft_model)
             route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
             loop_key = (principal, route, req.wire_dtype)
             loop = self.loops.get(loop_key)
@@ -437,7 +448,7 @@ class GenerationLoops:
         accepted = len(tokens) - 1
         s.held = s.computed + n_sent            # the rejected drafts' positions too, until the next step cuts them
         s.computed += n_sent - len(drafts) + accepted
-        s.control.update(len(drafts), accepted)
+        s.control.update(len(drafts), accepted, s.long_match)
         if drafts:
             self.drafted.inc(len(drafts))
             self.accepted.inc(accepted)

@@ -2,7 +2,7 @@
 
 - Drafts (the head): prompt lookup. The longest n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that
   ends the session's tokens and occurred before names the tokens that followed it then; those are
-  the drafts. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
+  the drafts. Matches of one token are right less often: they keep an acceptance rate of their own. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
   are often right.
 - How many (the head, per stream): `DraftControl` picks k in 0..max_drafts maximising expected
   tokens per step over the step's cost, E(k) / c(k), with E(k) = 1 + a + ... + a^k for the
@@ -28,7 +28,9 @@ from .._native import MAX_LOGIT_ROWS
 #: the most drafts one step carries (a step returns at most MAX_LOGIT_ROWS rows of logits)
 MAX_DRAFTS = MAX_LOGIT_ROWS - 1
 NGRAM_MAX = 4
-NGRAM_MIN = 2
+NGRAM_MIN = 1
+#: matches this long or longer share one acceptance rate; shorter ones (a lone token) have their own
+NGRAM_LONG = 2
 #: a stream whose drafting does not pay drafts one token every this many steps (to follow the text)
 PROBE_EVERY = 8
 #: a step size not timed yet: one more token costs this fraction of a one-token step (a guess on the
@@ -46,8 +48,9 @@ class NgramDrafter:
         self._index: dict[tuple, int] = {}  # n-gram -> the position after its latest earlier occurrence
         self._indexed = 0                     # n-grams ending before this index are in _index
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier occurrence of the tokens' last n-gram."""
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending the
+        tokens, and that n-gram's length (0: none occurred before)."""
         n_tok = len(tokens)
         # index every n-gram that has a continuation (ends before the last token)
         for end in range(self._indexed, n_tok - 1):
@@ -56,14 +59,14 @@ class NgramDrafter:
                     self._index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
         self._indexed = max(self._indexed, n_tok - 1)
         if k <= 0:
-            return []
+            return [], 0
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             if n_tok < n:
                 continue
             at = self._index.get(tuple(tokens[n_tok - n:]))
             if at is not None:
-                return tokens[at:at + k]
-        return []
+                return tokens[at:at + k], n
+        return [], 0
 
     def reset(self) -> None:
         """The tokens were replaced (a new prompt): index them again."""
@@ -109,20 +112,23 @@ class DraftControl:
 
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
-        self._accepted, self._rejected = 1.0, 1.0  # prior: a = 0.5, worth two drafts
+        # (accepted, rejected) for long and short matches; prior: a = 0.5, worth two drafts
+        self._counts = {True: [1.0, 1.0], False: [1.0, 1.0]}
         self._idle = 0
         self.drafted = 0
         self.accepted = 0
 
-    @property
-    def rate(self) -> float:
-        return self._accepted / (self._accepted + self._rejected)
+    def rate(self, long: bool = True) -> float:
+        """The acceptance rate of drafts from matches of NGRAM_LONG tokens or more (or shorter ones)."""
+        acc, rej = self._counts[long]
+        return acc / (acc + rej)
 
-    def k(self, cost: list[float]) -> int:
-        """The drafts for the next step, given the route's relative step cost by size (StepCost.relative)."""
+    def k(self, cost: list[float], long: bool = True) -> int:
+        """The drafts for the next step, given the route's relative step cost by size
+        (StepCost.relative) and the kind of match they come from."""
         if self.max_drafts <= 0:
             return 0
-        a = min(self.rate, 0.999)
+        a = min(self.rate(long), 0.999)
         best_k, best, e, ai = 0, 1.0, 1.0, 1.0
         for k in range(1, self.max_drafts + 1):
             ai *= a
@@ -139,15 +145,15 @@ class DraftControl:
             self._idle = 0
         return best_k
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, long: bool = True) -> None:
         """A verification's outcome: `accepted` of `drafted` drafts, the first rejected one after."""
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += accepted
-        d = self.DECAY
-        self._accepted = d * self._accepted + accepted
-        self._rejected = d * self._rejected + (1 if accepted < drafted else 0)
+        d, counts = self.DECAY, self._counts[long]
+        counts[0] = d * counts[0] + accepted
+        counts[1] = d * counts[1] + (1 if accepted < drafted else 0)
 
 
 def verify(rows: np.ndarray, drafts: list[int], draw) -> list[int]:

@@ -83,6 +83,7 @@ class WorkerOptions:
     share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
     draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
+    draft_model: str | None = None         # a small GGUF of the same vocabulary whose greedy tokens are the drafts
 
 
 class _EngineCollector:
@@ -287,7 +288,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if options.draft not in DRAFT_SOURCES or not 0 <= options.max_drafts <= MAX_DRAFTS:
             raise InvalidInputError(f"draft source {options.draft!r} with max drafts {options.max_drafts}: the source "
                                     f"is one of {', '.join(DRAFT_SOURCES)}, max drafts 0..{MAX_DRAFTS}")
-        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts)
+        draft_model = None
+        if options.draft_model is not None:
+            if self.info.first != 0:
+                raise InvalidInputError(f"--draft-model drafts for Generate streams: it needs the head worker (layers "
+                                        f"from 0), not layers {self.info.first}-{self.info.last}")
+            from .draft_model import DraftModel
+
+            draft_model = DraftModel(options.draft_model, model.path, config.context_tokens,
+                                     max_generate_streams(config), options.threads)
+        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts, draft_model)
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -812,6 +822,8 @@ class ShardWorker:
             self.http.stop(self.options.grace_s)
         self.server.stop(self.options.grace_s).wait()
         self.manager.close()
+        if self.servicer.generation.draft_model is not None:
+            self.servicer.generation.draft_model.close()
         self.servicer.peers.close()
         persisted = released = 0
         if self.manager.config.warm_dir is not None:
