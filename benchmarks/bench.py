@@ -431,9 +431,14 @@ def speculation_rows(s: Shapes) -> list[Row]:
     cut = compute_balanced_cut(s.path)
     split = [(0, cut - 1), (cut, n - 1)]
     rows = []
-    for delay, label, targets in ((10.0, "head-tail link +10 ms each way", {"repetitive": ">= 1.6", "open": ">= 0.95"}),
-                                  (0.0, "loopback", {"repetitive": ">= 1.2", "open": ""})):
-        out = ours_speculation(s.path, split, delay, tokens=32 if s.quick else 64, repeat=s.repeat)
+    d10 = "head-tail link +10 ms each way"
+    for delay, label, targets, flags in (
+            (10.0, d10, {"repetitive": ">= 1.6", "open": ">= 0.95"}, ()),
+            (0.0, "loopback", {"repetitive": ">= 1.2", "open": ""}, ()),
+            (10.0, d10 + ", --flash-attn off", {"repetitive": "", "open": ""}, ("--flash-attn", "off")),
+            (0.0, "loopback, --flash-attn off", {"repetitive": "", "open": ""}, ("--flash-attn", "off"))):
+        out = ours_speculation(s.path, split, delay, tokens=32 if s.quick else 64, repeat=s.repeat,
+                               worker_flags=flags)
         for name, what in (("repetitive", "rewrite or quote a text"), ("open", "open questions")):
             r = out[name]
             rows.append(Row(f"speculative decoding, {label}, {name} prompts ({what}): tokens/s of one stream "

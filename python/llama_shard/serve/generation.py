@@ -95,6 +95,7 @@ class _Stream:
         self.draft_model = draft_model if max_drafts else None  # draft_model.DraftModel, or prompt lookup:
         self.drafter = NgramDrafter() if max_drafts and draft_model is None else None
         self.long_match = True                # the kind of match the step's drafts came from
+        self.unsent: int | None = None        # a draft not sent (k was 0), to learn from
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
         self.prefix = None                    # its PrefixPlan (prefixes.py), made at its first step
@@ -126,7 +127,9 @@ class _Stream:
             return self.draft_model.propose(self.key, self.tokens, k) if k > 0 else []
         candidates, n = self.drafter.propose(self.tokens, room)
         self.long_match = n >= NGRAM_LONG
-        return candidates[:self.control.k(cost, self.long_match)] if candidates else []
+        k = self.control.k(cost, self.long_match) if candidates else 0
+        self.unsent = candidates[0] if candidates and k == 0 else None  # checked against the step's token
+        return candidates[:k]
 
     def request(self, wire_dtype: int, cost: list[float] | None = None) -> tuple[StepKind, pb.StepRequest]:
         start = self.computed
@@ -449,6 +452,9 @@ class GenerationLoops:
         s.held = s.computed + n_sent            # the rejected drafts' positions too, until the next step cuts them
         s.computed += n_sent - len(drafts) + accepted
         s.control.update(len(drafts), accepted, s.long_match)
+        if s.unsent is not None:
+            s.control.unsent(tokens[0] == s.unsent, s.long_match)
+            s.unsent = None
         if drafts:
             self.drafted.inc(len(drafts))
             self.accepted.inc(accepted)

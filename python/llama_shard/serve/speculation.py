@@ -9,7 +9,8 @@
   stream's acceptance rate a (each draft accepted with probability a, given the ones before it) and
   c(k) the route's measured time of a step of k + 1 tokens relative to a step of 1 (`StepCost`:
   the loop's own steps, timed by size; llama.cpp's cost is not linear in the rows). Where drafting
-  does not pay, k is 0; one step in PROBE_EVERY still drafts one token, so the rate follows the text.
+  does not pay, k is 0; the first draft it would have sent is still compared with the token the
+  step gives (`unsent`), and one step in PROBE_EVERY drafts one token, so the rate follows the text.
 - Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
   sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
@@ -151,6 +152,14 @@ class DraftControl:
             return
         self.drafted += drafted
         self.accepted += accepted
+        self._learn(drafted, accepted, long)
+
+    def unsent(self, right: bool, long: bool = True) -> None:
+        """A draft that was not sent (k was 0) turned out right or wrong: the rate learns it for free,
+        so a stream whose text starts repeating itself drafts again without waiting for a probe."""
+        self._learn(1, int(right), long)
+
+    def _learn(self, drafted: int, accepted: int, long: bool) -> None:
         d, counts = self.DECAY, self._counts[long]
         counts[0] = d * counts[0] + accepted
         counts[1] = d * counts[1] + (1 if accepted < drafted else 0)
