@@ -432,18 +432,22 @@ def speculation_rows(s: Shapes) -> list[Row]:
     split = [(0, cut - 1), (cut, n - 1)]
     rows = []
     d10 = "head-tail link +10 ms each way"
+    none = {"repetitive": "", "open": ""}
     for delay, label, targets, flags in (
             (10.0, d10, {"repetitive": ">= 1.6", "open": ">= 0.95"}, ()),
             (0.0, "loopback", {"repetitive": ">= 1.2", "open": ""}, ()),
-            (10.0, d10 + ", --flash-attn off", {"repetitive": "", "open": ""}, ("--flash-attn", "off")),
-            (0.0, "loopback, --flash-attn off", {"repetitive": "", "open": ""}, ("--flash-attn", "off"))):
+            (10.0, d10 + ", --verify batched", none, ("--verify", "batched")),
+            (0.0, "loopback, --verify batched", none, ("--verify", "batched")),
+            (10.0, d10 + ", --flash-attn off", none, ("--flash-attn", "off")),
+            (0.0, "loopback, --flash-attn off", none, ("--flash-attn", "off"))):
         out = ours_speculation(s.path, split, delay, tokens=32 if s.quick else 64, repeat=s.repeat,
                                worker_flags=flags)
         for name, what in (("repetitive", "rewrite or quote a text"), ("open", "open questions")):
             r = out[name]
+            same = "same tokens" if not r["differed"] else f"{r['differed']} of {r['prompts']} prompts' tokens differed"
             rows.append(Row(f"speculative decoding, {label}, {name} prompts ({what}): tokens/s of one stream "
                             f"(vs without drafts)", r["on"], r["off"], "tok/s", targets[name],
-                            f"greedy, same tokens; {r['accepted']}/{r['drafted']} drafts accepted "
+                            f"greedy, {same}; {r['accepted']}/{r['drafted']} drafts accepted "
                             f"({100 * r['rate']:.0f}%); 2 workers x 1 thread ({split[0][0]}-{split[0][1]},"
                             f"{split[1][0]}-{split[1][1]})"))
     return rows

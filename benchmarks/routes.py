@@ -503,7 +503,8 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
     speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
     turns on the same workers; with delay_ms > 0 the head reaches the tail through a proxy that
     delays each direction by that much. Returns per prompt set: tokens/s of whole requests with and
-    without (best of `repeat`), the acceptance rate, and the drafts per step."""
+    without (best of `repeat`), the acceptance rate, and how many prompts' greedy tokens differed
+    (with --verify exact, the default, none may: that raises)."""
     from delay_proxy import DelayProxy
 
     vocab = ShardModel(str(path), (0, 0), 1)
@@ -544,18 +545,23 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                 return generated / (time.perf_counter() - t0), drafted, accepted, outputs
 
             run(sets["open"][:1], 0, "warm-up")
+            exact = "batched" not in worker_flags
             for name, prompts in sets.items():
                 best_on = best_off = 0.0
+                differed = 0
                 for _ in range(repeat):
                     off, _, _, plain = run(prompts, 0, "plain")
                     on, drafted, accepted, spec = run(prompts, DEFAULT_MAX_DRAFTS, "spec")
-                    if spec != plain:  # greedy: speculation must not change a token
+                    differed = max(differed, sum(a != b for a, b in zip(spec, plain)))
+                    if differed and exact:  # greedy, verified row by row: not a token may change
                         raise RuntimeError(f"speculative decoding changed the greedy tokens of the {name} set")
                     best_on, best_off = max(best_on, on), max(best_off, off)
                 out[name] = {"on": best_on, "off": best_off, "rate": accepted / max(drafted, 1),
-                             "drafted": drafted, "accepted": accepted}
+                             "drafted": drafted, "accepted": accepted, "differed": differed,
+                             "prompts": len(prompts)}
                 log(f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
-                    f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted")
+                    f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted, {differed} of {len(prompts)} "
+                    f"prompts' tokens differed")
         return out
     finally:
         for proc in procs:

@@ -142,7 +142,7 @@ int32_t optional_position(const py::object & value, const char * name) {
 }
 
 // a ticket for a llama_shard.Step (kind, session_id, route_epoch, token_ids, hidden, start_pos,
-// expected_seq_len, logit_rows): validated, its input copied into the ticket (the loop thread never touches a
+// expected_seq_len, logit_rows, row_by_row): validated, its input copied into the ticket (the loop thread never touches a
 // Python object), not queued yet
 std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_model_info & info, const py::object & step,
                                          double now, int notify_fd) {
@@ -160,6 +160,7 @@ std::shared_ptr<step_ticket> make_ticket(const step_loop & loop, const shard_mod
         }
         t->n_tokens = p.input.n_tokens;
         t->n_logits = py::cast<int32_t>(step.attr("logit_rows"));
+        t->row_by_row = py::cast<bool>(step.attr("row_by_row"));
         if (p.input.tokens != nullptr) {
             t->tokens = std::move(p.tokens);
         } else {

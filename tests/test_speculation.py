@@ -122,6 +122,11 @@ def test_a_step_with_several_logit_rows_gives_each_rows_one_token_logits(embedde
             np.testing.assert_allclose(out.rows[i], singles[i], rtol=0, atol=1.0)
             assert int(np.argmax(out.rows[i])) == int(np.argmax(singles[i])), i
         assert out.logits.tobytes() == out.rows[-1].tobytes() and out.token_id == int(np.argmax(out.rows[-1]))
+        # row by row (serve --verify exact): every row is a one-token step's, to the byte
+        exact = ad.prefill("rows", 0, more, start_pos=40, logit_rows=6, row_by_row=True)
+        assert exact.seq_len == 46
+        for i in range(6):
+            assert exact.rows[i].tobytes() == singles[i].tobytes(), i
         # a prefill at an earlier position cuts the rows after it (rejected drafts)
         again = ad.prefill("rows", 0, more[2:4], start_pos=42, logit_rows=2)
         assert again.seq_len == 44 and int(np.argmax(again.rows[1])) == int(np.argmax(singles[3]))
@@ -280,6 +285,8 @@ def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_s
         assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT, name
     with_logprobs = _prefill(route, "fit", [5, 6], 40, [6], logprobs=True)
     assert with_logprobs.outcome == pb.OUTCOME_INVALID_ARGUMENT
+    without_drafts = _prefill(route, "fit", [5, 6], 40, row_by_row=True)
+    assert without_drafts.outcome == pb.OUTCOME_INVALID_ARGUMENT and "row_by_row" in without_drafts.detail
     decode = route.stub().Decode(pb.StepRequest(session_id="fit", token_ids=[5, 6], draft_tokens=[6],
                                                 forward=[pb.Hop(address=route.addresses[1])]), timeout=60)
     assert decode.outcome == pb.OUTCOME_INVALID_ARGUMENT and "explicit position" in decode.detail

@@ -174,10 +174,54 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
         }
         throw shard_error(code, why);
     };
-    // items packed in order into llama_decode calls of at most n_batch tokens each
+    // items computed row by row: one llama_decode call per token, each row then rounds exactly as a
+    // one-token step does (llama.cpp's kernels and their order of sums depend on a call's shape)
+    std::vector<batch_item> packed;
+    std::vector<batch_item> single;
+    std::vector<float> scratch;
+    for (const size_t k : order) {
+        const batch_item & it = items[k];
+        if (!it.input.row_by_row || it.input.n_tokens == 1) {
+            packed.push_back(it);
+            continue;
+        }
+        const shard_model_info & info = model_.info();
+        const int64_t m = it.input.n_tokens;
+        for (int64_t j = 0; j < m; ++j) {
+            batch_item row = it;
+            row.pos = it.pos + (int32_t) j;
+            row.input.n_tokens = 1;
+            row.input.n_logits = 1;
+            row.input.row_by_row = false;
+            if (it.input.tokens != nullptr) {
+                row.input.tokens = it.input.tokens + j;
+            } else {
+                row.input.hidden = it.input.hidden + j * info.n_embd;
+            }
+            const int64_t first_logit = m - it.input.n_logits;
+            if (!info.is_tail) {
+                row.out = it.out + j * info.n_embd;
+            } else if (j >= first_logit) {
+                row.out = it.out + (j - first_logit) * info.n_vocab;
+            } else {
+                scratch.resize((size_t) info.n_vocab);  // logits no one asked for
+                row.out = scratch.data();
+            }
+            single.push_back(row);
+        }
+    }
+    std::vector<size_t> in_order(packed.size());
+    for (size_t k = 0; k < in_order.size(); ++k) {
+        in_order[k] = k;
+    }
+    // packed items in order into llama_decode calls of at most n_batch tokens each, then each row
+    // of the row-by-row items alone (their positions follow each other: one call each)
     int32_t n_calls = 0;
-    for (size_t first = 0, last = 0; first < items.size(); first = last) {
-        last = fill_batch(items, order, first);
+    for (size_t first = 0, last = 0; first < packed.size() + single.size(); first = last) {
+        const bool alone = first >= packed.size();
+        const std::vector<batch_item> & run = alone ? single : packed;
+        const std::vector<size_t> one{alone ? first - packed.size() : 0};
+        last = alone ? (fill_batch(run, one, 0), first + 1) : fill_batch(run, in_order, first);
         const int32_t ret = llama_decode(ctx_, batch_->batch);
         ++n_decode_calls_;
         ++n_calls;
@@ -186,7 +230,8 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
             roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
                       ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
         }
-        const char * missing = read_outputs(items, order, first, last);  // before the next decode overwrites them
+        const char * missing = alone ? read_outputs(run, one, 0, 1)  // before the next decode overwrites them
+                                     : read_outputs(run, in_order, first, last);
         if (missing != nullptr) {
             roll_back(missing, SHARD_ERRC_COMPUTE);
         }
@@ -251,7 +296,7 @@ size_t shard_context::fill_batch(const std::vector<batch_item> & items, const st
     llama_batch & batch = batch_->batch;
     size_t last = first;
     int32_t row = 0;
-    for (; last < items.size() && row + items[order[last]].input.n_tokens <= n_batch_; ++last) {
+    for (; last < order.size() && row + items[order[last]].input.n_tokens <= n_batch_; ++last) {
         const batch_item & it = items[order[last]];
         const int32_t m = (int32_t) it.input.n_tokens;
         if (it.input.tokens != nullptr) {

@@ -335,6 +335,7 @@ hot_kv_request step_loop::request_for(const part & p) const {
         req.input.hidden_cols = n_embd;
     }
     req.input.n_logits = t.n_logits;  // > 1 only for a ticket computed whole
+    req.input.row_by_row = t.row_by_row;
     const bool tail = engine_.model().info().is_tail;  // the tail writes the last tokens' logits only
     req.out = const_cast<float *>(t.out.data()) + (tail ? 0 : t.offset_ * n_embd);
     return req;

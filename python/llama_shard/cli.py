@@ -26,7 +26,7 @@ from .engine.hot_kv import KV_TYPES, HotKvStateConfig
 from .engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
-from .serve.speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS
+from .serve.speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -313,7 +313,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
-                                       max_drafts=args.max_drafts, draft_model=args.draft_model))
+                                       max_drafts=args.max_drafts, draft_model=args.draft_model,
+                                       verify=args.verify))
     worker.start()
     return worker.serve_until_signal()
 
@@ -486,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft-model", metavar="GGUF", default=None,
                     help="a head's drafts come from this small model (loaded whole; its tokenizer must be the "
                          "model's, or the worker refuses to start) instead of prompt lookup")
+    sv.add_argument("--verify", choices=VERIFY_MODES, default="exact",
+                    help="how the route computes a step of drafts: 'exact' (default): each token alone on every "
+                         "worker, so the output is, token for token, generation's without drafts; 'batched': in one "
+                         "computation, cheaper per token, but llama.cpp rounds by a computation's shape and a "
+                         "near-tie may go the other way")
     sv.add_argument("--max-drafts", type=int, default=DEFAULT_MAX_DRAFTS, metavar="K",
                     help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "
                          f"default {DEFAULT_MAX_DRAFTS}); the head uses fewer, or none, where they do not pay")

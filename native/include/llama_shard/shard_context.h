@@ -56,6 +56,10 @@ struct shard_input {
     // the tail: logits of the last n_logits tokens, in order (1..min(n_tokens, HOT_KV_MAX_LOGIT_ROWS));
     // other shards ignore it (they return every token's row)
     int32_t         n_logits = 1;
+    // each token computed by its own llama_decode call, after the step's other sequences: every row
+    // (hidden state, logits) is then the one a one-token step gives, to the bit (llama.cpp's kernels
+    // round by a call's shape); a speculative verification that must give non-speculative tokens
+    bool            row_by_row = false;
 };
 
 class shard_context {

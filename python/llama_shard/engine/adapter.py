@@ -66,11 +66,13 @@ class KvBoundaryAdapter:
     # --- public API -------------------------------------------------------------------------------
 
     def prefill(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
-                boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None, logit_rows: int = 1):
+                boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None, logit_rows: int = 1,
+                row_by_row: bool = False):
         """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch;
-        an earlier start cuts what follows first). logit_rows: the tail's TailOutput.rows."""
+        an earlier start cuts what follows first). logit_rows, row_by_row: see Step (TailOutput.rows)."""
         self.manager.check_recipe(recipe)
-        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos, logit_rows))
+        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos, logit_rows,
+                                      row_by_row))
 
     def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
                boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None,

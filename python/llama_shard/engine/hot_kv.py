@@ -69,8 +69,9 @@ class Step:
     length, 0 to re-prefill from scratch. `expected_seq_len` (decode only): the cached length the
     step must find, None for unchecked. `logit_rows`: the tail returns the logits of the step's last
     logit_rows tokens (a speculative verification; 1..min(n_tokens, MAX_LOGIT_ROWS)); a step asking
-    for more than one is computed whole, never cut into chunks. Constructing one validates it
-    (InvalidInputError)."""
+    for more than one is computed whole, never cut into chunks. `row_by_row`: each token computed
+    alone, so every row is, to the bit, what a one-token step gives (llama.cpp rounds by a
+    computation's shape). Constructing one validates it (InvalidInputError)."""
 
     kind: StepKind
     session_id: str
@@ -80,6 +81,7 @@ class Step:
     start_pos: int | None = None
     expected_seq_len: int | None = None
     logit_rows: int = 1
+    row_by_row: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kind, StepKind):
@@ -101,12 +103,14 @@ class Step:
         if type(rows) is not int or not 1 <= rows <= min(self.n_tokens, _native.MAX_LOGIT_ROWS):
             raise InvalidInputError(f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, "
                                     f"{_native.MAX_LOGIT_ROWS}) tokens")
+        if type(self.row_by_row) is not bool:
+            raise InvalidInputError(f"row_by_row is True or False, not {self.row_by_row!r}")
 
     @classmethod
     def prefill(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None, start_pos: int | None = None,
-                logit_rows: int = 1) -> "Step":
+                logit_rows: int = 1, row_by_row: bool = False) -> "Step":
         return cls(StepKind.PREFILL, session_id, route_epoch, token_ids, hidden, start_pos=start_pos,
-                   logit_rows=logit_rows)
+                   logit_rows=logit_rows, row_by_row=row_by_row)
 
     @classmethod
     def decode(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None,

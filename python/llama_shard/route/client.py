@@ -449,13 +449,13 @@ class RouteSession:
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None, *, sampling: SamplingParams | None = None,
-                 stop_strings: Sequence[str] = (), keep_prefix: int = 0) -> list[int]:
+                 stop_strings: Sequence[str] = (), keep_prefix: int = 0, max_drafts: int | None = None) -> list[int]:
         """Generates after the tokens the session holds plus `prompt`: greedy, or with llama.cpp's
         sampler chain (`sampling`). Ends after a stop token (included), a stop string (chained
         routes) or max_tokens. See `stream`."""
         generated = []
         for token in self.stream(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
-                                 keep_prefix=keep_prefix):
+                                 keep_prefix=keep_prefix, max_drafts=max_drafts):
             generated.append(token)
             if on_token:
                 on_token(token)
@@ -463,19 +463,20 @@ class RouteSession:
 
     def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
                sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
-               keep_prefix: int = 0) -> Iterator[int]:
+               keep_prefix: int = 0, max_drafts: int | None = None) -> Iterator[int]:
         """`generate` as an iterator of tokens. On a chained route the head runs the loop (one
         `Generate` stream; its final event is kept in `last_final`); otherwise this client drives
         every step, sampling from the tail's logits (a RemoteStage tail needs return_logits=True).
         keep_prefix (chained routes): the first keep_prefix tokens of the session's whole prompt are a
-        shared prefix to keep on every worker with a prefix store (see `events`)."""
+        shared prefix to keep on every worker with a prefix store (see `events`). max_drafts (chained
+        routes): speculative decoding's most drafts per step (0: off; None: the head's default)."""
         if not prompt:
             raise InvalidInputError("the prompt is empty")
         if max_tokens < 1:
             return
         if self.client.chained and self.client.route_loop:
             for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
-                                     keep_prefix=keep_prefix):
+                                     keep_prefix=keep_prefix, max_drafts=max_drafts):
                 yield event.token_id
             return
         if stop_strings:
@@ -502,7 +503,8 @@ class RouteSession:
 
     def events(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
                sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (), logprobs: bool = False,
-               top_logprobs: int = 0, keep_prefix: int = 0) -> Iterator[pb.GeneratedToken]:
+               top_logprobs: int = 0, keep_prefix: int = 0,
+               max_drafts: int | None = None) -> Iterator[pb.GeneratedToken]:
         """The head's `Generate` stream on a chained route: one GeneratedToken per token (id, text
         piece, logprobs when asked). keep_prefix: the first keep_prefix tokens of the whole prompt
         (history + prompt; whole blocks of 256) are stored on first sight by every worker with
@@ -525,6 +527,8 @@ class RouteSession:
                                  logprobs=logprobs, top_logprobs=top_logprobs, keep_prefix=keep_prefix)
         if sampling is not None:
             req.sampling.CopyFrom(params_to_wire(sampling))
+        if max_drafts is not None:
+            req.max_drafts = max_drafts
         self.last_final = None
         call = head.stub.Generate(req)
         generated: list[int] = []

@@ -68,7 +68,7 @@ class _Stream:
 
     def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
                  cached: int, deadline: float | None, detokenize, events=None, max_drafts: int = 0,
-                 draft_model=None):
+                 draft_model=None, row_by_row: bool = True):
         self.principal, self.key, self.req = principal, key, req
         self.params = params
         self.max_tokens = max_tokens
@@ -95,6 +95,7 @@ class _Stream:
         self.draft_model = draft_model if max_drafts else None  # draft_model.DraftModel, or prompt lookup:
         self.drafter = NgramDrafter() if max_drafts and draft_model is None else None
         self.long_match = True                # the kind of match the step's drafts came from
+        self.row_by_row = row_by_row          # how the route computes its verifications
         self.unsent: int | None = None        # a draft not sent (k was 0), to learn from
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
@@ -146,7 +147,8 @@ class _Stream:
         kind = (StepKind.PREFILL if self.first_step or len(chunk) > 1 or opening or storing or self.held > start
                 else StepKind.DECODE)
         req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
-                             reply_dtype=wire_dtype, position=start, draft_tokens=drafts)
+                             reply_dtype=wire_dtype, position=start, draft_tokens=drafts,
+                             row_by_row=bool(drafts) and self.row_by_row)
         if opening or storing:
             req.prefix.keys.extend(plan.keys)
             req.prefix.open_tokens, req.prefix.store_tokens = opening, storing
@@ -290,8 +292,10 @@ class _RouteLoop:
 class GenerationLoops:
     """Every Generate stream of a head worker, and the record of what each session holds."""
 
-    def __init__(self, servicer, registry, draft_source: str = "ngram", max_drafts: int = 0, draft_model=None):
+    def __init__(self, servicer, registry, draft_source: str = "ngram", max_drafts: int = 0, draft_model=None,
+                 row_by_row: bool = True):
         self.servicer = servicer
+        self.row_by_row = row_by_row       # verifications computed row by row on every shard (serve --verify exact)
         self.draft_model = draft_model     # draft_model.DraftModel (serve --draft-model), or None
         self.draft_source = (f"model {draft_model.path.name}" if draft_model is not None
                              else draft_source)  # speculative decoding: where drafts come from ("off": none)
@@ -352,7 +356,7 @@ class GenerationLoops:
             if record is not None and record[0] == req.route_epoch:
                 cached = min(_common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
             stream = _Stream(principal, key, req, params, max_tokens, cached, deadline, self.servicer.model.detokenize,
-                             events, max_drafts, self.draft_model)
+                             events, max_drafts, self.draft_model, self.row_by_row)
             route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
             loop_key = (principal, route, req.wire_dtype)
             loop = self.loops.get(loop_key)

@@ -38,6 +38,10 @@ PROBE_EVERY = 8
 #: low side, so that a size is tried; llama.cpp measured 0.2-0.5 per shard: docs/benchmarks.md)
 PRIOR_BETA = 0.15
 DRAFT_SOURCES = ("ngram", "off")
+#: how a route computes a verification step: "exact", each token alone on every shard (the rows are
+#: one-token steps' to the bit: the tokens of generation without drafts), or "batched", all in one
+#: computation (cheaper per row; llama.cpp rounds by a computation's shape, so a near-tie may flip)
+VERIFY_MODES = ("exact", "batched")
 #: a request's most drafts per step unless it says (serve --max-drafts)
 DEFAULT_MAX_DRAFTS = 8
 

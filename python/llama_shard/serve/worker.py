@@ -46,7 +46,7 @@ from . import DEFAULT_MAX_HOP_S
 from .generation import GenerationLoops, max_generate_streams
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
-from .speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, verify
+from .speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES, verify
 from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
@@ -84,6 +84,7 @@ class WorkerOptions:
     draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
     draft_model: str | None = None         # a small GGUF of the same vocabulary whose greedy tokens are the drafts
+    verify: str = "exact"                  # how the route computes a verification (VERIFY_MODES)
 
 
 class _EngineCollector:
@@ -285,6 +286,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        if options.verify not in VERIFY_MODES:
+            raise InvalidInputError(f"verify is one of {', '.join(VERIFY_MODES)}, not {options.verify!r}")
         if options.draft not in DRAFT_SOURCES or not 0 <= options.max_drafts <= MAX_DRAFTS:
             raise InvalidInputError(f"draft source {options.draft!r} with max drafts {options.max_drafts}: the source "
                                     f"is one of {', '.join(DRAFT_SOURCES)}, max drafts 0..{MAX_DRAFTS}")
@@ -297,7 +300,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
             draft_model = DraftModel(options.draft_model, model.path, config.context_tokens,
                                      max_generate_streams(config), options.threads)
-        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts, draft_model)
+        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts, draft_model,
+                                          row_by_row=options.verify == "exact")
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -505,6 +509,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
             nxt.draft_tokens.extend(req.draft_tokens)
+            nxt.row_by_row = req.row_by_row
             if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
                 del nxt.prefix.keys[:]
@@ -552,9 +557,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         n_drafts = len(req.draft_tokens)
         if n_drafts:
             self._check_drafts(req, kind, tokens, hidden, n_drafts)
+        elif req.row_by_row:
+            raise InvalidInputError("row_by_row belongs to a step with drafts (a verification)")
         if kind == StepKind.PREFILL:
             return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position,
-                                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1)
+                                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1,
+                                row_by_row=req.row_by_row)
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
     def _check_drafts(self, req, kind, tokens, hidden, n_drafts: int) -> None:
