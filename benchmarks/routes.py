@@ -24,6 +24,7 @@ from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
 from llama_shard.serve.security import ClientSecurity
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.serve.speculation import DEFAULT_MAX_DRAFTS
+from llama_shard.errors import InvalidInputError
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
 TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}
@@ -491,14 +492,22 @@ OPEN_QUESTIONS = ["Write a short story about a lighthouse keeper who finds a mes
 
 
 def speculation_prompts(vocab_model: ShardModel) -> dict[str, list[list[int]]]:
-    """The two prompt sets, tokenized: 'repetitive' (rewrite or quote a text) and 'open' (questions)."""
+    """The two prompt sets, tokenized: 'repetitive' (rewrite or quote a text) and 'open' (questions);
+    for a model without a tokenizer (the tests' synthetic ones), ids: a run repeated, and random ids."""
     repeat = [REPEAT_ASK[i % 2].format(t) for i, t in enumerate(REPEAT_TEXTS)]
-    return {"repetitive": [vocab_model.tokenize(p) for p in repeat],
-            "open": [vocab_model.tokenize(p) for p in OPEN_QUESTIONS]}
+    try:
+        return {"repetitive": [vocab_model.tokenize(p) for p in repeat],
+                "open": [vocab_model.tokenize(p) for p in OPEN_QUESTIONS]}
+    except InvalidInputError:
+        rng = np.random.default_rng(23)
+        n_vocab = vocab_model.info.n_vocab
+        runs = [rng.integers(1, n_vocab, 24).tolist() for _ in REPEAT_TEXTS]
+        return {"repetitive": [r + r for r in runs],
+                "open": [rng.integers(1, n_vocab, 48).tolist() for _ in OPEN_QUESTIONS]}
 
 
 def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float, tokens: int = 64,
-                     repeat: int = 1, worker_flags: tuple = ()) -> dict:
+                     repeat: int = 1, worker_flags: tuple = (), prompts_per_set: int | None = None) -> dict:
     """One Generate stream at a time on two chained 1-thread workers, greedy, `tokens` each, with
     speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
     turns on the same workers; with delay_ms > 0 the head reaches the tail through a proxy that
@@ -508,7 +517,7 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
     from delay_proxy import DelayProxy
 
     vocab = ShardModel(str(path), (0, 0), 1)
-    sets = speculation_prompts(vocab)
+    sets = {name: ps[:prompts_per_set] for name, ps in speculation_prompts(vocab).items()}
     context = max(len(p) for ps in sets.values() for p in ps) + tokens + 16
     common = ("--max-sessions", "4", "--context-tokens", str(context), "--budget-tokens", str(4 * context),
               *worker_flags)

@@ -15,8 +15,8 @@
   stays. The prompt may be the whole conversation: the longest prefix of it the session holds (by
   the head's record of its last stream) is kept, the rest truncated by the prefill's position.
 - The final event is always the last one a stream gets: stop, length, cancelled, shutdown, error.
-- Speculative decoding (speculation.py): past the prompt, a step may carry drafts after the last
-  sampled token; the tail answers the drafts it accepted and one token of its own, so a step yields
+- Speculative decoding (speculation.py): past the prompt, a stream stepping alone in its group may
+  carry drafts after the last sampled token; the tail answers the drafts it accepted and one token of its own, so a step yields
   1 to k + 1 tokens. The route then holds the rejected drafts' positions too (`held`): the next
   step is a prefill at the position after the accepted ones, which cuts them on every shard.
 """
@@ -271,7 +271,9 @@ class _RouteLoop:
         for s in live:
             if s.first_step and not s.planned:
                 s.plan_prefix(owner.servicer.prefixes)
-        cost = self.cost.relative()
+        # drafts only for a stream stepping alone: streams sharing a step already share its compute,
+        # which a verification's extra rows would take from them
+        cost = self.cost.relative() if len(live) == 1 else None
         t0 = time.perf_counter()  # a draft model's time counts in the step's cost
         items = [s.request(self.wire_dtype, cost) for s in live]
         from .worker import _Refused  # the worker module imports this one
