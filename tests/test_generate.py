@@ -320,7 +320,8 @@ def test_64_streams_opened_and_dropped_at_random_leave_nothing_behind(embedded_m
         outcomes: list[str] = []
 
         def run(sid, prompt, keep):
-            call = route.stub().Generate(route.request(sid, prompt, 60), timeout=120)
+            # one token per step (speculation off): the waves' timing, not the drafts, is what this churns
+            call = route.stub().Generate(route.request(sid, prompt, 60, max_drafts=0), timeout=120)
             n = 0
             for event in call:
                 if event.HasField("final"):
