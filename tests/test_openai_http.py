@@ -7,6 +7,7 @@ What is shown here:
   rendered in jinja2's sandbox (the same tokens as llama.cpp's own rendering of it);
 - stop sequences are not in the text; EOG tokens end a chat with finish_reason "stop";
 - a 20-turn conversation computes only each turn's new tokens (usage.prompt_tokens_details);
+- speculative decoding per request (max_drafts), its drafts counted in usage.completion_tokens_details;
 - bad requests each get their status in OpenAI's error shape (400 naming the parameter, 404, 413,
   401, 429) and the worker still serves; unknown fields are ignored; a closed connection stops the
   stream's compute; 100 concurrent requests past the limit get 429 and leave no stream behind.
@@ -203,6 +204,31 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
                                                                        "ignore_eos": True}))
     assert got == 200 and answer["usage"]["completion_tokens"] == 2
     assert route.info().generate_streams == 0
+
+
+REWRITE = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
+           "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
+           "page and choose a new password.\n\nRewritten text: ")
+
+
+def test_drafts_per_request_and_their_counts_in_usage(route):
+    """max_drafts (0 off, else the most per step) is a request's own, as in Generate; usage reports the
+    drafts in OpenAI's fields for predicted tokens; greedy text is the same with drafts and without."""
+    ask = dict(model=MODEL_ID, prompt=REWRITE, max_tokens=40, temperature=0)
+    plain = route.client.completions.create(**ask, extra_body={"max_drafts": 0})
+    spec = route.client.completions.create(**ask)  # the worker's default: prompt lookup, up to 8
+    assert spec.choices[0].text == plain.choices[0].text
+    details, off = spec.usage.completion_tokens_details, plain.usage.completion_tokens_details
+    assert (off.accepted_prediction_tokens, off.rejected_prediction_tokens) == (0, 0)
+    assert details.accepted_prediction_tokens > details.rejected_prediction_tokens >= 0  # a rewrite: mostly right
+    chunks = list(route.client.completions.create(**ask, stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"max_drafts": 4}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    for bad in (16, -1, 2.5, "4", True):
+        got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2,
+                                                                       "max_drafts": bad}))
+        assert got == 400 and answer["error"]["param"] == "max_drafts", (bad, answer)
 
 
 def test_sampling_parameters_are_checked_before_anything_runs():

@@ -18,6 +18,7 @@ What is shown here:
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -373,3 +374,42 @@ def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
     finally:
         route.stop()
         drafting.stop()
+
+
+# the draft engine of a head, built in a fresh process, its resident memory measured around it
+DRAFT_PLANNED = """
+import json
+from llama_shard.engine.memory import draft_model_plan
+from llama_shard.serve.draft_model import DraftModel
+from llama_shard.testing.process import resident_bytes as rss
+plan = draft_model_plan({path!r}, 1024, {streams})
+r0 = rss()
+draft = DraftModel({path!r}, {path!r}, 1024, {streams}, threads=1)
+assert draft.manager.config == plan.config(ttl_seconds=0), (draft.manager.config, plan)
+draft.propose("a", [1, 2, 3], 2)
+print(json.dumps(dict(rss=rss() - r0, hot_bytes=plan.hot_bytes, model_bytes=plan.model_bytes)))
+"""
+
+
+@pytest.mark.model
+def test_a_draft_model_is_in_the_memory_plan_and_its_engine_is_sized_by_it(embedded_model):
+    """serve's memory plan names the draft model's weights and its KV (a slot per Generate stream);
+    the draft engine is built from that plan and its KV grows with the streams as the plan says."""
+    from conftest import run_isolated
+
+    from llama_shard.cli import build_parser, serve_config
+
+    flags = ["serve", "--model", str(embedded_model), "--max-sessions", "3", "--context-tokens", "1024"]
+    _, plain = serve_config(build_parser().parse_args(flags), None)
+    _, plan = serve_config(build_parser().parse_args([*flags, "--draft-model", str(embedded_model)]), None)
+    assert plain.draft is None and plain.draft_bytes == 0
+    assert plan.draft.hot_slots == 3 and plan.draft.context_tokens == 1024  # a slot per stream the head runs
+    assert plan.draft_bytes == plan.draft.model_bytes + plan.draft.hot_bytes > plan.draft.hot_bytes > 0
+    assert "draft:" in plan.describe() and "draft:" not in plain.describe()
+    runs = []
+    for streams in (2, 8):
+        res = run_isolated(DRAFT_PLANNED.format(path=str(embedded_model), streams=streams))
+        assert res.returncode == 0, res.stderr
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    grown, planned = runs[1]["rss"] - runs[0]["rss"], runs[1]["hot_bytes"] - runs[0]["hot_bytes"]
+    assert 0.9 * planned <= grown <= 1.1 * planned, runs

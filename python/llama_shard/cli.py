@@ -12,6 +12,7 @@ Generated text goes to stdout as it is produced; status and figures go to stderr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import secrets
 import sys
 import time
@@ -241,7 +242,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     """The HotKvStateConfig and memory plan of `serve`: flags over MESHNET_HOT_KV_* over defaults;
     --kv-memory sizes max_sessions."""
     from .engine.hot_kv import HotKvStateConfig, parse_size
-    from .engine.memory import memory_plan
+    from .engine.memory import draft_model_plan, memory_plan
     from .engine.models import gguf_shape
 
     env_set = HotKvStateConfig.env_values()  # MESHNET_HOT_KV_* are the defaults; flags override them
@@ -265,6 +266,11 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
                        warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions),
                        prefix_bytes=prefixes)
+    if args.draft_model is not None and first == 0:  # (a worker of later layers refuses a draft model)
+        from .serve.generation import max_generate_streams
+
+        plan = dataclasses.replace(plan, draft=draft_model_plan(args.draft_model, context,
+                                                                max_generate_streams(plan.config())))
     flash_attn = env.flash_attn if args.flash_attn is None else args.flash_attn == "on"
     config = plan.config(flash_attn=flash_attn, ttl_seconds=pick(args.ttl, env.ttl_seconds),
                          warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)

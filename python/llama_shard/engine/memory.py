@@ -7,7 +7,9 @@ max(context_tokens, n_batch) to 256) and what a token costs (`kv_bytes_per_token
 is N slots. `budget_tokens` then defaults to slots x context_tokens (no cap beyond the slots) and,
 when set, caps the tokens held hot. The warm tier holds evicted sessions' KV in at most
 `warm_bytes` of host memory, and the prefix store (shared starts of sessions) at most
-`prefix_bytes`. The process holds about model + hot + warm + prefixes + a fixed overhead.
+`prefix_bytes`. A head with a draft model (`serve --draft-model`) holds that model whole and a hot
+slot for each Generate stream it runs at once: the draft's own plan (`draft_model_plan`), which its
+engine is sized by. The process holds about model + hot + warm + prefixes + draft + a fixed overhead.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ class MemoryPlan:
     budget_tokens: int
     warm_disk_bytes: int = 0  # the disk tier's bound (files, not memory)
     prefix_bytes: int = 0     # the prefix store's bound (host memory)
+    draft: "MemoryPlan | None" = None  # the draft model's own plan (serve --draft-model), or none
+
+    @property
+    def draft_bytes(self) -> int:
+        return self.draft.model_bytes + self.draft.hot_bytes if self.draft is not None else 0
 
     @property
     def slot_bytes(self) -> int:
@@ -59,10 +66,14 @@ class MemoryPlan:
             f"prefixes: {format_size(self.prefix_bytes) + ' in host memory' if self.prefix_bytes else 'off'} "
             f"(shared starts of sessions)",
         ]
+        if self.draft is not None:
+            d = self.draft
+            lines.append(f"draft:    {format_size(self.draft_bytes)} (a draft model: weights {format_size(d.model_bytes)} "
+                         f"+ KV of {d.hot_slots} streams x {d.slot_cells} cells x {d.kv_bytes_per_token} B/token)")
         if self.model_bytes:
             lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
-            lines.append(f"total:    about {format_size(self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes)} "
-                         f"+ compute buffers")
+            total = self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes + self.draft_bytes
+            lines.append(f"total:    about {format_size(total)} + compute buffers")
         return "\n".join(lines)
 
 
@@ -91,3 +102,12 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
                       slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
                       model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
                       warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes)
+
+
+def draft_model_plan(path, context_tokens: int, streams: int) -> MemoryPlan:
+    """A draft model's plan (serve --draft-model): the whole model, one hot slot of `context_tokens`
+    for each of the `streams` Generate streams the head runs at once; its engine is sized by it."""
+    from .models import gguf_shape
+
+    shape = gguf_shape(path)
+    return memory_plan(shape.range_info(0, shape.n_layer - 1), None, context_tokens, max_sessions=streams)

@@ -3,8 +3,9 @@ are the drafts (speculation.py says how they are verified and how many are asked
 
 - It must map token ids to the same text as the route's model (`check_vocabulary`): otherwise its
   ids mean other words and no draft would be accepted; the worker refuses to start, naming both.
-- Each Generate stream has a session in the draft model's own engine (its own context, bounded
-  like the worker's). `propose` brings it to the stream's tokens (the common prefix it holds is
+- Each Generate stream has a session in the draft model's own engine: its own context, a slot of
+  the worker's context length per stream the head runs at once (`engine.memory.draft_model_plan`,
+  a line of serve's memory plan). `propose` brings it to the stream's tokens (the common prefix it holds is
   kept, the rest prefilled at that position, which cuts the drafts it guessed wrong last time),
   then decodes greedily, one token per draft. A session the engine dropped (evicted) is
   prefilled again from the start; nothing here changes what the route computes.
@@ -18,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.adapter import KvBoundaryAdapter
-from ..engine.hot_kv import CacheMiss, HotKvStateConfig
+from ..engine.hot_kv import CacheMiss
 from ..engine.manager import HotKvStateManager
+from ..engine.memory import draft_model_plan
 from ..engine.models import gguf_vocabulary_digest
 from ..errors import InvalidInputError, LlamaShardError
 
@@ -44,8 +46,7 @@ class DraftModel:
         check_vocabulary(path, model_path)
         self.path = Path(path)
         self.model = ShardModel(str(path), None, threads)
-        config = HotKvStateConfig(max_sessions=max_sessions, context_tokens=context_tokens,
-                                  budget_tokens=max_sessions * context_tokens, ttl_seconds=0)
+        config = draft_model_plan(path, context_tokens, max_sessions).config(ttl_seconds=0)  # what serve's plan says
         self.manager = HotKvStateManager(self.model, config, n_threads=threads)
         self.adapter = KvBoundaryAdapter(self.model, self.manager)
         self._held: OrderedDict[str, list[int]] = OrderedDict()  # session -> the tokens its draft KV holds

@@ -34,6 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .sampling import MAX_TOP_LOGPROBS
+from .speculation import MAX_DRAFTS
 from .security import ANONYMOUS, file_mtimes
 
 #: the largest request body (a longer one gets 413 before it is read in full)
@@ -489,6 +490,9 @@ class OpenAIEndpoint:
         req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling,
                                  max_tokens=max_tokens or 0, stop_token_ids=stop_ids, stop=stops,
                                  forward=self.forward, logprobs=logprobs, top_logprobs=top)
+        max_drafts = _number(body, "max_drafts", 0, MAX_DRAFTS, integer=True)  # speculation: 0 off, else up to k
+        if max_drafts is not None:
+            req.max_drafts = max_drafts
         if self.in_flight >= self.max_in_flight:
             raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
                                  "(serve --max-concurrent-rpcs)")
@@ -576,7 +580,12 @@ class OpenAIEndpoint:
                 finish = "length"
             usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
                      "total_tokens": final.prompt_tokens + final.completion_tokens,
-                     "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+                     "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+                     # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
+                     # tail accepted (part of the completion) and those it rejected (computed, not sent)
+                     "completion_tokens_details": {
+                         "accepted_prediction_tokens": final.accepted_tokens,
+                         "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens}}
             headers = {"X-Session-Id": req.session_id}
             if stream_it:
                 await send(chunk(tail or None, finish, None))
