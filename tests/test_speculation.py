@@ -199,6 +199,29 @@ def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_
     assert info.draft_source == "ngram" and info.accepted_tokens <= info.drafted_tokens
 
 
+@pytest.mark.model
+@pytest.mark.grpc
+def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_routes, embedded_model):
+    import subprocess
+    import sys
+
+    route = smol_spec_routes["2 shards"]
+    spec = ",".join(f"{a}-{b}@{addr}" for (a, b), addr in zip(route.ranges, route.addresses))
+    cmd = [sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model), "--route", spec,
+           "--prompt", REPEAT, "--max-tokens", "32"]
+    runs = {k: subprocess.run([*cmd, "--max-drafts", k], capture_output=True, text=True, timeout=300) for k in "08"}
+    for k, res in runs.items():
+        assert res.returncode == 0, res.stderr[-2000:]
+    assert runs["0"].stdout == runs["8"].stdout and "drafts accepted" not in runs["0"].stderr
+    assert "drafts accepted" in runs["8"].stderr, runs["8"].stderr[-500:]
+    for bad in (["--max-drafts", "16"], ["--max-drafts", "-1"]):
+        res = subprocess.run([*cmd, *bad], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and "--max-drafts" in res.stderr, res.stderr[-500:]
+    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model),
+                          "--max-drafts", "4", "--max-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "needs --route" in res.stderr, res.stderr[-500:]
+
+
 @pytest.mark.grpc
 def test_greedy_with_drafts_on_gemma3_in_two_shards_gives_the_tokens_without(gemma3_model):
     from test_generate import Route

@@ -70,6 +70,8 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"{addr} serves layers {st.info.first}-{st.info.last}, not {rng[0]}-{rng[1]}")
     client = RouteClient(stages)
     sampling = _sampling(args)
+    if args.max_drafts is not None and not (client.chained and client.route_loop):
+        raise InvalidInputError("--max-drafts needs a chained route (a head started with --peer runs the loop)")
     if sampling is not None and not client.chained:
         stages[-1].return_logits = True  # this client samples from the tail's logits
     # the tokenizer runs on the head side, from the same GGUF the workers serve
@@ -81,7 +83,8 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     tokens: list[int] = []
     printed = ""
     t0 = time.perf_counter()
-    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,), sampling=sampling):
+    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,), sampling=sampling,
+                                max_drafts=args.max_drafts):
         if token == vocab.token_eos:
             break
         tokens.append(token)
@@ -95,8 +98,10 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     final = session.last_final
     where = "the route's loop (Generate)" if final is not None else "this client's loop"
     ttft = f", first token after {final.time_to_first_token_s * 1000:.0f} ms" if final is not None else ""
+    drafts = (f"; {final.accepted_tokens} of {final.drafted_tokens} drafts accepted"
+              if final is not None and final.drafted_tokens else "")
     _status(f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers, driven by {where}{ttft}; "
-            f"{session.reprefills} re-prefill(s)")
+            f"{session.reprefills} re-prefill(s){drafts}")
     session.release()
     client.close()
     return 0
@@ -123,6 +128,8 @@ def _sampling(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.route:
         return cmd_generate_route(args)
+    if args.max_drafts is not None:
+        raise InvalidInputError("--max-drafts needs --route: drafts are a route's (its head's speculative decoding)")
     path = _model_path(args.model)
     _status(f"model: {path}")
     t0 = time.perf_counter()
@@ -420,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
     g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
+    g.add_argument("--max-drafts", type=_count(0, MAX_DRAFTS), default=None, metavar="K",
+                   help=f"with a chained --route: speculative decoding's most drafts per step (0: off, up to {MAX_DRAFTS}; "
+                        "default: the head's --max-drafts)")
     sm = g.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature, "
                               "then a seeded draw; without these flags: greedy; an unset one is off)")
     sm.add_argument("--temperature", type=float, help="0: the largest logit; else 0.001..100")
