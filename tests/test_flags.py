@@ -9,7 +9,7 @@ import pytest
 
 BAD = {
     "serve": [("--port", "99999"), ("--port", "-1"), ("--metrics-port", "70000"), ("--threads", "-2"),
-              ("--threads", "0"), ("--batch", "0"), ("--gather-ms", "-1"), ("--gather-ms", "nan"),
+              ("--threads", "0"), ("--batch", "0"), ("--batch", "15"), ("--gather-ms", "-1"), ("--gather-ms", "nan"),
               ("--max-step-sessions", "0"), ("--prefill-chunk", "0"), ("--max-sessions", "0"),
               ("--max-sessions", "257"), ("--context-tokens", "0"), ("--context-tokens", "x"),
               ("--context-tokens", "1048577"),

@@ -201,6 +201,20 @@ def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_
 
 @pytest.mark.model
 @pytest.mark.grpc
+def test_a_stop_among_accepted_drafts_ends_the_stream_there_and_counts_only_what_was_sent(smol_spec_routes,
+                                                                                           embedded_model):
+    route = smol_spec_routes["2 shards"]
+    prompt = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT)
+    plain, _ = _tokens(route, "stop-plain", prompt, 48, max_drafts=0)
+    j = next(i for i in range(20, 48) if plain[i] not in plain[:i])  # a token first generated late
+    spec, final = route.generate("stop-spec", prompt, max_tokens=48, max_drafts=MAX_DRAFTS,
+                                 stop_token_ids=[plain[j]])
+    assert spec == plain[:j + 1] and final.finish_reason == "stop"
+    assert final.drafted_tokens > 0 and final.accepted_tokens <= final.completion_tokens == j + 1
+
+
+@pytest.mark.model
+@pytest.mark.grpc
 def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_routes, embedded_model):
     import subprocess
     import sys
@@ -302,13 +316,14 @@ def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_s
     assert _prefill(route, "fit", prompt, 0).outcome == pb.OUTCOME_OK
     cases = {"too many": (list(range(200, 217)), list(range(201, 217))),
              "as many as the tokens": ([5, 6], [5, 6]),
+             "more tokens than the last sampled one": ([4, 5, 6], [6]),  # would be a long row-by-row step
              "not the step's last tokens": ([5, 6, 7], [6, 8]),
              "outside the vocabulary": ([5, 6], [1 << 30])}
     for name, (tokens, drafts) in cases.items():
         reply = _prefill(route, "fit", tokens, 40, drafts)
         assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT, name
-    with_logprobs = _prefill(route, "fit", [5, 6], 40, [6], logprobs=True)
-    assert with_logprobs.outcome == pb.OUTCOME_INVALID_ARGUMENT
+    for asks in ({"logprobs": True}, {"return_logits": True}):  # a verification answers tokens only
+        assert _prefill(route, "fit", [5, 6], 40, [6], **asks).outcome == pb.OUTCOME_INVALID_ARGUMENT, asks
     without_drafts = _prefill(route, "fit", [5, 6], 40, row_by_row=True)
     assert without_drafts.outcome == pb.OUTCOME_INVALID_ARGUMENT and "row_by_row" in without_drafts.detail
     decode = route.stub().Decode(pb.StepRequest(session_id="fit", token_ids=[5, 6], draft_tokens=[6],
@@ -370,6 +385,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_mode
     tail, _ = start_worker(embedded_model, 15, 29, extra=("--draft-model", str(embedded_model)))
     _, err = tail.communicate(timeout=120)
     assert tail.returncode == 2 and "needs the head worker" in err
+    off, _ = start_worker(embedded_model, 0, 29, extra=("--draft-model", str(embedded_model), "--draft", "off"))
+    _, err = off.communicate(timeout=120)
+    assert off.returncode == 2 and "--draft off and --draft-model" in err
 
 
 @pytest.mark.model

@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
                     help="the longest a chained step may hold this worker, whatever the caller's deadline "
                          f"(default {DEFAULT_MAX_HOP_S:g})")
-    sv.add_argument("--batch", type=_count(1, 1 << 16), default=_DEFAULTS.engine_config().n_batch, help="most tokens per llama_decode")
+    sv.add_argument("--batch", type=_count(MAX_DRAFTS + 1, 1 << 16), default=_DEFAULTS.engine_config().n_batch,
+                    help=f"most tokens per llama_decode (at least {MAX_DRAFTS + 1}: a verification of {MAX_DRAFTS} drafts)")
     sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,

@@ -106,8 +106,11 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
 
 def draft_model_plan(path, context_tokens: int, streams: int) -> MemoryPlan:
     """A draft model's plan (serve --draft-model): the whole model, one hot slot of `context_tokens`
-    for each of the `streams` Generate streams the head runs at once; its engine is sized by it."""
+    for each of the `streams` Generate streams the head runs at once (at most MAX_SESSIONS: beyond,
+    the least recently drafted stream's draft KV is evicted and prefilled again when it drafts next);
+    its engine is sized by it."""
     from .models import gguf_shape
 
     shape = gguf_shape(path)
-    return memory_plan(shape.range_info(0, shape.n_layer - 1), None, context_tokens, max_sessions=streams)
+    return memory_plan(shape.range_info(0, shape.n_layer - 1), None, context_tokens,
+                       max_sessions=min(streams, MAX_SESSIONS))

@@ -97,6 +97,7 @@ class _Stream:
         self.long_match = True                # the kind of match the step's drafts came from
         self.row_by_row = row_by_row          # how the route computes its verifications
         self.unsent: int | None = None        # a draft not sent (k was 0), to learn from
+        self.unsent_accepted = 0              # of the last verification's accepted drafts, those not yet sent
         self.group = 0                        # the loop's group (a run of head seq ids)
         self.in_flight = False                # in a group's step now
         self.prefix = None                    # its PrefixPlan (prefixes.py), made at its first step
@@ -457,18 +458,21 @@ class GenerationLoops:
         accepted = len(tokens) - 1
         s.held = s.computed + n_sent            # the rejected drafts' positions too, until the next step cuts them
         s.computed += n_sent - len(drafts) + accepted
-        s.control.update(len(drafts), accepted, s.long_match)
         if s.unsent is not None:
             s.control.unsent(tokens[0] == s.unsent, s.long_match)
             s.unsent = None
-        if drafts:
-            self.drafted.inc(len(drafts))
-            self.accepted.inc(accepted)
-            self.drafted_total += len(drafts)  # for Info (read without prometheus' internals)
-            self.accepted_total += accepted
-        for token in tokens:
+        s.control.update(len(drafts), accepted, s.long_match)
+        for i, token in enumerate(tokens):
+            s.unsent_accepted = max(0, accepted - i - 1)  # accepted drafts behind this token: a stop here drops them
             if not self._emit(s, token, reply):
-                return
+                break
+        if drafts:  # counted as the client got them (accepted never exceeds the completion's tokens)
+            shown = accepted - s.unsent_accepted
+            self.drafted.inc(len(drafts))
+            self.accepted.inc(shown)
+            with self.cond:  # streams of several route loops count here (Info reads these)
+                self.drafted_total += len(drafts)
+                self.accepted_total += shown
 
     def _emit(self, s: _Stream, token: int, reply: pb.StepReply) -> bool:
         """One sampled token to the stream's client; False once the stream has finished."""
@@ -515,7 +519,7 @@ class GenerationLoops:
             prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
             seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=s.prefix_tokens,
-            drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted)
+            drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted - s.unsent_accepted)
         with self.cond:
             if self.streams.get(s.key) is s:
                 del self.streams[s.key]

@@ -291,8 +291,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if options.draft not in DRAFT_SOURCES or not 0 <= options.max_drafts <= MAX_DRAFTS:
             raise InvalidInputError(f"draft source {options.draft!r} with max drafts {options.max_drafts}: the source "
                                     f"is one of {', '.join(DRAFT_SOURCES)}, max drafts 0..{MAX_DRAFTS}")
+        if options.n_batch <= MAX_DRAFTS:  # a verification is up to MAX_DRAFTS + 1 tokens on every worker
+            raise InvalidInputError(f"batch is {options.n_batch}: a worker computes steps of up to {MAX_DRAFTS + 1} "
+                                    f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MAX_DRAFTS + 1}")
         draft_model = None
         if options.draft_model is not None:
+            if options.draft == "off":
+                raise InvalidInputError("--draft off and --draft-model: a draft model is a draft source; give one")
             if self.info.first != 0:
                 raise InvalidInputError(f"--draft-model drafts for Generate streams: it needs the head worker (layers "
                                         f"from 0), not layers {self.info.first}-{self.info.last}")
@@ -572,15 +577,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if kind != StepKind.PREFILL or not req.HasField("position"):
             raise InvalidInputError("a step with drafts is a prefill at an explicit position")
         n_rows = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
-        if n_drafts >= n_rows:
-            raise InvalidInputError(f"{n_drafts} drafts need a step of at least {n_drafts + 1} tokens (the last "
-                                    f"sampled one first), got {n_rows}")
+        if n_rows != n_drafts + 1:  # every shard refuses before computing: no long row-by-row steps
+            raise InvalidInputError(f"a step with {n_drafts} drafts is {n_drafts + 1} tokens (the last sampled one, "
+                                    f"then the drafts), got {n_rows}")
         if any(not 0 <= t < self.info.n_vocab for t in req.draft_tokens):
             raise InvalidInputError(f"a draft token is outside the vocabulary (0..{self.info.n_vocab - 1})")
         if tokens is not None and tokens[-n_drafts:] != list(req.draft_tokens):
             raise InvalidInputError("the drafts must be the step's last token ids")
-        if req.logprobs or req.top_logprobs:
-            raise InvalidInputError("a step with drafts does not return logprobs; send it without drafts")
+        if req.logprobs or req.top_logprobs or req.return_logits:
+            raise InvalidInputError("a step with drafts returns its tokens, not logprobs or logits; send it without "
+                                    "drafts")
 
     def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> tuple | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
