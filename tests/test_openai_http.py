@@ -29,6 +29,7 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.serve.openai_http import ChatTemplate, HttpError, _StopTrimmer, sampling_from
+from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.grpc
@@ -206,15 +207,10 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     assert route.info().generate_streams == 0
 
 
-REWRITE = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
-           "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
-           "page and choose a new password.\n\nRewritten text: ")
-
-
 def test_drafts_per_request_and_their_counts_in_usage(route):
     """max_drafts (0 off, else the most per step) is a request's own, as in Generate; usage reports the
     drafts in OpenAI's fields for predicted tokens; greedy text is the same with drafts and without."""
-    ask = dict(model=MODEL_ID, prompt=REWRITE, max_tokens=40, temperature=0)
+    ask = dict(model=MODEL_ID, prompt=REPEAT, max_tokens=40, temperature=0)
     plain = route.client.completions.create(**ask, extra_body={"max_drafts": 0})
     spec = route.client.completions.create(**ask)  # the worker's default: prompt lookup, up to 8
     assert spec.choices[0].text == plain.choices[0].text
