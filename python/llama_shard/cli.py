@@ -24,9 +24,10 @@ from ._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS
                       MAX_SESSIONS)
 from .errors import InvalidInputError, LlamaShardError
 from .engine.hot_kv import KV_TYPES, HotKvStateConfig
-from .engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
+from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
+from .serve.http_guard import HttpLimits, raise_open_file_limit
 from .serve.speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
@@ -38,7 +39,7 @@ def _status(msg: str) -> None:
 
 
 def _model_path(arg: str | None) -> Path:
-    return Path(arg) if arg else require_embedded_model()
+    return regular_model_file(arg, "--model") if arg else require_embedded_model()
 
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
@@ -290,7 +291,7 @@ def serve_security(args: argparse.Namespace):
     from .serve.security import ClientSecurity, ServerSecurity
 
     security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
-                              tuple(args.admin), args.insecure, tuple(args.forwarder))
+                              tuple(args.admin), args.insecure, tuple(args.forwarder), args.route_key_file)
     security.check_exposure(args.host)
     if args.metrics_port is not None:
         security.check_metrics_exposure(args.metrics_host)
@@ -310,6 +311,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
     security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
+    if args.draft_model is not None:
+        regular_model_file(args.draft_model, "--draft-model")
+    soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
+    http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
+                             args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
+                             tuple(h.strip().lower() for h in args.http_allowed_host))
+    if args.http_port is not None:
+        _status(f"open files: at most {soft}; HTTP connections: at most {http_limits.connection_cap()}")
     config, plan = serve_config(args, layers)
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
@@ -325,6 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
+                                       http_limits=http_limits,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
                                        verify=args.verify))
@@ -394,7 +404,11 @@ def _server_security_flags(sv: argparse.ArgumentParser) -> None:
     s.add_argument("--admin", action="append", default=[], metavar="PRINCIPAL",
                    help="a principal that Info shows every session id to (repeatable)")
     s.add_argument("--forwarder", action="append", default=[], metavar="PRINCIPAL",
-                   help="a worker (its principal) trusted to forward steps on behalf of its callers (repeatable)")
+                   help="a worker (its principal) trusted to forward steps on behalf of its callers (repeatable); "
+                        "needs --route-key-file")
+    s.add_argument("--route-key-file", metavar="PATH",
+                   help="the route's secret (32+ bytes, mode 0600, the same file on every worker of a chained "
+                        "route): the head signs whom it forwards for, the next workers check it")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without TLS and authentication anyway")
     s.add_argument("--max-sessions-per-principal", type=_count(1), default=None, metavar="N",
@@ -452,6 +466,26 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--http-port", type=_port, default=None,
                     help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions) on this port, same "
                          "host, TLS and tokens as gRPC; the route is this worker then its --peer workers in order")
+    lim = HttpLimits()
+    sv.add_argument("--http-header-timeout", type=_positive_seconds, default=lim.header_timeout_s, metavar="S",
+                    help="a connection's TLS handshake and request headers must arrive within S seconds (from accept; "
+                         f"on a kept-alive connection from the request's first byte) (default {lim.header_timeout_s:g})")
+    sv.add_argument("--http-body-timeout", type=_positive_seconds, default=lim.body_timeout_s, metavar="S",
+                    help=f"a request's whole body must arrive within S seconds of its headers (default {lim.body_timeout_s:g})")
+    sv.add_argument("--http-idle-timeout", type=_positive_seconds, default=lim.idle_timeout_s, metavar="S",
+                    help=f"a kept-alive connection is closed after S idle seconds (default {lim.idle_timeout_s:g})")
+    sv.add_argument("--http-write-timeout", type=_positive_seconds, default=lim.write_timeout_s, metavar="S",
+                    help="a client that reads nothing of its response for S seconds is dropped and its stream stopped "
+                         f"(default {lim.write_timeout_s:g})")
+    sv.add_argument("--http-max-connections", type=_count(1, 1 << 20), default=None, metavar="N",
+                    help="open HTTP connections at most; at the cap a new one replaces the oldest without a request "
+                         "running (default: a quarter of the open-file limit, at most 512)")
+    sv.add_argument("--http-max-requests-per-principal", type=_count(1, 1 << 20), default=None, metavar="N",
+                    help="HTTP requests in flight per caller (default: all of --max-concurrent-rpcs without "
+                         "authentication, half of them with)")
+    sv.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
+                    help="a Host name a plaintext HTTP port answers besides IP literals and localhost (repeatable; "
+                         "a page's own name is refused: DNS rebinding)")
     sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--metrics-host", default="127.0.0.1",
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -181,6 +182,33 @@ def gguf_layer_count(path: str | Path) -> int:
 def compute_balanced_cut(path: str | Path) -> int:
     """GgufShape.balanced_cut of the file at `path`."""
     return gguf_shape(path).balanced_cut()
+
+
+def regular_model_file(path: str | Path, flag: str = "model") -> Path:
+    """`path` if it names a regular file (through links); else a clear error. A FIFO, a device or a
+    directory given as a model would block the start-up on its first read, or fail deep in llama.cpp."""
+    import stat
+
+    from ..errors import InvalidInputError
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise InvalidInputError(f"{flag} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise InvalidInputError(f"{flag} {path}: not a regular file (a model is a GGUF file)")
+    return Path(path)
+
+
+def gguf_token_texts(path: str | Path) -> list[str]:
+    """Each token's text as the GGUF spells it (`tokenizer.ggml.tokens`, in id order; empty without one)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).get_field("tokenizer.ggml.tokens")
+        return [] if field is None else [str(t) for t in field.contents()]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"cannot read the vocabulary of {path}: {e}") from e
 
 
 def gguf_vocabulary_digest(path: str | Path) -> tuple[int, str]:

@@ -13,32 +13,51 @@ event loop thread beside gRPC's pool; no second server process or ASGI adapter t
 
 Invariants: nothing a client sends reaches llama.cpp unchecked (every parameter is checked here,
 then again by `GenerationLoops`); every error is OpenAI's JSON shape with its status; a closed
-connection cancels its stream before the next step (the session's KV stays for the next turn)."""
+connection cancels its stream before the next step (the session's KV stays for the next turn).
+A request is refused by what it costs before it costs it: its connection is counted and timed from
+accept (`http_guard`); its in-flight slot (global and per principal) is taken before its body is
+read; a body longer than the context could hold as tokens is refused by its length before it is
+parsed; rendering and tokenizing run on a bounded pool off the event loop, their output bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
 import math
+import operator
+import re
 import secrets
 import ssl
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
 from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .sampling import MAX_TOP_LOGPROBS
 from .speculation import MAX_DRAFTS
-from .security import ANONYMOUS, file_mtimes
+from .http_guard import ConnectionGuard, HttpLimits
+from .security import ANONYMOUS, file_mtimes, is_loopback
 
-#: the largest request body (a longer one gets 413 before it is read in full)
+#: the largest request body whatever the context (a longer one gets 413 before it is read in full)
 MAX_BODY_BYTES = 4 * 2**20
+#: room in a body for what is not prompt text (parameters, JSON syntax, the template's own text)
+BODY_OVERHEAD_BYTES = 64 * 2**10
+#: the longest text a chat template may render (characters), beside the prompt's own bound
+MAX_RENDERED_CHARS = 4 * 2**20
+#: renders and tokenizations at once (each holds a prompt's text and tokens; more would only queue)
+TOKENIZE_THREADS = 2
+#: a message's role: a name, never text the tokenizer could read as a turn marker
+ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 #: OpenAI's and the Generate stream's bounds on stop sequences
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 _OUTCOME_STATUS = {pb.OUTCOME_INVALID_ARGUMENT: 400, pb.OUTCOME_BUDGET_EXCEEDED: 429}
@@ -47,8 +66,9 @@ _OUTCOME_STATUS = {pb.OUTCOME_INVALID_ARGUMENT: 400, pb.OUTCOME_BUDGET_EXCEEDED:
 class HttpError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
+             404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -66,22 +86,53 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox whose arithmetic cannot build a huge value: `*`, `**` and `+` are
+    checked before they run (jinja2 bounds `range` itself, at 100,000 items)."""
+
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    def call_binop(self, context, op: str, left, right):
+        def size(v) -> int:
+            return len(v) if isinstance(v, (str, list, tuple)) else 0
+        if op == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise SecurityError("a power over 64 in a chat template")
+        if op == "*":
+            n = right if size(left) else left if size(right) else None
+            if isinstance(n, int) and max(size(left), size(right)) * n > MAX_RENDERED_CHARS:
+                raise SecurityError("a repeated value too long for a chat template")
+        if op == "+" and size(left) + size(right) > MAX_RENDERED_CHARS:
+            raise SecurityError("a concatenation too long for a chat template")
+        return {"*": operator.mul, "**": operator.pow, "+": operator.add}[op](left, right)
+
+
 class ChatTemplate:
     """The GGUF's `tokenizer.chat_template`, rendered as transformers and llama-cpp-python render it:
-    jinja2 in an immutable sandbox (a template cannot reach Python objects or change its inputs)."""
+    jinja2 in an immutable sandbox (a template cannot reach Python objects or change its inputs),
+    its arithmetic and its output bounded (a template is the model file's code: a hostile GGUF, or
+    messages that drive a careless template, must cost a 400, not the worker's memory)."""
 
-    def __init__(self, source: str, bos_token: str, eos_token: str):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    def __init__(self, source: str, bos_token: str, eos_token: str, max_chars: int = MAX_RENDERED_CHARS):
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: time.strftime(fmt))
         self.template = env.from_string(source)
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token, self.eos_token, self.max_chars = bos_token, eos_token, max_chars
 
     def render(self, messages: list[dict]) -> str:
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token)
-        except TemplateError as e:
-            raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+            parts, n = [], 0
+            for part in self.template.generate(messages=messages, add_generation_prompt=True,
+                                               bos_token=self.bos_token, eos_token=self.eos_token):
+                n += len(part)
+                if n > self.max_chars:
+                    raise SecurityError(f"the rendered prompt is over {self.max_chars} characters")
+                parts.append(part)
+            return "".join(parts)
+        except (TemplateError, OverflowError, RecursionError, MemoryError, TypeError, ValueError) as e:
+            # jinja2 raises OverflowError for a range over its bound, Python TypeError/ValueError for
+            # arithmetic on the wrong types: each is the template refusing these messages
+            raise HttpError(400, f"the model's chat template refused the messages: {type(e).__name__}: {e}",
+                            "messages") from None
 
 
 # --- request checks: each names the parameter it refuses -------------------------------------------
@@ -191,11 +242,25 @@ class _LoopEvents:
 class OpenAIEndpoint:
     """The HTTP server of one head worker, on its own event loop thread."""
 
-    def __init__(self, servicer, host: str, port: int, forward: tuple[str, ...], max_in_flight: int):
+    def __init__(self, servicer, host: str, port: int, forward: tuple[str, ...], max_in_flight: int,
+                 limits: HttpLimits = HttpLimits()):
         self.servicer, self.host, self.port = servicer, host, port
         self.forward = [pb.Hop(address=a) for a in forward]
+        self.limits = limits
         self.max_in_flight, self.in_flight = max_in_flight, 0
+        # one principal may hold all slots of a node it has to itself (no authentication: one principal),
+        # half of them where tenants share it
+        self.max_in_flight_per_principal = limits.max_in_flight_per_principal or (
+            max(1, max_in_flight // 2) if servicer.security.authenticated else max_in_flight)
+        self.in_flight_by_principal: dict[str, int] = {}
         model = servicer.model
+        # a body that could not fit the context as tokens is refused by its length: text bytes never
+        # exceed the body's (JSON escapes are longer than what they stand for), a token covers at most
+        # the vocabulary's longest token's bytes
+        self.max_token_bytes = _longest_token_bytes(model)
+        self.max_body_bytes = min(MAX_BODY_BYTES, servicer.manager.config.context_tokens * self.max_token_bytes
+                                  + BODY_OVERHEAD_BYTES)
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="http-tokenize")
         self.model_id = Path(model.path).name.removesuffix(".gguf")
         self.created = int(time.time())
         self.eog = list(model.eog_tokens)
@@ -209,6 +274,8 @@ class OpenAIEndpoint:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tls_reloads = 0  # certificate sets loaded since start (see _ssl_context)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self.guard: ConnectionGuard | None = None
         self._thread: threading.Thread | None = None
 
     # --- life ---------------------------------------------------------------------------------
@@ -260,18 +327,24 @@ class OpenAIEndpoint:
     def start(self) -> "OpenAIEndpoint":
         """Binds the port (OSError when it cannot) and serves on a thread of its own."""
         self.loop = asyncio.new_event_loop()
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        # aiohttp's own keep-alive timer covers a connection that sends nothing; the guard the rest
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     keepalive_timeout=self.limits.idle_timeout_s)
 
         async def setup() -> int:
             await self._runner.setup()
-            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl_context())
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]  # the port bound (0 asked for any free one)
+            # the guard, not aiohttp's site, accepts: it counts a connection before its TLS handshake
+            self.guard = ConnectionGuard(asyncio.get_running_loop(), self._runner.server, self.limits,
+                                         self._ssl_context())
+            self._listener = await asyncio.get_running_loop().create_server(
+                self.guard, self.host, self.port, backlog=128, reuse_address=True)
+            self.guard.start()
+            return self._listener.sockets[0].getsockname()[1]  # the port bound (0 asked for any free one)
 
         try:
             self.port = self.loop.run_until_complete(setup())
@@ -286,7 +359,13 @@ class OpenAIEndpoint:
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.loop is None or self._thread is None:
             return
-        future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop)
+
+        async def close() -> None:
+            self.guard.stop()
+            self._listener.close()
+            await self._runner.cleanup()
+
+        future = asyncio.run_coroutine_threadsafe(close(), self.loop)
         try:
             future.result(timeout_s)
         except Exception:  # noqa: BLE001 - shutting down: a slow client must not hold the worker
@@ -294,17 +373,21 @@ class OpenAIEndpoint:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
         self.loop = self._thread = None
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- every request ------------------------------------------------------------------------
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        transport = request.transport
+        self.guard.request_started(transport)  # its headers are in: the connection's header deadline ends
         try:
+            self._check_browser(request)
             return await handler(request)
         except HttpError as e:
             return e.response()
         except web.HTTPRequestEntityTooLarge:
-            return HttpError(413, f"the request body is over {MAX_BODY_BYTES} bytes").response()
+            return self._too_large().response()
         except web.HTTPException as e:  # aiohttp's own (an unknown path, a wrong method): in OpenAI's shape
             if e.status < 400:
                 raise
@@ -313,6 +396,44 @@ class OpenAIEndpoint:
             raise
         except Exception as e:  # noqa: BLE001 - a bug answers 500 in OpenAI's shape; the worker serves on
             return HttpError(500, f"internal error: {type(e).__name__}").response()
+        finally:
+            self.guard.request_ended(transport)
+
+    def _too_large(self) -> HttpError:
+        return HttpError(413, f"the request body is over {self.max_body_bytes} bytes: more than this worker's context "
+                              f"({self.servicer.manager.config.context_tokens} tokens) can hold",
+                         code="context_length_exceeded")
+
+    def _check_browser(self, request: web.Request) -> None:
+        """A web page must not drive a worker it can reach (a loopback one above all). A cross-site
+        "simple" POST (text/plain, a form) is sent without asking: only application/json needs the
+        preflight this endpoint never grants. DNS rebinding makes a page's own name resolve to the
+        worker: on a plaintext port its Host header must be an IP literal, a localhost name or one
+        the operator allowed (`--http-allowed-host`); over TLS the certificate stops it."""
+        if request.method == "POST":
+            ctype = request.headers.get("Content-Type", "")
+            if ctype.split(";")[0].strip().lower() != "application/json":
+                raise HttpError(415, "Content-Type must be application/json", code="unsupported_media_type")
+        if self.servicer.security.tls_cert:
+            return
+        host = request.headers.get("Host")
+        if host is None or not self._host_allowed(host):
+            raise HttpError(403, f"the Host header {str(host)[:64]!r} does not name this worker; an operator can allow "
+                                 "a name with serve --http-allowed-host", code="host_not_allowed")
+
+    def _host_allowed(self, header: str) -> bool:
+        name = header.strip().lower()
+        if name.startswith("["):  # [v6]:port
+            name = name[1:].partition("]")[0]
+        elif name.count(":") == 1:
+            name = name.partition(":")[0]
+        if name in ("localhost", "localhost.") or name.endswith(".localhost") or name in self.limits.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)  # an address literal: no name a page's owner could rebind
+        except ValueError:
+            return False
+        return True
 
     def _principal(self, request: web.Request) -> str:
         sec = self.servicer.security
@@ -334,8 +455,9 @@ class OpenAIEndpoint:
                 for key, value in rdn:
                     if key == "commonName":
                         principal = value
-        if principal is None:
-            raise HttpError(401, "no valid credentials: send Authorization: Bearer <token>", code="invalid_api_key")
+        if principal is None or not principal.strip():  # a certificate without a name is no credential
+            raise HttpError(401, "no valid credentials: send Authorization: Bearer <token>, or a client "
+                                 "certificate with a common name", code="invalid_api_key")
         return principal
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -348,15 +470,47 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}]})
 
-    async def _body(self, request: web.Request) -> tuple[dict, str]:
-        """The request's JSON object and its caller's principal."""
-        principal = self._principal(request)
+    @contextlib.contextmanager
+    def _slot(self, principal: str):
+        """One of the endpoint's requests in flight, counted globally and for its principal (before its
+        body is read: a slow or huge body waits in no queue and holds no memory past the cap)."""
+        if self.in_flight >= self.max_in_flight:
+            raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
+                                 "(serve --max-concurrent-rpcs)")
+        mine = self.in_flight_by_principal.get(principal, 0)
+        if mine >= self.max_in_flight_per_principal:
+            raise HttpError(429, f"this caller has {mine} requests in flight here, its most "
+                                 "(serve --http-max-requests-per-principal)")
+        self.in_flight += 1
+        self.in_flight_by_principal[principal] = mine + 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            left = self.in_flight_by_principal[principal] - 1
+            if left:
+                self.in_flight_by_principal[principal] = left
+            else:
+                del self.in_flight_by_principal[principal]
+
+    async def _body(self, request: web.Request) -> dict:
+        """The request's JSON object: its length checked before it is read, read within the body
+        timeout, parsed with its depth bounded by Python's recursion limit (a 400, not a 500)."""
         if self.servicer.stopping.is_set():
             raise HttpError(503, "the worker is shutting down")
-        raw = await request.read()
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise self._too_large()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            request.transport.abort() if request.transport else None  # the rest of a slow body is not waited for
+            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                                 "(serve --http-body-timeout)") from None
         try:
             body = json.loads(raw)
             json.dumps(body, ensure_ascii=False).encode("utf-8")  # "\ud800" escapes decode to lone surrogates
+        except RecursionError:
+            raise HttpError(400, "the body is JSON nested too deep") from None
         except (ValueError, UnicodeError) as e:
             raise HttpError(400, f"the body is not JSON of valid Unicode: {e}") from None
         if not isinstance(body, dict):
@@ -370,12 +524,21 @@ class OpenAIEndpoint:
         n = _number(body, "n", 1, 1 << 20, integer=True)
         if n is not None and n != 1:
             raise HttpError(400, "n must be 1: a route generates one choice per request", "n")
-        return body, principal
+        return body
+
+    async def _off_loop(self, fn, *args):
+        """A render or tokenization on the bounded pool (the event loop serves other clients meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     # --- the two generation endpoints ---------------------------------------------------------
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body, principal = await self._body(request)
+        principal = self._principal(request)
+        with self._slot(principal):
+            return await self._chat_in_slot(request, principal)
+
+    async def _chat_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
+        body = await self._body(request)
         if self.template is None:
             raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
                             "messages")
@@ -386,6 +549,9 @@ class OpenAIEndpoint:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise HttpError(400, "each message must be an object with a string role", "messages")
+            if not ROLE.fullmatch(m["role"]):  # a role is the template's word, never a turn marker of its own
+                raise HttpError(400, "a message's role must be a name (a letter, then up to 31 letters, digits, _ or -)",
+                                "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -408,21 +574,26 @@ class OpenAIEndpoint:
                 text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
             return self._tokenize(text)
 
-        tokens = await asyncio.get_running_loop().run_in_executor(None, prompt_tokens)  # a long one: off the loop
+        tokens = await self._off_loop(prompt_tokens)
         return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body, principal = await self._body(request)
+        principal = self._principal(request)
+        with self._slot(principal):
+            return await self._completions_in_slot(request, principal)
+
+    async def _completions_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
+        body = await self._body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list
         if isinstance(prompt, str):
-            tokens = await asyncio.get_running_loop().run_in_executor(None, self._tokenize, prompt)
+            tokens = await self._off_loop(self._tokenize, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             n_vocab = self.servicer.info.n_vocab
             if not all(0 <= t < n_vocab for t in prompt):
                 raise HttpError(400, f"a prompt token is outside the vocabulary (0..{n_vocab - 1})", "prompt")
-            tokens = list(prompt)
+            tokens = self._fits_context(list(prompt))
         else:
             raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
         for name in ("echo", "suffix"):
@@ -442,6 +613,13 @@ class OpenAIEndpoint:
             raise HttpError(400, str(e), "prompt") from None
         if not tokens:
             raise HttpError(400, "the prompt is empty", "prompt")
+        return self._fits_context(tokens)
+
+    def _fits_context(self, tokens: list[int]) -> list[int]:
+        context = self.servicer.manager.config.context_tokens
+        if len(tokens) >= context:
+            raise HttpError(400, f"the prompt is {len(tokens)} tokens; a session here holds {context}, the prompt "
+                                 "and at least one generated token", "prompt", "context_length_exceeded")
         return tokens
 
     def _piece(self, token: int) -> str:
@@ -493,15 +671,7 @@ class OpenAIEndpoint:
         max_drafts = _number(body, "max_drafts", 0, MAX_DRAFTS, integer=True)  # speculation: 0 off, else up to k
         if max_drafts is not None:
             req.max_drafts = max_drafts
-        if self.in_flight >= self.max_in_flight:
-            raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
-                                 "(serve --max-concurrent-rpcs)")
-        self.in_flight += 1
-        try:
-            return await self._run(request, req, principal, chat=chat, stream_it=stream_it,
-                                    include_usage=include_usage)
-        finally:
-            self.in_flight -= 1
+        return await self._run(request, req, principal, chat=chat, stream_it=stream_it, include_usage=include_usage)
 
     async def _run(self, request: web.Request, req: pb.GenerateRequest, principal: str, *, chat: bool,
                    stream_it: bool, include_usage: bool) -> web.StreamResponse:
@@ -538,7 +708,7 @@ class OpenAIEndpoint:
                     "choices": [choice]}
 
         async def send(obj: dict) -> None:
-            await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await self._write(request, response, b"data: " + json.dumps(obj).encode() + b"\n\n")
 
         try:
             if stream_it:
@@ -592,7 +762,7 @@ class OpenAIEndpoint:
                 if include_usage:
                     await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": self.model_id, "choices": [], "usage": usage})
-                await response.write(b"data: [DONE]\n\n")
+                await self._write(request, response, b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
             content = "".join(texts) + tail
@@ -616,6 +786,16 @@ class OpenAIEndpoint:
         finally:
             stream.cancel("the request ended")  # a no-op once the stream is done
 
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """A stream's write, bounded: a client that stops reading is dropped (ConnectionError) within
+        the write timeout, and its stream stops at the next step."""
+        try:
+            await asyncio.wait_for(response.write(data), self.limits.write_timeout_s)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client did not read its stream within the write timeout") from None
+
     def _chat_logprobs(self, items: list) -> dict:
         def entry(token: int, logprob: float) -> dict:
             text = self._piece(token)
@@ -626,3 +806,12 @@ class OpenAIEndpoint:
     def _completion_logprobs(self, items: list) -> dict:
         return {"tokens": [self._piece(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
                 "top_logprobs": [{self._piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
+
+
+def _longest_token_bytes(model) -> int:
+    """The most bytes any token of the model's vocabulary stands for (its text in the GGUF, which is at
+    least its bytes: byte-level and SentencePiece spellings are never shorter than what they spell)."""
+    from ..engine.models import gguf_token_texts  # noqa: PLC0415 - only an HTTP worker needs it
+
+    texts = gguf_token_texts(model.path)
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) or 256

@@ -47,7 +47,8 @@ from .generation import GenerationLoops, max_generate_streams
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
 from .speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES, verify
-from .security import ANONYMOUS, ON_BEHALF_OF, ClientSecurity, ServerSecurity
+from .http_guard import HttpLimits
+from .security import ANONYMOUS, ON_BEHALF_OF, ON_BEHALF_OF_SIG, ClientSecurity, ServerSecurity
 from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
@@ -80,6 +81,7 @@ class WorkerOptions:
     max_concurrent_rpcs: int | None = None           # None: 4 x max sessions, at least 64
     max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
     http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
+    http_limits: HttpLimits = HttpLimits()  # its timeouts, connection cap, per-principal slots, allowed Host names
     share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
     draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
@@ -143,11 +145,14 @@ class _EngineCollector:
 
 class _Peers:
     """The workers this one may forward chained steps to (serve --peer), one channel each, opened
-    on first use. Addresses are compared exactly as the operator wrote them."""
+    on first use. Addresses are compared exactly as the operator wrote them. `sign`: this worker's
+    assertion of a principal it authenticated itself (ServerSecurity.assertion)."""
 
-    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity()):
+    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity(),
+                 sign=lambda principal: None):
         self.allowed = frozenset(allowed)
         self.security = security
+        self.sign = sign
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS]
         self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
@@ -165,14 +170,18 @@ class _Peers:
             return stub
 
     def call(self, address: str, steps: list[tuple], forward: list, timeout: float, batch: bool,
-             principal: str = ANONYMOUS, visited: tuple[str, ...] = ()) -> list:
+             principal: str = ANONYMOUS, visited: tuple[str, ...] = (), assertion: bytes | None = None) -> list:
         """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
         that came alone, else StepBatch, for `principal`, through the workers `visited`; raises
-        grpc.RpcError when the peer fails."""
+        grpc.RpcError when the peer fails. `assertion`: the one a forwarded step came with (passed
+        on unchanged); None: this worker is the head and signs for the principal itself."""
         stub = self._stub(address)
         metadata = [(VISITED, ",".join(visited))]
         if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
             metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
+            signed = assertion if assertion is not None else self.sign(principal)
+            if signed is not None:
+                metadata.append((ON_BEHALF_OF_SIG, signed))
         if not batch and len(steps) == 1:
             kind, req = steps[0]
             del req.forward[:]  # a retry sends the same hops once
@@ -265,8 +274,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.info = model.info
         self.manager = manager
         self.adapter = KvBoundaryAdapter(model, manager)
-        self.peers = _Peers(tuple(options.peers), options.max_message_bytes, options.peer_security)
         self.security = options.security
+        if manager.config.warm_dir is not None:  # resumed sessions keep their owners' tags
+            self.security.key_owner_tags(manager.config.warm_dir)
+        self.peers = _Peers(tuple(options.peers), options.max_message_bytes, options.peer_security,
+                            sign=self.security.assertion)
         self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
@@ -317,12 +329,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def _principal(self, context, step: bool = False) -> str:
         """The caller's principal (on a step RPC, the one a forwarder acts for); a call without valid
         credentials ends here, UNAUTHENTICATED."""
-        principal = self.security.principal(context, step)
-        if principal is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "valid credentials are required (a bearer token or a client "
-                                                           "certificate this worker trusts)")
-        self.owners.name(principal, self.security.tag(principal))
-        return principal
+        return self._caller(context, step)[0]
+
+    def _caller(self, context, step: bool = False) -> tuple[str, bytes | None]:
+        """(principal, the verified assertion a forwarded step came with, else None); a call without
+        valid credentials, or a forwarder's step without a valid assertion, ends here, UNAUTHENTICATED."""
+        caller = self.security.caller(context, step)
+        if caller.principal is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, caller.why)
+        self.owners.name(caller.principal, self.security.tag(caller.principal))
+        return caller.principal, caller.assertion
 
     def Prefill(self, request, context):
         return self._serve(context, "prefill", [(StepKind.PREFILL, request)], request.forward)[0]
@@ -331,7 +347,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return self._serve(context, "decode", [(StepKind.DECODE, request)], request.forward)[0]
 
     def StepBatch(self, request, context):
-        principal = self._principal(context, step=True)  # before the size check: an unauthenticated caller learns nothing
+        # before the size check: an unauthenticated caller learns nothing
+        principal, assertion = self._caller(context, step=True)
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -339,7 +356,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         kinds = {pb.STEP_KIND_PREFILL: StepKind.PREFILL, pb.STEP_KIND_DECODE: StepKind.DECODE}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
         return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True,
-                                                     principal=principal))
+                                                     caller=(principal, assertion)))
 
     def Generate(self, request, context):
         principal = self._principal(context)
@@ -366,8 +383,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             stream.cancel("the client closed the stream")
 
     def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False,
-               principal: str | None = None) -> list[pb.StepReply]:
-        principal = self._principal(context, step=True) if principal is None else principal
+               caller: tuple[str, bytes | None] | None = None) -> list[pb.StepReply]:
+        principal, assertion = self._caller(context, step=True) if caller is None else caller
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
@@ -380,7 +397,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self._lock:
             self.in_flight += 1
         try:
-            replies = self._run_steps(principal, context, items, forward, time.monotonic() + remaining, batch)
+            replies = self._run_steps(principal, assertion, context, items, forward, time.monotonic() + remaining,
+                                      batch)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -390,17 +408,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
         return replies
 
-    def _run_steps(self, principal: str, context, items: list[tuple], forward, deadline: float,
-                   batch: bool) -> list[pb.StepReply]:
+    def _run_steps(self, principal: str, assertion: bytes | None, context, items: list[tuple], forward,
+                   deadline: float, batch: bool) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
-        Sessions are the principal's own: the engine key carries its tag."""
+        Sessions are the principal's own: the engine key carries its tag. `assertion`: the verified
+        one a trusted forwarder's step came with (None: the principal authenticated here)."""
         # whose prefixes the step reaches: a head computes what it stores itself; another shard
         # shares them only with steps a trusted forwarder (or anyone, without authentication) sends
-        shared = self.info.first == 0 or not self.security.authenticated or self.security.forwarded(context)
+        shared = self.info.first == 0 or not self.security.authenticated or assertion is not None
         try:
             replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch,
-                                     prefix_scope=self.prefixes.scope(principal, shared))
+                                     prefix_scope=self.prefixes.scope(principal, shared), assertion=assertion)
         except _Refused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # a step from outside the head's generation loop: its record is no longer the route's (only a
@@ -413,11 +432,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return replies
 
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
-                  batch: bool, own_loop: bool = False, prefix_scope=None) -> list[pb.StepReply]:
+                  batch: bool, own_loop: bool = False, prefix_scope=None,
+                  assertion: bytes | None = None) -> list[pb.StepReply]:
         """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too,
         `own_loop`: its prefix plans are its own); raises _Refused when the principal's session cap
         refuses a new session. `prefix_scope`: whose shared prefixes the steps reach (None: the
-        principal's, or every caller's for the head's own loop when the worker shares them)."""
+        principal's, or every caller's for the head's own loop when the worker shares them).
+        `assertion`: the forwarder's, passed on to the next hop (None: this worker signs)."""
         if prefix_scope is None:
             prefix_scope = self.prefixes.scope(principal, shared=own_loop)
         refusal = self._forward_refusal(forward, visited)
@@ -463,7 +484,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         if computed:
             for i, reply in zip([i for i, _, _ in computed],
                                 self._forward(principal, items, computed, forward, deadline, batch, visited,
-                                              prefix_scope)):
+                                              prefix_scope, assertion)):
                 replies[i] = reply
         return replies
 
@@ -499,8 +520,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                     f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
         return None
 
-    def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list,
-                 deadline: float, batch: bool, visited: tuple[str, ...] = (), prefix_scope=None) -> list[pb.StepReply]:
+    def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list, deadline: float,
+                 batch: bool, visited: tuple[str, ...] = (), prefix_scope=None,
+                 assertion: bytes | None = None) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
@@ -526,7 +548,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
         def forward_once():
             timeout = max(deadline - time.monotonic(), 0.001)
-            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,))
+            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,),
+                                   assertion)
         try:
             replies = call_reconnecting(forward_once, deadline)  # as the route client does
         except grpc.RpcError as e:
@@ -800,7 +823,7 @@ class ShardWorker:
             from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
             self.http = OpenAIEndpoint(self.servicer, options.host, options.http_port, options.peers,
-                                       self.max_concurrent_rpcs)
+                                       self.max_concurrent_rpcs, options.http_limits)
         self._stopped = threading.Event()
 
     @property
