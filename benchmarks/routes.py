@@ -126,8 +126,12 @@ class TlsSetup:
         (directory / "tokens").write_text("".join(f"{p}:{t}\n" for p, t in tokens.items()))
         for principal, token in tokens.items():
             (directory / f"{principal}.token").write_text(token)
+        route_key = directory / "route.key"  # the head signs whom it forwards for; the tail checks it
+        route_key.write_bytes(os.urandom(32))
+        route_key.chmod(0o600)
         self.flags = ("--tls-cert", str(server.cert), "--tls-key", str(server.key),
-                      "--auth-token-file", str(directory / "tokens"), "--forwarder", "head")
+                      "--auth-token-file", str(directory / "tokens"), "--forwarder", "head",
+                      "--route-key-file", str(route_key))
         self.peer_flags = ("--peer-tls-ca", str(ca.cert), "--peer-token-file", str(directory / "head.token"))
         self.client = ClientSecurity(tls_ca=str(ca.cert), token_file=str(directory / "client.token"))
 

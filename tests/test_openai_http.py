@@ -250,7 +250,7 @@ def test_a_closed_connection_stops_the_streams_compute(route):
     body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
                        "ignore_eos": True, "stream": True})
     sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
     received = b""
     while received.count(b"data: ") < 5:
@@ -268,7 +268,7 @@ def test_a_closed_connection_stops_the_streams_compute(route):
     body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
                        "ignore_eos": True})
     sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
     deadline = time.monotonic() + 10
     while not route.info().generate_streams and time.monotonic() < deadline:

@@ -440,12 +440,12 @@ def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_m
     """A tail sharing prefixes with every caller (`--share-prefixes all`), behind a head it trusts
     as a forwarder: a caller stepping the tail directly (bob) stores and opens only prefixes of his
     own, so hidden rows of his choosing never become the copy the route's sessions open from."""
-    from test_security import _PKI, _as, _serve, _stub
+    from test_security import _PKI, _as, _on_behalf_of, _serve, _stub
 
     _PKI.update(pki)
     flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
-             str(pki["tokens"]), "--forwarder", "ops", "--share-prefixes", "all", "--prefix-memory", "8MiB",
-             "--context-tokens", "512")
+             str(pki["tokens"]), "--forwarder", "ops", "--route-key-file", str(pki["route_key"]),
+             "--share-prefixes", "all", "--prefix-memory", "8MiB", "--context-tokens", "512")
     proc, addr = _serve(synthetic_model, flags, 3, 5)
     tail = "localhost:" + addr.rsplit(":", 1)[1]
     try:
@@ -458,7 +458,7 @@ def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_m
             return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[n, n_embd], data=data.tobytes())
 
         def step(stub, sid, n, position, plan, who=None):
-            meta = (("llama-shard-on-behalf-of-bin", who.encode()),) if who else None
+            meta = _on_behalf_of(pki, who) if who else None  # the head's signed assertion
             return stub.Prefill(pb.StepRequest(session_id=sid, hidden=rows(n, position + len(sid)), position=position,
                                                prefix=plan), timeout=30, metadata=meta)
 

@@ -2,6 +2,8 @@
 tokens over TLS and mutual TLS, sessions owned by their principal, safe defaults and limits."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import shutil
 import signal
@@ -11,6 +13,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -37,8 +40,12 @@ def pki(tmp_path_factory):
     for principal, token in TOKENS.items():
         (d / f"{principal}.token").write_text(token + "\n")
     (d / "zoe.token").write_text(ZOE_TOKEN + "\n")
+    route_key = d / "route.key"  # the route's shared secret (serve --route-key-file)
+    route_key.write_bytes(os.urandom(32))
+    route_key.chmod(0o600)
     return {"dir": d, "ca": ca, "other": other, "server": ca.issue("worker", server=True), "tokens": tokens,
-            "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice")}
+            "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice"),
+            "empty_cn": ca.issue(""), "no_cn": ca.issue(None), "route_key": route_key}
 
 
 def _serve(model, flags: tuple, first: int = 0, last: int = 5, ready: bool = True) -> tuple[subprocess.Popen, str]:
@@ -99,6 +106,19 @@ def _code(call) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as e:
         call()
     return e.value.code()
+
+
+def _assertion(key: bytes, principal: str, issued_at: int | None = None) -> bytes:
+    """The head's on-behalf-of assertion, built from its wire format (not the worker's code): version
+    1, issued-at as 8 big-endian bytes, HMAC-SHA256 under the route key of those and the name."""
+    head = bytes([1]) + (int(time.time()) if issued_at is None else issued_at).to_bytes(8, "big")
+    return head + hmac.new(key, head + principal.encode("utf-8"), hashlib.sha256).digest()
+
+
+def _on_behalf_of(pki, principal: str, **kw) -> tuple:
+    """Metadata a head sends for `principal`, signed with the pki's route key."""
+    return (("llama-shard-on-behalf-of-bin", principal.encode("utf-8")),
+            ("llama-shard-on-behalf-of-sig-bin", _assertion(pki["route_key"].read_bytes(), principal, **kw)))
 
 
 def _prefill(stub, sid: str, epoch: int = 1, tokens=(1, 2, 3), position: int | None = 0):
@@ -320,14 +340,15 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
     _PKI.update(pki)
     tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
            "--auth-token-file", str(pki["tokens"]))
-    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops", "--admin", "bob"), 3, 5)
+    route_key = ("--route-key-file", str(pki["route_key"]))  # the head signs whom it forwards for; the tail checks
+    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops", "--admin", "bob", *route_key), 3, 5)
     tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
     refused = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
                               "--layers", "0-2", "--port", "0", *tls, "--peer", tail_name],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--peer-tls-ca" in refused.stderr  # a peer it could not authenticate
     head, head_addr = _serve(synthetic_model, (*tls, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
-                                               "--peer-token-file", str(pki["dir"] / "ops.token")), 0, 2)
+                                               "--peer-token-file", str(pki["dir"] / "ops.token"), *route_key), 0, 2)
     try:
         security = _as(pki, "alice")
         stages = [RemoteStage("localhost:" + head_addr.rsplit(":", 1)[1], security=security),
@@ -340,6 +361,11 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
         whole = [t for t, _ in LocalPipeline(synthetic_model, None, n_ctx=256, n_seq_max=1, n_batch=32,
                                              n_threads=1).generate([1, 17, 42, 99, 5], 8)]
         assert tokens == whole
+        # driven token by token from here: the head signs on its step RPCs as in its own loop
+        stepped = RouteClient(stages, route_loop=False)  # the same stages: client.close() closes them
+        stepped_session = stepped.session("tls-route-steps")
+        assert stepped.generate_many([stepped_session], [[1, 17, 42, 99, 5]], 8)[0] == whole
+        stepped_session.release()
         # a principal whose name is not ASCII: the head names her to the tail in -bin metadata
         zoe = ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(pki["dir"] / "zoe.token"))
         zoe_client = RouteClient([RemoteStage(stages[0].address, security=zoe), RemoteStage(tail_name, security=zoe)])
@@ -380,6 +406,195 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
     finally:
         stop_worker(head)
         stop_worker(tail)
+
+
+def _rows(n: int, n_embd: int, seed: int) -> pb.Tensor:
+    data = np.random.default_rng(seed).standard_normal((n, n_embd)).astype(np.float32)
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[n, n_embd], data=data.tobytes())
+
+
+def test_a_forwarder_token_without_the_route_key_steps_no_ones_session(synthetic_model, pki):
+    """The leaked peer token ("ops", a --forwarder) without the route key: no signature, another
+    key, a stale or future issued-at, a signature for another name, a blank name: UNAUTHENTICATED,
+    never ops itself, and alice's session is unchanged. With the head's assertion, a middle worker
+    passes it on unchanged and the tail keys the session by alice."""
+    _PKI.update(pki)
+    flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
+             str(pki["tokens"]), "--forwarder", "ops", "--route-key-file", str(pki["route_key"]))
+    tail, tail_addr = _serve(synthetic_model, flags, 4, 5)
+    tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
+    middle, middle_addr = _serve(synthetic_model, (*flags, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
+                                                   "--peer-token-file", str(pki["dir"] / "ops.token")), 2, 3)
+    middle_name = "localhost:" + middle_addr.rsplit(":", 1)[1]
+    try:
+        ops, alice_tail = _stub(middle_name, _as(pki, "ops")), _stub(tail_name, _as(pki, "alice"))
+        n_embd = ops.Info(pb.InfoRequest(), timeout=10).n_embd
+        # the head's step for alice: through the middle to the tail, keyed by alice on both
+        r = ops.Prefill(pb.StepRequest(session_id="victim", route_epoch=1, hidden=_rows(4, n_embd, 1), position=0,
+                                       forward=[pb.Hop(address=tail_name)]),
+                        timeout=30, metadata=_on_behalf_of(pki, "alice"))
+        assert r.outcome == pb.OUTCOME_OK and r.seq_len == 4, r
+        key = pb.SessionRequest(session_id="victim", route_epoch=1)
+        assert alice_tail.Resolve(key, timeout=10).seq_len == 4
+        assert _stub(middle_name, _as(pki, "alice")).Resolve(key, timeout=10).seq_len == 4
+        route_key, wrong_key = pki["route_key"].read_bytes(), os.urandom(32)
+        now = int(time.time())
+        name = ("llama-shard-on-behalf-of-bin", b"alice")
+        forged = {
+            "no signature": (name,),
+            "another key": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(wrong_key, "alice"))),
+            "stale": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice", now - 301))),
+            "from the future": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice", now + 120))),
+            "another name's": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "bob"))),
+            "truncated": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice")[:-1])),
+            "a blank name": _on_behalf_of(pki, " "),
+            "an empty name": _on_behalf_of(pki, ""),
+        }
+        for target in (tail_name, middle_name):  # the middle checks before it forwards
+            forwarder = _stub(target, _as(pki, "ops"))
+            for why, metadata in forged.items():
+                step = pb.StepRequest(session_id="victim", route_epoch=1, hidden=_rows(1, n_embd, 2))
+                assert _code(lambda: forwarder.Decode(step, timeout=10, metadata=metadata)) == \
+                    grpc.StatusCode.UNAUTHENTICATED, (target, why)
+                batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=pb.STEP_KIND_DECODE, step=step)])
+                assert _code(lambda: forwarder.StepBatch(batch, timeout=10, metadata=metadata)) == \
+                    grpc.StatusCode.UNAUTHENTICATED, (target, why)
+        assert alice_tail.Resolve(key, timeout=10).seq_len == 4  # untouched
+        # and ops stepping as itself reaches only its own key space
+        r = _stub(tail_name, _as(pki, "ops")).Decode(pb.StepRequest(session_id="victim", route_epoch=1,
+                                                                     hidden=_rows(1, n_embd, 3)), timeout=10)
+        assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "UNKNOWN_SESSION"
+        assert alice_tail.Resolve(key, timeout=10).seq_len == 4
+    finally:
+        stop_worker(middle)
+        stop_worker(tail)
+
+
+def test_a_forwarder_needs_a_private_route_key_file(synthetic_model, pki, tmp_path):
+    tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+           "--auth-token-file", str(pki["tokens"]), "--forwarder", "ops")
+
+    def serve(*flags):
+        return subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
+                               "--port", "0", *tls, *flags], capture_output=True, text=True, timeout=120)
+
+    missing = serve()
+    assert missing.returncode == 2 and "--forwarder" in missing.stderr and "--route-key-file" in missing.stderr
+    readable, short = tmp_path / "readable.key", tmp_path / "short.key"
+    readable.write_bytes(os.urandom(32))
+    readable.chmod(0o640)
+    short.write_bytes(os.urandom(31))
+    short.chmod(0o600)
+    for path, says in ((readable, "chmod 600"), (short, "31 bytes"), (tmp_path, "not a regular file"),
+                       (tmp_path / "absent.key", "cannot open")):
+        res = serve("--route-key-file", str(path))
+        assert res.returncode == 2 and says in res.stderr and "--route-key-file" in res.stderr, (path, res.stderr)
+
+
+def _https(port: int, ctx, method: str, path: str, body: bytes | None, headers: dict) -> int:
+    """The status of one request on a new connection; a connection dropped before any answer is
+    tried again (at most 3 times: a drop is no answer about credentials, a status is)."""
+    import http.client
+
+    for attempt in range(3):
+        conn = http.client.HTTPSConnection("localhost", port, timeout=30, context=ctx)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
+            return conn.getresponse().status
+        except (http.client.RemoteDisconnected, ConnectionResetError):
+            if attempt == 2:
+                raise
+        finally:
+            conn.close()
+    raise AssertionError("unreachable")
+
+
+def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pki, tmp_path):
+    """Mutual TLS: a client certificate whose common name is empty, or that has none, is no
+    credential (before: the anonymous principal, whose keys are the raw ids: it reached
+    `<alice's tag>/chat`, alice's session): UNAUTHENTICATED on gRPC, 401 on the HTTP port, and
+    alice's session, named by its real tag (computed here from the warm directory's key) or by
+    the old unkeyed one, is untouched."""
+    import http.client
+    import ssl
+
+    from llama_shard.serve.local_workers import free_port
+
+    _PKI.update(pki)
+    warm = tmp_path / "warm"
+    warm.mkdir(mode=0o700)
+    http_port = free_port()
+    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+                                          "--tls-client-ca", str(pki["ca"].cert), "--warm-dir", str(warm),
+                                          "--warm-disk", "64MiB", "--http-port", str(http_port)), ready=False)
+    address = "localhost:" + addr.rsplit(":", 1)[1]
+
+    def as_cert(issued) -> pb_grpc.ShardServiceStub:
+        return _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(issued.cert),
+                                             tls_key=str(issued.key)))
+
+    try:
+        alice = as_cert(pki["alice"])
+        deadline = time.monotonic() + 120
+        while True:  # the worker loads in the background
+            try:
+                alice.Info(pb.InfoRequest(), timeout=2)
+                break
+            except grpc.RpcError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert _prefill(alice, "chat").outcome == pb.OUTCOME_OK
+        tag_key = hmac.new((warm / "llama-shard.key").read_bytes(), b"llama-shard owner tag v1", hashlib.sha256).digest()
+        real = hmac.new(tag_key, b"alice", hashlib.sha256).hexdigest()[:16]
+        old = hashlib.blake2b(b"alice", digest_size=8).hexdigest()
+        assert real != old  # tags are keyed: nobody without the worker's secret computes one
+        named = ssl.create_default_context(cafile=str(pki["ca"].cert))
+        named.load_cert_chain(pki["alice"].cert, pki["alice"].key)
+        assert _https(http_port, named, "GET", "/v1/models", None, {}) == 200  # a named certificate gets in
+        for issued in (pki["empty_cn"], pki["no_cn"]):
+            nameless = as_cert(issued)
+            for sid in (f"{real}/chat", f"{old}/chat", "chat"):
+                key = pb.SessionRequest(session_id=sid, route_epoch=1)
+                for call in (lambda: nameless.Resolve(key, timeout=10), lambda: nameless.Release(key, timeout=10),
+                             lambda: nameless.Decode(pb.StepRequest(session_id=sid, route_epoch=1, token_ids=[4]),
+                                                     timeout=10),
+                             lambda: nameless.Info(pb.InfoRequest(), timeout=10)):
+                    assert _code(call) == grpc.StatusCode.UNAUTHENTICATED, (issued, sid)
+            ctx = ssl.create_default_context(cafile=str(pki["ca"].cert))
+            ctx.load_cert_chain(issued.cert, issued.key)
+            for method, path, body in (("GET", "/v1/models", None),
+                                       ("POST", "/v1/completions", b'{"model": "m", "prompt": [1], "max_tokens": 1}')):
+                assert _https(http_port, ctx, method, path, body, {"X-Session-Id": f"{real}/chat"}) == 401, \
+                    (issued, path)
+        # another principal naming alice's internal key reaches a key of his own
+        bob = as_cert(pki["bob"])
+        assert bob.Resolve(pb.SessionRequest(session_id=f"{real}/chat", route_epoch=1), timeout=10).miss_reason == \
+            "UNKNOWN_SESSION"
+        r = alice.Resolve(pb.SessionRequest(session_id="chat", route_epoch=1), timeout=10)
+        assert r.outcome == pb.OUTCOME_OK and r.seq_len == 3  # untouched
+    finally:
+        stop_worker(proc)
+
+
+def test_owner_tags_are_keyed_per_worker_and_kept_with_its_warm_directory(pki, tmp_path):
+    from llama_shard.serve.security import ServerSecurity
+
+    def security():
+        return ServerSecurity(str(pki["server"].cert), str(pki["server"].key), None, str(pki["tokens"]))
+
+    one, two = security(), security()
+    assert one.tag("alice") != hashlib.blake2b(b"alice", digest_size=8).hexdigest()  # not computable by anyone
+    assert one.tag("alice") != two.tag("alice")  # without a warm directory: a secret per process
+    assert one.split_key(one.engine_key("alice", "chat")) == (one.tag("alice"), "chat")
+    warm = tmp_path / "warm"
+    warm.mkdir(mode=0o700)
+    (warm / "llama-shard.key").write_bytes(os.urandom(32))
+    (warm / "llama-shard.key").chmod(0o600)
+    one.key_owner_tags(str(warm))
+    two.key_owner_tags(str(warm))
+    assert one.tag("alice") == two.tag("alice") != one.tag("bob")  # a restart on the directory keeps them
+    tag_key = hmac.new((warm / "llama-shard.key").read_bytes(), b"llama-shard owner tag v1", hashlib.sha256).digest()
+    assert one.tag("alice") == hmac.new(tag_key, "alice".encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def test_generate_reaches_a_route_over_tls_with_a_token_and_is_refused_without(embedded_model, pki):

@@ -514,11 +514,15 @@ class GenerationLoops:
         s.done = True
         n = len(s.generated)
         rate = (n - 1) / (s.t_last - s.t_first) if n > 1 and s.t_last > s.t_first else 0.0
+        sv = self.servicer
+        # a prefix shared among principals (--share-prefixes all) is someone else's start: how much of
+        # a prompt it covered is reported to admins only (it says what other callers sent)
+        told = s.prefix_tokens if sv.prefixes.share != "all" or s.principal in sv.security.admins else 0
         final = pb.GenerateFinal(
             finish_reason=reason, outcome=outcome, stage=stage, detail=detail, miss_reason=miss_reason,
             prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
-            seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=s.prefix_tokens,
+            seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=told,
             drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted - s.unsent_accepted)
         with self.cond:
             if self.streams.get(s.key) is s:

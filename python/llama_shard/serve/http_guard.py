@@ -26,12 +26,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import resource
+import socket
 import ssl
 import sys
 from collections import OrderedDict
 
 #: how often the deadlines are checked (a connection lives at most this much past its deadline)
 SWEEP_S = 0.25
+#: each connection's kernel send buffer: bounds what a client that does not read pins in kernel
+#: memory (loopback's autotuning grows it to 4 MiB: a whole long stream fits, and the write that
+#: would reveal the stall never blocks); a stream of tokens needs far less
+SEND_BUFFER_BYTES = 256 * 2**10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +93,18 @@ class _GuardedProtocol(asyncio.Protocol):
         self.guard = guard
         self.conn: _Connection | None = None
         self.inner: asyncio.Protocol | None = None
+        self.early: list[bytes] = []  # what arrived after the handshake, before aiohttp's protocol took over
 
     def connection_made(self, transport) -> None:
         self.conn = self.guard._opened(transport, self)
         if self.conn is None:
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            except OSError:
+                pass
         if self.guard.ssl_context is None:
             self._start(transport)
         else:
@@ -117,6 +129,9 @@ class _GuardedProtocol(asyncio.Protocol):
         self.guard.by_transport[transport] = self.conn
         self.inner = self.guard.protocol_factory()
         self.inner.connection_made(transport)
+        for data in self.early:  # a request sent with the handshake's last flight
+            self.inner.data_received(data)
+        self.early.clear()
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -124,6 +139,8 @@ class _GuardedProtocol(asyncio.Protocol):
             conn.first_byte = self.guard.loop.time()
         if self.inner is not None:
             self.inner.data_received(data)
+        else:
+            self.early.append(data)
 
     def eof_received(self):
         return self.inner.eof_received() if self.inner is not None else None
@@ -150,7 +167,7 @@ class ConnectionGuard:
                  ssl_context: ssl.SSLContext | None):
         self.loop, self.protocol_factory, self.limits, self.ssl_context = loop, protocol_factory, limits, ssl_context
         self.cap = limits.connection_cap()
-        self.connections: OrderedDict[int, _Connection] = OrderedDict()  # by id(raw), oldest first
+        self.connections: OrderedDict[_Connection, None] = OrderedDict()  # oldest first
         self.by_transport: dict[object, _Connection] = {}
         self.closed_by_reason: dict[str, int] = {}
         self._sweeper: asyncio.Task | None = None
@@ -183,7 +200,7 @@ class ConnectionGuard:
 
     def _opened(self, raw, protocol: _GuardedProtocol) -> _Connection | None:
         if len(self.connections) >= self.cap:
-            victim = next((c for c in self.connections.values() if c.busy == 0 and c.unsent == 0), None)
+            victim = next((c for c in self.connections if c.busy == 0 and c.unsent == 0), None)
             if victim is None:  # every connection is serving a request: this one waits its turn elsewhere
                 self._count("over the connection cap")
                 raw.abort()
@@ -191,11 +208,11 @@ class ConnectionGuard:
             self._close(victim, "made room at the connection cap")
         conn = _Connection(raw, self.loop.time())
         conn.protocol = protocol
-        self.connections[id(raw)] = conn
+        self.connections[conn] = None
         return conn
 
     def _closed(self, conn: _Connection) -> None:
-        self.connections.pop(id(conn.raw), None)
+        self.connections.pop(conn, None)
         if conn.transport is not None:
             self.by_transport.pop(conn.transport, None)
 
@@ -220,7 +237,7 @@ class ConnectionGuard:
     def sweep(self) -> None:
         """Closes each connection past one of its deadlines."""
         now, lim = self.loop.time(), self.limits
-        for conn in list(self.connections.values()):
+        for conn in list(self.connections):
             transport = conn.transport
             unsent = transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
             if unsent == 0:

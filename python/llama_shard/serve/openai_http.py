@@ -54,8 +54,12 @@ MAX_BODY_BYTES = 4 * 2**20
 BODY_OVERHEAD_BYTES = 64 * 2**10
 #: the longest text a chat template may render (characters), beside the prompt's own bound
 MAX_RENDERED_CHARS = 4 * 2**20
-#: renders and tokenizations at once (each holds a prompt's text and tokens; more would only queue)
-TOKENIZE_THREADS = 2
+#: renders and tokenizations at once: one core at most for text that may yet be refused (the
+#: compute threads keep the others); each holds a prompt's text and tokens, more would only queue
+TOKENIZE_THREADS = 1
+#: characters of a long prompt tokenized first: text that makes more tokens than the context from
+#: its start alone is refused without tokenizing the rest
+PROBE_CHARS_PER_TOKEN = 8
 #: a message's role: a name, never text the tokenizer could read as a turn marker
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 #: OpenAI's and the Generate stream's bounds on stop sequences
@@ -607,7 +611,15 @@ class OpenAIEndpoint:
                                     top=top or 0)
 
     def _tokenize(self, text: str) -> list[int]:
+        context = self.servicer.manager.config.context_tokens
         try:
+            probe = PROBE_CHARS_PER_TOKEN * context
+            if len(text) > 2 * probe:  # a start that alone overflows the context ends it (a few tokens' slack
+                # for the cut: the start's tokens are the whole text's but for the last few)
+                n = len(self.servicer.model.tokenize(text[:probe]))
+                if n > context + 8:
+                    raise HttpError(400, f"the prompt is over {n - 8} tokens from its first {probe} characters; a "
+                                         f"session here holds {context}", "prompt", "context_length_exceeded")
             tokens = self.servicer.model.tokenize(text)
         except InvalidInputError as e:
             raise HttpError(400, str(e), "prompt") from None

@@ -15,6 +15,12 @@ The worker re-reads its certificate files when they change (gRPC asks at each ne
 open connections keep theirs) and its token file on SIGHUP or when it changes. Sessions belong to
 the principal that opened them: the worker keys them by principal (`ServerSecurity.engine_key`), so
 another principal's request for the same id finds nothing, exactly as for an absent session.
+
+Invariants: on a worker with authentication no caller is ANONYMOUS (a blank certificate name or
+on-behalf-of name is no credential), and every engine key is `<tag>/<id>` with the caller's own tag,
+keyed by a secret of this worker's, so no id a client sends is another principal's key. A forwarder
+(`--forwarder`) acts for the principal it names only with the head's signature under the route key
+(`--route-key-file`, the same file on every worker of the route), issued within ASSERTION_MAX_AGE_S.
 """
 from __future__ import annotations
 
@@ -23,9 +29,13 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
+import stat
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -37,6 +47,20 @@ ANONYMOUS = ""
 #: call metadata a forwarding worker sends: the principal its caller authenticated as (UTF-8 in a
 #: binary value: a principal may be any text, a client certificate's CN, and text metadata is ASCII)
 ON_BEHALF_OF = "llama-shard-on-behalf-of-bin"
+#: beside ON_BEHALF_OF: the head's assertion of it, ASSERTION_VERSION || issued-at (8 bytes, big-endian
+#: Unix seconds) || HMAC-SHA256(route key, those 9 bytes || the principal's UTF-8); a middle worker
+#: passes the one it received on unchanged
+ON_BEHALF_OF_SIG = "llama-shard-on-behalf-of-sig-bin"
+ASSERTION_VERSION = 1
+#: how old an assertion may be when it arrives, and how far ahead of this worker's clock (skew)
+ASSERTION_MAX_AGE_S = 300
+ASSERTION_MAX_AHEAD_S = 60
+#: how long a head reuses its assertion for a principal (well inside ASSERTION_MAX_AGE_S)
+ASSERTION_REUSE_S = 60
+#: a route key file's size bounds: 32 bytes of entropy at least (`head -c 32 /dev/urandom`)
+ROUTE_KEY_MIN_BYTES, ROUTE_KEY_MAX_BYTES = 32, 4096
+#: the warm directory's MAC key (kv_file_store.cpp), from which owner tags are keyed
+WARM_KEY_NAME, WARM_KEY_BYTES = "llama-shard.key", 32
 
 
 def is_loopback(host: str) -> bool:
@@ -151,6 +175,55 @@ def _log(message: str) -> None:
     print(f"llama-shard: {message}", file=sys.stderr, flush=True)
 
 
+def read_private_file(path: str, what: str, min_bytes: int, max_bytes: int) -> bytes:
+    """A secret's bytes: a regular file (checked on the open descriptor, so the file checked is the
+    file read; a FIFO does not block), this user's, no access for group or others, min..max bytes;
+    else InvalidInputError naming `what` and the reason."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidInputError(f"{what} {path}: cannot open it: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"{what} {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise InvalidInputError(f"{what} {path} belongs to another user (uid {st.st_uid}); it must be this user's")
+        if st.st_mode & 0o077:
+            raise InvalidInputError(f"{what} {path} is open to group or others (mode {st.st_mode & 0o7777:04o}); "
+                                    "chmod 600 it")
+        if not min_bytes <= st.st_size <= max_bytes:
+            raise InvalidInputError(f"{what} {path} holds {st.st_size} bytes; it must hold {min_bytes} to {max_bytes} "
+                                    f"(e.g. head -c {min_bytes} /dev/urandom > FILE)")
+        data = b""
+        while len(data) < st.st_size:
+            chunk = os.read(fd, st.st_size - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size:
+        raise InvalidInputError(f"{what} {path} changed while it was read")
+    return data
+
+
+class Caller(NamedTuple):
+    """Whom a call acts for: `principal` (None: refused, `why` says why), and on a step a forwarder
+    sent for someone else, the verified `assertion` it carried (passed on unchanged to a next hop)."""
+
+    principal: str | None
+    assertion: bytes | None = None
+    why: str = ""
+
+
+_NO_CREDENTIALS = ("valid credentials are required (a bearer token or a client certificate this worker trusts, "
+                   "with a common name)")
+_BAD_ASSERTION = ("a forwarder's on-behalf-of name needs the head's signature under this worker's route key, "
+                  f"issued within {ASSERTION_MAX_AGE_S} s (serve --route-key-file, the same file on every worker "
+                  "of the route), for a name that is not blank and not an admin's")
+
+
 @dataclasses.dataclass
 class ServerSecurity:
     """What `serve` was told about TLS, authentication and ownership."""
@@ -162,6 +235,7 @@ class ServerSecurity:
     admins: tuple[str, ...] = ()
     insecure: bool = False
     forwarders: tuple[str, ...] = ()  # principals (workers) trusted to say whom a forwarded step is for
+    route_key_file: str | None = None  # the route's shared secret: signs and checks on-behalf-of names
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -178,6 +252,18 @@ class ServerSecurity:
         for path in (self.tls_cert, self.tls_key, self.tls_client_ca):
             if path is not None:
                 _read(path)  # fails now, with the path, rather than at the first handshake
+        if self.forwarders and not self.route_key_file:
+            # an unsigned on-behalf-of name would let a leaked peer token step anyone's sessions
+            raise InvalidInputError("--forwarder needs --route-key-file: a forwarder acts for a principal only "
+                                    "with the head's signature under the route's key (the same private file, "
+                                    f"{ROUTE_KEY_MIN_BYTES} bytes or more, on every worker of the route)")
+        self._route_key = (read_private_file(self.route_key_file, "--route-key-file", ROUTE_KEY_MIN_BYTES,
+                                             ROUTE_KEY_MAX_BYTES) if self.route_key_file else None)
+        self._assertions: dict[str, tuple[int, bytes]] = {}  # principal -> (issued at, this head's assertion)
+        self._assertions_lock = threading.Lock()
+        # owner tags: keyed per process until key_owner_tags() ties them to a warm directory's key
+        self._tag_key = secrets.token_bytes(32)
+        self._tag_key_from: str | None = None
 
     @property
     def authenticated(self) -> bool:
@@ -232,54 +318,112 @@ class ServerSecurity:
     # --- each call --------------------------------------------------------------------------
 
     def principal(self, context: grpc.ServicerContext, step: bool = False) -> str | None:
-        """The principal a call acts for; None when it presents no valid credentials. On a step RPC
-        (`step`: Prefill, Decode, StepBatch), a forwarder (a worker this one trusts, `--forwarder`)
-        acts for the principal it names in ON_BEHALF_OF, so that a session keeps its owner along a
-        chained route; never for an admin, and on no other call (Info, Release, Truncate, Resolve
-        are the forwarder's own): a leaked peer token steps sessions, it does not list or drop them."""
-        if not self.authenticated:
-            return ANONYMOUS
-        metadata = dict(context.invocation_metadata())
-        caller = self._caller(context, metadata)
-        named = metadata.get(ON_BEHALF_OF)
-        if step and caller is not None and caller in self.forwarders and isinstance(named, bytes) and named:
-            try:
-                principal = named.decode("utf-8")
-            except UnicodeDecodeError:
-                return None
-            return None if principal in self.admins else principal
-        return caller
+        """The principal a call acts for; None when it presents no valid credentials (`caller`)."""
+        return self.caller(context, step).principal
 
-    def forwarded(self, context: grpc.ServicerContext) -> bool:
-        """Whether a step RPC comes from a forwarder (`--forwarder`) acting for a principal it names."""
-        if not self.authenticated or not self.forwarders:
-            return False
+    def caller(self, context: grpc.ServicerContext, step: bool = False) -> Caller:
+        """Whom a call acts for. On a step RPC (`step`: Prefill, Decode, StepBatch) from a forwarder
+        (a worker this one trusts, `--forwarder`) that names a principal in ON_BEHALF_OF, that
+        principal, so that a session keeps its owner along a chained route, but only with a valid
+        assertion (ON_BEHALF_OF_SIG: the head's, under the route key, fresh, for that very name),
+        never for an admin or a blank name, and never the forwarder itself instead: any of those
+        refuses the call. On every other call (Info, Release, Truncate, Resolve) and from anyone
+        else, ON_BEHALF_OF is ignored: a leaked peer token cannot list or drop anyone's sessions,
+        and without the route key it steps none but its own. Never ANONYMOUS with authentication."""
+        if not self.authenticated:
+            return Caller(ANONYMOUS)
         metadata = dict(context.invocation_metadata())
-        if not metadata.get(ON_BEHALF_OF):
-            return False
         caller = self._caller(context, metadata)
-        return caller is not None and caller in self.forwarders
+        if caller is None:
+            return Caller(None, why=_NO_CREDENTIALS)
+        if not (step and caller in self.forwarders and (ON_BEHALF_OF in metadata or ON_BEHALF_OF_SIG in metadata)):
+            return Caller(caller)  # (a forwarder's step that names no one is its own)
+        named, assertion = metadata.get(ON_BEHALF_OF), metadata.get(ON_BEHALF_OF_SIG)
+        try:
+            principal = named.decode("utf-8") if isinstance(named, bytes) else None
+        except UnicodeDecodeError:
+            principal = None
+        if (principal is None or not principal.strip() or principal in self.admins
+                or not isinstance(assertion, bytes) or not self._assertion_valid(principal, assertion)):
+            return Caller(None, why=_BAD_ASSERTION)
+        return Caller(principal, assertion)
 
     def _caller(self, context: grpc.ServicerContext, metadata: dict) -> str | None:
         """Who presents the call's credentials: its bearer token's principal, else its client
-        certificate's common name; None for neither."""
+        certificate's common name; None for neither, and for an empty or blank common name (a
+        certificate without one is no name: it must never be ANONYMOUS's)."""
         if self.tokens is not None:
             value = metadata.get("authorization", "")
             return self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
         names = context.auth_context().get("x509_common_name") or []
-        return names[0].decode("utf-8", "replace") if names else None
+        name = names[0].decode("utf-8", "replace") if names else ""
+        return name if name.strip() else None
 
-    @staticmethod
-    def tag(principal: str) -> str | None:
-        """16 hex digits naming a principal inside engine keys (None: the anonymous caller)."""
-        return None if principal == ANONYMOUS else hashlib.blake2b(principal.encode(), digest_size=8).hexdigest()
+    # --- on-behalf-of assertions -------------------------------------------------------------
+
+    def _assertion_mac(self, issued_at: int, principal: str) -> bytes:
+        head = bytes([ASSERTION_VERSION]) + issued_at.to_bytes(8, "big")
+        return head + hmac.digest(self._route_key, head + principal.encode("utf-8", "surrogatepass"), "sha256")
+
+    def assertion(self, principal: str) -> bytes | None:
+        """This worker's ON_BEHALF_OF_SIG for a principal it authenticated itself (it is the head of
+        the step), reused for ASSERTION_REUSE_S; None without a route key (a next hop that lists this
+        worker as a forwarder then refuses the step)."""
+        if self._route_key is None or principal == ANONYMOUS:
+            return None
+        now = int(time.time())
+        with self._assertions_lock:
+            cached = self._assertions.get(principal)
+            if cached is not None and 0 <= now - cached[0] < ASSERTION_REUSE_S:
+                return cached[1]
+            if len(self._assertions) >= 4096:  # principals are few; a table never grows without bound
+                self._assertions.clear()
+            value = self._assertion_mac(now, principal)
+            self._assertions[principal] = (now, value)
+            return value
+
+    def _assertion_valid(self, principal: str, value: bytes) -> bool:
+        """Whether `value` is an assertion for exactly `principal` under this worker's route key,
+        issued no more than ASSERTION_MAX_AGE_S ago nor ASSERTION_MAX_AHEAD_S ahead of this clock."""
+        if self._route_key is None or len(value) != 9 + 32 or value[0] != ASSERTION_VERSION:
+            return False
+        issued_at = int.from_bytes(value[1:9], "big")
+        now = time.time()
+        if not now - ASSERTION_MAX_AGE_S <= issued_at <= now + ASSERTION_MAX_AHEAD_S:
+            return False
+        return hmac.compare_digest(self._assertion_mac(issued_at, principal), value)
+
+    # --- engine keys -----------------------------------------------------------------------------
+
+    def key_owner_tags(self, warm_dir: str) -> None:
+        """Keys owner tags by the warm directory's MAC key (which the engine has made or checked by
+        now), so that sessions a restarted worker resumes from there keep their owners: the tag key is
+        HMAC-SHA256(that key, "llama-shard owner tag v1"). One warm directory per ServerSecurity."""
+        path = os.path.join(warm_dir, WARM_KEY_NAME)
+        key = hmac.digest(read_private_file(path, "the warm tier's key", WARM_KEY_BYTES, WARM_KEY_BYTES),
+                          b"llama-shard owner tag v1", "sha256")
+        if self._tag_key_from is not None and not hmac.compare_digest(key, self._tag_key):
+            raise InvalidInputError(f"these security settings already key owner tags by {self._tag_key_from}; "
+                                    f"give the worker on {warm_dir} settings of its own")
+        self._tag_key, self._tag_key_from = key, path
+
+    def tag(self, principal: str) -> str | None:
+        """16 hex digits naming a principal inside engine keys: HMAC-SHA256 under this worker's tag
+        key (per process, or from its warm directory), so nobody can compute another principal's
+        key. None on a worker without authentication, where everyone is ANONYMOUS and ids are keys."""
+        if not self.authenticated:
+            return None
+        return hmac.digest(self._tag_key, principal.encode("utf-8", "surrogatepass"), "sha256").hex()[:16]
 
     def engine_key(self, principal: str, session_id: str) -> str:
         """The engine's key for a principal's session: the id itself without authentication, else
-        the principal's tag before it, so that principals never share a session."""
+        the principal's tag before it, so that principals never share a session (and no id is ever
+        used raw: a client's id cannot be another principal's key)."""
         tag = self.tag(principal)
         if tag is None or not session_id:
             return session_id
+        if not principal.strip():  # caller() never lets one through: a bug must not share a key space
+            raise InvalidInputError("a session needs an authenticated principal")
         if len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES - len(tag) - 1:
             raise InvalidInputError(f"route_session_id must be 1 to {MAX_SESSION_ID_BYTES - len(tag) - 1} bytes "
                                     "on a worker with authentication")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import warnings
 from pathlib import Path
 
 
@@ -44,22 +45,29 @@ class CertificateAuthority:
         path.write_bytes(_pem(cert))
         return cls(directory, name, path, key, cert)
 
-    def issue(self, common_name: str, server: bool = False) -> Issued:
+    def issue(self, common_name: str | None, server: bool = False) -> Issued:
         """A certificate for `common_name`, signed by this CA; a server one is valid for 127.0.0.1
-        and localhost."""
+        and localhost. For tests of what a worker must refuse: "" issues an empty common name
+        (which X.509 libraries would not build unasked), None a subject without one (an O only)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
 
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, common_name)])
+        if common_name is None:
+            subject = x509.Name([x509.NameAttribute(x509.NameOID.ORGANIZATION_NAME, "no-common-name")])
+        else:
+            with warnings.catch_warnings():  # unvalidated, cryptography builds an empty name (with a warning)
+                warnings.simplefilter("ignore", UserWarning)
+                subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, common_name, _validate=False)])
         builder = _builder(subject, self._cert.subject, key.public_key()).add_extension(  # type: ignore[attr-defined]
             x509.BasicConstraints(ca=False, path_length=None), critical=True)
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         cert = builder.sign(self._key, _sha256())
-        stem = self.directory / f"{self.name}-{common_name}"
+        label = {None: "no-cn", "": "empty-cn"}.get(common_name, common_name)
+        stem = self.directory / f"{self.name}-{label}"
         stem.with_suffix(".cert").write_bytes(_pem(cert))
         stem.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                                                serialization.PrivateFormat.PKCS8,
