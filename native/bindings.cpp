@@ -360,10 +360,10 @@ void register_model(py::module_ & m) {
         .def("apply_chat_template", [](const shard_model & self, const std::vector<std::pair<std::string, std::string>> & messages,
                                        bool add_assistant) { return self.apply_chat_template(messages, add_assistant); },
              py::arg("messages"), py::arg("add_assistant") = true)
-        .def("tokenize", [](const shard_model & self, const std::string & text) {
+        .def("tokenize", [](const shard_model & self, const std::string & text, bool add_special, bool parse_special) {
                  py::gil_scoped_release release;  // tokenizing a long text; only C++ strings are touched
-                 return self.tokenize(text);
-             }, py::arg("text"))
+                 return self.tokenize(text, add_special, parse_special);
+             }, py::arg("text"), py::arg("add_special") = true, py::arg("parse_special") = true)
         .def("detokenize", [](const shard_model & self, const py::object & ids) {
                  std::vector<int32_t> tokens = tokens_from_python(ids, self.info().n_vocab);
                  std::string text;

@@ -492,21 +492,15 @@ def test_a_forwarder_needs_a_private_route_key_file(synthetic_model, pki, tmp_pa
 
 
 def _https(port: int, ctx, method: str, path: str, body: bytes | None, headers: dict) -> int:
-    """The status of one request on a new connection; a connection dropped before any answer is
-    tried again (at most 3 times: a drop is no answer about credentials, a status is)."""
+    """The status of one request on a new connection."""
     import http.client
 
-    for attempt in range(3):
-        conn = http.client.HTTPSConnection("localhost", port, timeout=30, context=ctx)
-        try:
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
-            return conn.getresponse().status
-        except (http.client.RemoteDisconnected, ConnectionResetError):
-            if attempt == 2:
-                raise
-        finally:
-            conn.close()
-    raise AssertionError("unreachable")
+    conn = http.client.HTTPSConnection("localhost", port, timeout=30, context=ctx)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
+        return conn.getresponse().status
+    finally:
+        conn.close()
 
 
 def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pki, tmp_path):

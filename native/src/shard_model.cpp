@@ -185,7 +185,7 @@ shard_model::~shard_model() {
     }
 }
 
-std::vector<int32_t> shard_model::tokenize(const std::string & text) const {
+std::vector<int32_t> shard_model::tokenize(const std::string & text, bool add_special, bool parse_special) const {
     if (text.size() > (size_t) INT32_MAX / 2) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "text is too long to tokenize");
     }
@@ -195,10 +195,11 @@ std::vector<int32_t> shard_model::tokenize(const std::string & text) const {
     }
     std::vector<llama_token> out(text.size() + 8);
     int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
-                               /*add_special*/ true, /*parse_special*/ true);
+                               add_special, parse_special);
     if (n < 0) {
         out.resize((size_t) -n);
-        n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), true, true);
+        n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
+                           parse_special);
     }
     if (n < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "tokenization failed");

@@ -334,7 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
-                                       http_limits=http_limits,
+                                       http_limits=http_limits, http_split_special_tokens=args.http_split_special_tokens,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
                                        verify=args.verify))
@@ -486,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
                     help="a Host name a plaintext HTTP port answers besides IP literals and localhost (repeatable; "
                          "a page's own name is refused: DNS rebinding)")
+    sv.add_argument("--http-split-special-tokens", action="store_true",
+                    help="tokenize the text of chat messages as plain text, so a caller's '<|im_end|>' is those "
+                         "characters, not the model's turn marker (transformers' split_special_tokens; default: parsed "
+                         "as llama-server parses it)")
     sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--metrics-host", default="127.0.0.1",
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "

@@ -71,8 +71,10 @@ public:
     int32_t n_threads() const { return n_threads_; }
     const std::string & path() const { return path_; }
 
-    // text -> token ids; adds BOS the way llama.cpp does by default and parses special tokens
-    std::vector<int32_t> tokenize(const std::string & text) const;
+    // text -> token ids; by default adds BOS the way llama.cpp does and parses special tokens' text
+    // as those tokens (parse_special false: their text is plain text, as transformers'
+    // split_special_tokens reads it)
+    std::vector<int32_t> tokenize(const std::string & text, bool add_special = true, bool parse_special = true) const;
     // token ids -> text, special tokens rendered as their text; ids outside the vocabulary throw
     std::string detokenize(const std::vector<int32_t> & tokens) const;
     // the GGUF's chat template, empty when it has none

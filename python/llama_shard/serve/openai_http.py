@@ -247,7 +247,7 @@ class OpenAIEndpoint:
     """The HTTP server of one head worker, on its own event loop thread."""
 
     def __init__(self, servicer, host: str, port: int, forward: tuple[str, ...], max_in_flight: int,
-                 limits: HttpLimits = HttpLimits()):
+                 limits: HttpLimits = HttpLimits(), split_special_tokens: bool = False):
         self.servicer, self.host, self.port = servicer, host, port
         self.forward = [pb.Hop(address=a) for a in forward]
         self.limits = limits
@@ -265,6 +265,7 @@ class OpenAIEndpoint:
         self.max_body_bytes = min(MAX_BODY_BYTES, servicer.manager.config.context_tokens * self.max_token_bytes
                                   + BODY_OVERHEAD_BYTES)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="http-tokenize")
+        self.split_special_tokens = split_special_tokens  # message text never parsed as special tokens
         self.model_id = Path(model.path).name.removesuffix(".gguf")
         self.created = int(time.time())
         self.eog = list(model.eog_tokens)
@@ -457,7 +458,7 @@ class OpenAIEndpoint:
             cert = request.transport.get_extra_info("peercert") if request.transport else None
             for rdn in (cert or {}).get("subject", ()):
                 for key, value in rdn:
-                    if key == "commonName":
+                    if key == "commonName" and principal is None:  # the first, as gRPC's x509_common_name
                         principal = value
         if principal is None or not principal.strip():  # a certificate without a name is no credential
             raise HttpError(401, "no valid credentials: send Authorization: Bearer <token>, or a client "
@@ -573,6 +574,8 @@ class OpenAIEndpoint:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
         def prompt_tokens() -> list[int]:
+            if self.split_special_tokens:
+                return self._tokenize_split(rendered)
             text = self.template.render(rendered)
             if self.bos_text and text.startswith(self.bos_text):
                 text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
@@ -625,6 +628,34 @@ class OpenAIEndpoint:
             raise HttpError(400, str(e), "prompt") from None
         if not tokens:
             raise HttpError(400, "the prompt is empty", "prompt")
+        return self._fits_context(tokens)
+
+    def _tokenize_split(self, messages: list[dict]) -> list[int]:
+        """`--http-split-special-tokens`: the template's own text is tokenized with its special tokens,
+        each message's content as plain text (transformers' split_special_tokens), so a caller's
+        `<|im_end|>` is the characters, never the turn marker. The template renders a random mark in
+        place of each content; the text between marks is the template's."""
+        nonce = secrets.token_hex(8)
+        mark = re.compile("\x1f" + nonce + r":(\d+)\x1f")
+        text = self.template.render([{**m, "content": f"\x1f{nonce}:{i}\x1f"} for i, m in enumerate(messages)])
+        if self.bos_text and text.startswith(self.bos_text):
+            text = text[len(self.bos_text):]
+        model, tokens, at = self.servicer.model, [], 0
+        try:
+            for found in [*mark.finditer(text), None]:
+                own = text[at:found.start() if found else len(text)]
+                if own or not tokens:
+                    tokens += model.tokenize(own, add_special=not tokens, parse_special=True)
+                if found is None:
+                    break
+                content = messages[int(found.group(1))]["content"]
+                if content:
+                    tokens += model.tokenize(content, add_special=False, parse_special=False)
+                at = found.end()
+                if len(tokens) > self.servicer.manager.config.context_tokens + 8:
+                    break  # over the context already: refused below without the rest
+        except InvalidInputError as e:
+            raise HttpError(400, str(e), "messages") from None
         return self._fits_context(tokens)
 
     def _fits_context(self, tokens: list[int]) -> list[int]:

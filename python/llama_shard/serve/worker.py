@@ -82,6 +82,7 @@ class WorkerOptions:
     max_hop_s: float = DEFAULT_MAX_HOP_S  # the longest a chained step may hold this worker's handler
     http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
     http_limits: HttpLimits = HttpLimits()  # its timeouts, connection cap, per-principal slots, allowed Host names
+    http_split_special_tokens: bool = False  # messages' text tokenized as plain text (special tokens' text included)
     share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
     draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
@@ -823,7 +824,8 @@ class ShardWorker:
             from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
             self.http = OpenAIEndpoint(self.servicer, options.host, options.http_port, options.peers,
-                                       self.max_concurrent_rpcs, options.http_limits)
+                                       self.max_concurrent_rpcs, options.http_limits,
+                                       options.http_split_special_tokens)
         self._stopped = threading.Event()
 
     @property
