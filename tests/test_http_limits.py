@@ -109,12 +109,15 @@ def plain(embedded_model):
     assert "Traceback" not in err, err[-3000:]
 
 
-def _drip(socks: list[socket.socket], payloads: list[bytes], seconds: float, every: float = 0.4) -> list[float | None]:
+def _drip(socks: list[socket.socket], payloads: list[bytes], seconds: float, every: float = 0.4,
+          answers: list[bytes] | None = None) -> list[float | None]:
     """Sends each socket its payload a byte at a time (a byte per `every` s) for up to `seconds`;
-    returns when each was closed by the worker (seconds from the start), None for still open."""
+    returns when each was closed by the worker (seconds from the start), None for still open; what
+    each received goes to `answers`."""
     start = time.monotonic()
     closed: list[float | None] = [None] * len(socks)
     sent = [0] * len(socks)
+    answers = [b""] * len(socks) if answers is None else answers
     for s in socks:
         s.setblocking(False)
     while time.monotonic() - start < seconds and any(c is None for c in closed):
@@ -122,7 +125,9 @@ def _drip(socks: list[socket.socket], payloads: list[bytes], seconds: float, eve
             if closed[i] is not None:
                 continue
             try:
-                if s.recv(4096) == b"":
+                got = s.recv(4096)
+                answers[i] += got
+                if got == b"":
                     closed[i] = time.monotonic() - start
                     continue
             except BlockingIOError:
@@ -153,8 +158,9 @@ def test_slow_headers_and_slow_bodies_are_closed_within_their_timeouts(plain):
     for s in slow_bodies:  # whole headers at once, then the body a byte at a time
         s.sendall(head)
     results: dict = {}
+    answers = [b""] * 180
     attack = threading.Thread(target=lambda: results.setdefault("closed", _drip(
-        slow_headers + slow_bodies, [head * 10] * 150 + [b"{" * 10000] * 30, seconds=4 * TIMEOUT_S)))
+        slow_headers + slow_bodies, [head * 10] * 150 + [b"{" * 10000] * 30, seconds=4 * TIMEOUT_S, answers=answers)))
     attack.start()
     time.sleep(0.5)
     during = plain.latency()
@@ -167,6 +173,8 @@ def test_slow_headers_and_slow_bodies_are_closed_within_their_timeouts(plain):
           f"{idle * 1000:.0f} ms idle, {during * 1000:.0f} ms during the attack")
     assert all(c is not None and c <= TIMEOUT_S + 1.0 for c in headers_closed), headers_closed
     assert all(c is not None and c <= TIMEOUT_S + 1.0 for c in bodies_closed), bodies_closed
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers[150:]), answers[150:]  # told why, then closed
+    assert not any(answers[:150])
     assert during <= 2 * idle + 0.1, (idle, during)
 
 
@@ -264,17 +272,27 @@ def test_deep_json_and_role_injection_are_400s_and_the_worker_serves_on(plain):
 
 
 def test_template_arithmetic_and_output_are_bounded():
-    for source in ("{{ range(10**9)|list }}", "{{ 'x' * 10**7 }}", "{{ 2 ** 100000 }}",
-                   "{% set s = namespace(t='y') %}{% for i in range(30) %}{% set s.t = s.t + s.t %}{% endfor %}{{ s.t }}",
+    """Each way the review found (and the second review added) to make a huge value or loop for
+    hours: a 400 naming `messages`, within the render's deadline (1 s here)."""
+    doubling = "{% set s = namespace(t='y') %}{% for i in range(40) %}{% set s.t = s.t OP s.t %}{% endfor %}{{ s.t|length }}"
+    for source in ("{{ range(10**9)|list }}", "{{ 'x' * 10**7 }}", "{{ 2 ** 100000 }}", "{{ ((2**64)**64)**64 }}",
+                   doubling.replace("OP", "+"), doubling.replace("OP", "~"),
+                   "{% set n = namespace(v=3) %}{% for i in range(40) %}{% set n.v = n.v * n.v %}{% endfor %}{{ n.v }}",
+                   "{{ '%999999999d' % 1 }}", "{{ '%.999999999f' % 1 }}", "{{ '%999999999d'|format(1) }}",
+                   "{{ '{:>999999999}'.format(1) }}", "{{ 'x'|center(999999999) }}", "{{ 'x'|indent(999999999) }}",
+                   "{{ 'x'.ljust(10**9) }}", "{{ lipsum(10**6) }}",
                    "{% for i in range(100000) %}{{ 'z' * 100 }}{% endfor %}",
+                   "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                    "{{ messages[0]['content'] * 3 }}{{ 1 + 'a' }}"):
         t0 = time.perf_counter()
         with pytest.raises(HttpError) as e:
-            ChatTemplate(source, "", "").render([{"role": "user", "content": "hi"}])
+            ChatTemplate(source, "", "", max_seconds=1.0).render([{"role": "user", "content": "hi"}])
         assert e.value.status == 400 and e.value.param == "messages", source
-        assert time.perf_counter() - t0 < 5, source
-    fine = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content * 2 }}{% endfor %}", "", "")
-    assert fine.render([{"role": "user", "content": "ab"}]) == "<user>abab"
+        assert time.perf_counter() - t0 < 3, source
+    fine = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content * 2 }}{% endfor %}"
+                        "{{ '%5d|%s'|format(3, 'a') }}{{ 'p: 100%%1234567' % () }}{{ 'a{}b'.format(1) }}{{ 'x' ~ 'y' }}"
+                        "{{ 2 ** 10 }}", "", "")
+    assert fine.render([{"role": "user", "content": "ab"}]) == "<user>abab    3|ap: 100%1234567a1bxy1024"
 
 
 def test_a_fifo_as_a_model_is_refused_at_once(tmp_path, embedded_model):
@@ -429,9 +447,18 @@ def test_shared_prefix_counts_go_to_admins_only_when_prefixes_are_shared(tls_wor
                 session_id=session, prompt=prompt + [tail], max_tokens=1, keep_prefix=256), timeout=60))
         return events[-1].final.prefix_tokens
 
+    def hits() -> int:
+        (tmp / "t").write_text(ALICE)
+        channel = ClientSecurity(tls_ca=str(tls_worker["ca"]), token_file=str(tmp / "t")).channel(
+            f"localhost:{tls_worker['addr'].rpartition(':')[2]}", [])
+        with channel:
+            return pb_grpc.ShardServiceStub(channel).Info(pb.InfoRequest(), timeout=10).prefix_hits
+
     prefix_tokens(ALICE, "first", 5)  # stores the first 256 tokens (keep_prefix)
     assert prefix_tokens(ALICE, "second", 6) == 256  # an admin is told
-    assert prefix_tokens(BOB, "third", 7) == 0  # another caller is not told what others sent
+    before = hits()
+    assert prefix_tokens(BOB, "third", 7) == 0  # another caller is not told what others sent ...
+    assert hits() == before + 1  # ... though his stream opened from alice's prefix
 
 
 # --- the file-descriptor attack -------------------------------------------------------------------
@@ -462,6 +489,9 @@ def test_1100_slow_connections_under_a_1024_file_limit_leave_both_ports_serving(
             assert conn.getresponse().read()
             idle.append(time.monotonic() - t)
             conn.close()
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # a client's pooled connection
+        kept.request("POST", "/v1/completions", json.dumps(COMPLETION), {"Content-Type": "application/json"})
+        assert kept.getresponse().read()
         for _ in range(1100):
             try:
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -485,6 +515,10 @@ def test_1100_slow_connections_under_a_1024_file_limit_leave_both_ports_serving(
               f"worker, gRPC Info answered, a new HTTP client got 200 in {took * 1000:.0f} ms (idle: "
               f"{statistics.median(idle) * 1000:.0f} ms)")
         assert open_now <= 256
+        # the connections that never finished a request were evicted first: the kept-alive one still serves
+        kept.request("POST", "/v1/completions", json.dumps(COMPLETION), {"Content-Type": "application/json"})
+        assert kept.getresponse().status == 200
+        kept.close()
         assert took <= 2 * statistics.median(idle) + 0.1
     finally:
         for s in socks:
@@ -523,3 +557,28 @@ def test_special_token_text_in_messages_is_plain_text_with_split_special_tokens(
             assert usage(split) == usage(parsed)
         else:  # each marker is one token when parsed, several characters' tokens when split
             assert usage(split) >= usage(parsed) + 8, (usage(split), usage(parsed))
+
+
+def test_expect_100_continue_is_answered_before_the_body_only_when_it_would_be_read(plain):
+    """curl sends `Expect: 100-continue` before a large body: a refusal that needs no body comes
+    before the client sends one (aiohttp's own handler said "continue" first)."""
+    body = json.dumps({**COMPLETION, "max_tokens": 2}).encode()
+
+    def ask(headers: str, send_body: bool = False) -> bytes:
+        with socket.create_connection(("127.0.0.1", plain.port), timeout=30) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n{headers}\r\n"
+                      .encode())
+            first = s.recv(65536)
+            if send_body:
+                s.sendall(body)
+                while b"usage" not in first:
+                    more = s.recv(65536)
+                    if not more:
+                        break
+                    first += more
+            return first
+
+    assert ask(f"Content-Type: text/plain\r\nContent-Length: {len(body)}\r\n").startswith(b"HTTP/1.1 415")
+    assert ask("Content-Type: application/json\r\nContent-Length: 99999999\r\n").startswith(b"HTTP/1.1 413")
+    answer = ask(f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n", send_body=True)
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200") and b'"completion_tokens": 2' in answer

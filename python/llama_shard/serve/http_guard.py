@@ -16,7 +16,8 @@ handshake, to close:
   compute and frees its slot.
 - **count**: at most `max_connections` are open. At the cap, a new connection takes the place of
   the oldest one with no request in a handler (a slow-header or idle one: slow clients churn, new
-  clients are served); when every connection has a request running, the new one is closed.
+  clients are served): one that never finished a request first, then the longest idle kept-alive
+  one; when every connection has a request running, the new one is closed.
 
 Invariants: every accepted socket is in `connections` until it is closed, so the cap counts file
 descriptors the port holds (a TLS handshake in progress included); nothing here reads or writes
@@ -33,7 +34,8 @@ from collections import OrderedDict
 
 #: how often the deadlines are checked (a connection lives at most this much past its deadline)
 SWEEP_S = 0.25
-#: each connection's kernel send buffer: bounds what a client that does not read pins in kernel
+#: each connection's kernel send buffer (asked; Linux keeps twice it for its bookkeeping): bounds
+#: what a client that does not read pins in kernel
 #: memory (loopback's autotuning grows it to 4 MiB: a whole long stream fits, and the write that
 #: would reveal the stall never blocks); a stream of tokens needs far less
 SEND_BUFFER_BYTES = 256 * 2**10
@@ -94,6 +96,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self.conn: _Connection | None = None
         self.inner: asyncio.Protocol | None = None
         self.early: list[bytes] = []  # what arrived after the handshake, before aiohttp's protocol took over
+        self.handshake: asyncio.Task | None = None
 
     def connection_made(self, transport) -> None:
         self.conn = self.guard._opened(transport, self)
@@ -109,7 +112,7 @@ class _GuardedProtocol(asyncio.Protocol):
             self._start(transport)
         else:
             transport.pause_reading()  # start_tls takes the socket over from here
-            self.guard.loop.create_task(self._handshake(transport))
+            self.handshake = self.guard.loop.create_task(self._handshake(transport))  # held: a task needs a reference
 
     async def _handshake(self, raw) -> None:
         try:
@@ -179,8 +182,12 @@ class ConnectionGuard:
         self._sweeper = self.loop.create_task(self._sweep_forever())
 
     def stop(self) -> None:
+        """Stops the sweep and closes what aiohttp does not know of yet (TLS handshakes in progress)."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for conn in list(self.connections):
+            if conn.transport is None:
+                self._close(conn, "shutting down")
 
     # --- requests (called by the endpoint's middleware) --------------------------------------
 
@@ -200,7 +207,10 @@ class ConnectionGuard:
 
     def _opened(self, raw, protocol: _GuardedProtocol) -> _Connection | None:
         if len(self.connections) >= self.cap:
-            victim = next((c for c in self.connections if c.busy == 0 and c.unsent == 0), None)
+            # a connection that never finished a request (a slow or silent one) before a client's idle
+            # kept-alive one, the longest waiting first
+            idle = [c for c in self.connections if c.busy == 0 and c.unsent == 0]
+            victim = min(idle, key=lambda c: (c.served, c.free_since), default=None)
             if victim is None:  # every connection is serving a request: this one waits its turn elsewhere
                 self._count("over the connection cap")
                 raw.abort()

@@ -25,7 +25,6 @@ import contextlib
 import ipaddress
 import json
 import math
-import operator
 import re
 import secrets
 import ssl
@@ -36,15 +35,16 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from jinja2 import TemplateError
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
 from .sampling import MAX_TOP_LOGPROBS
 from .speculation import MAX_DRAFTS
+from .chat_template import MAX_CHARS as MAX_RENDERED_CHARS
+from .chat_template import MAX_SECONDS as MAX_RENDER_SECONDS
+from .chat_template import BoundedSandbox, TemplateRefused, render_bounded
 from .http_guard import ConnectionGuard, HttpLimits
 from .security import ANONYMOUS, file_mtimes, is_loopback
 
@@ -52,8 +52,6 @@ from .security import ANONYMOUS, file_mtimes, is_loopback
 MAX_BODY_BYTES = 4 * 2**20
 #: room in a body for what is not prompt text (parameters, JSON syntax, the template's own text)
 BODY_OVERHEAD_BYTES = 64 * 2**10
-#: the longest text a chat template may render (characters), beside the prompt's own bound
-MAX_RENDERED_CHARS = 4 * 2**20
 #: renders and tokenizations at once: one core at most for text that may yet be refused (the
 #: compute threads keep the others); each holds a prompt's text and tokens, more would only queue
 TOKENIZE_THREADS = 1
@@ -72,11 +70,13 @@ class HttpError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
              404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
-             415: "invalid_request_error", 429: "rate_limit_error"}
+             415: "invalid_request_error", 417: "invalid_request_error", 429: "rate_limit_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 close: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.close = close  # the connection ends after this answer (what the client still sends is not read)
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
@@ -90,53 +90,28 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox whose arithmetic cannot build a huge value: `*`, `**` and `+` are
-    checked before they run (jinja2 bounds `range` itself, at 100,000 items)."""
-
-    intercepted_binops = frozenset(["*", "**", "+"])
-
-    def call_binop(self, context, op: str, left, right):
-        def size(v) -> int:
-            return len(v) if isinstance(v, (str, list, tuple)) else 0
-        if op == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-            raise SecurityError("a power over 64 in a chat template")
-        if op == "*":
-            n = right if size(left) else left if size(right) else None
-            if isinstance(n, int) and max(size(left), size(right)) * n > MAX_RENDERED_CHARS:
-                raise SecurityError("a repeated value too long for a chat template")
-        if op == "+" and size(left) + size(right) > MAX_RENDERED_CHARS:
-            raise SecurityError("a concatenation too long for a chat template")
-        return {"*": operator.mul, "**": operator.pow, "+": operator.add}[op](left, right)
-
-
 class ChatTemplate:
     """The GGUF's `tokenizer.chat_template`, rendered as transformers and llama-cpp-python render it:
     jinja2 in an immutable sandbox (a template cannot reach Python objects or change its inputs),
-    its arithmetic and its output bounded (a template is the model file's code: a hostile GGUF, or
-    messages that drive a careless template, must cost a 400, not the worker's memory)."""
+    with its values, output and time bounded (`chat_template`: a template is the model file's
+    code; a hostile GGUF, or messages that drive a careless template, cost a 400, not the worker)."""
 
-    def __init__(self, source: str, bos_token: str, eos_token: str, max_chars: int = MAX_RENDERED_CHARS):
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    def __init__(self, source: str, bos_token: str, eos_token: str, max_chars: int = MAX_RENDERED_CHARS,
+                 max_seconds: float = MAX_RENDER_SECONDS):
+        self.max_seconds = max_seconds
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                             max_chars=max_chars)
         env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: time.strftime(fmt))
         self.template = env.from_string(source)
         self.bos_token, self.eos_token, self.max_chars = bos_token, eos_token, max_chars
 
     def render(self, messages: list[dict]) -> str:
         try:
-            parts, n = [], 0
-            for part in self.template.generate(messages=messages, add_generation_prompt=True,
-                                               bos_token=self.bos_token, eos_token=self.eos_token):
-                n += len(part)
-                if n > self.max_chars:
-                    raise SecurityError(f"the rendered prompt is over {self.max_chars} characters")
-                parts.append(part)
-            return "".join(parts)
-        except (TemplateError, OverflowError, RecursionError, MemoryError, TypeError, ValueError) as e:
-            # jinja2 raises OverflowError for a range over its bound, Python TypeError/ValueError for
-            # arithmetic on the wrong types: each is the template refusing these messages
-            raise HttpError(400, f"the model's chat template refused the messages: {type(e).__name__}: {e}",
-                            "messages") from None
+            return render_bounded(self.template, self.max_chars, self.max_seconds, messages=messages,
+                                  add_generation_prompt=True,
+                                  bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateRefused as e:
+            raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
 
 
 # --- request checks: each names the parameter it refuses -------------------------------------------
@@ -335,8 +310,8 @@ class OpenAIEndpoint:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat, expect_handler=self._expect)
+        app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
         # aiohttp's own keep-alive timer covers a connection that sends nothing; the guard the rest
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
                                      keepalive_timeout=self.limits.idle_timeout_s)
@@ -390,7 +365,15 @@ class OpenAIEndpoint:
             self._check_browser(request)
             return await handler(request)
         except HttpError as e:
-            return e.response()
+            if not e.close:
+                return e.response()
+            response = e.response()  # sent whole, then the connection ends (no body is waited for)
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+            return response
         except web.HTTPRequestEntityTooLarge:
             return self._too_large().response()
         except web.HTTPException as e:  # aiohttp's own (an unknown path, a wrong method): in OpenAI's shape
@@ -403,6 +386,30 @@ class OpenAIEndpoint:
             return HttpError(500, f"internal error: {type(e).__name__}").response()
         finally:
             self.guard.request_ended(transport)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl's for a large body): what needs no body is checked before the
+        client is told to send it (aiohttp's own handler says "continue" first)."""
+        if request.version != HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return HttpError(417, f"unknown Expect: {request.headers.get('Expect', '')[:64]}").response()
+        try:
+            self._check_browser(request)
+            principal = self._principal(request)
+            if request.content_length is not None and request.content_length > self.max_body_bytes:
+                raise self._too_large()
+            if self.in_flight >= self.max_in_flight or \
+                    self.in_flight_by_principal.get(principal, 0) >= self.max_in_flight_per_principal:
+                raise HttpError(429, "this worker, or this caller's share of it, is at its requests in flight "
+                                     "(serve --max-concurrent-rpcs, --http-max-requests-per-principal)")
+        except HttpError as e:
+            response = e.response()
+            response.force_close()  # the body was never asked for
+            return response
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own handler: the response has not begun
+        return None
 
     def _too_large(self) -> HttpError:
         return HttpError(413, f"the request body is over {self.max_body_bytes} bytes: more than this worker's context "
@@ -508,9 +515,8 @@ class OpenAIEndpoint:
         try:
             raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
-            request.transport.abort() if request.transport else None  # the rest of a slow body is not waited for
             raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
-                                 "(serve --http-body-timeout)") from None
+                                 "(serve --http-body-timeout)", close=True) from None
         try:
             body = json.loads(raw)
             json.dumps(body, ensure_ascii=False).encode("utf-8")  # "\ud800" escapes decode to lone surrogates
@@ -631,29 +637,42 @@ class OpenAIEndpoint:
         return self._fits_context(tokens)
 
     def _tokenize_split(self, messages: list[dict]) -> list[int]:
-        """`--http-split-special-tokens`: the template's own text is tokenized with its special tokens,
-        each message's content as plain text (transformers' split_special_tokens), so a caller's
-        `<|im_end|>` is the characters, never the turn marker. The template renders a random mark in
-        place of each content; the text between marks is the template's."""
-        nonce = secrets.token_hex(8)
-        mark = re.compile("\x1f" + nonce + r":(\d+)\x1f")
-        text = self.template.render([{**m, "content": f"\x1f{nonce}:{i}\x1f"} for i, m in enumerate(messages)])
+        """`--http-split-special-tokens`: a message's text is plain text (transformers'
+        split_special_tokens), so a caller's `<|im_end|>` is those characters, never the turn marker;
+        the template's own text keeps its special tokens. Only a message whose text holds special-token
+        text tokenizes differently: the rendered prompt is found to hold that text verbatim (in order)
+        and is cut around it, the cuts tokenized with special tokens parsed, the text without. A prompt
+        without such text is tokenized in one piece, exactly as without the option. A template that
+        changes such a text (trims, splits it) is refused: its marks could not be told from the text."""
+        model = self.servicer.model
+        text = self.template.render(messages)
         if self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text):]
-        model, tokens, at = self.servicer.model, [], 0
+        plain = []  # (start, end) of each message text that holds special-token text
+        at = 0
         try:
-            for found in [*mark.finditer(text), None]:
-                own = text[at:found.start() if found else len(text)]
-                if own or not tokens:
-                    tokens += model.tokenize(own, add_special=not tokens, parse_special=True)
-                if found is None:
-                    break
-                content = messages[int(found.group(1))]["content"]
-                if content:
-                    tokens += model.tokenize(content, add_special=False, parse_special=False)
-                at = found.end()
-                if len(tokens) > self.servicer.manager.config.context_tokens + 8:
-                    break  # over the context already: refused below without the rest
+            for m in messages:
+                content = m["content"]
+                if not content or model.tokenize(content, add_special=False, parse_special=True) == \
+                        model.tokenize(content, add_special=False, parse_special=False):
+                    continue
+                found = text.find(content, at)
+                if found < 0:
+                    raise HttpError(400, "with --http-split-special-tokens a message's text that holds special-token "
+                                         "text must appear in the rendered prompt as it was sent; this template "
+                                         "changes it", "messages")
+                plain.append((found, found + len(content)))
+                at = found + len(content)
+            if not plain:
+                return self._tokenize(text)
+            tokens, at = [], 0
+            for begin, end in plain:
+                if at < begin or not tokens:
+                    tokens += model.tokenize(text[at:begin], add_special=not tokens, parse_special=True)
+                tokens += model.tokenize(text[begin:end], add_special=False, parse_special=False)
+                at = end
+            if at < len(text):
+                tokens += model.tokenize(text[at:], add_special=False, parse_special=True)
         except InvalidInputError as e:
             raise HttpError(400, str(e), "messages") from None
         return self._fits_context(tokens)
@@ -830,14 +849,10 @@ class OpenAIEndpoint:
             stream.cancel("the request ended")  # a no-op once the stream is done
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """A stream's write, bounded: a client that stops reading is dropped (ConnectionError) within
-        the write timeout, and its stream stops at the next step."""
-        try:
-            await asyncio.wait_for(response.write(data), self.limits.write_timeout_s)
-        except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client did not read its stream within the write timeout") from None
+        """A stream's write. A client that stops reading is dropped by the guard's sweep once its unsent
+        bytes have not shrunk for the write timeout (a slow reader that makes progress is not): the
+        pending write then fails (ConnectionError) and the stream stops at the next step."""
+        await response.write(data)
 
     def _chat_logprobs(self, items: list) -> dict:
         def entry(token: int, logprob: float) -> dict:
