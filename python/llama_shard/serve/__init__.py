@@ -3,7 +3,7 @@
 - `worker`: `ShardWorker` (the gRPC service, metrics, health, forwarding to the next shard);
 - `security`: TLS, tokens, principals, the exposure rule;
 - `openai_http`: the OpenAI-compatible HTTP endpoint of a head; `http_guard`: its connections'
-  timeouts and cap, from accept;
+  timeouts and cap, from accept; `chat_template`: the bounded sandbox a GGUF's chat template runs in;
 - `local_workers`: starting and stopping worker processes on this machine (the demo, benchmarks
   and tests use it).
 
