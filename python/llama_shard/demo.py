@@ -153,7 +153,8 @@ def _http_turn(http_port: int, max_tokens: int) -> None:
     question = "Name three colours of the rainbow."
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
     url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
-    _say(f"\none chat turn through the head's OpenAI-compatible endpoint (curl {url} -d '{{\"messages\": ...}}'):")
+    _say(f"\none chat turn through the head's OpenAI-compatible endpoint "
+         f"(curl {url} -H 'Content-Type: application/json' -d '{{\"messages\": ...}}'):")
     _say(f"  user: {question}")
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
