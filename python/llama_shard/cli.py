@@ -317,8 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
                              args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
                              tuple(h.strip().lower() for h in args.http_allowed_host))
-    if args.http_port is not None:
-        _status(f"open files: at most {soft}; HTTP connections: at most {http_limits.connection_cap()}")
+    _status(f"open files: at most {soft} (hard limit {hard})" + (
+        f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else ""))
     config, plan = serve_config(args, layers)
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
