@@ -399,10 +399,9 @@ class OpenAIEndpoint:
             principal = self._principal(request)
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 raise self._too_large()
-            if self.in_flight >= self.max_in_flight or \
-                    self.in_flight_by_principal.get(principal, 0) >= self.max_in_flight_per_principal:
-                raise HttpError(429, "this worker, or this caller's share of it, is at its requests in flight "
-                                     "(serve --max-concurrent-rpcs, --http-max-requests-per-principal)")
+            refusal = self._slot_refusal(principal)
+            if refusal is not None:
+                raise refusal
         except HttpError as e:
             response = e.response()
             response.force_close()  # the body was never asked for
@@ -486,15 +485,11 @@ class OpenAIEndpoint:
     def _slot(self, principal: str):
         """One of the endpoint's requests in flight, counted globally and for its principal (before its
         body is read: a slow or huge body waits in no queue and holds no memory past the cap)."""
-        if self.in_flight >= self.max_in_flight:
-            raise HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
-                                 "(serve --max-concurrent-rpcs)")
-        mine = self.in_flight_by_principal.get(principal, 0)
-        if mine >= self.max_in_flight_per_principal:
-            raise HttpError(429, f"this caller has {mine} requests in flight here, its most "
-                                 "(serve --http-max-requests-per-principal)")
+        refusal = self._slot_refusal(principal)
+        if refusal is not None:
+            raise refusal
         self.in_flight += 1
-        self.in_flight_by_principal[principal] = mine + 1
+        self.in_flight_by_principal[principal] = self.in_flight_by_principal.get(principal, 0) + 1
         try:
             yield
         finally:
@@ -504,6 +499,17 @@ class OpenAIEndpoint:
                 self.in_flight_by_principal[principal] = left
             else:
                 del self.in_flight_by_principal[principal]
+
+    def _slot_refusal(self, principal: str) -> HttpError | None:
+        """The 429 a new request of `principal` gets now, or None when a slot is free for it."""
+        if self.in_flight >= self.max_in_flight:
+            return HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
+                                  "(serve --max-concurrent-rpcs)")
+        mine = self.in_flight_by_principal.get(principal, 0)
+        if mine >= self.max_in_flight_per_principal:
+            return HttpError(429, f"this caller has {mine} requests in flight here, its most "
+                                  "(serve --http-max-requests-per-principal)")
+        return None
 
     async def _body(self, request: web.Request) -> dict:
         """The request's JSON object: its length checked before it is read, read within the body
