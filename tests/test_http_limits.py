@@ -34,7 +34,8 @@ import pytest
 
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.serve.local_workers import WORKER_DEFAULTS, free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import (WORKER_DEFAULTS, free_port, start_worker, stop_worker, wait_for_port,
+                                             wait_serving)
 from llama_shard.serve.openai_http import ChatTemplate, HttpError
 
 pytestmark = pytest.mark.grpc
@@ -51,17 +52,6 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _wait_for_port(proc, port: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "the HTTP port never opened"
-            time.sleep(0.2)
 
 
 class Plain:
@@ -324,7 +314,7 @@ def tls_worker(embedded_model, tmp_path_factory):
         "--http-port", str(port), *LIMITS, "--http-max-requests-per-principal", "2", "--admin", "alice",
         "--prefix-memory", "16MiB", "--share-prefixes", "all", "--context-tokens", "2048", "--budget-tokens", "8192",
         "--http-split-special-tokens"))
-    _wait_for_port(proc, port)
+    wait_for_port(proc, port)
     trust = ssl.create_default_context(cafile=str(ca.cert))
     yield {"port": port, "addr": addr, "trust": trust, "ca": ca.cert, "tmp": tmp, "proc": proc}
     code, err = stop_worker(proc)

@@ -27,7 +27,7 @@ import pytest
 from llama_shard._native import ShardModel
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
 from llama_shard.serve.openai_http import ChatTemplate, HttpError, _StopTrimmer, sampling_from
 from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
@@ -316,18 +316,6 @@ def test_a_model_without_a_chat_template_serves_completions_only(synthetic_model
         stop_worker(proc)
 
 
-def _wait_for_port(proc, port: int, timeout_s: float = 120) -> None:
-    """Until the worker's HTTP port accepts connections (it binds before gRPC serves)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
-
-
 def test_bearer_tokens_over_tls(embedded_model, tmp_path):
     from llama_shard.testing.certs import CertificateAuthority
 
@@ -340,7 +328,7 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
         "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--auth-token-file", str(tokens),
         "--http-port", str(port), "--context-tokens", "256", "--max-sessions-per-principal", "2"))
     try:
-        _wait_for_port(proc, port)  # a TLS worker's health check needs credentials: wait for the HTTP port
+        wait_for_port(proc, port)  # a TLS worker's health check needs credentials: wait for the HTTP port
         base = f"https://localhost:{port}/v1"
         trust = ssl.create_default_context(cafile=str(ca.cert))
 
@@ -391,7 +379,7 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
         "--tls-cert", str(live["cert"]), "--tls-key", str(live["key"]), "--tls-client-ca", str(live["ca"]),
         "--http-port", str(port), "--context-tokens", "256"))
     try:
-        _wait_for_port(proc, port)
+        wait_for_port(proc, port)
 
         def client(ca, identity=None):
             trust = ssl.create_default_context(cafile=str(ca.cert))

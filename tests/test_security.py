@@ -220,18 +220,23 @@ def test_the_per_principal_cap_answers_resource_exhausted_and_costs_others_nothi
 
 # --- mutual TLS --------------------------------------------------------------------------------------
 
-def test_mutual_tls_principal_is_the_certificate_name(mtls_worker, pki):
-    proc, address = mtls_worker
-    alice_sec = ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["alice"].cert), tls_key=str(pki["alice"].key))
-    deadline = time.monotonic() + 120
-    alice = _stub(address, alice_sec)
-    while True:  # the worker loads in the background
+def _wait_answering(proc, stub, timeout_s: float = 120) -> None:
+    """Until the worker answers Info with this stub's credentials (it loads in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            alice.Info(pb.InfoRequest(), timeout=2)
-            break
+            stub.Info(pb.InfoRequest(), timeout=2)
+            return
         except grpc.RpcError:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
+
+
+def test_mutual_tls_principal_is_the_certificate_name(mtls_worker, pki):
+    proc, address = mtls_worker
+    alice_sec = ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["alice"].cert), tls_key=str(pki["alice"].key))
+    alice = _stub(address, alice_sec)
+    _wait_answering(proc, alice)
     assert _prefill(alice, "m-victim").outcome == pb.OUTCOME_OK
     no_cert = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert)))
     assert _code(lambda: no_cert.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
@@ -509,7 +514,6 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
     `<alice's tag>/chat`, alice's session): UNAUTHENTICATED on gRPC, 401 on the HTTP port, and
     alice's session, named by its real tag (computed here from the warm directory's key) or by
     the old unkeyed one, is untouched."""
-    import http.client
     import ssl
 
     from llama_shard.serve.local_workers import free_port
@@ -529,14 +533,7 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
 
     try:
         alice = as_cert(pki["alice"])
-        deadline = time.monotonic() + 120
-        while True:  # the worker loads in the background
-            try:
-                alice.Info(pb.InfoRequest(), timeout=2)
-                break
-            except grpc.RpcError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.2)
+        _wait_answering(proc, alice)
         assert _prefill(alice, "chat").outcome == pb.OUTCOME_OK
         tag_key = hmac.new((warm / "llama-shard.key").read_bytes(), b"llama-shard owner tag v1", hashlib.sha256).digest()
         real = hmac.new(tag_key, b"alice", hashlib.sha256).hexdigest()[:16]

@@ -43,6 +43,22 @@ def start_worker(model: str | Path, first: int, last: int, threads: int = 1, ext
     return proc, f"127.0.0.1:{port}"
 
 
+def wait_for_port(proc: subprocess.Popen, port: int, timeout_s: float = 120.0) -> None:
+    """Returns when the worker's HTTP port accepts connections (a TLS worker's health check needs
+    credentials; its HTTP port binds before gRPC serves); raises if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode} before its HTTP port {port} opened") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the HTTP port {port} did not open within {timeout_s:g} s") from None
+            time.sleep(0.2)
+
+
 def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0) -> None:
     """Returns when the worker's health check says SERVING; raises if it exits or times out."""
     deadline = time.monotonic() + timeout_s

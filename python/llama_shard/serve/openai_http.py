@@ -46,7 +46,7 @@ from .chat_template import MAX_CHARS as MAX_RENDERED_CHARS
 from .chat_template import MAX_SECONDS as MAX_RENDER_SECONDS
 from .chat_template import BoundedSandbox, TemplateRefused, render_bounded
 from .http_guard import ConnectionGuard, HttpLimits
-from .security import ANONYMOUS, file_mtimes, is_loopback
+from .security import ANONYMOUS, file_mtimes
 
 #: the largest request body whatever the context (a longer one gets 413 before it is read in full)
 MAX_BODY_BYTES = 4 * 2**20
