@@ -285,7 +285,7 @@ def test_template_arithmetic_and_output_are_bounded():
     assert fine.render([{"role": "user", "content": "ab"}]) == "<user>abab    3|ap: 100%1234567a1bxy1024"
 
 
-def test_a_fifo_as_a_model_is_refused_at_once(tmp_path, embedded_model):
+def test_a_fifo_as_a_model_and_http_flags_without_the_endpoint_are_refused_at_once(tmp_path, embedded_model):
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     for flags in (["--model", str(fifo)], ["--model", str(embedded_model), "--draft-model", str(fifo)],
@@ -295,6 +295,11 @@ def test_a_fifo_as_a_model_is_refused_at_once(tmp_path, embedded_model):
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2 and "not a regular file" in res.stderr, (flags, res.stderr[-2000:])
         assert time.monotonic() - t < 30
+    # an HTTP flag without the endpoint would be ignored: refused instead
+    for flags in (["--http-write-timeout", "5"], ["--http-allowed-host", "node.lan"], ["--http-split-special-tokens"]):
+        res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", *flags, "--port", "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "--http-port" in res.stderr, (flags, res.stderr[-2000:])
 
 
 # --- TLS, tokens and per-principal slots ------------------------------------------------------------

@@ -313,10 +313,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
     if args.draft_model is not None:
         regular_model_file(args.draft_model, "--draft-model")
-    soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
     http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
                              args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
                              tuple(h.strip().lower() for h in args.http_allowed_host))
+    if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens):
+        raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
+    soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
     _status(f"open files: at most {soft} (hard limit {hard})" + (
         f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else ""))
     config, plan = serve_config(args, layers)
