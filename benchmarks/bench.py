@@ -556,11 +556,31 @@ def cpu_kernel_rows(s: Shapes) -> list[Row]:
                 ">= 0.95", stock_note)]
 
 
+def gpu_rows(s: Shapes) -> list[Row]:
+    """On a machine with a GPU (benchmarks/gpu_check.sh; not in the default sections): Generate streams
+    on one worker with every layer on the device against stock llama-batched-bench -ngl 99 built
+    with the same ggml backend, on the same GPU."""
+    device = os.environ.get("LLAMA_SHARD_BENCH_DEVICE", "auto")
+    backend = os.environ.get("LLAMA_SHARD_BENCH_GPU_BACKEND", "cuda")
+    log(f"a GPU node: every layer on {device} against stock built with {backend}, -ngl 99")
+    n, n_streams = s.n_layer, 4 if s.quick else 8
+    stock = find_stock_tools(build=s.build_stock, gpu=backend) if s.stock is not None else None
+    ours, peer = alternate(
+        s.repeat, lambda: {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams,
+                                                            s.vocab, worker_flags=("--device", device))},
+        stock and (lambda: stock_batched_bench(stock["llama-batched-bench"], s.path, s.threads, s.npp, s.ntg,
+                                               [n_streams], extra=("-ngl", "99"))))
+    return [Row(f"1 worker, every layer on {device}, {n_streams} Generate streams of {s.ntg} tokens "
+                f"(vs batched-bench -ngl 99, {backend})", ours[n_streams], peer.get(n_streams, {}).get("tg"), "tok/s",
+                ">= 0.9", "decode phase; streams opened at once over gRPC; the same GPU")]
+
+
 SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, prefixes_rows,
             speculation_rows,
             memory_rows,
             engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}
+OPTIONAL_SECTIONS = {"gpu": gpu_rows}  # run only when named (--sections gpu): they need a GPU
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -577,14 +597,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--require-stock", action="store_true", help="exit 2, measuring nothing, without the stock tools")
     ap.add_argument("--sections", default=",".join(SECTION_NAMES), metavar="NAMES",
                     help=f"which sections to run, comma-separated (default: all of {', '.join(SECTION_NAMES)})")
+    ap.add_argument("--device", help="section gpu: the worker's --device (default auto)")
+    ap.add_argument("--gpu-backend", choices=("cuda", "vulkan"), default="cuda",
+                    help="section gpu: the ggml backend stock llama-batched-bench is built with (build/stock-<backend>)")
     args = ap.parse_args(argv)
-    sections = [SECTION_NAMES.get(n) for n in args.sections.split(",")]
+    sections = [SECTION_NAMES.get(n) or OPTIONAL_SECTIONS.get(n) for n in args.sections.split(",")]
     if None in sections:
-        ap.error(f"--sections: choose among {', '.join(SECTION_NAMES)}")
+        ap.error(f"--sections: choose among {', '.join([*SECTION_NAMES, *OPTIONAL_SECTIONS])}")
+    if args.device:
+        os.environ["LLAMA_SHARD_BENCH_DEVICE"] = args.device
+        os.environ["LLAMA_SHARD_BENCH_GPU_BACKEND"] = args.gpu_backend
     if args.stock_bin_dir:
         os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()
-    stock = None if args.no_stock else find_stock_tools(build=not args.no_build)
+    only_gpu = all(section in OPTIONAL_SECTIONS.values() for section in sections)  # builds its own stock tools
+    stock = None if args.no_stock else {} if only_gpu else find_stock_tools(build=not args.no_build)
     wants_rpc = route_rows in sections or generate_rows in sections
     rpc_tools = None if args.no_stock or not wants_rpc else find_stock_tools(build=not args.no_build, rpc=True)
     missing = [name for name, tools in (("llama-bench/llama-batched-bench", stock), ("the RPC split", rpc_tools))

@@ -96,7 +96,7 @@ NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False,
-                     server: bool = False) -> dict[str, Path] | None:
+                     server: bool = False, gpu: str = "") -> dict[str, Path] | None:
     """The stock tools from the pinned source: in LLAMA_SHARD_STOCK_BIN_DIR (or
     LLAMA_SHARD_STOCK_RPC_BIN_DIR) when set, else in build/stock-bench, built there when missing (CMake option
     LLAMA_SHARD_BUILD_STOCK_BENCH; the patches are gated, so without a shard range they behave as
@@ -104,11 +104,13 @@ def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False
     llama.cpp's own way of splitting a model across processes. With no_amx=True, llama-bench and
     llama-batched-bench compiled without the AMX kernels (NO_AMX_FLAGS): in LLAMA_SHARD_STOCK_NOAMX_BIN_DIR
     when set, else in build/stock-noamx. With server=True, llama-server (built without its web page),
-    where llama-bench is."""
+    where llama-bench is. With gpu="cuda" or "vulkan", the tools built with that ggml backend (as
+    upstream builds them: static, in build/stock-<gpu>; LLAMA_SHARD_STOCK_GPU_BIN_DIR when set)."""
     tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else ("llama-server",) if server else STOCK_TOOLS
-    name = "stock-rpc" if rpc else ("stock-noamx" if no_amx else "stock-bench")
+    name = "stock-rpc" if rpc else ("stock-noamx" if no_amx else f"stock-{gpu}" if gpu else "stock-bench")
     env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else
-                         "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR" if no_amx else "LLAMA_SHARD_STOCK_BIN_DIR")
+                         "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR" if no_amx else
+                         "LLAMA_SHARD_STOCK_GPU_BIN_DIR" if gpu else "LLAMA_SHARD_STOCK_BIN_DIR")
     if env:  # a directory named explicitly is the only place looked at
         found = {t: Path(env) / t for t in tools}
         return found if all(p.is_file() for p in found.values()) else None
@@ -125,6 +127,8 @@ def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False
                     "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
                     "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
                     "-DLLAMA_SHARD_OPENMP=ON",  # stock as upstream builds it (the engine uses ggml's own pool)
+                    *([f"-DGGML_{gpu.upper()}=ON"] if gpu else []),
+                    *(["-DCMAKE_CUDA_ARCHITECTURES=native"] if gpu == "cuda" else []),
                     *([f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []),
                     f"-DPython_EXECUTABLE={sys.executable}"], check=True, stdout=sys.stderr)
     subprocess.run([cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],

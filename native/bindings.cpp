@@ -6,6 +6,7 @@
 // call that computes or loads. shard_error is translated to the classes of llama_shard.errors.
 
 #include "llama_shard/cpu_backend.h"
+#include "llama_shard/devices.h"
 #include "llama_shard/hot_kv_engine.h"
 #include "llama_shard/kv_state_check.h"
 #include "llama_shard/shard_context.h"
@@ -271,6 +272,20 @@ void register_errors(py::module_ & m) {
 
 }
 
+static py::dict memory_dict(const shard_memory & mem) {
+    py::dict d;
+    d["device"] = mem.device;
+    d["device_free"] = mem.device_free;
+    d["device_total"] = mem.device_total;
+    d["device_model"] = mem.device_model;
+    d["device_context"] = mem.device_context;
+    d["device_compute"] = mem.device_compute;
+    d["host_model"] = mem.host_model;
+    d["host_context"] = mem.host_context;
+    d["host_compute"] = mem.host_compute;
+    return d;
+}
+
 // ModelInfo and ShardModel: a layer range of a GGUF model
 void register_model(py::module_ & m) {
     m.def("certified_architectures", &shard_certified_architectures,
@@ -291,6 +306,47 @@ void register_model(py::module_ & m) {
           "libggml-cpu-<variant>.so, or 'built in'), library, features (instruction sets compiled in), "
           "available (the variants shipped), amx (AMX kernels in use), self_check (one line), fallbacks "
           "(each failed probe and what runs instead).");
+    m.def("devices", [] {
+              std::vector<device_info> found;
+              {
+                  py::gil_scoped_release release;  // loading a GPU module initialises its driver
+                  found = shard_devices();
+              }
+              py::list out;
+              for (const device_info & d : found) {
+                  py::dict e;
+                  e["name"] = d.name;
+                  e["description"] = d.description;
+                  e["backend"] = d.backend;
+                  e["type"] = d.type;
+                  e["memory_free"] = d.memory_free;
+                  e["memory_total"] = d.memory_total;
+                  out.append(e);
+              }
+              return out;
+          },
+          "The GPU devices ggml lists (ggml's names, e.g. 'Vulkan0'), each with its description, backend, "
+          "type ('gpu' or 'igpu') and memory (free, total bytes). Loads the GPU modules this build ships "
+          "where their driver's loader exists.");
+    m.def("gpu_backends", [] {
+              py::gil_scoped_release release;
+              return shard_gpu_backends();
+          },
+          "One line per GPU module this build ships: loaded (with its device count) or why not.");
+    m.def("device_self_check", [](const std::string & name) {
+              std::string line;
+              bool passed = false;
+              {
+                  py::gil_scoped_release release;
+                  ggml_backend_dev_t dev = shard_choose_device(name);  // a named device that fails throws
+                  if (dev == nullptr) {
+                      throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "'" + name + "' is the CPU (cpu_backend() has its self-check)");
+                  }
+                  line = shard_device_self_check(dev, &passed);
+              }
+              return line;
+          },
+          py::arg("name"), "The named device's self-check in one line (it runs once per device).");
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
@@ -333,6 +389,11 @@ void register_model(py::module_ & m) {
         .def_readonly("kv_bytes_per_token", &shard_model_info::kv_bytes_per_token)
         .def_readonly("sliding_window", &shard_model_info::sliding_window)
         .def_readonly("swa_pattern", &shard_model_info::swa_pattern)
+        .def_readonly("device", &shard_model_info::device)
+        .def_readonly("device_description", &shard_model_info::device_description)
+        .def_readonly("device_note", &shard_model_info::device_note)
+        .def_readonly("gpu_layers", &shard_model_info::gpu_layers)
+        .def_readonly("output_on_device", &shard_model_info::output_on_device)
         .def_property_readonly("n_owned_layers", &shard_model_info::n_owned_layers)
         .def("__repr__", [](const shard_model_info & i) {
             return "ModelInfo(architecture='" + i.architecture + "', layers=" + std::to_string(i.first) + "-" +
@@ -341,15 +402,19 @@ void register_model(py::module_ & m) {
         });
 
     py::class_<shard_model>(m, "ShardModel")
-        .def(py::init([](const std::string & path, std::optional<std::pair<int32_t, int32_t>> layers, std::optional<int32_t> n_threads) {
+        .def(py::init([](const std::string & path, std::optional<std::pair<int32_t, int32_t>> layers, std::optional<int32_t> n_threads,
+                         const std::string & device, int32_t gpu_layers) {
                  shard_model_params params;
-                 params.path      = path;
-                 params.layers    = layers;
-                 params.n_threads = n_threads.value_or(0);
+                 params.path       = path;
+                 params.layers     = layers;
+                 params.n_threads  = n_threads.value_or(0);
+                 params.device     = device;
+                 params.gpu_layers = gpu_layers;
                  py::gil_scoped_release release;  // loading reads the whole file; no Python object is touched
                  return std::make_unique<shard_model>(params);
              }),
-             py::arg("path"), py::arg("layers") = py::none(), py::arg("n_threads") = py::none())
+             py::arg("path"), py::arg("layers") = py::none(), py::arg("n_threads") = py::none(),
+             py::arg("device") = "cpu", py::arg("gpu_layers") = -1)
         .def_property_readonly("info", &shard_model::info, py::return_value_policy::reference_internal)
         .def_property_readonly("path", &shard_model::path)
         .def_property_readonly("n_threads", &shard_model::n_threads)
@@ -690,7 +755,34 @@ void register_sampling(py::module_ & m) {
 }
 
 void register_engine(py::module_ & m) {
+    m.def("plan_memory", [](const std::string & path, std::optional<std::pair<int32_t, int32_t>> layers,
+                            const std::string & device, int32_t gpu_layers, const hot_kv_config & config) {
+              shard_model_params mp;
+              mp.path = path;
+              mp.layers = layers;
+              mp.n_threads = 1;
+              mp.device = device;
+              mp.gpu_layers = gpu_layers;
+              shard_memory mem;
+              {
+                  py::gil_scoped_release release;  // reads the GGUF's metadata
+                  mem = hot_kv_plan_memory(mp, config);
+              }
+              return memory_dict(mem);
+          },
+          py::arg("path"), py::arg("layers"), py::arg("device"), py::arg("gpu_layers"), py::arg("config"),
+          "A dry run of a shard and the engine `config` makes over it (nothing allocated, no weight read): the "
+          "bytes llama.cpp would hold on the device and the host, as HotKvEngine.memory() reports them loaded.");
     py::class_<hot_kv_engine>(m, "HotKvEngine")
+        .def("memory", [](const hot_kv_engine & self) {
+                 shard_memory mem;
+                 {
+                     py::gil_scoped_release release;  // waits for the context mutex
+                     mem = self.memory();
+                 }
+                 return memory_dict(mem);
+             }, "What the engine's context and model hold, by llama.cpp's account: device, device_free, "
+                "device_total, device_model/context/compute (weights, KV, compute buffers) and host_*.")
         .def(py::init([](const shard_model & model, const hot_kv_config & config) {
                  py::gil_scoped_release release;  // allocating the KV cache (and scanning the disk tier); only C++ objects are touched
                  return std::make_unique<hot_kv_engine>(model, config);

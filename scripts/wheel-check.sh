@@ -24,3 +24,15 @@ rm -rf "$VENV"
 # the tests import the installed package: run them from outside the checkout's python/
 LLAMA_SHARD_REQUIRE_MODEL=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_cpu_variants.py tests/test_cpu_self_check.py
+# the GPU modules: a node with a Vulkan loader and a device lists and uses it (lavapipe: CPU-type, so
+# named by GGML_VK_VISIBLE_DEVICES), a node where none may load runs the demo on the CPU as before
+if "$PY" -c 'import sys, zipfile; sys.exit("llama_shard/libggml-vulkan.so" not in zipfile.ZipFile(sys.argv[1]).namelist())' "$WHEEL"; then
+    LLAMA_SHARD_GPU_BACKENDS=none "$VENV/bin/llama-shard" demo --max-tokens 8
+    if [ "${LLAMA_SHARD_REQUIRE_VULKAN:-0}" = 1 ]; then
+        GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} "$VENV/bin/llama-shard" serve --device list | tee /dev/stderr | grep -q "Vulkan0:"
+        LLAMA_SHARD_REQUIRE_VULKAN=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_devices.py \
+            -k "partial_offload or device_list or may_not_load"
+    fi
+else
+    echo "wheel-check: this wheel has no Vulkan backend (it was built without libvulkan-dev, glslc, spirv-headers)"
+fi

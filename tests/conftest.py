@@ -15,6 +15,10 @@ from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
+# the workers tests start run on the CPU unless a test names a device (serve --device defaults to
+# auto, which on a machine with a GPU would compare the GPU's rounding with in-process CPU results)
+os.environ.setdefault("LLAMA_SHARD_DEVICE", "cpu")
+
 
 def varint(n: int) -> bytes:
     """A protobuf base-128 varint, for messages built byte by byte (tags, lengths)."""

@@ -1,5 +1,6 @@
 #include "llama_shard/cpu_backend.h"
 #include "llama_shard/shard_error.h"
+#include "backend_probe.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -87,18 +88,17 @@ static std::string library_of(const void * fn) {
     return fn != nullptr && dladdr(fn, &info) != 0 && info.dli_fname != nullptr ? info.dli_fname : "";
 }
 
+std::string shard_backend_dir() {
+#ifdef GGML_BACKEND_DL
+    return fs::path(library_of(reinterpret_cast<const void *>(&ggml_backend_load_all_from_path))).parent_path().string();
+#else
+    return "";
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // the probe: one quantized matrix product through the kernels, in a child process
 // ---------------------------------------------------------------------------------------------
-
-// the child's exit codes (a fault shows as a signal instead)
-enum probe_exit : int {
-    PROBE_PASSED      = 0,
-    PROBE_WRONG       = 3,  // the kernels ran and computed something else
-    PROBE_NO_BACKEND  = 4,  // the variant did not load (ggml refused it for this CPU)
-    PROBE_NO_AMX_BUFT = 5,  // no AMX buffer type: the kernel refused the tile data
-    PROBE_SETUP       = 6,  // an allocation or graph step failed
-};
 
 struct probe_spec {
     std::string name;         // what LLAMA_SHARD_CPU_PROBE_FAIL matches: a variant, "built-in" or "amx"
@@ -122,34 +122,24 @@ static uint32_t probe_random(uint32_t & state) {  // a fixed LCG: the same numbe
     return state >> 8;
 }
 
-// K x N weights in Q4_0 times K x M activations, M = 32 (the AMX tile path) and M = 1 (the
-// single-row path), on four threads; the result against a double-precision product of the same
-// dequantised weights. Both sides quantise nothing else but the activations (to Q8_0), so the
-// tolerance is a few per cent of the largest output: wrong kernels are off by far more.
-static int probe_compute(ggml_backend_reg_t reg, bool amx) {
-    constexpr int K = 256, N = 64, M = 32, THREADS = 4;
-    ggml_backend_dev_t dev = ggml_backend_reg_dev_count(reg) > 0 ? ggml_backend_reg_dev_get(reg, 0) : nullptr;
+// K x N weights in Q4_0 times K x M activations, M = 32 (the AMX tile path, a GPU's batched kernel)
+// and M = 1 (the single-row path), on `threads` threads where the backend has them; the result
+// against a double-precision product of the same dequantised weights. Both sides quantise nothing
+// else but the activations (a CPU to Q8_0), so the tolerance is a few per cent of the largest
+// output: wrong kernels are off by far more.
+int backend_probe_product(ggml_backend_dev_t dev, ggml_backend_buffer_type_t weight_buft, int threads, double * error) {
+    constexpr int K = 256, N = 64, M = 32;
     ggml_backend_t backend = dev != nullptr ? ggml_backend_dev_init(dev, nullptr) : nullptr;
     if (backend == nullptr) {
         return PROBE_SETUP;
     }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
     if (auto set_threads = reinterpret_cast<ggml_backend_set_n_threads_t>(
             ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads"))) {
-        set_threads(backend, THREADS);
+        set_threads(backend, threads);
     }
-    ggml_backend_buffer_type_t weight_buft = ggml_backend_dev_buffer_type(dev);
-    if (amx) {
-        weight_buft = nullptr;
-        auto extra = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
-            ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
-        for (ggml_backend_buffer_type_t * b = extra != nullptr ? extra(dev) : nullptr; b != nullptr && *b != nullptr; ++b) {
-            if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) {
-                weight_buft = *b;
-            }
-        }
-        if (weight_buft == nullptr) {
-            return PROBE_NO_AMX_BUFT;
-        }
+    if (weight_buft == nullptr) {
+        weight_buft = ggml_backend_dev_buffer_type(dev);
     }
 
     const size_t meta = 8 * ggml_tensor_overhead() + ggml_graph_overhead();
@@ -165,8 +155,16 @@ static int probe_compute(ggml_backend_reg_t reg, bool amx) {
     ggml_build_forward_expand(graph, y1);
     ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, weight_buft);
     ggml_backend_buffer_t buf  = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
+    auto release = [&](int rc) {  // a device's probe runs in the worker's own process: free all of it
+        if (buf != nullptr) { ggml_backend_buffer_free(buf); }
+        if (wbuf != nullptr) { ggml_backend_buffer_free(wbuf); }
+        ggml_free(ctx);
+        ggml_free(wctx);
+        ggml_backend_free(backend);
+        return rc;
+    };
     if (wbuf == nullptr || buf == nullptr) {
-        return PROBE_SETUP;
+        return release(PROBE_SETUP);
     }
 
     uint32_t seed = 12345;
@@ -180,7 +178,7 @@ static int probe_compute(ggml_backend_reg_t reg, bool amx) {
     ggml_backend_tensor_set(x, xf.data(), 0, xf.size() * sizeof(float));
     ggml_backend_tensor_set(x1, xf.data(), 0, size_t(K) * sizeof(float));
     if (ggml_backend_graph_compute(backend, graph) != GGML_STATUS_SUCCESS) {
-        return PROBE_SETUP;
+        return release(PROBE_SETUP);
     }
 
     std::vector<float> out(size_t(N) * M), out1(N);
@@ -200,7 +198,32 @@ static int probe_compute(ggml_backend_reg_t reg, bool amx) {
             }
         }
     }
-    return std::isfinite(worst) && worst <= 0.03 * largest + 1e-3 ? PROBE_PASSED : PROBE_WRONG;
+    if (error != nullptr) {
+        *error = largest > 0.0 ? worst / largest : worst;
+    }
+    return release(std::isfinite(worst) && worst <= 0.03 * largest + 1e-3 ? PROBE_PASSED : PROBE_WRONG);
+}
+
+static int probe_compute(ggml_backend_reg_t reg, bool amx) {
+    constexpr int THREADS = 4;
+    ggml_backend_dev_t dev = ggml_backend_reg_dev_count(reg) > 0 ? ggml_backend_reg_dev_get(reg, 0) : nullptr;
+    if (dev == nullptr) {
+        return PROBE_SETUP;
+    }
+    ggml_backend_buffer_type_t weight_buft = nullptr;  // the device's own
+    if (amx) {
+        auto extra = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+            ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+        for (ggml_backend_buffer_type_t * b = extra != nullptr ? extra(dev) : nullptr; b != nullptr && *b != nullptr; ++b) {
+            if (std::strcmp(ggml_backend_buft_name(*b), "AMX") == 0) {
+                weight_buft = *b;
+            }
+        }
+        if (weight_buft == nullptr) {
+            return PROBE_NO_AMX_BUFT;
+        }
+    }
+    return backend_probe_product(dev, weight_buft, THREADS, nullptr);
 }
 
 [[noreturn]] static void probe_child(const probe_spec & spec) {
@@ -302,7 +325,7 @@ static std::vector<std::string> variants_in(const fs::path & dir) {
 }
 
 static fs::path backend_dir() {
-    return fs::path(library_of(reinterpret_cast<const void *>(&ggml_backend_load_all_from_path))).parent_path();
+    return shard_backend_dir();
 }
 
 static fs::path variant_path(const fs::path & dir, const std::string & variant) {

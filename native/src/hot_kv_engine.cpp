@@ -172,6 +172,23 @@ int32_t hot_kv_slot_cells(int32_t context_tokens, int32_t n_batch) {
     return (int32_t) ((cells + pad - 1) / pad * pad);
 }
 
+shard_context_params hot_kv_context_params(const hot_kv_config & config) {
+    shard_context_params cp;
+    cp.n_ctx      = hot_kv_slot_cells(config.context_tokens, config.n_batch) * config.max_sessions;
+    cp.n_seq_max  = config.max_sessions;
+    cp.n_batch    = config.n_batch;
+    cp.kv_unified = false;
+    cp.n_threads  = config.n_threads;
+    cp.kv_type    = config.kv_type;
+    cp.flash_attn = config.flash_attn;
+    return cp;
+}
+
+shard_memory hot_kv_plan_memory(const shard_model_params & model_params, const hot_kv_config & config) {
+    hot_kv_check_config(config);
+    return shard_plan_memory(model_params, hot_kv_context_params(config));
+}
+
 hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config) : model_(model), config_(config) {
     hot_kv_check_config(config);
     if (!config.warm_dir.empty() && config.recipe_fingerprint.empty()) {
@@ -183,15 +200,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     // summation order). Each stream holds context_tokens cells (llama.cpp pads to 256), and
     // admission keeps every session within context_tokens, so llama_decode always finds a slot.
     // KV memory is bounded by max_sessions x context_tokens; budget_tokens bounds what is held.
-    shard_context_params cp;
-    cp.n_ctx      = hot_kv_slot_cells(config.context_tokens, config.n_batch) * config.max_sessions;
-    cp.n_seq_max  = config.max_sessions;
-    cp.n_batch    = config.n_batch;
-    cp.kv_unified = false;
-    cp.n_threads  = config.n_threads;
-    cp.kv_type    = config.kv_type;
-    cp.flash_attn = config.flash_attn;
-    ctx_ = std::make_unique<shard_context>(model, cp);
+    ctx_ = std::make_unique<shard_context>(model, hot_kv_context_params(config));
     config_.n_batch = ctx_->n_batch();
     n_swa_ = llama_model_n_swa(model.raw());
 

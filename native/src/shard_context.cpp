@@ -1,4 +1,6 @@
 #include "llama_shard/shard_context.h"
+
+#include "llama-ext.h"  // llama_get_memory_breakdown (the pin's staging API)
 #include "llama_shard/cpu_backend.h"
 
 #include "llama.h"
@@ -75,6 +77,44 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
     kv_unified_ = params.kv_unified;
     batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd);
+}
+
+shard_memory shard_context::memory() const {
+    shard_memory m;
+    m.device = model_.info().device;
+    ggml_backend_dev_t device = nullptr;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        if (m.device != "cpu" && m.device == ggml_backend_dev_name(ggml_backend_dev_get(i))) {
+            device = ggml_backend_dev_get(i);
+        }
+    }
+    if (device != nullptr) {
+        size_t free_b = 0, total_b = 0;
+        ggml_backend_dev_memory(device, &free_b, &total_b);
+        m.device_free  = free_b;
+        m.device_total = total_b;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx_)) {
+        if (device != nullptr && ggml_backend_buft_get_device(buft) == device) {
+            m.device_model += mb.model;
+            m.device_context += mb.context;
+            m.device_compute += mb.compute;
+        } else {
+            m.host_model += mb.model;
+            m.host_context += mb.context;
+            m.host_compute += mb.compute;
+        }
+    }
+    return m;
+}
+
+shard_memory shard_plan_memory(const shard_model_params & model_params, const shard_context_params & params) {
+    shard_model_params dry = model_params;
+    dry.no_alloc = true;
+    shard_model model(dry);
+    shard_context ctx(model, params);
+    return ctx.memory();
 }
 
 shard_context::~shard_context() {

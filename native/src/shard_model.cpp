@@ -1,5 +1,6 @@
 #include "llama_shard/shard_model.h"
 #include "llama_shard/cpu_backend.h"
+#include "llama_shard/devices.h"
 #include "llama_shard/kv_type.h"
 
 #include "gguf.h"
@@ -135,11 +136,24 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         }
     }
 
+    const int32_t n_owned = params.layers ? params.layers->second - params.layers->first + 1 : (int32_t) header.n_layer;
+    if (params.gpu_layers < -1 || (n_owned > 0 && params.gpu_layers > n_owned)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "gpu_layers " + std::to_string(params.gpu_layers) + " is outside [0, " + std::to_string(n_owned) +
+            "] (the owned layers; -1: all of them)");
+    }
+
     shard_backend_init();
     shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
 
+    std::string why_cpu;
+    ggml_backend_dev_t device = params.gpu_layers == 0 ? nullptr : shard_choose_device(params.device, &why_cpu);
+    ggml_backend_dev_t device_list[2] = {device, nullptr};  // {nullptr, ...}: an empty list, the CPU only
+
     llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers = 0;
+    mparams.devices      = device_list;
+    mparams.n_gpu_layers = device == nullptr ? 0 : params.gpu_layers;  // -1: llama.cpp's "all"
+    mparams.no_alloc     = params.no_alloc;
     if (params.layers) {
         mparams.shard_layer_first = params.layers->first;
         mparams.shard_layer_last  = params.layers->second;
@@ -170,6 +184,11 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.kv_bytes_per_token = kv_bytes_per_token(info_.n_head_kv, info_.head_dim, info_.n_owned_layers(),
                                                   info_.kv_dtype);  // at the default KV type
     info_.sliding_window     = llama_model_n_swa(model_);
+    info_.device             = device != nullptr ? ggml_backend_dev_name(device) : "cpu";
+    info_.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";
+    info_.device_note        = why_cpu;
+    info_.gpu_layers         = device == nullptr ? 0 : params.gpu_layers < 0 ? n_owned : params.gpu_layers;
+    info_.output_on_device   = device != nullptr && info_.is_tail && info_.gpu_layers == n_owned;
     {
         char buf[512] = {0};
         const std::string key = info_.architecture + ".attention.sliding_window_pattern";

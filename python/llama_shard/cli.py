@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import secrets
 import sys
 import time
@@ -198,6 +199,55 @@ def _cpu_kernels() -> str:
     return f"{c['variant']} ({' '.join(c['features'])}){amx}{shipped}; self-check {c['self_check']}"
 
 
+def _devices_text() -> str:
+    """The GPU devices this process can use, one per line, with each GPU module's state."""
+    from ._native import devices, gpu_backends
+
+    lines = [f"  {d['name']}: {d['description']} ({d['backend']}, {d['type']}, "
+             f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free)" for d in devices()]
+    modules = gpu_backends()
+    lines.append("  GPU backends: " + ("; ".join(modules) if modules else "none in this build"))
+    if not devices():
+        lines.append("  (a CPU Vulkan driver such as lavapipe is listed only when GGML_VK_VISIBLE_DEVICES names it)")
+    return "\n".join(lines)
+
+
+def _device_text(info) -> str:
+    """Where a loaded shard's layers run, in one line."""
+    if info.device == "cpu":
+        return "cpu" + (f" ({info.device_note})" if info.device_note else "")
+    output = "; the output layer too" if info.output_on_device else ""
+    return (f"{info.device} ({info.device_description}): {info.gpu_layers} of {info.n_owned_layers} owned "
+            f"layers and their KV{output}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str, gpu_layers: int, engine_config) -> str:
+    """The device's share of a shard and its engine, from llama.cpp's dry run (nothing allocated),
+    against the device's free memory: one line, or InvalidInputError naming the device and the
+    numbers when it does not fit. "" on the CPU."""
+    from ._native import plan_memory
+
+    if device.lower() == "cpu" or gpu_layers == 0:
+        return ""
+    mem = plan_memory(str(model), layers, device, gpu_layers, engine_config)
+    if mem["device"] == "cpu":
+        return ""
+    need = mem["device_model"] + mem["device_context"] + mem["device_compute"]
+    parts = (f"weights {_mib(mem['device_model'])}, KV {_mib(mem['device_context'])}, "
+             f"compute buffers {_mib(mem['device_compute'])}")
+    if need > mem["device_free"]:
+        raise InvalidInputError(
+            f"the plan does not fit {mem['device']}: it needs {_mib(need)} there ({parts}) and {_mib(mem['device_free'])} "
+            f"of {_mib(mem['device_total'])} are free; give fewer --gpu-layers, fewer --max-sessions (or less "
+            f"--kv-memory) or fewer --context-tokens")
+    return (f"{mem['device']}: {_mib(need)} ({parts}) of {_mib(mem['device_free'])} free; "
+            f"host: {_mib(mem['host_model'] + mem['host_context'] + mem['host_compute'])}")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._native import certified_architectures
     from .engine.hot_kv import kv_bytes_per_token, parse_size
@@ -211,6 +261,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     arch = shape.architecture
     print(f"file:          {path}")
     print(f"CPU kernels:   {_cpu_kernels()}")
+    print("devices:\n" + _devices_text())
     certified = arch in certified_architectures()
     print(f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})")
     print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}")
@@ -243,6 +294,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                            warm_bytes=warm)
         print(f"memory plan for layers {first}-{last} with {args.memory} of KV memory:")
         print("  " + plan.describe().replace("\n", "\n  "))
+        if args.device != "cpu":
+            layers = None if args.layers in (None, "all") else (first, last)
+            on_device = device_memory_plan(path, layers, args.device, args.gpu_layers,
+                                           plan.config().engine_config())
+            print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
     return 0
 
 
@@ -309,6 +365,9 @@ def serve_security(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.worker import ShardWorker, WorkerOptions
 
+    if args.device == "list":
+        print("devices (serve --device NAME; auto: the first that passes its self-check; cpu):\n" + _devices_text())
+        return 0
     layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
     security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
     if args.draft_model is not None:
@@ -322,13 +381,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _status(f"open files: at most {soft} (hard limit {hard})" + (
         f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else ""))
     config, plan = serve_config(args, layers)
+    gpu_layers = -1 if args.gpu_layers is None else args.gpu_layers
+    device_plan = device_memory_plan(_model_path(args.model), layers, args.device, gpu_layers,
+                                     config.engine_config(n_batch=args.batch))  # refuses before loading
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
-    _status("memory plan:\n  " + plan.describe().replace("\n", "\n  "))
+    _status("memory plan:\n  " + plan.describe().replace("\n", "\n  ") +
+            (f"\n  on the device (llama.cpp's dry run): {device_plan}" if device_plan else ""))
     _status(f"CPU kernels: {_cpu_kernels()}; flash attention {'on' if config.flash_attn else 'off'}")
     worker = ShardWorker(str(_model_path(args.model)), layers, config,
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        metrics_host=args.metrics_host,
-                                       threads=args.threads, n_batch=args.batch,
+                                       threads=args.threads, n_batch=args.batch, device=args.device,
+                                       gpu_layers=gpu_layers,
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
                                        prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
@@ -340,6 +404,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
                                        verify=args.verify))
+    _status(f"device: {_device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()
 
@@ -497,6 +562,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "
                          "so another address needs --insecure)")
     sv.add_argument("--threads", type=THREADS, default=None)
+    sv.add_argument("--device", default=os.environ.get("LLAMA_SHARD_DEVICE") or "auto", metavar="auto|cpu|NAME|list",
+                    help="where the owned layers and their KV run (default: LLAMA_SHARD_DEVICE or auto): 'auto': the "
+                         "first GPU ggml lists that "
+                         "passes a start-up self-check, else the CPU; 'cpu'; a device by ggml's name (Vulkan0, "
+                         "CUDA0), which must pass its self-check; 'list': print the devices and exit")
+    sv.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=None, metavar="N",
+                    help="owned layers on the device, the first N of the range (default: all of them, and a tail's "
+                         "output layer with them; 0: the CPU)")
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
     sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
@@ -577,6 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=_DEFAULTS.context_tokens)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
+    i.add_argument("--device", default="cpu", metavar="auto|NAME",
+                   help="with --memory: also the device's share of the plan (weights, KV, compute buffers) against "
+                        "its free memory")
+    i.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=-1, metavar="N",
+                   help="with --device: owned layers on the device (default: all)")
     i.set_defaults(func=cmd_inspect)
     return ap
 

@@ -199,6 +199,14 @@ void hot_kv_check_config(const hot_kv_config & config);
 // the hot tier is max_sessions of these, so a byte size buys bytes / (cells x KV bytes per token)
 int32_t hot_kv_slot_cells(int32_t context_tokens, int32_t n_batch);
 
+// the context an engine of this configuration creates: one KV stream per session of
+// hot_kv_slot_cells cells (see the constructor)
+shard_context_params hot_kv_context_params(const hot_kv_config & config);
+
+// the memory an engine of this configuration over that model would hold, from a dry run (nothing
+// allocated): the serve's memory plan on a device, checked against its free memory before loading
+shard_memory hot_kv_plan_memory(const shard_model_params & model_params, const hot_kv_config & config);
+
 // upper bounds (seconds) of the restore-time histogram buckets; the last bucket is +Inf
 constexpr std::array<double, 8> HOT_KV_RESTORE_BUCKETS = {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 1.0};
 
@@ -301,6 +309,8 @@ public:
 
     // llama_decode calls made so far (batching makes this smaller than the steps answered)
     uint64_t n_decode_calls() const { return ctx_->n_decode_calls(); }
+    // the bytes its context and model hold on the device and the host (llama.cpp's account)
+    shard_memory memory() const { return ctx_->memory(); }
 
     // drops positions >= length; length must be in [0, seq_len]
     hot_kv_result truncate(const std::string & sid, int64_t epoch, int32_t length, double now);

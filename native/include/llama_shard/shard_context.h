@@ -62,6 +62,21 @@ struct shard_input {
     bool            row_by_row = false;
 };
 
+// the bytes a context and its model hold, as llama.cpp accounts them (llama_get_memory_breakdown):
+// on the model's device (0 on the CPU) and in host memory
+struct shard_memory {
+    std::string device = "cpu";   // the model's device
+    uint64_t    device_free  = 0; // the device's free and total memory now (0 on the CPU)
+    uint64_t    device_total = 0;
+    uint64_t    device_model = 0, device_context = 0, device_compute = 0;  // weights, KV, compute buffers
+    uint64_t    host_model = 0, host_context = 0, host_compute = 0;
+    uint64_t device_bytes() const { return device_model + device_context + device_compute; }
+};
+
+// the memory a model and a context of these parameters would take, from a dry run (no buffer is
+// allocated, no weight read); throws what the real load would for a bad path, range or device
+shard_memory shard_plan_memory(const shard_model_params & model_params, const shard_context_params & params);
+
 class shard_context {
 public:
     shard_context(const shard_model & model, const shard_context_params & params);
@@ -76,6 +91,8 @@ public:
     int32_t n_batch()   const { return n_batch_; }
     int32_t n_ctx_seq() const { return n_ctx_seq_; }  // cells one sequence can hold
     bool    kv_unified() const { return kv_unified_; }
+    // what this context and its model hold, by llama.cpp's account (sized, for a dry-run model)
+    shard_memory memory() const;
 
     // floats forward() writes: n_tokens * n_embd (non-tail) or n_logits * n_vocab (tail)
     int64_t output_size(int64_t n_tokens, int32_t n_logits = 1) const;

@@ -9,8 +9,10 @@
 //    head (first == 0), output_norm and the LM head only on the tail (last == n_layer - 1);
 //  - without a range the model is the whole model and behaves exactly as upstream llama.cpp;
 //  - every input is validated before llama.cpp sees it: a missing, truncated or corrupt file, a range
-//    outside [0, n_layer) or reversed, or a range on an uncertified architecture throws shard_error
-//    and nothing is loaded.
+//    outside [0, n_layer) or reversed, a range on an uncertified architecture, a device ggml does not
+//    list or gpu_layers outside [-1, owned layers] throws shard_error and nothing is loaded;
+//  - on the CPU the model is given an empty device list, so no GPU backend takes part even when one
+//    is loaded in the process (llama.cpp would otherwise offload large batches' products to it).
 
 #include "llama_shard/shard_error.h"
 
@@ -49,6 +51,11 @@ struct shard_model_info {
     uint64_t    kv_bytes_per_token;  // K and V bytes per cached token over the owned layers, at kv_dtype
     int32_t     sliding_window;      // tokens a sliding-window layer attends to (0: no such layers)
     std::string swa_pattern;         // <arch>.attention.sliding_window_pattern as the GGUF writes it ("": the default)
+    std::string device;              // where the device layers run: "cpu" or ggml's name ("Vulkan0")
+    std::string device_description;  // the driver's name for it ("" on the CPU)
+    std::string device_note;         // why `auto` chose the CPU ("" otherwise)
+    int32_t     gpu_layers = 0;      // owned layers on the device (the first of the range; 0 on the CPU)
+    bool        output_on_device = false;  // a tail's output layer with them (only when all are)
 
     int32_t n_owned_layers() const { return last - first + 1; }
 };
@@ -57,6 +64,16 @@ struct shard_model_params {
     std::string path;
     std::optional<std::pair<int32_t, int32_t>> layers;  // inclusive [first, last]; none = whole model
     int32_t n_threads = 0;                               // 0 = number of hardware threads
+    // where the owned layers run (devices.h): "cpu" (the default: no GPU backend is touched), "auto"
+    // (the first GPU that passes its self-check, else the CPU) or a device name ("Vulkan0")
+    std::string device = "cpu";
+    // owned layers on the device, the first of the range (patch 0008); -1: all of them, and a tail's
+    // output layer with them. 0 runs on the CPU. Without a range (the whole model) llama.cpp's own
+    // rule applies: the last N layers, the output layer first.
+    int32_t gpu_layers = -1;
+    // a dry run: llama.cpp sizes every buffer without allocating or reading the weights (the memory
+    // plan, shard_plan_memory); such a model computes nothing
+    bool no_alloc = false;
 };
 
 class shard_model {

@@ -237,3 +237,14 @@ def gguf_vocabulary_digest(path: str | Path) -> tuple[int, str]:
         return n, h.hexdigest()
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the vocabulary of {path}: {e}") from e
+
+
+def backend_text(model) -> str:
+    """Where a loaded shard's layers run, in one line: "cpu (haswell)" or "Vulkan0 (llvmpipe ...):
+    30 of 30 layers" (InfoReply.backend)."""
+    from .._native import cpu_backend
+
+    i = model.info
+    if i.device == "cpu":
+        return f"cpu ({cpu_backend()['variant']})"
+    return f"{i.device} ({i.device_description}): {i.gpu_layers} of {i.n_owned_layers} layers"

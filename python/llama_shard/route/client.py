@@ -27,6 +27,7 @@ from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, S
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.manager import HotKvStateManager
 from ..engine.pipeline import check_tiling
+from ..engine.models import backend_text
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
@@ -48,6 +49,7 @@ class StageInfo:
     architecture: str
     name: str
     numerics: str = ""  # route_numerics: K/V type and attention ("": not known)
+    backend: str = ""   # where its layers run ("cpu (haswell)", "Vulkan0 (...)"; "": not known)
 
 
 @dataclasses.dataclass
@@ -69,7 +71,7 @@ class LocalStage:
         self.adapter = KvBoundaryAdapter(model, self.manager)
         i = model.info
         self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}",
-                              self.manager.config.numerics)
+                              self.manager.config.numerics, backend_text(model))
 
     def step_many(self, steps: Sequence[Step]) -> list:
         """One StepOutcome or RouteError per step."""
@@ -109,7 +111,7 @@ class RemoteStage:
         except grpc.RpcError as e:
             raise RouteError(f"worker {address} is not reachable: {e.code().name}: {e.details()}") from None
         self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})",
-                              r.numerics)
+                              r.numerics, r.backend)
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
@@ -208,9 +210,22 @@ def route_stage(route: Sequence, stage: int):
     return route[min(max(stage, 0), len(route) - 1)]
 
 
+def route_backends(stages: Sequence) -> str:
+    """Each stage's backend, and what the route promises: stages on one backend give the whole
+    model's logits to the bit; a route across backends agrees with it only as closely as their
+    kernels round alike (docs/devices.md has the measured agreement)."""
+    infos = [s.info for s in stages]
+    kinds = {i.backend.split(" ")[0].rstrip("0123456789") for i in infos if i.backend}
+    lines = [f"{i.name}: {i.backend or 'backend not reported'}" for i in infos]
+    promise = ("one backend: split = whole to the bit" if len(kinds) <= 1 else
+               "mixed backends: close to the whole model, not equal to it (other kernels round differently)")
+    return "; ".join(lines) + f" ({promise})"
+
+
 def check_route(stages: Sequence) -> None:
     """Ranges tile the model exactly and the stages agree on the model, the K/V type and the
-    attention kernel (clear errors otherwise)."""
+    attention kernel (clear errors otherwise). Stages on different backends chain (route_backends
+    says what such a route promises)."""
     infos = [s.info for s in stages]
     if not infos:
         raise InvalidInputError("a route needs at least one stage")

@@ -21,8 +21,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-#: what start_worker passes unless told otherwise: 8 hot slots of 512 tokens, 2,048 tokens budgeted
-WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048")
+#: what start_worker passes unless told otherwise: 8 hot slots of 512 tokens, 2,048 tokens budgeted,
+#: on the CPU (serve's default is auto: a GPU where there is one; `extra` may name a device)
+WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048", "--device", "cpu")
 
 
 def free_port() -> int:

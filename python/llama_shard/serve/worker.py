@@ -40,6 +40,7 @@ from ..errors import (
 from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput, MIXED_NUMERICS
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.manager import HotKvStateManager
+from ..engine.models import backend_text
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
@@ -67,6 +68,8 @@ class WorkerOptions:
     metrics_port: int | None = None    # None: no metrics endpoint
     metrics_host: str = "127.0.0.1"    # plaintext and unauthenticated: loopback unless the operator says --insecure
     threads: int | None = None
+    device: str = "cpu"                # where the owned layers run: cpu, auto or a device name (Vulkan0)
+    gpu_layers: int = -1               # owned layers on the device, the first of the range (-1: all)
     n_batch: int = HotKvConfig().n_batch
     gather_s: float = DEFAULT_GATHER_S     # longest wait for as many sessions as the last step had
     max_step_sessions: int | None = None   # None: up to max_sessions per engine step
@@ -283,6 +286,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
+        self.backend = backend_text(model)  # reported, not compared: a route may mix devices
         self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
         self.in_flight = 0
@@ -756,6 +760,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=self._visible_sessions(principal),
             kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.numerics,
+            backend=self.backend,
             warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
@@ -777,7 +782,7 @@ class ShardWorker:
     def __init__(self, model_path: str, layers: tuple[int, int] | None, config: HotKvStateConfig,
                  options: WorkerOptions = WorkerOptions()):
         self.options = options
-        self.model = ShardModel(str(model_path), layers, options.threads)
+        self.model = ShardModel(str(model_path), layers, options.threads, options.device, options.gpu_layers)
         self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
                                          max_step_sessions=options.max_step_sessions,
                                          prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)

@@ -1,0 +1,342 @@
+"""GPU nodes: the owned layers and their KV on a device (ggml's Vulkan backend), tested on every
+machine through Debian's lavapipe, a Vulkan driver that runs on the CPU (mesa-vulkan-drivers).
+
+On the device: split = whole bit for bit (SmolLM2 and Gemma 3, 2 and 3 shards, equal threads), the
+seed's session scenario with the CPU's outcomes, a warm-tier spill and restore equal to a session
+never spilled, a shared prefix equal to a fresh prefill, a partial offload (the first N owned layers).
+Everywhere (no device needed): a bad device name or --gpu-layers is exit 2 before anything loads.
+
+lavapipe is a CPU-type device, which ggml lists only when GGML_VK_VISIBLE_DEVICES names it: this
+module sets it (to 0, unless it is set) before the first GPU module loads in this process. The
+tests skip, naming why, where no Vulkan driver or no Vulkan backend is there; with
+LLAMA_SHARD_REQUIRE_VULKAN=1 (.ci/run installs lavapipe) that is a failure instead.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llama_shard import (
+    CacheMiss,
+    CacheMissReason,
+    HotKvStateConfig,
+    HotKvStateManager,
+    KvBoundaryAdapter,
+    ManualClock,
+    ShardModel,
+    StaleRouteEpochError,
+    TailOutput,
+)
+from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard.errors import InvalidInputError
+
+VISIBLE = "GGML_VK_VISIBLE_DEVICES"
+
+
+@pytest.fixture(scope="module")
+def device():
+    """The name of the first GPU device ggml lists (lavapipe's 'Vulkan0' on a machine without a GPU)."""
+    from llama_shard._native import devices, gpu_backends
+
+    before = os.environ.get(VISIBLE)
+    os.environ[VISIBLE] = before or "0"  # before the Vulkan module initialises here: it reads it once
+    try:
+        found = devices()
+    finally:  # the workers later tests start keep their own environment
+        if before is None:
+            del os.environ[VISIBLE]
+    if found:
+        yield found[0]["name"]
+        return
+    modules = gpu_backends()
+    why = ("; ".join(modules) if modules else "this build ships no GPU backend (build it where libvulkan-dev, "
+           "glslc and spirv-headers are installed)") + "; no Vulkan device (install mesa-vulkan-drivers: lavapipe)"
+    if os.environ.get("LLAMA_SHARD_REQUIRE_VULKAN") == "1":
+        pytest.fail(f"a Vulkan device is required (LLAMA_SHARD_REQUIRE_VULKAN=1): {why}")
+    pytest.skip(why)
+
+
+def device_env() -> dict:
+    return dict(os.environ, **{VISIBLE: os.environ.get(VISIBLE, "0")})
+
+
+def _generate(pipe: LocalPipeline, prompt: list[int], n: int) -> list[tuple[int, bytes]]:
+    return [(tok, logits.tobytes()) for tok, logits in pipe.generate(prompt, n)]
+
+
+# --- split = whole on the device --------------------------------------------------------------
+
+@pytest.mark.model
+@pytest.mark.parametrize("model_fixture", ["embedded_model", "gemma3_model"])
+def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, device):
+    path = request.getfixturevalue(model_fixture)
+    kw = dict(n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2, device=device)
+    whole = LocalPipeline(path, None, **kw)
+    n_layer = whole.head.info.n_layer
+    assert whole.head.info.device == device and whole.head.info.gpu_layers == n_layer
+    prompt = whole.head.tokenize("The capital of France is")
+    expected = _generate(whole, prompt, 3)
+    del whole
+    third = n_layer // 3
+    for split in ([(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)],
+                  [(0, third - 1), (third, 2 * third - 1), (2 * third, n_layer - 1)]):
+        pipe = LocalPipeline(path, split, **kw)
+        assert [m.info.device for m in pipe.models] == [device] * len(split)
+        assert pipe.models[-1].info.output_on_device
+        got = _generate(pipe, prompt, 3)
+        assert got == expected, f"{split}: tokens {[t for t, _ in got]} vs {[t for t, _ in expected]}"
+
+
+@pytest.mark.model
+def test_the_device_agrees_with_the_cpu_within_rounding(embedded_model, device):
+    """Other kernels round differently: the device's logits are close to the CPU's, not equal."""
+    kw = dict(n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2)
+    cpu = LocalPipeline(embedded_model, None, **kw)
+    gpu = LocalPipeline(embedded_model, None, device=device, **kw)
+    prompt = cpu.head.tokenize("The capital of France is")
+    a, b = cpu.step(0, 0, prompt), gpu.step(0, 0, prompt)
+    assert int(np.argmax(a)) == int(np.argmax(b))
+    rel = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+    assert 0 < rel < 0.05, rel  # different kernels (never the CPU's by accident), the same answer
+
+
+def test_a_partial_offload_puts_the_first_owned_layers_on_the_device(synthetic_model, device):
+    """--gpu-layers N: the first N layers of the owned range (patch 0008), the output layer only
+    with all of them; the layers left on the CPU compute the same step."""
+    full = ShardModel(str(synthetic_model), (2, 5), 2, device)
+    part = ShardModel(str(synthetic_model), (2, 5), 2, device, 2)
+    cpu = ShardModel(str(synthetic_model), (2, 5), 2, "cpu")
+    assert (full.info.gpu_layers, full.info.output_on_device) == (4, True)
+    assert (part.info.gpu_layers, part.info.output_on_device) == (2, False)
+    assert (cpu.info.device, cpu.info.gpu_layers) == ("cpu", 0)
+    assert ShardModel(str(synthetic_model), (2, 5), 2, device, 0).info.device == "cpu"
+    from llama_shard import ShardContext
+    rng = np.random.default_rng(3)
+    hidden = rng.standard_normal((4, full.info.n_embd)).astype(np.float32)
+    outs = []
+    for m in (full, part, cpu):
+        ctx = ShardContext(m, n_ctx=32, n_seq_max=1, n_batch=8, n_threads=2)
+        outs.append(ctx.forward(0, 0, None, hidden))
+    assert np.allclose(outs[0], outs[2], rtol=1e-2, atol=1e-3) and np.allclose(outs[1], outs[2], rtol=1e-2, atol=1e-3)
+
+
+# --- the session store with its state on the device -------------------------------------------
+
+def _scenario(model: ShardModel) -> list:
+    """The seed's scenario: four sessions, truncate, release, TTL and LRU eviction, a stale epoch and
+    a miss; what each step returned, with its logits."""
+    clock = ManualClock()
+    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=3, context_tokens=32, ttl_seconds=10.0), clock,
+                                n_batch=8)
+    ad = KvBoundaryAdapter(model, manager)
+    log = []
+
+    def record(what, out):
+        if isinstance(out, TailOutput):
+            log.append((what, "ok", out.seq_len, out.token_id, out.logits))
+        elif isinstance(out, CacheMiss):
+            log.append((what, "miss", out.reason.name))
+        else:
+            log.append((what, out))
+
+    for i, sid in enumerate(["a", "b", "c"]):
+        record(f"prefill {sid}", ad.prefill(sid, 0, token_ids=[5 + i, 12, 3, 41]))
+        clock.advance(1)
+    record("decode a", ad.decode("a", 0, token_ids=[7]))
+    record("truncate b", manager.truncate("b", 0, 2).seq_len)
+    record("decode b after truncate", ad.decode("b", 0, token_ids=[9], expected_seq_len=2))
+    clock.advance(1)
+    record("prefill d (evicts the LRU c)", ad.prefill("d", 0, token_ids=[200, 7, 7, 19]))
+    record("decode c", ad.decode("c", 0, token_ids=[1]))
+    record("release a", manager.release("a", 0))
+    record("release a again", manager.release("a", 0))
+    record("new epoch of b", ad.prefill("b", 1, token_ids=[1, 2, 3]))
+    try:
+        ad.decode("b", 0, token_ids=[4])
+        record("stale epoch", "accepted")
+    except StaleRouteEpochError:
+        record("stale epoch", "refused")
+    clock.advance(11)
+    record("decode d after its TTL", ad.decode("d", 0, token_ids=[4]))
+    record("unknown session", ad.decode("never", 0, token_ids=[4]))
+    record("sessions left", sorted(manager.session_keys()))
+    manager.check_invariants()
+    return log
+
+
+def test_the_seed_scenario_has_the_cpus_outcomes_on_the_device(synthetic_model, device):
+    cpu = _scenario(ShardModel(str(synthetic_model), None, 2, "cpu"))
+    gpu = _scenario(ShardModel(str(synthetic_model), None, 2, device))
+    assert [e[:4] if e[1] == "ok" else e for e in cpu] == [e[:4] if e[1] == "ok" else e for e in gpu]
+    for c, g in zip(cpu, gpu):
+        if c[1] == "ok":
+            assert np.allclose(c[4], g[4], rtol=1e-3, atol=1e-3), c[0]
+    assert ("decode c", "miss", CacheMissReason.EVICTED_LRU.name) in gpu
+    assert ("decode d after its TTL", "miss", CacheMissReason.EVICTED_TTL.name) in gpu
+
+
+def _route_steps(model: ShardModel, config: HotKvStateConfig, prompts: list[list[int]], rounds: int) -> dict:
+    """Round-robin greedy decoding of several sessions on one whole-model manager."""
+    manager = HotKvStateManager(model, config, ManualClock(), n_batch=8)
+    ad = KvBoundaryAdapter(model, manager)
+    outs = {str(i): ad.prefill(str(i), 0, token_ids=p) for i, p in enumerate(prompts)}
+    history = {sid: [(o.token_id, o.logits.tobytes())] for sid, o in outs.items()}
+    for _ in range(rounds):
+        for sid, out in list(outs.items()):
+            nxt = ad.decode(sid, 0, token_ids=[out.token_id])
+            assert isinstance(nxt, TailOutput), nxt
+            outs[sid] = nxt
+            history[sid].append((nxt.token_id, nxt.logits.tobytes()))
+    manager.check_invariants()
+    return history, manager.stats()
+
+
+def test_a_device_session_spilled_to_the_warm_tier_resumes_bit_exact(synthetic_model, device):
+    model = ShardModel(str(synthetic_model), None, 2, device)
+    prompts = [[5, 12, 3, 41], [200, 7, 7, 19, 88], [1, 2, 3], [310, 45, 99, 150]]
+    roomy, _ = _route_steps(model, HotKvStateConfig(max_sessions=4, context_tokens=32), prompts, 3)
+    tight, st = _route_steps(model, HotKvStateConfig(max_sessions=1, context_tokens=32, warm_bytes=8 << 20), prompts, 3)
+    assert tight == roomy  # state copied off the device to host memory and back: the same logits, byte for byte
+    assert st["restores"] >= 4 * 3 - 1 and sum(st["misses"].values()) == 0, st
+
+
+def test_a_shared_prefix_opened_on_the_device_equals_a_fresh_prefill(synthetic_model, device):
+    model = ShardModel(str(synthetic_model), None, 2, device)
+    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=32, prefix_bytes=8 << 20),
+                                ManualClock(), n_batch=8)
+    ad = KvBoundaryAdapter(model, manager)
+    prefix, rest = [5, 12, 3, 41, 7, 9], [22, 23]
+    ad.prefill("fresh", 0, token_ids=prefix)
+    fresh = ad.prefill("fresh", 0, token_ids=rest)  # the same chunks as the reader computes
+    ad.prefill("donor", 0, token_ids=prefix)
+    assert manager.store_prefix("donor", 0, key=1234, length=len(prefix))
+    opened = manager.open_prefix("reader", 0, key=1234, length=len(prefix))
+    assert not isinstance(opened, CacheMiss) and opened.seq_len == len(prefix)
+    out = ad.prefill("reader", 0, token_ids=rest)
+    assert out.token_id == fresh.token_id and out.logits.tobytes() == fresh.logits.tobytes()
+    manager.check_invariants()
+
+
+# --- listing and bad input (every machine) ------------------------------------------------------
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_serve_refuses_a_device_that_does_not_exist_before_loading(synthetic_model):
+    res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--device", "Vulkan7", "--port", "0")
+    assert res.returncode == 2, res.stderr
+    assert "no device named 'Vulkan7' (devices: cpu, auto" in res.stderr
+    assert "listening" not in res.stderr + res.stdout
+
+
+def test_gpu_layers_outside_the_owned_range_is_refused(synthetic_model):
+    res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--gpu-layers", "4", "--port", "0")
+    assert res.returncode == 2 and "gpu_layers 4 is outside [0, 3]" in res.stderr, res.stderr
+    res = _cli("serve", "--model", str(synthetic_model), "--gpu-layers", "-1", "--port", "0")
+    assert res.returncode == 2 and "--gpu-layers" in res.stderr, res.stderr
+    with pytest.raises(InvalidInputError, match="outside"):
+        ShardModel(str(synthetic_model), (0, 2), 1, "cpu", 9)
+
+
+def test_serve_device_list_names_the_device(device):
+    res = _cli("serve", "--device", "list", env=device_env())
+    assert res.returncode == 0, res.stderr
+    assert f"{device}:" in res.stdout and "Vulkan: loaded" in res.stdout, res.stdout
+
+
+def test_a_node_whose_gpu_modules_may_not_load_runs_on_the_cpu(synthetic_model):
+    """As on a machine without a Vulkan loader: nothing is loaded, `auto` is the CPU and says why."""
+    env = dict(os.environ, LLAMA_SHARD_GPU_BACKENDS="none")
+    res = _cli("serve", "--device", "list", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "not loaded: LLAMA_SHARD_GPU_BACKENDS=none" in res.stdout or "none in this build" in res.stdout, res.stdout
+    code = ("from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
+            "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("cpu | no GPU device listed"), res.stdout
+
+
+# --- a route that mixes devices ----------------------------------------------------------------
+
+MIXED_PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "Water boils at"]
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, device, capsys):
+    """A CPU stage and a device stage chain as two CPU stages do; the route's greedy completions are
+    compared with the whole model's on the CPU, and the agreement printed (other kernels: close, not
+    equal, is the promise; docs/devices.md)."""
+    openai = pytest.importorskip("openai")
+    from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+
+    before = os.environ.get(VISIBLE)
+    os.environ[VISIBLE] = before or "0"
+    try:
+        tail, tail_addr = start_worker(embedded_model, 15, 29, 1, extra=("--device", device, "--context-tokens", "256"))
+    finally:
+        if before is None:
+            del os.environ[VISIBLE]
+    port = free_port()
+    head, head_addr = start_worker(embedded_model, 0, 14, 1, extra=(
+        "--device", "cpu", "--context-tokens", "256", "--peer", tail_addr, "--http-port", str(port), "--draft", "off"))
+    try:
+        wait_serving(tail, tail_addr, timeout_s=300)
+        wait_serving(head, head_addr)
+        from llama_shard.route import RemoteStage
+        from llama_shard.route.client import route_backends
+        stages = [RemoteStage(head_addr), RemoteStage(tail_addr)]
+        assert stages[0].info.backend.startswith("cpu (") and stages[1].info.backend.startswith(f"{device} (")
+        described = route_backends(stages)
+        assert "mixed backends" in described
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        whole = LocalPipeline(embedded_model, None, n_ctx=64, n_seq_max=1, n_batch=16, n_threads=1)
+        same, lines = 0, []
+        for prompt in MIXED_PROMPTS:
+            r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0)
+            got = r.choices[0].text
+            ids = [t for t, _ in whole.generate(whole.head.tokenize(prompt), 8)]
+            expected = whole.head.detokenize(ids)
+            assert got and r.usage.completion_tokens > 0
+            same += got == expected
+            lines.append(f"  {prompt!r}: route {got!r} / whole CPU model {expected!r}")
+        client.close()
+        with capsys.disabled():
+            print(f"\nmixed route ({described}):\n  greedy completions (8 tokens) equal to the whole CPU model's: "
+                  f"{same} of {len(MIXED_PROMPTS)}\n" + "\n".join(lines))
+    finally:
+        stop_worker(head)
+        stop_worker(tail)
+
+
+# --- the memory plan in device bytes ------------------------------------------------------------
+
+@pytest.mark.model
+def test_the_memory_plan_is_what_llama_cpp_allocates_on_the_device(embedded_model, device):
+    from llama_shard._native import plan_memory
+
+    config = HotKvStateConfig(max_sessions=4, context_tokens=256)
+    plan = plan_memory(str(embedded_model), (0, 14), device, -1, config.engine_config(n_batch=64))
+    model = ShardModel(str(embedded_model), (0, 14), 1, device)
+    manager = HotKvStateManager(model, config, n_batch=64)
+    real = manager.engine.memory()
+    assert plan["device"] == real["device"] == device
+    for part in ("device_model", "device_context", "device_compute"):
+        assert real[part] > 0 and abs(plan[part] - real[part]) <= 0.10 * real[part], (part, plan[part], real[part])
+    assert real["device_model"] >= 0.9 * model.info.weight_bytes - real["host_model"]
+    manager.close()
+
+
+def test_a_plan_larger_than_the_device_is_refused_before_loading(embedded_model, device):
+    res = _cli("serve", "--model", str(embedded_model), "--layers", "0-14", "--device", device, "--max-sessions", "64",
+               "--context-tokens", "4096", "--budget-tokens", "65536", "--port", "0", env=device_env())
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"the plan does not fit {device}: it needs" in res.stderr and "free" in res.stderr, res.stderr[-2000:]
+    assert "loading" not in res.stderr
