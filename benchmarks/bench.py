@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sections: choose among {', '.join([*SECTION_NAMES, *OPTIONAL_SECTIONS])}")
     if args.device:
         os.environ["LLAMA_SHARD_BENCH_DEVICE"] = args.device
-        os.environ["LLAMA_SHARD_BENCH_GPU_BACKEND"] = args.gpu_backend
+    os.environ["LLAMA_SHARD_BENCH_GPU_BACKEND"] = args.gpu_backend
     if args.stock_bin_dir:
         os.environ["LLAMA_SHARD_STOCK_BIN_DIR"] = args.stock_bin_dir
     path = Path(args.model) if args.model else require_embedded_model()

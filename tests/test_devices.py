@@ -92,6 +92,14 @@ def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, d
 
 
 @pytest.mark.model
+def test_generate_verifies_a_split_on_the_device_against_the_whole_model(embedded_model, device):
+    res = _cli("generate", "--model", str(embedded_model), "--split", "0-9,10-29", "--device", device,
+               "--max-tokens", "4", "--threads", "2", "--ctx", "64", "--batch", "16", "--verify", env=device_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "tokens identical: True; logits bit-identical: True" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.model
 def test_the_device_agrees_with_the_cpu_within_rounding(embedded_model, device):
     """Other kernels round differently: the device's logits are close to the CPU's, not equal."""
     kw = dict(n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2)
@@ -174,7 +182,8 @@ def test_the_seed_scenario_has_the_cpus_outcomes_on_the_device(synthetic_model, 
     assert [e[:4] if e[1] == "ok" else e for e in cpu] == [e[:4] if e[1] == "ok" else e for e in gpu]
     for c, g in zip(cpu, gpu):
         if c[1] == "ok":
-            assert np.allclose(c[4], g[4], rtol=1e-3, atol=1e-3), c[0]
+            # other kernels (the device computes products in f16): close, not equal
+            assert np.max(np.abs(c[4] - g[4])) <= 1e-2 * np.max(np.abs(c[4])), c[0]
     assert ("decode c", "miss", CacheMissReason.EVICTED_LRU.name) in gpu
     assert ("decode d after its TTL", "miss", CacheMissReason.EVICTED_TTL.name) in gpu
 
@@ -221,6 +230,41 @@ def test_a_shared_prefix_opened_on_the_device_equals_a_fresh_prefill(synthetic_m
     manager.check_invariants()
 
 
+def test_speculations_row_steps_on_the_device_are_one_token_steps(synthetic_model, device):
+    """A verification step (several logit rows, row by row: serve --verify exact) gives each row the
+    logits a one-token step gives, to the byte, and a rejected draft's cells are cut, on the device."""
+    model = ShardModel(str(synthetic_model), None, 2, device)
+    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=32), ManualClock(), n_batch=8)
+    ad = KvBoundaryAdapter(model, manager)
+    prompt, more = [5, 12, 3, 41, 7, 9], [22, 23, 24, 25]
+    ad.prefill("one", 0, prompt)
+    ad.prefill("rows", 0, prompt)
+    singles = [ad.decode("one", 0, [t]).logits.copy() for t in more]
+    exact = ad.prefill("rows", 0, more, start_pos=len(prompt), logit_rows=4, row_by_row=True)
+    assert exact.seq_len == len(prompt) + 4
+    for i in range(4):
+        assert exact.rows[i].tobytes() == singles[i].tobytes(), i
+    again = ad.prefill("rows", 0, more[1:3], start_pos=len(prompt) + 1, logit_rows=2, row_by_row=True)
+    assert again.seq_len == len(prompt) + 3 and again.rows[1].tobytes() == singles[2].tobytes()
+    manager.check_invariants()
+
+
+def test_a_device_that_fails_its_self_check_is_not_used(synthetic_model, device):
+    """auto falls back to the CPU naming the device and the failure; a named device is refused."""
+    from llama_shard._native import devices
+
+    env = dict(device_env(), LLAMA_SHARD_DEVICE_PROBE_FAIL=",".join(d["name"] for d in devices()))  # every one
+    code = ("from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
+            "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"cpu | {device} self-check failed"), res.stdout
+    assert f"device self-check: {device} failed" in res.stderr
+    res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--device", device, "--port", "0", env=env)
+    assert res.returncode == 2 and f"device {device} (" in res.stderr and "failed its self-check" in res.stderr, \
+        res.stderr[-2000:]
+
+
 # --- listing and bad input (every machine) ------------------------------------------------------
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -247,7 +291,7 @@ def test_gpu_layers_outside_the_owned_range_is_refused(synthetic_model):
 def test_serve_device_list_names_the_device(device):
     res = _cli("serve", "--device", "list", env=device_env())
     assert res.returncode == 0, res.stderr
-    assert f"{device}:" in res.stdout and "Vulkan: loaded" in res.stdout, res.stdout
+    assert f"{device}:" in res.stdout and ": loaded, " in res.stdout, res.stdout
 
 
 def test_a_node_whose_gpu_modules_may_not_load_runs_on_the_cpu(synthetic_model):
@@ -298,19 +342,24 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
         assert "mixed backends" in described
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
         whole = LocalPipeline(embedded_model, None, n_ctx=64, n_seq_max=1, n_batch=16, n_threads=1)
-        same, lines = 0, []
+        same, agreed, lines = 0, 0, []
         for prompt in MIXED_PROMPTS:
-            r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0)
-            got = r.choices[0].text
+            r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0,
+                                          logprobs=1)
+            got = r.choices[0].logprobs.tokens
             ids = [t for t, _ in whole.generate(whole.head.tokenize(prompt), 8)]
-            expected = whole.head.detokenize(ids)
-            assert got and r.usage.completion_tokens > 0
+            expected = [whole.head.detokenize([t]) for t in ids]
+            assert got and r.usage.completion_tokens == len(got)
+            lead = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
             same += got == expected
-            lines.append(f"  {prompt!r}: route {got!r} / whole CPU model {expected!r}")
+            agreed += lead
+            lines.append(f"  {prompt!r}: {lead} of 8 tokens before the first difference: route {''.join(got)!r}, "
+                         f"whole CPU model {''.join(expected)!r}")
         client.close()
         with capsys.disabled():
             print(f"\nmixed route ({described}):\n  greedy completions (8 tokens) equal to the whole CPU model's: "
-                  f"{same} of {len(MIXED_PROMPTS)}\n" + "\n".join(lines))
+                  f"{same} of {len(MIXED_PROMPTS)}; tokens equal before the first difference: {agreed} of "
+                  f"{8 * len(MIXED_PROMPTS)}\n" + "\n".join(lines))
     finally:
         stop_worker(head)
         stop_worker(tail)
@@ -335,8 +384,23 @@ def test_the_memory_plan_is_what_llama_cpp_allocates_on_the_device(embedded_mode
 
 
 def test_a_plan_larger_than_the_device_is_refused_before_loading(embedded_model, device):
-    res = _cli("serve", "--model", str(embedded_model), "--layers", "0-14", "--device", device, "--max-sessions", "64",
-               "--context-tokens", "4096", "--budget-tokens", "65536", "--port", "0", env=device_env())
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert f"the plan does not fit {device}: it needs" in res.stderr and "free" in res.stderr, res.stderr[-2000:]
-    assert "loading" not in res.stderr
+    """Exit 2 with the reason, never an abort: KV in all over the device's free memory (the dry run's
+    plan), and one layer's cache larger than the device takes in one tensor (Vulkan's buffer range;
+    llama.cpp would abort placing it)."""
+    from llama_shard._native import MAX_CONTEXT_TOKENS, devices, kv_bytes_per_token
+
+    dev = next(d for d in devices() if d["name"] == device)
+    info = ShardModel(str(embedded_model), (0, 0), 1).info
+    per_token = kv_bytes_per_token(info.n_head_kv, info.head_dim, 15)  # layers 0-14
+    too_much = min(MAX_CONTEXT_TOKENS, int(1.3 * dev["memory_free"]) // (64 * per_token) + 256)  # KV: 1.3x free
+    one_tensor_too_large = MAX_CONTEXT_TOKENS  # one session of 1 Mi cells: 384 MiB per layer's K
+    lavapipe = dev["description"].startswith("llvmpipe")
+    for sessions, context, expected in ((64, too_much, f"the plan does not fit {device}: it needs"),
+                                        (1, one_tensor_too_large, f"is larger than {device} takes in one tensor")):
+        res = _cli("serve", "--model", str(embedded_model), "--layers", "0-14", "--device", device, "--max-sessions",
+                   str(sessions), "--context-tokens", str(context), "--budget-tokens", "65536", "--port", "0",
+                   env=device_env())
+        assert res.returncode == 2, res.stderr[-2000:]  # not a signal
+        refused = "the plan does not fit" in res.stderr or "takes in one tensor" in res.stderr
+        assert refused and (expected in res.stderr or not lavapipe), res.stderr[-2000:]
+        assert "loading" not in res.stderr

@@ -106,11 +106,23 @@ std::vector<ggml_backend_dev_t> gpu_devices() {
     return out;
 }
 
+// LLAMA_SHARD_DEVICE_PROBE_FAIL=name[,name...]: the named devices' self-checks fail as wrong results
+// would (an operator keeps a device out of `auto`; tests drive the fallback on any machine)
+bool device_probe_forced_to_fail(const std::string & name) {
+    const char * list = std::getenv("LLAMA_SHARD_DEVICE_PROBE_FAIL");
+    const std::string names = "," + lower(list != nullptr ? list : "") + ",";
+    return names.find("," + lower(name) + ",") != std::string::npos;
+}
+
 std::string self_check_locked(ggml_backend_dev_t dev, bool * passed) {
     auto it = g_checked.find(dev);
     if (it == g_checked.end()) {
         double error = 0.0;
-        const int rc = backend_probe_product(dev, nullptr, 1, &error);
+        int rc = backend_probe_product(dev, nullptr, 1, &error);
+        if (device_probe_forced_to_fail(ggml_backend_dev_name(dev))) {
+            rc = PROBE_WRONG;
+            error = 1.0;
+        }
         char line[160];
         if (rc == PROBE_PASSED) {
             std::snprintf(line, sizeof(line), "passed (a Q4_0 product within %.1e of the largest output)", error);

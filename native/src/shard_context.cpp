@@ -45,6 +45,24 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + params.kv_type + " needs flash attention (llama.cpp's quantized V cache)");
     }
 
+    if (ggml_backend_dev_t device = model.device()) {
+        // one layer's K (and V) cache is one tensor of n_ctx cells; a device takes no tensor larger
+        // than its buffer limits (Vulkan: maxStorageBufferRange), and llama.cpp aborts when a cache
+        // it placed there is too large to run on: ask the device first, as ggml's scheduler will
+        ggml_init_params ip = {2 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true};
+        ggml_context * probe = ggml_init(ip);
+        const int64_t row = (int64_t) info.n_head_kv * info.head_dim;
+        ggml_tensor * cache = ggml_new_tensor_2d(probe, type, row, params.n_ctx);
+        const size_t bytes = ggml_nbytes(cache);
+        const bool fits = ggml_backend_dev_supports_op(device, cache);
+        ggml_free(probe);
+        if (!fits) {
+            throw shard_error(SHARD_ERRC_CAPACITY,
+                "one layer's K cache (" + str((int64_t) (bytes >> 20)) + " MiB: " + str(params.n_ctx) + " cells) is larger than " +
+                ggml_backend_dev_name(device) + " takes in one tensor: give fewer sessions or context tokens, or run on the CPU");
+        }
+    }
+
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx           = (uint32_t) params.n_ctx;
     cparams.n_batch         = (uint32_t) params.n_batch;
@@ -64,6 +82,9 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     // logits' rounding follow this setting, so it must not depend on what llama.cpp detects
     cparams.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.no_perf         = true;
+    // a partial offload's CPU layers stay on the CPU for every batch (llama.cpp would move a large
+    // batch's products to the GPU: results would then depend on the batch's size)
+    cparams.op_offload      = false;
     cparams.swa_full        = params.swa_full;  // see shard_context_params
 
     ctx_ = llama_init_from_model(model.raw(), cparams);
@@ -96,7 +117,8 @@ shard_memory shard_context::memory() const {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx_)) {
-        if (device != nullptr && ggml_backend_buft_get_device(buft) == device) {
+        // a GPU backend's pinned host buffers name the GPU as their device: they are host memory
+        if (device != nullptr && !ggml_backend_buft_is_host(buft) && ggml_backend_buft_get_device(buft) == device) {
             m.device_model += mb.model;
             m.device_context += mb.context;
             m.device_compute += mb.compute;

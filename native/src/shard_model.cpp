@@ -147,13 +147,20 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
 
     std::string why_cpu;
-    ggml_backend_dev_t device = params.gpu_layers == 0 ? nullptr : shard_choose_device(params.device, &why_cpu);
+    ggml_backend_dev_t device = shard_choose_device(params.device, &why_cpu);  // a bad name throws, whatever gpu_layers says
+    if (params.gpu_layers == 0) {
+        device = nullptr;
+        why_cpu.clear();
+    }
     ggml_backend_dev_t device_list[2] = {device, nullptr};  // {nullptr, ...}: an empty list, the CPU only
 
     llama_model_params mparams = llama_model_default_params();
     mparams.devices      = device_list;
     mparams.n_gpu_layers = device == nullptr ? 0 : params.gpu_layers;  // -1: llama.cpp's "all"
     mparams.no_alloc     = params.no_alloc;
+    if (params.no_alloc) {
+        mparams.load_mode = LLAMA_LOAD_MODE_NONE;  // llama.cpp asserts that a dry run maps nothing (as common/fit does)
+    }
     if (params.layers) {
         mparams.shard_layer_first = params.layers->first;
         mparams.shard_layer_last  = params.layers->second;
@@ -166,6 +173,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
             "llama.cpp could not load " + params.path + (why.empty() ? std::string() : ": " + why));
     }
     vocab_ = llama_model_get_vocab(model_);
+    device_ = device;
 
     info_.architecture = header.arch;
     info_.n_layer      = llama_model_n_layer(model_);
@@ -187,8 +195,15 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.device             = device != nullptr ? ggml_backend_dev_name(device) : "cpu";
     info_.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";
     info_.device_note        = why_cpu;
-    info_.gpu_layers         = device == nullptr ? 0 : params.gpu_layers < 0 ? n_owned : params.gpu_layers;
-    info_.output_on_device   = device != nullptr && info_.is_tail && info_.gpu_layers == n_owned;
+    if (device == nullptr) {
+        info_.gpu_layers = 0;
+    } else if (params.layers) {  // patch 0008: the first N owned layers, the output layer only with all of them
+        info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : params.gpu_layers;
+        info_.output_on_device = info_.is_tail && info_.gpu_layers == n_owned;
+    } else {  // the whole model, upstream's rule: the output layer first, then the last N - 1 layers
+        info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : std::max(0, std::min(params.gpu_layers, n_owned + 1) - 1);
+        info_.output_on_device = true;
+    }
     {
         char buf[512] = {0};
         const std::string key = info_.architecture + ".attention.sliding_window_pattern";

@@ -144,7 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         split = None
     else:
         split = parse_split(args.split)
-    pipe = LocalPipeline(path, split, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads)
+    pipe = LocalPipeline(path, split, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
+                         device=args.device)
     desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
     _status(f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
             + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models))
@@ -180,7 +181,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _status(f"{len(tokens)} tokens in {dt:.2f}s ({len(tokens) / dt if dt > 0 else 0:.1f} tokens/s, prompt {len(prompt)} tokens)")
 
     if args.verify:
-        whole = LocalPipeline(path, None, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads)
+        whole = LocalPipeline(path, None, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
+                              device=args.device)  # the same backend: split = whole to the bit
         ref = list(whole.generate(prompt, len(tokens)))
         same_tokens = [t for t, _ in ref] == tokens
         same_bits = all(a.tobytes() == b.tobytes() for (_, a), b in zip(ref, logits_seen))
@@ -203,11 +205,12 @@ def _devices_text() -> str:
     """The GPU devices this process can use, one per line, with each GPU module's state."""
     from ._native import devices, gpu_backends
 
+    found = devices()
     lines = [f"  {d['name']}: {d['description']} ({d['backend']}, {d['type']}, "
-             f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free)" for d in devices()]
+             f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free)" for d in found]
     modules = gpu_backends()
     lines.append("  GPU backends: " + ("; ".join(modules) if modules else "none in this build"))
-    if not devices():
+    if not found:
         lines.append("  (a CPU Vulkan driver such as lavapipe is listed only when GGML_VK_VISIBLE_DEVICES names it)")
     return "\n".join(lines)
 
@@ -503,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="The three primary colors are")
     g.add_argument("--max-tokens", type=_count(0, 1 << 20), default=48)
     g.add_argument("--threads", type=THREADS, default=None)
+    g.add_argument("--device", default="cpu", metavar="cpu|auto|NAME",
+                   help="where an in-process split's layers run (default cpu; serve --device says more)")
     g.add_argument("--ctx", type=TOKENS, default=2048, help="KV cells per shard")
     g.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="tokens per forward call")
     g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")

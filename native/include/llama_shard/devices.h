@@ -6,15 +6,18 @@
 // Invariants:
 //  - a GPU module is loaded at most once per process, and only where its driver's loader is there
 //    (libvulkan.so.1, libcuda.so.1): a node without them never loads it and runs exactly as a
-//    CPU-only build; nothing is loaded until a caller asks for a device (the CPU never does);
+//    CPU-only build; nothing is loaded until a caller asks for a device or the device list (a model
+//    on the CPU never does);
 //  - the devices are the ones ggml lists, by ggml's names ("Vulkan0", "CUDA0"); ggml's own filters
 //    apply (a CPU-type Vulkan driver such as lavapipe is listed only when GGML_VK_VISIBLE_DEVICES
 //    names it); LLAMA_SHARD_GPU_BACKENDS=vulkan|cuda|none (a comma list) limits the modules that may
 //    load, so an operator can keep a node on the CPU and tests can run as a node without a GPU;
-//  - choosing a device runs its self-check once per device: a short quantized matrix product and an
-//    RMS norm on the device compared with the same computed in double precision on the host. `auto`
+//  - choosing a device runs its self-check once per device: a short quantized matrix product (Q4_0,
+//    32 rows and 1) on the device compared with the same in double precision on the host. `auto`
 //    takes the first listed device that passes (none: the CPU, and the reason is kept); a device
-//    named by the operator that fails is an error.
+//    named by the operator that fails is an error. LLAMA_SHARD_DEVICE_PROBE_FAIL=Vulkan0[,...]
+//    makes the named devices' self-checks fail, to keep a device out of `auto` and to test the
+//    fallback anywhere.
 #pragma once
 
 #include <cstdint>
@@ -47,8 +50,8 @@ std::vector<device_info> shard_devices();
 // its self-check. `why_cpu` receives why "auto" runs on the CPU ("" when it chose a device).
 ggml_backend_dev_t shard_choose_device(const std::string & wanted, std::string * why_cpu = nullptr);
 
-// the self-check's one-line result for a device ("passed (max relative error 2.1e-06)" or why it
-// failed); runs it once per device
+// the self-check's one-line result for a device ("passed (a Q4_0 product within 1.2e-03 of the
+// largest output)" or why it failed); runs it once per device
 std::string shard_device_self_check(ggml_backend_dev_t dev, bool * passed = nullptr);
 
 // a device's info (its memory now)

@@ -25,6 +25,7 @@
 
 struct llama_model;
 struct llama_vocab;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
 
 namespace llama_shard {
 
@@ -108,12 +109,15 @@ public:
     std::vector<int32_t> eog_tokens() const;
 
     llama_model * raw() const { return model_; }
+    // the device its device layers run on (nullptr: the CPU)
+    ggml_backend_dev_t device() const { return device_; }
 
 private:
     std::string      path_;
     int32_t          n_threads_ = 0;
     llama_model *    model_ = nullptr;
     const llama_vocab * vocab_ = nullptr;
+    ggml_backend_dev_t  device_ = nullptr;
     shard_model_info info_{};
 };
 

@@ -215,9 +215,14 @@ def route_backends(stages: Sequence) -> str:
     model's logits to the bit; a route across backends agrees with it only as closely as their
     kernels round alike (docs/devices.md has the measured agreement)."""
     infos = [s.info for s in stages]
-    kinds = {i.backend.split(" ")[0].rstrip("0123456789") for i in infos if i.backend}
     lines = [f"{i.name}: {i.backend or 'backend not reported'}" for i in infos]
-    promise = ("one backend: split = whole to the bit" if len(kinds) <= 1 else
+    kinds = set()
+    for i in infos:
+        where, _, layers = i.backend.partition(": ")
+        done, _, of = layers.partition(" of ")
+        partial = bool(layers) and done != of.split(" ")[0]  # some owned layers on the device, the rest on the CPU
+        kinds.add("partial offload" if partial or not i.backend else where)
+    promise = ("one backend: split = whole to the bit" if len(kinds) == 1 and "partial offload" not in kinds else
                "mixed backends: close to the whole model, not equal to it (other kernels round differently)")
     return "; ".join(lines) + f" ({promise})"
 
