@@ -29,7 +29,9 @@ LLAMA_SHARD_REQUIRE_MODEL=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider 
 if "$PY" -c 'import sys, zipfile; sys.exit("llama_shard/libggml-vulkan.so" not in zipfile.ZipFile(sys.argv[1]).namelist())' "$WHEEL"; then
     LLAMA_SHARD_GPU_BACKENDS=none "$VENV/bin/llama-shard" demo --max-tokens 8
     if [ "${LLAMA_SHARD_REQUIRE_VULKAN:-0}" = 1 ]; then
-        GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} "$VENV/bin/llama-shard" serve --device list | tee /dev/stderr | grep -q "Vulkan0:"
+        listed=$(GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} "$VENV/bin/llama-shard" serve --device list)
+        echo "$listed"
+        grep -q "Vulkan0:" <<< "$listed" || { echo "wheel-check: the wheel lists no Vulkan device" >&2; exit 1; }
         LLAMA_SHARD_REQUIRE_VULKAN=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_devices.py \
             -k "partial_offload or device_list or may_not_load"
     fi
