@@ -604,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = [SECTION_NAMES.get(n) or OPTIONAL_SECTIONS.get(n) for n in args.sections.split(",")]
     if None in sections:
         ap.error(f"--sections: choose among {', '.join([*SECTION_NAMES, *OPTIONAL_SECTIONS])}")
+    if args.device and gpu_rows not in sections:
+        ap.error("--device sets section gpu's worker: add gpu to --sections")
     if args.device:
         os.environ["LLAMA_SHARD_BENCH_DEVICE"] = args.device
     os.environ["LLAMA_SHARD_BENCH_GPU_BACKEND"] = args.gpu_backend

@@ -333,20 +333,6 @@ void register_model(py::module_ & m) {
               return shard_gpu_backends();
           },
           "One line per GPU module this build ships: loaded (with its device count) or why not.");
-    m.def("device_self_check", [](const std::string & name) {
-              std::string line;
-              bool passed = false;
-              {
-                  py::gil_scoped_release release;
-                  ggml_backend_dev_t dev = shard_choose_device(name);  // a named device that fails throws
-                  if (dev == nullptr) {
-                      throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "'" + name + "' is the CPU (cpu_backend() has its self-check)");
-                  }
-                  line = shard_device_self_check(dev, &passed);
-              }
-              return line;
-          },
-          py::arg("name"), "The named device's self-check in one line (it runs once per device).");
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;

@@ -286,6 +286,14 @@ def test_gpu_layers_outside_the_owned_range_is_refused(synthetic_model):
     assert res.returncode == 2 and "--gpu-layers" in res.stderr, res.stderr
     with pytest.raises(InvalidInputError, match="outside"):
         ShardModel(str(synthetic_model), (0, 2), 1, "cpu", 9)
+    # accepted and ignored would mislead: layers for a device, with the CPU named
+    res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--device", "cpu", "--gpu-layers", "2",
+               "--port", "0")
+    assert res.returncode == 2 and "the device is the CPU" in res.stderr, res.stderr
+    res = _cli("inspect", str(synthetic_model), "--device", "auto")
+    assert res.returncode == 2 and "give --memory too" in res.stderr, res.stderr
+    res = _cli("generate", "--route", "0-5@127.0.0.1:1", "--device", "auto")
+    assert res.returncode == 2 and "a route's devices are its workers'" in res.stderr, res.stderr
 
 
 def test_serve_device_list_names_the_device(device):

@@ -90,6 +90,15 @@ void load_gpu_modules_locked() {
     }
 }
 
+// the modules' lines in one ("Vulkan: loaded, 1 device(s); CUDA: not loaded: ..."); "" for none
+std::string backends_line() {
+    std::string out;
+    for (const std::string & b : g_backends) {
+        out += (out.empty() ? "" : "; ") + b;
+    }
+    return out;
+}
+
 bool is_gpu(ggml_backend_dev_t dev) {
     const auto type = ggml_backend_dev_type(dev);
     return type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU;
@@ -199,10 +208,7 @@ ggml_backend_dev_t shard_choose_device(const std::string & wanted, std::string *
             std::fprintf(stderr, "llama-shard: device self-check: %s %s; not used\n", ggml_backend_dev_name(dev), line.c_str());
         }
         if (why_cpu != nullptr) {
-            std::string backends;
-            for (const std::string & b : g_backends) {
-                backends += (backends.empty() ? "" : "; ") + b;
-            }
+            const std::string backends = backends_line();
             *why_cpu = !reasons.empty() ? reasons
                      : "no GPU device listed" + (backends.empty() ? std::string(" (this build ships no GPU backend)") : " (" + backends + ")");
         }
@@ -221,10 +227,7 @@ ggml_backend_dev_t shard_choose_device(const std::string & wanted, std::string *
         }
         listed += (listed.empty() ? "" : ", ") + std::string(ggml_backend_dev_name(dev));
     }
-    std::string backends;
-    for (const std::string & b : g_backends) {
-        backends += (backends.empty() ? "" : "; ") + b;
-    }
+    const std::string backends = backends_line();
     throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
         "no device named '" + wanted + "' (devices: cpu, auto" + (listed.empty() ? "" : ", " + listed) + "; GPU backends: " +
         (backends.empty() ? "none in this build" : backends) + ")");

@@ -143,6 +143,11 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
             "] (the owned layers; -1: all of them)");
     }
 
+    if (params.gpu_layers > 0 && (params.device == "cpu" || params.device == "CPU")) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "gpu_layers " + std::to_string(params.gpu_layers) +
+                          " puts layers on a device, and the device is the CPU: name one (or auto)");
+    }
+
     shard_backend_init();
     shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
 

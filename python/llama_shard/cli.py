@@ -129,6 +129,9 @@ def _sampling(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.route:
+        if args.device != "cpu":
+            raise InvalidInputError("--device places an in-process split; a route's devices are its workers' "
+                                    "(serve --device)")
         return cmd_generate_route(args)
     if args.max_drafts is not None:
         raise InvalidInputError("--max-drafts needs --route: drafts are a route's (its head's speculative decoding)")
@@ -257,6 +260,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.memory import memory_plan
     from .engine.models import gguf_shape
 
+    if (args.device != "cpu" or args.gpu_layers != -1) and not args.memory:
+        raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --memory too")
     path = _model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
