@@ -27,7 +27,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.serve.openai_http import sampling_from
+from llama_shard.serve.openai.requests import sampling_from
 from routes import (ours_chat_reuse, ours_generate_streams, ours_shared_prefix, ours_speculation, ours_two_stages,
                     ours_worker_clients)
 

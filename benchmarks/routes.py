@@ -21,9 +21,9 @@ from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
-from llama_shard.serve.security import ClientSecurity
+from llama_shard.proto.credentials import ClientSecurity
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
-from llama_shard.serve.speculation import DEFAULT_MAX_DRAFTS
+from llama_shard.proto.requests import DEFAULT_MAX_DRAFTS
 from llama_shard.errors import InvalidInputError
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)

@@ -710,6 +710,14 @@ void register_sampling(py::module_ & m) {
         .def_readonly("seed", &sampling_params::seed)
         .def("check", &sampling_check, py::arg("n_vocab"), py::arg("max_penalty_last_n"),
              "InvalidInputError naming the first parameter outside its range")
+        .def("problem", [](const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) -> py::object {
+                 const sampling_problem problem = sampling_find_problem(p, n_vocab, max_penalty_last_n);
+                 if (problem.field.empty()) {
+                     return py::none();
+                 }
+                 return py::make_tuple(problem.field, problem.message);
+             }, py::arg("n_vocab"), py::arg("max_penalty_last_n"),
+             "(field, why) of the first parameter outside its range, or None: the one statement of the ranges")
         .def("__repr__", [](const sampling_params & p) {
             return "SamplingParams(temperature=" + std::to_string(p.temperature) + ", top_k=" + std::to_string(p.top_k) +
                    ", top_p=" + std::to_string(p.top_p) + ", min_p=" + std::to_string(p.min_p) + ", penalty_last_n=" +

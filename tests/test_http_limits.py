@@ -36,7 +36,8 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.serve.local_workers import (WORKER_DEFAULTS, free_port, start_worker, stop_worker, wait_for_port,
                                              wait_serving)
-from llama_shard.serve.openai_http import ChatTemplate, HttpError
+from llama_shard.serve.openai.chat_template import ChatTemplate
+from llama_shard.serve.openai.errors import HttpError
 
 pytestmark = pytest.mark.grpc
 
@@ -417,7 +418,7 @@ def test_an_unread_stream_is_dropped_and_the_in_flight_cap_is_per_principal(tls_
 
 def _sessions_of(w, owner: str) -> dict[str, int]:
     """An admin's view of the worker's sessions: id -> tokens held, for one owner."""
-    from llama_shard.serve.security import ClientSecurity
+    from llama_shard.proto.credentials import ClientSecurity
 
     (w["tmp"] / "admin-token").write_text(ALICE)
     channel = ClientSecurity(tls_ca=str(w["ca"]), token_file=str(w["tmp"] / "admin-token")).channel(
@@ -428,7 +429,7 @@ def _sessions_of(w, owner: str) -> dict[str, int]:
 
 
 def test_shared_prefix_counts_go_to_admins_only_when_prefixes_are_shared(tls_worker):
-    from llama_shard.serve.security import ClientSecurity
+    from llama_shard.proto.credentials import ClientSecurity
 
     tmp = tls_worker["tmp"]
     prompt = [1] + [(i * 7919) % 40000 + 100 for i in range(300)]

@@ -28,7 +28,10 @@ from llama_shard._native import ShardModel
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
-from llama_shard.serve.openai_http import ChatTemplate, HttpError, _StopTrimmer, sampling_from
+from llama_shard.serve.openai.chat_template import ChatTemplate
+from llama_shard.serve.openai.errors import HttpError
+from llama_shard.serve.openai.requests import sampling_from
+from llama_shard.serve.openai.responses import StopTrimmer as _StopTrimmer
 from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
 openai = pytest.importorskip("openai")
@@ -227,13 +230,25 @@ def test_drafts_per_request_and_their_counts_in_usage(route):
         assert got == 400 and answer["error"]["param"] == "max_drafts", (bad, answer)
 
 
-def test_sampling_parameters_are_checked_before_anything_runs():
+def test_sampling_parameters_are_typed_here_and_ranged_once_by_the_native_check(route):
     s = sampling_from({"temperature": 0.5, "top_k": 3, "min_p": 0.1, "repeat_penalty": 1.1, "seed": 7}, 4096)
     assert (s.temperature, s.top_k, s.seed) == (0.5, 3, 7) and not s.HasField("top_p")
-    for body in ({"top_k": 1.5}, {"presence_penalty": 3}, {"seed": "x"}, {"min_p": float("inf")}):
+    for body in ({"top_k": 1.5}, {"seed": "x"}, {"min_p": float("inf")}, {"repeat_last_n": 1 << 40}):
         with pytest.raises(HttpError) as e:
             sampling_from(body, 4096)
         assert e.value.status == 400 and e.value.param == next(iter(body))
+    # a range is the native check's alone (SamplingParams.problem), asked once when the stream opens;
+    # its refusal names the request's own key (repeat_last_n is the wire's penalty_last_n)
+    for key, bad in (("temperature", -1), ("top_p", 0), ("presence_penalty", 300), ("repeat_last_n", -2),
+                     ("top_k", 1 << 30), ("repeat_penalty", 0)):
+        got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, key: bad}))
+        assert got == 400 and answer["error"]["param"] == key, (key, answer)
+    for body, key in (({"stop": ["x"] * 17}, "stop"), ({"logprobs": 21}, "logprobs")):
+        got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, **body}))
+        assert got == 400 and answer["error"]["param"] == key, (key, answer)
+    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 21}))
+    assert got == 400 and answer["error"]["param"] == "top_logprobs", answer
 
 
 def test_the_template_sandbox_refuses_reaching_python():

@@ -30,8 +30,9 @@ from llama_shard.engine.hot_kv import HotKvStateConfig
 from llama_shard.engine.manager import HotKvStateManager
 from llama_shard.errors import InvalidInputError
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.serve.sampling import params_to_wire
-from llama_shard.serve.speculation import (MAX_DRAFTS, PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
+from llama_shard.proto.requests import sampling_to_wire as params_to_wire
+from llama_shard.proto.requests import MAX_DRAFTS
+from llama_shard.serve.speculation import (PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
                                            verify)
 
 REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "

@@ -609,7 +609,7 @@ def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
     handler returns, raises, or when gRPC drops the call before the handler runs."""
     import gc
 
-    from llama_shard.proto.wire import AdmitRequests
+    from llama_shard.serve.admission import AdmitRequests
 
     parsed = []
 

@@ -19,35 +19,47 @@ static bool within(float v, float lo, float hi) {
     return std::isfinite(v) && v >= lo && v <= hi;
 }
 
-void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) {
+sampling_problem sampling_find_problem(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) {
     if (n_vocab < 1) {
-        bad("the vocabulary is empty");
+        return {"n_vocab", "the vocabulary is empty"};
     }
     if (!std::isfinite(p.temperature) || (p.temperature != 0.0f && !within(p.temperature, SAMPLING_MIN_TEMPERATURE, 100.0f))) {
-        bad("temperature must be 0 or in [0.001, 100], got " + std::to_string(p.temperature));
+        return {"temperature", "temperature must be 0 or in [0.001, 100], got " + std::to_string(p.temperature)};
     }
     if (p.top_k < 0 || p.top_k > n_vocab) {
-        bad("top_k must be in [0, " + std::to_string(n_vocab) + "] (0: off), got " + std::to_string(p.top_k));
+        return {"top_k", "top_k must be in [0, " + std::to_string(n_vocab) + "] (0: off), got " + std::to_string(p.top_k)};
     }
     if (!std::isfinite(p.top_p) || p.top_p <= 0.0f || p.top_p > 1.0f) {
-        bad("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+        return {"top_p", "top_p must be in (0, 1], got " + std::to_string(p.top_p)};
     }
     if (!within(p.min_p, 0.0f, 1.0f)) {
-        bad("min_p must be in [0, 1], got " + std::to_string(p.min_p));
+        return {"min_p", "min_p must be in [0, 1], got " + std::to_string(p.min_p)};
     }
     // no session is longer than HOT_KV_MAX_CONTEXT_TOKENS: a longer window only allocates
     const int32_t max_last_n = std::min(max_penalty_last_n, HOT_KV_MAX_CONTEXT_TOKENS);
     if (p.penalty_last_n < 0 || p.penalty_last_n > max_last_n) {
-        bad("penalty_last_n must be in [0, " + std::to_string(max_last_n) + "], got " + std::to_string(p.penalty_last_n));
+        return {"penalty_last_n", "penalty_last_n must be in [0, " + std::to_string(max_last_n) + "], got " +
+                                      std::to_string(p.penalty_last_n)};
     }
     if (!within(p.penalty_repeat, 0.01f, 100.0f)) {
-        bad("repeat penalty must be in [0.01, 100] (1: off), got " + std::to_string(p.penalty_repeat));
+        return {"penalty_repeat", "repeat penalty must be in [0.01, 100] (1: off), got " + std::to_string(p.penalty_repeat)};
     }
-    if (!within(p.penalty_freq, -100.0f, 100.0f) || !within(p.penalty_present, -100.0f, 100.0f)) {
-        bad("frequency and presence penalties must be in [-100, 100]");
+    if (!within(p.penalty_freq, -100.0f, 100.0f)) {
+        return {"penalty_freq", "frequency penalty must be in [-100, 100], got " + std::to_string(p.penalty_freq)};
+    }
+    if (!within(p.penalty_present, -100.0f, 100.0f)) {
+        return {"penalty_present", "presence penalty must be in [-100, 100], got " + std::to_string(p.penalty_present)};
     }
     if (p.seed == LLAMA_DEFAULT_SEED) {
-        bad("seed 4294967295 means a random seed to llama.cpp, which no replay can repeat: choose another");
+        return {"seed", "seed 4294967295 means a random seed to llama.cpp, which no replay can repeat: choose another"};
+    }
+    return {};
+}
+
+void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) {
+    const sampling_problem problem = sampling_find_problem(p, n_vocab, max_penalty_last_n);
+    if (!problem.field.empty()) {
+        bad(problem.message);
     }
 }
 

@@ -28,8 +28,9 @@ from .engine.hot_kv import KV_TYPES, HotKvStateConfig
 from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
-from .serve.http_guard import HttpLimits, raise_open_file_limit
-from .serve.speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES
+from .serve.openai.guard import HttpLimits, raise_open_file_limit
+from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS
+from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -62,7 +63,7 @@ def _parse_route(text: str) -> list[str]:
 
 def cmd_generate_route(args: argparse.Namespace) -> int:
     from .route import RemoteStage, RouteClient
-    from .serve.security import ClientSecurity
+    from .proto.credentials import ClientSecurity
 
     entries = _parse_route(args.route)
     security = ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
@@ -352,7 +353,8 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
 def serve_security(args: argparse.Namespace):
     """The worker's TLS, authentication and peer credentials from its flags; refuses (exit 2) an
     exposed address without TLS and authentication, and peers it could not authenticate."""
-    from .serve.security import ClientSecurity, ServerSecurity
+    from .proto.credentials import ClientSecurity
+    from .serve.security import ServerSecurity
 
     security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
                               tuple(args.admin), args.insecure, tuple(args.forwarder), args.route_key_file)

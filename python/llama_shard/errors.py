@@ -11,7 +11,12 @@ class LlamaShardError(Exception):
 
 
 class InvalidInputError(LlamaShardError, ValueError):
-    """The caller sent something invalid (shape, dtype, id, range, position); nothing was changed."""
+    """The caller sent something invalid (shape, dtype, id, range, position); nothing was changed.
+    `param`: the wire's name of the parameter refused, where one is (an entry point maps it to its own)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(LlamaShardError, RuntimeError):

@@ -49,8 +49,17 @@ struct sampling_params {
 
 constexpr float SAMPLING_MIN_TEMPERATURE = 1e-3f;
 
-// throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) naming the first parameter outside its range;
-// max_penalty_last_n bounds the window (a context's length: a longer window sees nothing more)
+// the first parameter outside its range: its field name (sampling_params' member) and why; an
+// empty field when every one is in range. The one statement of the ranges: every entry point
+// (CLI flags, the wire, the OpenAI endpoint) asks this. max_penalty_last_n bounds the window (a
+// context's length: a longer window sees nothing more)
+struct sampling_problem {
+    std::string field;
+    std::string message;
+};
+sampling_problem sampling_find_problem(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n);
+
+// throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) with sampling_find_problem's message
 void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n);
 
 class token_sampler {

@@ -31,8 +31,8 @@ from ..engine.models import backend_text
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
-from ..serve.sampling import params_to_wire
-from ..serve.security import ClientSecurity
+from ..proto.requests import MAX_REPREFILLS, sampling_to_wire
+from ..proto.credentials import ClientSecurity
 from ..proto.wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
 
 
@@ -261,7 +261,7 @@ class RouteClient:
     chained route generation runs in the route (`Generate` on the head) unless `route_loop=False`
     (this client then sends every token's step itself, as before)."""
 
-    def __init__(self, stages: Sequence, *, max_reprefills: int = 3, chained: bool | None = None,
+    def __init__(self, stages: Sequence, *, max_reprefills: int = MAX_REPREFILLS, chained: bool | None = None,
                  route_loop: bool = True):
         self._chain_choice = chained
         self.route_loop = route_loop  # False: a chained route is still driven token by token from here
@@ -546,7 +546,7 @@ class RouteSession:
                                  wire_dtype=head.wire_dtype, recipe_fingerprint=head.fingerprint,
                                  logprobs=logprobs, top_logprobs=top_logprobs, keep_prefix=keep_prefix)
         if sampling is not None:
-            req.sampling.CopyFrom(params_to_wire(sampling))
+            req.sampling.CopyFrom(sampling_to_wire(sampling))
         if max_drafts is not None:
             req.max_drafts = max_drafts
         self.last_final = None

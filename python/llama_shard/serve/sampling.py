@@ -17,42 +17,17 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
+from ..proto.requests import check_top_logprobs, sampling_from_wire, sampling_key
 from .speculation import verify
-
-#: the most alternatives a caller may ask for per token (OpenAI's top_logprobs bound)
-MAX_TOP_LOGPROBS = 20
-_FIELDS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-           ("penalty_last_n", "penalty_last_n"), ("repeat_penalty", "penalty_repeat"),
-           ("frequency_penalty", "penalty_freq"), ("presence_penalty", "penalty_present"))
-
-
-def params_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> SamplingParams:
-    """The checked SamplingParams for a wire Sampling (unset fields: off); InvalidInputError names
-    the first parameter out of range."""
-    kwargs = {name: getattr(s, field) for field, name in _FIELDS if s.HasField(field)}
-    params = SamplingParams(seed=s.seed, **kwargs)
-    params.check(n_vocab, max_window)
-    return params
-
-
-def params_to_wire(p: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(seed=p.seed, **{field: getattr(p, name) for field, name in _FIELDS})
-
-
-def params_key(p: SamplingParams) -> tuple:
-    return (p.temperature, p.top_k, p.top_p, p.min_p, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
-            p.penalty_present, p.seed)
-
 
 def check_step_sampling(req: pb.StepRequest, n_vocab: int, max_window: int) -> SamplingParams | None:
     """The params of a step's sampler state, checked with the state itself and the logprob request
     (InvalidInputError otherwise); None when the step does not sample."""
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidInputError(f"top_logprobs is {req.top_logprobs}; it must be 0..{MAX_TOP_LOGPROBS}")
+    check_top_logprobs(req.top_logprobs)
     if not req.HasField("sampler"):
         return None
     state = req.sampler
-    params = params_from_wire(state.params, n_vocab, max_window)
+    params = sampling_from_wire(state.params, n_vocab, max_window)
     if len(state.recent) > params.penalty_last_n:
         raise InvalidInputError(f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
                                 f"is {params.penalty_last_n}")
@@ -94,7 +69,7 @@ class TailSamplers:
                     drafts: list[int]) -> list[int]:
         """A verification (speculation.verify) with the session's sampler: row by row, each draw
         accepted as one step's would be, until a token is not the next draft."""
-        pkey, recent, draws = params_key(params), tuple(state.recent), state.draws
+        pkey, recent, draws = sampling_key(params), tuple(state.recent), state.draws
         with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
             kept = self._kept.pop(key, None)
         if kept is not None and kept[1:] == (pkey, draws, recent):

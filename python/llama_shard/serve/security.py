@@ -41,6 +41,7 @@ import grpc
 
 from .._native import MAX_SESSION_ID_BYTES
 from ..errors import InvalidInputError
+from ..proto.credentials import read_bytes
 
 #: the principal of every caller of a worker without authentication
 ANONYMOUS = ""
@@ -70,10 +71,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def _read(path: str | None) -> bytes | None:
-    return None if path is None else Path(path).read_bytes()
 
 
 def file_mtimes(paths) -> tuple:
@@ -251,7 +248,7 @@ class ServerSecurity:
             raise InvalidInputError(f"--auth-token-file: {e}") from None
         for path in (self.tls_cert, self.tls_key, self.tls_client_ca):
             if path is not None:
-                _read(path)  # fails now, with the path, rather than at the first handshake
+                read_bytes(path)  # fails now, with the path, rather than at the first handshake
         if self.forwarders and not self.route_key_file:
             # an unsigned on-behalf-of name would let a leaked peer token step anyone's sessions
             raise InvalidInputError("--forwarder needs --route-key-file: a forwarder acts for a principal only "
@@ -286,8 +283,8 @@ class ServerSecurity:
     # --- the port ---------------------------------------------------------------------------
 
     def _certificate_configuration(self):
-        return grpc.ssl_server_certificate_configuration([(_read(self.tls_key), _read(self.tls_cert))],
-                                                         root_certificates=_read(self.tls_client_ca))
+        return grpc.ssl_server_certificate_configuration([(read_bytes(self.tls_key), read_bytes(self.tls_cert))],
+                                                         root_certificates=read_bytes(self.tls_client_ca))
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """None for a plaintext port; else TLS whose certificates are re-read when their files change."""
@@ -429,6 +426,11 @@ class ServerSecurity:
                                     "on a worker with authentication")
         return f"{tag}/{session_id}"
 
+    def owner_of_key(self, key: str) -> tuple[str | None, str]:
+        """(the owner's tag, the caller's session id) of an engine key; (None, key) on a worker
+        without authentication (every key is the anonymous principal's own id)."""
+        return self.split_key(key) if self.authenticated else (None, key)
+
     @staticmethod
     def split_key(key: str) -> tuple[str | None, str]:
         """(principal tag or None, session id) of an engine key."""
@@ -436,39 +438,3 @@ class ServerSecurity:
         if sep and len(tag) == 16 and all(c in "0123456789abcdef" for c in tag):
             return tag, sid
         return None, key
-
-
-@dataclasses.dataclass(frozen=True)
-class ClientSecurity:
-    """How a client (RemoteStage, `llama-shard generate`, a worker forwarding to its peer) reaches
-    a worker: plaintext when nothing is set, else TLS trusting `tls_ca` (the system's roots when
-    None), with a client certificate for mutual TLS and/or a bearer token."""
-
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    token_file: str | None = None
-
-    @property
-    def secure(self) -> bool:
-        return any((self.tls_ca, self.tls_cert, self.token_file))
-
-    def token(self) -> str | None:
-        if self.token_file is None:
-            return None
-        lines = [ln.strip() for ln in Path(self.token_file).read_text().splitlines() if ln.strip()]
-        if len(lines) != 1:
-            raise InvalidInputError(f"{self.token_file} must hold one line: the token")
-        return lines[0]
-
-    def channel(self, address: str, options: list) -> grpc.Channel:
-        if not self.secure:
-            return grpc.insecure_channel(address, options=options)
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise InvalidInputError("--tls-cert and --tls-key go together")
-        creds = grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca), private_key=_read(self.tls_key),
-                                             certificate_chain=_read(self.tls_cert))
-        token = self.token()
-        if token is not None:
-            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-        return grpc.secure_channel(address, creds, options=options)

@@ -26,8 +26,6 @@ import numpy as np
 
 from .._native import MAX_LOGIT_ROWS
 
-#: the most drafts one step carries (a step returns at most MAX_LOGIT_ROWS rows of logits)
-MAX_DRAFTS = MAX_LOGIT_ROWS - 1
 NGRAM_MAX = 4
 NGRAM_MIN = 1
 #: matches this long or longer share one acceptance rate; shorter ones (a lone token) have their own
@@ -42,8 +40,6 @@ DRAFT_SOURCES = ("ngram", "off")
 #: one-token steps' to the bit: the tokens of generation without drafts), or "batched", all in one
 #: computation (cheaper per row; llama.cpp rounds by a computation's shape, so a near-tie may flip)
 VERIFY_MODES = ("exact", "batched")
-#: a request's most drafts per step unless it says (serve --max-drafts)
-DEFAULT_MAX_DRAFTS = 8
 
 
 class NgramDrafter:

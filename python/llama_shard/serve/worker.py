@@ -26,7 +26,6 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, SamplingParams, ShardModel
 from ..errors import (
@@ -44,21 +43,20 @@ from ..engine.models import backend_text
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
-from .generation import GenerationLoops, max_generate_streams
+from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import TailSamplers, check_step_sampling, log_softmax_of
-from .speculation import DEFAULT_MAX_DRAFTS, DRAFT_SOURCES, MAX_DRAFTS, VERIFY_MODES, verify
-from .http_guard import HttpLimits
-from .security import ANONYMOUS, ON_BEHALF_OF, ON_BEHALF_OF_SIG, ClientSecurity, ServerSecurity
-from ..proto.wire import RECONNECT_OPTIONS, AdmitRequests, call_reconnecting, decode_tensor, encode_tensor, tier_name
+from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS
+from .speculation import DRAFT_SOURCES, VERIFY_MODES, verify
+from .openai.guard import HttpLimits
+from ..proto.credentials import ClientSecurity
+from .security import ServerSecurity
+from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, tier_name
+from .admission import AdmitRequests, SessionCapRefused, SessionOwners
+from .metrics import EngineCollector
+from .peers import MAX_FORWARD_HOPS, VISITED, Peers
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
-#: the most hops a chained step may name after this worker, whatever the model (a route has no more
-#: stages after a shard than layers after it, and fewer than this in any deployment we know of)
-MAX_FORWARD_HOPS = 32
-#: the workers a forwarded step has passed through (their random ids, comma-separated): a worker
-#: that finds its own id there refuses the step, whatever address the loop went through
-VISITED = "llama-shard-visited"
 
 
 @dataclasses.dataclass
@@ -93,184 +91,6 @@ class WorkerOptions:
     verify: str = "exact"                  # how the route computes a verification (VERIFY_MODES)
 
 
-class _EngineCollector:
-    """Reads the engine's counters at scrape time: nothing to keep in sync on the hot path."""
-
-    def __init__(self, manager: HotKvStateManager, labels: dict[str, str]):
-        self.manager = manager
-        self.labels = labels
-
-    def collect(self):
-        st = self.manager.stats()
-        names, values = list(self.labels), list(self.labels.values())
-        for name, key, doc in [("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
-                               ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
-                               ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
-                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)"),
-                               ("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
-                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
-                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
-                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
-                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files"),
-                               ("llama_shard_prefix_entries", "prefix_entries", "Shared prefixes held (--prefix-memory)"),
-                               ("llama_shard_prefix_bytes", "prefix_bytes", "Bytes the prefix store holds"),
-                               ("llama_shard_prefix_capacity_bytes", "prefix_capacity", "The prefix store's bound")]:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, st[key])
-            yield g
-        ev = CounterMetricFamily("llama_shard_evictions", "Sessions evicted, by reason", labels=names + ["reason"])
-        ev.add_metric(values + ["ttl"], st["evictions_ttl"])
-        ev.add_metric(values + ["lru"], st["evictions_lru"])
-        yield ev
-        ms = CounterMetricFamily("llama_shard_cache_misses", "Cache misses returned, by reason", labels=names + ["reason"])
-        for reason, n in st["misses"].items():
-            ms.add_metric(values + [reason], n)
-        yield ms
-        for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
-                               ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
-                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
-                               ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
-                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)"),
-                               ("llama_shard_prefix_hits", "prefix_hits", "Sessions opened from a stored shared prefix"),
-                               ("llama_shard_prefix_tokens_saved", "prefix_tokens_saved", "Tokens those sessions did not compute"),
-                               ("llama_shard_prefix_stores", "prefix_stores", "Shared prefixes stored"),
-                               ("llama_shard_prefix_evictions", "prefix_evictions", "Shared prefixes dropped to make room")]:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, st[key])
-            yield c
-        h = HistogramMetricFamily("llama_shard_restore_seconds", "Time to restore a warm session's KV", labels=names)
-        cumulative, buckets = 0, []
-        for le, n in st["restore_buckets"]:
-            cumulative += n
-            buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
-        h.add_metric(values, buckets, st["restore_seconds"])
-        yield h
-
-
-class _Peers:
-    """The workers this one may forward chained steps to (serve --peer), one channel each, opened
-    on first use. Addresses are compared exactly as the operator wrote them. `sign`: this worker's
-    assertion of a principal it authenticated itself (ServerSecurity.assertion)."""
-
-    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity(),
-                 sign=lambda principal: None):
-        self.allowed = frozenset(allowed)
-        self.security = security
-        self.sign = sign
-        self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS]
-        self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
-        self._channels: list[grpc.Channel] = []
-        self._lock = threading.Lock()
-
-    def _stub(self, address: str) -> pb_grpc.ShardServiceStub:
-        assert address in self.allowed
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                channel = self.security.channel(address, self._options)
-                self._channels.append(channel)
-                stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
-            return stub
-
-    def call(self, address: str, steps: list[tuple], forward: list, timeout: float, batch: bool,
-             principal: str = ANONYMOUS, visited: tuple[str, ...] = (), assertion: bytes | None = None) -> list:
-        """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
-        that came alone, else StepBatch, for `principal`, through the workers `visited`; raises
-        grpc.RpcError when the peer fails. `assertion`: the one a forwarded step came with (passed
-        on unchanged); None: this worker is the head and signs for the principal itself."""
-        stub = self._stub(address)
-        metadata = [(VISITED, ",".join(visited))]
-        if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
-            metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
-            signed = assertion if assertion is not None else self.sign(principal)
-            if signed is not None:
-                metadata.append((ON_BEHALF_OF_SIG, signed))
-        if not batch and len(steps) == 1:
-            kind, req = steps[0]
-            del req.forward[:]  # a retry sends the same hops once
-            req.forward.extend(forward)
-            method = stub.Prefill if kind == StepKind.PREFILL else stub.Decode
-            return [method(req, timeout=timeout, metadata=metadata)]
-        kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
-        request = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[k], step=r) for k, r in steps], forward=forward)
-        replies = list(stub.StepBatch(request, timeout=timeout, metadata=metadata).replies)
-        if len(replies) != len(steps):
-            detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
-            return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
-        return replies
-
-    def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
-
-
-class _Owners:
-    """Which engine keys each principal holds, for the per-principal session cap. A principal's
-    count starts from the keys the engine already holds under its tag (sessions a restarted worker
-    resumed from disk count too); a key is counted from the step that creates it; keys the engine
-    has since dropped (evicted, expired) are pruned against its session list when a principal
-    reaches the cap, so the count is never too low."""
-
-    def __init__(self, manager: HotKvStateManager, cap: int | None, security: ServerSecurity):
-        self.manager = manager
-        self.cap = cap
-        self.security = security
-        self._held: dict[str, set[str]] = {}
-        self._names: dict[str, str] = {}  # principal tag -> principal, for Info
-        self._lock = threading.Lock()
-
-    def _held_by(self, principal: str) -> set[str]:  # under self._lock
-        held = self._held.get(principal)
-        if held is None:  # what the engine holds for this principal already (a resumed worker's sessions)
-            tag = self.security.tag(principal)
-            held = self._held[principal] = {r.session_id for r in self.manager.sessions()
-                                            if tag is not None and self.security.split_key(r.session_id)[0] == tag}
-        return held
-
-    def _over_cap(self, held: set[str], more: int) -> bool:  # under self._lock
-        """Whether `more` new keys would take `held` past the cap, after pruning the keys the
-        engine has dropped (only then: it lists every session)."""
-        if len(held) + more > self.cap:
-            held &= {r.session_id for r in self.manager.sessions()}
-        return len(held) + more > self.cap
-
-    def full(self, principal: str) -> bool:
-        """Whether the principal holds as many sessions as its cap allows (a new one would be refused)."""
-        if self.cap is None:
-            return False
-        with self._lock:
-            return self._over_cap(self._held_by(principal), 1)
-
-    def admit(self, principal: str, keys: list[str]) -> str | None:
-        """Counts the new keys among `keys` against the principal's cap; the refusal, or None."""
-        if self.cap is None:
-            return None
-        with self._lock:
-            held = self._held_by(principal)
-            new = [k for k in dict.fromkeys(keys) if k not in held]
-            if new and self._over_cap(held, len(new)):
-                return (f"this caller holds {len(held)} sessions here and asks for {len(new)} more; "
-                        f"the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
-            held.update(new)
-        return None
-
-    def forget(self, principal: str, key: str) -> None:
-        with self._lock:
-            self._held.get(principal, set()).discard(key)
-
-    def name(self, principal: str, tag: str | None) -> None:
-        if tag is not None and tag not in self._names:
-            self._names[tag] = principal
-
-    def principal_of(self, tag: str | None) -> str:
-        return "" if tag is None else self._names.get(tag, "")
-
-
-class _Refused(Exception):
-    """The principal's session cap refused a new session (RESOURCE_EXHAUSTED, nothing computed)."""
-
-
 class ShardServicer(pb_grpc.ShardServiceServicer):
     def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
                  options: WorkerOptions = WorkerOptions()):
@@ -281,9 +101,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.security = options.security
         if manager.config.warm_dir is not None:  # resumed sessions keep their owners' tags
             self.security.key_owner_tags(manager.config.warm_dir)
-        self.peers = _Peers(tuple(options.peers), options.max_message_bytes, options.peer_security,
+        self.peers = Peers(tuple(options.peers), options.max_message_bytes, options.peer_security,
                             sign=self.security.assertion)
-        self.owners = _Owners(manager, options.max_sessions_per_principal, options.security)
+        self.owners = SessionOwners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
         self.backend = backend_text(model)  # reported, not compared: a route may mix devices
@@ -321,8 +141,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             from .draft_model import DraftModel
 
             draft_model = DraftModel(options.draft_model, model.path, config.context_tokens,
-                                     max_generate_streams(config), options.threads)
-        self.generation = GenerationLoops(self, registry, options.draft, options.max_drafts, draft_model,
+                                     max_generate_streams(config.max_sessions, config.warm_bytes), options.threads)
+        host = HeadHost(info=self.info, fingerprint=self.fingerprint, context_tokens=config.context_tokens,
+                        max_sessions=config.max_sessions, warm_bytes=config.warm_bytes, detokenize=model.detokenize,
+                        security=self.security, prefixes=self.prefixes,
+                        session_cap=options.max_sessions_per_principal, stopping=self.stopping,
+                        max_hop_s=self.max_hop_s, forward_refusal=self.forward_refusal, admit=self.owners.admit,
+                        caller_full=self.owners.full, run_steps=self._run_own_steps, sessions=manager.sessions)
+        self.generation = GenerationLoops(host, registry, options.draft, options.max_drafts, draft_model,
                                           row_by_row=options.verify == "exact")
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
@@ -369,8 +195,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         remaining = context.time_remaining()
         stream = self.generation.open(principal, request, remaining if remaining is not None and remaining < 1e8 else None)
-        if isinstance(stream, pb.GenerateFinal):  # refused before anything was computed
-            yield pb.GenerateEvent(final=stream)
+        if isinstance(stream, Refusal):  # refused before anything was computed
+            yield pb.GenerateEvent(final=stream.final)
             return
         context.add_callback(lambda: stream.cancel("the client closed the stream"))
         try:
@@ -425,7 +251,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         try:
             replies = self.run_steps(principal, self._visited(context), items, forward, deadline, batch,
                                      prefix_scope=self.prefixes.scope(principal, shared), assertion=assertion)
-        except _Refused as e:  # nothing computed: the caller holds its share of the sessions
+        except SessionCapRefused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # a step from outside the head's generation loop: its record is no longer the route's (only a
         # head that ran streams has records: every other step pays one dict check)
@@ -436,17 +262,22 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 pass  # a session id no key can be made of was answered INVALID_ARGUMENT above
         return replies
 
+    def _run_own_steps(self, principal: str, items: list[tuple], forward, deadline: float) -> list[pb.StepReply]:
+        """The head's generation loop's steps (HeadHost.run_steps): a batch from no other worker, its
+        prefix plans its own."""
+        return self.run_steps(principal, (), items, forward, deadline, batch=True, own_loop=True)
+
     def run_steps(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
                   batch: bool, own_loop: bool = False, prefix_scope=None,
                   assertion: bytes | None = None) -> list[pb.StepReply]:
         """`_run_steps` without a gRPC call (the head's generation loop runs its steps here too,
-        `own_loop`: its prefix plans are its own); raises _Refused when the principal's session cap
+        `own_loop`: its prefix plans are its own); raises SessionCapRefused when the principal's session cap
         refuses a new session. `prefix_scope`: whose shared prefixes the steps reach (None: the
         principal's, or every caller's for the head's own loop when the worker shares them).
         `assertion`: the forwarder's, passed on to the next hop (None: this worker signs)."""
         if prefix_scope is None:
             prefix_scope = self.prefixes.scope(principal, shared=own_loop)
-        refusal = self._forward_refusal(forward, visited)
+        refusal = self.forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed, and before the hops are copied
             return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
         forward = list(forward)
@@ -461,7 +292,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 replies[i] = self._reply(req, e)
         refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
         if refused is not None:
-            raise _Refused(refused)
+            raise SessionCapRefused(refused)
         ready = []
         for entry in parsed:  # a step from a shared prefix starts from a copy of it
             i, step, _, prefix = entry
@@ -500,7 +331,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 return tuple(v for v in value.split(",")[:MAX_FORWARD_HOPS + 1] if v)
         return ()
 
-    def _forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> str | None:
+    def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> str | None:
         """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
         this worker cannot forward. Checked before anything is computed; `forward` (the request's
         repeated field) is read by length first, so a huge list costs nothing before its refusal."""
@@ -742,7 +573,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return []
         out = []
         for r in self.manager.sessions():
-            tag, sid = self.security.split_key(r.session_id) if self.security.authenticated else (None, r.session_id)
+            tag, sid = self.security.owner_of_key(r.session_id)
             out.append(pb.SessionInfo(session_id=sid, route_epoch=r.route_epoch, seq_len=r.seq_len, tier=tier_name(r.tier),
                                       owner=self.owners.principal_of(tag)))
         return out
@@ -788,7 +619,7 @@ class ShardWorker:
                                          prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)
         self.registry = CollectorRegistry()
         info = self.model.info
-        self.registry.register(_EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
+        self.registry.register(EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
         self.servicer = ShardServicer(self.model, self.manager, self.registry, options)
         self.health = health.HealthServicer()
         limit = self.servicer.max_request_bytes
@@ -798,7 +629,7 @@ class ShardWorker:
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
-            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions) + max_generate_streams(config),
+            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions) + max_generate_streams(config.max_sessions, config.warm_bytes),
                                        thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
@@ -826,10 +657,10 @@ class ShardWorker:
             raise InvalidInputError(f"--http-port serves generation: it needs the head worker (layers from 0), "
                                     f"not layers {info.first}-{info.last}")
         if options.http_port is not None:
-            from .openai_http import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
+            from .openai.endpoint import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
-            self.http = OpenAIEndpoint(self.servicer, options.host, options.http_port, options.peers,
-                                       self.max_concurrent_rpcs, options.http_limits,
+            self.http = OpenAIEndpoint(self.servicer.generation, self.model, options.security, options.host,
+                                       options.http_port, options.peers, self.max_concurrent_rpcs, options.http_limits,
                                        options.http_split_special_tokens)
         self._stopped = threading.Event()
 

@@ -15,7 +15,7 @@ Invariants: nothing a client sends reaches llama.cpp unchecked (every parameter 
 then again by `GenerationLoops`); every error is OpenAI's JSON shape with its status; a closed
 connection cancels its stream before the next step (the session's KV stays for the next turn).
 A request is refused by what it costs before it costs it: its connection is counted and timed from
-accept (`http_guard`); its in-flight slot (global and per principal) is taken before its body is
+accept (`guard`); its in-flight slot (global and per principal) is taken before its body is
 read; a body longer than the context could hold as tokens is refused by its length before it is
 parsed; rendering and tokenizing run on a bounded pool off the event loop, their output bounded."""
 from __future__ import annotations
@@ -24,9 +24,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import math
 import re
-import secrets
 import ssl
 import threading
 import time
@@ -36,17 +34,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import HttpVersion11, web
-from jinja2 import TemplateError
 
-from ..errors import InvalidInputError
-from ..proto import shard_pb2 as pb
-from .sampling import MAX_TOP_LOGPROBS
-from .speculation import MAX_DRAFTS
-from .chat_template import MAX_CHARS as MAX_RENDERED_CHARS
-from .chat_template import MAX_SECONDS as MAX_RENDER_SECONDS
-from .chat_template import BoundedSandbox, TemplateRefused, render_bounded
-from .http_guard import ConnectionGuard, HttpLimits
-from .security import ANONYMOUS, file_mtimes
+from ...errors import InvalidInputError
+from ...proto import shard_pb2 as pb
+from ...proto.requests import MAX_STOP_TOKENS
+from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
+from ..security import ANONYMOUS, ServerSecurity, file_mtimes
+from .chat_template import ChatTemplate
+from .errors import HttpError, outcome_status, refusal_error
+from .guard import ConnectionGuard, HttpLimits
+from .requests import INT32_MAX, PARAM_NAMES, flag, generate_request, number
+from .responses import CompletionFormat, StopTrimmer
 
 #: the largest request body whatever the context (a longer one gets 413 before it is read in full)
 MAX_BODY_BYTES = 4 * 2**20
@@ -60,147 +58,8 @@ TOKENIZE_THREADS = 1
 PROBE_CHARS_PER_TOKEN = 8
 #: a message's role: a name, never text the tokenizer could read as a turn marker
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
-#: OpenAI's and the Generate stream's bounds on stop sequences
-MAX_STOPS, MAX_STOP_CHARS = 16, 256
-_OUTCOME_STATUS = {pb.OUTCOME_INVALID_ARGUMENT: 400, pb.OUTCOME_BUDGET_EXCEEDED: 429}
-
-
-class HttpError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
-             404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
-             415: "invalid_request_error", 417: "invalid_request_error", 429: "rate_limit_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 close: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.close = close  # the connection ends after this answer (what the client still sends is not read)
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
-
-
-# --- the chat template ----------------------------------------------------------------------------
-
-def _raise(message: str):
-    raise TemplateError(message)
-
-
-class ChatTemplate:
-    """The GGUF's `tokenizer.chat_template`, rendered as transformers and llama-cpp-python render it:
-    jinja2 in an immutable sandbox (a template cannot reach Python objects or change its inputs),
-    with its values, output and time bounded (`chat_template`: a template is the model file's
-    code; a hostile GGUF, or messages that drive a careless template, cost a 400, not the worker)."""
-
-    def __init__(self, source: str, bos_token: str, eos_token: str, max_chars: int = MAX_RENDERED_CHARS,
-                 max_seconds: float = MAX_RENDER_SECONDS):
-        self.max_seconds = max_seconds
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                             max_chars=max_chars)
-        env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: time.strftime(fmt))
-        self.template = env.from_string(source)
-        self.bos_token, self.eos_token, self.max_chars = bos_token, eos_token, max_chars
-
-    def render(self, messages: list[dict]) -> str:
-        try:
-            return render_bounded(self.template, self.max_chars, self.max_seconds, messages=messages,
-                                  add_generation_prompt=True,
-                                  bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateRefused as e:
-            raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
-
-
-# --- request checks: each names the parameter it refuses -------------------------------------------
-
-def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}",
-                        name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise HttpError(400, f"{name} must be a finite number", name)
-    if not lo <= value <= hi:
-        raise HttpError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", name)
-    return value
-
-
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise HttpError(400, f"{name} must be a boolean", name)
-    return value
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise HttpError(400, "stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise HttpError(400, f"stop takes at most {MAX_STOPS} sequences of 1 to {MAX_STOP_CHARS} characters", "stop")
-    return stops
-
-
-def sampling_from(body: dict, context_tokens: int) -> pb.Sampling:
-    """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty,
-    repeat_last_n); a parameter not given keeps llama.cpp's neutral default (temperature 1, no
-    truncation, no penalty, a penalty window of 64 or the context if shorter); no seed: a random one."""
-    s = pb.Sampling()
-    for name, field, lo, hi, integer in (("temperature", "temperature", 0, 100, False), ("top_p", "top_p", 0, 1, False),
-                                         ("top_k", "top_k", 0, 1 << 30, True), ("min_p", "min_p", 0, 1, False),
-                                         ("repeat_penalty", "repeat_penalty", 0.01, 100, False),
-                                         ("repeat_last_n", "penalty_last_n", 0, 1 << 20, True),
-                                         ("presence_penalty", "presence_penalty", -2, 2, False),
-                                         ("frequency_penalty", "frequency_penalty", -2, 2, False)):
-        value = _number(body, name, lo, hi, integer=integer)
-        if value is not None:
-            setattr(s, field, value)
-    if s.HasField("top_p") and s.top_p == 0:
-        raise HttpError(400, "top_p must be in (0, 1]", "top_p")
-    if s.HasField("temperature") and 0 < s.temperature < 0.001:
-        s.temperature = 0.0  # llama.cpp: below its smallest temperature the largest logit wins
-    seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
-    s.seed = (seed % 0xFFFFFFFF) if seed is not None else secrets.randbelow(0xFFFFFFFF)
-    if not s.HasField("penalty_last_n"):  # llama.cpp's 64, on a context that may be shorter
-        s.penalty_last_n = min(64, context_tokens)
-    return s
-
-
-class _StopTrimmer:
-    """The text a client sees: the pieces up to (not including) the first stop sequence, holding back
-    a tail that could still begin one (OpenAI never sends a stop sequence's text)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text, self.sent, self.stopped = "", 0, False
-
-    def feed(self, piece: str) -> str:
-        if self.stopped:
-            return ""
-        self.text += piece
-        window = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
-        end = min(hits) if hits else len(self.text) - self.hold
-        self.stopped = bool(hits)
-        out = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def flush(self) -> str:
-        out = "" if self.stopped else self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
+#: the session ids the endpoint gives new conversations begin with this
+NEW_SESSION_PREFIX = "oai-"
 
 
 class _LoopEvents:
@@ -221,23 +80,26 @@ class _LoopEvents:
 class OpenAIEndpoint:
     """The HTTP server of one head worker, on its own event loop thread."""
 
-    def __init__(self, servicer, host: str, port: int, forward: tuple[str, ...], max_in_flight: int,
-                 limits: HttpLimits = HttpLimits(), split_special_tokens: bool = False):
-        self.servicer, self.host, self.port = servicer, host, port
+    def __init__(self, generation: GenerationLoops, model, security: ServerSecurity, host: str, port: int,
+                 forward: tuple[str, ...], max_in_flight: int, limits: HttpLimits = HttpLimits(),
+                 split_special_tokens: bool = False):
+        # what the endpoint uses of its worker: the head's generation loop (its whole interface to the
+        # route), the model (tokenizer, template, vocabulary) and the worker's security (TLS, principals)
+        self.generation, self.model, self.security = generation, model, security
+        self.host, self.port = host, port
         self.forward = [pb.Hop(address=a) for a in forward]
         self.limits = limits
         self.max_in_flight, self.in_flight = max_in_flight, 0
         # one principal may hold all slots of a node it has to itself (no authentication: one principal),
         # half of them where tenants share it
         self.max_in_flight_per_principal = limits.max_in_flight_per_principal or (
-            max(1, max_in_flight // 2) if servicer.security.authenticated else max_in_flight)
+            max(1, max_in_flight // 2) if security.authenticated else max_in_flight)
         self.in_flight_by_principal: dict[str, int] = {}
-        model = servicer.model
         # a body that could not fit the context as tokens is refused by its length: text bytes never
         # exceed the body's (JSON escapes are longer than what they stand for), a token covers at most
         # the vocabulary's longest token's bytes
         self.max_token_bytes = _longest_token_bytes(model)
-        self.max_body_bytes = min(MAX_BODY_BYTES, servicer.manager.config.context_tokens * self.max_token_bytes
+        self.max_body_bytes = min(MAX_BODY_BYTES, generation.context_tokens * self.max_token_bytes
                                   + BODY_OVERHEAD_BYTES)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="http-tokenize")
         self.split_special_tokens = split_special_tokens  # message text never parsed as special tokens
@@ -265,7 +127,7 @@ class OpenAIEndpoint:
         handshake (the SNI callback runs with or without a server name) the files' times are
         compared, and a changed set is loaded into a new context the connection switches to (a
         file being rewritten keeps the last good context)."""
-        sec = self.servicer.security
+        sec = self.security
         if not sec.tls_cert:
             return None
         files = (sec.tls_cert, sec.tls_key, sec.tls_client_ca)
@@ -302,7 +164,7 @@ class OpenAIEndpoint:
 
     @property
     def scheme(self) -> str:
-        return "https" if self.servicer.security.tls_cert else "http"
+        return "https" if self.security.tls_cert else "http"
 
     def start(self) -> "OpenAIEndpoint":
         """Binds the port (OSError when it cannot) and serves on a thread of its own."""
@@ -412,7 +274,7 @@ class OpenAIEndpoint:
 
     def _too_large(self) -> HttpError:
         return HttpError(413, f"the request body is over {self.max_body_bytes} bytes: more than this worker's context "
-                              f"({self.servicer.manager.config.context_tokens} tokens) can hold",
+                              f"({self.generation.context_tokens} tokens) can hold",
                          code="context_length_exceeded")
 
     def _check_browser(self, request: web.Request) -> None:
@@ -425,7 +287,7 @@ class OpenAIEndpoint:
             ctype = request.headers.get("Content-Type", "")
             if ctype.split(";")[0].strip().lower() != "application/json":
                 raise HttpError(415, "Content-Type must be application/json", code="unsupported_media_type")
-        if self.servicer.security.tls_cert:
+        if self.security.tls_cert:
             return
         host = request.headers.get("Host")
         if host is None or not self._host_allowed(host):
@@ -447,7 +309,7 @@ class OpenAIEndpoint:
         return True
 
     def _principal(self, request: web.Request) -> str:
-        sec = self.servicer.security
+        sec = self.security
         if not sec.authenticated:
             return ANONYMOUS
         principal = None
@@ -472,7 +334,7 @@ class OpenAIEndpoint:
         return principal
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.servicer.stopping.is_set():
+        if self.generation.stopping:
             raise HttpError(503, "the worker is shutting down")
         return web.json_response({"status": "ok"})
 
@@ -514,7 +376,7 @@ class OpenAIEndpoint:
     async def _body(self, request: web.Request) -> dict:
         """The request's JSON object: its length checked before it is read, read within the body
         timeout, parsed with its depth bounded by Python's recursion limit (a 400, not a 500)."""
-        if self.servicer.stopping.is_set():
+        if self.generation.stopping:
             raise HttpError(503, "the worker is shutting down")
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise self._too_large()
@@ -535,10 +397,10 @@ class OpenAIEndpoint:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise HttpError(400, "model must be a string", "model")
-        if model and model not in (self.model_id, Path(self.servicer.model.path).name):
+        if model and model not in (self.model_id, Path(self.model.path).name):
             raise HttpError(404, f"the model {model!r} does not exist here; this route serves {self.model_id!r}",
                             "model", "model_not_found")
-        n = _number(body, "n", 1, 1 << 20, integer=True)
+        n = number(body, "n", 1, 1 << 20, integer=True)
         if n is not None and n != 1:
             raise HttpError(400, "n must be 1: a route generates one choice per request", "n")
         return body
@@ -580,8 +442,8 @@ class OpenAIEndpoint:
             if not isinstance(content, str):
                 raise HttpError(400, "a message's content must be a string or a list of text parts", "messages")
             rendered.append({"role": m["role"], "content": content})
-        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
-        logprobs = _flag(body, "logprobs")
+        top = number(body, "top_logprobs", 0, INT32_MAX, integer=True) or 0
+        logprobs = flag(body, "logprobs")
         if top and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -594,7 +456,8 @@ class OpenAIEndpoint:
             return self._tokenize(text)
 
         tokens = await self._off_loop(prompt_tokens)
-        return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top)
+        return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top,
+                                    param_names={})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         principal = self._principal(request)
@@ -609,7 +472,7 @@ class OpenAIEndpoint:
         if isinstance(prompt, str):
             tokens = await self._off_loop(self._tokenize, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            n_vocab = self.servicer.info.n_vocab
+            n_vocab = self.model.info.n_vocab
             if not all(0 <= t < n_vocab for t in prompt):
                 raise HttpError(400, f"a prompt token is outside the vocabulary (0..{n_vocab - 1})", "prompt")
             tokens = self._fits_context(list(prompt))
@@ -618,24 +481,24 @@ class OpenAIEndpoint:
         for name in ("echo", "suffix"):
             if body.get(name):
                 raise HttpError(400, f"{name} is not supported", name)
-        best_of = _number(body, "best_of", 1, 1 << 20, integer=True)
+        best_of = number(body, "best_of", 1, 1 << 20, integer=True)
         if best_of not in (None, 1):
             raise HttpError(400, "best_of must be 1", "best_of")
-        top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        top = number(body, "logprobs", 0, INT32_MAX, integer=True)
         return await self._generate(request, principal, body, tokens, chat=False, logprobs=top is not None,
-                                    top=top or 0)
+                                    top=top or 0, param_names={"top_logprobs": "logprobs"})
 
     def _tokenize(self, text: str) -> list[int]:
-        context = self.servicer.manager.config.context_tokens
+        context = self.generation.context_tokens
         try:
             probe = PROBE_CHARS_PER_TOKEN * context
             if len(text) > 2 * probe:  # a start that alone overflows the context ends it (a few tokens' slack
                 # for the cut: the start's tokens are the whole text's but for the last few)
-                n = len(self.servicer.model.tokenize(text[:probe]))
+                n = len(self.model.tokenize(text[:probe]))
                 if n > context + 8:
                     raise HttpError(400, f"the prompt is over {n - 8} tokens from its first {probe} characters; a "
                                          f"session here holds {context}", "prompt", "context_length_exceeded")
-            tokens = self.servicer.model.tokenize(text)
+            tokens = self.model.tokenize(text)
         except InvalidInputError as e:
             raise HttpError(400, str(e), "prompt") from None
         if not tokens:
@@ -650,7 +513,7 @@ class OpenAIEndpoint:
         and is cut around it, the cuts tokenized with special tokens parsed, the text without. A prompt
         without such text is tokenized in one piece, exactly as without the option. A template that
         changes such a text (trims, splits it) is refused: its marks could not be told from the text."""
-        model = self.servicer.model
+        model = self.model
         text = self.template.render(messages)
         if self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text):]
@@ -684,7 +547,7 @@ class OpenAIEndpoint:
         return self._fits_context(tokens)
 
     def _fits_context(self, tokens: list[int]) -> list[int]:
-        context = self.servicer.manager.config.context_tokens
+        context = self.generation.context_tokens
         if len(tokens) >= context:
             raise HttpError(400, f"the prompt is {len(tokens)} tokens; a session here holds {context}, the prompt "
                                  "and at least one generated token", "prompt", "context_length_exceeded")
@@ -694,7 +557,7 @@ class OpenAIEndpoint:
         """One token's own text (for logprobs), remembered."""
         piece = self._pieces.get(token)
         if piece is None:
-            piece = self._pieces[token] = self.servicer.model.detokenize([token])
+            piece = self._pieces[token] = self.model.detokenize([token])
             if len(self._pieces) > 4096:
                 self._pieces.popitem(last=False)
         return piece
@@ -710,149 +573,136 @@ class OpenAIEndpoint:
             if not 0 < len(pinned) <= 128 or not pinned.isprintable() or not pinned.isascii():
                 raise HttpError(400, "X-Session-Id must be 1 to 128 printable ASCII characters", "X-Session-Id")
             return pinned, 0
-        loops = self.servicer.generation
-        found = loops.longest_prefix(principal, tokens)
-        if found is None and self.servicer.owners.full(principal):
-            found = loops.least_recent(principal, "oai-")
-        return found if found is not None else (f"oai-{uuid.uuid4().hex}", 0)
+        found = self.generation.session_to_continue(principal, tokens, NEW_SESSION_PREFIX)
+        return found if found is not None else (f"{NEW_SESSION_PREFIX}{uuid.uuid4().hex}", 0)
 
     async def _generate(self, request: web.Request, principal: str, body: dict, tokens: list[int], *, chat: bool,
-                        logprobs: bool, top: int) -> web.StreamResponse:
-        max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
-        if max_tokens is None:
-            max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
-        stream_it = _flag(body, "stream")
+                        logprobs: bool, top: int, param_names: dict[str, str]) -> web.StreamResponse:
+        """Runs the request as a stream of the head's loop and answers it, streamed or whole."""
+        stream_it = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HttpError(400, "stream_options must be an object", "stream_options")
-        include_usage = _flag(options, "include_usage")
+        include_usage = flag(options, "include_usage")
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise HttpError(400, "user must be a string", "user")
-        stops = _stops(body)
-        stop_ids = [] if _flag(body, "ignore_eos") else self.eog[:64]  # ignore_eos: llama.cpp's extension
-        sampling = sampling_from(body, self.servicer.manager.config.context_tokens)
-        session_id, epoch = self._session(request, principal, tokens)
-        req = pb.GenerateRequest(session_id=session_id, route_epoch=epoch, prompt=tokens, sampling=sampling,
-                                 max_tokens=max_tokens or 0, stop_token_ids=stop_ids, stop=stops,
-                                 forward=self.forward, logprobs=logprobs, top_logprobs=top)
-        max_drafts = _number(body, "max_drafts", 0, MAX_DRAFTS, integer=True)  # speculation: 0 off, else up to k
-        if max_drafts is not None:
-            req.max_drafts = max_drafts
-        return await self._run(request, req, principal, chat=chat, stream_it=stream_it, include_usage=include_usage)
-
-    async def _run(self, request: web.Request, req: pb.GenerateRequest, principal: str, *, chat: bool,
-                   stream_it: bool, include_usage: bool) -> web.StreamResponse:
-        loops = self.servicer.generation
+        req = generate_request(body, tokens, self.generation.context_tokens, self.eog[:MAX_STOP_TOKENS],
+                               logprobs=logprobs, top=top)
+        req.session_id, req.route_epoch = self._session(request, principal, tokens)
+        req.forward.extend(self.forward)
         events = _LoopEvents(asyncio.get_running_loop())
-        stream = loops.open(principal, req, None, events=events)
-        if isinstance(stream, pb.GenerateFinal) and "already has a Generate stream" in stream.detail \
-                and request.headers.get("X-Session-Id") is None:
-            # another request took it first: choose again (that one is now running, so not it)
-            req.session_id, req.route_epoch = self._session(request, principal, list(req.prompt))
-            stream = loops.open(principal, req, None, events=events)
-        if isinstance(stream, pb.GenerateFinal):
-            raise HttpError(_OUTCOME_STATUS.get(stream.outcome, 503), stream.detail)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        trimmer = _StopTrimmer(list(req.stop))
-        stop_ids = set(req.stop_token_ids)
-        want_logprobs = req.logprobs or req.top_logprobs
-        response: web.StreamResponse | None = None
-        texts: list[str] = []
-        lp_items: list[tuple[int, float, list]] = []
-
-        def chunk(text: str | None, finish: str | None, lp: list | None) -> dict:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-                if lp is not None:
-                    choice["logprobs"] = self._chat_logprobs(lp)
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
-                        "choices": [choice]}
-            choice = {"index": 0, "text": text or "", "finish_reason": finish,
-                      "logprobs": self._completion_logprobs(lp) if lp is not None else None}
-            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
-                    "choices": [choice]}
-
-        async def send(obj: dict) -> None:
-            await self._write(request, response, b"data: " + json.dumps(obj).encode() + b"\n\n")
-
+        stream = self._open(request, principal, req, events, param_names)
+        fmt = CompletionFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                               self.model_id, chat, self._piece)
+        started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                       "X-Session-Id": req.session_id})
-                await response.prepare(request)
-                if chat:
-                    first = chunk(None, None, None)
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    await send(first)
-            while True:
-                event = await events.queue.get()
-                if event.HasField("final"):
-                    final = event.final
-                    break
-                if request.transport is None or request.transport.is_closing():
-                    stream.cancel("the client closed the connection")  # also without a write to fail
-                tok = event.token
-                text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
-                lp = [(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None
-                if stream_it:  # a chunk per token, its text empty while held back (a stop may begin there)
-                    await send(chunk(text, None, lp))
-                else:
-                    texts.append(text)
-                    if lp:
-                        lp_items.extend(lp)
-            tail = trimmer.flush() if final.finish_reason != "stop" else ""
-            if final.finish_reason in ("stop", "length"):
-                finish = final.finish_reason
-            elif final.finish_reason == "error" or not stream_it:
-                status = _OUTCOME_STATUS.get(final.outcome, 503 if final.outcome != pb.OUTCOME_INTERNAL else 500)
-                where = f" (stage {final.stage})" if final.stage else ""
-                error = HttpError(status, f"generation failed{where}: {final.detail}")
-                if not stream_it:
-                    raise error
-                await send(json.loads(error.response().body))
-                return response
-            else:  # cancelled or shutdown while streaming: end it as OpenAI ends a cut stream
-                finish = "length"
-            usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-                     "total_tokens": final.prompt_tokens + final.completion_tokens,
-                     "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
-                     # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
-                     # tail accepted (part of the completion) and those it rejected (computed, not sent)
-                     "completion_tokens_details": {
-                         "accepted_prediction_tokens": final.accepted_tokens,
-                         "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens}}
-            headers = {"X-Session-Id": req.session_id}
-            if stream_it:
-                await send(chunk(tail or None, finish, None))
-                if include_usage:
-                    await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": self.model_id, "choices": [], "usage": usage})
-                await self._write(request, response, b"data: [DONE]\n\n")
-                await response.write_eof()
-                return response
-            content = "".join(texts) + tail
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
-                          "logprobs": self._chat_logprobs(lp_items) if want_logprobs else None}
-                out = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
-                       "choices": [choice], "usage": usage}
-            else:
-                choice = {"index": 0, "text": content, "finish_reason": finish,
-                          "logprobs": self._completion_logprobs(lp_items) if want_logprobs else None}
-                out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
-                       "choices": [choice], "usage": usage}
-            return web.json_response(out, headers=headers)
+                return await self._streamed(request, req, stream, events, fmt, include_usage, started)
+            return await self._whole(request, req, stream, events, fmt)
         except ConnectionError:  # the client went away mid-stream: its stream stops at the next step
             stream.cancel("the client closed the connection")
-            return response
+            return started[0] if started else None
         except asyncio.CancelledError:
             stream.cancel("the client closed the connection")
             raise
         finally:
             stream.cancel("the request ended")  # a no-op once the stream is done
+
+    def _open(self, request: web.Request, principal: str, req: pb.GenerateRequest, events,
+              param_names: dict[str, str]) -> Stream:
+        """The request's running stream; the refusal's HttpError otherwise."""
+        stream = self.generation.open(principal, req, None, events=events)
+        if isinstance(stream, Refusal) and stream.reason is RefusalReason.SESSION_BUSY \
+                and request.headers.get("X-Session-Id") is None:
+            # another request took it first: choose again (that one is now running, so not it)
+            req.session_id, req.route_epoch = self._session(request, principal, list(req.prompt))
+            stream = self.generation.open(principal, req, None, events=events)
+        if isinstance(stream, Refusal):
+            raise refusal_error(stream, PARAM_NAMES | param_names)
+        return stream
+
+    @staticmethod
+    def _client_text(req: pb.GenerateRequest):
+        """What a client reads of each token event: (text, logprob items or None), text held back
+        where a stop sequence may begin and never including one."""
+        trimmer = StopTrimmer(list(req.stop))
+        stop_ids = set(req.stop_token_ids)
+        want_logprobs = req.logprobs or req.top_logprobs
+
+        def read(tok: pb.GeneratedToken) -> tuple[str, list | None]:
+            text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
+            return text, ([(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None)
+        return trimmer, read
+
+    @staticmethod
+    def _finish_reason(final: pb.GenerateFinal, streamed: bool) -> str | HttpError:
+        """OpenAI's finish_reason for a stream's end, or the error to answer instead."""
+        if final.finish_reason in ("stop", "length"):
+            return final.finish_reason
+        if final.finish_reason == "error" or not streamed:
+            where = f" (stage {final.stage})" if final.stage else ""
+            return HttpError(outcome_status(final.outcome), f"generation failed{where}: {final.detail}")
+        return "length"  # cancelled or shutdown while streaming: ended as OpenAI ends a cut stream
+
+    async def _streamed(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
+                        fmt: CompletionFormat, include_usage: bool, started: list) -> web.StreamResponse:
+        """Server-sent events: a chunk per token (its text empty while held back), the final chunk,
+        usage when asked, [DONE]; an error after the first byte is an error event."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Session-Id": req.session_id})
+        await response.prepare(request)
+        started.append(response)
+
+        async def send(obj: dict) -> None:
+            await self._write(request, response, b"data: " + json.dumps(obj).encode() + b"\n\n")
+        if fmt.chat:
+            await send(fmt.first_chunk())
+        trimmer, read = self._client_text(req)
+        while True:
+            event = await events.queue.get()
+            if event.HasField("final"):
+                break
+            if request.transport is None or request.transport.is_closing():
+                stream.cancel("the client closed the connection")  # also without a write to fail
+            text, lp = read(event.token)
+            await send(fmt.chunk(text, None, lp))
+        final = event.final
+        finish = self._finish_reason(final, streamed=True)
+        if isinstance(finish, HttpError):
+            await send(json.loads(finish.response().body))
+            return response
+        tail = trimmer.flush() if final.finish_reason != "stop" else ""
+        await send(fmt.chunk(tail or None, finish, None))
+        if include_usage:
+            await send(fmt.usage_chunk(fmt.usage(final)))
+        await self._write(request, response, b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _whole(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
+                     fmt: CompletionFormat) -> web.Response:
+        """One JSON answer once the stream has ended (a closed connection is seen at the next token)."""
+        trimmer, read = self._client_text(req)
+        texts: list[str] = []
+        lp_items: list | None = [] if req.logprobs or req.top_logprobs else None
+        while True:
+            event = await events.queue.get()
+            if event.HasField("final"):
+                break
+            if request.transport is None or request.transport.is_closing():
+                stream.cancel("the client closed the connection")
+            text, lp = read(event.token)
+            texts.append(text)
+            if lp:
+                lp_items.extend(lp)
+        final = event.final
+        finish = self._finish_reason(final, streamed=False)
+        if isinstance(finish, HttpError):
+            raise finish
+        tail = trimmer.flush() if final.finish_reason != "stop" else ""
+        return web.json_response(fmt.whole("".join(texts) + tail, finish, lp_items, fmt.usage(final)),
+                                 headers={"X-Session-Id": req.session_id})
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
         """A stream's write. A client that stops reading is dropped by the guard's sweep once its unsent
@@ -860,22 +710,11 @@ class OpenAIEndpoint:
         pending write then fails (ConnectionError) and the stream stops at the next step."""
         await response.write(data)
 
-    def _chat_logprobs(self, items: list) -> dict:
-        def entry(token: int, logprob: float) -> dict:
-            text = self._piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]}
-                            for t, lp, alts in items]}
-
-    def _completion_logprobs(self, items: list) -> dict:
-        return {"tokens": [self._piece(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
-                "top_logprobs": [{self._piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
-
 
 def _longest_token_bytes(model) -> int:
     """The most bytes any token of the model's vocabulary stands for (its text in the GGUF, which is at
     least its bytes: byte-level and SentencePiece spellings are never shorter than what they spell)."""
-    from ..engine.models import gguf_token_texts  # noqa: PLC0415 - only an HTTP worker needs it
+    from ...engine.models import gguf_token_texts  # noqa: PLC0415 - only an HTTP worker needs it
 
     texts = gguf_token_texts(model.path)
     return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) or 256

@@ -1,0 +1,63 @@
+"""The engine's Prometheus metrics, read at scrape time (serve --metrics-port)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from ..engine.manager import HotKvStateManager
+
+
+class EngineCollector:
+    """Reads the engine's counters at scrape time: nothing to keep in sync on the hot path."""
+
+    def __init__(self, manager: HotKvStateManager, labels: dict[str, str]):
+        self.manager = manager
+        self.labels = labels
+
+    def collect(self):
+        st = self.manager.stats()
+        names, values = list(self.labels), list(self.labels.values())
+        for name, key, doc in [("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
+                               ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
+                               ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
+                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)"),
+                               ("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
+                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
+                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
+                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
+                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files"),
+                               ("llama_shard_prefix_entries", "prefix_entries", "Shared prefixes held (--prefix-memory)"),
+                               ("llama_shard_prefix_bytes", "prefix_bytes", "Bytes the prefix store holds"),
+                               ("llama_shard_prefix_capacity_bytes", "prefix_capacity", "The prefix store's bound")]:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, st[key])
+            yield g
+        ev = CounterMetricFamily("llama_shard_evictions", "Sessions evicted, by reason", labels=names + ["reason"])
+        ev.add_metric(values + ["ttl"], st["evictions_ttl"])
+        ev.add_metric(values + ["lru"], st["evictions_lru"])
+        yield ev
+        ms = CounterMetricFamily("llama_shard_cache_misses", "Cache misses returned, by reason", labels=names + ["reason"])
+        for reason, n in st["misses"].items():
+            ms.add_metric(values + [reason], n)
+        yield ms
+        for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
+                               ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
+                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
+                               ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
+                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)"),
+                               ("llama_shard_prefix_hits", "prefix_hits", "Sessions opened from a stored shared prefix"),
+                               ("llama_shard_prefix_tokens_saved", "prefix_tokens_saved", "Tokens those sessions did not compute"),
+                               ("llama_shard_prefix_stores", "prefix_stores", "Shared prefixes stored"),
+                               ("llama_shard_prefix_evictions", "prefix_evictions", "Shared prefixes dropped to make room")]:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, st[key])
+            yield c
+        h = HistogramMetricFamily("llama_shard_restore_seconds", "Time to restore a warm session's KV", labels=names)
+        cumulative, buckets = 0, []
+        for le, n in st["restore_buckets"]:
+            cumulative += n
+            buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
+        h.add_metric(values, buckets, st["restore_seconds"])
+        yield h

@@ -1,0 +1,94 @@
+"""What a client reads: the text up to a stop sequence, and OpenAI's chunk, completion and logprob
+shapes."""
+from __future__ import annotations
+
+
+class StopTrimmer:
+    """The text a client sees: the pieces up to (not including) the first stop sequence, holding back
+    a tail that could still begin one (OpenAI never sends a stop sequence's text)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        window = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
+        end = min(hits) if hits else len(self.text) - self.hold
+        self.stopped = bool(hits)
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def flush(self) -> str:
+        out = "" if self.stopped else self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+class CompletionFormat:
+    """OpenAI's shapes for one request's answer: streamed chunks, the whole completion, usage and
+    logprobs, for /v1/chat/completions (`chat`) or /v1/completions. `piece`: one token's own text."""
+
+    def __init__(self, rid: str, created: int, model_id: str, chat: bool, piece):
+        self.rid, self.created, self.model_id, self.chat, self.piece = rid, created, model_id, chat, piece
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def first_chunk(self) -> dict:
+        """A chat stream's first chunk: the assistant's role."""
+        out = self.chunk(None, None, None)
+        out["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return out
+
+    def chunk(self, text: str | None, finish: str | None, lp: list | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+            if lp is not None:
+                choice["logprobs"] = self.chat_logprobs(lp)
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": self.completion_logprobs(lp) if lp is not None else None}
+        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
+                "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
+                "choices": [], "usage": usage}
+
+    def whole(self, content: str, finish: str, lp_items: list | None, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+                      "logprobs": self.chat_logprobs(lp_items) if lp_items is not None else None}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": finish,
+                      "logprobs": self.completion_logprobs(lp_items) if lp_items is not None else None}
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model_id,
+                "choices": [choice], "usage": usage}
+
+    @staticmethod
+    def usage(final) -> dict:
+        """A GenerateFinal's counts in OpenAI's usage object."""
+        return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+                "total_tokens": final.prompt_tokens + final.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+                # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
+                # tail accepted (part of the completion) and those it rejected (computed, not sent)
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": final.accepted_tokens,
+                    "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens}}
+
+    def chat_logprobs(self, items: list) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text = self.piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]}
+                            for t, lp, alts in items]}
+
+    def completion_logprobs(self, items: list) -> dict:
+        return {"tokens": [self.piece(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [{self.piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}

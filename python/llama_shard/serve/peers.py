@@ -1,0 +1,79 @@
+"""The workers a worker forwards chained steps to (serve --peer), and the metadata a forwarded step
+carries (the workers it passed through; the principal it is sent for, with the head's assertion)."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from ..engine.hot_kv import StepKind
+from ..proto import shard_pb2 as pb
+from ..proto import shard_pb2_grpc as pb_grpc
+from ..proto.credentials import ClientSecurity
+from ..proto.wire import RECONNECT_OPTIONS
+from .security import ANONYMOUS, ON_BEHALF_OF, ON_BEHALF_OF_SIG
+
+#: the most hops a chained step may name after this worker, whatever the model (a route has no more
+#: stages after a shard than layers after it, and fewer than this in any deployment we know of)
+MAX_FORWARD_HOPS = 32
+#: the workers a forwarded step has passed through (their random ids, comma-separated): a worker
+#: that finds its own id there refuses the step, whatever address the loop went through
+VISITED = "llama-shard-visited"
+
+
+class Peers:
+    """The workers this one may forward chained steps to (serve --peer), one channel each, opened
+    on first use. Addresses are compared exactly as the operator wrote them. `sign`: this worker's
+    assertion of a principal it authenticated itself (ServerSecurity.assertion)."""
+
+    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity(),
+                 sign=lambda principal: None):
+        self.allowed = frozenset(allowed)
+        self.security = security
+        self.sign = sign
+        self._options = [("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS]
+        self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> pb_grpc.ShardServiceStub:
+        assert address in self.allowed
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                channel = self.security.channel(address, self._options)
+                self._channels.append(channel)
+                stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
+            return stub
+
+    def call(self, address: str, steps: list[tuple], forward: list, timeout: float, batch: bool,
+             principal: str = ANONYMOUS, visited: tuple[str, ...] = (), assertion: bytes | None = None) -> list:
+        """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
+        that came alone, else StepBatch, for `principal`, through the workers `visited`; raises
+        grpc.RpcError when the peer fails. `assertion`: the one a forwarded step came with (passed
+        on unchanged); None: this worker is the head and signs for the principal itself."""
+        stub = self._stub(address)
+        metadata = [(VISITED, ",".join(visited))]
+        if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
+            metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
+            signed = assertion if assertion is not None else self.sign(principal)
+            if signed is not None:
+                metadata.append((ON_BEHALF_OF_SIG, signed))
+        if not batch and len(steps) == 1:
+            kind, req = steps[0]
+            del req.forward[:]  # a retry sends the same hops once
+            req.forward.extend(forward)
+            method = stub.Prefill if kind == StepKind.PREFILL else stub.Decode
+            return [method(req, timeout=timeout, metadata=metadata)]
+        kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
+        request = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[k], step=r) for k, r in steps], forward=forward)
+        replies = list(stub.StepBatch(request, timeout=timeout, metadata=metadata).replies)
+        if len(replies) != len(steps):
+            detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
+            return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
+        return replies
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
