@@ -60,8 +60,8 @@ def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
     assert res.returncode == 2 and "cannot bind" in res.stderr
     env_res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model)],
                              capture_output=True, text=True, timeout=120,
-                             env={**__import__("os").environ, "MESHNET_HOT_KV_MAX_SESSIONS": "lots"})
-    assert env_res.returncode == 2 and "MESHNET_HOT_KV_MAX_SESSIONS" in env_res.stderr
+                             env={**__import__("os").environ, "LLAMA_SHARD_MAX_SESSIONS": "lots"})
+    assert env_res.returncode == 2 and "LLAMA_SHARD_MAX_SESSIONS" in env_res.stderr
 
 
 def test_inspect_prints_the_memory_plan(synthetic_model):
@@ -100,9 +100,9 @@ def test_serve_flash_attention_flag_and_its_environment_default(synthetic_model,
 
     assert config().flash_attn is True
     assert config("--flash-attn", "off").flash_attn is False
-    monkeypatch.setenv("MESHNET_HOT_KV_FLASH_ATTN", "off")
+    monkeypatch.setenv("LLAMA_SHARD_FLASH_ATTN", "off")
     assert config().flash_attn is False and config("--flash-attn", "on").flash_attn is True
-    monkeypatch.delenv("MESHNET_HOT_KV_FLASH_ATTN")
+    monkeypatch.delenv("LLAMA_SHARD_FLASH_ATTN")
     head32 = write_synthetic_gguf(tmp_path / "head32.gguf", SyntheticSpec(n_layer=3, n_embd=64, n_head=2, n_head_kv=1))
     res = run_cli("serve", "--model", str(head32), "--flash-attn", "off", "--kv-type", "q8_0")
     assert res.returncode == 2 and "needs flash_attn" in res.stderr, res.stderr

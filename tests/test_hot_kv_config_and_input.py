@@ -9,13 +9,21 @@ from llama_shard import HotKvStateConfig, InvalidInputError
 
 
 def test_config_from_env_reads_every_variable():
-    env = {"MESHNET_HOT_KV_MAX_SESSIONS": "12", "MESHNET_HOT_KV_CONTEXT_TOKENS": "1024",
-           "MESHNET_HOT_KV_BUDGET_TOKENS": "4096", "MESHNET_HOT_KV_TTL_SECONDS": "2.5"}
+    env = {"LLAMA_SHARD_MAX_SESSIONS": "12", "LLAMA_SHARD_CONTEXT_TOKENS": "1024",
+           "LLAMA_SHARD_BUDGET_TOKENS": "4096", "LLAMA_SHARD_TTL_SECONDS": "2.5"}
     assert HotKvStateConfig.from_env(env) == HotKvStateConfig(max_sessions=12, context_tokens=1024,
                                                               budget_tokens=4096, ttl_seconds=2.5)
     assert HotKvStateConfig.from_env({}) == HotKvStateConfig()
-    assert HotKvStateConfig.from_env({"MESHNET_HOT_KV_FLASH_ATTN": "off"}).flash_attn is False
-    assert HotKvStateConfig.from_env({"MESHNET_HOT_KV_FLASH_ATTN": "On"}).flash_attn is True
+    assert HotKvStateConfig.from_env({"LLAMA_SHARD_FLASH_ATTN": "off"}).flash_attn is False
+    assert HotKvStateConfig.from_env({"LLAMA_SHARD_FLASH_ATTN": "On"}).flash_attn is True
+
+
+def test_the_old_environment_names_are_read_with_a_warning_and_the_new_ones_win(capsys):
+    old = HotKvStateConfig.from_env({"MESHNET_HOT_KV_MAX_SESSIONS": "12"})
+    assert old.max_sessions == 12
+    assert "MESHNET_HOT_KV_MAX_SESSIONS is deprecated; set LLAMA_SHARD_MAX_SESSIONS" in capsys.readouterr().err
+    both = HotKvStateConfig.from_env({"MESHNET_HOT_KV_MAX_SESSIONS": "12", "LLAMA_SHARD_MAX_SESSIONS": "3"})
+    assert both.max_sessions == 3 and capsys.readouterr().err == ""
 
 
 def test_flash_attention_is_a_checked_setting_of_the_cache_recipe(synthetic_model):
@@ -38,17 +46,17 @@ def test_flash_attention_is_a_checked_setting_of_the_cache_recipe(synthetic_mode
 
 
 @pytest.mark.parametrize("key,value", [
-    ("MESHNET_HOT_KV_MAX_SESSIONS", "many"), ("MESHNET_HOT_KV_MAX_SESSIONS", "0"), ("MESHNET_HOT_KV_MAX_SESSIONS", "1000"),
-    ("MESHNET_HOT_KV_CONTEXT_TOKENS", "-5"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "1.5"), ("MESHNET_HOT_KV_TTL_SECONDS", "nan"),
-    ("MESHNET_HOT_KV_TTL_SECONDS", "-1"), ("MESHNET_HOT_KV_BUDGET_TOKENS", "99999999999"),
-    ("MESHNET_HOT_KV_CONTEXT_TOKENS", "1048577"), ("MESHNET_HOT_KV_CONTEXT_TOKENS", "2147483648"),
-    ("MESHNET_HOT_KV_WARM_BYTES", "-1"), ("MESHNET_HOT_KV_WARM_BYTES", "lots"), ("MESHNET_HOT_KV_WARM_DISK_BYTES", "-3"),
-    ("MESHNET_HOT_KV_WARM_TTL_SECONDS", "inf"), ("MESHNET_HOT_KV_KV_TYPE", "f64"), ("MESHNET_HOT_KV_FLASH_ATTN", "maybe"),
+    ("LLAMA_SHARD_MAX_SESSIONS", "many"), ("LLAMA_SHARD_MAX_SESSIONS", "0"), ("LLAMA_SHARD_MAX_SESSIONS", "1000"),
+    ("LLAMA_SHARD_CONTEXT_TOKENS", "-5"), ("LLAMA_SHARD_BUDGET_TOKENS", "1.5"), ("LLAMA_SHARD_TTL_SECONDS", "nan"),
+    ("LLAMA_SHARD_TTL_SECONDS", "-1"), ("LLAMA_SHARD_BUDGET_TOKENS", "99999999999"),
+    ("LLAMA_SHARD_CONTEXT_TOKENS", "1048577"), ("LLAMA_SHARD_CONTEXT_TOKENS", "2147483648"),
+    ("LLAMA_SHARD_WARM_BYTES", "-1"), ("LLAMA_SHARD_WARM_BYTES", "lots"), ("LLAMA_SHARD_WARM_DISK_BYTES", "-3"),
+    ("LLAMA_SHARD_WARM_TTL_SECONDS", "inf"), ("LLAMA_SHARD_KV_TYPE", "f64"), ("LLAMA_SHARD_FLASH_ATTN", "maybe"),
 ])
 def test_bad_env_value_is_a_clear_startup_error(key, value):
     with pytest.raises(InvalidInputError) as e:
         HotKvStateConfig.from_env({key: value})
-    assert key.split("MESHNET_HOT_KV_")[1].lower() in str(e.value) or key in str(e.value)
+    assert key.split("LLAMA_SHARD_")[1].lower() in str(e.value) or key in str(e.value)
 
 
 CASES = """

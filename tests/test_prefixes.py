@@ -403,13 +403,17 @@ def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
                                         prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), timeout=30)
     assert reply.outcome == pb.OUTCOME_OK and shared.info(0).prefix_stores == before.prefix_stores + 1
     # a tail asked to open a prefix it never stored: a miss, nothing changed
+    tail_before = shared.info(1)
     hidden = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 576], data=np.zeros(576, np.float32).tobytes())
     reply = tail.Prefill(pb.StepRequest(session_id="t", hidden=hidden, position=256,
                                         prefix=pb.PrefixPlan(keys=[12345], open_tokens=256)), timeout=30)
     assert reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == "PREFIX_EVICTED"
     resolved = tail.Resolve(pb.SessionRequest(session_id="t"), timeout=10)
     assert resolved.outcome == pb.OUTCOME_CACHE_MISS and resolved.miss_reason == "UNKNOWN_SESSION"
-    assert shared.info(0).n_layer == 30 and shared.info(1).live_sessions >= 0  # both still serve
+    tail_after = shared.info(1)  # the tail still serves, and the refused step left no session or token behind
+    assert (tail_after.live_sessions, tail_after.reserved_tokens) == (tail_before.live_sessions,
+                                                                     tail_before.reserved_tokens)
+    assert shared.info(0).n_layer == 30
 
 
 @pytest.mark.model

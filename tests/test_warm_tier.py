@@ -217,13 +217,13 @@ def test_sizes_and_the_memory_plan(synthetic_model):
 
 
 def test_warm_config_from_env():
-    env = {"MESHNET_HOT_KV_WARM_BYTES": "256MiB", "MESHNET_HOT_KV_KV_TYPE": "Q8_0", "MESHNET_HOT_KV_WARM_TTL_SECONDS": "60"}
+    env = {"LLAMA_SHARD_WARM_BYTES": "256MiB", "LLAMA_SHARD_KV_TYPE": "Q8_0", "LLAMA_SHARD_WARM_TTL_SECONDS": "60"}
     cfg = HotKvStateConfig.from_env(env)
     assert (cfg.warm_bytes, cfg.kv_type, cfg.warm_ttl_seconds) == (256 << 20, "q8_0", 60.0)
     with pytest.raises(InvalidInputError):
-        HotKvStateConfig.from_env({"MESHNET_HOT_KV_KV_TYPE": "f8"})
+        HotKvStateConfig.from_env({"LLAMA_SHARD_KV_TYPE": "f8"})
     with pytest.raises(InvalidInputError):
-        HotKvStateConfig.from_env({"MESHNET_HOT_KV_WARM_BYTES": "lots"})
+        HotKvStateConfig.from_env({"LLAMA_SHARD_WARM_BYTES": "lots"})
 
 
 # --- the disk tier -----------------------------------------------------------------------------

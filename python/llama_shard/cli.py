@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import secrets
 import sys
@@ -29,7 +30,7 @@ from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
 from .serve.openai.guard import HttpLimits, raise_open_file_limit
-from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS
+from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
 from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
@@ -110,20 +111,15 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     return 0
 
 
-SAMPLING_FLAGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                  ("repeat_last_n", "penalty_last_n"), ("repeat_penalty", "penalty_repeat"),
-                  ("frequency_penalty", "penalty_freq"), ("presence_penalty", "penalty_present"))
-
-
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, announce: bool = True):
     """SamplingParams from the sampling flags (None: greedy, no flag given); a sampler without
     --seed gets a random one, printed so the run can be repeated."""
-    given = {name: getattr(args, flag) for flag, name in SAMPLING_FLAGS if getattr(args, flag) is not None}
+    given = {p.native: _flag_value(args, p.flag) for p in SAMPLING_PARAMETERS if _flag_value(args, p.flag) is not None}
     if not given and args.seed is None:
         return None
     from ._native import SamplingParams
     seed = args.seed if args.seed is not None else secrets.randbelow(0xFFFFFFFF)
-    if args.seed is None:
+    if args.seed is None and announce:
         _status(f"sampling with seed {seed} (--seed {seed} repeats this run)")
     return SamplingParams(seed=seed, **given)
 
@@ -148,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         split = None
     else:
         split = parse_split(args.split)
-    pipe = LocalPipeline(path, split, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
+    pipe = LocalPipeline(path, split, n_ctx=args.context_tokens, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
                          device=args.device)
     desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
     _status(f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
@@ -168,12 +164,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sampling is not None:
         from ._native import TokenSampler
         window = sampling.penalty_last_n
-        sampler = TokenSampler(pipe.head.info.n_vocab, sampling, args.ctx, history=prompt[-window:] if window else [])
+        sampler = TokenSampler(pipe.head.info.n_vocab, sampling, args.context_tokens, history=prompt[-window:] if window else [])
     for token, logits in pipe.generate(prompt, args.max_tokens, stop=(eos,) if eos >= 0 else (), sampler=sampler):
         if token == eos:
             break
         tokens.append(token)
-        if args.verify:
+        if args.compare_whole:
             logits_seen.append(logits)
         text = pipe.head.detokenize(tokens)
         if text.startswith(printed):  # print only complete characters
@@ -184,8 +180,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     _status(f"{len(tokens)} tokens in {dt:.2f}s ({len(tokens) / dt if dt > 0 else 0:.1f} tokens/s, prompt {len(prompt)} tokens)")
 
-    if args.verify:
-        whole = LocalPipeline(path, None, n_ctx=args.ctx, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
+    if args.compare_whole:
+        whole = LocalPipeline(path, None, n_ctx=args.context_tokens, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
                               device=args.device)  # the same backend: split = whole to the bit
         ref = list(whole.generate(prompt, len(tokens)))
         same_tokens = [t for t, _ in ref] == tokens
@@ -261,7 +257,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.memory import memory_plan
     from .engine.models import gguf_shape
 
-    if (args.device != "cpu" or args.gpu_layers != -1) and not args.memory:
+    if (args.device != "cpu" or args.gpu_layers != -1) and not args.kv_memory:
         raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --memory too")
     path = _model_path(args.path)
     shape = gguf_shape(path)
@@ -293,15 +289,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"suggested {n_shards}-shard split: " + ",".join(f"{a}-{b}" for a, b in bounds))
     cut = compute_balanced_cut(path)
     print(f"compute-balanced 2-shard split (the tail also runs the LM head): 0-{cut - 1},{cut}-{n_layer - 1}")
-    if args.memory:
+    if args.kv_memory:
         first, last = (0, n_layer - 1) if args.layers in (None, "all") else parse_split(args.layers)[0]
         try:
-            kv_memory, warm = parse_size(args.memory), parse_size(args.warm_memory or 0)
+            kv_memory, warm = parse_size(args.kv_memory), parse_size(args.warm_memory or 0)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         plan = memory_plan(shape.range_info(first, last), kv_memory, args.context_tokens, kv_type=args.kv_type,
                            warm_bytes=warm)
-        print(f"memory plan for layers {first}-{last} with {args.memory} of KV memory:")
+        print(f"memory plan for layers {first}-{last} with {args.kv_memory} of KV memory:")
         print("  " + plan.describe().replace("\n", "\n  "))
         if args.device != "cpu":
             layers = None if args.layers in (None, "all") else (first, last)
@@ -312,13 +308,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
-    """The HotKvStateConfig and memory plan of `serve`: flags over MESHNET_HOT_KV_* over defaults;
+    """The HotKvStateConfig and memory plan of `serve`: flags over LLAMA_SHARD_* over defaults;
     --kv-memory sizes max_sessions."""
     from .engine.hot_kv import HotKvStateConfig, parse_size
     from .engine.memory import draft_model_plan, memory_plan
     from .engine.models import gguf_shape
 
-    env_set = HotKvStateConfig.env_values()  # MESHNET_HOT_KV_* are the defaults; flags override them
+    env_set = HotKvStateConfig.env_values()  # LLAMA_SHARD_* are the defaults; flags override them
     env = HotKvStateConfig.from_env_values(env_set)  # ... and must make a valid configuration on their own
     pick = lambda flag, default: flag if flag is not None else default  # noqa: E731
     try:
@@ -413,7 +409,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        http_limits=http_limits, http_split_special_tokens=args.http_split_special_tokens,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
-                                       verify=args.verify))
+                                       verify=args.draft_verify))
     _status(f"device: {_device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()
@@ -470,6 +466,58 @@ TOKENS = _count(1)
 CONTEXT_TOKENS = _count(1, MAX_CONTEXT_TOKENS)  # one session's tokens
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def _int32(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -(1 << 31) <= value < 1 << 31:
+        raise argparse.ArgumentTypeError(f"{value} does not fit a 32-bit integer")
+    return value
+
+
+def _flag_value(args: argparse.Namespace, flag: str):
+    return getattr(args, flag.lstrip("-").replace("-", "_"))
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling flags against the native check (its ranges, the only ones), before a model loads;
+    the vocabulary's bound on --top-k is checked again once the model is known."""
+    params = _sampling(args, announce=False)
+    if params is None:
+        return
+    problem = sampling_problem(params, 1 << 30, MAX_CONTEXT_TOKENS)
+    if problem is not None:
+        raise InvalidInputError(f"{problem[0].flag}: {problem[1]}")
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag, kept for one release: it sets the new flag's value and says so."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _status(f"llama-shard: {option_string} is deprecated; use {self.new}")
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def _deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    parser.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedAlias, new=new,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
 def _server_security_flags(sv: argparse.ArgumentParser) -> None:
     s = sv.add_argument_group("security (README: three set-ups)")
     s.add_argument("--tls-cert", metavar="PATH", help="this worker's certificate chain (PEM); re-read when it changes")
@@ -503,10 +551,7 @@ def _client_security_flags(p: argparse.ArgumentParser, prefix: str) -> None:
     s.add_argument(f"--{prefix}token-file", metavar="PATH", help="a file holding the bearer token to send")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp.")
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generation through an in-process split of a model, or a route of workers (--route)")
     g.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--split", default="half", help="layer ranges, e.g. 0-14,15-29; 'half' (default) or 'whole'")
@@ -515,9 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=THREADS, default=None)
     g.add_argument("--device", default="cpu", metavar="cpu|auto|NAME",
                    help="where an in-process split's layers run (default cpu; serve --device says more)")
-    g.add_argument("--ctx", type=TOKENS, default=2048, help="KV cells per shard")
+    g.add_argument("--context-tokens", type=TOKENS, default=2048, help="KV cells per shard (serve's name)")
+    _deprecated_alias(g, "--ctx", "--context-tokens", type=TOKENS)
     g.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="tokens per forward call")
-    g.add_argument("--verify", action="store_true", help="also run the whole model and compare tokens and logits bit for bit")
+    g.add_argument("--compare-whole", action="store_true",
+                   help="also run the whole model and compare tokens and logits bit for bit")
+    _deprecated_alias(g, "--verify", "--compare-whole", nargs=0)
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
     g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
     g.add_argument("--max-drafts", type=_count(0, MAX_DRAFTS), default=None, metavar="K",
@@ -525,18 +573,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the head's --max-drafts)")
     sm = g.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature, "
                               "then a seeded draw; without these flags: greedy; an unset one is off)")
-    sm.add_argument("--temperature", type=float, help="0: the largest logit; else 0.001..100")
-    sm.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off)")
-    sm.add_argument("--top-p", type=float, help="keep the most likely tokens up to this probability mass (0, 1]")
-    sm.add_argument("--min-p", type=float, help="drop tokens less likely than this fraction of the best [0, 1]")
-    sm.add_argument("--repeat-penalty", type=float, help="divide repeated tokens' logits (1: off)")
-    sm.add_argument("--frequency-penalty", type=float, help="subtract per repetition (0: off)")
-    sm.add_argument("--presence-penalty", type=float, help="subtract once per repeated token (0: off)")
-    sm.add_argument("--repeat-last-n", type=int, help="the window of tokens the penalties see (default 64)")
+    # the ranges are the native check's (SamplingParams.problem), asked as soon as the flags are parsed
+    helps = {"temperature": "0: the largest logit; else 0.001..100", "top_k": "keep the k most likely tokens (0: off)",
+             "top_p": "keep the most likely tokens up to this probability mass (0, 1]",
+             "min_p": "drop tokens less likely than this fraction of the best [0, 1]",
+             "penalty_last_n": "the window of tokens the penalties see (default 64)",
+             "penalty_repeat": "divide repeated tokens' logits (1: off)",
+             "penalty_freq": "subtract per repetition (0: off)", "penalty_present": "subtract once per repeated token (0: off)"}
+    for p in SAMPLING_PARAMETERS:
+        sm.add_argument(p.flag, type=_int32 if p.integer else _finite, help=helps[p.native])
     sm.add_argument("--seed", type=_count(0, 0xFFFFFFFE), help="the sampler's seed (default: a random one, printed)")
     _client_security_flags(g, "")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, check=_check_sampling_flags)
 
+
+def _serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="serve a layer range over gRPC")
     sv.add_argument("--model", help="GGUF file (default: the embedded model)")
     sv.add_argument("--layers", help="owned layers FIRST-LAST (default: all)")
@@ -545,6 +596,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--http-port", type=_port, default=None,
                     help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions) on this port, same "
                          "host, TLS and tokens as gRPC; the route is this worker then its --peer workers in order")
+    _http_flags(sv)
+    _device_flags(sv)
+    _engine_flags(sv)
+    _speculation_flags(sv)
+    sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
+                    help="K/V element type (default: LLAMA_SHARD_KV_TYPE or f16); every shard of a route must agree")
+    sv.add_argument("--flash-attn", choices=("on", "off"), default=None,
+                    help="llama.cpp's flash attention (default: LLAMA_SHARD_FLASH_ATTN or on, llama.cpp's CPU "
+                         "default); off is f16 only and, on some CPUs, much faster for sessions holding hundreds of "
+                         "tokens (docs/benchmarks.md); the logits round differently, so every shard of a route "
+                         "should agree; part of the cache layout: a restart with the other setting deletes the "
+                         "--warm-dir files")
+    _server_security_flags(sv)
+    _client_security_flags(sv, "peer-")
+    sv.set_defaults(func=cmd_serve)
+
+
+def _http_flags(sv: argparse.ArgumentParser) -> None:
     lim = HttpLimits()
     sv.add_argument("--http-header-timeout", type=_positive_seconds, default=lim.header_timeout_s, metavar="S",
                     help="a connection's TLS handshake and request headers must arrive within S seconds (from accept; "
@@ -573,6 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-host", default="127.0.0.1",
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "
                          "so another address needs --insecure)")
+
+
+def _device_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--threads", type=THREADS, default=None)
     sv.add_argument("--device", default=os.environ.get("LLAMA_SHARD_DEVICE") or "auto", metavar="auto|cpu|NAME|list",
                     help="where the owned layers and their KV run (default: LLAMA_SHARD_DEVICE or auto): 'auto': the "
@@ -582,13 +654,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=None, metavar="N",
                     help="owned layers on the device, the first N of the range (default: all of them, and a tail's "
                          "output layer with them; 0: the CPU)")
+
+
+def _engine_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
     sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
                     help="the longest a chained step may hold this worker, whatever the caller's deadline "
                          f"(default {DEFAULT_MAX_HOP_S:g})")
-    sv.add_argument("--batch", type=_count(MAX_DRAFTS + 1, 1 << 16), default=_DEFAULTS.engine_config().n_batch,
-                    help=f"most tokens per llama_decode (at least {MAX_DRAFTS + 1}: a verification of {MAX_DRAFTS} drafts)")
+    sv.add_argument("--batch", type=_count(MIN_BATCH_TOKENS, 1 << 16), default=_DEFAULTS.engine_config().n_batch,
+                    help=f"most tokens per llama_decode (at least {MIN_BATCH_TOKENS}: a verification of {MAX_DRAFTS} drafts)")
     sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,
@@ -597,31 +672,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most tokens of one prompt per engine step while other sessions wait")
     sv.add_argument("--kv-memory", metavar="SIZE", default=None,
                     help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
-    sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help=f"hot slots; default: MESHNET_HOT_KV_MAX_SESSIONS or {_DEFAULTS.max_sessions}")
-    sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help=f"default: MESHNET_HOT_KV_CONTEXT_TOKENS or {_DEFAULTS.context_tokens}")
+    sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help=f"hot slots; default: LLAMA_SHARD_MAX_SESSIONS or {_DEFAULTS.max_sessions}")
+    sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help=f"default: LLAMA_SHARD_CONTEXT_TOKENS or {_DEFAULTS.context_tokens}")
     sv.add_argument("--budget-tokens", type=TOKENS, default=None,
-                    help="cap on tokens held hot; default: MESHNET_HOT_KV_BUDGET_TOKENS or slots x context")
-    sv.add_argument("--ttl", type=_seconds, default=None, help=f"seconds; default: MESHNET_HOT_KV_TTL_SECONDS or {_DEFAULTS.ttl_seconds:g}")
+                    help="cap on tokens held hot; default: LLAMA_SHARD_BUDGET_TOKENS or slots x context")
+    sv.add_argument("--ttl", type=_seconds, default=None, help=f"seconds; default: LLAMA_SHARD_TTL_SECONDS or {_DEFAULTS.ttl_seconds:g}")
     sv.add_argument("--sweep-seconds", type=_seconds, default=10.0,
                     help="how often idle sessions are checked against --ttl and --warm-ttl (0: only when requests arrive)")
     sv.add_argument("--warm-memory", metavar="SIZE", default=None,
-                    help="host memory for evicted sessions' KV (default: MESHNET_HOT_KV_WARM_BYTES or 0, off)")
+                    help="host memory for evicted sessions' KV (default: LLAMA_SHARD_WARM_BYTES or 0, off)")
     sv.add_argument("--warm-dir", metavar="PATH", default=None,
                     help="the disk tier: sessions that fall out of --warm-memory go to files here, and a restarted "
-                         "worker resumes them (default: MESHNET_HOT_KV_WARM_DIR or none); one worker per directory")
+                         "worker resumes them (default: LLAMA_SHARD_WARM_DIR or none); one worker per directory")
     sv.add_argument("--warm-disk", metavar="SIZE", default=None,
-                    help="bound of the disk tier (default: MESHNET_HOT_KV_WARM_DISK_BYTES; required with --warm-dir)")
+                    help="bound of the disk tier (default: LLAMA_SHARD_WARM_DISK_BYTES; required with --warm-dir)")
     sv.add_argument("--warm-ttl", type=_seconds, default=None,
-                    help="seconds a warm session stays after its last use; default: MESHNET_HOT_KV_WARM_TTL_SECONDS or "
+                    help="seconds a warm session stays after its last use; default: LLAMA_SHARD_WARM_TTL_SECONDS or "
                          f"{_DEFAULTS.warm_ttl_seconds:g}")
     sv.add_argument("--prefix-memory", metavar="SIZE", default=None,
                     help="host memory for shared prefixes: sessions that begin alike (a system prompt) open from a "
-                         "stored copy of that start instead of computing it (default: MESHNET_HOT_KV_PREFIX_BYTES or "
+                         "stored copy of that start instead of computing it (default: LLAMA_SHARD_PREFIX_BYTES or "
                          "0, off); every worker of a route needs one for the route to share")
     sv.add_argument("--share-prefixes", choices=("principal", "all"), default="principal",
                     help="whose sessions share prefixes: each caller's own (default), or every caller's; with "
                          "'all', a caller's first token comes sooner when another caller sent the same start "
                          "before, which tells it that someone did (README: shared prefixes)")
+
+
+def _speculation_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--draft", choices=DRAFT_SOURCES, default="ngram",
                     help="speculative decoding on a head's Generate streams: where drafts come from; 'ngram' "
                          "(default): the session's own earlier tokens (prompt lookup); 'off': none. The tail "
@@ -629,50 +707,60 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft-model", metavar="GGUF", default=None,
                     help="a head's drafts come from this small model (loaded whole; its tokenizer must be the "
                          "model's, or the worker refuses to start) instead of prompt lookup")
-    sv.add_argument("--verify", choices=VERIFY_MODES, default="exact",
+    sv.add_argument("--draft-verify", choices=VERIFY_MODES, default="exact",
                     help="how the route computes a step of drafts: 'exact' (default): each token alone on every "
                          "worker, so the output is, token for token, generation's without drafts; 'batched': in one "
                          "computation, cheaper per token, but llama.cpp rounds by a computation's shape and a "
                          "near-tie may go the other way")
-    sv.add_argument("--max-drafts", type=int, default=DEFAULT_MAX_DRAFTS, metavar="K",
+    _deprecated_alias(sv, "--verify", "--draft-verify", choices=VERIFY_MODES)
+    sv.add_argument("--max-drafts", type=_count(0, MAX_DRAFTS), default=DEFAULT_MAX_DRAFTS, metavar="K",
                     help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "
                          f"default {DEFAULT_MAX_DRAFTS}); the head uses fewer, or none, where they do not pay")
-    sv.add_argument("--kv-type", choices=KV_TYPES, default=None,
-                    help="K/V element type (default: MESHNET_HOT_KV_KV_TYPE or f16); every shard of a route must agree")
-    sv.add_argument("--flash-attn", choices=("on", "off"), default=None,
-                    help="llama.cpp's flash attention (default: MESHNET_HOT_KV_FLASH_ATTN or on, llama.cpp's CPU "
-                         "default); off is f16 only and, on some CPUs, much faster for sessions holding hundreds of "
-                         "tokens (docs/benchmarks.md); the logits round differently, so every shard of a route "
-                         "should agree; part of the cache layout: a restart with the other setting deletes the "
-                         "--warm-dir files")
-    _server_security_flags(sv)
-    _client_security_flags(sv, "peer-")
-    sv.set_defaults(func=cmd_serve)
 
+
+def _demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="two workers on loopback split the model; four chat sessions run through them")
     d.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
     d.add_argument("--threads", type=THREADS, default=1, help="threads per worker")
     d.add_argument("--max-tokens", type=_count(0, 1 << 20), default=48)
     d.set_defaults(func=cmd_demo)
 
+
+def _inspect_parser(sub) -> None:
     i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
-    i.add_argument("--memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory")
+    i.add_argument("--kv-memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory "
+                   "(serve's name)")
+    _deprecated_alias(i, "--memory", "--kv-memory")
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
     i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=_DEFAULTS.context_tokens)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", metavar="SIZE", default=None)
     i.add_argument("--device", default="cpu", metavar="auto|NAME",
-                   help="with --memory: also the device's share of the plan (weights, KV, compute buffers) against "
+                   help="with --kv-memory: also the device's share of the plan (weights, KV, compute buffers) against "
                         "its free memory")
     i.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=-1, metavar="N",
                    help="with --device: owned layers on the device (default: all)")
     i.set_defaults(func=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_generate_parser, _serve_parser, _demo_parser, _inspect_parser):
+        add(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check = getattr(args, "check", None)
+    if check is not None:  # what one flag's type cannot check alone, before anything loads
+        try:
+            check(args)
+        except InvalidInputError as e:
+            parser.error(str(e))
     try:
         return args.func(args)
     except (LlamaShardError, OSError) as e:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .completions import completions
+from .asyncio_wakeup import ticket_waiter
 from ..errors import InvalidInputError, LlamaShardError
 from .hot_kv import BoundaryBundle, KvCacheRecipe, Step, TailOutput
 from .manager import HotKvStateManager
@@ -117,7 +117,7 @@ class KvBoundaryAdapter:
 
     async def step_many_async(self, steps: Sequence[Step]) -> list:
         """`step_many` for asyncio callers: the event loop is never blocked, and no thread waits."""
-        waiter = completions()
+        waiter = ticket_waiter()
         tickets = self._submit_micro_batch(steps, waiter.fd)
         # every ticket is tracked before the first await: a cancelled caller leaves none untracked,
         # so the pipe is not closed while a queued ticket can still write to it

@@ -13,6 +13,7 @@ import enum
 import hashlib
 import json
 import os
+import sys
 import re
 import threading
 import time
@@ -191,7 +192,10 @@ class TailOutput:
 # configuration and clock
 # ---------------------------------------------------------------------------------------------
 
-ENV_PREFIX = "MESHNET_HOT_KV_"
+#: the environment's names of the configuration's fields: LLAMA_SHARD_<FIELD>
+ENV_PREFIX = "LLAMA_SHARD_"
+#: the names before (read where the new one is unset, with a warning naming the new one; to be dropped)
+LEGACY_ENV_PREFIX = "MESHNET_HOT_KV_"
 _ENGINE_DEFAULTS = _native.HotKvConfig()
 
 
@@ -291,7 +295,7 @@ class HotKvStateConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HotKvStateConfig":
-        """Reads MESHNET_HOT_KV_<FIELD> for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
+        """Reads LLAMA_SHARD_<FIELD> (or the deprecated MESHNET_HOT_KV_<FIELD>) for each field (MAX_SESSIONS, CONTEXT_TOKENS, BUDGET_TOKENS,
         TTL_SECONDS, WARM_BYTES, WARM_DISK_BYTES and PREFIX_BYTES (sizes: 512MiB, 2GiB or bytes), WARM_TTL_SECONDS,
         KV_TYPE, FLASH_ATTN (on/off), WARM_DIR); unset keeps the default."""
         return cls.from_env_values(cls.env_values(environ))
@@ -306,13 +310,18 @@ class HotKvStateConfig:
 
     @classmethod
     def env_values(cls, environ: Mapping[str, str] | None = None) -> dict[str, object]:
-        """The fields MESHNET_HOT_KV_* set, parsed (not yet checked together: from_env does that);
-        a field the environment leaves unset is absent."""
+        """The fields LLAMA_SHARD_* set, parsed (not yet checked together: from_env does that);
+        a field the environment leaves unset is absent. A field set only under its old name
+        (MESHNET_HOT_KV_*) is read from there, with a warning on stderr naming the new one."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for field in dataclasses.fields(cls):
             key = ENV_PREFIX + field.name.upper()
             raw = env.get(key)
+            legacy = LEGACY_ENV_PREFIX + field.name.upper()
+            if raw is None and env.get(legacy) is not None:
+                print(f"llama-shard: {legacy} is deprecated; set {key} instead", file=sys.stderr, flush=True)
+                key, raw = legacy, env.get(legacy)
             if raw is None or raw.strip() == "":
                 continue
             try:

@@ -9,7 +9,8 @@ engine's status into the contract's values and exceptions:
 
 Steps always go through a queue: for a native `ShardModel`, the native `StepLoop` (continuous
 batching: concurrent callers share engine steps, long prefills are chunked; callers wait without
-the GIL); for the numpy `ReferenceShard`, the same rules run synchronously in `reference.step_loop.ReferenceStepLoop`.
+the GIL); for the numpy `ReferenceShard`, the same rules run synchronously in the engine and step loop the shard brings
+(`ReferenceShard.hot_kv_engine`: this package never imports the reference).
 All session state lives in the engine, which serialises calls itself; the manager holds none.
 """
 from __future__ import annotations
@@ -81,11 +82,11 @@ class HotKvStateManager:
         if isinstance(model, ShardModel):
             self.engine = HotKvEngine(model, engine_config)
             self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
+        elif hasattr(model, "hot_kv_engine"):  # another engine comes with its model (the numpy reference's)
+            self.engine, self._loop = model.hot_kv_engine(engine_config, max_step_sessions, prefill_chunk)
         else:
-            from ..reference.engine import ReferenceHotKvEngine
-            from ..reference.step_loop import ReferenceStepLoop
-            self.engine = ReferenceHotKvEngine(model, engine_config)
-            self._loop = ReferenceStepLoop(self.engine, max_step_sessions, prefill_chunk)
+            raise InvalidInputError(f"a HotKvStateManager runs a ShardModel or a model that brings its engine "
+                                    f"(hot_kv_engine), not {type(model).__name__}")
         self.n_batch = int(self.engine.n_batch)
 
     # --- outcome mapping --------------------------------------------------------------------------

@@ -30,6 +30,8 @@ MAX_REPREFILLS = 3
 MAX_DRAFTS = MAX_LOGIT_ROWS - 1
 #: drafts per step a Generate stream gets unless it says (serve --max-drafts)
 DEFAULT_MAX_DRAFTS = 8
+#: a worker's smallest batch (serve --batch): a verification of MAX_DRAFTS drafts is one step of this many tokens
+MIN_BATCH_TOKENS = MAX_DRAFTS + 1
 
 
 class SamplingParameter(NamedTuple):

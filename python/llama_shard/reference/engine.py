@@ -18,6 +18,7 @@ import functools
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,7 +27,9 @@ from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, PREFIX_HIT_CAP, PREFIX_H
                        MissReason, Status, StepKind, Tier, model_digest)
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
-from .model import ReferenceShard, SequenceKv
+
+if TYPE_CHECKING:  # the shard brings this engine (ReferenceShard.hot_kv_engine): no import back
+    from .model import ReferenceShard, SequenceKv
 
 # the native enums: one status and miss-reason type for both engines
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED

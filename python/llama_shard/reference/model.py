@@ -339,6 +339,15 @@ class SequenceKv:
 class ReferenceShard:
     """KV-cached execution of layers [first, last] with the native engine's boundary contract."""
 
+    def hot_kv_engine(self, engine_config, max_step_sessions: int | None, prefill_chunk: int):
+        """(engine, step loop) for a HotKvStateManager over this shard: the reference brings its own
+        engine (the manager names none, so the engine package never imports the reference)."""
+        from .engine import ReferenceHotKvEngine
+        from .step_loop import ReferenceStepLoop
+
+        engine = ReferenceHotKvEngine(self, engine_config)
+        return engine, ReferenceStepLoop(engine, max_step_sessions, prefill_chunk)
+
     def __init__(self, model: ReferenceModel, first: int | None = None, last: int | None = None):
         n_layer = model.hparams.n_layer
         first = 0 if first is None else first

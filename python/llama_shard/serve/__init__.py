@@ -1,14 +1,9 @@
-"""The served worker: one shard behind gRPC.
+"""The served worker: one shard behind gRPC, and on a head the route's generation.
 
-- `worker`: `ShardWorker` (the gRPC service, metrics, health, forwarding to the next shard);
-- `security`: TLS, tokens, principals, the exposure rule;
-- `openai_http`: the OpenAI-compatible HTTP endpoint of a head; `http_guard`: its connections'
-  timeouts and cap, from accept; `chat_template`: the bounded sandbox a GGUF's chat template runs in;
-- `local_workers`: starting and stopping worker processes on this machine (the demo, benchmarks
-  and tests use it).
-
-The wire format (`llama_shard.proto`: the .proto, its generated code, `wire` for tensors and
-reconnects) is shared with the route client.
+Inner walls (docs/design.md#module-map lists every module and its layer, tests/test_module_map.py
+holds the imports to it): `worker` (the gRPC service) runs steps and builds the head's loop;
+`generation/` (the loop) reaches its worker only through `HeadHost`; `openai/` (the HTTP endpoint)
+and gRPC's `Generate` both open streams through the loop's interface and never touch the servicer.
 """
 
 #: the longest a chained step may hold a worker's handler (and the next hop), whatever the caller's

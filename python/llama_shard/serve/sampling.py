@@ -20,22 +20,51 @@ from ..proto import shard_pb2 as pb
 from ..proto.requests import check_top_logprobs, sampling_from_wire, sampling_key
 from .speculation import verify
 
-def check_step_sampling(req: pb.StepRequest, n_vocab: int, max_window: int) -> SamplingParams | None:
-    """The params of a step's sampler state, checked with the state itself and the logprob request
-    (InvalidInputError otherwise); None when the step does not sample."""
-    check_top_logprobs(req.top_logprobs)
-    if not req.HasField("sampler"):
-        return None
-    state = req.sampler
-    params = sampling_from_wire(state.params, n_vocab, max_window)
-    if len(state.recent) > params.penalty_last_n:
-        raise InvalidInputError(f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
-                                f"is {params.penalty_last_n}")
-    if state.draws > max_window:
-        raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
-    if any(not 0 <= t < n_vocab for t in state.recent):
-        raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
-    return params
+class StepSamplingChecks:
+    """The sampler state a step carries, checked before anything is computed: its parameters by the
+    native check (the only statement of their ranges), once per session and parameters, not at every
+    step: the last parameters checked for each session are kept by their wire bytes (bounded, least
+    recently used dropped); the state itself (draws, recent tokens) is checked at every step."""
+
+    def __init__(self, n_vocab: int, max_window: int, capacity: int):
+        self.n_vocab, self.max_window, self.capacity = n_vocab, max_window, max(1, capacity)
+        self._checked: OrderedDict[tuple, tuple[bytes, SamplingParams]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.native_checks = 0  # how often the native check ran (tests hold it to once per session)
+
+    def params(self, key: tuple, req: pb.StepRequest) -> SamplingParams | None:
+        """The checked params of a step's sampler state (None when the step does not sample);
+        InvalidInputError names what is wrong, with the logprob request checked too."""
+        check_top_logprobs(req.top_logprobs)
+        if not req.HasField("sampler"):
+            return None
+        state = req.sampler
+        wire = state.params.SerializeToString(deterministic=True)
+        with self._lock:
+            known = self._checked.get(key)
+        if known is not None and known[0] == wire:
+            params = known[1]
+        else:
+            params = sampling_from_wire(state.params, self.n_vocab, self.max_window)
+            with self._lock:
+                self.native_checks += 1
+                self._checked[key] = (wire, params)
+                self._checked.move_to_end(key)
+                while len(self._checked) > self.capacity:
+                    self._checked.popitem(last=False)
+        n_vocab, max_window = self.n_vocab, self.max_window
+        if len(state.recent) > params.penalty_last_n:
+            raise InvalidInputError(f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
+                                    f"is {params.penalty_last_n}")
+        if state.draws > max_window:
+            raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
+        if any(not 0 <= t < n_vocab for t in state.recent):
+            raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
+        return params
+
+    def forget(self, key: tuple) -> None:
+        with self._lock:
+            self._checked.pop(key, None)
 
 
 def log_softmax_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:

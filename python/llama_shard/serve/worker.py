@@ -45,8 +45,8 @@ from ..proto import shard_pb2_grpc as pb_grpc
 from . import DEFAULT_MAX_HOP_S
 from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
-from .sampling import TailSamplers, check_step_sampling, log_softmax_of
-from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS
+from .sampling import StepSamplingChecks, TailSamplers, log_softmax_of
+from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, check_max_drafts
 from .speculation import DRAFT_SOURCES, VERIFY_MODES, verify
 from .openai.guard import HttpLimits
 from ..proto.credentials import ClientSecurity
@@ -123,14 +123,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
         if options.verify not in VERIFY_MODES:
             raise InvalidInputError(f"verify is one of {', '.join(VERIFY_MODES)}, not {options.verify!r}")
-        if options.draft not in DRAFT_SOURCES or not 0 <= options.max_drafts <= MAX_DRAFTS:
-            raise InvalidInputError(f"draft source {options.draft!r} with max drafts {options.max_drafts}: the source "
-                                    f"is one of {', '.join(DRAFT_SOURCES)}, max drafts 0..{MAX_DRAFTS}")
-        if options.n_batch <= MAX_DRAFTS:  # a verification is up to MAX_DRAFTS + 1 tokens on every worker
-            raise InvalidInputError(f"batch is {options.n_batch}: a worker computes steps of up to {MAX_DRAFTS + 1} "
-                                    f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MAX_DRAFTS + 1}")
+        if options.draft not in DRAFT_SOURCES:
+            raise InvalidInputError(f"draft source {options.draft!r}: one of {', '.join(DRAFT_SOURCES)}")
+        check_max_drafts(options.max_drafts)
+        if options.n_batch < MIN_BATCH_TOKENS:
+            raise InvalidInputError(f"batch is {options.n_batch}: a worker computes steps of up to {MIN_BATCH_TOKENS} "
+                                    f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MIN_BATCH_TOKENS}")
         draft_model = None
         if options.draft_model is not None:
             if options.draft == "off":
@@ -286,7 +287,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         for i, (kind, req) in enumerate(items):
             try:
                 step = self._parse_step(kind, req, principal)
-                parsed.append((i, step, check_step_sampling(req, self.info.n_vocab, self.manager.config.context_tokens),
+                parsed.append((i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
                                self._parse_prefix(req, step, prefix_scope, own_loop)))
             except LlamaShardError as e:
                 replies[i] = self._reply(req, e)
@@ -485,7 +486,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
         """The typed reply for a step's outcome, or for the contract error it raised; the tail
-        samples here when the step carries a sampler state (params, checked by check_step_sampling)."""
+        samples here when the step carries a sampler state (params, checked by StepSamplingChecks)."""
         if isinstance(out, StaleRouteEpochError):
             return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(out), current_epoch=out.current_epoch or 0)
         if isinstance(out, KvBudgetExceededError):
@@ -562,6 +563,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             key = self.security.engine_key(self._principal(context), request.session_id)
             self.generation.forget(key)
             self.samplers.forget((key, request.route_epoch))
+            self.sampling_checks.forget((key, request.route_epoch))
         return reply
 
     def Resolve(self, request, context):

@@ -1,5 +1,5 @@
-"""Ticket completions for asyncio callers: the native step loop writes a byte to a pipe the event
-loop watches when a ticket completes (no thread per request waits).
+"""How asyncio callers wait for native step tickets without a thread each: the native step loop
+writes a byte to a pipe the event loop watches when a ticket completes.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def _close_retired_pipes() -> None:
 _COMPLETIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncCompletions]" = weakref.WeakKeyDictionary()
 
 
-def completions() -> _AsyncCompletions:
+def ticket_waiter() -> _AsyncCompletions:
+    """The running event loop's waiter for native tickets (made on first use)."""
     loop = asyncio.get_running_loop()
     c = _COMPLETIONS.get(loop)
     if c is None:
