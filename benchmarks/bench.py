@@ -436,8 +436,8 @@ def speculation_rows(s: Shapes) -> list[Row]:
     configs = (
             (10.0, d10, {"repetitive": ">= 1.6", "open": ">= 0.95"}, ()),
             (0.0, "loopback", {"repetitive": ">= 1.2", "open": ""}, ()),
-            (10.0, d10 + ", --verify batched", none, ("--verify", "batched")),
-            (0.0, "loopback, --verify batched", none, ("--verify", "batched")),
+            (10.0, d10 + ", --draft-verify batched", none, ("--draft-verify", "batched")),
+            (0.0, "loopback, --draft-verify batched", none, ("--draft-verify", "batched")),
             (10.0, d10 + ", --flash-attn off", none, ("--flash-attn", "off")),
             (0.0, "loopback, --flash-attn off", none, ("--flash-attn", "off")))
     for delay, label, targets, flags in configs[:1] if s.quick else configs:  # --quick: the shape only

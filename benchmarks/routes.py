@@ -517,7 +517,7 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
     turns on the same workers; with delay_ms > 0 the head reaches the tail through a proxy that
     delays each direction by that much. Returns per prompt set: tokens/s of whole requests with and
     without (best of `repeat`), the acceptance rate, and how many prompts' greedy tokens differed
-    (with --verify exact, the default, none may: that raises)."""
+    (with --draft-verify exact, the default, none may: that raises)."""
     from delay_proxy import DelayProxy
 
     vocab = ShardModel(str(path), (0, 0), 1)

@@ -40,7 +40,7 @@ def test_generate_reports_a_missing_model_clearly(tmp_path):
 @pytest.mark.model
 def test_generate_split_matches_whole_model(embedded_model):
     res = run_cli("generate", "--split", "0-9,10-19,20-29", "--prompt", "The capital of France is",
-                  "--max-tokens", "16", "--verify", "--threads", "2")
+                  "--max-tokens", "16", "--compare-whole", "--threads", "2")
     assert res.returncode == 0, res.stderr
     assert "tokens identical: True; logits bit-identical: True" in res.stderr
     assert "Paris" in res.stdout
@@ -65,7 +65,7 @@ def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
 
 
 def test_inspect_prints_the_memory_plan(synthetic_model):
-    res = run_cli("inspect", str(synthetic_model), "--memory", "1MiB", "--layers", "0-2", "--context-tokens", "300",
+    res = run_cli("inspect", str(synthetic_model), "--kv-memory", "1MiB", "--layers", "0-2", "--context-tokens", "300",
                   "--warm-memory", "2MiB")
     assert res.returncode == 0, res.stderr
     # 3 layers x 128 B/token (f16); a slot is padded to 512 cells (192 KiB), so 1 MiB holds 5

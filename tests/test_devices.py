@@ -94,7 +94,7 @@ def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, d
 @pytest.mark.model
 def test_generate_verifies_a_split_on_the_device_against_the_whole_model(embedded_model, device):
     res = _cli("generate", "--model", str(embedded_model), "--split", "0-9,10-29", "--device", device,
-               "--max-tokens", "4", "--threads", "2", "--ctx", "64", "--batch", "16", "--verify", env=device_env())
+               "--max-tokens", "4", "--threads", "2", "--context-tokens", "64", "--batch", "16", "--compare-whole", env=device_env())
     assert res.returncode == 0, res.stderr[-2000:]
     assert "tokens identical: True; logits bit-identical: True" in res.stderr, res.stderr[-2000:]
 
@@ -291,7 +291,7 @@ def test_gpu_layers_outside_the_owned_range_is_refused(synthetic_model):
                "--port", "0")
     assert res.returncode == 2 and "the device is the CPU" in res.stderr, res.stderr
     res = _cli("inspect", str(synthetic_model), "--device", "auto")
-    assert res.returncode == 2 and "give --memory too" in res.stderr, res.stderr
+    assert res.returncode == 2 and "give --kv-memory too" in res.stderr, res.stderr
     res = _cli("generate", "--route", "0-5@127.0.0.1:1", "--device", "auto")
     assert res.returncode == 2 and "a route's devices are its workers'" in res.stderr, res.stderr
 

@@ -409,9 +409,9 @@ def test_an_unread_stream_is_dropped_and_the_in_flight_cap_is_per_principal(tls_
     held = _sessions_of(tls_worker, "alice")
     for s in readers:
         s.close()
+    assert freed is not None, "alice's slots were never freed"
     print(f"alice's two unread streams held her slots {freed:.2f} s (--http-write-timeout {TIMEOUT_S:g}) and were "
           f"cut at {sorted(held.values())} tokens of 1,500; her third request 429, bob 200")
-    assert freed is not None
     streams = [n for sid, n in held.items() if sid.startswith("oai-") and n > 100]
     assert len(streams) >= 1 and all(n < 1200 for n in streams), held  # cut long before the end
 

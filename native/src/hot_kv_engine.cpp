@@ -62,26 +62,6 @@ static hot_kv_result newer_than_cached_result(int64_t epoch, int64_t cached) {
     return res;
 }
 
-// pins a warm session (spills must not move it out) for a scope, whatever happens in it
-struct pin_guard {
-    const std::string *& slot;
-    pin_guard(const std::string *& s, const std::string * sid) : slot(s) { slot = sid; }
-    ~pin_guard() { slot = nullptr; }
-};
-
-// puts `sid` into an LRU list at its place by last use (after every entry used no later): a spill
-// is usually the most recent, but not always (a step evicts its own later sessions after others)
-template <typename Map>
-static std::list<std::string>::iterator insert_by_last_used(std::list<std::string> & lru, const Map & entries,
-                                                            const std::string & sid, double last_used) {
-    auto pos = lru.end();
-    while (pos != lru.begin() && entries.at(*std::prev(pos)).last_used > last_used) {
-        --pos;
-    }
-    return lru.insert(pos, sid);
-}
-
-
 // the answer to a request whose epoch is older than the session's `current` ("current" while the
 // session is live, "last" when only its dropped record remains)
 static hot_kv_result stale_result(int64_t epoch, int64_t current, const char * which) {
@@ -189,7 +169,29 @@ shard_memory hot_kv_plan_memory(const shard_model_params & model_params, const h
     return shard_plan_memory(model_params, hot_kv_context_params(config));
 }
 
-hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config) : model_(model), config_(config) {
+static void count_leaving(hot_kv_stats & c, shard_miss_reason reason) {
+    switch (reason) {
+        case SHARD_MISS_EVICTED_TTL:      c.evictions_ttl++; break;
+        case SHARD_MISS_EVICTED_LRU:      c.evictions_lru++; break;
+        case SHARD_MISS_RELEASED:         c.releases++;      break;
+        case SHARD_MISS_SUPERSEDED_EPOCH: c.supersessions++; break;
+        default: break;
+    }
+}
+
+hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & config)
+    : model_(model), config_(config),
+      warm_((uint64_t) std::max<int64_t>(config.warm_bytes, 0), (uint64_t) std::max<int64_t>(config.warm_disk_bytes, 0),
+            config.warm_ttl_seconds,
+            // every session the tier drops is remembered (stale-epoch fencing) and, when a caller's
+            // release or a new epoch dropped it, counted as that
+            [this](const std::string & sid, int64_t epoch, shard_miss_reason reason) {
+                remember_locked(sid, epoch, reason);
+                if (reason == SHARD_MISS_RELEASED || reason == SHARD_MISS_SUPERSEDED_EPOCH) {
+                    count_leaving(counters_, reason);
+                }
+            }),
+      prefixes_((uint64_t) std::max<int64_t>(config.prefix_bytes, 0)) {
     hot_kv_check_config(config);
     if (!config.warm_dir.empty() && config.recipe_fingerprint.empty()) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "a warm_dir needs the recipe fingerprint (written into every file)");
@@ -229,27 +231,12 @@ void hot_kv_engine::load_disk_tier() {
     if (digest.empty()) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "cannot read the model file " + model_.path() + " for the disk tier");
     }
-    disk_ = std::make_unique<kv_file_store>(config_.warm_dir,
+    auto files = std::make_unique<kv_file_store>(config_.warm_dir,
         kv_file_identity{config_.recipe_fingerprint, digest, info.first, info.last, info.n_layer, config_.kv_type});
     // a session longer than this engine's context or budget could never come back hot
     const int32_t longest = (int32_t) std::min<int64_t>(config_.context_tokens, config_.budget_tokens);
-    for (kv_file_entry & e : disk_->scan(longest)) {
-        disk_lru_.push_back(e.session_id);
-        warm_entry & w = warm_[e.session_id];
-        w = warm_entry{e.epoch, e.seq_len, 0.0, {}, std::prev(disk_lru_.end()), true, e.file_bytes};
-        disk_held_ += e.file_bytes;
-        counters_.disk_loaded++;
-    }
-    while (disk_held_ > (uint64_t) config_.warm_disk_bytes) {
-        drop_warm_locked(std::string(disk_lru_.front()), SHARD_MISS_EVICTED_LRU);
-    }
-    disk_times_pending_ = !disk_lru_.empty();
-    warm_listed_        = false;
+    warm_.attach_disk(std::move(files), longest);
     publish_locked();
-}
-
-uint64_t hot_kv_engine::warm_entry::bytes() const {
-    return on_disk ? file_bytes : (uint64_t) state.capacity() + (uint64_t) lru_pos->size();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -297,15 +284,6 @@ void hot_kv_engine::free_hot_locked(const std::string & sid) {
     live_.erase(it);
 }
 
-static void count_leaving(hot_kv_stats & c, shard_miss_reason reason) {
-    switch (reason) {
-        case SHARD_MISS_EVICTED_TTL:      c.evictions_ttl++; break;
-        case SHARD_MISS_EVICTED_LRU:      c.evictions_lru++; break;
-        case SHARD_MISS_RELEASED:         c.releases++;      break;
-        case SHARD_MISS_SUPERSEDED_EPOCH: c.supersessions++; break;
-        default: break;
-    }
-}
 
 void hot_kv_engine::drop_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
     const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : live_.at(sid).epoch;
@@ -322,15 +300,14 @@ void hot_kv_engine::leave_hot_locked(const std::string & sid, shard_miss_reason 
 
 bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reason) {
     const session & s = live_.at(sid);
-    if (!warm_enabled() || s.seq_len == 0) {
+    if (!warm_.enabled() || s.seq_len == 0) {
         return false;  // an empty session costs nothing to re-prefill
     }
-    warm_entry w{s.epoch, s.seq_len, s.last_used, {}, {}, false, 0};
-    w.state = page_buffer::allocate(ctx_->seq_state_size(s.seq_id));
-    if (w.state.empty() || !ctx_->seq_save(s.seq_id, w.state.data(), w.state.size())) {
+    page_buffer state = page_buffer::allocate(ctx_->seq_state_size(s.seq_id));
+    if (state.empty() || !ctx_->seq_save(s.seq_id, state.data(), state.size())) {
         return false;  // no memory, or llama.cpp could not write it: the session is dropped
     }
-    if (!store_host_locked(sid, std::move(w)) && !store_disk_locked(sid, std::move(w))) {
+    if (!warm_.put(sid, s.epoch, s.seq_len, s.last_used, std::move(state))) {
         return false;
     }
     counters_.spills++;
@@ -339,146 +316,28 @@ bool hot_kv_engine::spill_locked(const std::string & sid, shard_miss_reason reas
     return true;
 }
 
-bool hot_kv_engine::store_host_locked(const std::string & sid, warm_entry && w) {
-    const uint64_t bytes = (uint64_t) w.state.capacity() + (uint64_t) sid.size();
-    // the warm session being restored (pinned) is never moved out to make room for this one
-    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
-    const uint64_t pinned_bytes = pinned != warm_.end() && !pinned->second.on_disk ? pinned->second.bytes() : 0;
-    if (bytes + pinned_bytes > (uint64_t) config_.warm_bytes) {
-        return false;
-    }
-    while (warm_held_ + bytes > (uint64_t) config_.warm_bytes) {
-        auto victim = warm_lru_.begin();
-        if (pinned != warm_.end() && *victim == pinned->first) {
-            ++victim;
-        }
-        demote_locked(std::string(*victim));
-    }
-    w.lru_pos = insert_by_last_used(warm_lru_, warm_, sid, w.last_used);
-    warm_[sid] = std::move(w);
-    warm_held_ += bytes;
-    warm_listed_ = false;
-    return true;
-}
-
-bool hot_kv_engine::store_disk_locked(const std::string & sid, warm_entry && w) {
-    if (!disk_) {
-        return false;
-    }
-    // the header is under 256 bytes past the key: room for this much is made before writing
-    const uint64_t bound = (uint64_t) w.state.size() + (uint64_t) sid.size() + 256;
-    auto pinned = warm_pinned_ != nullptr ? warm_.find(*warm_pinned_) : warm_.end();
-    const uint64_t pinned_bytes = pinned != warm_.end() && pinned->second.on_disk ? pinned->second.bytes() : 0;
-    if (bound + pinned_bytes > (uint64_t) config_.warm_disk_bytes) {
-        return false;
-    }
-    while (disk_held_ + bound > (uint64_t) config_.warm_disk_bytes) {
-        auto victim = disk_lru_.begin();
-        if (pinned != warm_.end() && *victim == pinned->first) {
-            ++victim;
-        }
-        drop_warm_locked(std::string(*victim), SHARD_MISS_EVICTED_LRU);
-    }
-    const uint64_t written = disk_->write(sid, w.epoch, w.seq_len, w.state);
-    if (written == 0) {
-        counters_.disk_failures++;
-        return false;
-    }
-    w.state.reset();  // unmapped: the file holds it now
-    w.on_disk      = true;
-    w.file_bytes   = written;
-    w.lru_pos      = insert_by_last_used(disk_lru_, warm_, sid, w.last_used);
-    warm_[sid]     = std::move(w);
-    disk_held_    += written;
-    warm_listed_   = false;
-    counters_.disk_spills++;
-    return true;
-}
-
-void hot_kv_engine::demote_locked(const std::string & sid) {
-    auto it = warm_.find(sid);
-    assert(it != warm_.end() && !it->second.on_disk);
-    warm_entry w = std::move(it->second);
-    warm_held_ -= (uint64_t) w.state.capacity() + (uint64_t) sid.size();
-    warm_lru_.erase(w.lru_pos);
-    warm_.erase(it);
-    warm_listed_ = false;
-    if (!store_disk_locked(sid, std::move(w))) {
-        remember_locked(sid, w.epoch, SHARD_MISS_EVICTED_LRU);
-        counters_.warm_drops++;
-    }
-}
-
-void hot_kv_engine::erase_warm_locked(std::unordered_map<std::string, warm_entry>::iterator it) {
-    if (it->second.on_disk) {
-        disk_->remove(it->first);
-        disk_held_ -= it->second.bytes();
-        disk_lru_.erase(it->second.lru_pos);
-    } else {
-        warm_held_ -= it->second.bytes();
-        warm_lru_.erase(it->second.lru_pos);
-    }
-    warm_.erase(it);
-    warm_listed_ = false;
-}
-
-void hot_kv_engine::drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch) {
-    auto it = warm_.find(sid);
-    assert(it != warm_.end());
-    const int64_t epoch = remembered_epoch >= 0 ? remembered_epoch : it->second.epoch;
-    const std::string key = sid;  // sid may be the entry's own key, erased below
-    erase_warm_locked(it);
-    remember_locked(key, epoch, reason);
-    counters_.warm_drops++;
-    if (reason == SHARD_MISS_RELEASED || reason == SHARD_MISS_SUPERSEDED_EPOCH) {
-        count_leaving(counters_, reason);
-    }
-}
-
-int32_t hot_kv_engine::sweep_warm_locked(double now) {
-    if (config_.warm_ttl_seconds <= 0) {
-        return 0;
-    }
-    int32_t n = 0;
-    for (std::list<std::string> * tier : {&disk_lru_, &warm_lru_}) {
-        while (!tier->empty() && now - warm_.at(tier->front()).last_used > config_.warm_ttl_seconds) {
-            drop_warm_locked(std::string(tier->front()), SHARD_MISS_EVICTED_TTL);
-            ++n;
-        }
-    }
-    return n;
-}
-
 hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, double now, hot_kv_result & res,
                                                        id_placement & ids) {
-    auto it = warm_.find(sid);
-    assert(it != warm_.end() && !free_ids_.empty());
-    warm_entry & w = it->second;
+    const warm_entry * w = warm_.find(sid);
+    assert(w != nullptr && !free_ids_.empty());
     const auto t0 = std::chrono::steady_clock::now();
-    page_buffer from_disk;  // read and verified (MAC, header, size, digest) before llama.cpp sees it
-    bool ok = true;
-    if (w.on_disk) {
+    uint64_t min_bytes = 0, max_bytes = 0;  // what a file of this session may hold (a host copy is the engine's own)
+    if (w->on_disk) {
         const shard_model_info & info = model_.info();
         // every layer holds the sequence's cells, a sliding-window layer only its window of them
-        const int32_t  least_cells = n_swa_ > 0 ? std::min(w.seq_len, n_swa_) : w.seq_len;
-        const uint64_t min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
-        const uint64_t max_bytes = (uint64_t) w.seq_len * (counters_.kv_bytes_per_token + 64) +
-                                   4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
-        ok = disk_->read(sid, w.epoch, w.seq_len, min_bytes, max_bytes, from_disk);
-        counters_.disk_failures += ok ? 0 : 1;
+        const int32_t least_cells = n_swa_ > 0 ? std::min(w->seq_len, n_swa_) : w->seq_len;
+        min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
+        max_bytes = (uint64_t) w->seq_len * (counters_.kv_bytes_per_token + 64) +
+                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
     }
-    const page_buffer & state = w.on_disk ? from_disk : w.state;
+    page_buffer from_disk;  // read and verified (MAC, header, size, digest, positions) before llama.cpp sees it
+    const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk);
+    bool ok = state != nullptr;
     int32_t seq_id = -1;
-    std::string why;
-    if (ok && !kv_state_positions_ok(state.data(), state.size(), w.seq_len, why)) {
-        std::fprintf(stderr, "llama-shard warm tier: refused a state of %d tokens: %s\n", (int) w.seq_len, why.c_str());
-        counters_.disk_failures += w.on_disk ? 1 : 0;
-        ok = false;
-    }
     if (ok) {
         seq_id = take_free_id_locked(ids);
         try {
-            ok = ctx_->seq_restore(seq_id, state.data(), state.size()) && ctx_->seq_pos_max(seq_id) == w.seq_len - 1;
+            ok = ctx_->seq_restore(seq_id, state->data(), state->size()) && ctx_->seq_pos_max(seq_id) == w->seq_len - 1;
         } catch (const shard_error &) {
             ok = false;
         }
@@ -489,23 +348,13 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
             ctx_->seq_rm(seq_id, 0);
             free_ids_.insert(std::upper_bound(free_ids_.begin(), free_ids_.end(), seq_id, std::greater<int32_t>()), seq_id);
         }
-        drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
+        warm_.drop(sid, SHARD_MISS_EVICTED_LRU);
         res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be restored");
         return nullptr;
     }
-    const int64_t epoch = w.epoch;
-    const int32_t seq_len = w.seq_len;
-    if (w.on_disk) {
-        disk_->remove(sid);  // hot again: a stale file must not come back after a restart
-        disk_held_ -= w.bytes();
-        disk_lru_.erase(w.lru_pos);
-        counters_.disk_restores++;
-    } else {
-        warm_held_ -= w.bytes();
-        warm_lru_.erase(w.lru_pos);
-    }
-    warm_.erase(it);
-    warm_listed_ = false;
+    const int64_t epoch = w->epoch;
+    const int32_t seq_len = w->seq_len;
+    warm_.take(sid);
     lru_.push_back(sid);
     session & s = live_[sid];
     s = session{epoch, seq_id, seq_len, now, std::prev(lru_.end())};
@@ -562,13 +411,7 @@ double hot_kv_engine::begin_locked(const std::string & sid, int64_t epoch, doubl
 
 double hot_kv_engine::tick_locked(double now) {
     clock_ = std::max(clock_, now);
-    if (disk_times_pending_) {  // files loaded at start-up: idle from the first call on
-        for (const std::string & sid : disk_lru_) {
-            warm_.at(sid).last_used = clock_;
-        }
-        disk_times_pending_ = false;
-        warm_listed_        = false;
-    }
+    warm_.start_clock(clock_);  // files loaded at start-up: idle from the first call on
     return clock_;
 }
 
@@ -583,7 +426,7 @@ int32_t hot_kv_engine::sweep_locked(double now) {
         leave_hot_locked(sid, SHARD_MISS_EVICTED_TTL);
         ++n;
     }
-    return n + sweep_warm_locked(now);
+    return n + warm_.sweep(now);
 }
 
 void hot_kv_engine::touch_locked(session & s, double now) {
@@ -651,12 +494,12 @@ hot_kv_engine::session * hot_kv_engine::restore_alone_locked(const std::string &
     // a warm session fits alone (it was hot under the same limits), so evicting others makes room
     bool room;
     {
-        pin_guard pin(warm_pinned_, &sid);
+        warm_tier::pin pin(warm_, &sid);
         room = make_room_locked(seq_len, true, {sid}, {});
     }
     res = hot_kv_result{};
     if (!room) {  // larger than this engine's budget (never written by it: a guard, not a path)
-        drop_warm_locked(sid, SHARD_MISS_EVICTED_LRU);
+        warm_.drop(sid, SHARD_MISS_EVICTED_LRU);
         res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy does not fit this shard's budget");
         return nullptr;
     }
@@ -687,9 +530,8 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
         res = superseded_result(epoch);
         return nullptr;
     }
-    auto wit = warm_.find(sid);
-    if (wit != warm_.end()) {
-        warm_entry & w = wit->second;
+    if (warm_entry * wp = warm_.find(sid); wp != nullptr) {
+        warm_entry & w = *wp;
         if (epoch == w.epoch) {
             res.tier    = w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM;
             res.seq_len = w.seq_len;
@@ -706,7 +548,7 @@ hot_kv_engine::session * hot_kv_engine::identify_locked(const std::string & sid,
             res = newer_than_cached_result(epoch, w.epoch);
             return nullptr;
         }
-        drop_warm_locked(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);  // as for a hot session
+        warm_.drop(sid, SHARD_MISS_SUPERSEDED_EPOCH, epoch);  // as for a hot session
         res = superseded_result(epoch);
         return nullptr;
     }
@@ -866,8 +708,8 @@ std::vector<hot_kv_engine::planned> hot_kv_engine::admit_step_locked(const std::
         const hot_kv_request & req = requests[i];
         auto it = live_.find(req.session_id);
         if (valid[i] && (it == live_.end() || it->second.epoch != req.epoch)) {
-            auto wit = warm_.find(req.session_id);
-            const bool warm = wit != warm_.end() && wit->second.epoch == req.epoch;
+            const warm_entry * wp = warm_.find(req.session_id);
+            const bool warm = wp != nullptr && wp->epoch == req.epoch;
             ids.to_place += (req.kind == HOT_KV_STEP_PREFILL || warm) ? 1 : 0;
         }
     }
@@ -1017,15 +859,15 @@ bool hot_kv_engine::room_for_locked(const std::string & sid, const session * s, 
     for (const planned & p : plan) {
         keep.push_back(*p.sid);
     }
-    if (!warm_enabled()) {
+    if (!warm_.enabled()) {
         keep.insert(keep.end(), participants.begin(), participants.end());
     }
-    pin_guard pin(warm_pinned_, w != nullptr ? &sid : nullptr);
+    warm_tier::pin pin(warm_, w != nullptr ? &sid : nullptr);
     if (make_room_locked(grow, s == nullptr, keep, participants)) {
         return true;
     }
     const int32_t seq_len = s ? s->seq_len : 0, seq_id = s ? s->seq_id : -1;
-    if (warm_enabled() && !plan.empty()) {  // it fits alone: it goes first in the next step
+    if (warm_.enabled() && !plan.empty()) {  // it fits alone: it goes first in the next step
         return refused(res, SHARD_STATUS_BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step",
                        seq_len, seq_id);
     }
@@ -1105,15 +947,15 @@ hot_kv_result hot_kv_engine::release(const std::string & sid, int64_t epoch, dou
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
     auto it = live_.find(sid);
-    auto wit = warm_.find(sid);
-    if (it != live_.end() || wit != warm_.end()) {  // cached, hot or warm: released the same way
+    const warm_entry * w = warm_.find(sid);
+    if (it != live_.end() || w != nullptr) {  // cached, hot or warm: released the same way
         const bool hot = it != live_.end();
-        const int64_t cached = hot ? it->second.epoch : wit->second.epoch;
+        const int64_t cached = hot ? it->second.epoch : w->epoch;
         if (epoch < cached) {
             return stale_result(epoch, cached, "current");  // a stale release must not erase the current epoch
         }
         auto drop = [&](shard_miss_reason reason, int64_t remembered) {
-            hot ? drop_locked(sid, reason, remembered) : drop_warm_locked(sid, reason, remembered);
+            hot ? drop_locked(sid, reason, remembered) : warm_.drop(sid, reason, remembered);
         };
         if (epoch == cached) {
             drop(SHARD_MISS_RELEASED, -1);
@@ -1154,13 +996,11 @@ int32_t hot_kv_engine::persist(double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
     const publisher publish_on_return(*this);  // stats() sees this call once it is done
     tick_locked(now);
-    if (!disk_) {  // nothing outlives the process: everything is released
+    if (!warm_.has_disk()) {  // nothing outlives the process: everything is released
         while (!lru_.empty()) {
             drop_locked(std::string(lru_.front()), SHARD_MISS_RELEASED);
         }
-        while (!warm_lru_.empty()) {
-            drop_warm_locked(std::string(warm_lru_.front()), SHARD_MISS_RELEASED);
-        }
+        warm_.release_host_all();
         return 0;
     }
     while (!lru_.empty()) {
@@ -1169,10 +1009,8 @@ int32_t hot_kv_engine::persist(double now) {
             drop_locked(sid, SHARD_MISS_RELEASED);
         }
     }
-    while (!warm_lru_.empty()) {
-        demote_locked(std::string(warm_lru_.front()));
-    }
-    return (int32_t) disk_lru_.size();
+    warm_.demote_host_all();
+    return (int32_t) warm_.disk_sessions();
 }
 
 int32_t hot_kv_engine::sweep(double now) {
@@ -1184,23 +1022,6 @@ int32_t hot_kv_engine::sweep(double now) {
 // ---------------------------------------------------------------------------------------------
 // the prefix store
 // ---------------------------------------------------------------------------------------------
-
-void hot_kv_engine::evict_prefix_locked() {
-    auto score = [](const prefix_entry & e) {
-        return e.last_used + HOT_KV_PREFIX_HIT_SECONDS * (double) std::min(e.hits, HOT_KV_PREFIX_HIT_CAP);
-    };
-    auto victim = prefixes_.end();
-    for (auto it = prefixes_.begin(); it != prefixes_.end(); ++it) {
-        if (victim == prefixes_.end() || score(it->second) < score(victim->second) ||
-            (score(it->second) == score(victim->second) && it->second.stamp < victim->second.stamp)) {
-            victim = it;
-        }
-    }
-    assert(victim != prefixes_.end());
-    prefix_held_ -= victim->second.bytes();
-    prefixes_.erase(victim);
-    counters_.prefix_evictions++;
-}
 
 hot_kv_result hot_kv_engine::store_prefix(const std::string & sid, int64_t epoch, uint64_t key, int32_t length, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
@@ -1221,24 +1042,14 @@ hot_kv_result hot_kv_engine::store_prefix(const std::string & sid, int64_t epoch
             "the session holds " + str(s->seq_len) + " tokens, not the prefix's " + str(length));
     }
     res = hot_result(s->seq_len, s->seq_id);
-    if (config_.prefix_bytes <= 0 || prefixes_.count(key) != 0) {
+    if (!prefixes_.enabled() || prefixes_.contains(key)) {
         return res;
     }
     page_buffer state = page_buffer::allocate(ctx_->seq_state_size(s->seq_id));
     if (state.empty() || !ctx_->seq_save(s->seq_id, state.data(), state.size())) {
         return res;  // no memory, or llama.cpp could not write it: not stored
     }
-    prefix_entry e{length, std::move(state), now, 0, ++prefix_stamp_};
-    if (e.bytes() > (uint64_t) config_.prefix_bytes) {
-        return res;
-    }
-    while (prefix_held_ + e.bytes() > (uint64_t) config_.prefix_bytes) {
-        evict_prefix_locked();
-    }
-    prefix_held_ += e.bytes();
-    prefixes_.emplace(key, std::move(e));
-    counters_.prefix_stores++;
-    res.changed = true;
+    res.changed = prefixes_.insert(key, length, std::move(state), now);
     return res;
 }
 
@@ -1250,35 +1061,53 @@ hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch,
     }
     now = begin_locked(sid, epoch, now);
     hot_kv_result res;
-    identify_locked(sid, epoch, res, nullptr, /*query*/ true);  // a stale epoch is that, whatever the store holds
-    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+    const prefix_entry * entry = lookup_prefix_locked(sid, epoch, key, length, res);
+    if (entry == nullptr) {
         return res;
     }
+    session * s = replace_for_prefix_locked(sid, epoch, length, now, res);
+    if (s == nullptr || !restore_prefix_locked(*s, key, *entry, now, res)) {
+        return res;
+    }
+    return hot_result(s->seq_len, s->seq_id);
+}
+
+const prefix_entry * hot_kv_engine::lookup_prefix_locked(const std::string & sid, int64_t epoch, uint64_t key,
+                                                         int32_t length, hot_kv_result & res) {
+    identify_locked(sid, epoch, res, nullptr, /*query*/ true);  // a stale epoch is that, whatever the store holds
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return nullptr;
+    }
     res = hot_kv_result{};
-    auto pit = prefixes_.find(key);
-    if (pit == prefixes_.end() || pit->second.length != length) {
+    const prefix_entry * entry = prefixes_.find(key, length);
+    if (entry == nullptr) {
         res = miss_result(SHARD_MISS_PREFIX_EVICTED, "this shard does not hold the prefix of " + str(length) +
                                                      " tokens: the head computes it");
         count_miss_locked(res);
-        return res;
+        return nullptr;
     }
     if (length > config_.context_tokens || length > config_.budget_tokens) {
         res.status = SHARD_STATUS_BUDGET_EXCEEDED;
         res.detail = "a prefix of " + str(length) + " tokens does not fit this shard's context or budget";
-        return res;
+        return nullptr;
     }
+    return entry;
+}
+
+hot_kv_engine::session * hot_kv_engine::replace_for_prefix_locked(const std::string & sid, int64_t epoch,
+                                                                 int32_t length, double now, hot_kv_result & res) {
     warm_entry * w = nullptr;
-    session * s = identify_locked(sid, epoch, res, &w);
+    session * s = identify_locked(sid, epoch, res, &w);  // supersedes an older epoch (not counted as a miss)
     if (res.status == SHARD_STATUS_STALE_EPOCH) {
-        return res;
+        return nullptr;
     }
     if (w != nullptr) {  // its warm copy is about to be replaced: dropped (a warm drop), not restored
-        erase_warm_locked(warm_.find(sid));
-        counters_.warm_drops++;
+        warm_.discard(sid);
         s = nullptr;
     }
     const int32_t held = s != nullptr ? s->seq_len : 0;
     {
+        // never touches the prefix store: the entry being opened stays valid
         const bool room = make_room_locked(std::max(0, length - held), s == nullptr, {sid}, {});
         assert(room);  // length <= budget: every other session can leave
         (void) room;
@@ -1293,37 +1122,37 @@ hot_kv_result hot_kv_engine::open_prefix(const std::string & sid, int64_t epoch,
     }
     s->swa_floor  = 0;
     s->last_start = -1;
+    return s;
+}
+
+bool hot_kv_engine::restore_prefix_locked(session & s, uint64_t key, const prefix_entry & entry, double now,
+                                          hot_kv_result & res) {
+    const int32_t length = entry.length;
     bool ok = false;
     try {
-        ok = ctx_->seq_restore(s->seq_id, pit->second.state.data(), pit->second.state.size()) &&
-             ctx_->seq_pos_max(s->seq_id) == length - 1;
+        ok = ctx_->seq_restore(s.seq_id, entry.state.data(), entry.state.size()) &&
+             ctx_->seq_pos_max(s.seq_id) == length - 1;
     } catch (const shard_error &) {
         ok = false;
     }
-    touch_locked(*s, now);
+    touch_locked(s, now);  // the session was emptied either way: it is used now
     if (!ok) {  // never for the store's own bytes (a guard): the session stays, empty; the entry goes
-        ctx_->seq_rm(s->seq_id, 0);
-        prefix_held_ -= pit->second.bytes();
-        prefixes_.erase(pit);
-        counters_.prefix_evictions++;
+        ctx_->seq_rm(s.seq_id, 0);
+        prefixes_.drop(key);
         res = miss_result(SHARD_MISS_PREFIX_EVICTED, "the stored prefix could not be restored");
         count_miss_locked(res);
-        return res;
+        return false;
     }
-    s->seq_len   = length;
-    s->swa_floor = std::max(0, ctx_->seq_pos_min(s->seq_id));
+    s.seq_len   = length;
+    s.swa_floor = std::max(0, ctx_->seq_pos_min(s.seq_id));
     reserved_ += length;
-    pit->second.hits++;
-    pit->second.last_used = now;
-    counters_.prefix_hits++;
-    counters_.prefix_tokens_saved += (uint64_t) length;
-    return hot_result(s->seq_len, s->seq_id);
+    prefixes_.hit(key, now);
+    return true;
 }
 
 int32_t hot_kv_engine::prefix_length(uint64_t key) const {
     std::lock_guard<fair_mutex> lock(mutex_);
-    auto it = prefixes_.find(key);
-    return it == prefixes_.end() ? 0 : it->second.length;
+    return prefixes_.length(key);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1336,12 +1165,23 @@ void hot_kv_engine::publish_locked() const {
     st.reserved_tokens = reserved_;
     st.reserved_bytes  = (uint64_t) reserved_ * counters_.kv_bytes_per_token;
     st.recent_keys     = (int32_t) recent_.size();
-    st.warm_sessions   = (int32_t) warm_lru_.size();
-    st.warm_bytes      = warm_held_;
-    st.disk_sessions   = (int32_t) disk_lru_.size();
-    st.disk_bytes      = disk_held_;
+    st.warm_sessions   = (int32_t) warm_.host_sessions();
+    st.warm_bytes      = warm_.host_held();
+    st.disk_sessions   = (int32_t) warm_.disk_sessions();
+    st.disk_bytes      = warm_.disk_held();
+    const warm_counters & wc = warm_.counters();
+    st.warm_drops      = wc.warm_drops;
+    st.disk_spills     = wc.disk_spills;
+    st.disk_restores   = wc.disk_restores;
+    st.disk_loaded     = wc.disk_loaded;
+    st.disk_failures   = wc.disk_failures;
     st.prefix_entries  = (int32_t) prefixes_.size();
-    st.prefix_bytes    = prefix_held_;
+    st.prefix_bytes    = prefixes_.held();
+    const prefix_counters & pc = prefixes_.counters();
+    st.prefix_stores       = pc.stores;
+    st.prefix_hits         = pc.hits;
+    st.prefix_tokens_saved = pc.tokens_saved;
+    st.prefix_evictions    = pc.evictions;
     std::vector<hot_kv_session_info> hot;
     hot.reserve(live_.size());
     for (const std::string & sid : lru_) {
@@ -1349,16 +1189,13 @@ void hot_kv_engine::publish_locked() const {
         hot.push_back({sid, s.epoch, s.seq_id, s.seq_len, s.last_used, HOT_KV_TIER_HOT});
     }
     std::vector<hot_kv_session_info> warm;
-    const bool warm_changed = !warm_listed_;
+    const bool warm_changed = !warm_.listed();
     if (warm_changed) {
         warm.reserve(warm_.size());
-        for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
-            for (const std::string & sid : *tier) {
-                const warm_entry & w = warm_.at(sid);
-                warm.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM});
-            }
-        }
-        warm_listed_ = true;
+        warm_.for_each([&](const std::string & sid, const warm_entry & w) {
+            warm.push_back({sid, w.epoch, -1, w.seq_len, w.last_used, w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM});
+        });
+        warm_.mark_listed();
     }
     std::lock_guard<std::mutex> lock(stats_mutex_);
     published_ = st;
@@ -1431,52 +1268,28 @@ void hot_kv_engine::check_invariants() const {
     for (const auto & [sid, d] : recent_) {
         (void) d;
         if (live_.count(sid)) fail("a live session is also in the dropped table");
-        if (warm_.count(sid)) fail("a warm session is also in the dropped table");
+        if (warm_.contains(sid)) fail("a warm session is also in the dropped table");
     }
-    if (warm_lru_.size() + disk_lru_.size() != warm_.size()) fail("warm LRU lists and warm map disagree");
-    uint64_t sums[2] = {0, 0};
-    for (const bool disk : {false, true}) {
-        prev = -1e300;
-        for (const std::string & sid : disk ? disk_lru_ : warm_lru_) {
-            const warm_entry & w = warm_.at(sid);
-            if (*w.lru_pos != sid || w.on_disk != disk) fail("warm LRU position does not point at its session");
-            if (live_.count(sid)) fail("session '" + sid + "' is both hot and warm");
-            if (w.seq_len < 1 || w.seq_len > config_.context_tokens) fail("warm session length outside [1, context_tokens]");
-            if (w.last_used < prev) fail("warm LRU order disagrees with last_used");
-            if (disk && !w.state.empty()) fail("a disk session still holds its state in memory");
-            prev = w.last_used;
-            sums[disk] += w.bytes();
-        }
-    }
-    if (sums[0] != warm_held_) fail("warm bytes held != sum of warm entries");
-    if (sums[1] != disk_held_) fail("disk bytes held != sum of disk entries");
-    if (warm_held_ > (uint64_t) std::max<int64_t>(config_.warm_bytes, 0)) fail("warm bytes exceed warm_bytes");
-    if (disk_held_ > (uint64_t) std::max<int64_t>(config_.warm_disk_bytes, 0)) fail("disk bytes exceed warm_disk_bytes");
-    if (warm_listed_) {  // what sessions() shows of the warm tier is what it holds
+    warm_.check(config_.context_tokens);
+    warm_.for_each([&](const std::string & sid, const warm_entry &) {
+        if (live_.count(sid)) fail("session '" + sid + "' is both hot and warm");
+    });
+    if (warm_.listed()) {  // what sessions() shows of the warm tier is what it holds
         std::lock_guard<std::mutex> lock(stats_mutex_);
         bool same = published_warm_.size() == warm_.size();
         size_t i = 0;
-        for (const std::list<std::string> * tier : {&warm_lru_, &disk_lru_}) {
-            for (const std::string & sid : *tier) {
-                const warm_entry & w = warm_.at(sid);
-                same = same && published_warm_[i].session_id == sid && published_warm_[i].epoch == w.epoch &&
-                       published_warm_[i].seq_len == w.seq_len && published_warm_[i].last_used == w.last_used &&
-                       published_warm_[i].tier == (w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM);
-                ++i;
-            }
-        }
+        warm_.for_each([&](const std::string & sid, const warm_entry & w) {
+            same = same && i < published_warm_.size() && published_warm_[i].session_id == sid &&
+                   published_warm_[i].epoch == w.epoch && published_warm_[i].seq_len == w.seq_len &&
+                   published_warm_[i].last_used == w.last_used &&
+                   published_warm_[i].tier == (w.on_disk ? HOT_KV_TIER_DISK : HOT_KV_TIER_WARM);
+            ++i;
+        });
         if (!same) fail("the published warm and disk list is stale");
     }
-    uint64_t prefix_sum = 0;
-    for (const auto & [key, e] : prefixes_) {
-        (void) key;
-        if (e.length < 1 || e.length > config_.context_tokens) fail("prefix length outside [1, context_tokens]");
-        if (e.state.empty()) fail("a prefix entry holds no state");
-        prefix_sum += e.bytes();
-    }
-    if (prefix_sum != prefix_held_) fail("prefix bytes held != sum of prefix entries");
-    if (prefix_held_ > (uint64_t) std::max<int64_t>(config_.prefix_bytes, 0)) fail("prefix bytes exceed prefix_bytes");
-    if (counters_.spills + counters_.disk_loaded != counters_.restores + counters_.warm_drops + warm_.size()) {
+    prefixes_.check(config_.context_tokens);
+    // across the rooms: every spill or loaded file is restored, dropped, or still warm
+    if (counters_.spills + warm_.counters().disk_loaded != counters_.restores + warm_.counters().warm_drops + warm_.size()) {
         fail("spills + disk_loaded != restores + warm drops + warm and disk sessions");
     }
 }

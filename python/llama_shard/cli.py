@@ -3,11 +3,15 @@
     llama-shard serve --model PATH --layers A-B [--host --port --threads --max-sessions --context-tokens
                       --budget-tokens --ttl --metrics-port]
     llama-shard generate (--route A-B@host:port,C-D@host:port | [--model PATH] [--split 0-14,15-29])
-                         --prompt TEXT [--chat] [--max-tokens N] [--verify]
-    llama-shard inspect [PATH]
+                         --prompt TEXT [--chat] [--max-tokens N] [--compare-whole]
+    llama-shard inspect [PATH] [--kv-memory SIZE]
     llama-shard demo [--model PATH]
 
 Generated text goes to stdout as it is produced; status and figures go to stderr.
+Every numeric flag is checked where it is parsed (its argparse type; the sampling flags by the
+native check right after parsing, before anything loads). Renamed flags keep their old spelling for
+one release, with a warning: generate --ctx (--context-tokens), --verify (--compare-whole); serve
+--verify (--draft-verify); inspect --memory (--kv-memory).
 """
 from __future__ import annotations
 
@@ -258,7 +262,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.models import gguf_shape
 
     if (args.device != "cpu" or args.gpu_layers != -1) and not args.kv_memory:
-        raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --memory too")
+        raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --kv-memory too")
     path = _model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
@@ -450,6 +454,14 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 <= value <= 365 * 86400:  # also refuses nan and inf
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _milliseconds_within_a_second(text: str) -> float:
+    """0 to 1000 ms (the step loop's bound on its wait, HotKvStateManager's gather_s <= 1 s)."""
+    value = _seconds(text)
+    if value > 1000:
+        raise argparse.ArgumentTypeError(f"must be at most 1000 ms, got {text}")
     return value
 
 
@@ -664,7 +676,7 @@ def _engine_flags(sv: argparse.ArgumentParser) -> None:
                          f"(default {DEFAULT_MAX_HOP_S:g})")
     sv.add_argument("--batch", type=_count(MIN_BATCH_TOKENS, 1 << 16), default=_DEFAULTS.engine_config().n_batch,
                     help=f"most tokens per llama_decode (at least {MIN_BATCH_TOKENS}: a verification of {MAX_DRAFTS} drafts)")
-    sv.add_argument("--gather-ms", type=_seconds, default=DEFAULT_GATHER_S * 1000.0,
+    sv.add_argument("--gather-ms", type=_milliseconds_within_a_second, default=DEFAULT_GATHER_S * 1000.0,
                     help="after a step, the longest wait for as many sessions as it had to send their next step (0: never wait)")
     sv.add_argument("--max-step-sessions", type=_count(1, MAX_SESSIONS), default=None,
                     help="most sessions per engine step (default: max sessions)")

@@ -64,6 +64,9 @@
 // shard_error(SHARD_ERRC_INVALID_ARGUMENT) before any state changes. Time is passed in by the
 // caller (`now`, seconds on any monotonic scale), which makes the clock injectable.
 
+#include "llama_shard/hot_kv_types.h"
+#include "llama_shard/prefix_store.h"
+#include "llama_shard/warm_tier.h"
 #include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_file_store.h"
 #include "llama_shard/shard_context.h"
@@ -107,24 +110,6 @@ private:
     uint64_t                serving_ = 0;
 };
 
-enum shard_status {
-    SHARD_STATUS_OK,
-    SHARD_STATUS_CACHE_MISS,       // see the miss reason; the head re-prefills from token zero
-    SHARD_STATUS_STALE_EPOCH,      // the request's epoch is older than the session's current one
-    SHARD_STATUS_BUDGET_EXCEEDED,  // the step cannot fit even with every other session evicted
-    SHARD_STATUS_INVALID_INPUT,    // step() only: this request was invalid (single calls throw)
-    SHARD_STATUS_COMPUTE_ERROR,    // step() only: llama_decode failed; the step was rolled back
-    SHARD_STATUS_BUSY,             // step() only, warm tier on: fits alone, not beside this step's admitted sessions
-};
-
-// where a session's KV is
-enum hot_kv_tier {
-    HOT_KV_TIER_NONE,  // nowhere (a miss)
-    HOT_KV_TIER_HOT,   // in the llama_context, under a seq id
-    HOT_KV_TIER_WARM,  // as bytes in host memory
-    HOT_KV_TIER_DISK,  // in a file of the disk tier
-};
-
 enum hot_kv_step_kind {
     HOT_KV_STEP_PREFILL,
     HOT_KV_STEP_DECODE,
@@ -140,20 +125,6 @@ struct hot_kv_request {
     float *          out      = nullptr;  // output_size(input.n_tokens, input.n_logits) floats, written on OK
 };
 
-enum shard_miss_reason {
-    SHARD_MISS_NONE,
-    SHARD_MISS_UNKNOWN_SESSION,
-    SHARD_MISS_EVICTED_TTL,
-    SHARD_MISS_EVICTED_LRU,
-    SHARD_MISS_RELEASED,
-    SHARD_MISS_SUPERSEDED_EPOCH,
-    SHARD_MISS_SEQ_LEN_MISMATCH,
-    SHARD_MISS_PREFIX_EVICTED,    // open_prefix: the prefix is not in this shard's store (evicted, or never stored here)
-    SHARD_MISS_COUNT,
-};
-
-const char * shard_status_name(shard_status status);
-const char * shard_miss_reason_name(shard_miss_reason reason);
 
 // The engine's one configuration: Python binds this struct (HotKvConfig), its defaults are these,
 // and hot_kv_check_config is the one check of its bounds (HotKvStateConfig and the engine run it).
@@ -182,12 +153,6 @@ struct hot_kv_config {
     // sessions open from instead of computing them; 0: no prefix store
     int64_t     prefix_bytes = 0;
 };
-
-// the prefix store's eviction: the entry with the least last_used + hits x this (hits counted up to
-// HOT_KV_PREFIX_HIT_CAP) goes first, the oldest stored on a tie: least recently used, weighted by
-// how often it was opened (a prefix hit 8 times outlives an unused one by 8 minutes of idleness)
-constexpr double  HOT_KV_PREFIX_HIT_SECONDS = 60.0;
-constexpr int64_t HOT_KV_PREFIX_HIT_CAP     = 8;
 
 // throws shard_error(SHARD_ERRC_INVALID_ARGUMENT) naming the first field outside its bounds
 // (hot_kv_limits.h and the comments above); the recipe fingerprint a warm_dir needs is the
@@ -384,17 +349,6 @@ private:
         uint64_t          stamp;  // matches recent_order_ entries; older order entries are stale
     };
 
-    struct warm_entry {
-        int64_t              epoch;
-        int32_t              seq_len;
-        double               last_used;
-        page_buffer          state;  // shard_context::seq_save of the owned layers (empty on disk)
-        std::list<std::string>::iterator lru_pos;  // in warm_lru_ (host) or disk_lru_ (disk)
-        bool                 on_disk    = false;
-        uint64_t             file_bytes = 0;
-        uint64_t bytes() const;      // what its tier charges: state pages + key in memory, the file on disk
-    };
-
     // where new sessions' seq ids go (see the invariants): a step's placement lives for that step
     // only, a single request's (to_place 0, last -1) takes the lowest free id
     struct id_placement {
@@ -434,10 +388,7 @@ private:
     bool     drop_if_cut_inexact_locked(const std::string & sid, const session & s, int32_t length, hot_kv_result & res);
     // frees a hot session's cells, seq id and reservation (no record, no counters)
     void     free_hot_locked(const std::string & sid);
-    void     drop_warm_locked(const std::string & sid, shard_miss_reason reason, int64_t remembered_epoch = -1);
     // removes a warm entry from its tier (no record, no counters)
-    void     erase_warm_locked(std::unordered_map<std::string, warm_entry>::iterator it);
-    int32_t  sweep_warm_locked(double now);
     // brings a warm session back hot (room and a free id must be there); null with a counted miss
     // in `res` if llama.cpp refused the state (the warm copy is dropped)
     session * restore_locked(const std::string & sid, double now, hot_kv_result & res, id_placement & ids);
@@ -446,13 +397,9 @@ private:
     // admitted, only after all others); false, with nothing evicted, if that cannot be enough
     bool     make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
                               const std::vector<std::string> & later);
-    bool     warm_enabled() const { return config_.warm_bytes > 0 || disk_ != nullptr; }
     // puts a spilled session's entry in the host tier (moving its least recently used sessions
     // to disk or dropping them), or on disk; false if neither can take it
-    bool     store_host_locked(const std::string & sid, warm_entry && w);
-    bool     store_disk_locked(const std::string & sid, warm_entry && w);
     // the host tier's session `sid` moves to disk, or is dropped (EVICTED_LRU) if it cannot
-    void     demote_locked(const std::string & sid);
     void     load_disk_tier();
     void     touch_locked(session & s, double now);
     session & create_locked(const std::string & sid, int64_t epoch, double now, id_placement & ids);
@@ -510,34 +457,25 @@ private:
     mutable hot_kv_stats published_{};
     mutable std::vector<hot_kv_session_info> published_hot_;
     mutable std::vector<hot_kv_session_info> published_warm_;
-    mutable bool                             warm_listed_ = false;  // published_warm_ is current
     std::unordered_map<std::string, session> live_;
     std::list<std::string>                   lru_;       // front = least recently used
     std::vector<int32_t>                     free_ids_;  // descending: back() is the lowest
     int64_t                                  reserved_ = 0;
     double                                   clock_ = -1e300;  // latest `now` seen: engine time never goes back
 
-    std::unordered_map<std::string, warm_entry> warm_;      // host and disk entries
-    std::list<std::string>                      warm_lru_;  // host entries, front = least recently used
-    uint64_t                                    warm_held_ = 0;
-    std::unique_ptr<kv_file_store>              disk_;      // null: no disk tier
-    std::list<std::string>                      disk_lru_;  // disk entries, front = least recently used
-    uint64_t                                    disk_held_ = 0;
-    bool                                        disk_times_pending_ = false;  // loaded files get the first `now` seen
-    const std::string *                         warm_pinned_ = nullptr;  // being restored: spills must not drop it
+    // the engine's rooms: each keeps its own bytes, invariants and counters; the engine coordinates
+    // them (the lock, every llama.cpp call, the seq ids, the checks across them)
+    warm_tier    warm_;      // host memory and the disk tier (warm_tier.h)
 
-    struct prefix_entry {
-        int32_t     length;
-        page_buffer state;      // shard_context::seq_save of the owned layers, positions [0, length)
-        double      last_used;
-        int64_t     hits  = 0;
-        uint64_t    stamp = 0;  // insertion order: the tie-break of eviction
-        uint64_t bytes() const { return (uint64_t) state.capacity() + sizeof(uint64_t); }
-    };
-    std::map<uint64_t, prefix_entry> prefixes_;
-    uint64_t                         prefix_held_  = 0;
-    uint64_t                         prefix_stamp_ = 0;
-    void evict_prefix_locked();  // drops the least valuable entry (see HOT_KV_PREFIX_HIT_SECONDS)
+    prefix_store prefixes_;  // its own room: bytes, eviction, counters (prefix_store.h)
+    // open_prefix's three parts: the entry to open from (or the miss, counted); the session that
+    // will hold it, emptied and with room made (a warm copy dropped, an older epoch superseded);
+    // the restore into it (false: the entry could not be restored, dropped, the miss counted)
+    const prefix_entry * lookup_prefix_locked(const std::string & sid, int64_t epoch, uint64_t key, int32_t length,
+                                              hot_kv_result & res);
+    session * replace_for_prefix_locked(const std::string & sid, int64_t epoch, int32_t length, double now,
+                                        hot_kv_result & res);
+    bool restore_prefix_locked(session & s, uint64_t key, const prefix_entry & entry, double now, hot_kv_result & res);
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 #: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
-from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, PREFIX_HIT_CAP, PREFIX_HIT_SECONDS, RESTORE_BUCKETS, HotKvConfig,
+from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, RESTORE_BUCKETS, HotKvConfig,
                        MissReason, Status, StepKind, Tier, model_digest)
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
+from .prefix_store import PrefixStore
+from .warm_tier import WarmEntry, WarmTier
 
 if TYPE_CHECKING:  # the shard brings this engine (ReferenceShard.hot_kv_engine): no import back
     from .model import ReferenceShard, SequenceKv
@@ -94,31 +96,6 @@ def _input_bytes(step: Step) -> bytes:
 
 
 @dataclasses.dataclass
-class _Warm:
-    epoch: int
-    kv: SequenceKv
-    last_used: float
-    nbytes: int
-
-    @property
-    def seq_len(self) -> int:
-        return self.kv.seq_len
-
-
-@dataclasses.dataclass
-class _Prefix:
-    kv: SequenceKv
-    last_used: float
-    nbytes: int
-    stamp: int
-    hits: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.kv.seq_len
-
-
-@dataclasses.dataclass
 class _Dropped:
     epoch: int
     reason: MissReason
@@ -138,15 +115,8 @@ class ReferenceHotKvEngine:
         self._lock = threading.RLock()
         self.warm_bytes = warm_bytes
         self.warm_ttl_seconds = warm_ttl_seconds
-        self._warm: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
-        self._warm_held = 0
-        self._warm_pinned: str | None = None  # being restored: spills must not drop it
-        # the disk tier, simulated: the same decisions and byte counts as the native files (no files:
-        # a reference engine does not outlive its process)
         self.warm_disk_bytes = warm_disk_bytes
         self.recipe_fingerprint = recipe_fingerprint
-        self._disk: "collections.OrderedDict[str, _Warm]" = collections.OrderedDict()  # LRU order
-        self._disk_held = 0
         path = getattr(shard.model, "path", None)
         self._model_digest = model_digest(str(path)) if warm_disk_bytes > 0 and path is not None else ""
         self._restore_buckets = [0] * len(RESTORE_BUCKETS)
@@ -170,9 +140,11 @@ class ReferenceHotKvEngine:
         self._misses = collections.Counter()
         # the prefix store: key -> a copy of a session's K/V (hot_kv_engine.h, store_prefix)
         self.prefix_bytes = config.prefix_bytes
-        self._prefixes: dict[int, _Prefix] = {}
-        self._prefix_held = 0
-        self._prefix_stamp = 0
+        # the engine's rooms (as the native engine's): each keeps its own bytes, invariants and counters
+        self._prefixes = PrefixStore(config.prefix_bytes)
+        self._warm = WarmTier(warm_bytes, warm_disk_bytes, warm_ttl_seconds, host_entry_bytes=self.warm_entry_bytes,
+                              disk_bound_bytes=lambda sid, n: self._state_bytes(n) + len(sid.encode("utf-8", "surrogatepass")) + 256,
+                              file_bytes=self.disk_file_bytes, on_drop=self._warm_dropped)
 
     # --- validation ----------------------------------------------------------------------------
 
@@ -279,95 +251,28 @@ class ReferenceHotKvEngine:
         n_layers = len(self.shard.owned_layers)
         return 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
 
-    def _warm_enabled(self) -> bool:
-        return self.warm_bytes > 0 or self.warm_disk_bytes > 0
-
-    @staticmethod
-    def _insert_by_last_used(tier: "collections.OrderedDict[str, _Warm]", sid: str, w: _Warm) -> None:
-        """As the native insert_by_last_used: after every entry used no later."""
-        later = [k for k, v in tier.items() if v.last_used > w.last_used]
-        tier[sid] = w
-        for k in later:
-            tier.move_to_end(k)
-
-    def _cached(self, sid: str) -> tuple[_Warm | None, Tier]:
-        if sid in self._warm:
-            return self._warm[sid], Tier.WARM
-        if sid in self._disk:
-            return self._disk[sid], Tier.DISK
-        return None, Tier.NONE
+    def _warm_dropped(self, sid: str, epoch: int, reason: MissReason) -> None:
+        """The warm tier dropped a session: remembered (stale-epoch fencing); a release or a new epoch counted."""
+        self._remember(sid, epoch, reason)
+        if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
+            self._counters[self._LEAVING[reason]] += 1
 
     def _leave_hot(self, sid: str, reason: str) -> None:
         """A hot session evicted (LRU or TTL): spilled to the warm tier if it can be, dropped otherwise."""
         s = self._live[sid]
-        if not self._warm_enabled() or s.seq_len == 0:
+        if not self._warm.enabled or s.seq_len == 0:
             self._drop(sid, reason)
             return
-        w = _Warm(s.epoch, copy.deepcopy(s.kv), s.last_used, 0)
-        if not self._store_host(sid, w) and not self._store_disk(sid, w):
+        if not self._warm.put(sid, WarmEntry(s.epoch, copy.deepcopy(s.kv), s.last_used, 0)):
             self._drop(sid, reason)
             return
         self._counters["spills"] += 1
         self._counters[self._LEAVING.get(reason, "other")] += 1
         self._free_hot(sid)
 
-    def _store_host(self, sid: str, w: _Warm) -> bool:
-        nbytes = self.warm_entry_bytes(sid, w.seq_len)
-        # the warm session being restored (pinned) is never moved out to make room for this one
-        pinned = self._warm.get(self._warm_pinned) if self._warm_pinned is not None else None
-        if nbytes + (pinned.nbytes if pinned else 0) > self.warm_bytes:
-            return False
-        while self._warm_held + nbytes > self.warm_bytes:
-            self._demote(next(k for k in self._warm if k != self._warm_pinned))
-        w.nbytes = nbytes
-        self._insert_by_last_used(self._warm, sid, w)
-        self._warm_held += nbytes
-        return True
-
-    def _store_disk(self, sid: str, w: _Warm) -> bool:
-        if self.warm_disk_bytes <= 0:
-            return False
-        bound = self._state_bytes(w.seq_len) + len(sid.encode("utf-8", "surrogatepass")) + 256
-        pinned = self._disk.get(self._warm_pinned) if self._warm_pinned is not None else None
-        if bound + (pinned.nbytes if pinned else 0) > self.warm_disk_bytes:
-            return False
-        while self._disk_held + bound > self.warm_disk_bytes:
-            self._drop_warm(next(k for k in self._disk if k != self._warm_pinned), MissReason.EVICTED_LRU)
-        w.nbytes = self.disk_file_bytes(sid, w.seq_len)
-        self._insert_by_last_used(self._disk, sid, w)
-        self._disk_held += w.nbytes
-        self._counters["disk_spills"] += 1
-        return True
-
-    def _demote(self, sid: str) -> None:
-        """The host tier's session moves to disk, or is dropped (EVICTED_LRU) if it cannot."""
-        w = self._warm.pop(sid)
-        self._warm_held -= w.nbytes
-        if not self._store_disk(sid, w):
-            self._remember(sid, w.epoch, MissReason.EVICTED_LRU)
-            self._counters["warm_drops"] += 1
-
-    def _take_warm(self, sid: str) -> tuple[_Warm, bool]:
-        """Removes a warm session from the host tier or the disk tier: (entry, from disk)."""
-        if sid in self._warm:
-            w = self._warm.pop(sid)
-            self._warm_held -= w.nbytes
-            return w, False
-        w = self._disk.pop(sid)
-        self._disk_held -= w.nbytes
-        return w, True
-
-    def _drop_warm(self, sid: str, reason: str, remembered_epoch: int = -1) -> None:
-        w, _ = self._take_warm(sid)
-        self._remember(sid, remembered_epoch if remembered_epoch >= 0 else w.epoch, reason)
-        self._counters["warm_drops"] += 1
-        if reason in (MissReason.RELEASED, MissReason.SUPERSEDED_EPOCH):
-            self._counters[self._LEAVING[reason]] += 1
-
     def _restore(self, sid: str, now: float, ids: _IdPlacement) -> _Session:
         t0 = time.perf_counter()
-        w, from_disk = self._take_warm(sid)
-        self._counters["disk_restores"] += int(from_disk)
+        w = self._warm.take(sid)
         s = _Session(w.epoch, self._take_free_id(ids), copy.deepcopy(w.kv), now)
         self._live[sid] = s
         self._reserved += s.seq_len
@@ -411,14 +316,7 @@ class ReferenceHotKvEngine:
                 break
             self._leave_hot(sid, MissReason.EVICTED_TTL)
             n += 1
-        for tier in (self._disk, self._warm):  # the native order
-            while self.warm_ttl_seconds > 0 and tier:
-                sid, w = next(iter(tier.items()))
-                if now - w.last_used <= self.warm_ttl_seconds:
-                    break
-                self._drop_warm(sid, MissReason.EVICTED_TTL)
-                n += 1
-        return n
+        return n + self._warm.sweep(now)
 
     def _begin(self, session_id: str, epoch: int, now: float) -> float:
         """The prelude of every single-session request (the native begin_locked)."""
@@ -496,7 +394,7 @@ class ReferenceHotKvEngine:
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
-        w, tier = self._cached(sid)
+        w, tier = self._warm.find(sid)
         if w is not None:
             if epoch == w.epoch:  # warm: no session, an OK result saying where it is
                 return None, StepResult(seq_len=w.seq_len, tier=tier)
@@ -504,7 +402,7 @@ class ReferenceHotKvEngine:
                 return None, _stale(epoch, w.epoch, "current")
             if query:
                 return None, self._newer_than_cached(epoch, w.epoch)
-            self._drop_warm(sid, MissReason.SUPERSEDED_EPOCH, epoch)
+            self._warm.drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
             return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
                                     detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
         d = self._recent.get(sid)
@@ -519,13 +417,10 @@ class ReferenceHotKvEngine:
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
     def _restore_alone(self, sid: str, seq_len: int, now: float) -> tuple[_Session | None, StepResult]:
-        self._warm_pinned = sid
-        try:
+        with self._warm.pin(sid):
             room = self._make_room(seq_len, True, [sid], [])
-        finally:
-            self._warm_pinned = None
         if not room:  # larger than this engine's budget: a guard, as in the native engine
-            self._drop_warm(sid, MissReason.EVICTED_LRU)
+            self._warm.drop(sid, MissReason.EVICTED_LRU)
             return None, self._miss(MissReason.EVICTED_LRU, "the session's warm copy does not fit this shard's budget")
         return self._restore(sid, now, _IdPlacement()), StepResult()  # outside a step: the lowest free id
 
@@ -549,15 +444,6 @@ class ReferenceHotKvEngine:
         """What the native prefix store charges for a prefix: its state's whole pages and the 8-byte key."""
         return -(-self._state_bytes(length) // _PAGE) * _PAGE + 8
 
-    def _evict_prefix(self) -> None:
-        """The entry with the least last_used + hits x PREFIX_HIT_SECONDS (hits up to the cap) goes,
-        the oldest stored on a tie."""
-        def score(e: _Prefix) -> tuple[float, int]:
-            return e.last_used + PREFIX_HIT_SECONDS * min(e.hits, PREFIX_HIT_CAP), e.stamp
-        key = min(self._prefixes, key=lambda k: score(self._prefixes[k]))
-        self._prefix_held -= self._prefixes.pop(key).nbytes
-        self._counters["prefix_evictions"] += 1
-
     @_serialised
     def store_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
         if not 1 <= length <= self.context_tokens:
@@ -569,18 +455,9 @@ class ReferenceHotKvEngine:
         if s.seq_len != length:
             raise InvalidInputError(f"the session holds {s.seq_len} tokens, not the prefix's {length}")
         res = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
-        if self.prefix_bytes <= 0 or key in self._prefixes:
+        if not self._prefixes.enabled or key in self._prefixes:
             return res
-        nbytes = self.prefix_entry_bytes(length)
-        if nbytes > self.prefix_bytes:
-            return res
-        while self._prefix_held + nbytes > self.prefix_bytes:
-            self._evict_prefix()
-        self._prefix_stamp += 1
-        self._prefixes[key] = _Prefix(copy.deepcopy(s.kv), now, nbytes, self._prefix_stamp)
-        self._prefix_held += nbytes
-        self._counters["prefix_stores"] += 1
-        res.changed = True
+        res.changed = self._prefixes.insert(key, copy.deepcopy(s.kv), self.prefix_entry_bytes(length), now)
         return res
 
     @_serialised
@@ -588,43 +465,54 @@ class ReferenceHotKvEngine:
         if length < 1:
             raise InvalidInputError(f"a prefix holds at least 1 token, got {length}")
         now = self._begin(session_id, epoch, now)
+        entry, res = self._lookup_prefix(session_id, epoch, key, length)
+        if entry is None:
+            return res
+        s, res = self._replace_for_prefix(session_id, epoch, length, now)
+        if s is None:
+            return res
+        # the restore: a copy of the entry (the reference's copies cannot fail, nor hold a sliding window)
+        s.kv = copy.deepcopy(entry.kv)
+        s.last_start, s.last_input = -1, None
+        self._touch(session_id, s, now)
+        self._reserved += length
+        self._prefixes.hit(key, now)
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
+
+    def _lookup_prefix(self, session_id: str, epoch: int, key: int, length: int):
+        """(the entry to open from, None) or (None, the answer: a stale epoch, a counted miss, BUDGET_EXCEEDED)."""
         _, res = self._identify(session_id, epoch, query=True)  # a stale epoch is that, whatever the store holds
         if res.status == STALE_EPOCH:
-            return res
-        p = self._prefixes.get(key)
-        if p is None or p.length != length:
-            return self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix of "
-                                                                       f"{length} tokens: the head computes it"))
+            return None, res
+        entry = self._prefixes.find(key, length)
+        if entry is None:
+            return None, self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix "
+                                                                             f"of {length} tokens: the head computes it"))
         if length > self.context_tokens or length > self.budget_tokens:
-            return StepResult(status=BUDGET_EXCEEDED,
-                              detail=f"a prefix of {length} tokens does not fit this shard's context or budget")
+            return None, StepResult(status=BUDGET_EXCEEDED,
+                                    detail=f"a prefix of {length} tokens does not fit this shard's context or budget")
+        return entry, res
+
+    def _replace_for_prefix(self, session_id: str, epoch: int, length: int, now: float):
+        """(the session that will hold the prefix, emptied, with room made; or None, the stale answer): a
+        warm copy is dropped, an older epoch superseded (not counted as a miss)."""
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
-            return res
+            return None, res
         if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped (a warm drop), not restored
-            self._take_warm(session_id)
-            self._counters["warm_drops"] += 1
+            self._warm.discard(session_id)
             s = None
         held = s.seq_len if s is not None else 0
-        room = self._make_room(max(0, length - held), s is None, [session_id], [])
+        room = self._make_room(max(0, length - held), s is None, [session_id], [])  # never touches the prefix store
         assert room  # length <= budget: every other session can leave
         if s is None:
             s = self._create(session_id, epoch, now, _IdPlacement())
         self._reserved -= held
-        s.kv = copy.deepcopy(p.kv)
-        s.last_start, s.last_input = -1, None
-        self._touch(session_id, s, now)
-        self._reserved += length
-        p.hits += 1
-        p.last_used = now
-        self._counters["prefix_hits"] += 1
-        self._counters["prefix_tokens_saved"] += length
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
+        return s, res
 
     @_serialised
     def prefix_length(self, key: int) -> int:
-        p = self._prefixes.get(key)
-        return p.length if p is not None else 0
+        return self._prefixes.length(key)
 
     @_serialised
     def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
@@ -649,7 +537,7 @@ class ReferenceHotKvEngine:
         # a prefill not live under its epoch creates a session, a step of a warm session restores
         # one: their ids are placed together
         def takes_id(req: Step) -> bool:
-            live, (warm, _) = self._live.get(req.session_id), self._cached(req.session_id)
+            live, (warm, _) = self._live.get(req.session_id), self._warm.find(req.session_id)
             if live is not None and live.epoch == req.route_epoch:
                 return False
             return req.kind == StepKind.PREFILL or (warm is not None and warm.epoch == req.route_epoch)
@@ -709,16 +597,13 @@ class ReferenceHotKvEngine:
                                            f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
         # never the requester or what the step admitted; the step's others only when they can go warm
         keep = [sid] + [p[3] for p in plan]
-        if not self._warm_enabled():
+        if not self._warm.enabled:
             keep += participants
         grow = new_len - s.seq_len if s is not None else max(held, new_len)
-        self._warm_pinned = sid if warm else None
-        try:
+        with self._warm.pin(sid if warm else None):
             room = self._make_room(grow, s is None, keep, participants)
-        finally:
-            self._warm_pinned = None
         if not room:
-            if self._warm_enabled() and plan:  # it fits alone: it goes first in the next step
+            if self._warm.enabled and plan:  # it fits alone: it goes first in the next step
                 return refuse(BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step")
             if s is None and not self._free_ids:
                 return refuse(BUDGET_EXCEEDED, f"all {self.max_sessions} sessions take part in this step")
@@ -768,14 +653,14 @@ class ReferenceHotKvEngine:
                 self._drop(session_id, MissReason.SUPERSEDED_EPOCH, epoch)
                 self._remember(session_id, epoch, MissReason.RELEASED)
             return StepResult(changed=True)
-        w, _ = self._cached(session_id)
+        w, _ = self._warm.find(session_id)
         if w is not None:
             if epoch < w.epoch:
                 return _stale(epoch, w.epoch, "current")
             if epoch == w.epoch:
-                self._drop_warm(session_id, MissReason.RELEASED)
+                self._warm.drop(session_id, MissReason.RELEASED)
             else:
-                self._drop_warm(session_id, MissReason.SUPERSEDED_EPOCH, epoch)
+                self._warm.drop(session_id, MissReason.SUPERSEDED_EPOCH, epoch)
                 self._remember(session_id, epoch, MissReason.RELEASED)
             return StepResult(changed=True)
         d = self._recent.get(session_id)
@@ -806,22 +691,20 @@ class ReferenceHotKvEngine:
         if self.warm_disk_bytes <= 0:
             for sid in list(self._live):
                 self._drop(sid, MissReason.RELEASED)
-            for sid in list(self._warm):
-                self._drop_warm(sid, MissReason.RELEASED)
+            self._warm.release_host_all()
             return 0
         for sid in list(self._live):
             if self._live[sid].seq_len == 0:
                 self._drop(sid, MissReason.RELEASED)
                 continue
-            w = _Warm(self._live[sid].epoch, copy.deepcopy(self._live[sid].kv), self._live[sid].last_used, 0)
-            if self._store_host(sid, w) or self._store_disk(sid, w):
+            s = self._live[sid]
+            if self._warm.put(sid, WarmEntry(s.epoch, copy.deepcopy(s.kv), s.last_used, 0)):
                 self._counters["spills"] += 1
                 self._free_hot(sid)
             else:
                 self._drop(sid, MissReason.RELEASED)
-        for sid in list(self._warm):
-            self._demote(sid)
-        return len(self._disk)
+        self._warm.demote_host_all()
+        return len(self._warm.disk)
 
     # --- introspection ---------------------------------------------------------------------------
 
@@ -839,24 +722,24 @@ class ReferenceHotKvEngine:
             "recent_keys": len(self._recent),
             "misses": {r.name: self._misses[r] for r in MISS_REASONS},
             "spills": self._counters["spills"], "restores": self._counters["restores"],
-            "warm_drops": self._counters["warm_drops"], "warm_sessions": len(self._warm),
-            "warm_bytes": self._warm_held, "warm_capacity": self.warm_bytes,
+            "warm_drops": self._warm.counters["warm_drops"], "warm_sessions": len(self._warm.host),
+            "warm_bytes": self._warm.host_held, "warm_capacity": self.warm_bytes,
             "restore_seconds": self._counters["restore_seconds"],
             "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
-            "disk_sessions": len(self._disk), "disk_bytes": self._disk_held, "disk_capacity": self.warm_disk_bytes,
-            "disk_spills": self._counters["disk_spills"], "disk_restores": self._counters["disk_restores"],
+            "disk_sessions": len(self._warm.disk), "disk_bytes": self._warm.disk_held, "disk_capacity": self.warm_disk_bytes,
+            "disk_spills": self._warm.counters["disk_spills"], "disk_restores": self._warm.counters["disk_restores"],
             "disk_loaded": 0, "disk_failures": 0,  # no files: nothing to load, nothing to fail
-            "prefix_entries": len(self._prefixes), "prefix_bytes": self._prefix_held,
-            "prefix_capacity": self.prefix_bytes, "prefix_stores": self._counters["prefix_stores"],
-            "prefix_hits": self._counters["prefix_hits"], "prefix_tokens_saved": self._counters["prefix_tokens_saved"],
-            "prefix_evictions": self._counters["prefix_evictions"],
+            "prefix_entries": len(self._prefixes), "prefix_bytes": self._prefixes.held,
+            "prefix_capacity": self.prefix_bytes, "prefix_stores": self._prefixes.counters["stores"],
+            "prefix_hits": self._prefixes.counters["hits"], "prefix_tokens_saved": self._prefixes.counters["tokens_saved"],
+            "prefix_evictions": self._prefixes.counters["evictions"],
         }
 
     @_serialised
     def sessions(self) -> list[SessionRecord]:
         return ([SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
-                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.items()]
-                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._disk.items()])
+                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.host.items()]
+                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._warm.disk.items()])
 
     @_serialised
     def session_kv(self, session_id: str) -> SequenceKv:
@@ -894,22 +777,11 @@ class ReferenceHotKvEngine:
             fail("the table of dropped keys outgrew its capacity")
         if any(sid in self._live for sid in self._recent):
             fail("a live session is also in the dropped table")
-        if any(sid in self._live or sid in self._recent or sid in self._disk for sid in self._warm):
-            fail("a warm session is also hot, on disk or in the dropped table")
-        if any(sid in self._live or sid in self._recent for sid in self._disk):
-            fail("a disk session is also hot or in the dropped table")
-        if sum(w.nbytes for w in self._warm.values()) != self._warm_held or self._warm_held > self.warm_bytes:
-            fail("warm bytes held disagree with the entries or exceed warm_bytes")
-        if sum(w.nbytes for w in self._disk.values()) != self._disk_held or self._disk_held > self.warm_disk_bytes:
-            fail("disk bytes held disagree with the entries or exceed warm_disk_bytes")
-        for tier in (self._warm, self._disk):
-            times = [w.last_used for w in tier.values()]
-            if times != sorted(times):
-                fail("warm LRU order disagrees with last_used")
-        if sum(p.nbytes for p in self._prefixes.values()) != self._prefix_held or self._prefix_held > self.prefix_bytes:
-            fail("prefix bytes held disagree with the entries or exceed prefix_bytes")
-        if any(not 1 <= p.length <= self.context_tokens for p in self._prefixes.values()):
-            fail("prefix length outside [1, context_tokens]")
+        self._warm.check(fail)
+        if any(sid in self._live or sid in self._recent for sid in [*self._warm.host, *self._warm.disk]):
+            fail("a warm or disk session is also hot or in the dropped table")
+        self._prefixes.check(self.context_tokens, fail)
         c = self._counters
-        if c["spills"] != c["restores"] + c["warm_drops"] + len(self._warm) + len(self._disk):
+        # across the rooms: every spill is restored, dropped, or still warm
+        if c["spills"] != c["restores"] + self._warm.counters["warm_drops"] + len(self._warm):
             fail("spills != restores + warm drops + warm and disk sessions")
