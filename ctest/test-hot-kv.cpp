@@ -192,7 +192,7 @@ hot_kv_request decode_request(harness & h, const std::string & sid, const int32_
 // the warm tier: an evicted session spills its KV to host memory and comes back bit-exact; resolve
 // reports it without moving it; release, a newer epoch and warm TTL drop it; a full tier drops its
 // least recently used session; BUSY defers a request that fits alone but not beside its step
-void warm_tier(const std::string & path) {
+void warm_tier_lifecycle(const std::string & path) {
     hot_kv_config cfg = config(1, 32, 32, 10);
     cfg.warm_bytes = 1 << 20;
     cfg.warm_ttl_seconds = 100;
@@ -314,7 +314,7 @@ void warm_tier(const std::string & path) {
 }
 
 // the prefix store: a copy of a session's state that new sessions open from, bounded by its bytes
-void prefix_store(const std::string & path) {
+void prefix_store_lifecycle(const std::string & path) {
     hot_kv_config c = config(3, 32, 64, 0);
     c.prefix_bytes = 64 << 10;
     harness h(path, c);
@@ -370,7 +370,7 @@ int main(int argc, char ** argv) {
     epochs(argv[1]);
     admission_and_eviction(argv[1]);
     bounded_and_invalid(argv[1]);
-    warm_tier(argv[1]);
-    prefix_store(argv[1]);
+    warm_tier_lifecycle(argv[1]);
+    prefix_store_lifecycle(argv[1]);
     return finish("test-hot-kv");
 }

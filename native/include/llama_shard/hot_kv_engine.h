@@ -22,14 +22,13 @@
 //    start of the lowest run of free ids long enough for the step's remaining new sessions, else
 //    the lowest free id (outside a step: the lowest free id).
 //
-//  - the prefix store (prefix_bytes > 0): entries' bytes (state pages + 8 key bytes) sum to what it
-//    holds, which is <= prefix_bytes; each entry's length is in [1, context_tokens]; entries are
-//    copies, owned by the store alone (no session refers to one);
-//  - the warm tier (warm_bytes > 0 or a warm_dir): a session that leaves the hot set by LRU or TTL
-//    eviction keeps its KV as bytes (llama.cpp's sequence state of the owned layers) in host memory
-//    or, past that, in a file of the disk tier; a key is in at most one tier; host bytes held
-//    (the state's whole pages + key bytes: exactly what is resident) <= warm_bytes, file bytes <= warm_disk_bytes, and each tier's LRU
-//    list is ordered by last use like the hot one.
+//  - its rooms keep their own invariants (each check()ed from check_invariants): the prefix store
+//    (prefix_store.h: copies of shared starts, bytes <= prefix_bytes) and the warm tier (warm_tier.h:
+//    a session that leaves the hot set by LRU or TTL eviction keeps its KV as bytes in host memory
+//    or, past that, in a file of the disk tier; bytes <= warm_bytes and warm_disk_bytes). Across
+//    them the engine keeps: a key is hot, warm or in the dropped table, never two of these; every
+//    spill or loaded file is restored, dropped or still warm (spills + disk_loaded = restores +
+//    warm_drops + warm sessions); the rooms make no llama.cpp call and take no lock.
 //
 // Memory: the context holds max_sessions KV streams of context_tokens cells each (llama.cpp pads a
 // stream to a multiple of 256 cells), allocated up front: that is the hot tier's real memory.
