@@ -286,8 +286,8 @@ static py::dict memory_dict(const shard_memory & mem) {
     return d;
 }
 
-// ModelInfo and ShardModel: a layer range of a GGUF model
-void register_model(py::module_ & m) {
+// the process's backends: the CPU kernels, the GPU modules and their devices (cpu_backend.h, devices.h)
+void register_backends(py::module_ & m) {
     m.def("certified_architectures", &shard_certified_architectures,
           "Architectures whose graphs honour a shard range.");
     m.def("cpu_backend", [] {
@@ -333,6 +333,10 @@ void register_model(py::module_ & m) {
               return shard_gpu_backends();
           },
           "One line per GPU module this build ships: loaded (with its device count) or why not.");
+}
+
+// the limits and defaults Python reads from here (hot_kv_limits.h, step_loop.h, prefix_store.h), the KV types
+void register_limits(py::module_ & m) {
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
@@ -349,7 +353,7 @@ void register_model(py::module_ & m) {
     }
     buckets.append(std::numeric_limits<double>::infinity());
     m.attr("RESTORE_BUCKETS") = py::tuple(buckets);
-    m.attr("PREFIX_HIT_SECONDS") = HOT_KV_PREFIX_HIT_SECONDS;  // the prefix store's eviction weight (hot_kv_engine.h)
+    m.attr("PREFIX_HIT_SECONDS") = HOT_KV_PREFIX_HIT_SECONDS;  // the prefix store's eviction weight (prefix_store.h)
     m.attr("PREFIX_HIT_CAP")     = HOT_KV_PREFIX_HIT_CAP;
     m.def("kv_types", &shard_kv_types, "The KV element types a context may use (llama.cpp's type_k/type_v).");
     m.def("kv_bytes_per_token",
@@ -357,6 +361,10 @@ void register_model(py::module_ & m) {
           py::arg("n_head_kv"), py::arg("head_dim"), py::arg("n_layers"), py::arg("kv_type") = "f16",
           "K and V bytes one cached token takes over n_layers layers (ggml's row sizes).");
 
+}
+
+// ModelInfo and ShardModel: a shard's weights and its tokenizer (shard_model.h)
+void register_model(py::module_ & m) {
     py::class_<shard_model_info>(m, "ModelInfo")
         .def_readonly("architecture", &shard_model_info::architecture)
         .def_readonly("n_layer", &shard_model_info::n_layer)
@@ -862,6 +870,8 @@ void register_engine(py::module_ & m) {
 PYBIND11_MODULE(_native, m) {
     m.doc() = "llama-shard native engine: a layer range of a GGUF model on a patched llama.cpp";
     register_errors(m);
+    register_backends(m);
+    register_limits(m);
     register_model(m);
     register_context(m);
     register_contract_types(m);

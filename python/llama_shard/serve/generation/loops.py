@@ -150,6 +150,12 @@ class _RouteLoop:
             owner.settle(s, reply)
 
 
+class RouteHolds(NamedTuple):
+    """What the route holds of a session after its last stream: what its next stream may reuse."""
+    epoch: int
+    tokens: list[int]
+
+
 class RefusalReason(enum.Enum):
     """Why a stream was refused before anything was computed (what a caller may act on)."""
     INVALID = "invalid"                # the request is wrong (Refusal.param names what, where it can)
@@ -186,7 +192,7 @@ class GenerationLoops:
         self.streams: dict[str, Stream] = {}           # engine key -> its running stream
         self.busy = 0                                   # group steps in progress
         # engine key -> (epoch, tokens the route holds): what the next stream of the session may reuse
-        self._records: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._records: OrderedDict[str, RouteHolds] = OrderedDict()
         self._records_cap = 2 * host.max_sessions
         self.max_streams = host.max_streams
         self.active = Gauge("llama_shard_generate_streams", "Generate streams running on this head", registry=registry)
@@ -241,8 +247,8 @@ class GenerationLoops:
                                f"this worker runs at most {limit} Generate streams at once (its hot sessions{warm})")
             record = self._records.get(key)
             cached = 0
-            if record is not None and record[0] == req.route_epoch:
-                cached = min(common_prefix(record[1], list(req.prompt)), len(req.prompt) - 1)
+            if record is not None and record.epoch == req.route_epoch:
+                cached = min(common_prefix(record.tokens, list(req.prompt)), len(req.prompt) - 1)
             stream = Stream(principal, key, req, params, max_tokens, cached, deadline, self.host.detokenize,
                             events, max_drafts, self.draft_model, self.row_by_row)
             route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
@@ -413,7 +419,7 @@ class GenerationLoops:
             if reason == "error":
                 self._records.pop(s.key, None)  # the route's state is unknown: the next stream starts over
             else:
-                self._records[s.key] = (s.req.route_epoch, s.tokens[:s.computed])  # (drafts past it: cut by the next prefill)
+                self._records[s.key] = RouteHolds(s.req.route_epoch, s.tokens[:s.computed])  # (drafts past it: cut by the next prefill)
                 self._records.move_to_end(s.key)
                 while len(self._records) > self._records_cap:
                     self._records.popitem(last=False)

@@ -1,0 +1,307 @@
+"""Running steps on a worker: a batch of (kind, StepRequest) parsed and checked, admitted, computed
+together by the engine, its rows forwarded down the route, each step answered with a typed reply.
+
+`StepRunner` knows no gRPC call: the servicer's handlers (worker.py) give it the caller they
+authenticated and the workers a step passed through, and the head's generation loop runs its own
+steps here too (through `HeadHost.run_steps`). Every check runs before anything is computed, so a
+step refused changes no state.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import grpc
+import numpy as np
+
+from .._native import SamplingParams
+from ..engine.adapter import KvBoundaryAdapter
+from ..engine.hot_kv import MIXED_NUMERICS, BoundaryBundle, CacheMiss, Step, StepKind, TailOutput
+from ..engine.manager import HotKvStateManager
+from ..errors import (ComputeError, IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError,
+                      LlamaShardError, StaleRouteEpochError)
+from ..proto import shard_pb2 as pb
+from ..proto.requests import MAX_DRAFTS
+from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor
+from .admission import SessionCapRefused, SessionOwners
+from .peers import MAX_FORWARD_HOPS, Peers
+from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
+from .sampling import StepSamplingChecks, TailSamplers, log_softmax_of
+from .security import ServerSecurity
+from .speculation import verify
+
+
+class PrefixSteps(NamedTuple):
+    """What a step does with shared prefixes: open from one (its tokens and this worker's key for
+    it; 0: none) and/or store one when it ends."""
+    open_tokens: int
+    open_key: int
+    store_tokens: int
+    store_key: int
+
+
+class StepRunner:
+    def __init__(self, model, manager: HotKvStateManager, adapter: KvBoundaryAdapter, security: ServerSecurity,
+                 peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str):
+        self.info = model.info
+        self.manager, self.adapter, self.security = manager, adapter, security
+        self.peers, self.owners, self.prefixes, self.samplers = peers, owners, prefixes, samplers
+        self.fingerprint = manager.recipe.fingerprint()
+        self.numerics = manager.config.numerics
+        config = manager.config
+        self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        self.worker_id = worker_id           # this worker in the visited list
+        self.own_addresses = frozenset()     # set by ShardWorker once bound: forwards to these are loops
+
+    def run(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
+                  batch: bool, own_loop: bool = False, prefix_scope=None,
+                  assertion: bytes | None = None) -> list[pb.StepReply]:
+        """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own; a
+        chained call then sends the computed rows on to forward[0] and answers what it replied. The
+        gRPC handlers and the head's generation loop (`own_loop`: its prefix plans are its own) both
+        run steps here; raises SessionCapRefused when the principal's session cap
+        refuses a new session. `prefix_scope`: whose shared prefixes the steps reach (None: the
+        principal's, or every caller's for the head's own loop when the worker shares them).
+        `assertion`: the forwarder's, passed on to the next hop (None: this worker signs)."""
+        if prefix_scope is None:
+            prefix_scope = self.prefixes.scope(principal, shared=own_loop)
+        refusal = self.forward_refusal(forward, visited)
+        if refusal is not None:  # before anything is computed, and before the hops are copied
+            return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
+        forward = list(forward)
+        replies: list = [None] * len(items)
+        parsed = []
+        for i, (kind, req) in enumerate(items):
+            try:
+                step = self._parse_step(kind, req, principal)
+                parsed.append((i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
+                               self._parse_prefix(req, step, prefix_scope, own_loop)))
+            except LlamaShardError as e:
+                replies[i] = self._reply(req, e)
+        refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
+        if refused is not None:
+            raise SessionCapRefused(refused)
+        ready = []
+        for entry in parsed:  # a step from a shared prefix starts from a copy of it
+            i, step, _, prefix = entry
+            try:
+                opened = (self.manager.open_prefix(step.session_id, step.route_epoch, prefix.open_key,
+                                                   prefix.open_tokens)
+                          if prefix is not None and prefix.open_tokens else None)
+            except LlamaShardError as e:  # a stale epoch, a prefix over the budget: this step's answer
+                opened = e
+            if isinstance(opened, (CacheMiss, LlamaShardError)):
+                replies[i] = self._reply(items[i][1], opened)
+            else:
+                ready.append(entry)
+        outs = self.adapter.step_many([step for _, step, _, _ in ready]) if ready else []
+        computed = []
+        for (i, step, params, prefix), out in zip(ready, outs):
+            if prefix is not None and prefix.store_tokens and isinstance(out, (BoundaryBundle, TailOutput)):
+                try:
+                    self.manager.store_prefix(step.session_id, step.route_epoch, prefix.store_key, prefix.store_tokens)
+                except LlamaShardError:
+                    pass  # the session moved on since (a newer epoch, another step): nothing is stored
+            if forward and isinstance(out, BoundaryBundle):
+                computed.append((i, step.kind, out))
+            else:
+                replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
+        if computed:
+            for i, reply in zip([i for i, _, _ in computed],
+                                self._forward(principal, items, computed, forward, deadline, batch, visited,
+                                              prefix_scope, assertion)):
+                replies[i] = reply
+        return replies
+
+    def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> str | None:
+        """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
+        this worker cannot forward. Checked before anything is computed; `forward` (the request's
+        repeated field) is read by length first, so a huge list costs nothing before its refusal."""
+        if self.worker_id in visited:
+            return "a forwarding loop: this step already passed through this worker"
+        if not forward:
+            return None
+        if self.info.is_tail:
+            return "this worker is the tail of the model: there is no next worker to forward to"
+        # each later stage owns at least one layer: no more hops than layers after this shard
+        hops_left = min(MAX_FORWARD_HOPS, self.info.n_layer - 1 - self.info.last)
+        if len(forward) > hops_left:
+            return (f"{len(forward)} hops after this worker (layers {self.info.first}-{self.info.last} of "
+                    f"{self.info.n_layer}): a route has at most {hops_left} more")
+        addresses = [hop.address for hop in forward]
+        if len(set(addresses)) != len(addresses):
+            return "the forward list names a worker twice: a route visits each worker once"
+        if self.own_addresses.intersection(addresses):
+            return "the forward list names this worker: a route visits each worker once"
+        if forward[0].address not in self.peers.allowed:
+            return (f"this worker does not forward to {forward[0].address!r}; its operator allows "
+                    f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
+        return None
+
+    def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list, deadline: float,
+                 batch: bool, visited: tuple[str, ...] = (), prefix_scope=None,
+                 assertion: bytes | None = None) -> list[pb.StepReply]:
+        """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
+        within the caller's deadline and returns its replies, their stage counted from this worker."""
+        hop, rest = forward[0], forward[1:]
+        nexts = []
+        for i, kind, out in computed:
+            req = items[i][1]
+            nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
+                                 recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
+                                 return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype),
+                                 logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
+            if req.HasField("sampler"):
+                nxt.sampler.CopyFrom(req.sampler)
+            nxt.draft_tokens.extend(req.draft_tokens)
+            nxt.row_by_row = req.row_by_row
+            if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
+                nxt.prefix.CopyFrom(req.prefix)
+                del nxt.prefix.keys[:]
+                nxt.prefix.keys.extend(self.prefixes.forwarded(req.prefix.keys, prefix_scope, req.reply_dtype))
+            # always explicit: a retried hop that did run is answered again (a decode, by the retry
+            # rule) or recomputes the same cells (a prefill at its position), never a double append
+            nxt.position = out.start_pos
+            nexts.append((kind, nxt))
+
+        def forward_once():
+            timeout = max(deadline - time.monotonic(), 0.001)
+            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,),
+                                   assertion)
+        try:
+            replies = call_reconnecting(forward_once, deadline)  # as the route client does
+        except grpc.RpcError as e:
+            detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
+            return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
+        for r in replies:
+            r.stage += 1
+        return replies
+
+    def _parse_step(self, kind: StepKind | None, req, principal: str) -> Step:
+        """The Step for a wire request (keyed for its principal), checked; raises the contract's
+        error otherwise."""
+        if kind is None:
+            raise InvalidInputError("a batched step needs kind STEP_KIND_PREFILL or STEP_KIND_DECODE")
+        if req.recipe_fingerprint and req.recipe_fingerprint != self.fingerprint:
+            raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
+        if req.numerics and req.numerics != self.numerics:
+            raise IncompatibleCacheRecipeError(
+                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: {MIXED_NUMERICS}")
+        if len(req.token_ids) and req.HasField("hidden"):
+            raise InvalidInputError("send token_ids or hidden, not both")
+        if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
+            raise InvalidInputError(f"unknown reply_dtype {req.reply_dtype}")
+        n_tokens = len(req.token_ids)  # counted before anything is converted: a huge list costs nothing more
+        if n_tokens > self.manager.config.context_tokens:
+            raise KvBudgetExceededError(f"{n_tokens} token ids: a session holds at most "
+                                        f"{self.manager.config.context_tokens} (context_tokens)")
+        tokens = list(req.token_ids) if n_tokens else None
+        hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
+                  if req.HasField("hidden") else None)
+        position = req.position if req.HasField("position") else None
+        key = self.security.engine_key(principal, req.session_id)
+        n_drafts = len(req.draft_tokens)
+        if n_drafts:
+            self._check_drafts(req, kind, tokens, hidden, n_drafts)
+        elif req.row_by_row:
+            raise InvalidInputError("row_by_row belongs to a step with drafts (a verification)")
+        if kind == StepKind.PREFILL:
+            return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position,
+                                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1,
+                                row_by_row=req.row_by_row)
+        return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
+
+    def _check_drafts(self, req, kind, tokens, hidden, n_drafts: int) -> None:
+        """A verification step (StepRequest.draft_tokens) fits the protocol, or InvalidInputError."""
+        if n_drafts > MAX_DRAFTS:
+            raise InvalidInputError(f"a step carries at most {MAX_DRAFTS} drafts, got {n_drafts}")
+        if kind != StepKind.PREFILL or not req.HasField("position"):
+            raise InvalidInputError("a step with drafts is a prefill at an explicit position")
+        n_rows = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
+        if n_rows != n_drafts + 1:  # every shard refuses before computing: no long row-by-row steps
+            raise InvalidInputError(f"a step with {n_drafts} drafts is {n_drafts + 1} tokens (the last sampled one, "
+                                    f"then the drafts), got {n_rows}")
+        if any(not 0 <= t < self.info.n_vocab for t in req.draft_tokens):
+            raise InvalidInputError(f"a draft token is outside the vocabulary (0..{self.info.n_vocab - 1})")
+        if tokens is not None and tokens[-n_drafts:] != list(req.draft_tokens):
+            raise InvalidInputError("the drafts must be the step's last token ids")
+        if req.logprobs or req.top_logprobs or req.return_logits:
+            raise InvalidInputError("a step with drafts returns its tokens, not logprobs or logits; send it without "
+                                    "drafts")
+
+    def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> PrefixSteps | None:
+        """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
+        raises InvalidInputError for a plan that does not fit the step (nothing is computed then)."""
+        if not req.HasField("prefix"):
+            return None
+        plan, B = req.prefix, PREFIX_BLOCK_TOKENS
+        n_keys = len(plan.keys)  # counted before anything is converted
+        if n_keys > self.manager.config.context_tokens // B:
+            raise InvalidInputError(f"a prefix plan names at most {self.manager.config.context_tokens // B} blocks "
+                                    f"(context_tokens / {B}), got {n_keys}")
+        if step.kind != StepKind.PREFILL or not req.HasField("position"):
+            raise InvalidInputError("a prefix plan comes with a prefill at an explicit position")
+        opening, storing = plan.open_tokens, plan.store_tokens
+        for name, n in (("open_tokens", opening), ("store_tokens", storing)):
+            if n < 0 or n % B or n > n_keys * B:
+                raise InvalidInputError(f"prefix {name} must be a multiple of {B} covered by the plan's "
+                                        f"{n_keys} keys, got {n}")
+        if opening and step.position != opening:
+            raise InvalidInputError(f"a step opened from a prefix of {opening} tokens starts at position {opening}, "
+                                    f"not {step.position}")
+        if storing and storing != step.position + step.n_tokens:
+            raise InvalidInputError(f"a step storing a prefix of {storing} tokens must end there, not at "
+                                    f"{step.position + step.n_tokens}")
+        if self.info.first == 0 and not own_loop:
+            # a head checks what it can: the keys of the step's own tokens, from position 0
+            if opening or step.position != 0 or step.token_ids is None:
+                raise InvalidInputError("a head opens a shared prefix for its own generation loop only; send the "
+                                        "tokens from position 0 (with keys, to store a prefix)")
+            if list(plan.keys) != block_keys(step.token_ids, n_keys) or n_keys > len(step.token_ids) // B:
+                raise InvalidInputError("the prefix keys do not match the step's tokens")
+        if not (opening or storing):
+            return None
+        local = self.prefixes.local
+        return PrefixSteps(opening, local(scope, plan.keys[opening // B - 1]) if opening else 0,
+                           storing, local(scope, plan.keys[storing // B - 1]) if storing else 0)
+
+    def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
+        """The typed reply for a step's outcome, or for the contract error it raised; the tail
+        samples here when the step carries a sampler state (params, checked by StepSamplingChecks)."""
+        if isinstance(out, StaleRouteEpochError):
+            return pb.StepReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=str(out), current_epoch=out.current_epoch or 0)
+        if isinstance(out, KvBudgetExceededError):
+            return pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(out))
+        if isinstance(out, IncompatibleCacheRecipeError):
+            return pb.StepReply(outcome=pb.OUTCOME_INCOMPATIBLE_RECIPE, detail=str(out))
+        if isinstance(out, InvalidInputError):
+            return pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=str(out))
+        if isinstance(out, (ComputeError, LlamaShardError)):
+            return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=str(out))
+        if isinstance(out, CacheMiss):
+            return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=out.reason.name, detail=out.detail)
+        if isinstance(out, TailOutput):
+            drafts = list(req.draft_tokens)
+            rows = out.rows if out.rows is not None else out.logits.reshape(1, -1)
+            try:
+                if params is not None:
+                    tokens = self.samplers.sample_rows(key, params, req.sampler, rows, drafts)
+                else:
+                    tokens = verify(rows, drafts, lambda row: int(np.argmax(row)))
+            except LlamaShardError as e:  # e.g. a non-finite logit: this step fails, not the batch
+                return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=f"sampling failed: {e}")
+            token = tokens[-1]
+            reply = pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.seq_len, token_id=token)
+            if drafts:
+                reply.tokens.extend(tokens)
+            if req.logprobs or req.top_logprobs:
+                logprob, top = log_softmax_of(out.logits, token, req.top_logprobs)
+                reply.logprob = logprob
+                reply.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
+            if req.return_logits:  # n_vocab floats per step: only when asked
+                reply.logits.CopyFrom(encode_tensor(out.logits.reshape(1, -1)))
+            return reply
+        assert isinstance(out, BoundaryBundle)
+        return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.start_pos + out.hidden.shape[0],
+                            hidden=encode_tensor(out.hidden, req.reply_dtype))
+
