@@ -80,6 +80,17 @@ def test_every_sampling_flag_is_checked_as_it_is_parsed(flag, value):
     assert "nonexistent" not in res.stderr  # refused before any model is looked for
 
 
+@pytest.mark.parametrize("args", [("serve", "--warm-memory", "lots"), ("serve", "--kv-memory", "-1"),
+                                  ("serve", "--prefix-memory", "1XB"), ("serve", "--gather-ms", "5000"),
+                                  ("serve", "--max-drafts", "99"), ("inspect", "--kv-memory", "x"),
+                                  ("generate", "--context-tokens", "99999999")])
+def test_size_and_count_flags_are_checked_as_they_are_parsed(args):
+    model = ("/nonexistent.gguf",) if args[0] == "inspect" else ("--model", "/nonexistent.gguf")
+    res = _cli(*args, *model)
+    assert res.returncode == 2 and args[1] in res.stderr, res.stderr
+    assert "nonexistent" not in res.stderr  # refused before any model is looked for
+
+
 def test_old_flag_spellings_work_and_warn():
     res = _cli("inspect", "--memory", "64MiB")
     assert res.returncode == 0 and "--memory is deprecated; use --kv-memory" in res.stderr

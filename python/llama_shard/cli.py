@@ -29,7 +29,7 @@ import numpy as np
 from ._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS,
                       MAX_SESSIONS)
 from .errors import InvalidInputError, LlamaShardError
-from .engine.hot_kv import KV_TYPES, HotKvStateConfig
+from .engine.hot_kv import KV_TYPES, HotKvStateConfig, parse_size
 from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
@@ -261,7 +261,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.memory import memory_plan
     from .engine.models import gguf_shape
 
-    if (args.device != "cpu" or args.gpu_layers != -1) and not args.kv_memory:
+    if (args.device != "cpu" or args.gpu_layers is not None) and not args.kv_memory:
         raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --kv-memory too")
     path = _model_path(args.path)
     shape = gguf_shape(path)
@@ -305,7 +305,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("  " + plan.describe().replace("\n", "\n  "))
         if args.device != "cpu":
             layers = None if args.layers in (None, "all") else (first, last)
-            on_device = device_memory_plan(path, layers, args.device, args.gpu_layers,
+            on_device = device_memory_plan(path, layers, args.device, -1 if args.gpu_layers is None else args.gpu_layers,
                                            plan.config().engine_config())
             print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
     return 0
@@ -488,6 +488,15 @@ def _finite(text: str) -> float:
     return value
 
 
+def _size(text: str) -> str:
+    """A byte size (512MiB, 2GiB or bytes), checked as it is parsed; kept as written (parse_size reads it)."""
+    try:
+        parse_size(text)
+    except (InvalidInputError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _int32(text: str) -> int:
     try:
         value = int(text, 10)
@@ -572,8 +581,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--threads", type=THREADS, default=None)
     g.add_argument("--device", default="cpu", metavar="cpu|auto|NAME",
                    help="where an in-process split's layers run (default cpu; serve --device says more)")
-    g.add_argument("--context-tokens", type=TOKENS, default=2048, help="KV cells per shard (serve's name)")
-    _deprecated_alias(g, "--ctx", "--context-tokens", type=TOKENS)
+    g.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=2048, help="KV cells per shard (serve's name)")
+    _deprecated_alias(g, "--ctx", "--context-tokens", type=CONTEXT_TOKENS)
     g.add_argument("--batch", type=_count(1, 1 << 16), default=512, help="tokens per forward call")
     g.add_argument("--compare-whole", action="store_true",
                    help="also run the whole model and compare tokens and logits bit for bit")
@@ -682,7 +691,7 @@ def _engine_flags(sv: argparse.ArgumentParser) -> None:
                     help="most sessions per engine step (default: max sessions)")
     sv.add_argument("--prefill-chunk", type=_count(1, 1 << 16), default=DEFAULT_PREFILL_CHUNK,
                     help="most tokens of one prompt per engine step while other sessions wait")
-    sv.add_argument("--kv-memory", metavar="SIZE", default=None,
+    sv.add_argument("--kv-memory", type=_size, metavar="SIZE", default=None,
                     help="hot KV memory, e.g. 512MiB or 2GiB: sizes the hot slots (instead of --max-sessions)")
     sv.add_argument("--max-sessions", type=_count(1, MAX_SESSIONS), default=None, help=f"hot slots; default: LLAMA_SHARD_MAX_SESSIONS or {_DEFAULTS.max_sessions}")
     sv.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=None, help=f"default: LLAMA_SHARD_CONTEXT_TOKENS or {_DEFAULTS.context_tokens}")
@@ -691,17 +700,17 @@ def _engine_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--ttl", type=_seconds, default=None, help=f"seconds; default: LLAMA_SHARD_TTL_SECONDS or {_DEFAULTS.ttl_seconds:g}")
     sv.add_argument("--sweep-seconds", type=_seconds, default=10.0,
                     help="how often idle sessions are checked against --ttl and --warm-ttl (0: only when requests arrive)")
-    sv.add_argument("--warm-memory", metavar="SIZE", default=None,
+    sv.add_argument("--warm-memory", type=_size, metavar="SIZE", default=None,
                     help="host memory for evicted sessions' KV (default: LLAMA_SHARD_WARM_BYTES or 0, off)")
     sv.add_argument("--warm-dir", metavar="PATH", default=None,
                     help="the disk tier: sessions that fall out of --warm-memory go to files here, and a restarted "
                          "worker resumes them (default: LLAMA_SHARD_WARM_DIR or none); one worker per directory")
-    sv.add_argument("--warm-disk", metavar="SIZE", default=None,
+    sv.add_argument("--warm-disk", type=_size, metavar="SIZE", default=None,
                     help="bound of the disk tier (default: LLAMA_SHARD_WARM_DISK_BYTES; required with --warm-dir)")
     sv.add_argument("--warm-ttl", type=_seconds, default=None,
                     help="seconds a warm session stays after its last use; default: LLAMA_SHARD_WARM_TTL_SECONDS or "
                          f"{_DEFAULTS.warm_ttl_seconds:g}")
-    sv.add_argument("--prefix-memory", metavar="SIZE", default=None,
+    sv.add_argument("--prefix-memory", type=_size, metavar="SIZE", default=None,
                     help="host memory for shared prefixes: sessions that begin alike (a system prompt) open from a "
                          "stored copy of that start instead of computing it (default: LLAMA_SHARD_PREFIX_BYTES or "
                          "0, off); every worker of a route needs one for the route to share")
@@ -741,17 +750,17 @@ def _demo_parser(sub) -> None:
 def _inspect_parser(sub) -> None:
     i = sub.add_parser("inspect", help="architecture, bytes per layer, KV bytes per token, suggested splits")
     i.add_argument("path", nargs="?", help="GGUF file (default: the embedded model)")
-    i.add_argument("--kv-memory", metavar="SIZE", help="also print the memory plan for this much hot KV memory "
+    i.add_argument("--kv-memory", type=_size, metavar="SIZE", help="also print the memory plan for this much hot KV memory "
                    "(serve's name)")
-    _deprecated_alias(i, "--memory", "--kv-memory")
+    _deprecated_alias(i, "--memory", "--kv-memory", type=_size)
     i.add_argument("--layers", help="the shard's layers for the plan (default: all)")
     i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=_DEFAULTS.context_tokens)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
-    i.add_argument("--warm-memory", metavar="SIZE", default=None)
+    i.add_argument("--warm-memory", type=_size, metavar="SIZE", default=None)
     i.add_argument("--device", default="cpu", metavar="auto|NAME",
                    help="with --kv-memory: also the device's share of the plan (weights, KV, compute buffers) against "
                         "its free memory")
-    i.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=-1, metavar="N",
+    i.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=None, metavar="N",
                    help="with --device: owned layers on the device (default: all)")
     i.set_defaults(func=cmd_inspect)
 

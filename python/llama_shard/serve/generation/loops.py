@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from ...engine.hot_kv import check_key
+from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_max_drafts, check_stops, check_top_logprobs,
@@ -317,7 +317,7 @@ class GenerationLoops:
                 self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
                             detail=f"still a cache miss after {MAX_REPREFILLS} re-prefills: {reply.detail}")
             else:
-                if reply.miss_reason == "PREFIX_EVICTED":  # a shard lacks the prefix: this time it is computed
+                if reply.miss_reason == CacheMissReason.PREFIX_EVICTED.name:  # a shard lacks the prefix: computed this time
                     s.may_open = False
                 s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
                 s.planned, s.prefix, s.prefix_tokens = False, None, 0
