@@ -342,8 +342,9 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     if args.draft_model is not None and first == 0:  # (a worker of later layers refuses a draft model)
         from .serve.generation import max_generate_streams
 
+        hot = plan.config()
         plan = dataclasses.replace(plan, draft=draft_model_plan(args.draft_model, context,
-                                                                max_generate_streams(plan.config())))
+                                                                max_generate_streams(hot.max_sessions, hot.warm_bytes)))
     flash_attn = env.flash_attn if args.flash_attn is None else args.flash_attn == "on"
     config = plan.config(flash_attn=flash_attn, ttl_seconds=pick(args.ttl, env.ttl_seconds),
                          warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)

@@ -375,7 +375,8 @@ class ShardWorker:
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
-            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions) + max_generate_streams(config.max_sessions, config.warm_bytes),
+            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions)
+                                       + max_generate_streams(config.max_sessions, config.warm_bytes),
                                        thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
