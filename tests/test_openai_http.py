@@ -466,7 +466,7 @@ def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
     proc, addr = start_worker(embedded_model, 0, 14, 1, extra=("--peer", f"127.0.0.1:{free_port()}",
                                                                "--http-port", str(port), "--max-hop-seconds", "5"))
     try:
-        wait_serving(proc, addr)
+        wait_serving(proc, addr, route_up=False)  # NOT_SERVING: its only later stage never answered
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
                      {"Content-Type": "application/json"})
@@ -474,8 +474,10 @@ def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
         answer = json.loads(resp.read())
         assert resp.status == 503 and "stage 1" in answer["error"]["message"], answer
         assert answer["error"]["type"] == "server_error"
-        conn.request("GET", "/health")
-        assert conn.getresponse().status == 200  # the head still serves
+        conn.request("GET", "/health")  # the truth: the route cannot serve, and which stage is missing
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert resp.status == 503 and "stage 1 (layers 15-29)" in answer["error"]["message"], answer
         conn.close()
     finally:
         stop_worker(proc)
@@ -502,6 +504,9 @@ class _HostileTail(pb_grpc.ShardServiceServicer):
 
     def StepBatch(self, request, context):
         return pb.StepBatchReply(replies=[self._reply(b.step) for b in request.steps])
+
+    def Info(self, request, context):  # the head's probe: layers 15-29 of SmolLM2
+        return pb.InfoReply(architecture="llama", n_layer=30, first=15, last=29, n_embd=576, max_sessions=8)
 
     def Prefill(self, request, context):
         return self._reply(request)

@@ -363,11 +363,11 @@ def serve_security(args: argparse.Namespace):
     if args.metrics_port is not None:
         security.check_metrics_exposure(args.metrics_host)
     peer_security = ClientSecurity(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, args.peer_token_file)
-    for peer in args.peer:
+    for peer in (*args.peer, *args.replica):
         host, _, port = peer.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidInputError(f"--peer takes HOST:PORT, got {peer!r}")
-    if args.peer and security.tls_cert and not peer_security.secure and not args.insecure:
+            raise InvalidInputError(f"--peer and --replica take HOST:PORT, got {peer!r}")
+    if (args.peer or args.replica) and security.tls_cert and not peer_security.secure and not args.insecure:
         raise InvalidInputError("this worker uses TLS: it forwards only to peers it can authenticate; give "
                                 "--peer-tls-ca (and --peer-token-file or --peer-tls-cert/--peer-tls-key)")
     return security, peer_security
@@ -414,7 +414,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        http_limits=http_limits, http_split_special_tokens=args.http_split_special_tokens,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
-                                       verify=args.draft_verify))
+                                       verify=args.draft_verify, replicas=tuple(args.replica)))
     _status(f"device: {_device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()
@@ -680,7 +680,12 @@ def _device_flags(sv: argparse.ArgumentParser) -> None:
 
 def _engine_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                    help="a worker this one may forward chained steps to (repeatable; no other address is contacted)")
+                    help="a worker this one may forward chained steps to (repeatable; no other address is contacted). "
+                         "On the head: every later worker; several of one layer range are replicas of a stage "
+                         "(sessions are spread over them and fail over between them)")
+    sv.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
+                    help="a worker of this one's layer range that takes its live sessions' KV when it is stopped "
+                         "(SIGTERM) or drained (repeatable, tried in order; without one, sessions are released)")
     sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
                     help="the longest a chained step may hold this worker, whatever the caller's deadline "
                          f"(default {DEFAULT_MAX_HOP_S:g})")

@@ -74,6 +74,16 @@ class ShardServiceStub:
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Handover = channel.unary_unary(
+                '/llama_shard.v1.ShardService/Handover',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.SessionReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/llama_shard.v1.ShardService/Drain',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.DrainRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -138,6 +148,26 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handover(self, request, context):
+        """Hand-over: the receiving side of a drain. A replica of this worker's layer range sends one live
+        session's KV (llama.cpp's sequence state of the owned layers); it is checked (recipe, model
+        digest, the owner, a digest of the bytes, then the state's cells) before llama.cpp reads a byte,
+        and opened here as that session at the same epoch, or refused with nothing changed. Only a
+        trusted neighbour (serve --forwarder) or an admin may call it on a worker with authentication.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """An admin's drain (SIGTERM does the same): stop admitting, finish the steps in flight, hand every
+        live session to a replica (`to`, or the worker's own --replica list), answer the steps that come
+        for them with their new worker (StepReply.moved_to); without a replica, release them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +210,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Handover': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handover,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.SessionReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.DrainRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +438,60 @@ class ShardService:
             '/llama_shard.v1.ShardService/Generate',
             llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.SerializeToString,
             llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_shard.v1.ShardService/Handover',
+            llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.SessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_shard.v1.ShardService/Drain',
+            llama__shard_dot_proto_dot_shard__pb2.DrainRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

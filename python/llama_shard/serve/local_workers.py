@@ -60,8 +60,10 @@ def wait_for_port(proc: subprocess.Popen, port: int, timeout_s: float = 120.0) -
             time.sleep(0.2)
 
 
-def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0) -> None:
-    """Returns when the worker's health check says SERVING; raises if it exits or times out."""
+def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0, route_up: bool = True) -> None:
+    """Returns when the worker's health check says SERVING (`route_up` False: once it answers at all;
+    a head says NOT_SERVING while a later stage has no healthy replica); raises if it exits or times
+    out."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -71,7 +73,7 @@ def wait_serving(proc: subprocess.Popen, address: str, timeout_s: float = 120.0)
                 raise RuntimeError(f"worker {address} exited with {proc.returncode}: {stderr[-2000:]}")
             try:
                 r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                if r.status == health_pb2.HealthCheckResponse.SERVING or not route_up:
                     return
             except grpc.RpcError:
                 pass

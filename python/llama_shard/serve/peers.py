@@ -3,6 +3,7 @@ carries (the workers it passed through; the principal it is sent for, with the h
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 
@@ -10,7 +11,7 @@ from ..engine.hot_kv import StepKind
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
-from ..proto.wire import RECONNECT_OPTIONS
+from ..proto.wire import RECONNECT_OPTIONS, call_reconnecting
 from .security import ANONYMOUS, ON_BEHALF_OF, ON_BEHALF_OF_SIG
 
 #: the most hops a chained step may name after this worker, whatever the model (a route has no more
@@ -19,6 +20,16 @@ MAX_FORWARD_HOPS = 32
 #: the workers a forwarded step has passed through (their random ids, comma-separated): a worker
 #: that finds its own id there refuses the step, whatever address the loop went through
 VISITED = "llama-shard-visited"
+#: a connection to a peer is pinged every KEEPALIVE_MS and dropped when a ping is not answered in
+#: KEEPALIVE_TIMEOUT_MS: a peer whose machine vanished (no reset ever comes) fails the step in
+#: seconds, not at its deadline, and the head fails over
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 2000, 2000
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+#: what a worker's server allows its callers' keepalive pings (gRPC's default refuses pings more
+#: often than every 5 minutes, closing the connection)
+SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
 class Peers:
@@ -29,16 +40,18 @@ class Peers:
     def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity(),
                  sign=lambda principal: None):
         self.allowed = frozenset(allowed)
+        self.replicas: frozenset[str] = frozenset()  # workers of this one's range it may hand sessions to
         self.security = security
         self.sign = sign
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS]
+                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS,
+                         *KEEPALIVE_OPTIONS]
         self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
     def _stub(self, address: str) -> pb_grpc.ShardServiceStub:
-        assert address in self.allowed
+        assert address in self.allowed or address in self.replicas
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
@@ -73,6 +86,18 @@ class Peers:
             detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
             return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
         return replies
+
+    def info(self, address: str, timeout: float) -> pb.InfoReply:
+        """The peer's Info (a probe); raises grpc.RpcError when it does not answer in time."""
+        return self._stub(address).Info(pb.InfoRequest(), timeout=timeout)
+
+    def handover(self, address: str, request: pb.HandoverRequest, timeout: float) -> pb.SessionReply:
+        """One session's KV to a replica of this worker's range (`address` among self.replicas or
+        the allowed peers); raises grpc.RpcError when it cannot be reached."""
+        stub = self._stub(address)
+        deadline = time.monotonic() + timeout
+        return call_reconnecting(lambda: stub.Handover(request, timeout=max(0.001, deadline - time.monotonic())),
+                                 deadline)
 
     def close(self) -> None:
         for channel in self._channels:

@@ -24,6 +24,7 @@ from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor
 from .admission import SessionCapRefused, SessionOwners
+from .handover import SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import StepSamplingChecks, TailSamplers, log_softmax_of
@@ -42,7 +43,8 @@ class PrefixSteps(NamedTuple):
 
 class StepRunner:
     def __init__(self, model, manager: HotKvStateManager, adapter: KvBoundaryAdapter, security: ServerSecurity,
-                 peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str):
+                 peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str,
+                 moves: SessionMoves | None = None):
         self.info = model.info
         self.manager, self.adapter, self.security = manager, adapter, security
         self.peers, self.owners, self.prefixes, self.samplers = peers, owners, prefixes, samplers
@@ -52,6 +54,7 @@ class StepRunner:
         self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
         self.worker_id = worker_id           # this worker in the visited list
         self.own_addresses = frozenset()     # set by ShardWorker once bound: forwards to these are loops
+        self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)
 
     def run(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
                   batch: bool, own_loop: bool = False, prefix_scope=None,
@@ -71,13 +74,46 @@ class StepRunner:
         forward = list(forward)
         replies: list = [None] * len(items)
         parsed = []
-        for i, (kind, req) in enumerate(items):
-            try:
-                step = self._parse_step(kind, req, principal)
-                parsed.append((i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
-                               self._parse_prefix(req, step, prefix_scope, own_loop)))
-            except LlamaShardError as e:
-                replies[i] = self._reply(req, e)
+        entered: list[str] = []  # sessions whose steps run here now: a drain waits for them
+        try:
+            for i, (kind, req) in enumerate(items):
+                try:
+                    step = self._parse_step(kind, req, principal)
+                    entry = (i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
+                             self._parse_prefix(req, step, prefix_scope, own_loop))
+                except LlamaShardError as e:
+                    replies[i] = self._reply(req, e)
+                    continue
+                replies[i] = self._enter(step, deadline, entered)
+                if replies[i] is None:
+                    parsed.append(entry)
+            return self._run_parsed(principal, visited, items, forward, deadline, batch, prefix_scope, assertion,
+                                    replies, parsed)
+        finally:
+            for key in entered:
+                self.moves.leave(key)
+
+    def _enter(self, step: Step, deadline: float, entered: list[str]) -> pb.StepReply | None:
+        """None: the step may run here (its key added to `entered`); else the answer of a draining
+        worker: the replica its session was handed to, or a refusal of a new session."""
+        moved_to = self.moves.enter(step.session_id, deadline)
+        if moved_to is not None:
+            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, moved_to=moved_to,
+                                detail=f"this worker is draining: the session was handed to {moved_to}")
+        entered.append(step.session_id)
+        try:
+            new = self.moves.draining and isinstance(self.manager.resolve(step.session_id, step.route_epoch), CacheMiss)
+        except LlamaShardError:  # a stale epoch: the step answers it
+            new = False
+        if new:
+            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
+                                detail="this worker is draining: it takes no new session (a replica of its layers does)")
+        return None
+
+    def _run_parsed(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward: list,
+                    deadline: float, batch: bool, prefix_scope, assertion: bytes | None, replies: list,
+                    parsed: list) -> list[pb.StepReply]:
+        """run()'s steps once parsed and let in: admitted, computed, forwarded, answered."""
         refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
         if refused is not None:
             raise SessionCapRefused(refused)
@@ -169,7 +205,8 @@ class StepRunner:
             return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,),
                                    assertion)
         try:
-            replies = call_reconnecting(forward_once, deadline)  # as the route client does
+            # as the route client does; a hop the head has another replica of fails at once (it fails over)
+            replies = forward_once() if hop.fail_fast else call_reconnecting(forward_once, deadline)
         except grpc.RpcError as e:
             detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
             return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]

@@ -24,14 +24,14 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel
+from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel, model_digest
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import CacheMiss, HotKvStateConfig, StepKind
 from ..engine.manager import HotKvStateManager
 from ..engine.models import backend_text
-from ..errors import InvalidInputError, LlamaShardError, StaleRouteEpochError
+from ..errors import InvalidInputError, KvBudgetExceededError, LlamaShardError, StaleRouteEpochError
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
@@ -40,10 +40,12 @@ from ..proto.wire import tier_name
 from . import DEFAULT_MAX_HOP_S
 from .admission import AdmitRequests, SessionCapRefused, SessionOwners
 from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
+from .handover import HANDOVER_TIMEOUT_S, Drainer, SessionMoves, state_digest
 from .metrics import EngineCollector
 from .openai.guard import HttpLimits
-from .peers import MAX_FORWARD_HOPS, VISITED, Peers
+from .peers import MAX_FORWARD_HOPS, SERVER_KEEPALIVE_OPTIONS, VISITED, Peers
 from .prefixes import PrefixNames
+from .replicas import Replicas
 from .sampling import TailSamplers
 from .security import ServerSecurity
 from .speculation import DRAFT_SOURCES, VERIFY_MODES
@@ -82,6 +84,7 @@ class WorkerOptions:
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
     draft_model: str | None = None         # a small GGUF of the same vocabulary whose greedy tokens are the drafts
     verify: str = "exact"                  # how the route computes a verification (VERIFY_MODES)
+    replicas: tuple[str, ...] = ()         # workers of this one's range it hands its sessions to when drained
 
 
 class ShardServicer(pb_grpc.ShardServiceServicer):
@@ -96,27 +99,38 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.security.key_owner_tags(manager.config.warm_dir)
         self.peers = Peers(tuple(options.peers), options.max_message_bytes, options.peer_security,
                             sign=self.security.assertion)
+        self.peers.replicas = frozenset(options.replicas)
+        self.moves = SessionMoves()  # a drain's sessions: the steps that come for them are told where they went
         self.owners = SessionOwners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
         self.backend = backend_text(model)  # reported, not compared: a route may mix devices
         self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
+        self.on_draining = None  # ShardWorker: the health service says NOT_SERVING from the drain's start
         self.in_flight = 0
         self._lock = threading.Lock()
         self.max_hop_s = options.max_hop_s
         self.worker_id = secrets.token_hex(8)  # this worker in VISITED
+        self.instance_id = secrets.token_hex(8)  # this process in Info: a head sees a restart by it
+        self.model_digest = model_digest(model.path)  # a replica's must match (one read of the file)
+        # a head's later stages and their replicas (its --peer workers), probed from ShardWorker.start
+        self.replicas = (Replicas(self.info, manager.config.numerics, self.model_digest, self.instance_id,
+                                  tuple(options.peers), self.peers.info, registry)
+                         if self.info.first == 0 and options.peers else None)
         # no valid request is larger than a full batch of full-context float32 rows: a larger message
         # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
         config = manager.config
         needed = config.max_sessions * (config.context_tokens * (self.info.n_embd * 4 + 8) + 4096) + (1 << 16)
+        # nor larger than a hand-over of a full session's KV (Handover)
+        needed = max(needed, manager.stats()["kv_bytes_per_token"] * config.context_tokens + (1 << 20))
         self.max_request_bytes = min(options.max_message_bytes, needed)
         # every session's rows at once fit in one such request; twice that may be parsed and handled
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
         self.steps = StepRunner(model, manager, self.adapter, self.security, self.peers, self.owners, self.prefixes,
-                                self.samplers, self.worker_id)
+                                self.samplers, self.worker_id, self.moves)
         if options.verify not in VERIFY_MODES:
             raise InvalidInputError(f"verify is one of {', '.join(VERIFY_MODES)}, not {options.verify!r}")
         if options.draft not in DRAFT_SOURCES:
@@ -141,9 +155,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                         security=self.security, prefixes=self.prefixes,
                         session_cap=options.max_sessions_per_principal, stopping=self.stopping,
                         max_hop_s=self.max_hop_s, forward_refusal=self.steps.forward_refusal, admit=self.owners.admit,
-                        caller_full=self.owners.full, run_steps=self._run_own_steps, sessions=manager.sessions)
+                        caller_full=self.owners.full, run_steps=self._run_own_steps, sessions=manager.sessions,
+                        replicas=self.replicas)
         self.generation = GenerationLoops(host, registry, options.draft, options.max_drafts, draft_model,
                                           row_by_row=options.verify == "exact")
+        self.handover_total = 0
+        self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
+                                 "from one (received)", ["direction"], registry=registry)
+        self.drainer = Drainer(manager, self.peers, self.moves, self._owner_of, self.fingerprint, self.model_digest,
+                               on_moved=lambda n: self._count_handover("sent", n))
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -310,6 +330,88 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.steps.sampling_checks.forget((key, request.route_epoch))
         return reply
 
+    # --- drain and hand-over --------------------------------------------------------------------
+
+    def _count_handover(self, direction: str, n: int) -> None:
+        with self._lock:
+            self.handover_total += n
+        self.handovers.labels(direction).inc(n)
+
+    def _owner_of(self, key: str) -> tuple[str | None, str]:
+        """(the principal owning an engine key, its session id); None when it cannot be named."""
+        tag, session_id = self.security.owner_of_key(key)
+        if tag is None:
+            return "", session_id
+        principal = self.owners.principal_of(tag)
+        return (principal or None), session_id
+
+    def _trusted_neighbour(self, context) -> str:
+        """The caller of a hand-over or a drain: on a worker with authentication, a worker it trusts
+        (--forwarder) or an admin, else PERMISSION_DENIED."""
+        principal = self._principal(context)
+        if self.security.authenticated and principal not in (*self.security.forwarders, *self.security.admins):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "only a trusted worker (--forwarder) or an admin may hand sessions over or drain a worker")
+        return principal
+
+    def Handover(self, request, context):
+        self._trusted_neighbour(context)
+
+        def refused(outcome: int, detail: str) -> pb.SessionReply:
+            return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
+        if self.stopping.is_set() or self.moves.draining:
+            return refused(pb.OUTCOME_UNAVAILABLE, "this worker is draining too")
+        if request.recipe_fingerprint != self.fingerprint:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's KV recipe is not this worker's "
+                           "(another layer range, K/V type or attention kernel)")
+        if request.model_digest != self.model_digest:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's model file is not this worker's")
+        if len(request.state_sha256) != 32 or state_digest(request.state) != request.state_sha256:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "the state's SHA-256 does not match its bytes")
+        owner = request.owner
+        if self.security.authenticated and (not owner.strip() or owner in self.security.admins):
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal")
+        if not self.security.authenticated and owner:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker has no authentication: every session is anonymous")
+        try:
+            key = self.security.engine_key(owner, request.session_id)
+            self.owners.name(owner, self.security.tag(owner))
+            cap = self.owners.admit(owner, [key])
+            if cap is not None:
+                return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap)
+            self.manager.import_session(key, request.route_epoch, request.seq_len, bytes(request.state))
+        except StaleRouteEpochError as e:
+            return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=f"hand-over refused: {e}",
+                                   current_epoch=e.current_epoch or 0)
+        except KvBudgetExceededError as e:
+            return refused(pb.OUTCOME_BUDGET_EXCEEDED, str(e))
+        except InvalidInputError as e:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, str(e))
+        except LlamaShardError as e:
+            return refused(pb.OUTCOME_INTERNAL, str(e))
+        self.generation.forget(key)
+        self.samplers.forget((key, request.route_epoch))
+        self._count_handover("received", 1)
+        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=request.seq_len, tier="hot")
+
+    def Drain(self, request, context):
+        self._trusted_neighbour(context)
+        if self.security.authenticated and self._principal(context) not in self.security.admins:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only an admin may drain a worker")
+        targets = (request.to,) if request.to else tuple(self.peers.replicas)
+        if request.to and request.to not in self.peers.replicas:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{request.to!r} is not among this worker's replicas (serve --replica): "
+                          f"{sorted(self.peers.replicas) or 'none'}")
+        return self.drain(targets)
+
+    def drain(self, targets: tuple[str, ...]) -> pb.DrainReply:
+        """Stops admitting new sessions and hands every live one to `targets` (released where none
+        takes it); the steps that come for them afterwards are told where they went."""
+        if self.on_draining is not None:
+            self.on_draining()
+        return self.drainer.drain(targets, HANDOVER_TIMEOUT_S)
+
     def Resolve(self, request, context):
         return self._session_call(context, self.manager.resolve, request.session_id, request.route_epoch)
 
@@ -350,7 +452,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
             share_prefixes=self.prefixes.share, tokens_computed=st["tokens_computed"],
             draft_source=self.generation.draft_source, drafted_tokens=self.generation.drafted_total,
-            accepted_tokens=self.generation.accepted_total)
+            accepted_tokens=self.generation.accepted_total, instance_id=self.instance_id,
+            model_digest=self.model_digest, replicas=self.replicas.info() if self.replicas is not None else [],
+            failovers=self.replicas.failovers_total if self.replicas is not None else 0,
+            draining=self.moves.draining, handover_sessions=self.handover_total)
 
 
 class ShardWorker:
@@ -379,7 +484,8 @@ class ShardWorker:
                                        + max_generate_streams(config.max_sessions, config.warm_bytes),
                                        thread_name_prefix="shard-rpc"),
             options=[("grpc.max_receive_message_length", limit),
-                     ("grpc.max_send_message_length", options.max_message_bytes)],  # logits can outweigh any request
+                     ("grpc.max_send_message_length", options.max_message_bytes),  # logits can outweigh any request
+                     *SERVER_KEEPALIVE_OPTIONS],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             interceptors=[self.admission])
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
@@ -407,7 +513,7 @@ class ShardWorker:
             from .openai.endpoint import OpenAIEndpoint  # aiohttp and jinja2 load only on a worker that serves HTTP
 
             self.http = OpenAIEndpoint(self.servicer.generation, self.model, options.security, options.host,
-                                       options.http_port, options.peers, self.max_concurrent_rpcs, options.http_limits,
+                                       options.http_port, self.max_concurrent_rpcs, options.http_limits,
                                        options.http_split_special_tokens)
         self._stopped = threading.Event()
 
@@ -419,22 +525,50 @@ class ShardWorker:
         if self.http is not None:
             self.http.start()  # binds first: a port in use fails the start, not a request later
         self.server.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.servicer.on_draining = lambda: self._set_health(False, "draining: handing its sessions to a replica")
+        replicas = self.servicer.replicas
+        if replicas is None:
+            self._set_health(True, "")
+        else:  # SERVING while every later stage has a healthy replica
+            replicas.start(self._set_health)
+        if self.http is not None:
+            self.http.route_health = replicas.health if replicas is not None else None
         if self.options.sweep_s > 0:
             # TTLs apply on a quiet worker too: idle sessions move warm (or go) without a request
             threading.Thread(target=self._sweep_until_stopped, name="shard-ttl-sweep", daemon=True).start()
         return self
+
+    def _set_health(self, ok: bool, detail: str) -> None:
+        if self._stopped.is_set():
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+        if not ok:
+            print(f"llama-shard worker: NOT_SERVING: {detail}", file=sys.stderr, flush=True)
+        elif self.servicer.replicas is not None:
+            print("llama-shard worker: SERVING: every later stage has a healthy replica", file=sys.stderr, flush=True)
 
     def _sweep_until_stopped(self) -> None:
         while not self._stopped.wait(self.options.sweep_s):
             self.manager.sweep()
 
     def stop(self) -> dict:
-        """Stops accepting, finishes in-flight steps, then writes every session to the disk tier
-        (with --warm-dir: a restarted worker resumes them) or releases it; returns a report."""
+        """With --replica workers: first hands every live session to one of them (the steps that come
+        for a session afterwards are told where it went, for up to grace_s). Then stops accepting,
+        finishes in-flight steps, writes every session left to the disk tier (with --warm-dir: a
+        restarted worker resumes them) or releases it; returns a report."""
         if self._stopped.is_set():
             return {}
+        handed = 0
+        if self.options.replicas and not self.servicer.moves.draining:
+            reply = self.servicer.drain(tuple(self.options.replicas))
+            handed = reply.handed_over
+            print(f"llama-shard worker: handed {reply.handed_over} session(s) to a replica in {reply.seconds:.2f} s"
+                  + (f", released {reply.released}: {reply.detail}" if reply.released else ""), file=sys.stderr,
+                  flush=True)
+        if self.servicer.moves.moved:  # the heads follow a moved session at its next step
+            self.servicer.moves.wait_asked(self.options.grace_s)
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.servicer.stopping.set()
@@ -446,6 +580,8 @@ class ShardWorker:
         self.manager.close()
         if self.servicer.generation.draft_model is not None:
             self.servicer.generation.draft_model.close()
+        if self.servicer.replicas is not None:
+            self.servicer.replicas.stop()
         self.servicer.peers.close()
         persisted = released = 0
         if self.manager.config.warm_dir is not None:
@@ -454,7 +590,7 @@ class ShardWorker:
             keys = self.manager.session_keys()
             released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
         st = self.manager.stats()
-        return {"released_sessions": released, "persisted_sessions": persisted,
+        return {"released_sessions": released, "persisted_sessions": persisted, "handed_over_sessions": handed,
                 "reserved_tokens_after": st["reserved_tokens"]}
 
     def _reload_credentials(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ...proto import shard_pb2 as pb
     from ..prefixes import PrefixNames
+    from ..replicas import Replicas
     from ..security import ServerSecurity
 
 
@@ -46,6 +47,9 @@ class HeadHost:
     run_steps: Callable[[str, list, list, float], list["pb.StepReply"]]
     #: the engine's session records (session_id = engine key, seq_id)
     sessions: Callable[[], list]
+    #: the later stages' replicas (replicas.Replicas): the head's own route and failover; None
+    #: without --peer workers
+    replicas: "Replicas | None" = None
 
     @property
     def max_streams(self) -> int:

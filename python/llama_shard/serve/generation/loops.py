@@ -22,6 +22,9 @@ from .stream import Stream, common_prefix
 
 #: a group's thread waits this long for a new stream before it ends
 IDLE_S = 2.0
+#: route changes (a failover, a hand-over followed) one step may cause before its stream ends with
+#: an error: a route whose replicas all fail in turn is not retried forever
+MAX_ROUTE_CHANGES = 4
 
 
 class _RouteLoop:
@@ -34,7 +37,7 @@ class _RouteLoop:
 
     def __init__(self, owner: "GenerationLoops", principal: str, forward: tuple, wire_dtype: int):
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
-        self.forward = [pb.Hop(address=a, recipe_fingerprint=f) for a, f in forward]
+        self.forward = [pb.Hop(address=a, recipe_fingerprint=f, fail_fast=ff) for a, f, ff in forward]
         self.n_groups = 1 + len(forward)
         self.cost = StepCost()  # the route's step time by tokens per step (what a draft costs)
         self.streams: list[Stream] = []  # in arrival order
@@ -99,6 +102,11 @@ class _RouteLoop:
                         if s.done:
                             self.streams.remove(s)
                             self._dirty = True
+                        elif s.rerouted:  # a failover or a hand-over: its steps go down another route now
+                            self.streams.remove(s)
+                            self._dirty = True
+                            s.rerouted = False
+                            owner.loop_for(self.principal, s.route, self.wire_dtype).add(s)
                         elif was_opening and not s.first_step:  # it has a seq id now
                             self._dirty = True
                     owner.cond.notify_all()
@@ -154,6 +162,7 @@ class RouteHolds(NamedTuple):
     """What the route holds of a session after its last stream: what its next stream may reuse."""
     epoch: int
     tokens: list[int]
+    route: tuple[str, ...] = ()   # the replicas that hold it (the addresses of its last route)
 
 
 class RefusalReason(enum.Enum):
@@ -162,6 +171,7 @@ class RefusalReason(enum.Enum):
     SESSION_BUSY = "session_busy"      # the session already has a stream running
     CALLER_STREAMS = "caller_streams"  # the principal runs as many streams as its cap allows
     WORKER_STREAMS = "worker_streams"  # the worker runs as many streams as it can
+    NO_ROUTE = "no_route"              # a later stage of the head's own route has no healthy replica
 
 
 class Refusal(NamedTuple):
@@ -246,19 +256,43 @@ class GenerationLoops:
                 return refused(RefusalReason.WORKER_STREAMS, pb.OUTCOME_BUDGET_EXCEEDED,
                                f"this worker runs at most {limit} Generate streams at once (its hot sessions{warm})")
             record = self._records.get(key)
+            route = self._route(req, record)
+            if isinstance(route, str):
+                return refused(RefusalReason.NO_ROUTE, pb.OUTCOME_UNAVAILABLE, route)
+            addresses = tuple(h.address for h in route)
             cached = 0
-            if record is not None and record.epoch == req.route_epoch:
+            # what the session holds is reused on the replicas that hold it: another route re-prefills
+            if record is not None and record.epoch == req.route_epoch and record.route == addresses:
                 cached = min(common_prefix(record.tokens, list(req.prompt)), len(req.prompt) - 1)
             stream = Stream(principal, key, req, params, max_tokens, cached, deadline, self.host.detokenize,
                             events, max_drafts, self.draft_model, self.row_by_row)
-            route = tuple((h.address, h.recipe_fingerprint) for h in req.forward)
-            loop_key = (principal, route, req.wire_dtype)
-            loop = self.loops.get(loop_key)
-            if loop is None:
-                loop = self.loops[loop_key] = _RouteLoop(self, principal, route, req.wire_dtype)
+            stream.route = route
+            if self.host.replicas is not None:
+                self.host.replicas.place(key, addresses)
             self.streams[key] = stream
-            loop.add(stream)
+            self.loop_for(principal, route, req.wire_dtype).add(stream)
         return stream
+
+    def _route(self, req: pb.GenerateRequest, record: "RouteHolds | None") -> list[pb.Hop] | str:
+        """The hops a new stream's steps go down: the request's own `forward`, else the head's own
+        route (one replica per stage, the session's last ones while they are up), else none (a head
+        that holds the whole model); or why there is no route."""
+        replicas = self.host.replicas
+        if req.forward:
+            return (replicas.hops(req.forward) if replicas is not None else
+                    [pb.Hop(address=h.address, recipe_fingerprint=h.recipe_fingerprint) for h in req.forward])
+        if replicas is None:
+            return []
+        return replicas.choose(prefer=record.route if record is not None else ())
+
+    def loop_for(self, principal: str, route: list[pb.Hop], wire_dtype: int) -> _RouteLoop:  # under self.cond
+        """The loop that runs a principal's streams down `route` (made when there is none)."""
+        hops = tuple((h.address, h.recipe_fingerprint, h.fail_fast) for h in route)
+        loop_key = (principal, hops, wire_dtype)
+        loop = self.loops.get(loop_key)
+        if loop is None:
+            loop = self.loops[loop_key] = _RouteLoop(self, principal, hops, wire_dtype)
+        return loop
 
     def _check(self, req: pb.GenerateRequest):
         """(sampling params or None, max_tokens, max drafts per step): every check of a Generate
@@ -272,7 +306,7 @@ class GenerationLoops:
         if info.first != 0:
             raise InvalidInputError(f"Generate runs on the head of a route; this worker holds layers "
                                     f"{info.first}-{info.last}")
-        if not req.forward and not info.is_tail:
+        if not req.forward and not info.is_tail and host.replicas is None:
             raise InvalidInputError(f"this worker holds layers {info.first}-{info.last} of {info.n_layer}: name the "
                                     f"rest of the route in forward")
         refusal = host.forward_refusal(req.forward)
@@ -319,8 +353,11 @@ class GenerationLoops:
             else:
                 if reply.miss_reason == CacheMissReason.PREFIX_EVICTED.name:  # a shard lacks the prefix: computed this time
                     s.may_open = False
-                s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
-                s.planned, s.prefix, s.prefix_tokens = False, None, 0
+                self._start_over(s)
+            return
+        if (reply.outcome == pb.OUTCOME_UNAVAILABLE and self.host.replicas is not None
+                and 1 <= reply.stage <= len(s.route)):
+            self._reroute(s, reply)
             return
         if reply.outcome != pb.OUTCOME_OK:
             self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, detail=reply.detail)
@@ -329,6 +366,7 @@ class GenerationLoops:
             s.prefix_tokens = s.prefix.open_tokens
         s.first_step = False
         s.misses_in_row = 0
+        s.changes_in_row = 0
         if not final:
             s.computed += n_sent
             s.held = s.computed
@@ -362,6 +400,42 @@ class GenerationLoops:
             with self.cond:  # streams of several route loops count here (Info reads these)
                 self.drafted_total += len(drafts)
                 self.accepted_total += shown
+
+    @staticmethod
+    def _start_over(s: Stream) -> None:
+        """The route lost the session (a miss, a failover): its next step re-prefills it from token
+        zero, with the same tokens and draw count, so it samples what it would have anyway."""
+        s.reprefilled_tokens += s.computed
+        s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
+        s.planned, s.prefix, s.prefix_tokens = False, None, 0
+
+    def _reroute(self, s: Stream, reply: pb.StepReply) -> None:
+        """A later stage's replica did not take the step (reply.stage names which): follow its
+        hand-over when it names the replica that holds the session now (the same step goes there,
+        nothing is computed again), else mark it down and move the session to another replica of
+        that stage, re-prefilled there. A stage with no other replica ends the stream."""
+        replicas = self.host.replicas
+        k = reply.stage - 1
+        failed = s.route[k].address
+        s.changes_in_row += 1
+        if s.changes_in_row > MAX_ROUTE_CHANGES:
+            self.finish(s, "error", outcome=reply.outcome, stage=reply.stage,
+                        detail=f"the route changed {MAX_ROUTE_CHANGES} times in one step; last: {reply.detail}")
+            return
+        hop = replicas.moved(failed, reply.moved_to) if reply.moved_to else None
+        if hop is not None:
+            s.moves += 1
+        else:
+            hop = replicas.failover(failed, reply.detail)
+            if isinstance(hop, str):
+                self.finish(s, "error", outcome=pb.OUTCOME_UNAVAILABLE, stage=reply.stage, detail=hop)
+                return
+            s.failovers += 1
+            s.reprefills += 1
+            self._start_over(s)
+        s.route = [*s.route[:k], hop, *s.route[k + 1:]]
+        s.rerouted = True
+        replicas.place(s.key, tuple(h.address for h in s.route))
 
     def _emit(self, s: Stream, token: int, reply: pb.StepReply) -> bool:
         """One sampled token to the stream's client; False once the stream has finished."""
@@ -412,17 +486,25 @@ class GenerationLoops:
             prompt_tokens=len(s.req.prompt), cached_tokens=s.cached, completion_tokens=n, reprefills=s.reprefills,
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
             seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=told,
-            drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted - s.unsent_accepted)
+            drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted - s.unsent_accepted,
+            failovers=s.failovers, reprefilled_tokens=s.reprefilled_tokens, moves=s.moves)
+        replicas = host.replicas
         with self.cond:
             if self.streams.get(s.key) is s:
                 del self.streams[s.key]
             if reason == "error":
                 self._records.pop(s.key, None)  # the route's state is unknown: the next stream starts over
+                if replicas is not None:
+                    replicas.unplace(s.key)
             else:
-                self._records[s.key] = RouteHolds(s.req.route_epoch, s.tokens[:s.computed])  # (drafts past it: cut by the next prefill)
+                # (drafts past `computed`: cut by the next prefill)
+                self._records[s.key] = RouteHolds(s.req.route_epoch, s.tokens[:s.computed],
+                                                  tuple(h.address for h in s.route))
                 self._records.move_to_end(s.key)
                 while len(self._records) > self._records_cap:
-                    self._records.popitem(last=False)
+                    old, _ = self._records.popitem(last=False)
+                    if replicas is not None:
+                        replicas.unplace(old)
             self.cond.notify_all()  # a Release waiting for this stream to end (stop_stream)
         s.events.put(pb.GenerateEvent(final=final))
 

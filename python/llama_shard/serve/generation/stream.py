@@ -74,6 +74,12 @@ class Stream:
         self.planned = False
         self.may_open = True                  # False after a shard lacked the prefix: the re-prefill computes it
         self.prefix_tokens = 0                # prompt tokens opened from a shared prefix
+        self.route: list[pb.Hop] = []         # the rest of the route: one replica per later stage
+        self.rerouted = False                 # its route changed: the loop moves it to that route's group
+        self.failovers = 0                    # times a replica failed and the session moved to another
+        self.moves = 0                        # times a draining replica had handed the session over
+        self.changes_in_row = 0               # route changes since its last step that went through
+        self.reprefilled_tokens = 0           # tokens computed again (misses, failovers)
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:

@@ -81,13 +81,15 @@ class OpenAIEndpoint:
     """The HTTP server of one head worker, on its own event loop thread."""
 
     def __init__(self, generation: GenerationLoops, model, security: ServerSecurity, host: str, port: int,
-                 forward: tuple[str, ...], max_in_flight: int, limits: HttpLimits = HttpLimits(),
+                 max_in_flight: int, limits: HttpLimits = HttpLimits(),
                  split_special_tokens: bool = False):
         # what the endpoint uses of its worker: the head's generation loop (its whole interface to the
         # route), the model (tokenizer, template, vocabulary) and the worker's security (TLS, principals)
         self.generation, self.model, self.security = generation, model, security
         self.host, self.port = host, port
-        self.forward = [pb.Hop(address=a) for a in forward]
+        # the route's health (replicas.Replicas.health: SERVING, or the stage with no healthy replica);
+        # None: this head holds the whole model. Requests go down the head's own route (forward empty).
+        self.route_health = None
         self.limits = limits
         self.max_in_flight, self.in_flight = max_in_flight, 0
         # one principal may hold all slots of a node it has to itself (no authentication: one principal),
@@ -336,6 +338,10 @@ class OpenAIEndpoint:
     async def _health(self, request: web.Request) -> web.Response:
         if self.generation.stopping:
             raise HttpError(503, "the worker is shutting down")
+        if self.route_health is not None:
+            ok, detail = self.route_health()
+            if not ok:
+                raise HttpError(503, f"the route cannot serve: {detail}", code="route_unavailable")
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -590,7 +596,6 @@ class OpenAIEndpoint:
         req = generate_request(body, tokens, self.generation.context_tokens, self.eog[:MAX_STOP_TOKENS],
                                logprobs=logprobs, top=top)
         req.session_id, req.route_epoch = self._session(request, principal, tokens)
-        req.forward.extend(self.forward)
         events = _LoopEvents(asyncio.get_running_loop())
         stream = self._open(request, principal, req, events, param_names)
         fmt = CompletionFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),

@@ -1,0 +1,180 @@
+"""Drain: a worker that is going away hands its live sessions' KV to a replica of its own layers
+instead of dropping them (SIGTERM, or an admin's `Drain`), and the receiving side (`Handover`).
+
+The sender, for each live session in turn: waits for its step in flight, exports llama.cpp's
+sequence state of the owned layers (what the warm tier keeps), sends it with the session's key,
+owner, length, its recipe and model digest and a SHA-256 of the bytes, and releases its own copy
+once the replica took it. From then on a step for that session is answered OUTCOME_UNAVAILABLE
+with `moved_to` (nothing computed): the head sends the same step to that replica, and the caller
+sees no re-prefill. A session no replica takes is released (its next step is a miss, as before).
+While draining, the worker takes no new session.
+
+The receiver checks everything before llama.cpp reads a byte: who calls (a trusted neighbour,
+`--forwarder`, or an admin, on a worker with authentication), the recipe and the model digest, the
+digest of the bytes, the owner's session cap, then the state's cells (the engine's kv_state_check:
+positions 0..seq_len-1 of one sequence, sizes that add up), and opens the session at the same epoch;
+or refuses with a clear outcome and nothing changed.
+
+Invariants: a session is in at most one of `moving` and `moved`; a step for a session in `moving`
+waits (never computes beside its export); a moved session's KV is on this worker no more.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter as Tally
+
+from ..engine.hot_kv import CacheMiss
+from ..errors import LlamaShardError
+from ..proto import shard_pb2 as pb
+
+#: the longest one session's hand-over may take (its export, the call, the replica's import)
+HANDOVER_TIMEOUT_S = 30.0
+
+
+class SessionMoves:
+    """Which sessions a draining worker is handing over, or has handed over, and to whom; the
+    steps of a session wait while it moves. Thread-safe."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.draining = False
+        self.moving: set[str] = set()
+        self.moved: dict[str, str] = {}          # engine key -> the replica's address
+        self.asked: set[str] = set()             # moved sessions a step has asked for since
+        self._in_flight: Tally = Tally()         # engine key -> its steps being computed here
+
+    def enter(self, key: str, deadline: float) -> str | None:
+        """A step for `key` may run here (None; `leave` when computed), or the replica that holds
+        it now. Waits while it is being handed over."""
+        with self.cond:
+            while key in self.moving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            to = self.moved.get(key)
+            if to is not None:
+                self.asked.add(key)
+                self.cond.notify_all()
+                return to
+            self._in_flight[key] += 1
+            return None
+
+    def leave(self, key: str) -> None:
+        with self.cond:
+            self._in_flight[key] -= 1
+            if self._in_flight[key] <= 0:
+                del self._in_flight[key]
+            self.cond.notify_all()
+
+    def begin(self, key: str, timeout: float) -> bool:
+        """The session starts moving once its step in flight is done; False if that took longer
+        than `timeout` (it is moved anyway: its next step waits)."""
+        end = time.monotonic() + timeout
+        with self.cond:
+            self.moving.add(key)
+            while self._in_flight.get(key):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
+
+    def done(self, key: str, to: str | None) -> None:
+        with self.cond:
+            self.moving.discard(key)
+            if to is not None:
+                self.moved[key] = to
+            self.cond.notify_all()
+
+    def wait_asked(self, timeout: float) -> int:
+        """Waits until a step has asked for every moved session (its head has followed it), at most
+        `timeout` seconds; returns how many were not asked (idle sessions: their head fails over)."""
+        end = time.monotonic() + timeout
+        with self.cond:
+            while set(self.moved) - self.asked:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            return len(set(self.moved) - self.asked)
+
+
+def state_digest(state: bytes) -> bytes:
+    return hashlib.sha256(state).digest()
+
+
+class Drainer:
+    """The sending side: hands every live session of `manager` to one of `targets` (addresses a
+    `Peers` may reach), in turn. `owner_of(key)` gives (the owner's principal, its session id)."""
+
+    def __init__(self, manager, peers, moves: SessionMoves, owner_of, fingerprint: str, digest: str,
+                 on_moved=lambda n: None):
+        self.manager, self.peers, self.moves = manager, peers, moves
+        self.owner_of = owner_of
+        self.fingerprint, self.digest = fingerprint, digest
+        self.on_moved = on_moved
+
+    def drain(self, targets: tuple[str, ...], timeout: float = HANDOVER_TIMEOUT_S) -> pb.DrainReply:
+        t0 = time.monotonic()
+        self.moves.draining = True
+        handed = released = 0
+        errors: list[str] = []
+        # a step let in just before the drain began may still open a session: a few rounds
+        for _ in range(3):
+            keys = [(key, epoch) for key, epoch in self.manager.session_keys() if key not in self.moves.moved]
+            if not keys:
+                break
+            for key, epoch in keys:
+                to = self._move(key, epoch, targets, timeout, errors)
+                handed += to is not None
+                released += to is None
+        detail = "; ".join(dict.fromkeys(errors))[:1000]
+        return pb.DrainReply(handed_over=handed, released=released, seconds=time.monotonic() - t0, detail=detail)
+
+    def _move(self, key: str, epoch: int, targets: tuple[str, ...], timeout: float, errors: list[str]) -> str | None:
+        """One session handed over (the replica's address) or released here (None)."""
+        self.moves.begin(key, timeout)
+        to = None
+        try:
+            to = self._hand_over(key, epoch, targets, timeout, errors)
+        finally:
+            try:
+                self.manager.release(key, epoch)
+            except LlamaShardError:
+                pass
+            self.moves.done(key, to)
+        if to is not None:
+            self.on_moved(1)
+        return to
+
+    def _hand_over(self, key: str, epoch: int, targets: tuple[str, ...], timeout: float,
+                   errors: list[str]) -> str | None:
+        """The replica that took the session, or None (errors says why)."""
+        try:
+            out = self.manager.export_session(key, epoch)
+        except LlamaShardError as e:
+            errors.append(f"export: {e}")
+            return None
+        if isinstance(out, CacheMiss):  # evicted meanwhile: nothing to hand over
+            return None
+        info, state = out
+        owner, session_id = self.owner_of(key)
+        if owner is None:
+            errors.append("a session whose owner this worker cannot name stays here")
+            return None
+        request = pb.HandoverRequest(session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len,
+                                     state=state, state_sha256=state_digest(state),
+                                     recipe_fingerprint=self.fingerprint, model_digest=self.digest)
+        for target in targets:
+            try:
+                reply = self.peers.handover(target, request, timeout)
+            except Exception as e:  # noqa: BLE001 - grpc.RpcError or a channel problem: the next replica
+                errors.append(f"{target}: {getattr(e, 'details', lambda: str(e))()}")
+                continue
+            if reply.outcome == pb.OUTCOME_OK:
+                return target
+            errors.append(f"{target}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
+        return None

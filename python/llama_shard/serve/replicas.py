@@ -1,0 +1,387 @@
+"""The later stages of a head's route and their replicas, as the head sees them (serve --peer).
+
+A head lists every later worker with `--peer`. Each one's `Info` says which layers it holds: peers
+of the same range, model and numerics are replicas of one stage, and the stages in layer order
+are the head's own route (a Generate request that names no `forward`, and every HTTP request). A
+session is placed on one replica per stage when it opens (the least loaded that is up) and stays
+there; when a step cannot reach a replica, the head marks it down and moves the session to another
+replica of that stage (the loop re-prefills it there: generation/loops.py).
+
+A replica's state (docs/design.md#replicas-and-failover draws it):
+
+    up ──(a probe fails)──> suspect ──(a second one fails)──> down
+    up, suspect ──(a step cannot reach it)──> down
+    down ──(its backoff passed)──> probing ──(Info answers, checks pass)──> up
+                                          └──(no answer)──> down (backoff doubled, at most BACKOFF_MAX_S)
+
+New sessions go to up replicas (suspect ones only when a stage has no up one); a down or probing
+replica gets none. Invariants: every peer is in exactly one state; a replica is in a stage only once
+its Info answered and passed the checks (another model, other numerics than its stage, a range that
+overlaps another stage's: refused, named); the head's health is SERVING only while every stage it
+knows has a replica up or suspect, and no layer after the head is left unknown while a peer that
+could hold it has not answered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge
+
+from ..errors import InvalidInputError
+from ..proto import shard_pb2 as pb
+
+#: how often an up replica's Info is read again (its load, and a death noticed without a step)
+PROBE_S = 1.0
+#: how long a probe waits for an answer
+PROBE_TIMEOUT_S = 2.0
+#: a down replica is probed after BACKOFF_MIN_S, then twice as long after each failed probe
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 5.0
+#: failed probes in a row that make an up replica down (the first makes it suspect)
+DOWN_AFTER_PROBES = 2
+
+
+class ReplicaState(enum.Enum):
+    UP = "up"
+    SUSPECT = "suspect"
+    DOWN = "down"
+    PROBING = "probing"
+
+
+@dataclasses.dataclass
+class Replica:
+    """One peer of the head, and what its last answer said."""
+    address: str
+    order: int                          # its place among the --peer flags (ties go to the earlier)
+    state: ReplicaState = ReplicaState.DOWN
+    info: pb.InfoReply | None = None    # its last Info (None: it never answered)
+    refused: str = ""                   # why it is no replica of a stage (it answered, a check failed)
+    last_error: str = "not reached yet"
+    failed_probes: int = 0
+    next_probe: float = 0.0
+    backoff: float = BACKOFF_MIN_S
+    sessions: set = dataclasses.field(default_factory=set)  # the head's engine keys placed on it
+    failovers: int = 0                  # sessions moved off it after it failed
+    restarts: int = 0                   # times its instance id changed
+
+    @property
+    def range(self) -> tuple[int, int] | None:
+        return None if self.info is None or self.refused else (self.info.first, self.info.last)
+
+    @property
+    def usable(self) -> bool:
+        return self.range is not None and self.state in (ReplicaState.UP, ReplicaState.SUSPECT)
+
+    def load(self) -> float:
+        """The share of its sessions in use: the head's own placed sessions, or what its last Info
+        counted when that is more (other heads' sessions)."""
+        held = max(len(self.sessions), self.info.live_sessions if self.info is not None else 0)
+        return held / max(1, self.info.max_sessions if self.info is not None else 1)
+
+
+def _log(message: str) -> None:
+    print(f"llama-shard worker: {message}", file=sys.stderr, flush=True)
+
+
+class Replicas:
+    """The head's peers grouped into stages of replicas, probed in the background.
+
+    `probe(address, timeout)` reads a peer's Info (raising on any failure); `on_health(ok, detail)`
+    is told each time the route's health changes. Thread-safe: the generation loop's threads, the
+    servicer's handlers and the probe thread all call in."""
+
+    def __init__(self, info, numerics: str, model_digest: str, instance_id: str, addresses: tuple[str, ...],
+                 probe: Callable[[str, float], pb.InfoReply], registry=None,
+                 on_health: Callable[[bool, str], None] = lambda ok, detail: None):
+        self.own = info
+        self.numerics, self.model_digest, self.instance_id = numerics, model_digest, instance_id
+        self._probe = probe
+        self._on_health = on_health
+        self._lock = threading.Lock()
+        self.replicas = [Replica(a, i) for i, a in enumerate(dict.fromkeys(addresses))]
+        self._by_address = {r.address: r for r in self.replicas}
+        self._health: tuple[bool, str] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failovers_total = 0
+        self.failovers = Counter("llama_shard_failovers", "Sessions the head moved to another replica after one "
+                                 "failed", registry=registry) if registry is not None else None
+        self.up_gauge = Gauge("llama_shard_replica_up", "1 while the head can use this replica of a stage",
+                              ["stage", "address"], registry=registry) if registry is not None else None
+
+    # --- probing ---------------------------------------------------------------------------------
+
+    def start(self, on_health: Callable[[bool, str], None] | None = None, wait_s: float = PROBE_TIMEOUT_S) -> "Replicas":
+        """Tells `on_health` of every change of the route's health from now on; probes every peer once (at once, waiting at most `wait_s`), refuses a mesh whose answers
+        contradict each other (two replicas of one range with other numerics, overlapping ranges:
+        InvalidInputError naming both), then keeps probing in the background."""
+        if on_health is not None:
+            self._on_health = on_health
+        threads = [threading.Thread(target=self._probe_one, args=(r, wait_s), daemon=True) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(wait_s + 1.0)
+        with self._lock:
+            conflicts = [r.refused for r in self.replicas if r.refused.startswith("conflict: ")]
+        if conflicts:
+            raise InvalidInputError(conflicts[0][len("conflict: "):])
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="replica-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                due = [r for r in self.replicas if now >= r.next_probe and not r.refused.startswith("not a later")]
+                for r in due:
+                    if r.state == ReplicaState.DOWN:
+                        r.state = ReplicaState.PROBING
+                    r.next_probe = now + 3600  # set again when the probe ends
+            for r in due:
+                self._probe_one(r, PROBE_TIMEOUT_S)
+            if due:
+                self._publish()
+
+    def _probe_one(self, r: Replica, timeout: float) -> None:
+        try:
+            info = self._probe(r.address, timeout)
+        except Exception as e:  # noqa: BLE001 - any failure to answer is a failed probe
+            why = getattr(e, "details", lambda: None)() or str(e) or type(e).__name__
+            self._failed_probe(r, f"Info: {why}")
+            return
+        with self._lock:
+            was = r.info
+            refusal = self._refusal_locked(r, info)
+            r.info, r.refused = info, refusal
+            r.failed_probes, r.backoff = 0, BACKOFF_MIN_S
+            r.next_probe = time.monotonic() + PROBE_S
+            if was is not None and was.instance_id and info.instance_id != was.instance_id:
+                r.restarts += 1  # its sessions are gone: their next step is a miss, which the loop re-prefills
+                r.last_error = "restarted (a new instance id): its sessions were lost"
+            if refusal:
+                r.state, r.last_error = ReplicaState.DOWN, refusal
+            elif info.draining:
+                r.state, r.last_error = ReplicaState.DOWN, "draining: handing its sessions over"
+            else:
+                if was is None:
+                    r.last_error = ""
+                if r.state != ReplicaState.UP and was is not None:
+                    _log(f"replica {r.address} (layers {info.first}-{info.last}) is up again")
+                r.state = ReplicaState.UP
+
+    def _failed_probe(self, r: Replica, why: str) -> None:
+        with self._lock:
+            r.failed_probes += 1
+            r.last_error = why
+            if r.state in (ReplicaState.UP, ReplicaState.SUSPECT) and r.failed_probes < DOWN_AFTER_PROBES:
+                r.state = ReplicaState.SUSPECT
+                r.next_probe = time.monotonic() + BACKOFF_MIN_S
+                return
+            if r.state in (ReplicaState.UP, ReplicaState.SUSPECT):
+                _log(f"replica {r.address} is down: {why}")
+            r.state = ReplicaState.DOWN
+            r.next_probe = time.monotonic() + r.backoff
+            r.backoff = min(BACKOFF_MAX_S, 2 * r.backoff)
+
+    def _refusal_locked(self, r: Replica, info: pb.InfoReply) -> str:
+        """Why this answer makes the peer no replica of a later stage ('' if none). "conflict: ..."
+        ones are a mesh the operator must fix (refused at start-up)."""
+        own = self.own
+        if info.instance_id and info.instance_id == self.instance_id:
+            return "not a later stage: it is this worker"
+        if (info.n_layer, info.n_embd, info.architecture) != (own.n_layer, own.n_embd, own.architecture):
+            return (f"conflict: peer {r.address} serves another model ({info.architecture}, {info.n_layer} layers) "
+                    f"than this head ({own.architecture}, {own.n_layer} layers)")
+        if info.first <= own.last:
+            return f"not a later stage: it holds layers {info.first}-{info.last}, this head {own.first}-{own.last}"
+        for other in self.replicas:
+            o = other.info
+            if other is r or o is None or other.refused:
+                continue
+            if (o.first, o.last) == (info.first, info.last):
+                if o.numerics != info.numerics or o.recipe_fingerprint != info.recipe_fingerprint:
+                    return (f"conflict: peers {other.address} and {r.address} both hold layers {info.first}-{info.last} "
+                            f"but compute differently ({o.numerics or 'unknown'}; {info.numerics or 'unknown'}): "
+                            f"replicas of a stage must give the same bits")
+                if o.model_digest and info.model_digest and o.model_digest != info.model_digest:
+                    return (f"conflict: peers {other.address} and {r.address} both hold layers {info.first}-{info.last} "
+                            f"of different model files")
+            elif o.first <= info.last and info.first <= o.last:
+                return (f"conflict: peer {r.address} holds layers {info.first}-{info.last}, which overlap "
+                        f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
+        return ""
+
+    # --- the route ----------------------------------------------------------------------------
+
+    def _stages_locked(self) -> list[tuple[int, int]]:
+        return sorted({r.range for r in self.replicas if r.range is not None})
+
+    def stage_of(self, address: str) -> tuple[int, int] | None:
+        """The layer range of the replica at `address` (None: not a known replica)."""
+        with self._lock:
+            r = self._by_address.get(address)
+            return None if r is None else r.range
+
+    def complete(self) -> bool:
+        with self._lock:
+            return self._gap_locked() is None
+
+    def _gap_locked(self) -> tuple[int, int] | None:
+        """The first layers after the head no known stage holds (None: the stages tile the model)."""
+        nxt = self.own.last + 1
+        for first, last in self._stages_locked():
+            if first != nxt:
+                return nxt, first - 1
+            nxt = last + 1
+        return None if nxt >= self.own.n_layer else (nxt, self.own.n_layer - 1)
+
+    def _pick_locked(self, stage: tuple[int, int], avoid: frozenset = frozenset()) -> Replica | None:
+        cands = [r for r in self.replicas if r.range == stage and r.address not in avoid]
+        for wanted in (ReplicaState.UP, ReplicaState.SUSPECT):
+            ok = [r for r in cands if r.state == wanted]
+            if ok:
+                return min(ok, key=lambda r: (r.load(), r.order))
+        return None
+
+    def _hop_locked(self, r: Replica) -> pb.Hop:
+        others = sum(1 for o in self.replicas if o is not r and o.range == r.range)
+        return pb.Hop(address=r.address, recipe_fingerprint=r.info.recipe_fingerprint, fail_fast=others > 0)
+
+    def choose(self, prefer: tuple[str, ...] = ()) -> list[pb.Hop] | str:
+        """The head's own route for a new session: one usable replica per stage (those of `prefer`,
+        the session's last route, while they are up), or why there is none (its text names the stage)."""
+        with self._lock:
+            gap = self._gap_locked()
+            if gap is not None:
+                waiting = [r.address for r in self.replicas if r.info is None]
+                why = (f"{', '.join(waiting)} not reached yet: {self._by_address[waiting[0]].last_error}"
+                       if waiting else "no --peer worker holds them")
+                return f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}) has no replica: {why}"
+            hops = []
+            for n, stage in enumerate(self._stages_locked(), start=1):
+                kept = next((self._by_address[a] for a in prefer if a in self._by_address
+                             and self._by_address[a].range == stage
+                             and self._by_address[a].state == ReplicaState.UP), None)
+                r = kept or self._pick_locked(stage)
+                if r is None:
+                    errors = "; ".join(f"{x.address}: {x.last_error}" for x in self.replicas if x.range == stage)
+                    return f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy replica ({errors})"
+                hops.append(self._hop_locked(r))
+            return hops
+
+    def _stage_number_locked(self, stage: tuple[int, int]) -> int:
+        return 1 + sum(1 for s in self._stages_locked() if s[0] < stage[0])
+
+    def hops(self, forward) -> list[pb.Hop]:
+        """A caller's route with each hop's fail_fast set where the head has another replica of its
+        stage (copies: the request is not changed)."""
+        out = []
+        with self._lock:
+            for hop in forward:
+                r = self._by_address.get(hop.address)
+                h = pb.Hop(address=hop.address, recipe_fingerprint=hop.recipe_fingerprint)
+                if r is not None and r.range is not None:
+                    h.fail_fast = any(o is not r and o.range == r.range for o in self.replicas)
+                out.append(h)
+        return out
+
+    def failover(self, address: str, why: str, avoid: tuple[str, ...] = ()) -> pb.Hop | str:
+        """A step could not reach the replica at `address`: it is marked down and the hop to use
+        instead is returned (another replica of its stage), or why there is none."""
+        with self._lock:
+            r = self._by_address.get(address)
+            if r is None or r.range is None:
+                return f"worker {address} is no replica the head knows of (serve --peer): {why}"
+            if r.state in (ReplicaState.UP, ReplicaState.SUSPECT):
+                _log(f"replica {address} is down: {why}")
+                r.state, r.next_probe = ReplicaState.DOWN, time.monotonic() + r.backoff
+            r.last_error = why
+            r.failovers += 1
+            self.failovers_total += 1
+            other = self._pick_locked(r.range, frozenset((address, *avoid)))
+            stage = r.range
+            n = self._stage_number_locked(stage)
+            hop = self._hop_locked(other) if other is not None else None
+        if self.failovers is not None:
+            self.failovers.inc()
+        self._publish()
+        if hop is None:
+            return f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}"
+        return hop
+
+    def moved(self, address: str, to: str) -> pb.Hop | None:
+        """A draining replica handed a session to `to`: its hop, if `to` is a replica of the same
+        stage that the head knows (None: the head cannot follow; the loop fails over instead)."""
+        with self._lock:
+            r, t = self._by_address.get(address), self._by_address.get(to)
+            if r is None or t is None or r.range is None or t.range != r.range:
+                return None
+            r.state, r.last_error = ReplicaState.DOWN, "draining: handing its sessions over"
+            r.next_probe = time.monotonic() + r.backoff
+            return self._hop_locked(t)
+
+    def place(self, key: str, route: tuple[str, ...]) -> None:
+        """The head's session `key` now lives on these replicas (and on no other)."""
+        with self._lock:
+            for r in self.replicas:
+                if r.address in route:
+                    r.sessions.add(key)
+                else:
+                    r.sessions.discard(key)
+
+    def unplace(self, key: str) -> None:
+        with self._lock:
+            for r in self.replicas:
+                r.sessions.discard(key)
+
+    # --- what it tells -------------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """(SERVING, '' or the stage that has no healthy replica)."""
+        with self._lock:
+            gap = self._gap_locked()
+            waiting = [r for r in self.replicas if r.info is None]
+            if gap is not None and waiting:
+                return False, (f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}): no replica "
+                               f"answers ({waiting[0].address}: {waiting[0].last_error})")
+            for n, stage in enumerate(self._stages_locked(), start=1):
+                mine = [r for r in self.replicas if r.range == stage]
+                if not any(r.usable for r in mine):
+                    errors = "; ".join(f"{r.address}: {r.last_error}" for r in mine)
+                    return False, f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy replica ({errors})"
+        return True, ""
+
+    def _publish(self) -> None:
+        health = self.health()
+        with self._lock:
+            changed, self._health = health != self._health, health
+            stages = self._stages_locked()
+            rows = [(str(stages.index(r.range) + 1) if r.range in stages else "0", r.address, float(r.usable))
+                    for r in self.replicas]
+        if self.up_gauge is not None:
+            for stage, address, up in rows:
+                self.up_gauge.labels(stage, address).set(up)
+        if changed:
+            self._on_health(*health)
+
+    def info(self) -> list[pb.ReplicaInfo]:
+        with self._lock:
+            stages = self._stages_locked()
+            out = []
+            for r in sorted(self.replicas, key=lambda r: (r.range or (1 << 30, 0), r.order)):
+                first, last = r.range if r.range is not None else ((r.info.first, r.info.last) if r.info else (0, 0))
+                out.append(pb.ReplicaInfo(stage=stages.index(r.range) + 1 if r.range in stages else 0, first=first,
+                                          last=last, address=r.address, state=r.state.value,
+                                          sessions=len(r.sessions), last_error=r.refused or r.last_error,
+                                          failovers=r.failovers))
+            return out

@@ -1,0 +1,302 @@
+"""A route that survives its nodes: replicas of a stage, failover mid-stream, health that tells the
+truth, and drain that hands live sessions to a replica (serve/replicas.py, serve/handover.py).
+
+What is shown here, on live workers over loopback with SmolLM2 (one thread each, as the whole-model
+reference in test_generate.py):
+- the head places each session on one replica per stage (the least loaded) and lists them in Info;
+- a tail replica killed (SIGKILL) under 8 concurrent streams, greedy and seeded: every stream ends
+  `length` with exactly the tokens of the same run without the kill, its failovers and re-prefilled
+  tokens counted in the final event; the longest stall between two tokens is printed;
+- the same for the middle stage of a three-worker route with two middle replicas;
+- the head's gRPC health and HTTP /health say NOT_SERVING / 503 naming the stage while its only
+  replica is down, and SERVING / 200 once it is back; the replica's gauge follows;
+- two peers of one range that compute differently are refused at the head's start, naming both;
+- a tail replica stopped with SIGTERM under 8 live streams hands every session to the other replica:
+  0 re-prefills, the same tokens.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llama_shard._native import SamplingParams, ShardModel
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.proto.requests import sampling_to_wire
+from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+
+pytestmark = pytest.mark.grpc
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
+           "The three primary colours are"]
+SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
+
+
+class Mesh:
+    """Workers of one model on loopback: `ranges[k]` served at `addresses[k]`, started with
+    `flags[k]`; a worker killed or stopped can be started again at the same address."""
+
+    def __init__(self, model, ranges, flags):
+        self.model, self.ranges, self.flags = model, ranges, flags
+        self.ports = [free_port() for _ in ranges]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        self.procs: list = [None] * len(ranges)
+        self.channels: dict = {}
+
+    def start(self, k: int, wait: bool = True, route_up: bool = True):
+        if self.procs[k] is not None:  # a killed or stopped one: reaped first
+            stop_worker(self.procs[k])
+        first, last = self.ranges[k]
+        flags = tuple(f.format(*self.addresses) if isinstance(f, str) else f for f in self.flags[k])
+        self.procs[k], _ = start_worker(self.model, first, last, port=self.ports[k], extra=flags)
+        if wait:
+            wait_serving(self.procs[k], self.addresses[k], route_up=route_up)
+        return self
+
+    def stub(self, k: int = 0) -> pb_grpc.ShardServiceStub:
+        if k not in self.channels:
+            self.channels[k] = grpc.insecure_channel(self.addresses[k])
+        return pb_grpc.ShardServiceStub(self.channels[k])
+
+    def info(self, k: int = 0) -> pb.InfoReply:
+        return self.stub(k).Info(pb.InfoRequest(), timeout=10)
+
+    def holder(self, session_id: str, among) -> int:
+        """Which of the workers `among` holds the session (by their Info)."""
+        for k in among:
+            if any(s.session_id == session_id for s in self.info(k).sessions):
+                return k
+        raise AssertionError(f"no worker of {list(among)} holds {session_id}")
+
+    def stop(self):
+        for ch in self.channels.values():
+            ch.close()
+        for p in self.procs:
+            if p is not None:
+                stop_worker(p)
+
+
+def _request(sid: str, prompt: list[int], n: int, seed: int | None) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(session_id=sid, prompt=prompt, max_tokens=n)  # no forward: the head's own route
+    if seed is not None:
+        req.sampling.CopyFrom(sampling_to_wire(SamplingParams(seed=seed, **SEEDED)))
+    return req
+
+
+def _run_streams(mesh: Mesh, tag: str, prompts, n: int, on_token=None) -> list[dict]:
+    """8 concurrent streams (even: greedy, odd: seeded) on the head; each one's tokens, final event
+    and the longest gap between two of its tokens. `on_token(i, count)` runs in stream i's thread."""
+    results: list[dict] = [{} for _ in range(8)]
+
+    def run(i: int) -> None:
+        req = _request(f"{tag}-{i}", prompts[i % len(prompts)], n, None if i % 2 == 0 else 1000 + i)
+        tokens, gaps, last = [], [], None
+        for event in mesh.stub().Generate(req, timeout=180):
+            now = time.monotonic()
+            if event.HasField("final"):
+                results[i] = {"tokens": tokens, "final": event.final, "stall": max(gaps, default=0.0)}
+                return
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            tokens.append(event.token.token_id)
+            if on_token is not None:
+                on_token(i, len(tokens))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert all(r for r in results), "a stream did not end"
+    return results
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_model):
+    vocab = ShardModel(str(embedded_model), (0, 0), 1)
+    return [vocab.tokenize(p) for p in PROMPTS]
+
+
+def _kill_when(mesh: Mesh, candidates, after_tokens: int, sessions_tag: str):
+    """An on_token callback: once every stream has `after_tokens` tokens, SIGKILL the candidate
+    worker that holds most of the streams' sessions (once). Returns (callback, what it killed)."""
+    counts: dict[int, int] = {}
+    killed: list[int] = []
+    lock = threading.Lock()
+
+    def on_token(i: int, n: int) -> None:
+        with lock:
+            counts[i] = n
+            if killed or len(counts) < 8 or min(counts.values()) < after_tokens:
+                return
+            held = {k: sum(1 for s in mesh.info(k).sessions if s.session_id.startswith(sessions_tag))
+                    for k in candidates}
+            victim = max(held, key=held.get)
+            mesh.procs[victim].send_signal(signal.SIGKILL)
+            killed.append(victim)
+    return on_token, killed
+
+
+def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
+    # head 0-14, two tail replicas 15-29: the head lists both
+    mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
+                [("--peer", "{1}", "--peer", "{2}", "--max-hop-seconds", "20"), (), ()])
+    try:
+        mesh.start(1).start(2).start(0)
+        replicas = mesh.info(0).replicas
+        assert [(r.stage, r.first, r.last, r.state) for r in replicas] == [(1, 15, 29, "up")] * 2
+        reference = _run_streams(mesh, "calm", prompts, 24)
+        assert all(r["final"].finish_reason == "length" and r["final"].failovers == 0 for r in reference)
+        # the least loaded replica takes each new session: 4 and 4
+        assert sorted(r.sessions for r in mesh.info(0).replicas) == [4, 4]
+        on_token, killed = _kill_when(mesh, (1, 2), 6, "kill-")
+        t0 = time.monotonic()
+        results = _run_streams(mesh, "kill", prompts, 24, on_token)
+        seconds = time.monotonic() - t0
+        assert killed, "the replica was not killed"
+        for i, (calm, hit) in enumerate(zip(reference, results)):
+            assert hit["final"].finish_reason == "length", (i, hit["final"])
+            assert hit["tokens"] == calm["tokens"], i
+        moved = [r for r in results if r["final"].failovers]
+        assert 1 <= len(moved) <= 8 and all(r["final"].reprefilled_tokens > 0 for r in moved)
+        stall = max(r["stall"] for r in moved)
+        calm_stall = max(r["stall"] for r in reference)
+        print(f"\n  8 streams, a tail replica killed: {len(moved)} failed over, all 8 exact; longest stall "
+              f"{stall:.3f} s (without the kill {calm_stall:.3f} s); {seconds:.1f} s in all")
+        assert stall < calm_stall + 5.0
+        info = mesh.info(0)
+        assert info.failovers == len(moved)
+        dead = [r for r in info.replicas if r.address == mesh.addresses[killed[0]]][0]
+        assert dead.state in ("down", "probing") and dead.failovers == len(moved) and dead.last_error
+        # the killed replica comes back: probed, up again, and the head uses it for new sessions
+        mesh.start(killed[0])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(r.state != "up" for r in mesh.info(0).replicas):
+            time.sleep(0.2)
+        assert all(r.state == "up" for r in mesh.info(0).replicas)
+    finally:
+        mesh.stop()
+
+
+def test_a_killed_middle_replica_of_a_three_worker_route_loses_no_token(embedded_model, prompts):
+    mesh = Mesh(embedded_model, [(0, 9), (10, 19), (10, 19), (20, 29)],
+                [("--peer", "{1}", "--peer", "{2}", "--peer", "{3}"), ("--peer", "{3}"), ("--peer", "{3}"), ()])
+    try:
+        mesh.start(3).start(1).start(2).start(0)
+        assert [(r.stage, r.first, r.last) for r in mesh.info(0).replicas] == [(1, 10, 19), (1, 10, 19), (2, 20, 29)]
+        reference = _run_streams(mesh, "calm", prompts, 16)
+        on_token, killed = _kill_when(mesh, (1, 2), 4, "kill-")
+        results = _run_streams(mesh, "kill", prompts, 16, on_token)
+        assert killed
+        for i, (calm, hit) in enumerate(zip(reference, results)):
+            assert hit["final"].finish_reason == "length" and hit["tokens"] == calm["tokens"], (i, hit["final"])
+        assert sum(r["final"].failovers for r in results) >= 1
+    finally:
+        mesh.stop()
+
+
+def _http_health(port: int) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _grpc_health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def _until(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
+    http_port, metrics_port = free_port(), free_port()
+    mesh = Mesh(embedded_model, [(0, 14), (15, 29)],
+                [("--peer", "{1}", "--http-port", str(http_port), "--metrics-port", str(metrics_port)), ()])
+    try:
+        mesh.start(1).start(0)
+        assert _http_health(http_port) == (200, {"status": "ok"})
+        tail = mesh.addresses[1]
+        gauge = f'llama_shard_replica_up{{address="{tail}",stage="1"}}'
+
+        def metric() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert f"{gauge} 1.0" in metric()
+        mesh.procs[1].send_signal(signal.SIGKILL)
+        mesh.procs[1].wait()
+        assert _until(lambda: _grpc_health(mesh.addresses[0]) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        status, body = _http_health(http_port)
+        assert status == 503 and "stage 1 (layers 15-29)" in body["error"]["message"], body
+        assert f"{gauge} 0.0" in metric()
+        mesh.start(1)
+        assert _until(lambda: _grpc_health(mesh.addresses[0]) == health_pb2.HealthCheckResponse.SERVING)
+        assert _http_health(http_port)[0] == 200 and f"{gauge} 1.0" in metric()
+    finally:
+        mesh.stop()
+
+
+def test_replicas_that_compute_differently_are_refused_at_start_naming_both(embedded_model):
+    mesh = Mesh(embedded_model, [(15, 29), (15, 29)], [("--flash-attn", "on"), ("--flash-attn", "off")])
+    try:
+        mesh.start(0).start(1)
+        head, _ = start_worker(embedded_model, 0, 14, extra=("--peer", mesh.addresses[0], "--peer", mesh.addresses[1]))
+        code, stderr = stop_worker(head, send_sigterm=False)
+        assert code == 2, stderr[-2000:]
+        assert mesh.addresses[0] in stderr and mesh.addresses[1] in stderr and "compute differently" in stderr
+    finally:
+        mesh.stop()
+
+
+def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, prompts):
+    mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
+                [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")])
+    try:
+        mesh.start(1).start(2).start(0)
+        reference = _run_streams(mesh, "calm", prompts, 24)
+        stopped: list[int] = []
+        counts: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def on_token(i: int, n: int) -> None:
+            with lock:
+                counts[i] = n
+                if stopped or len(counts) < 8 or min(counts.values()) < 6:
+                    return
+                held = {k: sum(1 for s in mesh.info(k).sessions if s.session_id.startswith("drain-")) for k in (1, 2)}
+                victim = max(held, key=held.get)
+                mesh.procs[victim].send_signal(signal.SIGTERM)
+                stopped.append(victim)
+        results = _run_streams(mesh, "drain", prompts, 24, on_token)
+        assert stopped
+        code, stderr = stop_worker(mesh.procs[stopped[0]], send_sigterm=False)
+        mesh.procs[stopped[0]] = None
+        assert code == 0, stderr[-2000:]
+        line = [x for x in stderr.splitlines() if "handed" in x]
+        print("\n  " + (line[0] if line else stderr[-500:]))
+        for i, (calm, hit) in enumerate(zip(reference, results)):
+            assert hit["final"].finish_reason == "length" and hit["tokens"] == calm["tokens"], (i, hit["final"])
+            assert hit["final"].reprefills == 0 and hit["final"].failovers == 0, (i, hit["final"])
+        assert sum(r["final"].moves for r in results) >= 1
+        other = 2 if stopped[0] == 1 else 1
+        assert mesh.info(other).handover_sessions >= 1
+    finally:
+        mesh.stop()
