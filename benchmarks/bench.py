@@ -575,8 +575,37 @@ def gpu_rows(s: Shapes) -> list[Row]:
                 ">= 0.9", "decode phase; streams opened at once over gRPC; the same GPU")]
 
 
+def failover_rows(s: Shapes) -> list[Row]:
+    """Replicas of a stage: what a caller sees when one is killed, drained, or both at random."""
+    from failover import chaos, handover, killed_tail
+
+    log("failover: a tail replica killed under 8 streams")
+    k = killed_tail(s.path, s.n_layer, s.vocab, s.npp, 16 if s.quick else 64)
+    tokens = 128 if s.quick else 1024
+    log(f"failover: a live {tokens}-token session handed over by SIGTERM")
+    h = handover(s.path, s.n_layer, s.vocab, tokens, 8 if s.quick else 24)
+    seconds = 10 if s.quick else 300
+    log(f"failover: {seconds} s of chaos under 16 OpenAI clients")
+    c = chaos(s.path, s.n_layer, s.vocab, seconds)
+    storm = c["storm"]
+    split = f"{s.n_layer // 2}-layer halves, 1 thread per worker"
+    return [Row("8 Generate streams (4 greedy, 4 seeded), a tail replica killed (SIGKILL) mid-stream: longest stall "
+                "between two tokens (vs the re-prefill of that stream)", k["stall"], k["reprefill"], "s",
+                "<= peer + 1 s", f"{k['moved']} of 8 failed over; {k['differed']} differed, {k['failed']} failed "
+                f"from the undisturbed run; without the kill the longest stall was {k['calm_stall']:.3f} s; {split}"),
+            Row(f"a live {tokens}-token session handed to the other replica by SIGTERM: seconds per session (vs "
+                "its re-prefill)", h["per_session"], h["reprefill"], "s", "<= 0.1",
+                f"{h['reprefills']} re-prefills, {h['moves']} move; tokens "
+                f"{'the same as an undisturbed twin' if h['same'] else 'DIFFERED from an undisturbed twin'}; {split}"),
+            Row(f"16 clients of /v1/completions while replicas are killed or drained and restarted at random for "
+                f"{seconds} s: completions per minute (vs undisturbed)", storm["per_min"], c["calm"]["per_min"],
+                "1/min", "0 failed, 0 differed",
+                f"{c['kills']} replicas killed or drained; {len(storm['failed'])} failed, {storm['differed']} "
+                f"differed of {storm['done']}; {c['failovers']} failovers; head + 2 x 2 replicas, 1 thread each")]
+
+
 SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, prefixes_rows,
-            speculation_rows,
+            speculation_rows, failover_rows,
             memory_rows,
             engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}

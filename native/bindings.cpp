@@ -827,6 +827,28 @@ void register_engine(py::module_ & m) {
                  return e.open_prefix(sid, epoch, key, length, now);
              }, py::arg("session_id"), py::arg("epoch"), py::arg("key"), py::arg("length"), py::arg("now"),
              "Makes the session hold a copy of the stored prefix (a PREFIX_EVICTED miss when it is not stored)")
+        .def("export_session", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, double now) {
+                 page_buffer state;
+                 hot_kv_result r;
+                 {
+                     py::gil_scoped_release release;  // waits for the engine lock; copies the session's state
+                     r = e.export_session(sid, epoch, now, state);
+                 }
+                 return py::make_tuple(r, py::bytes(reinterpret_cast<const char *>(state.data()), state.size()));
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("now"),
+             "(result, llama.cpp's sequence state of the session's owned layers): the session stays where it is")
+        .def("import_session", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t seq_len,
+                                  const py::bytes & state, double now) {
+                 char * data = nullptr;
+                 Py_ssize_t size = 0;
+                 if (PyBytes_AsStringAndSize(state.ptr(), &data, &size) != 0) {
+                     throw py::error_already_set();
+                 }
+                 // bytes are immutable and `state` holds a reference for this frame: read without the GIL
+                 py::gil_scoped_release release;  // waits for the engine lock; restores the state
+                 return e.import_session(sid, epoch, seq_len, reinterpret_cast<const uint8_t *>(data), (size_t) size, now);
+             }, py::arg("session_id"), py::arg("epoch"), py::arg("seq_len"), py::arg("state"), py::arg("now"),
+             "Makes the session hold exactly `state` (an export of seq_len tokens of this shard) as a hot session")
         .def("prefix_length", [](const hot_kv_engine & e, uint64_t key) {
                  py::gil_scoped_release release;  // waits for the engine lock
                  return e.prefix_length(key);

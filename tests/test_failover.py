@@ -12,12 +12,17 @@ reference in test_generate.py):
   replica is down, and SERVING / 200 once it is back; the replica's gauge follows;
 - two peers of one range that compute differently are refused at the head's start, naming both;
 - a tail replica stopped with SIGTERM under 8 live streams hands every session to the other replica:
-  0 re-prefills, the same tokens.
+  0 re-prefills, the same tokens;
+- chaos: replicas of the middle and the tail stage killed or stopped and restarted at random while
+  16 clients stream completions from the OpenAI endpoint: no request fails, every greedy completion
+  is the undisturbed route's, and nothing stays reserved once the sessions' TTL passed
+  (LLAMA_SHARD_CHAOS_SECONDS, default 40; the benchmark's failover section runs 300).
 """
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import threading
 import time
@@ -31,57 +36,14 @@ from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import free_port, start_worker, stop_worker
+from llama_shard.testing.chaos import ChaosMonkey, Mesh
 
 pytestmark = pytest.mark.grpc
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three primary colours are"]
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
-
-
-class Mesh:
-    """Workers of one model on loopback: `ranges[k]` served at `addresses[k]`, started with
-    `flags[k]`; a worker killed or stopped can be started again at the same address."""
-
-    def __init__(self, model, ranges, flags):
-        self.model, self.ranges, self.flags = model, ranges, flags
-        self.ports = [free_port() for _ in ranges]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        self.procs: list = [None] * len(ranges)
-        self.channels: dict = {}
-
-    def start(self, k: int, wait: bool = True, route_up: bool = True):
-        if self.procs[k] is not None:  # a killed or stopped one: reaped first
-            stop_worker(self.procs[k])
-        first, last = self.ranges[k]
-        flags = tuple(f.format(*self.addresses) if isinstance(f, str) else f for f in self.flags[k])
-        self.procs[k], _ = start_worker(self.model, first, last, port=self.ports[k], extra=flags)
-        if wait:
-            wait_serving(self.procs[k], self.addresses[k], route_up=route_up)
-        return self
-
-    def stub(self, k: int = 0) -> pb_grpc.ShardServiceStub:
-        if k not in self.channels:
-            self.channels[k] = grpc.insecure_channel(self.addresses[k])
-        return pb_grpc.ShardServiceStub(self.channels[k])
-
-    def info(self, k: int = 0) -> pb.InfoReply:
-        return self.stub(k).Info(pb.InfoRequest(), timeout=10)
-
-    def holder(self, session_id: str, among) -> int:
-        """Which of the workers `among` holds the session (by their Info)."""
-        for k in among:
-            if any(s.session_id == session_id for s in self.info(k).sessions):
-                return k
-        raise AssertionError(f"no worker of {list(among)} holds {session_id}")
-
-    def stop(self):
-        for ch in self.channels.values():
-            ch.close()
-        for p in self.procs:
-            if p is not None:
-                stop_worker(p)
 
 
 def _request(sid: str, prompt: list[int], n: int, seed: int | None) -> pb.GenerateRequest:
@@ -126,9 +88,15 @@ def prompts(embedded_model):
     return [vocab.tokenize(p) for p in PROMPTS]
 
 
+def mesh_holder(mesh: Mesh, session_id: str, among) -> int:
+    """Which of the workers `among` holds the session (by their Info)."""
+    return next(k for k in among if any(s.session_id == session_id for s in mesh.info(k).sessions))
+
+
 def _kill_when(mesh: Mesh, candidates, after_tokens: int, sessions_tag: str):
     """An on_token callback: once every stream has `after_tokens` tokens, SIGKILL the candidate
-    worker that holds most of the streams' sessions (once). Returns (callback, what it killed)."""
+    worker that holds the session of the stream that got there last (once). Returns (callback,
+    what it killed)."""
     counts: dict[int, int] = {}
     killed: list[int] = []
     lock = threading.Lock()
@@ -138,9 +106,8 @@ def _kill_when(mesh: Mesh, candidates, after_tokens: int, sessions_tag: str):
             counts[i] = n
             if killed or len(counts) < 8 or min(counts.values()) < after_tokens:
                 return
-            held = {k: sum(1 for s in mesh.info(k).sessions if s.session_id.startswith(sessions_tag))
-                    for k in candidates}
-            victim = max(held, key=held.get)
+            # the replica of the stream that has just got there: it is still running
+            victim = mesh_holder(mesh, f"{sessions_tag}{i}", candidates)
             mesh.procs[victim].send_signal(signal.SIGKILL)
             killed.append(victim)
     return on_token, killed
@@ -281,14 +248,13 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
                 counts[i] = n
                 if stopped or len(counts) < 8 or min(counts.values()) < 6:
                     return
-                held = {k: sum(1 for s in mesh.info(k).sessions if s.session_id.startswith("drain-")) for k in (1, 2)}
-                victim = max(held, key=held.get)
+                victim = mesh_holder(mesh, f"drain-{i}", (1, 2))
                 mesh.procs[victim].send_signal(signal.SIGTERM)
                 stopped.append(victim)
         results = _run_streams(mesh, "drain", prompts, 24, on_token)
         assert stopped
-        code, stderr = stop_worker(mesh.procs[stopped[0]], send_sigterm=False)
-        mesh.procs[stopped[0]] = None
+        code = mesh.reap(stopped[0])
+        stderr = mesh.stderr[stopped[0]][-1]
         assert code == 0, stderr[-2000:]
         line = [x for x in stderr.splitlines() if "handed" in x]
         print("\n  " + (line[0] if line else stderr[-500:]))
@@ -298,5 +264,65 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
         assert sum(r["final"].moves for r in results) >= 1
         other = 2 if stopped[0] == 1 else 1
         assert mesh.info(other).handover_sessions >= 1
+    finally:
+        mesh.stop()
+
+
+def test_chaos_on_the_openai_endpoint_fails_no_request(embedded_model, prompts):
+    openai = pytest.importorskip("openai")
+    seconds = float(os.environ.get("LLAMA_SHARD_CHAOS_SECONDS", "40"))
+    http_port = free_port()
+    common = ("--ttl", "4", "--sweep-seconds", "1", "--max-sessions", "16", "--budget-tokens", "8192")
+    mesh = Mesh(embedded_model, [(0, 9), (10, 19), (10, 19), (20, 29), (20, 29)], [
+        ("--peer", "{1}", "--peer", "{2}", "--peer", "{3}", "--peer", "{4}", "--http-port", str(http_port), *common),
+        ("--peer", "{3}", "--peer", "{4}", "--replica", "{2}", *common),
+        ("--peer", "{3}", "--peer", "{4}", "--replica", "{1}", *common),
+        ("--replica", "{4}", *common), ("--replica", "{3}", *common)])
+    try:
+        for k in (3, 4, 1, 2, 0):
+            mesh.start(k)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+
+        def complete(text: str) -> str:
+            parts = client.completions.create(model=embedded_model.stem, prompt=text, max_tokens=12, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in parts if c.choices)
+        oracle = {p: complete(p) for p in PROMPTS}
+        failures: list[str] = []
+        done = [0]
+        stop = threading.Event()
+
+        def client_loop(i: int) -> None:
+            while not stop.is_set():
+                prompt = PROMPTS[(i + done[0]) % len(PROMPTS)]
+                try:
+                    got = complete(prompt)
+                except Exception as e:  # noqa: BLE001 - every failure is the test's
+                    failures.append(f"client {i}: {e!r}")
+                    continue
+                if got != oracle[prompt]:
+                    failures.append(f"client {i}: {prompt!r} gave {got!r}, not {oracle[prompt]!r}")
+                done[0] += 1
+
+        monkey = ChaosMonkey(mesh, [[1, 2], [3, 4]], period=(2.0, 5.0), down_s=(1.0, 3.0)).start()
+        clients = [threading.Thread(target=client_loop, args=(i,)) for i in range(16)]
+        for t in clients:
+            t.start()
+        time.sleep(seconds)
+        monkey.stop()
+        stop.set()
+        for t in clients:
+            t.join(180)
+        kills = sum(1 for e in monkey.events if e[2] in ("kill", "term"))
+        print(f"\n  chaos for {seconds:g} s: {kills} replicas killed or stopped, {done[0]} completions, "
+              f"{len(failures)} failed; head failovers {mesh.info(0).failovers}")
+        assert not monkey.errors, monkey.errors
+        assert kills >= 2 and done[0] >= 16
+        assert failures == [], failures[:5]
+        assert mesh.info(0).generate_streams == 0
+        # once the sessions' TTL has passed, no worker holds a token
+        assert _until(lambda: all(mesh.info(k).reserved_tokens == 0 for k in range(5)), 30), \
+            [mesh.info(k).reserved_tokens for k in range(5)]
     finally:
         mesh.stop()

@@ -688,3 +688,23 @@ def test_sessions_resumed_from_disk_count_against_their_owners_cap(synthetic_mod
         assert _prefill(bob, "bobs").outcome == pb.OUTCOME_OK  # the cap is per principal
     finally:
         assert stop_worker(proc)[0] == 0
+
+
+def test_only_a_trusted_worker_or_an_admin_may_hand_sessions_over_or_drain(token_worker, pki):
+    """Handover writes KV into a session of the owner it names: an ordinary principal may not call
+    it (nor Drain), whatever it sends; an admin's malformed hand-over is refused, nothing changed."""
+    alice, ops = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "ops"))
+    before = ops.Info(pb.InfoRequest(), timeout=10)
+    forged = pb.HandoverRequest(session_id="bob-chat", owner="bob", seq_len=4, state=b"\0" * 64,
+                                recipe_fingerprint=before.recipe_fingerprint, model_digest=before.model_digest)
+    forged.state_sha256 = hashlib.sha256(forged.state).digest()
+    for call, request in ((alice.Handover, forged), (alice.Drain, pb.DrainRequest())):
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    reply = ops.Handover(forged, timeout=10)  # an admin may call it: the bytes are still checked
+    assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and "hand-over refused" in reply.detail, reply
+    forged.owner = "ops"  # an admin's own sessions are not a thing on this worker
+    assert ops.Handover(forged, timeout=10).outcome == pb.OUTCOME_INVALID_ARGUMENT
+    after = ops.Info(pb.InfoRequest(), timeout=10)
+    assert (after.live_sessions, after.reserved_tokens) == (before.live_sessions, before.reserved_tokens)

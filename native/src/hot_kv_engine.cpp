@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 
 namespace llama_shard {
@@ -205,6 +206,20 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     ctx_ = std::make_unique<shard_context>(model, hot_kv_context_params(config));
     config_.n_batch = ctx_->n_batch();
     n_swa_ = llama_model_n_swa(model.raw());
+    {
+        // what llama.cpp writes for this context (src/llama-kv-cache.cpp state_write_data): every owned
+        // layer's K and V rows of kv_type, n_head_kv x head_dim wide; V transposed without flash attention
+        const shard_model_info & info = model.info();
+        const ggml_type type = kv_ggml_type(config.kv_type);
+        const int64_t   n_embd_kv = (int64_t) info.n_head_kv * info.head_dim;
+        state_layout_.n_layers  = (uint32_t) info.n_owned_layers();
+        state_layout_.type      = (int32_t) type;
+        state_layout_.row_bytes = (uint64_t) ggml_row_size(type, n_embd_kv);
+        state_layout_.v_trans   = !config.flash_attn;
+        state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);
+        state_layout_.n_embd_v  = (uint32_t) n_embd_kv;
+        n_stream_ = ctx_->kv_unified() ? 1u : (uint32_t) ctx_->n_seq_max();
+    }
 
     free_ids_.reserve((size_t) config.max_sessions);
     for (int32_t id = config.max_sessions - 1; id >= 0; --id) {
@@ -321,15 +336,8 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     const warm_entry * w = warm_.find(sid);
     assert(w != nullptr && !free_ids_.empty());
     const auto t0 = std::chrono::steady_clock::now();
-    uint64_t min_bytes = 0, max_bytes = 0;  // what a file of this session may hold (a host copy is the engine's own)
-    if (w->on_disk) {
-        const shard_model_info & info = model_.info();
-        // every layer holds the sequence's cells, a sliding-window layer only its window of them
-        const int32_t least_cells = n_swa_ > 0 ? std::min(w->seq_len, n_swa_) : w->seq_len;
-        min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
-        max_bytes = (uint64_t) w->seq_len * (counters_.kv_bytes_per_token + 64) +
-                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
-    }
+    uint64_t min_bytes = 0, max_bytes = 0;
+    warm_file_bounds(*w, min_bytes, max_bytes);
     page_buffer from_disk;  // read and verified (MAC, header, size, digest, positions) before llama.cpp sees it
     const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk);
     bool ok = state != nullptr;
@@ -366,6 +374,18 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     counters_.restore_buckets[(size_t) (bucket - HOT_KV_RESTORE_BUCKETS.begin())]++;
     touch_locked(s, now);
     return &s;
+}
+
+void hot_kv_engine::warm_file_bounds(const warm_entry & w, uint64_t & min_bytes, uint64_t & max_bytes) const {
+    min_bytes = max_bytes = 0;  // a host copy is the engine's own
+    if (w.on_disk) {
+        const shard_model_info & info = model_.info();
+        // every layer holds the sequence's cells, a sliding-window layer only its window of them
+        const int32_t least_cells = n_swa_ > 0 ? std::min(w.seq_len, n_swa_) : w.seq_len;
+        min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
+        max_bytes = (uint64_t) w.seq_len * (counters_.kv_bytes_per_token + 64) +
+                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
+    }
 }
 
 bool hot_kv_engine::make_room_locked(int64_t tokens, bool need_id, const std::vector<std::string> & keep,
@@ -1128,16 +1148,9 @@ hot_kv_engine::session * hot_kv_engine::replace_for_prefix_locked(const std::str
 bool hot_kv_engine::restore_prefix_locked(session & s, uint64_t key, const prefix_entry & entry, double now,
                                           hot_kv_result & res) {
     const int32_t length = entry.length;
-    bool ok = false;
-    try {
-        ok = ctx_->seq_restore(s.seq_id, entry.state.data(), entry.state.size()) &&
-             ctx_->seq_pos_max(s.seq_id) == length - 1;
-    } catch (const shard_error &) {
-        ok = false;
-    }
+    const bool ok = restore_state_locked(s, entry.state.data(), entry.state.size(), length);
     touch_locked(s, now);  // the session was emptied either way: it is used now
     if (!ok) {  // never for the store's own bytes (a guard): the session stays, empty; the entry goes
-        ctx_->seq_rm(s.seq_id, 0);
         prefixes_.drop(key);
         res = miss_result(SHARD_MISS_PREFIX_EVICTED, "the stored prefix could not be restored");
         count_miss_locked(res);
@@ -1150,9 +1163,132 @@ bool hot_kv_engine::restore_prefix_locked(session & s, uint64_t key, const prefi
     return true;
 }
 
+bool hot_kv_engine::restore_state_locked(session & s, const uint8_t * data, size_t size, int32_t length) {
+    bool ok = false;
+    try {
+        ok = ctx_->seq_restore(s.seq_id, data, size) && ctx_->seq_pos_max(s.seq_id) == length - 1;
+    } catch (const shard_error &) {
+        ok = false;
+    }
+    if (!ok) {
+        ctx_->seq_rm(s.seq_id, 0);  // whatever llama.cpp placed before it refused
+    }
+    return ok;
+}
+
 int32_t hot_kv_engine::prefix_length(uint64_t key) const {
     std::lock_guard<fair_mutex> lock(mutex_);
     return prefixes_.length(key);
+}
+
+// ---------------------------------------------------------------------------------------------
+// hand-over
+// ---------------------------------------------------------------------------------------------
+
+hot_kv_result hot_kv_engine::export_session(const std::string & sid, int64_t epoch, double now, page_buffer & state) {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
+    now = begin_locked(sid, epoch, now);
+    state.reset();
+    hot_kv_result res;
+    warm_entry * w = nullptr;
+    // a query: a newer epoch supersedes nothing, a warm session stays where it is
+    session * s = identify_locked(sid, epoch, res, &w, /*query*/ true);
+    if (s == nullptr && w == nullptr) {
+        count_miss_locked(res);  // as resolve's
+        return res;
+    }
+    if (s != nullptr) {
+        res = hot_result(s->seq_len, s->seq_id);
+        if (s->seq_len == 0) {
+            return res;  // nothing to hand over: the receiver opens the session
+        }
+        page_buffer copy = page_buffer::allocate(ctx_->seq_state_size(s->seq_id));
+        if (copy.empty() || !ctx_->seq_save(s->seq_id, copy.data(), copy.size())) {
+            throw shard_error(SHARD_ERRC_CAPACITY, "could not copy the session's state (" +
+                              str((int64_t) ctx_->seq_state_size(s->seq_id)) + " bytes)");
+        }
+        state = std::move(copy);
+        return res;
+    }
+    // warm: its host copy, or its file read and checked as a restore reads it
+    uint64_t min_bytes = 0, max_bytes = 0;
+    warm_file_bounds(*w, min_bytes, max_bytes);
+    page_buffer scratch;
+    const page_buffer * src = warm_.restore_source(sid, min_bytes, max_bytes, scratch);
+    if (src == nullptr) {  // as a restore that finds its copy unusable: dropped, a miss
+        warm_.drop(sid, SHARD_MISS_EVICTED_LRU);
+        res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be read");
+        count_miss_locked(res);
+        return res;
+    }
+    if (src == &scratch) {
+        state = std::move(scratch);
+    } else {
+        page_buffer copy = page_buffer::allocate(src->size());
+        if (copy.empty()) {
+            throw shard_error(SHARD_ERRC_CAPACITY, "could not copy the session's state (" + str((int64_t) src->size()) + " bytes)");
+        }
+        std::memcpy(copy.data(), src->data(), src->size());
+        state = std::move(copy);
+    }
+    return res;  // identify's: OK, the warm tier and length
+}
+
+hot_kv_result hot_kv_engine::import_session(const std::string & sid, int64_t epoch, int32_t seq_len, const uint8_t * data,
+                                            size_t size, double now) {
+    std::lock_guard<fair_mutex> lock(mutex_);
+    const publisher publish_on_return(*this);  // stats() sees this call once it is done
+    validate_key(sid, epoch);
+    if (seq_len < 1) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "an imported session holds at least 1 token, got " + str(seq_len));
+    }
+    // every check before anything changes (not even the engine's time) and before llama.cpp reads a
+    // byte; identity first, as everywhere (a query: a TTL sweep changes no session's epoch)
+    hot_kv_result res;
+    identify_locked(sid, epoch, res, nullptr, /*query*/ true);
+    if (res.status == SHARD_STATUS_STALE_EPOCH) {
+        return res;  // a newer epoch is held: nothing changed
+    }
+    res = hot_kv_result{};
+    if (seq_len > config_.context_tokens || seq_len > config_.budget_tokens) {
+        res.status = SHARD_STATUS_BUDGET_EXCEEDED;
+        res.detail = "a session of " + str(seq_len) + " tokens does not fit this shard's context_tokens " +
+                     str(config_.context_tokens) + " or budget_tokens " + str(config_.budget_tokens);
+        return res;
+    }
+    std::string why;
+    if (!kv_state_restorable(data, size, seq_len, state_layout_, why)) {
+        res.status = SHARD_STATUS_INVALID_INPUT;
+        res.detail = "the state of " + str(seq_len) + " tokens cannot be restored here: " + why;
+        return res;
+    }
+    page_buffer restreamed;  // a state of an engine with another stream count, rewritten for this one
+    if (kv_state_streams(data, size) != n_stream_) {
+        if (!kv_state_restream(data, size, seq_len, n_stream_, restreamed)) {
+            throw shard_error(SHARD_ERRC_CAPACITY, "could not copy the state for this engine's streams (" +
+                              str((int64_t) size) + " bytes)");
+        }
+        data = restreamed.data();
+        size = restreamed.size();
+    }
+    now = begin_locked(sid, epoch, now);
+    // emptied (an older epoch superseded, a warm copy discarded), room made by evicting others
+    session * s = replace_for_prefix_locked(sid, epoch, seq_len, now, res);
+    assert(s != nullptr);
+    if (!restore_state_locked(*s, data, size, seq_len)) {  // a guard: the checks above passed
+        free_hot_locked(sid);
+        remember_locked(sid, epoch, SHARD_MISS_EVICTED_LRU);
+        res = hot_kv_result{};
+        res.status = SHARD_STATUS_INVALID_INPUT;
+        res.detail = "llama.cpp refused the state of " + str(seq_len) + " tokens; the session's state is gone";
+        return res;
+    }
+    s->seq_len   = seq_len;
+    s->swa_floor = std::max(0, ctx_->seq_pos_min(s->seq_id));
+    reserved_ += seq_len;
+    touch_locked(*s, now);
+    return hot_result(s->seq_len, s->seq_id);
 }
 
 // ---------------------------------------------------------------------------------------------

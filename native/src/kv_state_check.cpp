@@ -1,6 +1,7 @@
 #include "llama_shard/kv_state_check.h"
 
 #include <cstring>
+#include <vector>
 
 namespace llama_shard {
 
@@ -33,28 +34,66 @@ struct cursor {
     }
 };
 
-// the rows of one stream's cells: K per layer, then V per layer (rows, or transposed elements)
-bool skip_rows(cursor & c, uint32_t cells, std::string & why) {
+// the bytes of one cache's record that hold the sequence: its non-empty stream, from its cell count
+// to the end of its rows (offsets into the state)
+struct stream_span {
+    size_t begin = 0;
+    size_t end   = 0;
+};
+
+// the rows of one stream's cells: K per layer, then V per layer (rows, or transposed elements);
+// each header checked against `layout` when there is one; the cache's layer count added to `layers`
+bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, uint64_t & layers, std::string & why) {
     uint32_t v_trans = 0, n_layer = 0;
     if (!c.get(v_trans) || !c.get(n_layer) || v_trans > 1 || n_layer > MAX_LAYERS) {
         why = "a bad row header";
         return false;
     }
+    if (layout != nullptr && (v_trans != 0) != layout->v_trans) {
+        why = std::string("V rows ") + (v_trans ? "transposed" : "not transposed") + ", this context stores them " +
+              (layout->v_trans ? "transposed" : "not transposed") + " (flash attention)";
+        return false;
+    }
+    layers += n_layer;
     for (uint32_t l = 0; l < 2 * n_layer; ++l) {
+        const char * kv = l < n_layer ? "K" : "V";
         int32_t type = 0;
         if (!c.get(type)) {
             why = "truncated rows";
             return false;
         }
+        if (layout != nullptr && type != layout->type) {
+            why = std::string(kv) + " rows of ggml type " + std::to_string(type) + ", this context's are type " +
+                  std::to_string(layout->type);
+            return false;
+        }
         if (l < n_layer || !v_trans) {
             uint64_t row = 0;
-            if (!c.get(row) || !c.skip(cells, row)) {
+            if (!c.get(row)) {
+                why = "truncated rows";
+                return false;
+            }
+            if (layout != nullptr && row != layout->row_bytes) {
+                why = std::string(kv) + " rows of " + std::to_string(row) + " bytes, this context's are " +
+                      std::to_string(layout->row_bytes);
+                return false;
+            }
+            if (!c.skip(cells, row)) {
                 why = "rows past the end of the state";
                 return false;
             }
         } else {
             uint32_t el = 0, n_embd = 0;
-            if (!c.get(el) || !c.get(n_embd) || !c.skip((uint64_t) cells * n_embd, el)) {
+            if (!c.get(el) || !c.get(n_embd)) {
+                why = "truncated rows";
+                return false;
+            }
+            if (layout != nullptr && (el != layout->el_bytes || n_embd != layout->n_embd_v)) {
+                why = "V rows of " + std::to_string(n_embd) + " elements of " + std::to_string(el) + " bytes, this context's are " +
+                      std::to_string(layout->n_embd_v) + " of " + std::to_string(layout->el_bytes);
+                return false;
+            }
+            if (!c.skip((uint64_t) cells * n_embd, el)) {
                 why = "rows past the end of the state";
                 return false;
             }
@@ -63,9 +102,10 @@ bool skip_rows(cursor & c, uint32_t cells, std::string & why) {
     return true;
 }
 
-} // namespace
-
-bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
+// the one reader: positions, and the rows against `layout` when given; each cache's span of the
+// sequence appended to `spans` when given
+bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout,
+                std::vector<stream_span> * spans, std::string & why) {
     cursor c{data, data != nullptr ? size : 0};
     uint32_t magic = 0;
     int32_t saved_seq = 0;
@@ -73,15 +113,20 @@ bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, s
         why = "not a sequence state";
         return false;
     }
+    uint64_t layers = 0;
+    uint32_t streams = 0;  // the first cache's count: every cache of a context has as many
     int cache = 0;
     for (; c.left > 0; ++cache) {
         uint32_t n_stream = 0;
-        if (!c.get(n_stream) || n_stream == 0 || n_stream > MAX_STREAMS) {
+        if (!c.get(n_stream) || n_stream == 0 || n_stream > MAX_STREAMS || (cache > 0 && n_stream != streams)) {
             why = "a bad stream count";
             return false;
         }
+        streams = n_stream;
         uint32_t streams_used = 0;
+        stream_span span;
         for (uint32_t s = 0; s < n_stream; ++s) {
+            const size_t at = size - c.left;
             uint32_t cells = 0;
             if (!c.get(cells)) {
                 why = "truncated cell count";
@@ -114,13 +159,17 @@ bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, s
                     return false;
                 }
             }
-            if (!skip_rows(c, cells, why)) {
+            if (!skip_rows(c, cells, layout, layers, why)) {
                 return false;
             }
+            span = stream_span{at, size - c.left};
         }
         if (streams_used == 0) {
             why = "cache " + std::to_string(cache) + " holds no cell of the sequence";
             return false;
+        }
+        if (spans != nullptr) {
+            spans->push_back(span);
         }
         if (cache >= 1 && c.left > 0) {
             why = "more than two caches";
@@ -131,6 +180,62 @@ bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, s
         why = "no cache in the state";
         return false;
     }
+    if (layout != nullptr && layers != layout->n_layers) {
+        why = "rows of " + std::to_string(layers) + " layers, this context owns " + std::to_string(layout->n_layers);
+        return false;
+    }
+    return true;
+}
+
+} // namespace
+
+bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
+    return read_state(data, size, seq_len, nullptr, nullptr, why);
+}
+
+bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
+                         std::string & why) {
+    return read_state(data, size, seq_len, &layout, nullptr, why);
+}
+
+uint32_t kv_state_streams(const uint8_t * data, size_t size) {
+    cursor c{data, data != nullptr ? size : 0};
+    uint32_t magic = 0, n_stream = 0;
+    int32_t saved_seq = 0;
+    if (!c.get(magic) || magic != STATE_MAGIC || !c.get(saved_seq) || !c.get(n_stream)) {
+        return 0;
+    }
+    return n_stream;
+}
+
+bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out) {
+    out.reset();
+    std::vector<stream_span> spans;
+    std::string why;
+    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, &spans, why)) {
+        return false;
+    }
+    const size_t header = sizeof(uint32_t) + sizeof(int32_t);  // magic, saved seq id
+    size_t total = header;
+    for (const stream_span & s : spans) {
+        total += sizeof(uint32_t) + (s.end - s.begin) + sizeof(uint32_t) * (n_stream - 1);
+    }
+    page_buffer buf = page_buffer::allocate(total);
+    if (buf.empty()) {
+        return false;
+    }
+    uint8_t * p = buf.data();
+    std::memcpy(p, data, header);
+    p += header;
+    for (const stream_span & s : spans) {
+        std::memcpy(p, &n_stream, sizeof(n_stream));
+        p += sizeof(n_stream);
+        std::memcpy(p, data + s.begin, s.end - s.begin);
+        p += s.end - s.begin;
+        std::memset(p, 0, sizeof(uint32_t) * (n_stream - 1));  // the empty streams' cell counts
+        p += sizeof(uint32_t) * (n_stream - 1);
+    }
+    out = std::move(buf);
     return true;
 }
 

@@ -68,6 +68,7 @@
 #include "llama_shard/warm_tier.h"
 #include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_file_store.h"
+#include "llama_shard/kv_state_check.h"
 #include "llama_shard/shard_context.h"
 
 #include <array>
@@ -313,6 +314,38 @@ public:
     // the length of the prefix stored under `key`, 0 when none (a query: nothing moves)
     int32_t prefix_length(uint64_t key) const;
 
+    // --- hand-over: one session's KV out of this engine and into another of the same shard ---
+    // The bytes are llama.cpp's sequence state of the owned layers (shard_context::seq_save: what the
+    // warm tier and the prefix store keep). They carry no identity: the caller checks that sender
+    // and receiver run the same model, range and recipe (HotKvStateManager wraps them in a header
+    // that says so). A session continued on the receiver is bit-identical to the source continuing
+    // (the same K/V values at the same positions of a stream of its own; a sliding-window model's
+    // state holds the window only: the imported session's swa_floor is set as after a warm restore).
+    //
+    // fills `state` with the state of the live session of exactly (sid, epoch): OK with its length
+    // and tier. A hot session is copied where it is; a warm one from its host copy or its file (read
+    // and checked as a restore would: a file that fails is dropped, an EVICTED_LRU miss); nothing
+    // moves, nothing is touched. An empty session (seq_len 0) has no state: OK, `state` empty. A
+    // session not held is the miss resolve() gives (counted as resolve's); an older epoch is
+    // STALE_EPOCH; a newer epoch supersedes nothing (resolve's UNKNOWN_SESSION). Throws
+    // shard_error(SHARD_ERRC_CAPACITY) if the copy's memory cannot be had (nothing changed).
+    hot_kv_result export_session(const std::string & sid, int64_t epoch, double now, page_buffer & state);
+    // makes (sid, epoch) hold exactly `data` (an export of seq_len tokens) as a hot session: what it
+    // held before at that epoch (hot or warm) is replaced, an older epoch is superseded. Checked
+    // before anything changes (not even the engine's time) and before llama.cpp reads a byte, in
+    // this order: the key (throws), seq_len >= 1 (throws), a newer epoch held here (STALE_EPOCH),
+    // seq_len <= context_tokens and budget_tokens (else BUDGET_EXCEEDED), the state's positions and
+    // this context's row layout (kv_state_check.h; else INVALID_INPUT naming what is wrong). A state
+    // from an engine with another max_sessions (another stream count) is rewritten for this one
+    // (kv_state_restream; throws SHARD_ERRC_CAPACITY, nothing changed, if that copy cannot be had).
+    // Then least recently used others leave the hot set to make room (never the session itself),
+    // and the state is restored into the session's seq id. Should llama.cpp still refuse it (bytes
+    // that pass every check above: a guard), nothing is left half-made: the session is freed
+    // entirely (its previous state is gone), the key is remembered as an EVICTED_LRU miss (the head
+    // re-prefills, older epochs stay stale) and the answer is INVALID_INPUT. On OK: seq_len, hot.
+    hot_kv_result import_session(const std::string & sid, int64_t epoch, int32_t seq_len, const uint8_t * data,
+                                 size_t size, double now);
+
     // a worker shutting down with a disk tier: every hot and host-warm session is written to disk
     // (a restarted worker on the same directory resumes them); returns the sessions on disk
     int32_t persist(double now);
@@ -450,6 +483,8 @@ private:
     hot_kv_config                  config_;
     std::unique_ptr<shard_context> ctx_;
     int32_t                        n_swa_ = 0;  // the model's sliding window (0: none)
+    kv_state_layout                state_layout_;  // the rows a state restored on this context has (import_session)
+    uint32_t                       n_stream_ = 0;  // the KV streams per cache a state of this context lists
 
     mutable fair_mutex mutex_;
     mutable std::mutex   stats_mutex_;  // guards published_ and published_sessions_ only; taken with or without mutex_
@@ -469,12 +504,18 @@ private:
     prefix_store prefixes_;  // its own room: bytes, eviction, counters (prefix_store.h)
     // open_prefix's three parts: the entry to open from (or the miss, counted); the session that
     // will hold it, emptied and with room made (a warm copy dropped, an older epoch superseded);
-    // the restore into it (false: the entry could not be restored, dropped, the miss counted)
+    // the restore into it (false: the entry could not be restored, dropped, the miss counted).
+    // import_session empties and makes room for its session with the second as well.
     const prefix_entry * lookup_prefix_locked(const std::string & sid, int64_t epoch, uint64_t key, int32_t length,
                                               hot_kv_result & res);
     session * replace_for_prefix_locked(const std::string & sid, int64_t epoch, int32_t length, double now,
                                         hot_kv_result & res);
     bool restore_prefix_locked(session & s, uint64_t key, const prefix_entry & entry, double now, hot_kv_result & res);
+    // restores `data` into the emptied session `s` and checks llama.cpp holds exactly positions
+    // 0..length-1; false (the seq id left empty) if it refused. s.seq_len, reserved_ untouched.
+    bool restore_state_locked(session & s, const uint8_t * data, size_t size, int32_t length);
+    // the bytes a warm entry's file may hold (0, 0 for a host copy: the engine's own bytes)
+    void warm_file_bounds(const warm_entry & w, uint64_t & min_bytes, uint64_t & max_bytes) const;
 
     std::unordered_map<std::string, dropped>         recent_;
     std::deque<std::pair<std::string, uint64_t>>     recent_order_;

@@ -11,7 +11,7 @@ enum shard_status {
     SHARD_STATUS_CACHE_MISS,       // see the miss reason; the head re-prefills from token zero
     SHARD_STATUS_STALE_EPOCH,      // the request's epoch is older than the session's current one
     SHARD_STATUS_BUDGET_EXCEEDED,  // the step cannot fit even with every other session evicted
-    SHARD_STATUS_INVALID_INPUT,    // step() only: this request was invalid (single calls throw)
+    SHARD_STATUS_INVALID_INPUT,    // step(): this request was invalid (single calls throw); import_session: bytes it refuses
     SHARD_STATUS_COMPUTE_ERROR,    // step() only: llama_decode failed; the step was rolled back
     SHARD_STATUS_BUSY,             // step() only, warm tier on: fits alone, not beside this step's admitted sessions
 };

@@ -18,6 +18,23 @@
 // cell at position -1 loads, and the session then decodes wrong logits without an error. A layout
 // this reader does not know (cells with extensions, caches without V rows: M-RoPE, Gemma 3n, MLA)
 // is refused, which costs a cache miss, never a wrong answer.
+//
+// State from elsewhere (a session handed over by another worker, hot_kv_engine::import_session) is
+// also checked against the receiving context's layout (kv_state_layout): V transposed or not, the
+// K and V element type and row size of every layer, and the owned layer count over the caches.
+// llama.cpp at the pin refuses such a mismatch itself, with an error and no abort
+// (llama-kv-cache.cpp state_read_data: layer count, V transposition, types, row sizes; a stream
+// count or a size that does not fit: state_read_sinfo / llama_io_read_host, an exception that
+// llama_state_seq_set_data catches), but only after it has placed the cells: checked here, such
+// bytes are refused before the engine changes anything. What no layout shows is where the rows
+// came from: another layer range of the same shape, another model of the same geometry (the
+// caller's identity check: the recipe and the model, see HotKvStateManager.import_session).
+// The stream count is the one field that may differ: a context with one KV stream per sequence
+// writes one cell count per stream (n_seq_max of them), and llama.cpp restores the sequence's
+// cells into the receiving sequence's own stream whatever index they were saved under, so
+// kv_state_restream rewrites a state for a context with another number of streams.
+
+#include "llama_shard/page_buffer.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -27,5 +44,28 @@ namespace llama_shard {
 
 // true if `data` is the state of one sequence of exactly seq_len tokens; `why` says what is not
 bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why);
+
+// what the rows of a state restored on one context must be (hot_kv_engine fills it from its
+// context: kv_type, flash attention, head geometry, owned layers)
+struct kv_state_layout {
+    uint32_t n_layers  = 0;      // owned layers: the caches' layer counts add up to this
+    int32_t  type      = -1;     // ggml type of every K and V row
+    uint64_t row_bytes = 0;      // bytes of one cell's K row, and of its V row, in every layer
+    bool     v_trans   = false;  // V stored transposed (no flash attention): per layer an element size and width
+    uint32_t el_bytes  = 0;      // V transposed: ggml_type_size(type)
+    uint32_t n_embd_v  = 0;      // V transposed: V elements per cell
+};
+
+// kv_state_positions_ok, and every row header as `layout` says; `why` says what is not
+bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
+                         std::string & why);
+
+// the KV streams per cache a state lists (its first cache's; 0 if it is not a state)
+uint32_t kv_state_streams(const uint8_t * data, size_t size);
+
+// `data` (a state that kv_state_positions_ok accepted) rewritten with n_stream streams per cache:
+// each cache's non-empty stream first, then empty ones. False (and `out` empty) if n_stream is 0,
+// the state is not one this reader accepts, or the memory cannot be had.
+bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out);
 
 } // namespace llama_shard

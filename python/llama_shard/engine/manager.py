@@ -15,9 +15,13 @@ All session state lives in the engine, which serialises calls itself; the manage
 """
 from __future__ import annotations
 
+import functools
+import os
+import struct
 from collections.abc import Callable, Sequence
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, HotKvEngine, MissReason, ShardModel, Status, StepLoop
+from .._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, HotKvEngine, MissReason, ShardModel, Status,
+                       StepLoop, model_digest)
 from ..errors import (
     ComputeError,
     IncompatibleCacheRecipeError,
@@ -43,6 +47,25 @@ from .hot_kv import (
 
 _REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
 _ENGINE_DEFAULTS = HotKvConfig()
+
+
+# A hand-over's bytes (export_session / import_session): a header naming what they were made by,
+# then the engine's state of the session (native: llama.cpp's sequence state of the owned layers;
+# the reference: its own arrays). The state carries no identity of its own (another layer range of
+# the same shape restores without an error), so the receiver checks the header first:
+#   magic "LSHO", u32 version, u8 engine (0 native, 1 reference), u16-prefixed recipe fingerprint
+#   (architecture, KV type, geometry, owned range, total layers), u16-prefixed model digest (the
+#   model file's size and XXH3-128, as the disk tier's files), u32 seq_len, u64 state bytes.
+_HANDOVER_MAGIC = b"LSHO"
+_HANDOVER_VERSION = 1
+_HANDOVER_HEAD = struct.Struct("<4sIB")
+_HANDOVER_TAIL = struct.Struct("<IQ")
+
+
+@functools.lru_cache(maxsize=16)
+def _model_identity(path: str, size: int, mtime_ns: int) -> str:
+    """The model digest a hand-over names (one read of the file, once per file version)."""
+    return model_digest(path)
 
 
 def _check_prefix(key, length) -> None:
@@ -179,6 +202,98 @@ class HotKvStateManager:
         """The length of the prefix stored under `key`; 0 when none."""
         _check_prefix(key, 1)
         return int(self.engine.prefix_length(int(key)))
+
+    # --- hand-over (a draining worker's sessions to a replica of the same shard) --------------------
+
+    def export_session(self, session_id: str, route_epoch: int) -> tuple[SessionInfo, bytes] | CacheMiss:
+        """The session's KV as bytes for `import_session` on a replica (same model, range and
+        recipe; any limits), with where it is here. Nothing moves: a warm session is copied from
+        its tier. A session not held is the CacheMiss resolve gives; an older epoch raises
+        StaleRouteEpochError. An empty session (seq_len 0) has no KV: the receiver opens it."""
+        check_key(session_id, route_epoch)
+        r, state = self.engine.export_session(session_id, int(route_epoch), self.clock())
+        miss = self.outcome(session_id, route_epoch, r)
+        if miss is not None:
+            return miss
+        return self._session(session_id, route_epoch, r), self._seal(int(r.seq_len), state)
+
+    def import_session(self, session_id: str, route_epoch: int, seq_len: int, state: bytes) -> SessionInfo:
+        """Makes (session_id, route_epoch) hold the exported session `state` of seq_len tokens, hot:
+        what it held at that epoch is replaced, an older epoch superseded. Raises, with nothing
+        changed: IncompatibleCacheRecipeError (bytes of another recipe, range or model),
+        InvalidInputError (not an export of seq_len tokens, or bytes the engine refuses),
+        KvBudgetExceededError (seq_len over context_tokens or budget_tokens), StaleRouteEpochError
+        (a newer epoch is held). Other sessions may leave the hot set to make room."""
+        check_key(session_id, route_epoch)
+        check_count("seq_len", seq_len)
+        if seq_len < 1:
+            raise InvalidInputError("an imported session holds at least 1 token (open an empty one instead)")
+        if not isinstance(state, (bytes, bytearray)):
+            raise InvalidInputError(f"state must be bytes, got {type(state).__name__}")
+        payload = self._unseal(int(seq_len), bytes(state))
+        r = self.engine.import_session(session_id, int(route_epoch), int(seq_len), payload, self.clock())
+        miss = self.outcome(session_id, route_epoch, r)
+        if miss is not None:  # the engines answer none (a guard)
+            raise KvCacheMissError(miss)
+        return self._session(session_id, route_epoch, r)
+
+    def model_digest(self) -> str:
+        """The model file's size and XXH3-128 ('' for a model without a file): what replicas of a
+        shard must share (one read of the file, once per file version)."""
+        path = getattr(self.model, "path", None) or getattr(getattr(self.model, "model", None), "path", None)
+        if path is None:
+            return ""
+        st = os.stat(path)
+        return _model_identity(str(path), st.st_size, st.st_mtime_ns)
+
+    def _handover_identity(self) -> tuple[int, bytes, bytes]:
+        """(engine kind, recipe fingerprint, model digest) a hand-over's header carries."""
+        return ((0 if isinstance(self.model, ShardModel) else 1), self.recipe.fingerprint().encode(),
+                self.model_digest().encode())
+
+    def _handover_limit(self) -> int:
+        """The most state bytes a session of this shard can take: twice its K/V at context_tokens, and 1 MiB."""
+        return self.recipe.bytes_per_token() * self.config.context_tokens * 2 + (1 << 20)
+
+    def _seal(self, seq_len: int, state: bytes) -> bytes:
+        engine, recipe, model = self._handover_identity()
+        return b"".join([_HANDOVER_HEAD.pack(_HANDOVER_MAGIC, _HANDOVER_VERSION, engine),
+                         struct.pack("<H", len(recipe)), recipe, struct.pack("<H", len(model)), model,
+                         _HANDOVER_TAIL.pack(seq_len, len(state)), state])
+
+    def _unseal(self, seq_len: int, blob: bytes) -> bytes:
+        """The state inside a hand-over's bytes, once its header names this shard and seq_len."""
+        if len(blob) > self._handover_limit() + 1024:
+            raise InvalidInputError(f"a hand-over of {len(blob)} bytes is larger than any session of this shard "
+                                    f"({self._handover_limit()} bytes at most)")
+        engine, recipe, model = self._handover_identity()
+        try:
+            magic, version, their_engine = _HANDOVER_HEAD.unpack_from(blob, 0)
+            at = _HANDOVER_HEAD.size
+            fields = []
+            for _ in range(2):
+                (n,) = struct.unpack_from("<H", blob, at)
+                fields.append(blob[at + 2:at + 2 + n])
+                at += 2 + n
+            their_len, size = _HANDOVER_TAIL.unpack_from(blob, at)
+            at += _HANDOVER_TAIL.size
+        except struct.error:
+            raise InvalidInputError("not a session hand-over (truncated header)") from None
+        if magic != _HANDOVER_MAGIC or version != _HANDOVER_VERSION:
+            raise InvalidInputError("not a session hand-over (or another version of one)")
+        if their_engine != engine:
+            raise IncompatibleCacheRecipeError("the hand-over is another engine's state (native and reference differ)")
+        if fields[0] != recipe:
+            raise IncompatibleCacheRecipeError(f"the hand-over is of another KV recipe (range, geometry or KV type); "
+                                               f"this shard's is {self.recipe.canonical()}")
+        if fields[1] != model:
+            raise IncompatibleCacheRecipeError(f"the hand-over is of another model file ({fields[1].decode(errors='replace')}, "
+                                               f"this shard runs {model.decode()})")
+        if their_len != seq_len:
+            raise InvalidInputError(f"the hand-over holds {their_len} tokens, not {seq_len}")
+        if size != len(blob) - at:
+            raise InvalidInputError(f"the hand-over's state is {len(blob) - at} bytes, its header says {size}")
+        return blob[at:]
 
     def get(self, session_id: str, route_epoch: int) -> SessionInfo:
         out = self.resolve(session_id, route_epoch)

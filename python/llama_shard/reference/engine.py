@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import os
+import struct
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -705,6 +706,70 @@ class ReferenceHotKvEngine:
                 self._drop(sid, MissReason.RELEASED)
         self._warm.demote_host_all()
         return len(self._warm.disk)
+
+    # --- hand-over (as the native export_session / import_session; the state is the reference's own:
+    # a header, then per owned layer K and V as little-endian float16, which holds its f16 cache exactly)
+
+    _STATE_HEAD = struct.Struct("<4sIIIIII")  # magic, version, first layer, layers, seq_len, n_head_kv, head_dim
+
+    @_serialised
+    def export_session(self, session_id: str, epoch: int, now: float) -> tuple[StepResult, bytes]:
+        self._begin(session_id, epoch, now)
+        s, res = self._identify(session_id, epoch, query=True)
+        if s is not None:
+            res, kv = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT), s.kv
+        elif res.status == OK:  # warm: copied where it is (the reference's disk tier is simulated: it cannot fail)
+            kv = self._warm.find(session_id)[0].kv
+        else:
+            return self._counted(res), b""
+        if kv.seq_len == 0:
+            return res, b""
+        layers, hp = list(self.shard.owned_layers), self.shard.model.hparams
+        head = self._STATE_HEAD.pack(b"RFKV", 1, layers[0], len(layers), kv.seq_len, hp.n_head_kv, hp.head_dim)
+        return res, head + b"".join(a.astype("<f2").tobytes() for il in layers for a in kv.layers[il])
+
+    def _state_kv(self, state: bytes, seq_len: int) -> tuple[SequenceKv | None, str]:
+        """The K/V a state holds, or (None, why) if it is not this shard's state of seq_len tokens."""
+        layers, hp = list(self.shard.owned_layers), self.shard.model.hparams
+        if len(state) < self._STATE_HEAD.size:
+            return None, "not a sequence state"
+        magic, version, first, n_layers, n, n_head_kv, head_dim = self._STATE_HEAD.unpack_from(state)
+        if (magic, version) != (b"RFKV", 1):
+            return None, "not a sequence state"
+        if (first, n_layers, n_head_kv, head_dim) != (layers[0], len(layers), hp.n_head_kv, hp.head_dim):
+            return None, f"rows of layers {first}..{first + n_layers - 1} ({n_head_kv}x{head_dim}), this shard owns another range"
+        if n != seq_len:
+            return None, f"it holds {n} tokens"
+        if len(state) != self._STATE_HEAD.size + 4 * len(layers) * seq_len * hp.n_head_kv * hp.head_dim:
+            return None, "rows past (or short of) the end of the state"
+        rows = np.frombuffer(state, dtype="<f2", offset=self._STATE_HEAD.size).astype(np.float64)
+        if not np.isfinite(rows).all():
+            return None, "a non-finite K or V value"
+        rows = rows.reshape(len(layers), 2, seq_len, hp.n_head_kv, hp.head_dim)
+        kv = self.shard.new_sequence()
+        kv.layers = {il: (rows[i, 0].copy(), rows[i, 1].copy()) for i, il in enumerate(layers)}
+        return kv, ""
+
+    @_serialised
+    def import_session(self, session_id: str, epoch: int, seq_len: int, state: bytes, now: float) -> StepResult:
+        self._validate_key(session_id, epoch)
+        if seq_len < 1:
+            raise InvalidInputError(f"an imported session holds at least 1 token, got {seq_len}")
+        _, res = self._identify(session_id, epoch, query=True)  # identity first; every check before anything changes
+        if res.status == STALE_EPOCH:
+            return res
+        if seq_len > self.context_tokens or seq_len > self.budget_tokens:
+            return StepResult(status=BUDGET_EXCEEDED, detail=f"a session of {seq_len} tokens does not fit this shard's "
+                              f"context_tokens {self.context_tokens} or budget_tokens {self.budget_tokens}")
+        kv, why = self._state_kv(state, seq_len)
+        if kv is None:
+            return StepResult(status=INVALID_INPUT, detail=f"the state of {seq_len} tokens cannot be restored here: {why}")
+        now = self._begin(session_id, epoch, now)
+        s, _ = self._replace_for_prefix(session_id, epoch, seq_len, now)  # emptied, room made (as open_prefix)
+        s.kv, s.last_start, s.last_input = kv, -1, None
+        self._touch(session_id, s, now)
+        self._reserved += seq_len
+        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
     # --- introspection ---------------------------------------------------------------------------
 

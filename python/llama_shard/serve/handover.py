@@ -120,6 +120,7 @@ class Drainer:
     def drain(self, targets: tuple[str, ...], timeout: float = HANDOVER_TIMEOUT_S) -> pb.DrainReply:
         t0 = time.monotonic()
         self.moves.draining = True
+        self._unreachable: set[str] = set()
         handed = released = 0
         errors: list[str] = []
         # a step let in just before the drain began may still open a session: a few rounds
@@ -155,7 +156,7 @@ class Drainer:
         """The replica that took the session, or None (errors says why)."""
         try:
             out = self.manager.export_session(key, epoch)
-        except LlamaShardError as e:
+        except Exception as e:  # noqa: BLE001 - a session that cannot be exported is released, the drain goes on
             errors.append(f"export: {e}")
             return None
         if isinstance(out, CacheMiss):  # evicted meanwhile: nothing to hand over
@@ -169,10 +170,13 @@ class Drainer:
                                      state=state, state_sha256=state_digest(state),
                                      recipe_fingerprint=self.fingerprint, model_digest=self.digest)
         for target in targets:
+            if target in self._unreachable:
+                continue
             try:
                 reply = self.peers.handover(target, request, timeout)
             except Exception as e:  # noqa: BLE001 - grpc.RpcError or a channel problem: the next replica
                 errors.append(f"{target}: {getattr(e, 'details', lambda: str(e))()}")
+                self._unreachable.add(target)  # not tried again for this drain's other sessions
                 continue
             if reply.outcome == pb.OUTCOME_OK:
                 return target

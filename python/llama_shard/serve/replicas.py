@@ -41,6 +41,8 @@ PROBE_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 #: a down replica is probed after BACKOFF_MIN_S, then twice as long after each failed probe
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 5.0
+#: how long a failover waits for a replica marked down to answer when its stage has no other
+ON_DEMAND_PROBE_S = 1.0
 #: failed probes in a row that make an up replica down (the first makes it suspect)
 DOWN_AFTER_PROBES = 2
 
@@ -308,8 +310,16 @@ class Replicas:
             r.last_error = why
             r.failovers += 1
             self.failovers_total += 1
-            other = self._pick_locked(r.range, frozenset((address, *avoid)))
             stage = r.range
+            other = self._pick_locked(stage, frozenset((address, *avoid)))
+            resting = [x for x in self.replicas if x.range == stage and x.address != address
+                       and x.address not in avoid and not x.usable] if other is None else []
+        # a replica marked down may be back already (restarted since its last probe): asked now
+        for x in resting:
+            self._probe_one(x, ON_DEMAND_PROBE_S)
+        with self._lock:
+            if other is None and resting:
+                other = self._pick_locked(stage, frozenset((address, *avoid)))
             n = self._stage_number_locked(stage)
             hop = self._hop_locked(other) if other is not None else None
         if self.failovers is not None:

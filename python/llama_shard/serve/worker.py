@@ -26,12 +26,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel, model_digest
+from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import CacheMiss, HotKvStateConfig, StepKind
 from ..engine.manager import HotKvStateManager
 from ..engine.models import backend_text
-from ..errors import InvalidInputError, KvBudgetExceededError, LlamaShardError, StaleRouteEpochError
+from ..errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError, LlamaShardError,
+                      StaleRouteEpochError)
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
@@ -113,7 +114,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.max_hop_s = options.max_hop_s
         self.worker_id = secrets.token_hex(8)  # this worker in VISITED
         self.instance_id = secrets.token_hex(8)  # this process in Info: a head sees a restart by it
-        self.model_digest = model_digest(model.path)  # a replica's must match (one read of the file)
+        self.model_digest = manager.model_digest()  # a replica's must match (one read of the file)
         # a head's later stages and their replicas (its --peer workers), probed from ShardWorker.start
         self.replicas = (Replicas(self.info, manager.config.numerics, self.model_digest, self.instance_id,
                                   tuple(options.peers), self.peers.info, registry)
@@ -385,6 +386,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                    current_epoch=e.current_epoch or 0)
         except KvBudgetExceededError as e:
             return refused(pb.OUTCOME_BUDGET_EXCEEDED, str(e))
+        except IncompatibleCacheRecipeError as e:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, str(e))
         except InvalidInputError as e:
             return refused(pb.OUTCOME_INVALID_ARGUMENT, str(e))
         except LlamaShardError as e:

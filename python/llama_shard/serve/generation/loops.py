@@ -528,7 +528,7 @@ class GenerationLoops:
         security = self.host.security
         tag = security.tag(principal)
         with self.cond:  # the candidates only: the group threads need this lock at every step
-            mine = [(key, epoch, held) for key, (epoch, held) in self._records.items()
+            mine = [(key, record.epoch, record.tokens) for key, record in self._records.items()
                     if key not in self.streams and security.owner_of_key(key)[0] == tag]
         best, best_n = None, 0
         for key, epoch, held in mine:  # a record's list is replaced, never changed: safe to read here
@@ -545,7 +545,8 @@ class GenerationLoops:
         tag = security.tag(principal)
         held = {r.session_id for r in self.host.sessions()}
         with self.cond:
-            for key, (epoch, _) in self._records.items():  # oldest first
+            for key, record in self._records.items():  # oldest first
+                epoch = record.epoch
                 owner, sid = security.owner_of_key(key)
                 if key in held and key not in self.streams and owner == tag and sid.startswith(prefix):
                     return sid, epoch
