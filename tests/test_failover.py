@@ -326,3 +326,81 @@ def test_chaos_on_the_openai_endpoint_fails_no_request(embedded_model, prompts):
             [mesh.info(k).reserved_tokens for k in range(5)]
     finally:
         mesh.stop()
+
+
+def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_model):
+    """The receiving side of a drain, over the wire: a genuine hand-over opens the session (and it
+    steps on); bytes with a wrong digest, cut, with a position changed, random, of another range or
+    model, for an owner this worker cannot have, at a stale epoch or past its context are refused
+    with the receiver unchanged, and the worker serves on (a crash would fail every later call)."""
+    import hashlib
+    import struct
+
+    import numpy as np
+
+    from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter
+    from llama_shard.engine.hot_kv import ManualClock
+    from llama_shard.proto.wire import encode_tensor
+
+    mesh = Mesh(embedded_model, [(15, 29)], [()])
+    try:
+        mesh.start(0)
+        tail = mesh.stub(0)
+        info = mesh.info(0)
+        cfg = HotKvStateConfig(max_sessions=2, context_tokens=128, budget_tokens=256, ttl_seconds=0)
+        donors = {r: HotKvStateManager(ShardModel(str(embedded_model), r, 1), cfg, ManualClock(), n_batch=64)
+                  for r in ((15, 29), (0, 14))}
+        rows = np.full((20, info.n_embd), 0.01, np.float32)
+        KvBoundaryAdapter(donors[(15, 29)].model, donors[(15, 29)]).prefill("s", 0, boundary=rows, start_pos=0)
+        KvBoundaryAdapter(donors[(0, 14)].model, donors[(0, 14)]).prefill("s", 0, token_ids=list(range(1, 21)),
+                                                                          start_pos=0)
+        assert donors[(15, 29)].recipe.fingerprint() == info.recipe_fingerprint
+        _, blob = donors[(15, 29)].export_session("s", 0)
+        _, other_range = donors[(0, 14)].export_session("s", 0)
+
+        def handover(state: bytes, sid: str = "moved", epoch: int = 0, seq_len: int = 20, **kw) -> pb.SessionReply:
+            req = pb.HandoverRequest(session_id=sid, route_epoch=epoch, seq_len=seq_len, state=state,
+                                     state_sha256=hashlib.sha256(state).digest(),
+                                     recipe_fingerprint=info.recipe_fingerprint, model_digest=info.model_digest)
+            for k, v in kw.items():
+                setattr(req, k, v)
+            return tail.Handover(req, timeout=30)
+
+        def held():
+            i = mesh.info(0)
+            return i.live_sessions, i.reserved_tokens, sorted((s.session_id, s.route_epoch, s.seq_len) for s in i.sessions)
+
+        reply = handover(blob, sid="kept", epoch=2)
+        assert reply.outcome == pb.OUTCOME_OK and reply.seq_len == 20, reply
+        step = pb.StepRequest(session_id="kept", route_epoch=2, hidden=encode_tensor(rows[:1]), position=20)
+        assert tail.Decode(step, timeout=30).seq_len == 21  # it steps on from where the donor was
+        before = held()
+        state = donors[(15, 29)].engine.export_session("s", 0, 0.0)[1]  # llama.cpp's, inside the hand-over
+        at = len(blob) - len(state) + 12  # after its magic, seq id and stream count: the streams' cell counts
+        while struct.unpack_from("<I", blob, at)[0] == 0:
+            at += 4
+        at += 4 + 12 * 5  # the sixth cell's position
+        moved_position = bytearray(blob)
+        struct.pack_into("<i", moved_position, at, struct.unpack_from("<i", blob, at)[0] + 1)
+        cases = {
+            "wrong digest": (handover(blob, state_sha256=b"\0" * 32), pb.OUTCOME_INVALID_ARGUMENT),
+            "cut": (handover(blob[:-7]), pb.OUTCOME_INVALID_ARGUMENT),
+            "a position changed": (handover(bytes(moved_position)), pb.OUTCOME_INVALID_ARGUMENT),
+            "random": (handover(np.random.default_rng(1).bytes(len(blob))), pb.OUTCOME_INVALID_ARGUMENT),
+            "another range, named": (handover(other_range, recipe_fingerprint=donors[(0, 14)].recipe.fingerprint()),
+                                     pb.OUTCOME_INCOMPATIBLE_RECIPE),
+            "another range, lied about": (handover(other_range), pb.OUTCOME_INCOMPATIBLE_RECIPE),
+            "another model": (handover(blob, model_digest="0" * 40), pb.OUTCOME_INCOMPATIBLE_RECIPE),
+            "an owner on a worker without authentication": (handover(blob, owner="mallory"),
+                                                            pb.OUTCOME_INVALID_ARGUMENT),
+            "a stale epoch": (handover(blob, sid="kept", epoch=1), pb.OUTCOME_STALE_EPOCH),
+            "past the context": (handover(blob, seq_len=100000), pb.OUTCOME_INVALID_ARGUMENT),
+            "an id no key is made of": (handover(blob, sid=""), pb.OUTCOME_INVALID_ARGUMENT),
+        }
+        for name, (reply, outcome) in cases.items():
+            assert reply.outcome == outcome, (name, reply)
+            assert "hand-over refused" in reply.detail, (name, reply.detail)
+        assert held() == before
+        assert mesh.procs[0].poll() is None
+    finally:
+        mesh.stop()
