@@ -31,6 +31,8 @@ from ..proto import shard_pb2 as pb
 
 #: the longest one session's hand-over may take (its export, the call, the replica's import)
 HANDOVER_TIMEOUT_S = 30.0
+#: SessionMoves.enter's answer for a step whose session was still being handed over at its deadline
+STILL_MOVING = ""
 
 
 class SessionMoves:
@@ -47,12 +49,13 @@ class SessionMoves:
 
     def enter(self, key: str, deadline: float) -> str | None:
         """A step for `key` may run here (None; `leave` when computed), or the replica that holds
-        it now. Waits while it is being handed over."""
+        it now (STILL_MOVING: its hand-over outlasted the step's deadline; it must not run beside
+        the export). Waits while it is being handed over."""
         with self.cond:
             while key in self.moving:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    break
+                    return STILL_MOVING
                 self.cond.wait(left)
             to = self.moved.get(key)
             if to is not None:
@@ -111,11 +114,12 @@ class Drainer:
     `Peers` may reach), in turn. `owner_of(key)` gives (the owner's principal, its session id)."""
 
     def __init__(self, manager, peers, moves: SessionMoves, owner_of, fingerprint: str, digest: str,
-                 on_moved=lambda n: None):
+                 on_moved=lambda n: None, sign=lambda owner: None):
         self.manager, self.peers, self.moves = manager, peers, moves
         self.owner_of = owner_of
         self.fingerprint, self.digest = fingerprint, digest
         self.on_moved = on_moved
+        self.sign = sign  # the route key's assertion of an owner (None: no route key, or anonymous)
 
     def drain(self, targets: tuple[str, ...], timeout: float = HANDOVER_TIMEOUT_S) -> pb.DrainReply:
         t0 = time.monotonic()
@@ -137,10 +141,12 @@ class Drainer:
 
     def _move(self, key: str, epoch: int, targets: tuple[str, ...], timeout: float, errors: list[str]) -> str | None:
         """One session handed over (the replica's address) or released here (None)."""
-        self.moves.begin(key, timeout)
         to = None
         try:
-            to = self._hand_over(key, epoch, targets, timeout, errors)
+            if self.moves.begin(key, timeout):  # else its step never ended: not exported mid-step, released
+                to = self._hand_over(key, epoch, targets, timeout, errors)
+            else:
+                errors.append("a step in flight outlasted the hand-over's wait")
         finally:
             try:
                 self.manager.release(key, epoch)
@@ -168,7 +174,8 @@ class Drainer:
             return None
         request = pb.HandoverRequest(session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len,
                                      state=state, state_sha256=state_digest(state),
-                                     recipe_fingerprint=self.fingerprint, model_digest=self.digest)
+                                     recipe_fingerprint=self.fingerprint, model_digest=self.digest,
+                                     owner_assertion=self.sign(owner) or b"")
         for target in targets:
             if target in self._unreachable:
                 continue

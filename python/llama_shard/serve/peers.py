@@ -27,9 +27,9 @@ KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 2000, 2000
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
                      ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 #: what a worker's server allows its callers' keepalive pings (gRPC's default refuses pings more
-#: often than every 5 minutes, closing the connection)
+#: often than every 5 minutes, closing the connection); a caller pinging faster still gets strikes
 SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-                            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
+                            ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class Peers:

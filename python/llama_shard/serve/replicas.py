@@ -107,6 +107,8 @@ class Replicas:
         self.replicas = [Replica(a, i) for i, a in enumerate(dict.fromkeys(addresses))]
         self._by_address = {r.address: r for r in self.replicas}
         self._health: tuple[bool, str] | None = None
+        self._publish_lock = threading.Lock()  # health computed and told in one order
+        self._seen: set[tuple[int, int]] = set()  # every stage a replica ever held: each needs one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failovers_total = 0
@@ -364,25 +366,40 @@ class Replicas:
             if gap is not None and waiting:
                 return False, (f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}): no replica "
                                f"answers ({waiting[0].address}: {waiting[0].last_error})")
-            for n, stage in enumerate(self._stages_locked(), start=1):
-                mine = [r for r in self.replicas if r.range == stage]
+            self._seen.update(self._stages_locked())
+            for stage in sorted(self._seen):  # a stage whose replicas were all refused since is still one
+                mine = [r for r in self.replicas if r.range == stage or (r.info is not None and r.refused
+                                                                         and (r.info.first, r.info.last) == stage)]
                 if not any(r.usable for r in mine):
-                    errors = "; ".join(f"{r.address}: {r.last_error}" for r in mine)
-                    return False, f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy replica ({errors})"
+                    errors = "; ".join(f"{r.address}: {r.refused or r.last_error}" for r in mine)
+                    return False, (f"stage {self._stage_number_locked(stage)} (layers {stage[0]}-{stage[1]}) has no "
+                                   f"healthy replica ({errors})")
         return True, ""
 
+    def route_health(self) -> tuple[bool, str]:
+        """health(), and the head's own route complete (what its HTTP requests take): SERVING only
+        when every layer after the head has a stage."""
+        ok, detail = self.health()
+        if ok:
+            with self._lock:
+                gap = self._gap_locked()
+            if gap is not None:
+                return False, f"no --peer worker holds layers {gap[0]}-{gap[1]}: the head has no route of its own"
+        return ok, detail
+
     def _publish(self) -> None:
-        health = self.health()
-        with self._lock:
-            changed, self._health = health != self._health, health
-            stages = self._stages_locked()
-            rows = [(str(stages.index(r.range) + 1) if r.range in stages else "0", r.address, float(r.usable))
-                    for r in self.replicas]
-        if self.up_gauge is not None:
-            for stage, address, up in rows:
-                self.up_gauge.labels(stage, address).set(up)
-        if changed:
-            self._on_health(*health)
+        with self._publish_lock:
+            health = self.health()
+            with self._lock:
+                changed, self._health = health != self._health, health
+                stages = self._stages_locked()
+                rows = [(str(stages.index(r.range) + 1) if r.range in stages else "0", r.address, float(r.usable))
+                        for r in self.replicas]
+            if self.up_gauge is not None:
+                for stage, address, up in rows:
+                    self.up_gauge.labels(stage, address).set(up)
+            if changed:
+                self._on_health(*health)
 
     def info(self) -> list[pb.ReplicaInfo]:
         with self._lock:

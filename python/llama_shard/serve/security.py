@@ -379,6 +379,11 @@ class ServerSecurity:
             self._assertions[principal] = (now, value)
             return value
 
+    def assertion_valid(self, principal: str, value: bytes) -> bool:
+        """Whether a forwarder's `value` asserts exactly `principal` under this worker's route key (a
+        step's ON_BEHALF_OF_SIG; a hand-over's owner_assertion)."""
+        return isinstance(value, bytes) and self._assertion_valid(principal, value)
+
     def _assertion_valid(self, principal: str, value: bytes) -> bool:
         """Whether `value` is an assertion for exactly `principal` under this worker's route key,
         issued no more than ASSERTION_MAX_AGE_S ago nor ASSERTION_MAX_AHEAD_S ahead of this clock."""

@@ -24,7 +24,7 @@ from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor
 from .admission import SessionCapRefused, SessionOwners
-from .handover import SessionMoves
+from .handover import STILL_MOVING, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import StepSamplingChecks, TailSamplers, log_softmax_of
@@ -97,6 +97,9 @@ class StepRunner:
         """None: the step may run here (its key added to `entered`); else the answer of a draining
         worker: the replica its session was handed to, or a refusal of a new session."""
         moved_to = self.moves.enter(step.session_id, deadline)
+        if moved_to == STILL_MOVING:
+            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
+                                detail="this worker is draining: the session's hand-over outlasted the step's deadline")
         if moved_to is not None:
             return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, moved_to=moved_to,
                                 detail=f"this worker is draining: the session was handed to {moved_to}")
@@ -208,6 +211,9 @@ class StepRunner:
             # as the route client does; a hop the head has another replica of fails at once (it fails over)
             replies = forward_once() if hop.fail_fast else call_reconnecting(forward_once, deadline)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # reached, and full: no reason to fail over
+                detail = f"worker {hop.address} is full: {e.details()}"
+                return [pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=detail, stage=1) for _ in computed]
             detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
             return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
         for r in replies:

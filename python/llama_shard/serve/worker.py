@@ -109,6 +109,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
         self.on_draining = None  # ShardWorker: the health service says NOT_SERVING from the drain's start
+        self._drain_lock = threading.Lock()
         self.in_flight = 0
         self._lock = threading.Lock()
         self.max_hop_s = options.max_hop_s
@@ -123,8 +124,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
         config = manager.config
         needed = config.max_sessions * (config.context_tokens * (self.info.n_embd * 4 + 8) + 4096) + (1 << 16)
-        # nor larger than a hand-over of a full session's KV (Handover)
-        needed = max(needed, manager.stats()["kv_bytes_per_token"] * config.context_tokens + (1 << 20))
+        # nor larger than a hand-over of a full session's KV (Handover; the engine's bound, with its cells' metadata)
+        needed = max(needed, 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20))
         self.max_request_bytes = min(options.max_message_bytes, needed)
         # every session's rows at once fit in one such request; twice that may be parsed and handled
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
@@ -164,7 +165,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
                                  "from one (received)", ["direction"], registry=registry)
         self.drainer = Drainer(manager, self.peers, self.moves, self._owner_of, self.fingerprint, self.model_digest,
-                               on_moved=lambda n: self._count_handover("sent", n))
+                               on_moved=lambda n: self._count_handover("sent", n), sign=self.security.assertion)
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -356,7 +357,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return principal
 
     def Handover(self, request, context):
-        self._trusted_neighbour(context)
+        caller = self._trusted_neighbour(context)
 
         def refused(outcome: int, detail: str) -> pb.SessionReply:
             return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
@@ -374,8 +375,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal")
         if not self.security.authenticated and owner:
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker has no authentication: every session is anonymous")
+        if (self.security.authenticated and caller not in self.security.admins
+                and not self.security.assertion_valid(owner, request.owner_assertion)):
+            # a forwarder acts for a principal only with the route key's signature, as on a step
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a forwarder's hand-over needs the route key's assertion of "
+                           "its owner (owner_assertion)")
         try:
             key = self.security.engine_key(owner, request.session_id)
+            held = self.manager.resolve(key, request.route_epoch)
+            if not isinstance(held, CacheMiss):
+                # it may be a newer copy (the session failed over here): never replaced by the sender's
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker already holds the session at that epoch; "
+                               "it is kept (the sender's copy may be older)")
             self.owners.name(owner, self.security.tag(owner))
             cap = self.owners.admit(owner, [key])
             if cap is not None:
@@ -410,10 +421,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     def drain(self, targets: tuple[str, ...]) -> pb.DrainReply:
         """Stops admitting new sessions and hands every live one to `targets` (released where none
-        takes it); the steps that come for them afterwards are told where they went."""
-        if self.on_draining is not None:
-            self.on_draining()
-        return self.drainer.drain(targets, HANDOVER_TIMEOUT_S)
+        takes it); the steps that come for them afterwards are told where they went. Once: a second
+        drain (an admin's during SIGTERM's) answers that one is done or under way."""
+        if not self._drain_lock.acquire(blocking=False) or self.moves.draining:
+            return pb.DrainReply(detail="this worker is draining already")
+        try:
+            if self.on_draining is not None:
+                self.on_draining()
+            return self.drainer.drain(targets, HANDOVER_TIMEOUT_S)
+        finally:
+            self._drain_lock.release()
 
     def Resolve(self, request, context):
         return self._session_call(context, self.manager.resolve, request.session_id, request.route_epoch)
@@ -535,7 +552,7 @@ class ShardWorker:
         else:  # SERVING while every later stage has a healthy replica
             replicas.start(self._set_health)
         if self.http is not None:
-            self.http.route_health = replicas.health if replicas is not None else None
+            self.http.route_health = replicas.route_health if replicas is not None else None
         if self.options.sweep_s > 0:
             # TTLs apply on a quiet worker too: idle sessions move warm (or go) without a request
             threading.Thread(target=self._sweep_until_stopped, name="shard-ttl-sweep", daemon=True).start()
@@ -544,6 +561,8 @@ class ShardWorker:
     def _set_health(self, ok: bool, detail: str) -> None:
         if self._stopped.is_set():
             return
+        if ok and self.servicer.moves.draining:  # a draining worker takes no new session, whatever its route
+            ok, detail = False, "draining: handing its sessions to a replica"
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", status)
         self.health.set(SERVICE_NAME, status)

@@ -425,6 +425,8 @@ class GenerationLoops:
         hop = replicas.moved(failed, reply.moved_to) if reply.moved_to else None
         if hop is not None:
             s.moves += 1
+            # the stages before it applied the step: the same step again is a prefill that cuts there
+            s.held = max(s.held, s.computed + s.sent.n_tokens)
         else:
             hop = replicas.failover(failed, reply.detail)
             if isinstance(hop, str):
