@@ -93,7 +93,8 @@ def killed_tail(path: Path, n_layer: int, vocab: int, npp: int, ntg: int, n_stre
         # that stream's re-prefill: a fresh session of the tokens it held, to its first token
         held = prompts[worst] + hit[worst]["tokens"][:max(2, ntg // 4)]
         reprefill = _stream(mesh, "reprefill", held, 1, None)["ttft"]
-        return {"stall": hit[worst]["stall"] if moved else None, "reprefill": reprefill,
+        # (no stream failed over when the replica's streams had all ended: the longest stall of any)
+        return {"stall": hit[worst]["stall"] if moved else max(r["stall"] for r in hit), "reprefill": reprefill,
                 "calm_stall": max(r["stall"] for r in calm), "moved": len(moved), "streams": n_streams,
                 "differed": sum(1 for a, b in zip(calm, hit) if a["tokens"] != b["tokens"]),
                 "failed": sum(1 for r in hit if r["final"].finish_reason != "length")}
