@@ -584,7 +584,7 @@ def failover_rows(s: Shapes) -> list[Row]:
     tokens = 128 if s.quick else 1024
     log(f"failover: a live {tokens}-token session handed over by SIGTERM")
     h = handover(s.path, s.n_layer, s.vocab, tokens, 8 if s.quick else 24)
-    seconds = 10 if s.quick else 300
+    seconds = 6 if s.quick else 300
     log(f"failover: {seconds} s of chaos under 16 OpenAI clients")
     c = chaos(s.path, s.n_layer, s.vocab, seconds)
     storm = c["storm"]
