@@ -36,6 +36,7 @@ from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire
+from llama_shard.serve.handover import handover_messages
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker
 from llama_shard.testing.chaos import ChaosMonkey, Mesh
 
@@ -258,12 +259,14 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
         assert code == 0, stderr[-2000:]
         line = [x for x in stderr.splitlines() if "handed" in x]
         print("\n  " + (line[0] if line else stderr[-500:]))
+        other = 2 if stopped[0] == 1 else 1
+        took = mesh.info(other)
         for i, (calm, hit) in enumerate(zip(reference, results)):
             assert hit["final"].finish_reason == "length" and hit["tokens"] == calm["tokens"], (i, hit["final"])
-            assert hit["final"].reprefills == 0 and hit["final"].failovers == 0, (i, hit["final"])
+            assert hit["final"].reprefills == 0 and hit["final"].failovers == 0, (i, hit["final"], took.misses,
+                                                                                  took.evictions_lru, took.max_sessions)
         assert sum(r["final"].moves for r in results) >= 1
-        other = 2 if stopped[0] == 1 else 1
-        assert mesh.info(other).handover_sessions >= 1
+        assert took.handover_sessions >= 1
     finally:
         mesh.stop()
 
@@ -333,7 +336,6 @@ def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_m
     steps on); bytes with a wrong digest, cut, with a position changed, random, of another range or
     model, for an owner this worker cannot have, at a stale epoch or past its context are refused
     with the receiver unchanged, and the worker serves on (a crash would fail every later call)."""
-    import hashlib
     import struct
 
     import numpy as np
@@ -358,13 +360,15 @@ def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_m
         _, blob = donors[(15, 29)].export_session("s", 0)
         _, other_range = donors[(0, 14)].export_session("s", 0)
 
-        def handover(state: bytes, sid: str = "moved", epoch: int = 0, seq_len: int = 20, **kw) -> pb.SessionReply:
-            req = pb.HandoverRequest(session_id=sid, route_epoch=epoch, seq_len=seq_len, state=state,
-                                     state_sha256=hashlib.sha256(state).digest(),
-                                     recipe_fingerprint=info.recipe_fingerprint, model_digest=info.model_digest)
+        def handover(state: bytes, sid: str = "moved", epoch: int = 0, seq_len: int = 20, *, more: bytes = b"",
+                     **kw) -> pb.SessionReply:
+            """The stream a drain sends (in 4 KiB chunks, the first with `kw` changed), and `more` after."""
+            messages = handover_messages(pb.HandoverRequest(session_id=sid, route_epoch=epoch, seq_len=seq_len,
+                                                            recipe_fingerprint=info.recipe_fingerprint,
+                                                            model_digest=info.model_digest), state, 4096)
             for k, v in kw.items():
-                setattr(req, k, v)
-            return tail.Handover(req, timeout=30)
+                setattr(messages[0], k, v)
+            return tail.Handover(iter([*messages, *([pb.HandoverRequest(state=more)] if more else [])]), timeout=30)
 
         def held():
             i = mesh.info(0)
@@ -396,6 +400,12 @@ def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_m
             "a stale epoch": (handover(blob, sid="kept", epoch=1), pb.OUTCOME_STALE_EPOCH),
             "past the context": (handover(blob, seq_len=100000), pb.OUTCOME_INVALID_ARGUMENT),
             "an id no key is made of": (handover(blob, sid=""), pb.OUTCOME_INVALID_ARGUMENT),
+            # the stream itself: its size is bounded before a chunk is gathered, and must add up
+            "more than a session holds": (handover(blob, state_bytes=2**40), pb.OUTCOME_INVALID_ARGUMENT),
+            "no size": (handover(blob, state_bytes=0), pb.OUTCOME_INVALID_ARGUMENT),
+            "chunks past the size": (handover(blob, more=b"\0" * 64), pb.OUTCOME_INVALID_ARGUMENT),
+            "chunks short of the size": (handover(blob, state_bytes=len(blob) + 1), pb.OUTCOME_INVALID_ARGUMENT),
+            "an empty stream": (tail.Handover(iter([]), timeout=30), pb.OUTCOME_INVALID_ARGUMENT),
         }
         for name, (reply, outcome) in cases.items():
             assert reply.outcome == outcome, (name, reply)

@@ -695,16 +695,17 @@ def test_only_a_trusted_worker_or_an_admin_may_hand_sessions_over_or_drain(token
     it (nor Drain), whatever it sends; an admin's malformed hand-over is refused, nothing changed."""
     alice, ops = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "ops"))
     before = ops.Info(pb.InfoRequest(), timeout=10)
-    forged = pb.HandoverRequest(session_id="bob-chat", owner="bob", seq_len=4, state=b"\0" * 64,
+    forged = pb.HandoverRequest(session_id="bob-chat", owner="bob", seq_len=4, state=b"\0" * 64, state_bytes=64,
                                 recipe_fingerprint=before.recipe_fingerprint, model_digest=before.model_digest)
     forged.state_sha256 = hashlib.sha256(forged.state).digest()
-    for call, request in ((alice.Handover, forged), (alice.Drain, pb.DrainRequest())):
+    for call, request in ((lambda r, timeout: alice.Handover(iter([r]), timeout=timeout), forged),
+                          (alice.Drain, pb.DrainRequest())):
         with pytest.raises(grpc.RpcError) as e:
             call(request, timeout=10)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    reply = ops.Handover(forged, timeout=10)  # an admin may call it: the bytes are still checked
+    reply = ops.Handover(iter([forged]), timeout=10)  # an admin may call it: the bytes are still checked
     assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and "hand-over refused" in reply.detail, reply
     forged.owner = "ops"  # an admin's own sessions are not a thing on this worker
-    assert ops.Handover(forged, timeout=10).outcome == pb.OUTCOME_INVALID_ARGUMENT
+    assert ops.Handover(iter([forged]), timeout=10).outcome == pb.OUTCOME_INVALID_ARGUMENT
     after = ops.Info(pb.InfoRequest(), timeout=10)
     assert (after.live_sessions, after.reserved_tokens) == (before.live_sessions, before.reserved_tokens)

@@ -74,7 +74,7 @@ class ShardServiceStub:
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.FromString,
                 _registered_method=True)
-        self.Handover = channel.unary_unary(
+        self.Handover = channel.stream_unary(
                 '/llama_shard.v1.ShardService/Handover',
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.SessionReply.FromString,
@@ -148,7 +148,7 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Handover(self, request, context):
+    def Handover(self, request_iterator, context):
         """Hand-over: the receiving side of a drain. A replica of this worker's layer range sends one live
         session's KV (llama.cpp's sequence state of the owned layers); it is checked (recipe, model
         digest, the owner, a digest of the bytes, then the state's cells) before llama.cpp reads a byte,
@@ -211,7 +211,7 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.GenerateRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.GenerateEvent.SerializeToString,
             ),
-            'Handover': grpc.unary_unary_rpc_method_handler(
+            'Handover': grpc.stream_unary_rpc_method_handler(
                     servicer.Handover,
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.SessionReply.SerializeToString,
@@ -449,7 +449,7 @@ class ShardService:
             _registered_method=True)
 
     @staticmethod
-    def Handover(request,
+    def Handover(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -459,8 +459,8 @@ class ShardService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/llama_shard.v1.ShardService/Handover',
             llama__shard_dot_proto_dot_shard__pb2.HandoverRequest.SerializeToString,

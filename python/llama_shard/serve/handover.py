@@ -31,6 +31,8 @@ from ..proto import shard_pb2 as pb
 
 #: the longest one session's hand-over may take (its export, the call, the replica's import)
 HANDOVER_TIMEOUT_S = 30.0
+#: the state travels in chunks of this size (far under any worker's bound on one message)
+HANDOVER_CHUNK_BYTES = 256 * 1024
 #: SessionMoves.enter's answer for a step whose session was still being handed over at its deadline
 STILL_MOVING = ""
 
@@ -109,6 +111,16 @@ def state_digest(state: bytes) -> bytes:
     return hashlib.sha256(state).digest()
 
 
+def handover_messages(header: pb.HandoverRequest, state: bytes,
+                      chunk: int = HANDOVER_CHUNK_BYTES) -> list[pb.HandoverRequest]:
+    """One hand-over's stream: `header` (every field but the state) with the state's size, its
+    SHA-256 and its first chunk, then the other chunks."""
+    first = pb.HandoverRequest()
+    first.CopyFrom(header)
+    first.state, first.state_bytes, first.state_sha256 = state[:chunk], len(state), state_digest(state)
+    return [first, *(pb.HandoverRequest(state=state[i:i + chunk]) for i in range(chunk, len(state), chunk))]
+
+
 class Drainer:
     """The sending side: hands every live session of `manager` to one of `targets` (addresses a
     `Peers` may reach), in turn. `owner_of(key)` gives (the owner's principal, its session id)."""
@@ -129,22 +141,26 @@ class Drainer:
         errors: list[str] = []
         # a step let in just before the drain began may still open a session: a few rounds
         for _ in range(3):
-            keys = [(key, epoch) for key, epoch in self.manager.session_keys() if key not in self.moves.moved]
-            if not keys:
+            # the most recently used first: where the replica has room for only some, it takes those
+            # being streamed, and an idle one there is pushed out before them (see Handover)
+            records = sorted((r for r in self.manager.sessions() if r.session_id not in self.moves.moved),
+                             key=lambda r: r.last_used, reverse=True)
+            if not records:
                 break
-            for key, epoch in keys:
-                to = self._move(key, epoch, targets, timeout, errors)
+            for r in records:
+                to = self._move(r.session_id, r.route_epoch, r.last_used, targets, timeout, errors)
                 handed += to is not None
                 released += to is None
         detail = "; ".join(dict.fromkeys(errors))[:1000]
         return pb.DrainReply(handed_over=handed, released=released, seconds=time.monotonic() - t0, detail=detail)
 
-    def _move(self, key: str, epoch: int, targets: tuple[str, ...], timeout: float, errors: list[str]) -> str | None:
+    def _move(self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float,
+              errors: list[str]) -> str | None:
         """One session handed over (the replica's address) or released here (None)."""
         to = None
         try:
             if self.moves.begin(key, timeout):  # else its step never ended: not exported mid-step, released
-                to = self._hand_over(key, epoch, targets, timeout, errors)
+                to = self._hand_over(key, epoch, last_used, targets, timeout, errors)
             else:
                 errors.append("a step in flight outlasted the hand-over's wait")
         finally:
@@ -157,7 +173,7 @@ class Drainer:
             self.on_moved(1)
         return to
 
-    def _hand_over(self, key: str, epoch: int, targets: tuple[str, ...], timeout: float,
+    def _hand_over(self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float,
                    errors: list[str]) -> str | None:
         """The replica that took the session, or None (errors says why)."""
         try:
@@ -168,19 +184,20 @@ class Drainer:
         if isinstance(out, CacheMiss):  # evicted meanwhile: nothing to hand over
             return None
         info, state = out
+        idle = max(0.0, self.manager.clock() - last_used)
         owner, session_id = self.owner_of(key)
         if owner is None:
             errors.append("a session whose owner this worker cannot name stays here")
             return None
-        request = pb.HandoverRequest(session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len,
-                                     state=state, state_sha256=state_digest(state),
-                                     recipe_fingerprint=self.fingerprint, model_digest=self.digest,
-                                     owner_assertion=self.sign(owner) or b"")
+        messages = handover_messages(pb.HandoverRequest(
+            session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len, idle_seconds=idle,
+            recipe_fingerprint=self.fingerprint, model_digest=self.digest, owner_assertion=self.sign(owner) or b""),
+            state)
         for target in targets:
             if target in self._unreachable:
                 continue
             try:
-                reply = self.peers.handover(target, request, timeout)
+                reply = self.peers.handover(target, messages, timeout)
             except Exception as e:  # noqa: BLE001 - grpc.RpcError or a channel problem: the next replica
                 errors.append(f"{target}: {getattr(e, 'details', lambda: str(e))()}")
                 self._unreachable.add(target)  # not tried again for this drain's other sessions

@@ -91,12 +91,14 @@ class Peers:
         """The peer's Info (a probe); raises grpc.RpcError when it does not answer in time."""
         return self._stub(address).Info(pb.InfoRequest(), timeout=timeout)
 
-    def handover(self, address: str, request: pb.HandoverRequest, timeout: float) -> pb.SessionReply:
-        """One session's KV to a replica of this worker's range (`address` among self.replicas or
-        the allowed peers); raises grpc.RpcError when it cannot be reached."""
+    def handover(self, address: str, messages: list[pb.HandoverRequest], timeout: float) -> pb.SessionReply:
+        """One session's KV (handover.handover_messages) to a replica of this worker's range
+        (`address` among self.replicas or the allowed peers); raises grpc.RpcError when it cannot
+        be reached."""
         stub = self._stub(address)
         deadline = time.monotonic() + timeout
-        return call_reconnecting(lambda: stub.Handover(request, timeout=max(0.001, deadline - time.monotonic())),
+        return call_reconnecting(lambda: stub.Handover(iter(messages),
+                                                       timeout=max(0.001, deadline - time.monotonic())),
                                  deadline)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, ShardModel
 from ..engine.adapter import KvBoundaryAdapter
-from ..engine.hot_kv import CacheMiss, HotKvStateConfig, StepKind
+from ..engine.hot_kv import CacheMiss, HotKvStateConfig, StepKind, Tier
 from ..engine.manager import HotKvStateManager
 from ..engine.models import backend_text
 from ..errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError, LlamaShardError,
@@ -124,12 +124,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
         config = manager.config
         needed = config.max_sessions * (config.context_tokens * (self.info.n_embd * 4 + 8) + 4096) + (1 << 16)
-        # nor larger than a hand-over of a full session's KV (Handover; the engine's bound, with its cells' metadata)
-        needed = max(needed, 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20))
         self.max_request_bytes = min(options.max_message_bytes, needed)
         # every session's rows at once fit in one such request; twice that may be parsed and handled
         # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
         self.max_in_flight_request_bytes = 2 * self.max_request_bytes
+        # a hand-over comes in chunks (each under that bound); their sum is at most a full session's
+        # KV with its cells' metadata, and two are gathered at once at most
+        self.max_handover_bytes = 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20)
+        self._handovers_gathered = threading.BoundedSemaphore(2)
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
         self.steps = StepRunner(model, manager, self.adapter, self.security, self.peers, self.owners, self.prefixes,
                                 self.samplers, self.worker_id, self.moves)
@@ -356,11 +358,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                           "only a trusted worker (--forwarder) or an admin may hand sessions over or drain a worker")
         return principal
 
-    def Handover(self, request, context):
+    def Handover(self, request_iterator, context):
         caller = self._trusted_neighbour(context)
 
         def refused(outcome: int, detail: str) -> pb.SessionReply:
             return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
+        request = next(request_iterator, None)
+        if request is None:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "the stream carried no message")
         if self.stopping.is_set() or self.moves.draining:
             return refused(pb.OUTCOME_UNAVAILABLE, "this worker is draining too")
         if request.recipe_fingerprint != self.fingerprint:
@@ -368,8 +373,6 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                            "(another layer range, K/V type or attention kernel)")
         if request.model_digest != self.model_digest:
             return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's model file is not this worker's")
-        if len(request.state_sha256) != 32 or state_digest(request.state) != request.state_sha256:
-            return refused(pb.OUTCOME_INVALID_ARGUMENT, "the state's SHA-256 does not match its bytes")
         owner = request.owner
         if self.security.authenticated and (not owner.strip() or owner in self.security.admins):
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal")
@@ -380,6 +383,38 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             # a forwarder acts for a principal only with the route key's signature, as on a step
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "a forwarder's hand-over needs the route key's assertion of "
                            "its owner (owner_assertion)")
+        if not 0 < request.state_bytes <= self.max_handover_bytes:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, f"state_bytes {request.state_bytes}: a session's state on this "
+                           f"worker takes 1 to {self.max_handover_bytes} bytes")
+        left = context.time_remaining()
+        if not self._handovers_gathered.acquire(timeout=HANDOVER_TIMEOUT_S if left is None else max(0.0, left)):
+            return refused(pb.OUTCOME_UNAVAILABLE, "other hand-overs are being received; try another replica")
+        try:
+            state = self._gather_state(request, request_iterator)
+            if state is None:
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, f"the stream's chunks do not add up to state_bytes "
+                               f"{request.state_bytes}")
+            if len(request.state_sha256) != 32 or state_digest(state) != request.state_sha256:
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, "the state's SHA-256 does not match its bytes")
+            return self._take_over(request, state, owner, refused)
+        finally:
+            self._handovers_gathered.release()
+
+    @staticmethod
+    def _gather_state(first: pb.HandoverRequest, rest) -> bytes | None:
+        """The whole state of a hand-over's stream, or None when its chunks pass or miss state_bytes
+        (never more than state_bytes is held)."""
+        state = bytearray(first.state)
+        if len(state) > first.state_bytes:
+            return None
+        for message in rest:
+            if len(state) + len(message.state) > first.state_bytes:
+                return None
+            state += message.state
+        return bytes(state) if len(state) == first.state_bytes else None
+
+    def _take_over(self, request: pb.HandoverRequest, state: bytes, owner: str, refused) -> pb.SessionReply:
+        """Handover's last part: the checked state opened here as the session, hot, at its epoch."""
         try:
             key = self.security.engine_key(owner, request.session_id)
             held = self.manager.resolve(key, request.route_epoch)
@@ -391,7 +426,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             cap = self.owners.admit(owner, [key])
             if cap is not None:
                 return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap)
-            self.manager.import_session(key, request.route_epoch, request.seq_len, bytes(request.state))
+            later = self._used_since(request.seq_len, request.idle_seconds)
+            if later is not None:
+                return refused(pb.OUTCOME_BUDGET_EXCEEDED, f"no room here but that of a session used {later:.2f} s ago, "
+                               f"more recently than this one ({request.idle_seconds:.2f} s)")
+            self.manager.import_session(key, request.route_epoch, request.seq_len, state)
         except StaleRouteEpochError as e:
             return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=f"hand-over refused: {e}",
                                    current_epoch=e.current_epoch or 0)
@@ -407,6 +446,20 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.samplers.forget((key, request.route_epoch))
         self._count_handover("received", 1)
         return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=request.seq_len, tier="hot")
+
+    def _used_since(self, seq_len: int, idle_seconds: float) -> float | None:
+        """When opening a handed-over session of `seq_len` tokens would push a hot session out of
+        this worker (no warm tier to keep it) and that one was used more recently than the handed
+        one: how long ago (a stream between two steps must not lose its KV to an idle session)."""
+        config, stats = self.manager.config, self.manager.stats()
+        if config.warm_bytes > 0:  # what is pushed out is spilled, and restored at its next step
+            return None
+        if (stats["live_sessions"] < config.max_sessions
+                and stats["reserved_tokens"] + seq_len <= config.budget_tokens):
+            return None
+        hot = [r for r in self.manager.sessions() if r.tier == Tier.HOT]  # least recently used first
+        since = self.manager.clock() - hot[0].last_used if hot else None
+        return since if since is not None and since < idle_seconds else None
 
     def Drain(self, request, context):
         self._trusted_neighbour(context)
