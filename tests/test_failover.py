@@ -47,20 +47,25 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
 
 
-def _request(sid: str, prompt: list[int], n: int, seed: int | None) -> pb.GenerateRequest:
+#: a grammar on some seeded streams: its state follows the session through a failover or a move
+WORDS = 'root ::= [A-Za-z] [a-z ,.]+'
+
+
+def _request(sid: str, prompt: list[int], n: int, seed: int | None, grammar: str = "") -> pb.GenerateRequest:
     req = pb.GenerateRequest(session_id=sid, prompt=prompt, max_tokens=n)  # no forward: the head's own route
     if seed is not None:
-        req.sampling.CopyFrom(sampling_to_wire(SamplingParams(seed=seed, **SEEDED)))
+        req.sampling.CopyFrom(sampling_to_wire(SamplingParams(seed=seed, grammar=grammar, **SEEDED)))
     return req
 
 
 def _run_streams(mesh: Mesh, tag: str, prompts, n: int, on_token=None) -> list[dict]:
-    """8 concurrent streams (even: greedy, odd: seeded) on the head; each one's tokens, final event
+    """8 concurrent streams (even: greedy, odd: seeded, 3 and 7 under a grammar too) on the head; each one's tokens, final event
     and the longest gap between two of its tokens. `on_token(i, count)` runs in stream i's thread."""
     results: list[dict] = [{} for _ in range(8)]
 
     def run(i: int) -> None:
-        req = _request(f"{tag}-{i}", prompts[i % len(prompts)], n, None if i % 2 == 0 else 1000 + i)
+        req = _request(f"{tag}-{i}", prompts[i % len(prompts)], n, None if i % 2 == 0 else 1000 + i,
+                       WORDS if i % 4 == 3 else "")
         tokens, gaps, last = [], [], None
         for event in mesh.stub().Generate(req, timeout=180):
             now = time.monotonic()

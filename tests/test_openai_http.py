@@ -92,7 +92,27 @@ def vocab(embedded_model):
 
 def test_models_and_health(route):
     assert [m.id for m in route.client.models.list().data] == [MODEL_ID]
+    assert route.client.models.retrieve(MODEL_ID).id == MODEL_ID
+    got, answer = route.raw("GET", "/v1/models/gpt-9")
+    assert got == 404 and answer["error"]["code"] == "model_not_found"
     assert route.raw("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
+    text = "The capital of France is Paris."
+    got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text}))
+    assert got == 200 and answer["tokens"] == vocab.tokenize(text, add_special=False)
+    got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text, "add_special": True, "with_pieces": True}))
+    assert got == 200 and [t["id"] for t in answer["tokens"]] == vocab.tokenize(text)
+    assert "".join(t["piece"] for t in answer["tokens"] if t["id"] != vocab.token_bos_added) == text
+    got, answer = route.raw("POST", "/detokenize", json.dumps({"tokens": vocab.tokenize(text, add_special=False)}))
+    assert got == 200 and answer["content"] == text
+    for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"), ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        got, answer = route.raw("POST", path, json.dumps(body))
+        assert got == 400 and answer["error"]["param"] == param, (path, body, answer)
+    got, answer = route.raw("GET", "/tokenize")
+    assert got == 405 and answer["error"]["type"] == "invalid_request_error"
 
 
 def test_a_seeded_completion_equals_the_generate_stream(route, vocab):
@@ -203,11 +223,40 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     assert route.raw("GET", "/v1/chat/completions")[0] == 405
     got, answer = route.raw("POST", "/v1/completions", b"x" * (10 * 2**20))
     assert got == 413 and answer["error"]["type"] == "invalid_request_error"
-    # unknown fields are ignored, as OpenAI ignores them; the worker served through all of it
-    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | {"frobnicate": {"a": 1}, "temperature": 0,
-                                                                       "ignore_eos": True}))
+    # nothing accepted that is not done: an unknown key, or one this endpoint does not do, is a 400
+    # naming it (as OpenAI answers an unknown one), on both endpoints
+    chat = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, base in (("/v1/completions", ok), ("/v1/chat/completions", chat)):
+        for extra in ({"frobnicate": {"a": 1}}, {"response_format": {"type": "json"}},
+                      {"tools": []}, {"tool_choice": "none"}, {"grammar": "root ::= \"a\"{2,1}"},
+                      {"logit_bias": {"one": 1}}, {"logit_bias": {"1": 101}}, {"logit_bias": {"1": "x"}},
+                      {"logit_bias": {str(10 ** 9): 1}}, {"logit_bias": [[1, 1]]}, {"logit_bias": {"-1": 1}}):
+            got, answer = route.raw("POST", path, json.dumps(base | extra))
+            (key,) = extra
+            assert got == 400 and answer["error"]["param"] == key, (path, extra, answer)
+            assert answer["error"]["type"] == "invalid_request_error" and key in answer["error"]["message"]
+    for path, base, wrong in (("/v1/completions", ok, "top_logprobs"), ("/v1/chat/completions", chat, "echo")):
+        got, answer = route.raw("POST", path, json.dumps(base | {wrong: 0}))  # the other endpoint's key
+        assert got == 400 and answer["error"]["param"] == wrong, (path, answer)
+    # those accepted without effect by nature; the worker served through all of it
+    quiet = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "temperature": 0,
+             "ignore_eos": True}
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | quiet))
+    assert got == 200 and answer["usage"]["completion_tokens"] == 2
+    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat | quiet))
     assert got == 200 and answer["usage"]["completion_tokens"] == 2
     assert route.info().generate_streams == 0
+
+
+def test_every_parameter_is_in_the_readme_table():
+    """The README's table of the endpoint's parameters names each one the endpoint takes."""
+    from llama_shard.serve.openai.requests import PARAMETERS
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    missing = [p.name for p in PARAMETERS if f"| `{p.name}` |" not in readme]
+    assert not missing, f"not in the README's parameter table: {missing}"
 
 
 def test_drafts_per_request_and_their_counts_in_usage(route):
@@ -249,6 +298,39 @@ def test_sampling_parameters_are_typed_here_and_ranged_once_by_the_native_check(
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 21}))
     assert got == 400 and answer["error"]["param"] == "top_logprobs", answer
+
+
+def test_logit_bias_moves_the_sampled_tokens_at_the_tail(route, vocab):
+    """logit_bias reaches the tail's chain: -100 on the greedy first token changes it, +100 on another
+    makes it the first, on the wire and on both endpoints; a bias of 0 changes nothing."""
+    ids = vocab.tokenize("The capital of France is")
+    greedy, _, _ = route.generate(ids, max_tokens=1, sampling=pb.Sampling(temperature=0))
+    (lyon,) = vocab.tokenize(" Lyon", add_special=False)[:1]
+    assert lyon != greedy[0]
+
+    def wire(bias: dict[int, float]) -> tuple[list[int], str]:
+        out, text, final = route.generate(ids, max_tokens=1, sampling=pb.Sampling(
+            temperature=0, logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in bias.items()]))
+        assert final.finish_reason == "length", final
+        return out, text
+
+    assert wire({greedy[0]: 0.0})[0] == greedy
+    assert wire({greedy[0]: -100.0})[0] != greedy
+    forced, forced_text = wire({lyon: 100.0})
+    assert forced == [lyon]
+
+    def http(path: str, body: dict) -> str:
+        got, answer = route.raw("POST", path, json.dumps(body | {"max_tokens": 1, "temperature": 0}))
+        assert got == 200, answer
+        choice = answer["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+
+    plain = http("/v1/completions", {"prompt": ids})
+    assert http("/v1/completions", {"prompt": ids, "logit_bias": {str(greedy[0]): 0}}) == plain
+    assert http("/v1/completions", {"prompt": ids, "logit_bias": {str(greedy[0]): -100}}) != plain
+    assert http("/v1/completions", {"prompt": ids, "logit_bias": {str(lyon): 100}}) == forced_text
+    chat = {"messages": [{"role": "user", "content": "Name a city."}]}
+    assert http("/v1/chat/completions", chat | {"logit_bias": {str(lyon): 100}}) == forced_text
 
 
 def test_the_template_sandbox_refuses_reaching_python():

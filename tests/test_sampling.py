@@ -1,5 +1,5 @@
 """The sampler a route's tail will use: llama.cpp's own samplers in stock llama.cpp's order
-(penalties -> top_k -> top_p -> min_p -> temperature -> dist(seed)), one per session.
+(logit_bias -> penalties -> top_k -> top_p -> min_p -> temperature -> dist(seed)), one per session.
 
 What is shown here, on rows of logits (no model needed):
 - temperature 0 without penalties is today's greedy token (the first of equal maxima);
@@ -143,6 +143,10 @@ BAD = [
     (dict(penalty_repeat=0.0), "repeat penalty"), (dict(penalty_repeat=float("inf")), "repeat penalty"),
     (dict(penalty_freq=float("nan")), "frequency"), (dict(penalty_present=1e9), "presence"),
     (dict(seed=0xFFFFFFFF), "seed"),
+    (dict(logit_bias=[(512, 1.0)]), "outside the vocabulary"), (dict(logit_bias=[(-1, 1.0)]), "outside the vocabulary"),
+    (dict(logit_bias=[(3, 100.5)]), "bias must be"), (dict(logit_bias=[(3, float("nan"))]), "bias must be"),
+    (dict(logit_bias=[(3, float("-inf"))]), "bias must be"), (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "twice"),
+    (dict(logit_bias=[(i % 512, 0.0) for i in range(1025)]), "at most 1024"),
 ]
 
 
@@ -153,6 +157,30 @@ def test_every_parameter_outside_its_range_is_refused_before_llama_cpp_sees_it(k
         params.check(N_VOCAB, 4096)
     with pytest.raises(InvalidInputError, match=word):
         TokenSampler(N_VOCAB, params, 4096)
+
+
+def test_logit_bias_is_added_first_and_a_rebuilt_sampler_keeps_it():
+    """logit_bias is llama.cpp's logit-bias sampler first in the chain: a bias moves the argmax
+    (temperature 0 then takes the whole chain, not the argmax path), -100 takes a token out of a
+    seeded draw's reach, and a sampler rebuilt from (params, history, draws) samples the same."""
+    logits = rows(24, seed=5)
+    greedy = run(SamplingParams(temperature=0.0), logits, [1, 2])
+    forced = run(SamplingParams(temperature=0.0, logit_bias=[(7, 100.0)]), logits, [1, 2])
+    assert forced == [7] * 24 and greedy != forced
+    banned = run(SamplingParams(temperature=0.0, logit_bias=[(greedy[0], -100.0)]), logits[:1], [1, 2])
+    assert banned[0] != greedy[0]
+    expected = logits[0].copy()
+    expected[greedy[0]] -= 100.0
+    assert banned[0] == int(np.argmax(expected))
+    assert run(SamplingParams(temperature=0.0, logit_bias=[(3, 0.0)]), logits, [1, 2]) == greedy
+    seeded = SamplingParams(temperature=1.0, top_k=40, seed=9, logit_bias=[(t, -100.0) for t in range(0, 512, 2)]
+                            + [(11, 2.5)])
+    tokens = run(seeded, logits, [4, 5])
+    assert all(t % 2 == 1 for t in tokens)  # no even token in any draw
+    assert seeded.logit_bias[-1] == (11, 2.5)
+    for k in (1, 7, 13):
+        s = TokenSampler(N_VOCAB, seeded, 4096, history=[4, 5] + tokens[:k], draws=k)
+        assert s.sample(logits[k]) == tokens[k]
 
 
 RISKY = """

@@ -6,6 +6,7 @@
 #include "llama.h"
 
 #include <algorithm>
+#include <string>
 #include <cmath>
 #include <utility>
 
@@ -17,6 +18,101 @@ static void bad(const std::string & what) {
 
 static bool within(float v, float lo, float hi) {
     return std::isfinite(v) && v >= lo && v <= hi;
+}
+
+// the end of a "..." literal or a [...] class that starts at `i` (its closing character; the
+// text's end when it has none: the parser refuses that)
+static size_t skip_quoted(const std::string & g, size_t i, char close) {
+    for (++i; i < g.size(); ++i) {
+        if (g[i] == '\\') {
+            ++i;
+        } else if (g[i] == close) {
+            return i;
+        }
+    }
+    return g.size();
+}
+
+static bool digits_at(const std::string & g, size_t & i, uint64_t & value) {
+    const size_t start = i;
+    value = 0;
+    while (i < g.size() && g[i] >= '0' && g[i] <= '9' && i - start < 12) {
+        value = value * 10 + (uint64_t) (g[i] - '0');
+        ++i;
+    }
+    return i > start;
+}
+
+static void skip_blank(const std::string & g, size_t & i) {
+    while (i < g.size() && (g[i] == ' ' || g[i] == '\t' || g[i] == '\n' || g[i] == '\r')) {
+        ++i;
+    }
+}
+
+std::string grammar_text_problem(const std::string & g) {
+    if (g.size() > SAMPLING_MAX_GRAMMAR_BYTES) {
+        return "the grammar is " + std::to_string(g.size()) + " bytes; at most " + std::to_string(SAMPLING_MAX_GRAMMAR_BYTES);
+    }
+    if (g.find('\0') != std::string::npos) {
+        return "the grammar holds a NUL byte";
+    }
+    int depth = 0;
+    int rules = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+        const char c = g[i];
+        if (c == '"' || c == '[') {
+            i = skip_quoted(g, i, c == '"' ? '"' : ']');
+        } else if (c == '#') {
+            while (i < g.size() && g[i] != '\n') {
+                ++i;
+            }
+        } else if (c == '(') {
+            if (++depth > SAMPLING_MAX_GRAMMAR_NESTING) {
+                return "the grammar nests parentheses deeper than " + std::to_string(SAMPLING_MAX_GRAMMAR_NESTING);
+            }
+        } else if (c == ')') {
+            depth = std::max(0, depth - 1);
+        } else if (c == ':' && g.compare(i, 3, "::=") == 0) {
+            if (++rules > SAMPLING_MAX_GRAMMAR_RULES) {
+                return "the grammar has more than " + std::to_string(SAMPLING_MAX_GRAMMAR_RULES) + " rules";
+            }
+        } else if (c == '{') {
+            // a repetition {m}, {m,} or {m,n}: llama.cpp builds max - min optional copies, which
+            // wraps around to 2^64 when m > n
+            size_t j = i + 1;
+            uint64_t lo = 0, hi = 0;
+            skip_blank(g, j);
+            if (!digits_at(g, j, lo)) {
+                continue;  // not a repetition: the parser says what it is
+            }
+            skip_blank(g, j);
+            if (j < g.size() && g[j] == ',') {
+                ++j;
+                skip_blank(g, j);
+                if (digits_at(g, j, hi) && hi < lo) {
+                    return "the grammar repeats {" + std::to_string(lo) + "," + std::to_string(hi) +
+                           "}: the least is more than the most";
+                }
+            }
+        }
+    }
+    return {};
+}
+
+std::string grammar_problem(const llama_vocab * vocab, const std::string & grammar) {
+    std::string problem = grammar_text_problem(grammar);
+    if (!problem.empty() || grammar.empty()) {
+        return problem;
+    }
+    if (vocab == nullptr) {
+        return "a grammar needs the model's vocabulary";
+    }
+    llama_sampler * s = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
+    if (s == nullptr) {
+        return "llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion; its log says where)";
+    }
+    llama_sampler_free(s);
+    return {};
 }
 
 sampling_problem sampling_find_problem(const sampling_params & p, int32_t n_vocab, int32_t max_penalty_last_n) {
@@ -50,6 +146,30 @@ sampling_problem sampling_find_problem(const sampling_params & p, int32_t n_voca
     if (!within(p.penalty_present, -100.0f, 100.0f)) {
         return {"penalty_present", "presence penalty must be in [-100, 100], got " + std::to_string(p.penalty_present)};
     }
+    if (p.logit_bias.size() > SAMPLING_MAX_LOGIT_BIAS) {
+        return {"logit_bias", "logit_bias takes at most " + std::to_string(SAMPLING_MAX_LOGIT_BIAS) + " tokens, got " +
+                                  std::to_string(p.logit_bias.size())};
+    }
+    std::vector<int32_t> biased;
+    biased.reserve(p.logit_bias.size());
+    for (const token_bias & b : p.logit_bias) {
+        if (b.token < 0 || b.token >= n_vocab) {
+            return {"logit_bias", "logit_bias: token " + std::to_string(b.token) + " is outside the vocabulary [0, " +
+                                      std::to_string(n_vocab) + ")"};
+        }
+        if (!within(b.bias, -SAMPLING_MAX_BIAS, SAMPLING_MAX_BIAS)) {
+            return {"logit_bias", "logit_bias: token " + std::to_string(b.token) + "'s bias must be in [-100, 100], got " +
+                                      std::to_string(b.bias)};
+        }
+        biased.push_back(b.token);
+    }
+    std::sort(biased.begin(), biased.end());
+    if (std::adjacent_find(biased.begin(), biased.end()) != biased.end()) {
+        return {"logit_bias", "logit_bias names a token twice"};
+    }
+    if (std::string why = grammar_text_problem(p.grammar); !why.empty()) {
+        return {"grammar", "grammar: " + why};
+    }
     if (p.seed == LLAMA_DEFAULT_SEED) {
         return {"seed", "seed 4294967295 means a random seed to llama.cpp, which no replay can repeat: choose another"};
     }
@@ -63,10 +183,28 @@ void sampling_check(const sampling_params & p, int32_t n_vocab, int32_t max_pena
     }
 }
 
-token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n)
+token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n,
+                             const llama_vocab * vocab)
     : n_vocab_(n_vocab), params_(p) {
     sampling_check(p, n_vocab, max_penalty_last_n);
+    if (!p.grammar.empty()) {
+        if (vocab == nullptr || llama_vocab_n_tokens(vocab) != n_vocab) {
+            bad("a grammar needs the vocabulary of the model's " + std::to_string(n_vocab) + " tokens");
+        }
+        grammar_ = llama_sampler_init_grammar(vocab, p.grammar.c_str(), "root");
+        if (grammar_ == nullptr) {
+            bad("grammar: llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion)");
+        }
+    }
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (!p.logit_bias.empty()) {  // first, as stock puts it: the penalties and truncations see the biased logits
+        std::vector<llama_logit_bias> biases;
+        biases.reserve(p.logit_bias.size());
+        for (const token_bias & b : p.logit_bias) {
+            biases.push_back(llama_logit_bias{b.token, b.bias});
+        }
+        llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) biases.size(), biases.data()));
+    }
     llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
                                                                  p.penalty_present));
     llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p.top_k));
@@ -75,20 +213,30 @@ token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t
     llama_sampler_chain_add(chain_, llama_sampler_init_temp(p.temperature));
     llama_sampler_chain_add(chain_, llama_sampler_init_dist(p.seed));
     candidates_.resize((size_t) n_vocab);
-    argmax_only_ = p.temperature == 0.0f && p.top_k == 0 && p.top_p >= 1.0f && p.min_p == 0.0f;
+    argmax_only_ = p.temperature == 0.0f && p.top_k == 0 && p.top_p >= 1.0f && p.min_p == 0.0f && p.logit_bias.empty();
 }
 
 token_sampler token_sampler::resume(int32_t n_vocab, const sampling_params & p, int32_t max_penalty_last_n,
-                                    const std::vector<int32_t> & history, uint64_t draws) {
+                                    const std::vector<int32_t> & history, uint64_t draws,
+                                    const llama_vocab * vocab, const std::vector<int32_t> & generated) {
     // a session holds at most HOT_KV_MAX_CONTEXT_TOKENS tokens, each sampled at most once: more is
     // not a session's state (and replaying 2^60 draws would hold the caller for ever)
     if (history.size() > (size_t) HOT_KV_MAX_CONTEXT_TOKENS || draws > (uint64_t) HOT_KV_MAX_CONTEXT_TOKENS) {
         bad("a history of " + std::to_string(history.size()) + " tokens and " + std::to_string(draws) +
             " draws: a session holds at most " + std::to_string(HOT_KV_MAX_CONTEXT_TOKENS));
     }
-    token_sampler s(n_vocab, p, max_penalty_last_n);
+    if (!p.grammar.empty() && generated.size() != draws) {
+        bad("a grammar replays every sampled token: " + std::to_string(generated.size()) + " given for " +
+            std::to_string(draws) + " draws");
+    }
+    token_sampler s(n_vocab, p, max_penalty_last_n, vocab);
     for (int32_t t : history) {
         s.accept(t);
+    }
+    if (s.grammar_ != nullptr) {
+        for (int32_t t : generated) {
+            s.advance_grammar(t);
+        }
     }
     // dist draws once per apply whatever the row (one candidate is enough); the other samplers keep
     // no state between applies, so this moves the generator and nothing else
@@ -106,10 +254,14 @@ token_sampler::~token_sampler() {
     if (chain_ != nullptr) {
         llama_sampler_free(chain_);
     }
+    if (grammar_ != nullptr) {
+        llama_sampler_free(grammar_);
+    }
 }
 
 token_sampler::token_sampler(token_sampler && o) noexcept
-    : n_vocab_(o.n_vocab_), params_(o.params_), chain_(std::exchange(o.chain_, nullptr)), draws_(o.draws_),
+    : n_vocab_(o.n_vocab_), params_(o.params_), chain_(std::exchange(o.chain_, nullptr)),
+      grammar_(std::exchange(o.grammar_, nullptr)), grammar_broken_(o.grammar_broken_), draws_(o.draws_),
       candidates_(std::move(o.candidates_)), argmax_only_(o.argmax_only_), window_(std::move(o.window_)),
       row_(std::move(o.row_)), counted_(std::move(o.counted_)) {}
 
@@ -118,9 +270,14 @@ token_sampler & token_sampler::operator=(token_sampler && o) noexcept {
         if (chain_ != nullptr) {
             llama_sampler_free(chain_);
         }
+        if (grammar_ != nullptr) {
+            llama_sampler_free(grammar_);
+        }
         n_vocab_ = o.n_vocab_;
         params_ = o.params_;
         chain_ = std::exchange(o.chain_, nullptr);
+        grammar_ = std::exchange(o.grammar_, nullptr);
+        grammar_broken_ = o.grammar_broken_;
         draws_ = o.draws_;
         candidates_ = std::move(o.candidates_);
         argmax_only_ = o.argmax_only_;
@@ -140,6 +297,9 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
             bad("logit " + std::to_string(i) + " is not finite");
         }
     }
+    if (grammar_broken_) {  // its empty stacks would abort llama.cpp's apply
+        bad("the grammar's state was lost to an earlier failure: rebuild the sampler");
+    }
     if (argmax_only_) {
         const int32_t token = sample_argmax(logits);
         if (token >= 0) {
@@ -150,6 +310,14 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
         candidates_[(size_t) i] = llama_token_data{i, logits[i], 0.0f};
     }
     llama_token_data_array row{candidates_.data(), candidates_.size(), -1, false};
+    if (grammar_ != nullptr) {
+        llama_sampler_apply(grammar_, &row);
+        const bool any = std::any_of(candidates_.begin(), candidates_.end(),
+                                     [](const llama_token_data & c) { return std::isfinite(c.logit); });
+        if (!any) {  // the chain would draw from nothing (stock asserts there)
+            bad("the grammar allows no token of the vocabulary here");
+        }
+    }
     llama_sampler_apply(chain_, &row);
     draws_++;
     if (row.selected < 0 || (size_t) row.selected >= row.size) {
@@ -170,7 +338,7 @@ int32_t token_sampler::sample_argmax(const float * logits) {
             counted_.push_back(llama_token_data{t, logits[t], 0.0f});
         }
         llama_token_data_array small{counted_.data(), counted_.size(), -1, false};
-        llama_sampler_apply(llama_sampler_chain_get(chain_, 0), &small);
+        llama_sampler_apply(llama_sampler_chain_get(chain_, 0), &small);  // no logit bias here: 0 is the penalties
         row_.assign(logits, logits + n_vocab_);
         for (const auto & c : counted_) {
             if (!std::isfinite(c.logit)) {
@@ -186,6 +354,9 @@ int32_t token_sampler::sample_argmax(const float * logits) {
             best = i;
         }
     }
+    if (grammar_ != nullptr && !grammar_allows(best)) {
+        return -1;  // the masked row decides (the first of the largest allowed logits)
+    }
     // the chain on token 0 (masked) and the winner: dist draws once and, on a draw of exactly 0,
     // selects the first candidate, token 0, as it does from the whole row
     // (the winner's logit here is any finite value: the chain penalises it again, harmlessly)
@@ -197,6 +368,41 @@ int32_t token_sampler::sample_argmax(const float * logits) {
         throw shard_error(SHARD_ERRC_COMPUTE, "sampling: the chain selected no token");
     }
     return pair.data[pair.selected].id;
+}
+
+bool token_sampler::grammar_allows(int32_t token) {
+    llama_token_data one{token, 0.0f, 0.0f};
+    llama_token_data_array row{&one, 1, -1, false};
+    llama_sampler_apply(grammar_, &row);  // sets a refused token's logit to -inf; changes no state
+    return std::isfinite(one.logit);
+}
+
+void token_sampler::advance_grammar(int32_t token) {
+    if (token < 0 || token >= n_vocab_) {
+        bad("token " + std::to_string(token) + " is outside the vocabulary [0, " + std::to_string(n_vocab_) + ")");
+    }
+    // llama.cpp's accept throws for a token its stacks do not allow (and leaves them empty) and
+    // aborts for an end-of-generation token before the grammar is complete: asked first
+    if (grammar_broken_) {
+        bad("the grammar's state was lost to an earlier failure: rebuild the sampler");
+    }
+    if (!grammar_allows(token)) {
+        bad("token " + std::to_string(token) + " does not fit the grammar here");
+    }
+    try {
+        llama_sampler_accept(grammar_, token);
+    } catch (const std::exception & e) {  // not expected after grammar_allows; its stacks are gone then
+        grammar_broken_ = true;
+        throw shard_error(SHARD_ERRC_COMPUTE, std::string("sampling: the grammar failed on token ") +
+                                                  std::to_string(token) + ": " + e.what());
+    }
+}
+
+void token_sampler::accept_sampled(int32_t token) {
+    if (grammar_ != nullptr) {
+        advance_grammar(token);
+    }
+    accept(token);
 }
 
 void token_sampler::accept(int32_t token) {

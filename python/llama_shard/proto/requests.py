@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._native import MAX_LOGIT_ROWS, SamplingParams
+from .._native import MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_LOGIT_ROWS, SamplingParams, grammar_problem
 from ..errors import InvalidInputError
 from . import shard_pb2 as pb
 
@@ -76,16 +76,33 @@ def check_sampling(params: SamplingParams, n_vocab: int, max_window: int) -> Sam
 def sampling_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> SamplingParams:
     """The checked SamplingParams of a wire Sampling (unset fields: off)."""
     kwargs = {p.native: getattr(s, p.wire) for p in SAMPLING_PARAMETERS if s.HasField(p.wire)}
-    return check_sampling(SamplingParams(seed=s.seed, **kwargs), n_vocab, max_window)
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:  # counted before a list is built (the native check says the same)
+        raise InvalidInputError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}",
+                                param="logit_bias")
+    if len(s.grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidInputError(f"grammar: at most {MAX_GRAMMAR_BYTES} bytes", param="grammar")
+    bias = [(b.token_id, b.bias) for b in s.logit_bias]
+    return check_sampling(SamplingParams(seed=s.seed, logit_bias=bias, grammar=s.grammar, **kwargs), n_vocab,
+                          max_window)
+
+
+def check_grammar(params: SamplingParams, model) -> None:
+    """llama.cpp's parser on the params' grammar over `model`'s vocabulary (a ShardModel), once a
+    stream or a session's params are new: InvalidInputError naming `grammar` if it refuses it."""
+    if params.grammar:
+        why = grammar_problem(model, params.grammar)
+        if why is not None:
+            raise InvalidInputError(f"grammar: {why}", param="grammar")
 
 
 def sampling_to_wire(p: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(seed=p.seed, **{q.wire: getattr(p, q.native) for q in SAMPLING_PARAMETERS})
+    return pb.Sampling(seed=p.seed, logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in p.logit_bias],
+                       grammar=p.grammar, **{q.wire: getattr(p, q.native) for q in SAMPLING_PARAMETERS})
 
 
 def sampling_key(p: SamplingParams) -> tuple:
     """The parameters as a value (what a kept sampler is compared by)."""
-    return tuple(getattr(p, q.native) for q in SAMPLING_PARAMETERS) + (p.seed,)
+    return tuple(getattr(p, q.native) for q in SAMPLING_PARAMETERS) + (p.seed, tuple(p.logit_bias), p.grammar)
 
 
 def check_top_logprobs(n: int) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
-from ..proto.requests import check_top_logprobs, sampling_from_wire, sampling_key
+from ..proto.requests import check_grammar, check_top_logprobs, sampling_from_wire, sampling_key
 from .speculation import verify
 
 class StepSamplingChecks:
@@ -26,8 +26,9 @@ class StepSamplingChecks:
     step: the last parameters checked for each session are kept by their wire bytes (bounded, least
     recently used dropped); the state itself (draws, recent tokens) is checked at every step."""
 
-    def __init__(self, n_vocab: int, max_window: int, capacity: int):
+    def __init__(self, n_vocab: int, max_window: int, capacity: int, model=None):
         self.n_vocab, self.max_window, self.capacity = n_vocab, max_window, max(1, capacity)
+        self.model = model  # the vocabulary a grammar is parsed over (a tail's ShardModel)
         self._checked: OrderedDict[tuple, tuple[bytes, SamplingParams]] = OrderedDict()
         self._lock = threading.Lock()
         self.native_checks = 0  # how often the native check ran (tests hold it to once per session)
@@ -46,6 +47,8 @@ class StepSamplingChecks:
             params = known[1]
         else:
             params = sampling_from_wire(state.params, self.n_vocab, self.max_window)
+            if self.model is not None:
+                check_grammar(params, self.model)
             with self._lock:
                 self.native_checks += 1
                 self._checked[key] = (wire, params)
@@ -60,6 +63,14 @@ class StepSamplingChecks:
             raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
         if any(not 0 <= t < n_vocab for t in state.recent):
             raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
+        if params.grammar and len(state.generated) != state.draws:
+            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token: "
+                                    f"{len(state.generated)} for {state.draws} draws")
+        if state.generated and not params.grammar:
+            raise InvalidInputError("a sampler state without a grammar carries no generated tokens")
+        if any(not 0 <= t < n_vocab for t in state.generated):
+            raise InvalidInputError(f"a generated token of the sampler state is outside the vocabulary "
+                                    f"(0..{n_vocab - 1})")
         return params
 
     def forget(self, key: tuple) -> None:
@@ -83,11 +94,13 @@ def log_softmax_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, l
 class TailSamplers:
     """Each session's sampler, kept between its steps (bounded, least recently used dropped)."""
 
-    def __init__(self, n_vocab: int, max_window: int, capacity: int):
+    def __init__(self, n_vocab: int, max_window: int, capacity: int, model=None):
         self.n_vocab = n_vocab
+        self.model = model  # a grammar's vocabulary (the tail's ShardModel)
         self.max_window = max_window
         self.capacity = max(1, capacity)
-        self._kept: OrderedDict[tuple, tuple] = OrderedDict()  # (key, epoch) -> (sampler, params, draws, recent)
+        # (key, epoch) -> (sampler, params, draws, recent, generated)
+        self._kept: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
         self.rebuilds = 0
 
@@ -99,23 +112,25 @@ class TailSamplers:
         """A verification (speculation.verify) with the session's sampler: row by row, each draw
         accepted as one step's would be, until a token is not the next draft."""
         pkey, recent, draws = sampling_key(params), tuple(state.recent), state.draws
+        generated = tuple(state.generated)  # with a grammar: its replay (else empty)
         with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
             kept = self._kept.pop(key, None)
-        if kept is not None and kept[1:] == (pkey, draws, recent):
+        if kept is not None and kept[1:] == (pkey, draws, recent, generated):
             sampler = kept[0]
         else:
-            sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws)
+            sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws,
+                                   model=self.model if params.grammar else None, generated=list(generated))
             self.rebuilds += 1
 
         def draw(row):
             token = sampler.sample(np.ascontiguousarray(row))
-            sampler.accept(token)
+            sampler.accept_sampled(token)
             return token
         tokens = verify(rows, drafts, draw)
         window = params.penalty_last_n
         after = (recent + tuple(tokens))[-window:] if window else ()
         with self._lock:
-            self._kept[key] = (sampler, pkey, draws + len(tokens), after)
+            self._kept[key] = (sampler, pkey, draws + len(tokens), after, generated + tuple(tokens) if params.grammar else ())
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
         return tokens

@@ -51,7 +51,8 @@ class StepRunner:
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
         config = manager.config
-        self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions,
+                                                  model)
         self.worker_id = worker_id           # this worker in the visited list
         self.own_addresses = frozenset()     # set by ShardWorker once bound: forwards to these are loops
         self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)

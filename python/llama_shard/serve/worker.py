@@ -132,7 +132,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # KV with its cells' metadata, and two are gathered at once at most
         self.max_handover_bytes = 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20)
         self._handovers_gathered = threading.BoundedSemaphore(2)
-        self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions)
+        self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions, model)
         self.steps = StepRunner(model, manager, self.adapter, self.security, self.peers, self.owners, self.prefixes,
                                 self.samplers, self.worker_id, self.moves)
         if options.verify not in VERIFY_MODES:
@@ -160,7 +160,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                         session_cap=options.max_sessions_per_principal, stopping=self.stopping,
                         max_hop_s=self.max_hop_s, forward_refusal=self.steps.forward_refusal, admit=self.owners.admit,
                         caller_full=self.owners.full, run_steps=self._run_own_steps, sessions=manager.sessions,
-                        replicas=self.replicas)
+                        replicas=self.replicas, vocab_model=model)
         self.generation = GenerationLoops(host, registry, options.draft, options.max_drafts, draft_model,
                                           row_by_row=options.verify == "exact")
         self.handover_total = 0

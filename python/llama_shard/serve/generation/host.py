@@ -50,6 +50,8 @@ class HeadHost:
     #: the later stages' replicas (replicas.Replicas): the head's own route and failover; None
     #: without --peer workers
     replicas: "Replicas | None" = None
+    #: the vocabulary a grammar's tokens come from (the head's ShardModel; None: no grammar checked here)
+    vocab_model: object = None
 
     @property
     def max_streams(self) -> int:

@@ -13,8 +13,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
-from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_max_drafts, check_stops, check_top_logprobs,
-                               sampling_from_wire)
+from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts, check_stops,
+                               check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
 from ..speculation import StepCost
 from .host import HeadHost
@@ -334,6 +334,8 @@ class GenerationLoops:
         if req.HasField("max_drafts"):
             check_max_drafts(req.max_drafts)
         params = sampling_from_wire(req.sampling, info.n_vocab, context) if req.HasField("sampling") else None
+        if params is not None and host.vocab_model is not None:
+            check_grammar(params, host.vocab_model)  # llama.cpp's parser, here rather than at the tail's first step
         max_drafts = req.max_drafts if req.HasField("max_drafts") else self.max_drafts
         if self.draft_source == "off" or req.logprobs or req.top_logprobs:  # a verification returns no logprobs
             max_drafts = 0

@@ -136,5 +136,7 @@ class Stream:
                 req.sampler.params.CopyFrom(self.req.sampling)
                 req.sampler.draws = self.draws
                 req.sampler.recent.extend(self.tokens[-window:] if window else [])
+                if self.req.sampling.grammar:
+                    req.sampler.generated.extend(self.generated)
         self.sent = SentStep(len(chunk), final, drafts)
         return kind, req

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from aiohttp import HttpVersion11, web
 
+from ..._native import json_schema_to_grammar
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_STOP_TOKENS
@@ -43,7 +44,7 @@ from ..security import ANONYMOUS, ServerSecurity, file_mtimes
 from .chat_template import ChatTemplate
 from .errors import HttpError, outcome_status, refusal_error
 from .guard import ConnectionGuard, HttpLimits
-from .requests import INT32_MAX, PARAM_NAMES, flag, generate_request, number
+from .requests import INT32_MAX, PARAM_NAMES, check_keys, flag, generate_request, number, output_schema
 from .responses import CompletionFormat, StopTrimmer
 
 #: the largest request body whatever the context (a longer one gets 413 before it is read in full)
@@ -174,6 +175,9 @@ class OpenAIEndpoint:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id}", self._model)
+        app.router.add_post("/tokenize", self._tokenize_route, expect_handler=self._expect)
+        app.router.add_post("/detokenize", self._detokenize_route, expect_handler=self._expect)
         app.router.add_post("/v1/chat/completions", self._chat, expect_handler=self._expect)
         app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
         # aiohttp's own keep-alive timer covers a connection that sends nothing; the guard the rest
@@ -349,6 +353,43 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}]})
 
+    async def _model(self, request: web.Request) -> web.Response:
+        self._principal(request)
+        name = request.match_info["model_id"]
+        if name not in (self.model_id, Path(self.model.path).name):
+            raise HttpError(404, f"the model {name[:80]!r} does not exist here; this route serves {self.model_id!r}",
+                            "model", "model_not_found")
+        return web.json_response({"id": self.model_id, "object": "model", "created": self.created,
+                                  "owned_by": "llama-shard"})
+
+    async def _tokenize_route(self, request: web.Request) -> web.Response:
+        """llama-server's /tokenize: {"content", "add_special" (false), "with_pieces" (false)} ->
+        {"tokens": [id, ...]} or [{"id", "piece"}, ...]: what a prompt costs against the context."""
+        principal = self._principal(request)
+        with self._slot(principal):
+            body = await self._body(request)
+            content = body.get("content")
+            if not isinstance(content, str):
+                raise HttpError(400, "content must be a string", "content")
+            add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
+            tokens = await self._off_loop(lambda: self.model.tokenize(content, add_special=add_special))
+            if not with_pieces:
+                return web.json_response({"tokens": tokens})
+            pieces = await self._off_loop(lambda: [self.model.detokenize([t]) for t in tokens])
+            return web.json_response({"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces)]})
+
+    async def _detokenize_route(self, request: web.Request) -> web.Response:
+        """llama-server's /detokenize: {"tokens": [id, ...]} -> {"content"}."""
+        principal = self._principal(request)
+        with self._slot(principal):
+            body = await self._body(request)
+            tokens = body.get("tokens")
+            n_vocab = self.model.info.n_vocab
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                                       0 <= t < n_vocab for t in tokens):
+                raise HttpError(400, f"tokens must be a list of token ids (0..{n_vocab - 1})", "tokens")
+            return web.json_response({"content": await self._off_loop(self.model.detokenize, tokens)})
+
     @contextlib.contextmanager
     def _slot(self, principal: str):
         """One of the endpoint's requests in flight, counted globally and for its principal (before its
@@ -424,6 +465,7 @@ class OpenAIEndpoint:
 
     async def _chat_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
         body = await self._body(request)
+        check_keys(body, "chat")
         if self.template is None:
             raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
                             "messages")
@@ -472,6 +514,7 @@ class OpenAIEndpoint:
 
     async def _completions_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
         body = await self._body(request)
+        check_keys(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list
@@ -595,6 +638,13 @@ class OpenAIEndpoint:
             raise HttpError(400, "user must be a string", "user")
         req = generate_request(body, tokens, self.generation.context_tokens, self.eog[:MAX_STOP_TOKENS],
                                logprobs=logprobs, top=top)
+        schema = output_schema(body)
+        if schema is not None:  # llama.cpp's converter, on the tokenizer pool (a schema may take a while)
+            try:
+                req.sampling.grammar = await self._off_loop(json_schema_to_grammar, schema)
+            except InvalidInputError as e:
+                raise HttpError(400, f"response_format: {e}", "response_format") from None
+            param_names = param_names | {"grammar": "response_format"}
         req.session_id, req.route_epoch = self._session(request, principal, tokens)
         events = _LoopEvents(asyncio.get_running_loop())
         stream = self._open(request, principal, req, events, param_names)

@@ -24,7 +24,8 @@ class HttpError(Exception):
         self.close = close  # the connection ends after this answer (what the client still sends is not read)
 
     def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        body = {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
         return web.json_response(body, status=self.status)
 

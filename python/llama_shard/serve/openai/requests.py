@@ -10,15 +10,97 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from typing import NamedTuple
 
+from ..._native import MAX_LOGIT_BIAS
 from ...proto import shard_pb2 as pb
 from ...proto.requests import SAMPLING_PARAMETERS
 from .errors import HttpError
 
 INT32_MAX = (1 << 31) - 1
+
+
+class Parameter(NamedTuple):
+    """A key a request may carry: on which endpoints ("chat", "completions") and what it does (the
+    README's table says the same)."""
+
+    name: str
+    endpoints: tuple[str, ...]
+    what: str
+
+
+BOTH = ("chat", "completions")
+#: every key a request may carry; any other is a 400 naming it (OpenAI does this), so nothing asked
+#: is silently left undone
+PARAMETERS = (
+    Parameter("model", BOTH, "the served model's id or file name (another: 404); may be left out"),
+    Parameter("messages", ("chat",), "the conversation, rendered by the model's own chat template; text content only"),
+    Parameter("prompt", ("completions",), "a string or a list of token ids (one prompt)"),
+    Parameter("stream", BOTH, "server-sent events, one per token, then `[DONE]`"),
+    Parameter("stream_options", BOTH, "`include_usage`: a last chunk with the usage"),
+    Parameter("max_tokens", BOTH, "the most tokens to generate (default: the rest of the context)"),
+    Parameter("max_completion_tokens", ("chat",), "the same as max_tokens (it wins where both are given)"),
+    Parameter("temperature", BOTH, "0: the largest logit; else in [0.001, 100] (default 1)"),
+    Parameter("top_p", BOTH, "nucleus sampling, (0, 1]"),
+    Parameter("top_k", BOTH, "llama.cpp's: keep the k likeliest tokens (0: off)"),
+    Parameter("min_p", BOTH, "llama.cpp's: drop tokens under min_p times the likeliest's probability"),
+    Parameter("frequency_penalty", BOTH, "[-100, 100], over the last repeat_last_n tokens"),
+    Parameter("presence_penalty", BOTH, "[-100, 100], over the last repeat_last_n tokens"),
+    Parameter("repeat_penalty", BOTH, "llama.cpp's: [0.01, 100] (1: off)"),
+    Parameter("repeat_last_n", BOTH, "llama.cpp's: the penalties' window (default 64)"),
+    Parameter("seed", BOTH, "the same seed and request give the same tokens, on any route and after a failover"),
+    Parameter("stop", BOTH, "up to 16 strings (at most 256 characters each); never part of the answer"),
+    Parameter("n", BOTH, "1 only (one choice per request)"),
+    Parameter("logprobs", BOTH, "chat: true for each token's log-probability; completions: how many alternatives"),
+    Parameter("top_logprobs", ("chat",), "0 to 20 alternatives per token (needs logprobs)"),
+    Parameter("echo", ("completions",), "false only"),
+    Parameter("suffix", ("completions",), "empty only"),
+    Parameter("best_of", ("completions",), "1 only"),
+    Parameter("ignore_eos", BOTH, "llama.cpp's: generate past the end-of-generation tokens"),
+    Parameter("logit_bias", BOTH, "token id (a string) to a bias in [-100, 100] added to its logit first, as "
+              "llama.cpp's logit-bias sampler does (-100: practically never); at most 1024 tokens"),
+    Parameter("response_format", BOTH, "`{\"type\": \"text\"}`, `{\"type\": \"json_object\"}` (any JSON object) or "
+              "`{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}`: the answer is "
+              "sampled under llama.cpp's grammar of that schema (its own converter), so a complete answer parses "
+              "and validates (one cut by max_tokens ends with finish_reason length)"),
+    Parameter("grammar", BOTH, "llama-server's: GBNF with a `root` rule; only what it allows is sampled "
+              "(not with response_format)"),
+    Parameter("max_drafts", BOTH, "speculative decoding: the most drafted tokens per step (0: off; up to 15)"),
+    # accepted, and without effect by their nature here
+    Parameter("user", BOTH, "accepted, no effect (a string)"),
+    Parameter("metadata", BOTH, "accepted, no effect (nothing is stored)"),
+    Parameter("store", BOTH, "accepted, no effect (nothing is stored)"),
+    Parameter("service_tier", BOTH, "accepted, no effect (one tier)"),
+)
+_ALLOWED = {e: {p.name for p in PARAMETERS if e in p.endpoints} for e in BOTH}
+#: keys OpenAI or llama-server know that this endpoint does not do (yet): a 400 that says so
+NOT_SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "json_schema",
+                 "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "n_probs",
+                 "cache_prompt")
+
+
+def check_keys(body: dict, endpoint: str) -> None:
+    """A 400 naming the first key of `body` this endpoint does not take (PARAMETERS)."""
+    allowed = _ALLOWED[endpoint]
+    for key in body:
+        if key in allowed:
+            continue
+        if key in NOT_SUPPORTED:
+            raise HttpError(400, f"{key} is not supported by this endpoint", key)
+        raise HttpError(400, f"unrecognized request argument: {str(key)[:64]!r} (see the README's table of "
+                        "parameters)", str(key)[:64])
+    for key, kind, name in (("metadata", dict, "an object"), ("store", bool, "a boolean"),
+                            ("service_tier", str, "a string")):  # without effect, but of their type
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise HttpError(400, f"{key} must be {name}", key)
 #: the wire's field -> the request's key, where they differ (a refusal names the request's)
 PARAM_NAMES = {p.wire: p.request for p in SAMPLING_PARAMETERS if p.wire != p.request} | {
     "stop_token_ids": "stop"}
+
+
+def _bound(value: float) -> str:
+    """A bound as people write it: 2147483647, not 2.14748e+09."""
+    return str(int(value)) if math.isfinite(value) and float(value).is_integer() else f"{value:g}"
 
 
 def number(body: dict, name: str, lo: float = -math.inf, hi: float = math.inf, *, integer: bool = False):
@@ -33,7 +115,7 @@ def number(body: dict, name: str, lo: float = -math.inf, hi: float = math.inf, *
     if isinstance(value, float) and not math.isfinite(value):
         raise HttpError(400, f"{name} must be a finite number", name)
     if not lo <= value <= hi:
-        raise HttpError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", name)
+        raise HttpError(400, f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {value}", name)
     return value
 
 
@@ -57,6 +139,66 @@ def stops(body: dict) -> list[str]:
     return stops
 
 
+def logit_bias(body: dict) -> list[pb.TokenBias]:
+    """OpenAI's logit_bias: an object of token ids (as strings) to biases. Their ranges (the
+    vocabulary, [-100, 100], distinct) are the native check's."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise HttpError(400, "logit_bias must be an object of token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise HttpError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= 11) or not -INT32_MAX <= int(key) <= INT32_MAX:
+            raise HttpError(400, f"logit_bias: {key[:24]!r} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > 1e30:
+            raise HttpError(400, f"logit_bias: token {key}'s bias must be a number", "logit_bias")
+        out.append(pb.TokenBias(token_id=int(key), bias=float(value)))
+    return out
+
+
+ANY_OBJECT = '{"type": "object"}'
+
+
+def output_schema(body: dict) -> str | None:
+    """The JSON Schema (as JSON text) that response_format asks the answer to follow, or None
+    (absent, or type text). json_object is any JSON object, as llama-server has it."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise HttpError(400, "response_format must be an object with a string type", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind != "json_schema":
+        raise HttpError(400, f"response_format type must be text, json_object or json_schema, not {kind[:40]!r}",
+                        "response_format")
+    wrapper = fmt.get("json_schema")
+    if not isinstance(wrapper, dict) or not isinstance(wrapper.get("schema", {}), dict):
+        raise HttpError(400, "response_format json_schema must be an object whose schema is an object",
+                        "response_format")
+    schema = wrapper.get("schema") or {}
+    return json.dumps(schema) if schema else ANY_OBJECT
+
+
+def grammar_text(body: dict) -> str:
+    """llama-server's grammar key (GBNF); '' when absent."""
+    grammar = body.get("grammar")
+    if grammar is None:
+        return ""
+    if not isinstance(grammar, str):
+        raise HttpError(400, "grammar must be a string (GBNF)", "grammar")
+    if body.get("response_format") is not None and output_schema(body) is not None:
+        raise HttpError(400, "give grammar or a JSON response_format, not both", "grammar")
+    return grammar
+
+
 def sampling_from(body: dict, context_tokens: int) -> pb.Sampling:
     """OpenAI's sampling parameters and llama.cpp's extensions (top_k, min_p, repeat_penalty,
     repeat_last_n), named as `SAMPLING_PARAMETERS` says; a parameter not given keeps llama.cpp's
@@ -69,6 +211,8 @@ def sampling_from(body: dict, context_tokens: int) -> pb.Sampling:
             setattr(s, p.wire, value)
     if s.HasField("temperature") and 0 < s.temperature < 0.001:
         s.temperature = 0.0  # llama.cpp: below its smallest temperature the largest logit wins
+    s.logit_bias.extend(logit_bias(body))
+    s.grammar = grammar_text(body)  # response_format's grammar is the endpoint's to convert (off the event loop)
     seed = number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
     s.seed = (seed % 0xFFFFFFFF) if seed is not None else secrets.randbelow(0xFFFFFFFF)
     if not s.HasField("penalty_last_n"):  # llama.cpp's 64, on a context that may be shorter
