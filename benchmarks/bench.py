@@ -25,6 +25,7 @@ from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tool
                     pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, stock_server_streams,
                     user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
+from llama_shard._native import grammar_problem
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.openai.requests import sampling_from
@@ -401,6 +402,37 @@ def openai_rows(s: Shapes) -> list[Row]:
     return rows
 
 
+#: a JSON Schema no answer of ntg tokens completes (at least 100 numbers): every token is sampled
+#: under the grammar, and where the model's argmax is not what it allows, the row is masked whole
+ENDLESS_NUMBERS = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 100}}}
+
+
+def structured_rows(s: Shapes) -> list[Row]:
+    log("structured output: streamed /v1/completions under a JSON Schema against the same without")
+    why = grammar_problem(ShardModel(str(s.path), (0, 0), 1), 'root ::= "a"')
+    if why is not None:  # a synthetic model without a tokenizer
+        log(f"  skipped: {why}")
+        return []
+    n, n_streams = s.n_layer, 4 if s.quick else 8
+    rows = []
+    for sampling, how in (({}, "temperature 0: the argmax is tried first, the row masked where the grammar refuses "
+                               "it"),
+                          ({"temperature": 0.8, "seed": 1}, "temperature 0.8, seeded: every row masked whole")):
+        def streams(extra: dict) -> dict:
+            return {n_streams: ours_generate_streams(s.path, [(0, n - 1)], s.threads, s.npp, s.ntg, n_streams, s.vocab,
+                                                     http=True, http_extra=sampling | extra)}
+        with_schema, without = alternate(s.repeat, lambda: streams({"response_format": ENDLESS_NUMBERS}),
+                                         lambda: streams({}))
+        rows.append(Row(f"1 worker ({s.threads} threads), {n_streams} streamed /v1/completions of {s.ntg} tokens under "
+                        f"a JSON Schema at temperature {sampling.get('temperature', 0)} (vs the same {n_streams} "
+                        "without)",
+                        with_schema[n_streams], without[n_streams], "tok/s", ">= 0.5",
+                        f"{how}; the schema: at least 100 integers, so every token is constrained; the cost is "
+                        "llama.cpp's grammar matching the vocabulary's tokens"))
+    return rows
+
+
 def prefixes_rows(s: Shapes) -> list[Row]:
     log("shared prefixes: 64 sessions with one 512-token system prompt on a two-worker route, against today's route")
     n = s.n_layer
@@ -604,7 +636,8 @@ def failover_rows(s: Shapes) -> list[Row]:
                 f"differed of {storm['done']}; {c['failovers']} failovers; head + 2 x 2 replicas, 1 thread each")]
 
 
-SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, prefixes_rows,
+SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, structured_rows,
+            prefixes_rows,
             speculation_rows, failover_rows,
             memory_rows,
             engine_choice_rows, cpu_kernel_rows)

@@ -279,7 +279,7 @@ def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg:
 
 def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
                           n_streams: int, vocab: int, http: bool = False, worker_flags: tuple = (),
-                          sampling: pb.Sampling | None = None) -> float:
+                          sampling: pb.Sampling | None = None, http_extra: dict | None = None) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
     after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
@@ -287,7 +287,8 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
     token, counting the tokens that arrived in between. http=True: the same requests as streamed
     /v1/completions through the head's OpenAI-compatible endpoint (one event per token);
     worker_flags: more `serve` flags for every worker (`--flash-attn off`); sampling: what the
-    Generate streams ask the tail for (None: the greedy token without a sampler chain)."""
+    Generate streams ask the tail for (None: the greedy token without a sampler chain);
+    http_extra: more keys of every HTTP request (a response_format)."""
     context = npp + ntg + 8
     procs: list[tuple[subprocess.Popen, str]] = []
     http_port = free_port()
@@ -325,7 +326,7 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
         def http_stream(i: int) -> None:
             conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
             body = json.dumps({"prompt": prompts[i], "max_tokens": ntg, "temperature": 0, "stream": True,
-                               "ignore_eos": True})
+                               "ignore_eos": True, **(http_extra or {})})
             ready.wait()
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()

@@ -90,6 +90,13 @@ def test_a_rebuilt_sampler_replays_the_grammar_and_samples_the_same(vocab):
         TokenSampler(n_vocab, params, 4096)  # a grammar needs the model's vocabulary
 
 
+def test_a_model_without_a_tokenizer_refuses_a_grammar_cleanly(synthetic_model):
+    model = ShardModel(str(synthetic_model), (0, 0), 1)
+    assert "no tokenizer" in grammar_problem(model, 'root ::= "a"')
+    with pytest.raises(InvalidInputError, match="no tokenizer"):
+        TokenSampler(model.info.n_vocab, SamplingParams(grammar='root ::= "a"'), 4096, model=model)
+
+
 RISKY_TOKENS = """
 import numpy as np
 from llama_shard._native import SamplingParams, ShardModel, TokenSampler

@@ -107,6 +107,9 @@ std::string grammar_problem(const llama_vocab * vocab, const std::string & gramm
     if (vocab == nullptr) {
         return "a grammar needs the model's vocabulary";
     }
+    if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE) {  // llama.cpp would index its empty token texts
+        return "this model has no tokenizer: a grammar matches the texts of its tokens";
+    }
     llama_sampler * s = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
     if (s == nullptr) {
         return "llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion; its log says where)";
@@ -190,6 +193,9 @@ token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t
     if (!p.grammar.empty()) {
         if (vocab == nullptr || llama_vocab_n_tokens(vocab) != n_vocab) {
             bad("a grammar needs the vocabulary of the model's " + std::to_string(n_vocab) + " tokens");
+        }
+        if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE) {
+            bad("grammar: this model has no tokenizer: a grammar matches the texts of its tokens");
         }
         grammar_ = llama_sampler_init_grammar(vocab, p.grammar.c_str(), "root");
         if (grammar_ == nullptr) {
