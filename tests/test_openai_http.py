@@ -98,6 +98,25 @@ def test_models_and_health(route):
     assert route.raw("GET", "/health") == (200, {"status": "ok"})
 
 
+def test_the_endpoint_and_generate_chat_render_a_conversation_the_same(route, embedded_model):
+    """One prompt for one conversation: `generate --chat` (one process, the whole model) and the
+    endpoint (a two-worker route) render a chat with the model's own template, its system prompt
+    included, and answer the same tokens at temperature 0."""
+    import subprocess
+    import sys
+
+    question = "What is the capital of France?"
+    cli = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model),
+                          "--prompt", question, "--chat", "--max-tokens", "12", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}))
+    assert got == 200 and answer["usage"]["completion_tokens"] == 12
+    assert cli.stdout.strip() == answer["choices"][0]["message"]["content"].strip()
+    assert f"prompt {answer['usage']['prompt_tokens']} tokens" in cli.stderr
+
+
 def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
     text = "The capital of France is Paris."
     got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text}))

@@ -50,8 +50,9 @@ def _model_path(arg: str | None) -> Path:
 
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
-    if chat:
-        text = model.apply_chat_template([("user", text)], True)
+    if chat:  # rendered as the HTTP endpoint and the demo render it (the model's own template)
+        from .serve.openai.chat_template import ModelChat
+        return ModelChat(model).tokens([{"role": "user", "content": text}])
     return model.tokenize(text)
 
 
@@ -589,7 +590,8 @@ def _generate_parser(sub) -> None:
                    help="also run the whole model and compare tokens and logits bit for bit")
     _deprecated_alias(g, "--verify", "--compare-whole", nargs=0)
     g.add_argument("--route", help="remote workers in order, e.g. 0-14@127.0.0.1:5001,15-29@127.0.0.1:5002")
-    g.add_argument("--chat", action="store_true", help="apply the GGUF's chat template to the prompt")
+    g.add_argument("--chat", action="store_true", help="the prompt is a user's message, rendered by the GGUF's own "
+                   "chat template as the HTTP endpoint renders it")
     g.add_argument("--max-drafts", type=_count(0, MAX_DRAFTS), default=None, metavar="K",
                    help=f"with a chained --route: speculative decoding's most drafts per step (0: off, up to {MAX_DRAFTS}; "
                         "default: the head's --max-drafts)")

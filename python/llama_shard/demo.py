@@ -26,6 +26,7 @@ from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .route import RemoteStage, RouteClient
 from .serve.prefixes import PREFIX_BLOCK_TOKENS
+from .serve.openai.chat_template import ModelChat
 from .serve.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 QUESTIONS = [
@@ -126,7 +127,8 @@ def _chat(model: Path, stages: list[RemoteStage], max_tokens: int) -> None:
     transcript = _Transcript(vocab, len(QUESTIONS))
     for i, q in enumerate(QUESTIONS):
         _say(f"  [chat-{i + 1}] user: {q}")
-    prompts = [vocab.tokenize(vocab.apply_chat_template([("user", q)], True)) for q in QUESTIONS]
+    chat = ModelChat(vocab)  # the endpoint's rendering: the same prompt for the same conversation
+    prompts = [chat.tokens([{"role": "user", "content": q}]) for q in QUESTIONS]
     t0 = time.perf_counter()
     # the head groups the streams into two micro-batches: while the tail computes one, it computes the other
     client.generate_many(sessions, prompts, max_tokens, stop=(vocab.token_eos,), micro_batches=2,
@@ -171,14 +173,15 @@ def _shared_prefix(model: Path, head: str, tail: str, max_tokens: int) -> None:
     its first whole blocks (keep_prefix); the second opens from them and computes only the rest."""
     vocab = ShardModel(str(model), (0, 0), 1)
     questions = ["Can I borrow a film for two weeks?", "Is the library open on Sunday?"]
-    system = len(vocab.tokenize(vocab.apply_chat_template([("system", SYSTEM_PROMPT)], False)))
+    chat = ModelChat(vocab)
+    system = len(chat.tokens([{"role": "system", "content": SYSTEM_PROMPT}], add_generation_prompt=False))
     keep = system // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
     _say(f"\ntwo chats that begin with the same {system}-token system prompt: the first keeps its first {keep} "
          f"tokens on both workers, the second opens from them:")
     with grpc.insecure_channel(head) as ch:
         stub = pb_grpc.ShardServiceStub(ch)
         for i, q in enumerate(questions):
-            prompt = vocab.tokenize(vocab.apply_chat_template([("system", SYSTEM_PROMPT), ("user", q)], True))
+            prompt = chat.tokens([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])
             req = pb.GenerateRequest(session_id=f"desk-{i + 1}", prompt=prompt, max_tokens=max_tokens,
                                      stop_token_ids=[vocab.token_eos], forward=[pb.Hop(address=tail)],
                                      keep_prefix=keep)

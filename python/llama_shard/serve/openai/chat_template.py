@@ -1,10 +1,12 @@
-"""The GGUF's chat template, rendered in the bounded sandbox (`template_sandbox`)."""
+"""The GGUF's chat template, rendered in the bounded sandbox (`template_sandbox`), and a model's
+conversations as prompts, one way for every entry point (`ModelChat`)."""
 from __future__ import annotations
 
 import time
 
 from jinja2 import TemplateError
 
+from ...errors import InvalidInputError
 from .errors import HttpError
 from .template_sandbox import MAX_CHARS as MAX_RENDERED_CHARS
 from .template_sandbox import MAX_SECONDS as MAX_RENDER_SECONDS
@@ -30,10 +32,42 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.bos_token, self.eos_token, self.max_chars = bos_token, eos_token, max_chars
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
             return render_bounded(self.template, self.max_chars, self.max_seconds, messages=messages,
-                                  add_generation_prompt=True,
+                                  add_generation_prompt=add_generation_prompt,
                                   bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateRefused as e:
             raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+
+
+class ModelChat:
+    """A model's conversations as prompts, the one way every entry point renders them (the HTTP
+    endpoint, `generate --chat`, the demo): the GGUF's own template in the sandbox, with whatever
+    system prompt it adds itself, and without the BOS the tokenizer adds again."""
+
+    def __init__(self, model):
+        self.model = model
+        bos, eos = model.token_bos_added, model.token_eos
+        self.bos_text = model.detokenize([bos]) if bos >= 0 else ""
+        source = model.chat_template
+        self.template = (ChatTemplate(source, self.bos_text, model.detokenize([eos]) if eos >= 0 else "")
+                         if source else None)
+
+    def text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The rendered conversation (HttpError 400 when the template refuses it; InvalidInputError
+        when the model has no template)."""
+        if self.template is None:
+            raise InvalidInputError("this model has no chat template (tokenizer.chat_template)", param="messages")
+        text = self.template.render(messages, add_generation_prompt)
+        if self.bos_text and text.startswith(self.bos_text):
+            text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
+        return text
+
+    def tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """text(), tokenized (special tokens parsed: the template's turn markers); outside HTTP a
+        template's refusal is InvalidInputError."""
+        try:
+            return self.model.tokenize(self.text(messages, add_generation_prompt))
+        except HttpError as e:
+            raise InvalidInputError(e.message, param="messages") from None

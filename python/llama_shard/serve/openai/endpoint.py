@@ -41,7 +41,7 @@ from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_STOP_TOKENS
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
 from ..security import ANONYMOUS, ServerSecurity, file_mtimes
-from .chat_template import ChatTemplate
+from .chat_template import ModelChat
 from .errors import HttpError, outcome_status, refusal_error
 from .guard import ConnectionGuard, HttpLimits
 from .requests import INT32_MAX, PARAM_NAMES, check_keys, flag, generate_request, number, output_schema
@@ -109,12 +109,8 @@ class OpenAIEndpoint:
         self.model_id = Path(model.path).name.removesuffix(".gguf")
         self.created = int(time.time())
         self.eog = list(model.eog_tokens)
-        bos = model.token_bos_added
-        self.bos_text = model.detokenize([bos]) if bos >= 0 else ""
-        eos = model.token_eos
-        source = model.chat_template
-        self.template = ChatTemplate(source, self.bos_text, model.detokenize([eos]) if eos >= 0 else "") \
-            if source else None
+        self.chat = ModelChat(model)  # the CLI's --chat and the demo render conversations the same way
+        self.bos_text, self.template = self.chat.bos_text, self.chat.template
         self._pieces: OrderedDict[int, str] = OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tls_reloads = 0  # certificate sets loaded since start (see _ssl_context)
@@ -498,10 +494,7 @@ class OpenAIEndpoint:
         def prompt_tokens() -> list[int]:
             if self.split_special_tokens:
                 return self._tokenize_split(rendered)
-            text = self.template.render(rendered)
-            if self.bos_text and text.startswith(self.bos_text):
-                text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
-            return self._tokenize(text)
+            return self._tokenize(self.chat.text(rendered))
 
         tokens = await self._off_loop(prompt_tokens)
         return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top,
