@@ -440,7 +440,10 @@ void register_model(py::module_ & m) {
                      throw py::error_already_set();
                  }
                  return py::reinterpret_steal<py::str>(str);
-             }, py::arg("ids"));
+             }, py::arg("ids"))
+        .def("token_bytes", [](const shard_model & self, int32_t id) {
+                 return py::bytes(self.detokenize({id}));  // a token inside a UTF-8 character: its own bytes
+             }, py::arg("id"), "One token's text as bytes, as detokenize([id]) renders it before UTF-8 decoding");
 
 }
 

@@ -117,6 +117,24 @@ def test_the_endpoint_and_generate_chat_render_a_conversation_the_same(route, em
     assert f"prompt {answer['usage']['prompt_tokens']} tokens" in cli.stderr
 
 
+def test_logprobs_carry_each_tokens_own_bytes_and_text_offsets(route, vocab):
+    """A token inside a UTF-8 character has no text of its own: its logprob's bytes are its own
+    bytes, not U+FFFD's; a completion's text_offset is where each token starts in its text."""
+    emoji = vocab.tokenize("🙂", add_special=False)
+    partial = next(t for t in emoji if vocab.token_bytes(t) and vocab.detokenize([t]) == "\ufffd")
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "logprobs": True,
+            "logit_bias": {str(partial): 100}}
+    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat))
+    assert got == 200, answer
+    (entry,) = answer["choices"][0]["logprobs"]["content"]
+    assert entry["bytes"] == list(vocab.token_bytes(partial)) and entry["bytes"] != list("\ufffd".encode())
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0, "logprobs": 1}))
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert "".join(lp["tokens"]) == answer["choices"][0]["text"]
+
+
 def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
     text = "The capital of France is Paris."
     got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text}))

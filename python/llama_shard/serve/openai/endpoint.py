@@ -642,7 +642,7 @@ class OpenAIEndpoint:
         events = _LoopEvents(asyncio.get_running_loop())
         stream = self._open(request, principal, req, events, param_names)
         fmt = CompletionFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                               self.model_id, chat, self._piece)
+                               self.model_id, chat, self._piece, self.model.token_bytes)
         started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:

@@ -32,10 +32,14 @@ class StopTrimmer:
 
 class CompletionFormat:
     """OpenAI's shapes for one request's answer: streamed chunks, the whole completion, usage and
-    logprobs, for /v1/chat/completions (`chat`) or /v1/completions. `piece`: one token's own text."""
+    logprobs, for /v1/chat/completions (`chat`) or /v1/completions. `piece`: one token's own text;
+    `token_bytes`: its bytes (a token inside a UTF-8 character has no text of its own). One per
+    request: the text offsets of its logprobs run on across its chunks."""
 
-    def __init__(self, rid: str, created: int, model_id: str, chat: bool, piece):
+    def __init__(self, rid: str, created: int, model_id: str, chat: bool, piece, token_bytes):
         self.rid, self.created, self.model_id, self.chat, self.piece = rid, created, model_id, chat, piece
+        self.token_bytes = token_bytes
+        self.text_at = 0  # where the next token's text starts in the completion (text_offset)
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -75,7 +79,9 @@ class CompletionFormat:
         """A GenerateFinal's counts in OpenAI's usage object."""
         return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
                 "total_tokens": final.prompt_tokens + final.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+                # reused from the caller's conversation, or opened from a shared prefix (not computed)
+                "prompt_tokens_details": {"cached_tokens": min(final.prompt_tokens,
+                                                               final.cached_tokens + final.prefix_tokens)},
                 # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
                 # tail accepted (part of the completion) and those it rejected (computed, not sent)
                 "completion_tokens_details": {
@@ -83,12 +89,16 @@ class CompletionFormat:
                     "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens}}
 
     def chat_logprobs(self, items: list) -> dict:
-        def entry(token: int, logprob: float) -> dict:
-            text = self.piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        def entry(token: int, logprob: float) -> dict:  # bytes: the token's own (part of a character too)
+            return {"token": self.piece(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
         return {"content": [entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]}
                             for t, lp, alts in items]}
 
     def completion_logprobs(self, items: list) -> dict:
-        return {"tokens": [self.piece(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+        tokens = [self.piece(t) for t, _, _ in items]
+        offsets = []  # each token's start in the completion's text (no echo: the prompt is not in it)
+        for piece in tokens:
+            offsets.append(self.text_at)
+            self.text_at += len(piece)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in items], "text_offset": offsets,
                 "top_logprobs": [{self.piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
