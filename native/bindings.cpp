@@ -710,7 +710,11 @@ void register_sampling(py::module_ & m) {
           "GBNF (start rule `root`) for a JSON Schema given as JSON text, by the pinned llama.cpp's converter; "
           "InvalidInputError for a schema it cannot take");
     m.def("grammar_problem", [](const shard_model & model, const std::string & grammar) -> py::object {
-              const std::string why = grammar_problem(llama_model_get_vocab(model.raw()), grammar);
+              std::string why;
+              {
+                  py::gil_scoped_release release;  // llama.cpp's parser: a grammar may take long; strings only
+                  why = grammar_problem(llama_model_get_vocab(model.raw()), grammar);
+              }
               return why.empty() ? py::object(py::none()) : py::object(py::str(why));
           }, py::arg("model"), py::arg("grammar"),
           "Why llama.cpp's grammar sampler would not take this GBNF over the model's vocabulary, or None");
@@ -776,6 +780,7 @@ void register_sampling(py::module_ & m) {
                          std::vector<int32_t> history, uint64_t draws, const shard_model * model,
                          std::vector<int32_t> generated) {
                  const llama_vocab * vocab = model != nullptr ? llama_model_get_vocab(model->raw()) : nullptr;
+                 py::gil_scoped_release release;  // a grammar's parse and replay may take long; C++ values only
                  return token_sampler::resume(n_vocab, params, max_penalty_last_n, history, draws, vocab, generated);
              }),
              py::arg("n_vocab"), py::arg("params"), py::arg("max_penalty_last_n"), py::kw_only(),
@@ -788,11 +793,14 @@ void register_sampling(py::module_ & m) {
                      !(logits.flags() & py::array::c_style)) {
                      throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "logits must be a contiguous 1-D numpy float32 array");
                  }
-                 return s.sample(static_cast<const float *>(logits.data()), (size_t) logits.shape(0));
+                 const float * row = static_cast<const float *>(logits.data());  // the caller holds the array
+                 const size_t n = (size_t) logits.shape(0);
+                 py::gil_scoped_release release;  // a grammar's mask over the vocabulary may take long
+                 return s.sample(row, n);
              },
              py::arg("logits"), "One draw over a row of n_vocab logits (not accepted: call accept with the token kept)")
         .def("accept", &token_sampler::accept, py::arg("token"), "The penalties remember this token (a prompt's)")
-        .def("accept_sampled", &token_sampler::accept_sampled, py::arg("token"),
+        .def("accept_sampled", &token_sampler::accept_sampled, py::arg("token"), py::call_guard<py::gil_scoped_release>(),
              "A sampled token: the grammar advances over it (InvalidInputError, nothing changed, if it does not fit), "
              "then the penalties remember it")
         .def_property_readonly("draws", &token_sampler::draws)

@@ -267,7 +267,8 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
         for extra in ({"frobnicate": {"a": 1}}, {"response_format": {"type": "json"}},
                       {"tools": []}, {"tool_choice": "none"}, {"grammar": "root ::= \"a\"{2,1}"},
                       {"logit_bias": {"one": 1}}, {"logit_bias": {"1": 101}}, {"logit_bias": {"1": "x"}},
-                      {"logit_bias": {str(10 ** 9): 1}}, {"logit_bias": [[1, 1]]}, {"logit_bias": {"-1": 1}}):
+                      {"logit_bias": {str(10 ** 9): 1}}, {"logit_bias": [[1, 1]]}, {"logit_bias": {"-1": 1}},
+                      {"logit_bias": {"--5": 1}}, {"logit_bias": {"1": 10 ** 400}}):
             got, answer = route.raw("POST", path, json.dumps(base | extra))
             (key,) = extra
             assert got == 400 and answer["error"]["param"] == key, (path, extra, answer)

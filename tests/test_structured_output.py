@@ -141,7 +141,12 @@ vocab = ShardModel({path!r}, (0, 0), 1)
 grammars = ["root ::= " + "(" * 100000 + '"a"' + ")" * 100000, 'root ::= "a"{{5,2}}', 'root ::= "a"{{1000000}}',
             'root ::= "a"{{3,1000000}}', "root ::= root \\"a\\"", 'rot ::= "a"', 'root ::= "a\\x00"',
             "\\n".join(f"r{{i}} ::= r{{i + 1}}" for i in range(5000)) + "\\nroot ::= r0",
-            'root ::= "' + "a" * 70000 + '"', "root ::= [", 'root ::= "unterminated', "", 'root ::= "a"{{2,}}']
+            'root ::= "' + "a" * 70000 + '"', "root ::= [", 'root ::= "unterminated',
+            # readings a looser check would get wrong: a comment ended by a carriage return, a <token>, counts with
+            # leading zeros or a comment inside the braces
+            'root ::= "a" # c\\rb ::= ' + "(" * 60000 + '"a"' + ")" * 60000,
+            "root ::= <#> " + "(" * 60000 + '"a"' + ")" * 60000, 'root ::= "a"{{0000000000005,2}}',
+            'root ::= ("a"{{5 #\\n,2}})', "", 'root ::= "a"{{2,}}']
 verdicts = []
 for g in grammars:
     verdicts.append(grammar_problem(vocab, g) is None)
@@ -175,9 +180,9 @@ def test_hostile_grammars_and_schemas_are_refused_and_the_process_survives(embed
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     verdicts, count = res.stdout.split()[:-1], int(res.stdout.split()[-1])
-    # {3,1000000} parses (llama.cpp reads a most over 2000 as unbounded), as do an empty grammar (no
-    # constraint) and an open repetition; every other one is refused
-    assert verdicts == ["no", "no", "no", "ok", "no", "no", "no", "no", "no", "no", "no", "ok", "ok"], res.stdout
+    # only an empty grammar (no constraint) and an open repetition parse; {3,1000000} is refused here
+    # (llama.cpp would read a most over 2000 as unbounded; a count has at most 4 digits)
+    assert verdicts == ["no"] * 15 + ["ok", "ok"], res.stdout
     assert count == 21
 
 
@@ -274,7 +279,10 @@ def test_structured_output_refusals_name_their_parameter(http_route):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
          "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "(" * 100 + "a" + ")" * 100}}}}, "response_format"),
         ({"grammar": 'root ::= "a"{5,2}'}, "grammar"),
+        ({"grammar": 'root ::= "a" # c\r' + "(" * 1000 + '"a"' + ")" * 1000}, "grammar"),
         ({"grammar": "root ::= (\"a\""}, "grammar"),
         ({"grammar": 'rot ::= "a"'}, "grammar"),
         ({"grammar": 5}, "grammar"),

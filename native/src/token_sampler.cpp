@@ -33,22 +33,32 @@ static size_t skip_quoted(const std::string & g, size_t i, char close) {
     return g.size();
 }
 
-static bool digits_at(const std::string & g, size_t & i, uint64_t & value) {
+// a repetition's count at `i`: 1 to 4 digits (llama.cpp refuses a least over 2000 and reads a
+// most over 2000 as unbounded: 4 digits hold every count it takes)
+static bool count_at(const std::string & g, size_t & i, uint64_t & value) {
     const size_t start = i;
     value = 0;
-    while (i < g.size() && g[i] >= '0' && g[i] <= '9' && i - start < 12) {
+    while (i < g.size() && g[i] >= '0' && g[i] <= '9') {
+        if (i - start == 4) {
+            return false;
+        }
         value = value * 10 + (uint64_t) (g[i] - '0');
         ++i;
     }
     return i > start;
 }
 
-static void skip_blank(const std::string & g, size_t & i) {
-    while (i < g.size() && (g[i] == ' ' || g[i] == '\t' || g[i] == '\n' || g[i] == '\r')) {
+static void skip_spaces(const std::string & g, size_t & i) {
+    while (i < g.size() && (g[i] == ' ' || g[i] == '\t')) {
         ++i;
     }
 }
 
+// The text is read as llama.cpp's parser reads it (src/llama-grammar.cpp): "..." literals and
+// [...] classes with their escapes, <...> tokens, comments from # to the end of a line (\r or
+// \n). Stricter than the parser where that is safer: a repetition is exactly {m}, {m,} or {m,n}
+// on one line with counts of at most 4 digits (a comment or a newline inside one, or a longer
+// count, would hide a least over the most from a looser reading).
 std::string grammar_text_problem(const std::string & g) {
     if (g.size() > SAMPLING_MAX_GRAMMAR_BYTES) {
         return "the grammar is " + std::to_string(g.size()) + " bytes; at most " + std::to_string(SAMPLING_MAX_GRAMMAR_BYTES);
@@ -62,8 +72,11 @@ std::string grammar_text_problem(const std::string & g) {
         const char c = g[i];
         if (c == '"' || c == '[') {
             i = skip_quoted(g, i, c == '"' ? '"' : ']');
+        } else if (c == '<') {
+            const size_t end = g.find('>', i + 1);
+            i = end == std::string::npos ? g.size() : end;
         } else if (c == '#') {
-            while (i < g.size() && g[i] != '\n') {
+            while (i < g.size() && g[i] != '\n' && g[i] != '\r') {
                 ++i;
             }
         } else if (c == '(') {
@@ -77,23 +90,35 @@ std::string grammar_text_problem(const std::string & g) {
                 return "the grammar has more than " + std::to_string(SAMPLING_MAX_GRAMMAR_RULES) + " rules";
             }
         } else if (c == '{') {
-            // a repetition {m}, {m,} or {m,n}: llama.cpp builds max - min optional copies, which
-            // wraps around to 2^64 when m > n
+            // llama.cpp builds max - min optional copies, which wraps around to 2^64 when m > n
+            const std::string form = "a repetition is {m}, {m,} or {m,n} on one line, with counts of at most 4 digits";
             size_t j = i + 1;
             uint64_t lo = 0, hi = 0;
-            skip_blank(g, j);
-            if (!digits_at(g, j, lo)) {
-                continue;  // not a repetition: the parser says what it is
+            skip_spaces(g, j);
+            if (!count_at(g, j, lo)) {
+                return form;
             }
-            skip_blank(g, j);
+            skip_spaces(g, j);
+            bool has_hi = false;
             if (j < g.size() && g[j] == ',') {
                 ++j;
-                skip_blank(g, j);
-                if (digits_at(g, j, hi) && hi < lo) {
-                    return "the grammar repeats {" + std::to_string(lo) + "," + std::to_string(hi) +
-                           "}: the least is more than the most";
+                skip_spaces(g, j);
+                if (j < g.size() && g[j] >= '0' && g[j] <= '9') {
+                    if (!count_at(g, j, hi)) {
+                        return form;
+                    }
+                    has_hi = true;
+                    skip_spaces(g, j);
                 }
             }
+            if (j >= g.size() || g[j] != '}') {
+                return form;
+            }
+            if (has_hi && hi < lo) {
+                return "the grammar repeats {" + std::to_string(lo) + "," + std::to_string(hi) +
+                       "}: the least is more than the most";
+            }
+            i = j;
         }
     }
     return {};

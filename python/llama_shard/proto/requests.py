@@ -12,6 +12,8 @@ entry point can say which of its own parameters was wrong without reading the me
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import NamedTuple
 
 from .._native import MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_LOGIT_ROWS, SamplingParams, grammar_problem
@@ -86,13 +88,28 @@ def sampling_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> Samplin
                           max_window)
 
 
+_GRAMMAR_VERDICTS: OrderedDict[tuple, str | None] = OrderedDict()  # (model, grammar) -> why not, or None
+_GRAMMAR_VERDICTS_LOCK = threading.Lock()
+
+
 def check_grammar(params: SamplingParams, model) -> None:
     """llama.cpp's parser on the params' grammar over `model`'s vocabulary (a ShardModel), once a
-    stream or a session's params are new: InvalidInputError naming `grammar` if it refuses it."""
-    if params.grammar:
+    stream or a session's params are new: InvalidInputError naming `grammar` if it refuses it. The
+    last 256 verdicts are kept (the endpoint checks on its pool before the loop checks again)."""
+    if not params.grammar:
+        return
+    key = (id(model), params.grammar)
+    with _GRAMMAR_VERDICTS_LOCK:
+        known = key in _GRAMMAR_VERDICTS
+        why = _GRAMMAR_VERDICTS.get(key)
+    if not known:
         why = grammar_problem(model, params.grammar)
-        if why is not None:
-            raise InvalidInputError(f"grammar: {why}", param="grammar")
+        with _GRAMMAR_VERDICTS_LOCK:
+            _GRAMMAR_VERDICTS[key] = why
+            while len(_GRAMMAR_VERDICTS) > 256:
+                _GRAMMAR_VERDICTS.popitem(last=False)
+    if why is not None:
+        raise InvalidInputError(f"grammar: {why}", param="grammar")
 
 
 def sampling_to_wire(p: SamplingParams) -> pb.Sampling:

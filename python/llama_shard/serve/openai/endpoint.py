@@ -35,10 +35,10 @@ from pathlib import Path
 
 from aiohttp import HttpVersion11, web
 
-from ..._native import json_schema_to_grammar
+from ..._native import SamplingParams, json_schema_to_grammar
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
-from ...proto.requests import MAX_STOP_TOKENS
+from ...proto.requests import MAX_STOP_TOKENS, check_grammar
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
 from ..security import ANONYMOUS, ServerSecurity, file_mtimes
 from .chat_template import ModelChat
@@ -638,6 +638,12 @@ class OpenAIEndpoint:
             except InvalidInputError as e:
                 raise HttpError(400, f"response_format: {e}", "response_format") from None
             param_names = param_names | {"grammar": "response_format"}
+        if req.sampling.grammar:  # llama.cpp's parser on the pool, not the event loop (the loop's check then
+            # finds its verdict kept)
+            try:
+                await self._off_loop(check_grammar, SamplingParams(grammar=req.sampling.grammar), self.model)
+            except InvalidInputError as e:
+                raise HttpError(400, str(e), param_names.get("grammar", "grammar")) from None
         req.session_id, req.route_epoch = self._session(request, principal, tokens)
         events = _LoopEvents(asyncio.get_running_loop())
         stream = self._open(request, principal, req, events, param_names)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from typing import NamedTuple
 
@@ -151,16 +152,36 @@ def logit_bias(body: dict) -> list[pb.TokenBias]:
         raise HttpError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
     out = []
     for key, value in bias.items():
-        if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= 11) or not -INT32_MAX <= int(key) <= INT32_MAX:
+        if not TOKEN_ID.fullmatch(key) or not -INT32_MAX <= int(key) <= INT32_MAX:
             raise HttpError(400, f"logit_bias: {key[:24]!r} is not a token id", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or abs(value) > 1e30:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 1e30 \
+                or not math.isfinite(value):  # (an int's size first: a huge one does not convert to float)
             raise HttpError(400, f"logit_bias: token {key}'s bias must be a number", "logit_bias")
         out.append(pb.TokenBias(token_id=int(key), bias=float(value)))
     return out
 
 
 ANY_OBJECT = '{"type": "object"}'
+TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
+#: a schema's nesting, and a pattern's groups: the converter recurses per level (the native check
+#: says the same of the text; here the strings are decoded, so no escape hides a parenthesis)
+MAX_SCHEMA_DEPTH = 64
+
+
+def _schema_depth(value, depth: int = 0) -> int:
+    if depth > MAX_SCHEMA_DEPTH:
+        return depth
+    if isinstance(value, dict):
+        return max((_schema_depth(v, depth + 1) for v in value.values()), default=depth + 1)
+    if isinstance(value, list):
+        return max((_schema_depth(v, depth + 1) for v in value), default=depth + 1)
+    if isinstance(value, str):
+        deepest = groups = 0
+        for c in value:
+            groups += (c == "(") - (c == ")")
+            deepest = max(deepest, groups)
+        return depth + deepest
+    return depth
 
 
 def output_schema(body: dict) -> str | None:
@@ -184,6 +205,9 @@ def output_schema(body: dict) -> str | None:
         raise HttpError(400, "response_format json_schema must be an object whose schema is an object",
                         "response_format")
     schema = wrapper.get("schema") or {}
+    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise HttpError(400, f"response_format: the schema (or a pattern's groups) nests deeper than "
+                             f"{MAX_SCHEMA_DEPTH} levels", "response_format")
     return json.dumps(schema) if schema else ANY_OBJECT
 
 
