@@ -252,6 +252,8 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     for body in ('{"prompt": "hi \\ud800 there", "max_tokens": 2}', '{"prompt": "hi", "stop": ["\\udfff"]}'):
         got, answer = route.raw("POST", "/v1/completions", body)
         assert got == 400 and "Unicode" in answer["error"]["message"], (body, answer)
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | {"max_tokens": 5000}))
+    assert got == 400 and answer["error"]["code"] == "context_length_exceeded", answer
     got, answer = route.raw("POST", "/v1/completions", json.dumps(ok), {"X-Session-Id": "\xff\xfe"})
     assert got == 400 and answer["error"]["param"] == "X-Session-Id"
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL_ID, "messages": "hi"}))
