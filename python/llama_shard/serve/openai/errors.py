@@ -41,7 +41,7 @@ def refusal_error(refusal: Refusal, param_names: dict[str, str] | None = None) -
     if param is not None and param_names:
         param = param_names.get(param, param)
     final = refusal.final
-    # a prompt and max_tokens that overflow the context: OpenAI's code for it (as for a long prompt)
-    code = "context_length_exceeded" if refusal.param in ("max_tokens", "prompt") and "context" in final.detail \
-        else None
+    # the loop refuses max_tokens only where the prompt and it overflow the context (the endpoint
+    # checks the bounds of its type first): OpenAI's code for it, as for a long prompt
+    code = "context_length_exceeded" if refusal.param == "max_tokens" else None
     return HttpError(OUTCOME_STATUS.get(final.outcome, 503), final.detail, param, code)
