@@ -30,7 +30,7 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" -DCMAKE_EXE_LINKER_FLAGS="${FLAGS%% *}" \
     -DCMAKE_SHARED_LINKER_FLAGS="${FLAGS%% *}" -DPython_EXECUTABLE="$(command -v "$PY")" \
     -DLLAMA_SHARD_USE_OPENSSL=OFF > /dev/null  # the vendored SHA-256 (the default build takes OpenSSL's)
-cmake --build "$BUILD" --target _native test-split-parity test-bad-input test-hot-kv test-step-loop test-engine-stress
+cmake --build "$BUILD" --target _native llama_shard_ctests
 REPORTS="$PWD/$BUILD/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:log_path=$REPORTS/asan

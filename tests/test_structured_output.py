@@ -186,6 +186,49 @@ def test_hostile_grammars_and_schemas_are_refused_and_the_process_survives(embed
     assert count == 21
 
 
+EXPONENTIAL = """
+import time
+from llama_shard._native import SamplingParams, ShardModel, TokenSampler, grammar_problem
+from llama_shard.errors import InvalidInputError
+vocab = ShardModel({path!r}, (0, 0), 1)
+n = 40
+# each rule reaches the next twice: llama.cpp's left-recursion check walked every path (2^40); the
+# grammar itself is harmless (two parse stacks)
+walk = "root ::= r0\\n" + "\\n".join(f"r{{i}} ::= r{{i + 1}} | r{{i + 1}}" for i in range(n)) + f"\\nr{{n}} ::= \\"a\\""
+# distinct tails at each level: 2^40 parse stacks before the first character
+first = "root ::= r0\\n" + "\\n".join(f"r{{i}} ::= r{{i + 1}} \\"a\\" | r{{i + 1}} \\"b\\"" for i in range(n)) + f"\\nr{{n}} ::= \\"c\\""
+t0 = time.monotonic()
+print("walk", grammar_problem(vocab, walk) is None, "first", grammar_problem(vocab, first) is not None)
+# the stacks double at every character read: "a" root "b" | "a" root "c" after k a's holds 2^k tails
+doubling = 'root ::= "a" root "b" | "a" root "c" | "d"'
+s = TokenSampler(vocab.info.n_vocab, SamplingParams(temperature=0.0, grammar=doubling), 4096, model=vocab)
+a = vocab.tokenize("a", add_special=False)[0]
+accepted = 0
+try:
+    for _ in range(64):
+        s.accept_sampled(a)
+        accepted += 1
+except InvalidInputError as e:
+    print("refused", "parse stacks" in str(e), 8 <= accepted <= 14)
+try:
+    s.accept_sampled(a)
+except InvalidInputError:
+    print("then", "refused")
+print("seconds", time.monotonic() - t0)
+"""
+
+
+def test_grammars_that_cost_llama_cpp_exponential_time_are_bounded(embedded_model):
+    """Patch 0009: the left-recursion check walks each rule once, and no advance keeps more than
+    4096 parse stacks (refused at the start, or the stream ends with an error), within seconds."""
+    res = subprocess.run([sys.executable, "-c", EXPONENTIAL.format(path=str(embedded_model))], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    words = res.stdout.split()
+    assert words[:-2] == ["walk", "True", "first", "True", "refused", "True", "True", "then", "refused"], res.stdout
+    assert float(words[-1]) < 30, res.stdout
+
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -137,7 +137,8 @@ std::string grammar_problem(const llama_vocab * vocab, const std::string & gramm
     }
     llama_sampler * s = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
     if (s == nullptr) {
-        return "llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion; its log says where)";
+        return "llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion, at most 4096 "
+               "parse stacks at the start; its log says where)";
     }
     llama_sampler_free(s);
     return {};
@@ -224,7 +225,8 @@ token_sampler::token_sampler(int32_t n_vocab, const sampling_params & p, int32_t
         }
         grammar_ = llama_sampler_init_grammar(vocab, p.grammar.c_str(), "root");
         if (grammar_ == nullptr) {
-            bad("grammar: llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion)");
+            bad("grammar: llama.cpp's grammar parser refuses it (GBNF with a `root` rule, no left recursion, at "
+                "most 4096 parse stacks at the start)");
         }
     }
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
@@ -342,7 +344,7 @@ int32_t token_sampler::sample(const float * logits, size_t n) {
     }
     llama_token_data_array row{candidates_.data(), candidates_.size(), -1, false};
     if (grammar_ != nullptr) {
-        llama_sampler_apply(grammar_, &row);
+        apply_grammar(&row);
         const bool any = std::any_of(candidates_.begin(), candidates_.end(),
                                      [](const llama_token_data & c) { return std::isfinite(c.logit); });
         if (!any) {  // the chain would draw from nothing (stock asserts there)
@@ -401,10 +403,21 @@ int32_t token_sampler::sample_argmax(const float * logits) {
     return pair.data[pair.selected].id;
 }
 
+void token_sampler::apply_grammar(llama_token_data_array * row) {
+    try {
+        llama_sampler_apply(grammar_, row);  // sets a refused token's logit to -inf; changes no state
+    } catch (const std::exception & e) {
+        // patch 0009: an ambiguous grammar's stacks past the bound. The state is intact but every
+        // later mask would throw the same: the stream ends here
+        grammar_broken_ = true;
+        bad(std::string("grammar: ") + e.what());
+    }
+}
+
 bool token_sampler::grammar_allows(int32_t token) {
     llama_token_data one{token, 0.0f, 0.0f};
     llama_token_data_array row{&one, 1, -1, false};
-    llama_sampler_apply(grammar_, &row);  // sets a refused token's logit to -inf; changes no state
+    apply_grammar(&row);
     return std::isfinite(one.logit);
 }
 
@@ -422,10 +435,11 @@ void token_sampler::advance_grammar(int32_t token) {
     }
     try {
         llama_sampler_accept(grammar_, token);
-    } catch (const std::exception & e) {  // not expected after grammar_allows; its stacks are gone then
+    } catch (const std::exception & e) {
+        // after grammar_allows only patch 0009's bound: the stacks past 4096 part-way through the
+        // token's characters (the state is half advanced then): the caller's grammar, a bad input
         grammar_broken_ = true;
-        throw shard_error(SHARD_ERRC_COMPUTE, std::string("sampling: the grammar failed on token ") +
-                                                  std::to_string(token) + ": " + e.what());
+        bad("the grammar failed on token " + std::to_string(token) + ": " + e.what());
     }
 }
 

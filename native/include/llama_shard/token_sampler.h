@@ -40,6 +40,7 @@
 
 struct llama_sampler;
 struct llama_token_data;
+struct llama_token_data_array;
 struct llama_vocab;
 
 namespace llama_shard {
@@ -127,6 +128,7 @@ public:
 private:
     int32_t sample_argmax(const float * logits);  // the argmax_only_ path of sample(), logits checked; -1: undecided
     bool    grammar_allows(int32_t token);         // the grammar's verdict on one token, its state unchanged
+    void    apply_grammar(::llama_token_data_array * row);  // the grammar's mask (patch 0009's bound: bad())
     void    advance_grammar(int32_t token);        // the grammar over one token it allows (else INVALID_ARGUMENT)
     bool    penalties_off() const {  // llama.cpp's own test (llama_sampler_penalties::is_disabled)
         return params_.penalty_last_n == 0 ||
