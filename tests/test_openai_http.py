@@ -275,6 +275,11 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
             (key,) = extra
             assert got == 400 and answer["error"]["param"] == key, (path, extra, answer)
             assert answer["error"]["type"] == "invalid_request_error" and key in answer["error"]["message"]
+    # tools with a template that renders none (SmolLM2's own): a 400, never prose
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for choice in ("auto", "required"):
+        got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat | {"tools": [tool], "tool_choice": choice}))
+        assert got == 400 and answer["error"]["param"] == "tools" and "template" in answer["error"]["message"], answer
     for path, base, wrong in (("/v1/completions", ok, "top_logprobs"), ("/v1/chat/completions", chat, "echo")):
         got, answer = route.raw("POST", path, json.dumps(base | {wrong: 0}))  # the other endpoint's key
         assert got == 400 and answer["error"]["param"] == wrong, (path, answer)

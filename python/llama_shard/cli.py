@@ -41,6 +41,32 @@ from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
 _DEFAULTS = HotKvStateConfig()
 
 
+
+#: the largest chat template file `--chat-template-file` reads
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template file's text (InvalidInputError: missing, not a file, over 1 MiB, not UTF-8, or
+    not a template jinja2 parses)."""
+    regular_model_file(path, "--chat-template-file")
+    with open(path, "rb") as f:
+        data = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+    if len(data) > MAX_CHAT_TEMPLATE_BYTES:
+        raise InvalidInputError(f"--chat-template-file: over {MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInputError("--chat-template-file: not UTF-8") from None
+    from jinja2 import TemplateError
+
+    from .serve.openai.template_sandbox import BoundedSandbox
+    try:
+        BoundedSandbox(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateError as e:
+        raise InvalidInputError(f"--chat-template-file: not a template jinja2 reads: {e}") from None
+    return text
+
 def _status(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -387,7 +413,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
                              args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
                              tuple(h.strip().lower() for h in args.http_allowed_host))
-    if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens):
+    chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
+    if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
     soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
     _status(f"open files: at most {soft} (hard limit {hard})" + (
@@ -413,6 +440,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                                        max_hop_s=args.max_hop_seconds, http_port=args.http_port,
                                        http_limits=http_limits, http_split_special_tokens=args.http_split_special_tokens,
+                                       chat_template=chat_template,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
                                        verify=args.draft_verify, replicas=tuple(args.replica)))
@@ -662,6 +690,9 @@ def _http_flags(sv: argparse.ArgumentParser) -> None:
                     help="tokenize the text of chat messages as plain text, so a caller's '<|im_end|>' is those "
                          "characters, not the model's turn marker (transformers' split_special_tokens; default: parsed "
                          "as llama-server parses it)")
+    sv.add_argument("--chat-template-file", default=None, metavar="FILE",
+                    help="a Jinja chat template that replaces the GGUF's for the HTTP endpoint (for example one that "
+                         "renders tools as <tool_call> blocks); at most 1 MiB of UTF-8")
     sv.add_argument("--metrics-port", type=_port, default=None, help="Prometheus metrics port (default: off)")
     sv.add_argument("--metrics-host", default="127.0.0.1",
                     help="metrics bind address (default: loopback; the endpoint is plaintext and unauthenticated, "

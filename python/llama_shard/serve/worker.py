@@ -80,6 +80,7 @@ class WorkerOptions:
     http_port: int | None = None           # the OpenAI-compatible endpoint on `host` (None: off); its route: `peers` in order
     http_limits: HttpLimits = HttpLimits()  # its timeouts, connection cap, per-principal slots, allowed Host names
     http_split_special_tokens: bool = False  # messages' text tokenized as plain text (special tokens' text included)
+    chat_template: str | None = None  # replaces the GGUF's chat template on the HTTP endpoint
     share_prefixes: str = "principal"      # whose sessions share prefixes: each principal's own, or "all"
     draft: str = "ngram"                   # speculative decoding's draft source on a head (DRAFT_SOURCES)
     max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
@@ -587,7 +588,7 @@ class ShardWorker:
 
             self.http = OpenAIEndpoint(self.servicer.generation, self.model, options.security, options.host,
                                        options.http_port, self.max_concurrent_rpcs, options.http_limits,
-                                       options.http_split_special_tokens)
+                                       options.http_split_special_tokens, options.chat_template)
         self._stopped = threading.Event()
 
     @property

@@ -46,6 +46,7 @@ from .errors import HttpError, outcome_status, refusal_error
 from .guard import ConnectionGuard, HttpLimits
 from .requests import INT32_MAX, PARAM_NAMES, check_keys, flag, generate_request, number, output_schema
 from .responses import CompletionFormat, StopTrimmer
+from .tool_calls import ToolCallStream, ToolRequest, history_message, parse_calls, template_renders_tools
 
 #: the largest request body whatever the context (a longer one gets 413 before it is read in full)
 MAX_BODY_BYTES = 4 * 2**20
@@ -83,7 +84,7 @@ class OpenAIEndpoint:
 
     def __init__(self, generation: GenerationLoops, model, security: ServerSecurity, host: str, port: int,
                  max_in_flight: int, limits: HttpLimits = HttpLimits(),
-                 split_special_tokens: bool = False):
+                 split_special_tokens: bool = False, chat_template: str | None = None):
         # what the endpoint uses of its worker: the head's generation loop (its whole interface to the
         # route), the model (tokenizer, template, vocabulary) and the worker's security (TLS, principals)
         self.generation, self.model, self.security = generation, model, security
@@ -109,7 +110,8 @@ class OpenAIEndpoint:
         self.model_id = Path(model.path).name.removesuffix(".gguf")
         self.created = int(time.time())
         self.eog = list(model.eog_tokens)
-        self.chat = ModelChat(model)  # the CLI's --chat and the demo render conversations the same way
+        # the CLI's --chat and the demo render conversations the same way (with the GGUF's template)
+        self.chat = ModelChat(model, chat_template)
         self.bos_text, self.template = self.chat.bos_text, self.chat.template
         self._pieces: OrderedDict[int, str] = OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -485,20 +487,28 @@ class OpenAIEndpoint:
                 content = ""
             if not isinstance(content, str):
                 raise HttpError(400, "a message's content must be a string or a list of text parts", "messages")
-            rendered.append({"role": m["role"], "content": content})
+            rendered.append(history_message(m, m["role"], content))
         top = number(body, "top_logprobs", 0, INT32_MAX, integer=True) or 0
         logprobs = flag(body, "logprobs")
         if top and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
+        tools = ToolRequest(body) if "tools" in body or "tool_choice" in body else None
+        if tools is not None and tools.choice == "none":
+            tools = None  # as OpenAI: the model answers in text (the tools are not rendered)
+        if tools is not None and not template_renders_tools(self.chat.source):
+            raise HttpError(400, "this model's chat template does not render tools as <tool_call> blocks; start "
+                                 "the worker with --chat-template-file holding one that does", "tools")
+
         def prompt_tokens() -> list[int]:
+            listed = tools.tools if tools is not None else None
             if self.split_special_tokens:
-                return self._tokenize_split(rendered)
-            return self._tokenize(self.chat.text(rendered))
+                return self._tokenize_split(rendered, listed)
+            return self._tokenize(self.chat.text(rendered, tools=listed))
 
         tokens = await self._off_loop(prompt_tokens)
         return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top,
-                                    param_names={})
+                                    param_names={}, tools=tools)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         principal = self._principal(request)
@@ -547,7 +557,7 @@ class OpenAIEndpoint:
             raise HttpError(400, "the prompt is empty", "prompt")
         return self._fits_context(tokens)
 
-    def _tokenize_split(self, messages: list[dict]) -> list[int]:
+    def _tokenize_split(self, messages: list[dict], tools: list | None = None) -> list[int]:
         """`--http-split-special-tokens`: a message's text is plain text (transformers'
         split_special_tokens), so a caller's `<|im_end|>` is those characters, never the turn marker;
         the template's own text keeps its special tokens. Only a message whose text holds special-token
@@ -556,7 +566,7 @@ class OpenAIEndpoint:
         without such text is tokenized in one piece, exactly as without the option. A template that
         changes such a text (trims, splits it) is refused: its marks could not be told from the text."""
         model = self.model
-        text = self.template.render(messages)
+        text = self.template.render(messages, tools=tools)
         if self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text):]
         plain = []  # (start, end) of each message text that holds special-token text
@@ -619,7 +629,8 @@ class OpenAIEndpoint:
         return found if found is not None else (f"{NEW_SESSION_PREFIX}{uuid.uuid4().hex}", 0)
 
     async def _generate(self, request: web.Request, principal: str, body: dict, tokens: list[int], *, chat: bool,
-                        logprobs: bool, top: int, param_names: dict[str, str]) -> web.StreamResponse:
+                        logprobs: bool, top: int, param_names: dict[str, str],
+                        tools: ToolRequest | None = None) -> web.StreamResponse:
         """Runs the request as a stream of the head's loop and answers it, streamed or whole."""
         stream_it = flag(body, "stream")
         options = body.get("stream_options") or {}
@@ -638,6 +649,16 @@ class OpenAIEndpoint:
             except InvalidInputError as e:
                 raise HttpError(400, f"response_format: {e}", "response_format") from None
             param_names = param_names | {"grammar": "response_format"}
+        if tools is not None and tools.choice == "required":  # every answer a call: a grammar of the calls
+            if req.sampling.grammar:
+                raise HttpError(400, "tool_choice required (or a named function) takes no grammar or "
+                                     "response_format of its own", "tool_choice")
+            try:
+                call = await self._off_loop(json_schema_to_grammar, json.dumps(tools.call_schema()))
+            except InvalidInputError as e:
+                raise HttpError(400, f"tools: a tool's parameters: {e}", "tools") from None
+            req.sampling.grammar = tools.grammar(call)
+            param_names = param_names | {"grammar": "tools"}
         if req.sampling.grammar:  # llama.cpp's parser on the pool, not the event loop (the loop's check then
             # finds its verdict kept)
             try:
@@ -652,8 +673,9 @@ class OpenAIEndpoint:
         started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:
-                return await self._streamed(request, req, stream, events, fmt, include_usage, started)
-            return await self._whole(request, req, stream, events, fmt)
+                return await self._streamed(request, req, stream, events, fmt, include_usage, started,
+                                            tools is not None)
+            return await self._whole(request, req, stream, events, fmt, tools is not None)
         except ConnectionError:  # the client went away mid-stream: its stream stops at the next step
             stream.cancel("the client closed the connection")
             return started[0] if started else None
@@ -700,7 +722,8 @@ class OpenAIEndpoint:
         return "length"  # cancelled or shutdown while streaming: ended as OpenAI ends a cut stream
 
     async def _streamed(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
-                        fmt: CompletionFormat, include_usage: bool, started: list) -> web.StreamResponse:
+                        fmt: CompletionFormat, include_usage: bool, started: list,
+                        with_tools: bool = False) -> web.StreamResponse:
         """Server-sent events: a chunk per token (its text empty while held back), the final chunk,
         usage when asked, [DONE]; an error after the first byte is an error event."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -713,6 +736,7 @@ class OpenAIEndpoint:
         if fmt.chat:
             await send(fmt.first_chunk())
         trimmer, read = self._client_text(req)
+        calls = ToolCallStream() if with_tools else None
         while True:
             event = await events.queue.get()
             if event.HasField("final"):
@@ -720,13 +744,26 @@ class OpenAIEndpoint:
             if request.transport is None or request.transport.is_closing():
                 stream.cancel("the client closed the connection")  # also without a write to fail
             text, lp = read(event.token)
+            if calls is None:
+                await send(fmt.chunk(text, None, lp))
+                continue
+            text, deltas = calls.feed(text)
             await send(fmt.chunk(text, None, lp))
+            for delta in deltas:
+                await send(fmt.tool_chunk(delta))
         final = event.final
         finish = self._finish_reason(final, streamed=True)
         if isinstance(finish, HttpError):
             await send(json.loads(finish.response().body))
             return response
         tail = trimmer.flush() if final.finish_reason != "stop" else ""
+        if calls is not None:
+            tail, deltas = calls.feed(tail)
+            for delta in deltas:
+                await send(fmt.tool_chunk(delta))
+            tail += calls.flush()
+            if calls.calls and finish == "stop":
+                finish = "tool_calls"
         await send(fmt.chunk(tail or None, finish, None))
         if include_usage:
             await send(fmt.usage_chunk(fmt.usage(final)))
@@ -735,7 +772,7 @@ class OpenAIEndpoint:
         return response
 
     async def _whole(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
-                     fmt: CompletionFormat) -> web.Response:
+                     fmt: CompletionFormat, with_tools: bool = False) -> web.Response:
         """One JSON answer once the stream has ended (a closed connection is seen at the next token)."""
         trimmer, read = self._client_text(req)
         texts: list[str] = []
@@ -755,7 +792,12 @@ class OpenAIEndpoint:
         if isinstance(finish, HttpError):
             raise finish
         tail = trimmer.flush() if final.finish_reason != "stop" else ""
-        return web.json_response(fmt.whole("".join(texts) + tail, finish, lp_items, fmt.usage(final)),
+        content, calls = "".join(texts) + tail, []
+        if with_tools:
+            content, calls = parse_calls(content)
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        return web.json_response(fmt.whole(content, finish, lp_items, fmt.usage(final), calls),
                                  headers={"X-Session-Id": req.session_id})
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:

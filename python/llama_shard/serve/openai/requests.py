@@ -66,6 +66,14 @@ PARAMETERS = (
               "and validates (one cut by max_tokens ends with finish_reason length)"),
     Parameter("grammar", BOTH, "llama-server's: GBNF with a `root` rule; only what it allows is sampled "
               "(not with response_format)"),
+    Parameter("tools", ("chat",), "functions the model may call (`{\"type\": \"function\", \"function\": {name, "
+              "description, parameters}}`, at most 128), rendered by the model's template; its calls come back as "
+              "`tool_calls` with finish_reason `tool_calls`. Needs a template that writes `<tool_call>` blocks "
+              "(Hermes, Qwen 2.5/3; `serve --chat-template-file`); another is a 400"),
+    Parameter("tool_choice", ("chat",), "`auto` (default: the model decides; its output is parsed), `none`, "
+              "`required` or `{\"type\": \"function\", \"function\": {\"name\": ...}}`: these two sample under "
+              "a grammar of the calls (llama.cpp's converter of each tool's parameters), so every answer is a call"),
+    Parameter("parallel_tool_calls", ("chat",), "with `required`: one call or several (default true)"),
     Parameter("max_drafts", BOTH, "speculative decoding: the most drafted tokens per step (0: off; up to 15)"),
     # accepted, and without effect by their nature here
     Parameter("user", BOTH, "accepted, no effect (a string)"),
@@ -75,7 +83,7 @@ PARAMETERS = (
 )
 _ALLOWED = {e: {p.name for p in PARAMETERS if e in p.endpoints} for e in BOTH}
 #: keys OpenAI or llama-server know that this endpoint does not do (yet): a 400 that says so
-NOT_SUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "json_schema",
+NOT_SUPPORTED = ("functions", "function_call", "json_schema",
                  "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "n_probs",
                  "cache_prompt")
 

@@ -60,13 +60,23 @@ class CompletionFormat:
         return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
                 "choices": [choice]}
 
+    def tool_chunk(self, delta: dict) -> dict:
+        """A chat stream's chunk of one tool call's delta (tool_calls.ToolCallStream)."""
+        out = self.chunk(None, None, None)
+        out["choices"][0]["delta"] = {"tool_calls": [delta]}
+        return out
+
     def usage_chunk(self, usage: dict) -> dict:
         return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
                 "choices": [], "usage": usage}
 
-    def whole(self, content: str, finish: str, lp_items: list | None, usage: dict) -> dict:
+    def whole(self, content: str | None, finish: str, lp_items: list | None, usage: dict,
+              tool_calls: list | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+            message = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "finish_reason": finish,
                       "logprobs": self.chat_logprobs(lp_items) if lp_items is not None else None}
         else:
             choice = {"index": 0, "text": content, "finish_reason": finish,
