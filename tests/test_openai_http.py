@@ -152,6 +152,30 @@ def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
     assert got == 405 and answer["error"]["type"] == "invalid_request_error"
 
 
+def test_apply_template_props_and_metrics_as_llama_server_has_them(route, vocab):
+    """/apply-template gives the prompt a chat request generates from, /props the context and the
+    template, /metrics the worker's Prometheus metrics on the HTTP port too."""
+    from llama_shard.serve.openai.chat_template import ModelChat
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    got, answer = route.raw("POST", "/apply-template", json.dumps({"messages": messages}))
+    assert got == 200 and answer["prompt"] == ModelChat(vocab).text(messages)
+    for body, param in (({"messages": "hi"}, "messages"), ({"messages": messages, "frob": 1}, "frob"),
+                        ({"messages": messages, "tools": 5}, "tools")):
+        got, answer = route.raw("POST", "/apply-template", json.dumps(body))
+        assert got == 400 and answer["error"]["param"] == param, (body, answer)
+    got, props = route.raw("GET", "/props")
+    assert got == 200 and props["n_ctx"] == 1024 and props["chat_template"] == vocab.chat_template
+    assert props["model_alias"] == MODEL_ID and props["total_slots"] >= 1
+    conn = http.client.HTTPConnection("127.0.0.1", route.http_port, timeout=30)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    assert "llama_shard_" in text and "# TYPE" in text
+
+
 def test_a_seeded_completion_equals_the_generate_stream(route, vocab):
     prompt = vocab.tokenize("Once upon a time, in a small village,")
     params = dict(temperature=0.8, top_p=0.9, seed=42, extra_body={"top_k": 40})  # top_k: llama.cpp's extension

@@ -588,7 +588,7 @@ class ShardWorker:
 
             self.http = OpenAIEndpoint(self.servicer.generation, self.model, options.security, options.host,
                                        options.http_port, self.max_concurrent_rpcs, options.http_limits,
-                                       options.http_split_special_tokens, options.chat_template)
+                                       options.http_split_special_tokens, options.chat_template, self.registry)
         self._stopped = threading.Event()
 
     @property

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import ipaddress
 import json
 import re
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import HttpVersion11, web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..._native import SamplingParams, json_schema_to_grammar
 from ...errors import InvalidInputError
@@ -84,7 +86,7 @@ class OpenAIEndpoint:
 
     def __init__(self, generation: GenerationLoops, model, security: ServerSecurity, host: str, port: int,
                  max_in_flight: int, limits: HttpLimits = HttpLimits(),
-                 split_special_tokens: bool = False, chat_template: str | None = None):
+                 split_special_tokens: bool = False, chat_template: str | None = None, registry=None):
         # what the endpoint uses of its worker: the head's generation loop (its whole interface to the
         # route), the model (tokenizer, template, vocabulary) and the worker's security (TLS, principals)
         self.generation, self.model, self.security = generation, model, security
@@ -112,6 +114,7 @@ class OpenAIEndpoint:
         self.eog = list(model.eog_tokens)
         # the CLI's --chat and the demo render conversations the same way (with the GGUF's template)
         self.chat = ModelChat(model, chat_template)
+        self.registry = registry  # the worker's Prometheus registry, served at /metrics too
         self.bos_text, self.template = self.chat.bos_text, self.chat.template
         self._pieces: OrderedDict[int, str] = OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -176,6 +179,9 @@ class OpenAIEndpoint:
         app.router.add_get("/v1/models/{model_id}", self._model)
         app.router.add_post("/tokenize", self._tokenize_route, expect_handler=self._expect)
         app.router.add_post("/detokenize", self._detokenize_route, expect_handler=self._expect)
+        app.router.add_post("/apply-template", self._apply_template, expect_handler=self._expect)
+        app.router.add_get("/props", self._props)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._chat, expect_handler=self._expect)
         app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
         # aiohttp's own keep-alive timer covers a connection that sends nothing; the guard the rest
@@ -456,14 +462,8 @@ class OpenAIEndpoint:
 
     # --- the two generation endpoints ---------------------------------------------------------
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        principal = self._principal(request)
-        with self._slot(principal):
-            return await self._chat_in_slot(request, principal)
-
-    async def _chat_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
-        body = await self._body(request)
-        check_keys(body, "chat")
+    def _messages(self, body: dict) -> list[dict]:
+        """The request's messages as the template reads them (a 400 naming `messages` otherwise)."""
         if self.template is None:
             raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
                             "messages")
@@ -488,17 +488,70 @@ class OpenAIEndpoint:
             if not isinstance(content, str):
                 raise HttpError(400, "a message's content must be a string or a list of text parts", "messages")
             rendered.append(history_message(m, m["role"], content))
+        return rendered
+
+    def _tools(self, body: dict) -> ToolRequest | None:
+        """The request's tools, None when it has none or `tool_choice` is none (a 400 for a template
+        that renders no tools)."""
+        tools = ToolRequest(body) if "tools" in body or "tool_choice" in body else None
+        if tools is not None and tools.choice == "none":
+            return None  # as OpenAI: the model answers in text (the tools are not rendered)
+        if tools is not None and not template_renders_tools(self.chat.source):
+            raise HttpError(400, "this model's chat template does not render tools as <tool_call> blocks; start "
+                                 "the worker with --chat-template-file holding one that does", "tools")
+        return tools
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        """llama-server's /apply-template: {"messages", "tools"?} -> {"prompt"}: the text a chat request
+        with these messages would generate from (before tokenization)."""
+        principal = self._principal(request)
+        with self._slot(principal):
+            body = await self._body(request)
+            unknown = sorted(set(body) - {"messages", "tools", "tool_choice", "parallel_tool_calls", "model"})
+            if unknown:
+                raise HttpError(400, f"unrecognized request argument: {unknown[0][:64]!r}", unknown[0][:64])
+            rendered, tools = self._messages(body), self._tools(body)
+            listed = tools.tools if tools is not None else None
+            return web.json_response({"prompt": await self._off_loop(lambda: self.chat.text(rendered, tools=listed))})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        """llama-server's /props: what a client asks before it sends (the context, the template, the
+        slots, the special tokens)."""
+        self._principal(request)
+        model = self.model
+        return web.json_response({
+            "model_alias": self.model_id, "model_path": Path(model.path).name,
+            "n_ctx": self.generation.context_tokens, "total_slots": self.max_in_flight,
+            "chat_template": self.chat.source or "",
+            "bos_token": self.bos_text, "eos_token": model.detokenize([model.token_eos]) if model.token_eos >= 0 else "",
+            "default_generation_settings": {"n_ctx": self.generation.context_tokens,
+                                            "params": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                       "repeat_last_n": 64, "repeat_penalty": 1.0}},
+            "build_info": f"llama-shard {_version()}"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The worker's Prometheus metrics (as --metrics-port serves them), behind the port's auth."""
+        self._principal(request)
+        if self.registry is None:
+            raise HttpError(404, "this worker keeps no metrics")
+        data = await self._off_loop(generate_latest, self.registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        principal = self._principal(request)
+        with self._slot(principal):
+            return await self._chat_in_slot(request, principal)
+
+    async def _chat_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
+        body = await self._body(request)
+        check_keys(body, "chat")
+        rendered = self._messages(body)
         top = number(body, "top_logprobs", 0, INT32_MAX, integer=True) or 0
         logprobs = flag(body, "logprobs")
         if top and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
-        tools = ToolRequest(body) if "tools" in body or "tool_choice" in body else None
-        if tools is not None and tools.choice == "none":
-            tools = None  # as OpenAI: the model answers in text (the tools are not rendered)
-        if tools is not None and not template_renders_tools(self.chat.source):
-            raise HttpError(400, "this model's chat template does not render tools as <tool_call> blocks; start "
-                                 "the worker with --chat-template-file holding one that does", "tools")
+        tools = self._tools(body)
 
         def prompt_tokens() -> list[int]:
             listed = tools.tools if tools is not None else None
@@ -805,6 +858,13 @@ class OpenAIEndpoint:
         bytes have not shrunk for the write timeout (a slow reader that makes progress is not): the
         pending write then fails (ConnectionError) and the stream stops at the next step."""
         await response.write(data)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llama-shard")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
 
 
 def _longest_token_bytes(model) -> int:
