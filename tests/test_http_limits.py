@@ -94,7 +94,8 @@ class Plain:
 
 @pytest.fixture(scope="module")
 def plain(embedded_model):
-    w = Plain(embedded_model, extra=("--http-allowed-host", "node.lan", "--max-concurrent-rpcs", "64"))
+    w = Plain(embedded_model, extra=("--http-allowed-host", "node.lan", "--max-concurrent-rpcs", "64",
+                                     "--http-cors-origin", "https://app.example"))
     yield w
     err = w.stop()
     assert "Traceback" not in err, err[-3000:]
@@ -286,6 +287,42 @@ def test_template_arithmetic_and_output_are_bounded():
     assert fine.render([{"role": "user", "content": "ab"}]) == "<user>abab    3|ap: 100%1234567a1bxy1024"
 
 
+def _exchange(port: int, method: str, path: str, headers: dict, body: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request(method, path, body, headers)
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, resp
+
+
+def test_cors_answers_only_the_origins_the_operator_named(plain):
+    """--http-cors-origin: a page of that origin gets its preflight and reads the answers (errors
+    too); any other origin gets neither, and the Content-Type and Host rules hold for all."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization"}
+    status, resp = _exchange(plain.port, "OPTIONS", "/v1/completions", preflight)
+    assert status == 204 and resp.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    assert "POST" in resp.getheader("Access-Control-Allow-Methods")
+    assert "Content-Type" in resp.getheader("Access-Control-Allow-Headers")
+    body = json.dumps({**COMPLETION, "max_tokens": 1}).encode()
+    status, resp = _exchange(plain.port, "POST", "/v1/completions",
+                             {"Origin": "https://app.example", "Content-Type": "application/json"}, body)
+    assert status == 200 and resp.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    assert resp.getheader("Access-Control-Expose-Headers") == "X-Session-Id"
+    status, resp = _exchange(plain.port, "POST", "/v1/completions",
+                             {"Origin": "https://app.example", "Content-Type": "text/plain"}, body)
+    assert status == 415 and resp.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    for origin in ("https://evil.example", "https://app.example.evil.example", "null"):
+        status, resp = _exchange(plain.port, "OPTIONS", "/v1/completions", {**preflight, "Origin": origin})
+        assert status == 405 and resp.getheader("Access-Control-Allow-Origin") is None, origin
+        status, resp = _exchange(plain.port, "POST", "/v1/completions",
+                                 {"Origin": origin, "Content-Type": "application/json"}, body)
+        assert resp.getheader("Access-Control-Allow-Origin") is None, origin
+    status, _ = _exchange(plain.port, "OPTIONS", "/v1/completions", {**preflight, "Host": "evil.example"})
+    assert status == 403  # DNS rebinding: a preflight from an allowed origin to a rebound name
+
+
 def test_a_fifo_as_a_model_and_http_flags_without_the_endpoint_are_refused_at_once(tmp_path, embedded_model):
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
@@ -297,10 +334,15 @@ def test_a_fifo_as_a_model_and_http_flags_without_the_endpoint_are_refused_at_on
         assert res.returncode == 2 and "not a regular file" in res.stderr, (flags, res.stderr[-2000:])
         assert time.monotonic() - t < 30
     # an HTTP flag without the endpoint would be ignored: refused instead
-    for flags in (["--http-write-timeout", "5"], ["--http-allowed-host", "node.lan"], ["--http-split-special-tokens"]):
+    for flags in (["--http-write-timeout", "5"], ["--http-allowed-host", "node.lan"], ["--http-split-special-tokens"],
+                  ["--http-cors-origin", "https://app.example"]):
         res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", *flags, "--port", "0"],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2 and "--http-port" in res.stderr, (flags, res.stderr[-2000:])
+    for origin in ("app.example", "https://app.example/path", "ftp://app.example"):  # an origin, not a URL
+        res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--http-port", "0",
+                              "--http-cors-origin", origin, "--port", "0"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "--http-cors-origin" in res.stderr, (origin, res.stderr[-2000:])
 
 
 # --- TLS, tokens and per-principal slots ------------------------------------------------------------

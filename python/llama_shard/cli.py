@@ -42,6 +42,18 @@ _DEFAULTS = HotKvStateConfig()
 
 
 
+
+def cors_origin(value: str) -> str:
+    """An --http-cors-origin: '*' or scheme://host[:port], lower-cased, no path."""
+    origin = value.strip().rstrip("/").lower()
+    if origin == "*":
+        return origin
+    scheme, sep, rest = origin.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest or any(c in rest for c in "/?#@ "):
+        raise InvalidInputError(f"--http-cors-origin {value!r}: an origin is '*' or scheme://host[:port] "
+                                "(http or https, no path)")
+    return origin
+
 #: the largest chat template file `--chat-template-file` reads
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
@@ -412,7 +424,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         regular_model_file(args.draft_model, "--draft-model")
     http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
                              args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
-                             tuple(h.strip().lower() for h in args.http_allowed_host))
+                             tuple(h.strip().lower() for h in args.http_allowed_host),
+                             tuple(cors_origin(o) for o in args.http_cors_origin))
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
@@ -686,6 +699,10 @@ def _http_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
                     help="a Host name a plaintext HTTP port answers besides IP literals and localhost (repeatable; "
                          "a page's own name is refused: DNS rebinding)")
+    sv.add_argument("--http-cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a web page origin (scheme://host[:port]) allowed to call the HTTP endpoint from a browser "
+                         "(CORS; repeatable; '*': any page, which on a port without authentication lets any page "
+                         "drive the worker; default: none)")
     sv.add_argument("--http-split-special-tokens", action="store_true",
                     help="tokenize the text of chat messages as plain text, so a caller's '<|im_end|>' is those "
                          "characters, not the model's turn marker (transformers' split_special_tokens; default: parsed "

@@ -174,6 +174,7 @@ class OpenAIEndpoint:
         """Binds the port (OSError when it cannot) and serves on a thread of its own."""
         self.loop = asyncio.new_event_loop()
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app.on_response_prepare.append(self._cors_headers)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id}", self._model)
@@ -234,6 +235,9 @@ class OpenAIEndpoint:
         transport = request.transport
         self.guard.request_started(transport)  # its headers are in: the connection's header deadline ends
         try:
+            if request.method == "OPTIONS" and self._cors_origin(request) is not None:
+                self._check_browser(request)  # the Host rule holds for a preflight too
+                return self._preflight(request)
             self._check_browser(request)
             return await handler(request)
         except HttpError as e:
@@ -290,7 +294,7 @@ class OpenAIEndpoint:
     def _check_browser(self, request: web.Request) -> None:
         """A web page must not drive a worker it can reach (a loopback one above all). A cross-site
         "simple" POST (text/plain, a form) is sent without asking: only application/json needs the
-        preflight this endpoint never grants. DNS rebinding makes a page's own name resolve to the
+        preflight this endpoint grants only to the origins `--http-cors-origin` names. DNS rebinding makes a page's own name resolve to the
         worker: on a plaintext port its Host header must be an IP literal, a localhost name or one
         the operator allowed (`--http-allowed-host`); over TLS the certificate stops it."""
         if request.method == "POST":
@@ -303,6 +307,31 @@ class OpenAIEndpoint:
         if host is None or not self._host_allowed(host):
             raise HttpError(403, f"the Host header {str(host)[:64]!r} does not name this worker; an operator can allow "
                                  "a name with serve --http-allowed-host", code="host_not_allowed")
+
+    # --- CORS (off unless --http-cors-origin names the page's origin) ---------------------------
+
+    def _cors_origin(self, request: web.Request) -> str | None:
+        """The request's Origin when the operator allows it (`--http-cors-origin`), else None."""
+        origin = request.headers.get("Origin")
+        allowed = self.limits.cors_origins
+        if origin is None or not allowed:
+            return None
+        return origin if "*" in allowed or origin.rstrip("/").lower() in allowed else None
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        """A browser's OPTIONS before a JSON POST or an authorized GET from an allowed origin."""
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Session-Id",
+            "Access-Control-Max-Age": "600"})
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer to an allowed origin says so (errors too: a page reads why it was refused)."""
+        origin = self._cors_origin(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "X-Session-Id"
+            response.headers.add("Vary", "Origin")
 
     def _host_allowed(self, header: str) -> bool:
         name = header.strip().lower()

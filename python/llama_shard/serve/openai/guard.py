@@ -52,6 +52,7 @@ class HttpLimits:
     max_connections: int | None = None   # None: min(512, a quarter of the open-file limit)
     max_in_flight_per_principal: int | None = None  # None: the global cap without authentication, half of it with
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted on a plaintext port beside IP literals and localhost
+    cors_origins: tuple[str, ...] = ()   # Origins a browser page may call from (CORS; "*": any); none by default
 
     def connection_cap(self) -> int:
         if self.max_connections is not None:
