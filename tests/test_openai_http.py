@@ -133,6 +133,19 @@ def test_logprobs_carry_each_tokens_own_bytes_and_text_offsets(route, vocab):
     lp = answer["choices"][0]["logprobs"]
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
     assert "".join(lp["tokens"]) == answer["choices"][0]["text"]
+    # through a character split over tokens (the grammar makes the model spell it): each token's offset
+    # is the character it belongs to, counted in the completion's text
+    got, answer = route.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "Smile:", "max_tokens": 12, "temperature": 0, "logprobs": 0, "grammar": 'root ::= "a🙂🙂b"'}))
+    assert got == 200, answer
+    text, lp = answer["choices"][0]["text"], answer["choices"][0]["logprobs"]
+    assert text == "a🙂🙂b"
+    ids, same, _ = route.generate(vocab.tokenize("Smile:"), max_tokens=12, stop_token_ids=vocab.eog_tokens,
+                                  sampling=pb.Sampling(temperature=0, grammar='root ::= "a🙂🙂b"'))
+    assert same.startswith(text) and len(ids) == len(lp["tokens"])  # the same tokens (the end's too): their bytes
+    pieces = [vocab.token_bytes(t) for t in ids]
+    expected = [len(b"".join(pieces[:i]).decode("utf-8", errors="ignore")) for i in range(len(pieces))]
+    assert lp["text_offset"] == expected and len(set(expected)) < len(expected), (lp, expected)
 
 
 def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):

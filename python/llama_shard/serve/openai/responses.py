@@ -2,6 +2,8 @@
 shapes."""
 from __future__ import annotations
 
+import codecs
+
 
 class StopTrimmer:
     """The text a client sees: the pieces up to (not including) the first stop sequence, holding back
@@ -39,7 +41,10 @@ class CompletionFormat:
     def __init__(self, rid: str, created: int, model_id: str, chat: bool, piece, token_bytes):
         self.rid, self.created, self.model_id, self.chat, self.piece = rid, created, model_id, chat, piece
         self.token_bytes = token_bytes
-        self.text_at = 0  # where the next token's text starts in the completion (text_offset)
+        self.text_at = 0  # where the next token's text starts in the completion (text_offset), in characters
+        # the completion's bytes decoded token by token: a token inside a UTF-8 character adds nothing
+        # until the one that completes it, so each offset is the character it belongs to
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -107,8 +112,8 @@ class CompletionFormat:
     def completion_logprobs(self, items: list) -> dict:
         tokens = [self.piece(t) for t, _, _ in items]
         offsets = []  # each token's start in the completion's text (no echo: the prompt is not in it)
-        for piece in tokens:
+        for t, _, _ in items:
             offsets.append(self.text_at)
-            self.text_at += len(piece)
+            self.text_at += len(self.decoder.decode(bytes(self.token_bytes(t))))
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in items], "text_offset": offsets,
                 "top_logprobs": [{self.piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
