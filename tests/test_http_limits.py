@@ -498,6 +498,20 @@ def test_shared_prefix_counts_go_to_admins_only_when_prefixes_are_shared(tls_wor
     assert prefix_tokens(BOB, "third", 7) == 0  # another caller is not told what others sent ...
     assert hits() == before + 1  # ... though his stream opened from alice's prefix
 
+    # through HTTP: usage.prompt_tokens_details.cached_tokens counts a prefix's tokens too (each request
+    # its own session: nothing of a conversation is reused)
+    def cached(tail: int) -> int:
+        conn = http.client.HTTPSConnection("localhost", tls_worker["port"], timeout=60, context=tls_worker["trust"])
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt + [tail], "max_tokens": 1}),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {ALICE}",
+                      "X-Session-Id": f"http-prefix-{tail}"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(8) == 256  # the prefix alice's streams stored above
+
 
 # --- the file-descriptor attack -------------------------------------------------------------------
 
