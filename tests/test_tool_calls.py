@@ -63,6 +63,16 @@ def test_a_stream_sends_content_then_each_call_once_closed():
     assert deltas[0]["function"] == {"name": "get_time", "arguments": ""} and deltas[0]["id"].startswith("call_")
     assert json.loads(deltas[1]["function"]["arguments"]) == {"timezone": "UTC"}
     assert s.flush() == ""
+    # under the grammar of the calls: the name as soon as it is complete, the arguments as written
+    s = ToolCallStream(progressive=True)
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "at": [1, 2]}}\n</tool_call>'
+    deltas = []
+    for i in range(len(text)):
+        deltas += s.feed(text[i])[1]
+        if i == text.index('"arguments": ') + 14:
+            assert [d["function"].get("name") for d in deltas] == ["get_time"]  # before the arguments end
+    assert len(deltas) > 10 and s.flush() == ""
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"timezone": "Asia/Tokyo", "at": [1, 2]}'
     s = ToolCallStream()  # a block cut short stays text
     assert s.feed("<tool_call>{\"name\"") == ("", [])
     assert s.flush() == "<tool_call>{\"name\""
@@ -172,7 +182,7 @@ def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
               tool_choice="required", max_tokens=120, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
@@ -182,8 +192,9 @@ def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
             if d.function.name:
                 c["name"] = d.function.name
             c["arguments"] += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and pieces > 1  # the arguments streamed as they were written
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 

@@ -755,8 +755,7 @@ class OpenAIEndpoint:
         started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:
-                return await self._streamed(request, req, stream, events, fmt, include_usage, started,
-                                            tools is not None)
+                return await self._streamed(request, req, stream, events, fmt, include_usage, started, tools)
             return await self._whole(request, req, stream, events, fmt, tools is not None)
         except ConnectionError:  # the client went away mid-stream: its stream stops at the next step
             stream.cancel("the client closed the connection")
@@ -805,7 +804,7 @@ class OpenAIEndpoint:
 
     async def _streamed(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
                         fmt: CompletionFormat, include_usage: bool, started: list,
-                        with_tools: bool = False) -> web.StreamResponse:
+                        tools: ToolRequest | None = None) -> web.StreamResponse:
         """Server-sent events: a chunk per token (its text empty while held back), the final chunk,
         usage when asked, [DONE]; an error after the first byte is an error event."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -818,7 +817,8 @@ class OpenAIEndpoint:
         if fmt.chat:
             await send(fmt.first_chunk())
         trimmer, read = self._client_text(req)
-        calls = ToolCallStream() if with_tools else None
+        # under the grammar of the calls (required, a named function) arguments stream as written
+        calls = ToolCallStream(progressive=tools.choice == "required") if tools is not None else None
         while True:
             event = await events.queue.get()
             if event.HasField("final"):

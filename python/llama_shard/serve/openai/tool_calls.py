@@ -198,13 +198,26 @@ def _call(block: str) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-class ToolCallStream:
-    """A streamed answer's text split as a client reads it: content up to the first <tool_call>,
-    then each call once its block is closed (OpenAI's deltas: id and name, then the arguments)."""
+#: the start of a call as the grammar of `required` writes it: its name, then its arguments
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
-    def __init__(self):
+
+class ToolCallStream:
+    """A streamed answer's text split as a client reads it: content up to the first <tool_call>, then
+    the calls as OpenAI's deltas (id and name, then the arguments). `progressive` (the output is
+    under the grammar of the calls, so each block is `{"name": ..., "arguments": ...}`): a call's
+    id and name go out as soon as its name is complete and its arguments as they are written;
+    otherwise each call goes out once its block is closed and parses."""
+
+    #: held back while arguments stream: the call's closing brace and the block's end may follow
+    HOLD = len("}\n" + CLOSE) + 8
+
+    def __init__(self, progressive: bool = False):
+        self.progressive = progressive
         self.text, self.sent, self.in_calls = "", 0, False
         self.calls = 0
+        self.open_at = -1   # progressive: where the current block's JSON starts, its arguments, sent up to
+        self.args_at = self.args_sent = -1
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         """(content to send now, tool-call deltas to send now)."""
@@ -221,16 +234,48 @@ class ToolCallStream:
                         safe = len(self.text) - k
                         break
                 content, self.sent = self.text[self.sent:safe], safe
-        deltas = []
+        deltas: list[dict] = []
         while self.in_calls:
-            m = _BLOCK.match(self.text, self.text.find(OPEN, self.sent)) if OPEN in self.text[self.sent:] else None
+            begin = self.text.find(OPEN, self.sent)
+            if begin < 0:
+                break
+            m = _BLOCK.match(self.text, begin)
+            if self.progressive:
+                deltas += self._progress(begin, m)
+            elif m is not None:
+                call = _call(m.group(1))
+                if call is not None:
+                    deltas += self._deltas(call)
             if m is None:
                 break
-            call = _call(m.group(1))
             self.sent = m.end()
-            if call is not None:
-                deltas += self._deltas(call)
         return content, deltas
+
+    def _progress(self, begin: int, m) -> list[dict]:
+        out = []
+        if self.args_at < 0:  # the call's name not yet sent
+            head = _HEAD.match(self.text, begin + len(OPEN))
+            if head is None:
+                return out
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return out
+            self.args_at = self.args_sent = head.end()
+            out.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": name, "arguments": ""}})
+        if m is None:
+            end = len(self.text) - self.HOLD
+        else:  # closed: the arguments end at the call's closing brace
+            end = self.text.rindex("}", self.args_at, m.end(1))
+            end = len(self.text[:end].rstrip())
+        if end > self.args_sent:
+            out.append({"index": self.calls, "function": {"arguments": self.text[self.args_sent:end]}})
+            self.args_sent = end
+        if m is not None:
+            self.calls += 1
+            self.args_at = self.args_sent = -1
+        return out
 
     def _deltas(self, call: dict) -> list[dict]:
         i = self.calls
@@ -240,7 +285,11 @@ class ToolCallStream:
                 {"index": i, "function": {"arguments": call["function"]["arguments"]}}]
 
     def flush(self) -> str:
-        """What is left as content at the end (an unclosed or malformed block: its text)."""
+        """What is left as content at the end (an unclosed or malformed block: its text; a call cut
+        short while its arguments streamed: nothing more)."""
+        if self.args_at >= 0:
+            self.sent = len(self.text)
+            return ""
         rest = self.text[self.sent:]
         self.sent = len(self.text)
         return rest.strip() if self.calls else rest
