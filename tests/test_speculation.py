@@ -73,6 +73,10 @@ def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
     ks = [bad.k(flat) for _ in range(3 * PROBE_EVERY)]
     assert ks.count(1) == 3 and set(ks) == {0, 1}  # none, but one draft every PROBE_EVERY steps
     assert DraftControl(0).k(flat) == 0
+    assert [bad.k(flat, probe=False) for _ in range(3 * PROBE_EVERY)] == [0] * 3 * PROBE_EVERY  # unsent drafts teach it
+    # a new stream drafts where a draft costs little (a slow link), not where it costs most of a step
+    # (loopback with exact verification), until its text shows it pays
+    assert DraftControl(8).k(flat) > 0 and DraftControl(8).k(steep) == 0
     assert (bad.drafted, bad.accepted, good.drafted, good.accepted) == (40, 0, 160, 80)
 
 

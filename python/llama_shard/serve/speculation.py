@@ -10,7 +10,8 @@
   c(k) the route's measured time of a step of k + 1 tokens relative to a step of 1 (`StepCost`:
   the loop's own steps, timed by size; llama.cpp's cost is not linear in the rows). Where drafting
   does not pay, k is 0; the first draft it would have sent is still compared with the token the
-  step gives (`unsent`), and one step in PROBE_EVERY drafts one token, so the rate follows the text.
+  step gives (`unsent`), so the rate follows the text for free (a draft model, whose drafts cost a
+  step of their own, drafts one token every PROBE_EVERY steps instead).
 - Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
   sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
@@ -113,8 +114,10 @@ class DraftControl:
 
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
-        # (accepted, rejected) for long and short matches; prior: a = 0.5, worth two drafts
-        self._counts = {True: [1.0, 1.0], False: [1.0, 1.0]}
+        # (accepted, rejected) for long and short matches; prior: a = 0.25, worth a draft only where one
+        # costs little (a slow link), so open text on a fast route does not pay for the rate to fall
+        # (on loopback the prior a = 0.5 made requests 6% slower than no drafting; docs/benchmarks.md)
+        self._counts = {True: [1.0, 3.0], False: [1.0, 3.0]}
         self._idle = 0
         self.drafted = 0
         self.accepted = 0
@@ -124,9 +127,11 @@ class DraftControl:
         acc, rej = self._counts[long]
         return acc / (acc + rej)
 
-    def k(self, cost: list[float], long: bool = True) -> int:
+    def k(self, cost: list[float], long: bool = True, probe: bool = True) -> int:
         """The drafts for the next step, given the route's relative step cost by size
-        (StepCost.relative) and the kind of match they come from."""
+        (StepCost.relative) and the kind of match they come from. `probe`: where drafting does not pay,
+        draft one token every PROBE_EVERY steps to follow the text (not needed where each unsent
+        draft is compared for free: `unsent`)."""
         if self.max_drafts <= 0:
             return 0
         a = min(self.rate(long), 0.999)
@@ -137,7 +142,7 @@ class DraftControl:
             value = e / cost[k]
             if value > best:
                 best_k, best = k, value
-        if best_k == 0:
+        if best_k == 0 and probe:
             self._idle += 1
             if self._idle >= PROBE_EVERY:
                 self._idle = 0
