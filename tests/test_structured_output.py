@@ -214,18 +214,30 @@ try:
     s.accept_sampled(a)
 except InvalidInputError:
     print("then", "refused")
+# 65 stacks, but the mask walks 65^5 paths for a token like "machine" (refused at its 6th character)
+import numpy as np
+alts = " | ".join(["[a-m]"] * 64)
+masked = TokenSampler(vocab.info.n_vocab, SamplingParams(temperature=0.8, seed=1, grammar=f"root ::= ({{alts}})*"),
+                      4096, model=vocab)
+try:
+    masked.sample(np.zeros(vocab.info.n_vocab, np.float32))
+    print("mask", "sampled")
+except InvalidInputError as e:
+    print("mask", "refused" if "parse steps" in str(e) else str(e).replace(" ", "_"))
 print("seconds", time.monotonic() - t0)
 """
 
 
 def test_grammars_that_cost_llama_cpp_exponential_time_are_bounded(embedded_model):
-    """Patch 0009: the left-recursion check walks each rule once, and no advance keeps more than
-    4096 parse stacks (refused at the start, or the stream ends with an error), within seconds."""
+    """Patch 0009: the left-recursion check walks each rule once, no advance keeps more than 4096
+    parse stacks, and no mask or accept makes more than 2^20 stack visits (refused at the start,
+    or the stream ends with an error), within seconds."""
     res = subprocess.run([sys.executable, "-c", EXPONENTIAL.format(path=str(embedded_model))], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     words = res.stdout.split()
-    assert words[:-2] == ["walk", "True", "first", "True", "refused", "True", "True", "then", "refused"], res.stdout
+    assert words[:-2] == ["walk", "True", "first", "True", "refused", "True", "True", "then", "refused", "mask",
+                          "refused"], res.stdout
     assert float(words[-1]) < 30, res.stdout
 
 

@@ -62,7 +62,7 @@ def test_a_stream_sends_content_then_each_call_once_closed():
     assert [d["index"] for d in deltas] == [0, 0, 1, 1]
     assert deltas[0]["function"] == {"name": "get_time", "arguments": ""} and deltas[0]["id"].startswith("call_")
     assert json.loads(deltas[1]["function"]["arguments"]) == {"timezone": "UTC"}
-    assert s.flush() == ""
+    assert s.flush() == ("", [])
     # under the grammar of the calls: the name as soon as it is complete, the arguments as written
     s = ToolCallStream(progressive=True)
     text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "at": [1, 2]}}\n</tool_call>'
@@ -70,12 +70,49 @@ def test_a_stream_sends_content_then_each_call_once_closed():
     for i in range(len(text)):
         deltas += s.feed(text[i])[1]
         if i == text.index('"arguments": ') + 14:
-            assert [d["function"].get("name") for d in deltas] == ["get_time"]  # before the arguments end
-    assert len(deltas) > 10 and s.flush() == ""
+            assert [d["function"]["name"] for d in deltas if "name" in d["function"]] == ["get_time"]
+    assert len(deltas) > 10 and s.flush() == ("", [])
     assert "".join(d["function"]["arguments"] for d in deltas) == '{"timezone": "Asia/Tokyo", "at": [1, 2]}'
     s = ToolCallStream()  # a block cut short stays text
     assert s.feed("<tool_call>{\"name\"") == ("", [])
-    assert s.flush() == "<tool_call>{\"name\""
+    assert s.flush() == ("<tool_call>{\"name\"", [])
+
+
+def _streamed(text: str, progressive: bool, step: int = 1) -> tuple[str, list[tuple[str, dict]]]:
+    s = ToolCallStream(progressive)
+    content, calls = [], {}
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for out in [s.feed(p) for p in pieces] + [s.flush()]:
+        content.append(out[0])
+        for d in out[1]:
+            c = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            c["name"] = d["function"].get("name") or c["name"]
+            c["arguments"] += d["function"]["arguments"]
+    return "".join(content), [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+def test_streamed_and_whole_answers_read_the_same_calls_and_text():
+    """What a stream sends, joined, is what the whole answer holds: calls whose strings hold the end
+    marker, text between blocks and blocks that do not parse, and the grammar's whitespace before
+    a block's end (held back, never sent as arguments)."""
+    cases = [
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>',
+        'First. <tool_call>{"name": "a", "arguments": {}}</tool_call> Also: '
+        '<tool_call>not json</tool_call> <tool_call>{"name": "b", "arguments": {"x": [1, {"y": 2}]}}</tool_call> End.',
+        '<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}}              }\n</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {"q": "}}}"}}\n   \n</tool_call>\n<tool_call>{"name": "b", '
+        '"arguments": {}}</tool_call>',
+    ]
+    for text in cases:
+        content, calls = parse_calls(text)
+        whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        for progressive in (False, True):
+            for step in (1, 2, 5, 1000):
+                got_text, got_calls = _streamed(text, progressive, step)
+                assert got_calls == whole, (text, progressive, step)
+                assert " ".join(got_text.split()) == " ".join((content or "").split()), (text, progressive, step)
+    assert [c["function"]["name"] for c in parse_calls(cases[0])[1]] == ["echo"]
+    assert json.loads(parse_calls(cases[0])[1][0]["function"]["arguments"]) == {"text": "a </tool_call> b"}
 
 
 def test_a_rule_is_renamed_only_where_it_is_a_name():
@@ -217,18 +254,14 @@ def test_auto_answers_with_text_or_with_calls_that_parse(tool_route):
     """`auto` samples freely: whatever the model writes is either text or calls of the tools."""
     client = tool_route.client
     model = client.models.list().data[0].id
-    seen = set()
     for question in ("What is the weather in Paris?", "Say hello."):
         choice = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                                 tools=TOOLS, max_tokens=80, temperature=0).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             _validated(choice.message.tool_calls)
-            seen.add("calls")
         else:
             assert "<tool_call>" not in (choice.message.content or "") or choice.finish_reason == "length"
-            seen.add("text")
-    assert seen
 
 
 def test_a_chat_template_file_is_checked(tmp_path):
@@ -263,3 +296,13 @@ def test_langchain_structured_output_and_bound_tools(tool_route):
     message = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert [c["name"] for c in message.tool_calls] == ["get_weather"]
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER)
+
+
+def test_history_arguments_nested_past_the_recursion_limit_are_a_400():
+    from llama_shard.serve.openai.tool_calls import history_message
+
+    deep = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]}
+    with pytest.raises(HttpError) as e:
+        history_message(deep, "assistant", "")
+    assert e.value.status == 400 and e.value.param == "messages"

@@ -410,7 +410,7 @@ void token_sampler::apply_grammar(llama_token_data_array * row) {
         // patch 0009: an ambiguous grammar's stacks past the bound. The state is intact but every
         // later mask would throw the same: the stream ends here
         grammar_broken_ = true;
-        bad(std::string("grammar: ") + e.what());
+        bad(e.what());  // "grammar: more than ..."
     }
 }
 

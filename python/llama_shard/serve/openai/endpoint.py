@@ -62,6 +62,8 @@ TOKENIZE_THREADS = 1
 PROBE_CHARS_PER_TOKEN = 8
 #: a message's role: a name, never text the tokenizer could read as a turn marker
 ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
+#: a preflight's Access-Control-Request-Headers: header names, comma-separated (at most 1 KiB)
+_HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*", re.ASCII)
 #: the session ids the endpoint gives new conversations begin with this
 NEW_SESSION_PREFIX = "oai-"
 
@@ -320,9 +322,13 @@ class OpenAIEndpoint:
 
     def _preflight(self, request: web.Request) -> web.Response:
         """A browser's OPTIONS before a JSON POST or an authorized GET from an allowed origin."""
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        # the headers the page's client asked for (openai-node adds X-Stainless-*), when they are names
+        allowed = (asked if len(asked) <= 1024 and _HEADER_NAMES.fullmatch(asked)
+                   else "Authorization, Content-Type, X-Session-Id")
         return web.Response(status=204, headers={
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Session-Id",
+            "Access-Control-Allow-Headers": allowed or "Authorization, Content-Type, X-Session-Id",
             "Access-Control-Max-Age": "600"})
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -648,6 +654,16 @@ class OpenAIEndpoint:
         without such text is tokenized in one piece, exactly as without the option. A template that
         changes such a text (trims, splits it) is refused: its marks could not be told from the text."""
         model = self.model
+        # what the template renders besides the messages' text (tools, calls, a tool's name) is not cut
+        # out as plain text: it may not hold special-token text at all
+        for param, values in (("tools", [json.dumps(t, ensure_ascii=False) for t in tools or []]),
+                              ("messages", [json.dumps([m.get("tool_calls"), m.get("name")], ensure_ascii=False)
+                                            for m in messages if "tool_calls" in m or "name" in m])):
+            for value in values:
+                if model.tokenize(value, add_special=False, parse_special=True) != \
+                        model.tokenize(value, add_special=False, parse_special=False):
+                    raise HttpError(400, "with --http-split-special-tokens, tools and tool calls may not hold "
+                                         "special-token text", param)
         text = self.template.render(messages, tools=tools)
         if self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text):]
@@ -841,9 +857,10 @@ class OpenAIEndpoint:
         tail = trimmer.flush() if final.finish_reason != "stop" else ""
         if calls is not None:
             tail, deltas = calls.feed(tail)
-            for delta in deltas:
+            rest, more = calls.flush()
+            tail += rest
+            for delta in deltas + more:
                 await send(fmt.tool_chunk(delta))
-            tail += calls.flush()
             if calls.calls and finish == "stop":
                 finish = "tool_calls"
         await send(fmt.chunk(tail or None, finish, None))

@@ -25,7 +25,6 @@ from .errors import HttpError
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
 def template_renders_tools(source: str | None) -> bool:
@@ -148,7 +147,7 @@ def history_message(m: dict, role: str, content: str) -> dict:
                                      "a JSON string}}", "messages")
             try:
                 arguments = json.loads(fn.get("arguments", "{}"))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: "[" * 100000, not JSON we take
                 raise HttpError(400, f"the arguments of a call to {fn['name']!r} are not JSON", "messages") from None
             rendered.append({"id": call.get("id", ""), "type": "function",
                              "function": {"name": fn["name"], "arguments": arguments}})
@@ -163,34 +162,60 @@ def history_message(m: dict, role: str, content: str) -> dict:
     return out
 
 
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def _block(text: str, begin: int, final: bool) -> tuple[str, int, dict | None]:
+    """The <tool_call> block at `begin`: ("call", end, call) when it holds one JSON call and closes;
+    ("text", end, None) when it closes without holding one (it stays text); ("open", -1, None) when
+    more text could still make it either (never when `final`). The JSON is read as JSON, so a
+    `</tool_call>` inside one of its strings does not end the block."""
+    at = _SPACE.match(text, begin + len(OPEN)).end()
+    try:
+        obj, after = _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        if not final:
+            return "open", -1, None  # a call still being written reads as broken JSON too
+        close = text.find(CLOSE, at)
+        return ("text", close + len(CLOSE), None) if close >= 0 else ("open", -1, None)
+    rest = _SPACE.match(text, after).end()
+    if text.startswith(CLOSE, rest):
+        call = _call_of(obj)
+        return ("call", rest + len(CLOSE), call) if call is not None else ("text", rest + len(CLOSE), None)
+    if not final and CLOSE.startswith(text[rest:]):
+        return "open", -1, None  # the end marker is on its way
+    close = text.find(CLOSE, rest)
+    return ("text", close + len(CLOSE), None) if close >= 0 else ("open", -1, None)
+
+
 def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     """A completion's content (None when only calls) and its calls in OpenAI's shape. A block that
     does not hold {"name": ..., "arguments": {...}} stays in the content as text."""
     calls, kept, at = [], [], 0
-    for m in _BLOCK.finditer(text):
-        call = _call(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[at:m.start()])
-        at = m.end()
-        calls.append(call)
+    begin = text.find(OPEN)
+    while begin >= 0:
+        kind, end, call = _block(text, begin, final=True)
+        if kind == "open":
+            break
+        if kind == "call":
+            kept.append(text[at:begin])
+            at = end
+            calls.append(call)
+        begin = text.find(OPEN, end)
     kept.append(text[at:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
 
 
-def _call(block: str) -> dict | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
+def _call_of(obj) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -203,60 +228,73 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\
 
 
 class ToolCallStream:
-    """A streamed answer's text split as a client reads it: content up to the first <tool_call>, then
-    the calls as OpenAI's deltas (id and name, then the arguments). `progressive` (the output is
-    under the grammar of the calls, so each block is `{"name": ..., "arguments": ...}`): a call's
-    id and name go out as soon as its name is complete and its arguments as they are written;
-    otherwise each call goes out once its block is closed and parses."""
-
-    #: held back while arguments stream: the call's closing brace and the block's end may follow
-    HOLD = len("}\n" + CLOSE) + 8
+    """A streamed answer's text split as a client reads it: content outside the <tool_call> blocks,
+    and the calls as OpenAI's deltas (id and name, then the arguments). `progressive` (the output is
+    under the grammar of the calls, so each block is `{"name": ..., "arguments": ...}`): a call's id
+    and name go out as soon as its name is complete and its arguments as they are written;
+    otherwise each call goes out once its block is closed and parses. What is sent, joined, is what
+    `parse_calls` gives the whole text (content up to whitespace)."""
 
     def __init__(self, progressive: bool = False):
         self.progressive = progressive
-        self.text, self.sent, self.in_calls = "", 0, False
+        self.text, self.sent = "", 0
         self.calls = 0
-        self.open_at = -1   # progressive: where the current block's JSON starts, its arguments, sent up to
-        self.args_at = self.args_sent = -1
+        self.args_at = self.args_sent = -1  # progressive: the current call's arguments, sent up to
+        self.pending = ""  # whitespace held back after the first call
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         """(content to send now, tool-call deltas to send now)."""
         self.text += piece
-        content = ""
-        if not self.in_calls:
-            at = self.text.find(OPEN, self.sent)
-            if at >= 0:
-                content, self.sent, self.in_calls = self.text[self.sent:at], at, True
-            else:  # hold back what could begin the marker
+        content: list[str] = []
+        deltas: list[dict] = []
+        while True:
+            begin = self.text.find(OPEN, self.sent)
+            if begin < 0:  # no block: all but what could begin the marker is content
                 safe = len(self.text)
                 for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
                     if OPEN.startswith(self.text[-k:]):
                         safe = len(self.text) - k
                         break
-                content, self.sent = self.text[self.sent:safe], safe
-        deltas: list[dict] = []
-        while self.in_calls:
-            begin = self.text.find(OPEN, self.sent)
-            if begin < 0:
+                content.append(self.text[self.sent:safe])
+                self.sent = safe
                 break
-            m = _BLOCK.match(self.text, begin)
+            content.append(self.text[self.sent:begin])
+            self.sent = begin
+            kind, end, call = _block(self.text, begin, final=False)
             if self.progressive:
-                deltas += self._progress(begin, m)
-            elif m is not None:
-                call = _call(m.group(1))
-                if call is not None:
-                    deltas += self._deltas(call)
-            if m is None:
+                deltas += self._progress(begin, end if kind == "call" else -1, call)
+                if kind != "open":
+                    if kind == "text" and self.args_at >= 0:
+                        self.calls += 1  # its arguments went out, then it broke: its index is spent
+                        kind = "spent"
+                    self.args_at = self.args_sent = -1
+            if kind == "open":
                 break
-            self.sent = m.end()
-        return content, deltas
+            if kind == "call" and not self.progressive:
+                deltas += self._deltas(call)
+            elif kind == "text":
+                content.append(self.text[begin:end])
+            self.sent = end
+        return self._content("".join(content)), deltas
 
-    def _progress(self, begin: int, m) -> list[dict]:
+    def _content(self, text: str) -> str:
+        """Content to send: once there are calls, whitespace waits for text after it (the whole answer's
+        content is stripped, so whitespace between or after calls is not sent on its own)."""
+        if not self.calls:
+            return text
+        text, self.pending = self.pending + text, ""
+        if not text.strip():
+            self.pending = text
+            return ""
+        return text
+
+    def _progress(self, begin: int, end: int, call: dict | None) -> list[dict]:
+        """The current block's deltas so far (`end`: where it closed with `call`, -1 while open)."""
         out = []
         if self.args_at < 0:  # the call's name not yet sent
             head = _HEAD.match(self.text, begin + len(OPEN))
-            if head is None:
-                return out
+            if head is None:  # not written as the grammar writes it: whole, once it parses
+                return self._deltas(call) if end >= 0 else out
             try:
                 name = json.loads(f'"{head.group(1)}"')
             except ValueError:
@@ -264,17 +302,23 @@ class ToolCallStream:
             self.args_at = self.args_sent = head.end()
             out.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                         "function": {"name": name, "arguments": ""}})
-        if m is None:
-            end = len(self.text) - self.HOLD
-        else:  # closed: the arguments end at the call's closing brace
-            end = self.text.rindex("}", self.args_at, m.end(1))
-            end = len(self.text[:end].rstrip())
-        if end > self.args_sent:
-            out.append({"index": self.calls, "function": {"arguments": self.text[self.args_sent:end]}})
-            self.args_sent = end
-        if m is not None:
+        if end < 0:  # held back: whitespace and braces that may close the call, and a part of the end marker
+            stop = len(self.text)
+            for k in range(min(len(CLOSE), stop - self.args_sent), 0, -1):
+                if CLOSE.startswith(self.text[stop - k:]):
+                    stop -= k
+                    break
+            while stop > self.args_sent and self.text[stop - 1] in " \t\r\n}":
+                stop -= 1
+        else:  # closed: the arguments end before the call's own closing brace
+            close = self.text.rindex(CLOSE, begin, end)
+            stop = self.text.rindex("}", self.args_at, close)
+            stop = len(self.text[:stop].rstrip())
+        if stop > self.args_sent:
+            out.append({"index": self.calls, "function": {"arguments": self.text[self.args_sent:stop]}})
+            self.args_sent = stop
+        if end >= 0:
             self.calls += 1
-            self.args_at = self.args_sent = -1
         return out
 
     def _deltas(self, call: dict) -> list[dict]:
@@ -284,12 +328,12 @@ class ToolCallStream:
                  "function": {"name": call["function"]["name"], "arguments": ""}},
                 {"index": i, "function": {"arguments": call["function"]["arguments"]}}]
 
-    def flush(self) -> str:
-        """What is left as content at the end (an unclosed or malformed block: its text; a call cut
+    def flush(self) -> tuple[str, list[dict]]:
+        """At the end: what is left, read as the whole text is (a block still open is text; a call cut
         short while its arguments streamed: nothing more)."""
+        rest, self.sent = self.text[self.sent:], len(self.text)
         if self.args_at >= 0:
-            self.sent = len(self.text)
-            return ""
-        rest = self.text[self.sent:]
-        self.sent = len(self.text)
-        return rest.strip() if self.calls else rest
+            return "", []
+        content, calls = parse_calls(rest)
+        deltas = [d for call in calls for d in self._deltas(call)]
+        return self._content(content or ""), deltas
