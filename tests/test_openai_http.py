@@ -180,6 +180,7 @@ def test_apply_template_props_and_metrics_as_llama_server_has_them(route, vocab)
     got, props = route.raw("GET", "/props")
     assert got == 200 and props["n_ctx"] == 1024 and props["chat_template"] == vocab.chat_template
     assert props["model_alias"] == MODEL_ID and props["total_slots"] >= 1
+    assert props["default_generation_settings"]["params"]["repeat_last_n"] == 64
     conn = http.client.HTTPConnection("127.0.0.1", route.http_port, timeout=30)
     conn.request("GET", "/metrics")
     resp = conn.getresponse()

@@ -559,9 +559,7 @@ class OpenAIEndpoint:
             "n_ctx": self.generation.context_tokens, "total_slots": self.max_in_flight,
             "chat_template": self.chat.source or "",
             "bos_token": self.bos_text, "eos_token": model.detokenize([model.token_eos]) if model.token_eos >= 0 else "",
-            "default_generation_settings": {"n_ctx": self.generation.context_tokens,
-                                            "params": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                                                       "repeat_last_n": 64, "repeat_penalty": 1.0}},
+            "default_generation_settings": {"n_ctx": self.generation.context_tokens, "params": _default_params()},
             "build_info": f"llama-shard {_version()}"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -904,6 +902,14 @@ class OpenAIEndpoint:
         bytes have not shrunk for the write timeout (a slow reader that makes progress is not): the
         pending write then fails (ConnectionError) and the stream stops at the next step."""
         await response.write(data)
+
+
+def _default_params() -> dict:
+    """What a request that sets no sampling parameter gets (the native sampler's defaults), in
+    llama-server's names."""
+    p = SamplingParams()
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.penalty_repeat}
 
 
 def _version() -> str:
