@@ -51,6 +51,38 @@ def test_tensor_round_trip_and_float16_cost():
             decode_tensor(t, 64, 8)
 
 
+def test_q8_0_rows_are_llama_cpps_blocks():
+    """q8_0 on the wire is llama.cpp's block_q8_0, rounded as its reference quantizer rounds (gguf-py
+    mirrors it): the same bytes, the same values back, ties rounded away from zero."""
+    from gguf import GGMLQuantizationType, quants
+
+    from llama_shard import InvalidInputError
+    rng = np.random.default_rng(3)
+    ties = np.zeros((1, 64), np.float32)
+    ties[0, 0], ties[0, 1:32] = 127, np.arange(31) + 0.5       # scale 1: every value a tie
+    ties[0, 32], ties[0, 33:] = -127, -(np.arange(31) + 0.5)
+    for x in [ties, np.zeros((2, 64), np.float32),
+              *((rng.standard_normal((3, 576)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32) for _ in range(8))]:
+        t = encode_tensor(x, pb.DTYPE_Q8_0)
+        ref = quants.quantize(x, GGMLQuantizationType.Q8_0)
+        assert t.data == ref.tobytes() and len(t.data) == x.shape[0] * x.shape[1] // 32 * 34
+        back = decode_tensor(t, x.shape[1], 8)
+        assert back.tobytes() == quants.dequantize(ref, GGMLQuantizationType.Q8_0).astype(np.float32).tobytes()
+        assert np.abs(back - x).max() <= np.abs(x).max() / 127 * 0.5 * 1.01  # half a step of the largest block
+    x = np.ones((2, 64), np.float32)
+    bad_scale = encode_tensor(x, pb.DTYPE_Q8_0)
+    raw = bytearray(bad_scale.data)
+    raw[0:2] = np.float16(np.inf).tobytes()
+    bad_scale.data = bytes(raw)
+    short = encode_tensor(x, pb.DTYPE_Q8_0)
+    short.data = short.data[:-1]
+    for t in (bad_scale, short, pb.Tensor(shape=[2, 48], dtype=pb.DTYPE_Q8_0, data=b"\0" * 2 * 51)):
+        with pytest.raises(InvalidInputError):
+            decode_tensor(t, t.shape[1], 8)
+    with pytest.raises(InvalidInputError):
+        encode_tensor(np.ones((2, 48), np.float32), pb.DTYPE_Q8_0)  # not whole blocks
+
+
 # --- workers on loopback ------------------------------------------------------------------------
 
 class Worker:
@@ -266,6 +298,11 @@ def test_malformed_requests_get_typed_replies_and_the_worker_keeps_serving(worke
         "empty session id": pb.StepRequest(session_id="", route_epoch=0, hidden=encode_tensor(x)),
         "negative epoch": pb.StepRequest(session_id="m", route_epoch=-4, hidden=encode_tensor(x)),
         "NaN rows": pb.StepRequest(session_id="m", route_epoch=0, hidden=encode_tensor(np.full((1, 576), np.nan, np.float32))),
+        "q8_0 rows, a byte short": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(
+            shape=[2, 576], dtype=pb.DTYPE_Q8_0, data=encode_tensor(x, pb.DTYPE_Q8_0).data[:-1])),
+        "q8_0 rows, an infinite scale": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(
+            shape=[1, 576], dtype=pb.DTYPE_Q8_0, data=(np.float16(np.inf).tobytes() + b"\1" * 32) * 18)),
+        "unknown reply dtype": pb.StepRequest(session_id="m", route_epoch=0, hidden=encode_tensor(x), reply_dtype=9),
     }
     for name, req in cases.items():
         r = tail_stub.Prefill(req, timeout=10)
@@ -440,6 +477,63 @@ def test_a_chained_route_gives_the_whole_models_tokens(chain, whole_tokens, toke
     assert got == [whole_tokens[p] for p in PROMPTS]
     for sess in sessions:
         sess.release()
+
+
+def test_a_heads_wire_dtype_is_its_routes_default_and_a_request_may_name_another(embedded_model, whole_tokens,
+                                                                                 tokenizer):
+    """serve --wire-dtype q8_0: the head's own route sends q8_0 rows (34 bytes per 32 values) when a
+    Generate request names no type; one naming f32 gets exact rows, and the whole model's tokens."""
+    tail = Worker(embedded_model, "15-29")
+    head = Worker(embedded_model, "0-14", extra=("--peer", tail.address, "--wire-dtype", "q8_0"))
+    try:
+        stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+        info = stub.Info(pb.InfoRequest(), timeout=10)
+        assert info.wire_dtype == pb.DTYPE_Q8_0
+        assert list(info.wire_dtypes) == [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_Q8_0]
+
+        def generate(sid: str, prompt: list[int], **wire) -> list[int]:
+            req = pb.GenerateRequest(session_id=sid, route_epoch=0, prompt=prompt, max_tokens=N_TOKENS, max_drafts=0,
+                                     **wire)
+            events = list(stub.Generate(req, timeout=60))
+            assert events[-1].final.finish_reason == "length", events[-1]
+            return [e.token.token_id for e in events if e.HasField("token")]
+
+        def forwarded() -> dict[str, int]:
+            return dict(stub.Info(pb.InfoRequest(), timeout=10).forwarded_hidden_bytes)
+
+        agree = 0
+        for i, p in enumerate(PROMPTS[:4]):
+            prompt = tokenizer.tokenize(p)
+            rows = len(prompt) + N_TOKENS - 1  # every computed token's row but the last sampled one's
+            before = forwarded()
+            got = generate(f"q8-{i}", prompt)
+            after = forwarded()
+            assert after.get("q8_0", 0) - before.get("q8_0", 0) == rows * 576 // 32 * 34
+            assert after.get("f32", 0) == before.get("f32", 0)
+            agree += got == whole_tokens[p]
+            assert generate(f"f32-{i}", prompt, wire_dtype=pb.DTYPE_FLOAT32) == whole_tokens[p]
+            assert forwarded().get("f32", 0) - after.get("f32", 0) == rows * 576 * 4
+        print(f"q8_0 rows: {agree} of 4 prompts gave the whole model's {N_TOKENS} greedy tokens")
+    finally:
+        for w in (head, tail):
+            w.stop()
+
+
+def test_a_peer_that_cannot_read_the_heads_wire_dtype_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from llama_shard import InvalidInputError
+    from llama_shard.serve.replicas import Replicas
+    own = SimpleNamespace(n_layer=30, n_embd=576, architecture="llama", first=0, last=14)
+    older = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29)  # lists no wire types
+    newer = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29,
+                         wire_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_Q8_0])
+    with pytest.raises(InvalidInputError, match="peer old:1 reads hidden rows as f32, f16; this head sends q8_0"):
+        Replicas(own, "", "", "me", ("old:1",), lambda address, timeout: older, wire_dtype=pb.DTYPE_Q8_0).start(wait_s=1)
+    for info, wire in ((older, pb.DTYPE_FLOAT16), (newer, pb.DTYPE_Q8_0)):
+        r = Replicas(own, "", "", "me", ("p:1",), lambda address, timeout, info=info: info, wire_dtype=wire).start(wait_s=1)
+        assert r.complete()
+        r.stop()
 
 
 def test_a_worker_forwards_only_to_the_peers_its_operator_allows(chain, workers):

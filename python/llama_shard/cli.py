@@ -35,6 +35,7 @@ from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
 from .serve.openai.guard import HttpLimits, raise_open_file_limit
 from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
+from .proto.wire import WIRE_DTYPES
 from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
@@ -456,7 +457,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        chat_template=chat_template,
                                        share_prefixes=args.share_prefixes, draft=args.draft,
                                        max_drafts=args.max_drafts, draft_model=args.draft_model,
-                                       verify=args.draft_verify, replicas=tuple(args.replica)))
+                                       verify=args.draft_verify, replicas=tuple(args.replica),
+                                       wire_dtype=args.wire_dtype))
     _status(f"device: {_device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()
@@ -736,6 +738,12 @@ def _engine_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
                     help="a worker of this one's layer range that takes its live sessions' KV when it is stopped "
                          "(SIGTERM) or drained (repeatable, tried in order; without one, sessions are released)")
+    sv.add_argument("--wire-dtype", choices=tuple(WIRE_DTYPES), default="f32",
+                    help="a head: how its own route's hidden rows travel between the workers when a request names "
+                         "no wire_dtype; 'f32' (default): exact, the tokens of the whole model on one worker; 'f16': "
+                         "half the bytes; 'q8_0': 0.27 of them (llama.cpp's 8-bit blocks). Both round the rows, so "
+                         "a near-tie may go another way (docs/benchmarks.md measures how often). Every --peer must "
+                         "read the type, or the head refuses to start")
     sv.add_argument("--max-hop-seconds", type=_positive_seconds, default=DEFAULT_MAX_HOP_S, metavar="S",
                     help="the longest a chained step may hold this worker, whatever the caller's deadline "
                          f"(default {DEFAULT_MAX_HOP_S:g})")

@@ -1,9 +1,10 @@
 """Conversions between the wire protocol (proto/shard.proto) and the Python contract types.
 
-Hidden states travel as raw little-endian rows with their shape: float32 by default, float16 when a
-caller asks for half the bytes (its parity cost is measured in tests/test_wire_and_worker.py). A
-tensor from the wire is checked completely (dtype, rank, width, row count, byte length, finite
-values) before anything reaches an engine.
+Hidden states travel as rows with their shape: float32 by default (exact), float16 (half the
+bytes) or llama.cpp's q8_0 blocks (34 bytes per 32 values, 0.27 of float32) when a route asks for
+fewer bytes; what each costs in agreement is measured by the benchmark's `wire` section
+(docs/benchmarks.md). A tensor from the wire is checked completely (dtype, rank, width, row count,
+byte length, finite values and scales) before anything reaches an engine.
 """
 from __future__ import annotations
 
@@ -19,8 +20,68 @@ from ..errors import InvalidInputError
 from . import shard_pb2 as pb
 
 _NP_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_FLOAT16: np.dtype("<f2")}
+#: values per q8_0 block, and one block's layout on the wire (llama.cpp's block_q8_0)
+Q8_0_BLOCK = 32
+_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (Q8_0_BLOCK,))])
+#: the wire types by the name a command line gives them (serve --wire-dtype), in the order of their bytes
+WIRE_DTYPES = {"f32": pb.DTYPE_FLOAT32, "f16": pb.DTYPE_FLOAT16, "q8_0": pb.DTYPE_Q8_0}
+WIRE_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+#: what a worker that does not list its types (Info.wire_dtypes empty: an older one) reads
+LEGACY_WIRE_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16)
+
+
+def wire_dtype_name(dtype: int) -> str:
+    return WIRE_DTYPE_NAMES.get(dtype, f"dtype {dtype}")
+
+
+def wire_row_bytes(n_cols: int, dtype: int) -> int:
+    """Bytes one row of n_cols values takes on the wire (InvalidInputError: no such type, or a width
+    q8_0 cannot carry)."""
+    if dtype == pb.DTYPE_Q8_0:
+        if n_cols % Q8_0_BLOCK:
+            raise InvalidInputError(f"q8_0 carries rows of a multiple of {Q8_0_BLOCK} values; these have {n_cols}")
+        return n_cols // Q8_0_BLOCK * _Q8_0.itemsize
+    if dtype not in _NP_DTYPE:
+        raise InvalidInputError(f"unknown tensor dtype {dtype}")
+    return n_cols * _NP_DTYPE[dtype].itemsize
+
+
+def wire_dtypes_for(n_cols: int) -> list[int]:
+    """The wire types rows of n_cols values can travel as (q8_0: only whole blocks)."""
+    return [d for d in WIRE_DTYPES.values() if d != pb.DTYPE_Q8_0 or n_cols % Q8_0_BLOCK == 0]
+
+
+def quantize_q8_0(rows: np.ndarray) -> bytes:
+    """Rows of float values as q8_0 blocks, rounded as llama.cpp's quantize_row_q8_0_ref rounds them
+    (d = max|x| / 127 stored as float16, q = round(x / d))."""
+    n_rows, n_cols = rows.shape
+    x = np.asarray(rows, dtype=np.float32).reshape(n_rows, n_cols // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = np.abs(x).max(axis=-1) / np.float32(127.0)
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d > 0)
+    blocks = np.empty(x.shape[:2], dtype=_Q8_0)
+    with np.errstate(over="ignore", invalid="ignore"):  # a scale past float16's range is refused by the reader
+        blocks["d"] = d.astype(np.float16)
+        scaled = x * inv[..., None]
+        # roundf: halves away from zero (np.rint would round them to even)
+        blocks["qs"] = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5)), -127, 127).astype(np.int8)
+    return blocks.tobytes()
+
+
+def dequantize_q8_0(data: bytes, n_rows: int, n_cols: int) -> np.ndarray:
+    blocks = np.frombuffer(data, dtype=_Q8_0).reshape(n_rows, n_cols // Q8_0_BLOCK)
+    d = blocks["d"].astype(np.float32)
+    if not np.isfinite(d).all():
+        raise InvalidInputError("hidden holds a q8_0 block whose scale is not finite")
+    return (d[..., None] * blocks["qs"].astype(np.float32)).reshape(n_rows, n_cols)
+
 
 def encode_tensor(array: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Tensor:
+    if dtype == pb.DTYPE_Q8_0:
+        rows = np.asarray(array, dtype=np.float32)
+        if rows.ndim != 2:
+            raise InvalidInputError(f"q8_0 carries rows (a 2-d array), not shape {list(rows.shape)}")
+        wire_row_bytes(rows.shape[1], dtype)
+        return pb.Tensor(shape=list(rows.shape), dtype=dtype, data=quantize_q8_0(rows))
     if dtype not in _NP_DTYPE:
         raise InvalidInputError(f"unknown tensor dtype {dtype}")
     data = np.ascontiguousarray(array, dtype=_NP_DTYPE[dtype])
@@ -29,7 +90,7 @@ def encode_tensor(array: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Tensor
 
 def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
     """A (n_rows, n_cols) float32 array from the wire, or InvalidInputError saying what is wrong."""
-    if t.dtype not in _NP_DTYPE:
+    if t.dtype not in WIRE_DTYPE_NAMES:
         raise InvalidInputError(f"unknown tensor dtype {t.dtype}")
     shape = list(t.shape)
     if len(shape) != 2:
@@ -39,12 +100,16 @@ def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
         raise InvalidInputError(f"hidden has {cols} columns; this shard's n_embd is {n_cols}")
     if not 1 <= rows <= max_rows:
         raise InvalidInputError(f"hidden has {rows} rows; a step takes 1 to {max_rows}")
-    dt = _NP_DTYPE[t.dtype]
-    if len(t.data) != rows * cols * dt.itemsize:
-        raise InvalidInputError(f"hidden data is {len(t.data)} bytes; shape {shape} in {dt.name} needs "
-                                f"{rows * cols * dt.itemsize}")
-    arr = np.frombuffer(t.data, dtype=dt).reshape(rows, cols)
-    arr = arr.astype(np.float32) if dt != np.dtype("<f4") else arr
+    need = rows * wire_row_bytes(cols, t.dtype)
+    if len(t.data) != need:
+        raise InvalidInputError(f"hidden data is {len(t.data)} bytes; shape {shape} in {wire_dtype_name(t.dtype)} "
+                                f"needs {need}")
+    if t.dtype == pb.DTYPE_Q8_0:
+        arr = dequantize_q8_0(t.data, rows, cols)
+    else:
+        dt = _NP_DTYPE[t.dtype]
+        arr = np.frombuffer(t.data, dtype=dt).reshape(rows, cols)
+        arr = arr.astype(np.float32) if dt != np.dtype("<f4") else arr
     if not np.isfinite(arr).all():
         raise InvalidInputError("hidden contains a non-finite value")
     return np.ascontiguousarray(arr, dtype=np.float32)

@@ -34,6 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
+from ..proto.wire import LEGACY_WIRE_DTYPES, wire_dtype_name
 
 #: how often an up replica's Info is read again (its load, and a death noticed without a step)
 PROBE_S = 1.0
@@ -98,8 +99,10 @@ class Replicas:
 
     def __init__(self, info, numerics: str, model_digest: str, instance_id: str, addresses: tuple[str, ...],
                  probe: Callable[[str, float], pb.InfoReply], registry=None,
-                 on_health: Callable[[bool, str], None] = lambda ok, detail: None):
+                 on_health: Callable[[bool, str], None] = lambda ok, detail: None,
+                 wire_dtype: int = pb.DTYPE_FLOAT32):
         self.own = info
+        self.wire_dtype = wire_dtype  # the head's route's hidden rows: every replica must read them
         self.numerics, self.model_digest, self.instance_id = numerics, model_digest, instance_id
         self._probe = probe
         self._on_health = on_health
@@ -208,6 +211,10 @@ class Replicas:
                     f"than this head ({own.architecture}, {own.n_layer} layers)")
         if info.first <= own.last:
             return f"not a later stage: it holds layers {info.first}-{info.last}, this head {own.first}-{own.last}"
+        reads = tuple(info.wire_dtypes) or LEGACY_WIRE_DTYPES
+        if self.wire_dtype not in reads:
+            return (f"conflict: peer {r.address} reads hidden rows as {', '.join(map(wire_dtype_name, reads))}; this "
+                    f"head sends {wire_dtype_name(self.wire_dtype)} (serve --wire-dtype)")
         for other in self.replicas:
             o = other.info
             if other is r or o is None or other.refused:

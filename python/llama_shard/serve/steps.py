@@ -8,6 +8,7 @@ step refused changes no state.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple
 
@@ -22,7 +23,7 @@ from ..errors import (ComputeError, IncompatibleCacheRecipeError, InvalidInputEr
                       LlamaShardError, StaleRouteEpochError)
 from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS
-from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor
+from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for
 from .admission import SessionCapRefused, SessionOwners
 from .handover import STILL_MOVING, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
@@ -50,6 +51,9 @@ class StepRunner:
         self.peers, self.owners, self.prefixes, self.samplers = peers, owners, prefixes, samplers
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
+        self.wire_dtypes = wire_dtypes_for(model.info.n_embd)
+        self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes sent to the next hop, by wire type
+        self._forwarded_lock = threading.Lock()
         config = manager.config
         self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions,
                                                   model)
@@ -203,6 +207,10 @@ class StepRunner:
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
             nexts.append((kind, nxt))
+        with self._forwarded_lock:
+            for _, nxt in nexts:
+                name = wire_dtype_name(nxt.hidden.dtype)
+                self.forwarded_bytes[name] = self.forwarded_bytes.get(name, 0) + len(nxt.hidden.data)
 
         def forward_once():
             timeout = max(deadline - time.monotonic(), 0.001)
@@ -233,8 +241,9 @@ class StepRunner:
                 f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: {MIXED_NUMERICS}")
         if len(req.token_ids) and req.HasField("hidden"):
             raise InvalidInputError("send token_ids or hidden, not both")
-        if req.reply_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
-            raise InvalidInputError(f"unknown reply_dtype {req.reply_dtype}")
+        if req.reply_dtype not in self.wire_dtypes:
+            raise InvalidInputError(f"reply_dtype {wire_dtype_name(req.reply_dtype)}: this worker's rows travel as "
+                                    f"{', '.join(map(wire_dtype_name, self.wire_dtypes))}")
         n_tokens = len(req.token_ids)  # counted before anything is converted: a huge list costs nothing more
         if n_tokens > self.manager.config.context_tokens:
             raise KvBudgetExceededError(f"{n_tokens} token ids: a session holds at most "

@@ -37,7 +37,7 @@ from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
 from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, check_max_drafts
-from ..proto.wire import tier_name
+from ..proto.wire import Q8_0_BLOCK, WIRE_DTYPES, tier_name, wire_dtypes_for
 from . import DEFAULT_MAX_HOP_S
 from .admission import AdmitRequests, SessionCapRefused, SessionOwners
 from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
@@ -87,6 +87,7 @@ class WorkerOptions:
     draft_model: str | None = None         # a small GGUF of the same vocabulary whose greedy tokens are the drafts
     verify: str = "exact"                  # how the route computes a verification (VERIFY_MODES)
     replicas: tuple[str, ...] = ()         # workers of this one's range it hands its sessions to when drained
+    wire_dtype: str = "f32"                # a head: its own route's hidden rows (WIRE_DTYPES) when a request names none
 
 
 class ShardServicer(pb_grpc.ShardServiceServicer):
@@ -118,8 +119,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.instance_id = secrets.token_hex(8)  # this process in Info: a head sees a restart by it
         self.model_digest = manager.model_digest()  # a replica's must match (one read of the file)
         # a head's later stages and their replicas (its --peer workers), probed from ShardWorker.start
+        if options.wire_dtype not in WIRE_DTYPES:
+            raise InvalidInputError(f"wire dtype {options.wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
+        self.wire_dtype = WIRE_DTYPES[options.wire_dtype]
+        # the types this worker reads and sends: q8_0 only where a row is whole blocks
+        self.wire_dtypes = wire_dtypes_for(self.info.n_embd)
+        if self.wire_dtype not in self.wire_dtypes:
+            raise InvalidInputError(f"--wire-dtype {options.wire_dtype} carries rows of whole {Q8_0_BLOCK}-value "
+                                    f"blocks; this model's rows have {self.info.n_embd} values")
         self.replicas = (Replicas(self.info, manager.config.numerics, self.model_digest, self.instance_id,
-                                  tuple(options.peers), self.peers.info, registry)
+                                  tuple(options.peers), self.peers.info, registry, wire_dtype=self.wire_dtype)
                          if self.info.first == 0 and options.peers else None)
         # no valid request is larger than a full batch of full-context float32 rows: a larger message
         # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
@@ -161,7 +170,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                         session_cap=options.max_sessions_per_principal, stopping=self.stopping,
                         max_hop_s=self.max_hop_s, forward_refusal=self.steps.forward_refusal, admit=self.owners.admit,
                         caller_full=self.owners.full, run_steps=self._run_own_steps, sessions=manager.sessions,
-                        replicas=self.replicas, vocab_model=model)
+                        replicas=self.replicas, vocab_model=model, wire_dtype=self.wire_dtype)
         self.generation = GenerationLoops(host, registry, options.draft, options.max_drafts, draft_model,
                                           row_by_row=options.verify == "exact")
         self.handover_total = 0
@@ -529,6 +538,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             accepted_tokens=self.generation.accepted_total, instance_id=self.instance_id,
             model_digest=self.model_digest, replicas=self.replicas.info() if self.replicas is not None else [],
             failovers=self.replicas.failovers_total if self.replicas is not None else 0,
+            wire_dtypes=self.wire_dtypes, wire_dtype=self.wire_dtype, forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
             draining=self.moves.draining, handover_sessions=self.handover_total)
 
 

@@ -52,6 +52,8 @@ class HeadHost:
     replicas: "Replicas | None" = None
     #: the vocabulary a grammar's tokens come from (the head's ShardModel; None: no grammar checked here)
     vocab_model: object = None
+    #: the hidden rows' type on its own route when a Generate request names none (serve --wire-dtype)
+    wire_dtype: int = 0
 
     @property
     def max_streams(self) -> int:

@@ -13,6 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
+from ...proto.wire import wire_dtype_name, wire_dtypes_for
 from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts, check_stops,
                                check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
@@ -235,7 +236,7 @@ class GenerationLoops:
             return Refusal(reason, pb.GenerateFinal(finish_reason="error", outcome=outcome, detail=detail,
                                                     prompt_tokens=len(req.prompt)), param)
         try:
-            params, max_tokens, max_drafts = self._check(req)
+            params, max_tokens, max_drafts, wire_dtype = self._check(req)
             key = self.host.security.engine_key(principal, req.session_id)
         except InvalidInputError as e:
             return refused(RefusalReason.INVALID, pb.OUTCOME_INVALID_ARGUMENT, str(e), e.param)
@@ -270,7 +271,7 @@ class GenerationLoops:
             if self.host.replicas is not None:
                 self.host.replicas.place(key, addresses)
             self.streams[key] = stream
-            self.loop_for(principal, route, req.wire_dtype).add(stream)
+            self.loop_for(principal, route, wire_dtype).add(stream)
         return stream
 
     def _route(self, req: pb.GenerateRequest, record: "RouteHolds | None") -> list[pb.Hop] | str:
@@ -295,7 +296,7 @@ class GenerationLoops:
         return loop
 
     def _check(self, req: pb.GenerateRequest):
-        """(sampling params or None, max_tokens, max drafts per step): every check of a Generate
+        """(sampling params or None, max_tokens, max drafts per step, wire dtype): every check of a Generate
         request, once, before anything is computed; InvalidInputError says what is wrong (its
         `param`, the request field)."""
         host = self.host
@@ -312,8 +313,10 @@ class GenerationLoops:
         refusal = host.forward_refusal(req.forward)
         if refusal is not None:
             raise InvalidInputError(refusal)
-        if req.wire_dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16):
-            raise InvalidInputError(f"unknown wire_dtype {req.wire_dtype}")
+        wire_dtype = req.wire_dtype if req.HasField("wire_dtype") else host.wire_dtype
+        if wire_dtype not in wire_dtypes_for(info.n_embd):
+            raise InvalidInputError(f"wire_dtype {wire_dtype_name(wire_dtype)}: this model's rows travel as "
+                                    f"{', '.join(map(wire_dtype_name, wire_dtypes_for(info.n_embd)))}")
         n = len(req.prompt)
         if n == 0:
             raise InvalidInputError("the prompt is empty", param="prompt")
@@ -339,7 +342,7 @@ class GenerationLoops:
         max_drafts = req.max_drafts if req.HasField("max_drafts") else self.max_drafts
         if self.draft_source == "off" or req.logprobs or req.top_logprobs:  # a verification returns no logprobs
             max_drafts = 0
-        return params, req.max_tokens or room, max_drafts
+        return params, req.max_tokens or room, max_drafts, wire_dtype
 
     # --- the loop's outcomes -------------------------------------------------------------------
 
