@@ -29,8 +29,8 @@ from llama_shard._native import grammar_problem
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.openai.requests import sampling_from
-from routes import (ours_chat_reuse, ours_generate_streams, ours_shared_prefix, ours_speculation, ours_two_stages,
-                    ours_worker_clients)
+from routes import (LINKS, ours_chat_reuse, ours_generate_streams, ours_long_prompt_ttft, ours_shared_prefix,
+                    ours_speculation, ours_two_stages, ours_worker_clients, wire_agreement)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +486,39 @@ def speculation_rows(s: Shapes) -> list[Row]:
     return rows
 
 
+def wire_rows(s: Shapes) -> list[Row]:
+    log("the wire's bytes: hidden rows as f32, f16 and q8_0 between two workers; a long prompt over slower links")
+    n = s.n_layer
+    cut = compute_balanced_cut(s.path)
+    split = [(0, cut - 1), (cut, n - 1)]
+    where = f"2 workers x 1 thread ({split[0][0]}-{split[0][1]},{split[1][0]}-{split[1][1]})"
+    prompts, generate = (4, 8) if s.quick else (50, 32)
+    agree = wire_agreement(s.path, split, n_prompts=prompts, generate=generate)
+    rows = []
+    for name in ("f16", "q8_0"):
+        a = agree[name]
+        rows += [Row(f"wire {name}: bytes of a one-token step's request (vs f32)", a["token_bytes"],
+                     agree["f32"]["token_bytes"], "B", "", "serialized StepRequest"),
+                 Row(f"wire {name}: bytes of a 2,048-token prefill's rows (vs f32)", a["prefill_bytes"],
+                     agree["f32"]["prefill_bytes"], "B", "", "serialized StepRequest"),
+                 Row(f"wire {name}: greedy tokens equal to f32's, teacher-forced positions (of all)",
+                     a["same_positions"], a["positions"], "positions", "",
+                     f"{a['same_prompts']} of {a['prompts']} prompts' {generate} greedy tokens all equal f32's; mean "
+                     f"KL(f32 || {name}) {a['mean_kl']:.2g} nats; {a['prompts']} windows of 64 tokens of docs/design.md, "
+                     f"in process, 2 shards ({split[0][0]}-{split[0][1]},{split[1][0]}-{split[1][1]}) x 2 threads")]
+    prompt_tokens = 256 if s.quick else 2048
+    links = LINKS[:1] if s.quick else LINKS
+    ttft = ours_long_prompt_ttft(s.path, split, prompt_tokens, repeat=s.repeat, links=links)
+    for label, _, _ in links:
+        for name in ("f32", "f16", "q8_0"):
+            rows.append(Row(f"a {prompt_tokens:,}-token prompt through 2 workers, {label}, {name} rows: 1 / time to "
+                            f"first token (vs the whole model on 1 worker x 2 threads)", 1 / ttft[(label, name)],
+                            1 / ttft["whole"], "1/s", "",
+                            f"{ttft[(label, name)]:.3f} s against {ttft['whole']:.3f} s; {where}; the head sends "
+                            f"the prompt in steps of 256 tokens, each after the last came back"))
+    return rows
+
+
 def memory_rows(s: Shapes) -> list[Row]:
     log("memory")
     whole = ours_memory(s.path, None)
@@ -638,7 +671,7 @@ def failover_rows(s: Shapes) -> list[Row]:
 
 SECTIONS = (single_session_rows, concurrent_rows, split_rows, route_rows, generate_rows, openai_rows, structured_rows,
             prefixes_rows,
-            speculation_rows, failover_rows,
+            speculation_rows, wire_rows, failover_rows,
             memory_rows,
             engine_choice_rows, cpu_kernel_rows)
 SECTION_NAMES = {f.__name__.removesuffix("_rows"): f for f in SECTIONS}

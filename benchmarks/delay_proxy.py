@@ -1,11 +1,13 @@
-"""A TCP proxy on loopback that delays every byte by D ms in each direction: a link of a real
-network, without kernel features (tc/netem) or privileges. For the benchmarks only.
+"""A TCP proxy on loopback that delays every byte by D ms in each direction, and optionally limits
+each direction's bandwidth: a link of a real network, without kernel features (tc/netem) or
+privileges. For the benchmarks only.
 
-    with DelayProxy("127.0.0.1:5002", delay_s=0.010) as proxy:
+    with DelayProxy("127.0.0.1:5002", delay_s=0.005, bits_per_s=100e6) as proxy:
         proxy.address   # "127.0.0.1:PORT": connect here instead of to the upstream
 
-Each direction keeps its order; a chunk read at t is written at t + delay (bandwidth unlimited).
-The proxy runs an asyncio loop in its own thread."""
+Each direction keeps its order and is one link: a chunk read at t starts crossing it when the chunks
+before it have crossed (or at t), takes len * 8 / bits_per_s to cross (0 without a limit), and is
+written delay later. The proxy runs an asyncio loop in its own thread."""
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +16,11 @@ import time
 
 
 class DelayProxy:
-    def __init__(self, upstream: str, delay_s: float):
+    def __init__(self, upstream: str, delay_s: float, bits_per_s: float | None = None):
         self.upstream_host, port = upstream.rsplit(":", 1)
         self.upstream_port = int(port)
         self.delay_s = delay_s
+        self.seconds_per_byte = 8.0 / bits_per_s if bits_per_s else 0.0
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="delay-proxy", daemon=True)
@@ -74,12 +77,14 @@ class DelayProxy:
             writer.close()
 
         task = asyncio.ensure_future(deliver())
+        link_free = 0.0  # when the link has carried every chunk read so far
         try:
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
                     break
-                queue.put_nowait((time.monotonic() + self.delay_s, data))
+                link_free = max(time.monotonic(), link_free) + len(data) * self.seconds_per_byte
+                queue.put_nowait((link_free + self.delay_s, data))
         finally:
             queue.put_nowait((0.0, None))
             await task

@@ -582,3 +582,159 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
             stop_worker(proc)
         if proxy is not None:
             proxy.__exit__(None, None, None)
+
+
+# --- the wire's bytes ----------------------------------------------------------------------------
+
+#: the benchmark's links between a head and its tail: (label, one-way delay in ms, bits per second or None)
+LINKS = (("loopback", 0.0, None), ("1 Gbit/s + 5 ms", 5.0, 1e9), ("100 Mbit/s + 5 ms", 5.0, 100e6))
+WIRE_NAMES = {"f32": pb.DTYPE_FLOAT32, "f16": pb.DTYPE_FLOAT16, "q8_0": pb.DTYPE_Q8_0}
+
+
+def _first_token_seconds(stub, prompt: list[int], tag: str, **request) -> float:
+    """Client-side time from a Generate call to its first token (the session released after)."""
+    req = pb.GenerateRequest(session_id=f"{tag}-{time.monotonic_ns()}", prompt=prompt, max_tokens=1, max_drafts=0,
+                             **request)
+    t0 = time.perf_counter()
+    first = None
+    for event in stub.Generate(req, timeout=600):
+        if event.HasField("token") and first is None:
+            first = time.perf_counter() - t0
+        elif event.HasField("final") and event.final.finish_reason != "length":
+            raise RuntimeError(f"a Generate stream failed: {event.final}")
+    stub.Release(pb.SessionRequest(session_id=req.session_id), timeout=10)
+    return first
+
+
+def ours_long_prompt_ttft(path: Path, ranges: list[tuple[int, int]], prompt_tokens: int = 2048,
+                          repeat: int = 1, links=LINKS, wire_types=tuple(WIRE_NAMES)) -> dict:
+    """Time to first token of one `prompt_tokens`-token prompt: through two chained 1-thread workers
+    over each link (the head reaches the tail through a DelayProxy) for each wire type, and on the
+    whole model in one 2-thread worker (the same threads in all). Every run sends new random tokens
+    (a shared prefix of an earlier run would make it cheaper). Best of `repeat`, in seconds:
+    {"whole": s, (link label, wire name): s}."""
+    from delay_proxy import DelayProxy
+
+    n_vocab = ShardModel(str(path), (0, 0), 1).info.n_vocab
+    rng = np.random.default_rng(29)
+    prompt = lambda: rng.integers(100, n_vocab, prompt_tokens).tolist()  # noqa: E731
+    common = ("--max-sessions", "2", "--context-tokens", str(prompt_tokens + 64))
+    out = {}
+    whole, whole_addr = start_worker(path, ranges[0][0], ranges[-1][1], 2, extra=common)
+    try:
+        wait_serving(whole, whole_addr)
+        with grpc.insecure_channel(whole_addr) as ch:
+            stub = pb_grpc.ShardServiceStub(ch)
+            _first_token_seconds(stub, prompt()[:64], "warm-up")
+            out["whole"] = min(_first_token_seconds(stub, prompt(), "whole") for _ in range(repeat))
+        log(f"long prompt: {prompt_tokens} tokens on the whole model (2 threads): {out['whole']:.3f} s to the first token")
+    finally:
+        stop_worker(whole)
+    tail, tail_addr = start_worker(path, *ranges[1], 1, extra=common)
+    try:
+        wait_serving(tail, tail_addr)
+        for label, delay_ms, bits in links:
+            proxy = DelayProxy(tail_addr, delay_ms / 1000, bits) if delay_ms or bits else None
+            peer = proxy.__enter__().address if proxy is not None else tail_addr
+            head, head_addr = start_worker(path, *ranges[0], 1, extra=("--peer", peer, *common))
+            try:
+                wait_serving(head, head_addr)
+                with grpc.insecure_channel(head_addr) as ch:
+                    stub = pb_grpc.ShardServiceStub(ch)
+                    _first_token_seconds(stub, prompt()[:64], "warm-up")
+                    for name in wire_types:
+                        t = min(_first_token_seconds(stub, prompt(), name, wire_dtype=WIRE_NAMES[name])
+                                for _ in range(repeat))
+                        out[(label, name)] = t
+                        log(f"long prompt: {prompt_tokens} tokens, 2 workers x 1 thread, {label}, {name} rows: "
+                            f"{t:.3f} s to the first token")
+            finally:
+                stop_worker(head)
+                if proxy is not None:
+                    proxy.__exit__(None, None, None)
+    finally:
+        stop_worker(tail)
+    return out
+
+
+def wire_agreement(path: Path, split: list[tuple[int, int]], n_prompts: int = 50, prompt_tokens: int = 64,
+                   generate: int = 32, threads: int = 2, wire_types=("f16", "q8_0")) -> dict:
+    """What rounding the hidden rows between two shards (as the wire type would) does to the tail's
+    output, in process: `n_prompts` windows of `prompt_tokens` tokens of docs/design.md, each
+    generating `generate` greedy tokens with exact rows and with each type's. Per type: the prompts
+    whose greedy tokens all equal the exact ones, the positions whose greedy token equals the exact
+    one when both follow the exact tokens (teacher forced), and the mean KL(exact || rounded) of the
+    tail's distributions over those positions; plus the bytes of one step's request per token and of
+    a prompt_tokens=2048 prefill."""
+    from llama_shard.engine.pipeline import LocalPipeline
+    from llama_shard.proto.wire import decode_tensor, encode_tensor
+
+    pipe = LocalPipeline(path, split, n_ctx=prompt_tokens + generate + 8, n_seq_max=1, n_batch=prompt_tokens,
+                         n_threads=threads)
+    text = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    try:
+        ids = pipe.head.tokenize(text)
+    except InvalidInputError:  # a model without a tokenizer (the tests' synthetic ones): random ids
+        ids = np.random.default_rng(31).integers(1, pipe.head.info.n_vocab, n_prompts * prompt_tokens).tolist()
+    prompts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(n_prompts)]
+    if len(prompts[-1]) < prompt_tokens:
+        raise RuntimeError(f"docs/design.md has fewer than {n_prompts} x {prompt_tokens} tokens")
+    n_embd = pipe.head.info.n_embd
+
+    def run(tokens: list[int], wire: int | None) -> np.ndarray:
+        """The tail's logits after each of `tokens` from position 0 (rows rounded through `wire`)."""
+        pipe.seq_rm(0, 0)
+        rows = []
+        out = pipe.contexts[0].forward(0, 0, tokens=tokens[:prompt_tokens])  # the prompt
+        steps = [(0, tokens[:prompt_tokens])] + [(p, [t]) for p, t in enumerate(tokens[prompt_tokens:], prompt_tokens)]
+        for k, (pos, chunk) in enumerate(steps):
+            if k:
+                out = pipe.contexts[0].forward(0, pos, tokens=chunk)
+            if wire is not None:
+                out = decode_tensor(encode_tensor(out, wire), n_embd, len(chunk))
+            rows.append(pipe.contexts[1].forward(0, pos, hidden=out))
+        return np.stack(rows)
+
+    def greedy(prompt: list[int], wire: int | None) -> list[int]:
+        pipe.seq_rm(0, 0)
+        out = pipe.contexts[0].forward(0, 0, tokens=prompt)
+        got, pos = [], len(prompt)
+        for _ in range(generate):
+            if wire is not None:
+                out = decode_tensor(encode_tensor(out, wire), n_embd, out.shape[0])
+            token = int(np.argmax(pipe.contexts[1].forward(0, pos - out.shape[0], hidden=out)))
+            got.append(token)
+            out = pipe.contexts[0].forward(0, pos, tokens=[token])
+            pos += 1
+        return got
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    exact = [greedy(p, None) for p in prompts]
+    ref_logits = [log_softmax(run(p + g[:-1], None)) for p, g in zip(prompts, exact)]
+    out = {}
+    for name in wire_types:
+        wire = WIRE_NAMES[name]
+        same_prompts = same_positions = positions = 0
+        kl = 0.0
+        for p, g, ref in zip(prompts, exact, ref_logits):
+            same_prompts += greedy(p, wire) == g
+            lp = log_softmax(run(p + g[:-1], wire))
+            kl += float((np.exp(ref) * (ref - lp)).sum(axis=-1).sum())
+            same_positions += int((lp.argmax(axis=-1) == ref.argmax(axis=-1)).sum())
+            positions += lp.shape[0]
+        out[name] = {"same_prompts": same_prompts, "prompts": n_prompts, "same_positions": same_positions,
+                     "positions": positions, "mean_kl": kl / positions}
+        log(f"wire {name}: {same_prompts}/{n_prompts} prompts' {generate} greedy tokens equal f32's; "
+            f"{same_positions}/{positions} teacher-forced positions agree; mean KL {kl / positions:.3g} nats")
+    for name, wire in WIRE_NAMES.items():
+        def request_bytes(n: int) -> int:
+            rows = np.random.default_rng(0).standard_normal((n, n_embd)).astype(np.float32)
+            req = pb.StepRequest(session_id="s", route_epoch=1, hidden=encode_tensor(rows, wire), reply_dtype=wire,
+                                 position=4096)
+            return req.ByteSize()
+        out.setdefault(name, {}).update(token_bytes=request_bytes(1), prefill_bytes=request_bytes(2048))
+    return out

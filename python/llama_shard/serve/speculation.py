@@ -50,16 +50,20 @@ class NgramDrafter:
         self._index: dict[tuple, int] = {}  # n-gram -> the position after its latest earlier occurrence
         self._indexed = 0                     # n-grams ending before this index are in _index
 
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+    def propose(self, tokens: list[int], k: int, index: bool = True) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending the
-        tokens, and that n-gram's length (0: none occurred before)."""
+        tokens, and that n-gram's length (0: none occurred before). `index=False`: the tokens go on
+        past the session's (drafts assumed accepted): look them up without indexing them, so the
+        index only ever holds the session's own tokens (its positions are read in `tokens`, which
+        begin with those)."""
         n_tok = len(tokens)
         # index every n-gram that has a continuation (ends before the last token)
-        for end in range(self._indexed, n_tok - 1):
+        for end in range(self._indexed, n_tok - 1) if index else ():
             for n in range(NGRAM_MIN, NGRAM_MAX + 1):
                 if end + 1 >= n:
                     self._index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
-        self._indexed = max(self._indexed, n_tok - 1)
+        if index:
+            self._indexed = max(self._indexed, n_tok - 1)
         if k <= 0:
             return [], 0
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 import grpc
@@ -42,6 +43,56 @@ class PrefixSteps(NamedTuple):
     store_key: int
 
 
+#: the longest a step that starts past the end of its session's last step queued here waits for the
+#: step before it (a pipelined stream's windows travel in separate calls, which may arrive out of order)
+ORDER_WAIT_S = 1.0
+#: a step waits so only when it starts at most this far past that end (a window in flight), not for a
+#: position far beyond anything its caller sent before (answered at once, as ever)
+ORDER_GAP_MAX = 2 * (MAX_DRAFTS + 1)
+
+
+class SessionOrder:
+    """Where each session's last step queued here ends, so that a step which starts further on waits
+    (at most ORDER_WAIT_S) for the step before it to be queued: the engine runs a session's steps in
+    the order they were queued, and a pipelined stream's next window may overtake the one before it
+    between two workers. A session this worker has not seen, or a step at or before that end, never
+    waits. Bounded: the least recently stepped sessions are forgotten past `cap`."""
+
+    def __init__(self, cap: int):
+        self._cap = cap
+        self._ends: OrderedDict[str, int] = OrderedDict()
+        self._cond = threading.Condition()
+
+    @staticmethod
+    def _start(step: Step) -> int | None:
+        return step.start_pos if step.kind == StepKind.PREFILL else step.expected_seq_len
+
+    def wait_turn(self, steps: list[Step], deadline: float) -> None:
+        until = min(deadline, time.monotonic() + ORDER_WAIT_S)
+        with self._cond:
+            for step in steps:
+                start = self._start(step)
+                while start is not None:
+                    end = self._ends.get(step.session_id)
+                    left = until - time.monotonic()
+                    if end is None or start <= end or start - end > ORDER_GAP_MAX or left <= 0:
+                        break
+                    self._cond.wait(left)
+
+    def queued(self, steps: list[Step]) -> None:
+        with self._cond:
+            for step in steps:
+                start = self._start(step)
+                if start is None:  # appended where the session ends: not known here
+                    self._ends.pop(step.session_id, None)
+                    continue
+                self._ends[step.session_id] = start + step.n_tokens
+                self._ends.move_to_end(step.session_id)
+            while len(self._ends) > self._cap:
+                self._ends.popitem(last=False)
+            self._cond.notify_all()
+
+
 class StepRunner:
     def __init__(self, model, manager: HotKvStateManager, adapter: KvBoundaryAdapter, security: ServerSecurity,
                  peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str,
@@ -52,6 +103,7 @@ class StepRunner:
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
         self.wire_dtypes = wire_dtypes_for(model.info.n_embd)
+        self.order = SessionOrder(4 * manager.config.max_sessions)  # each session's steps in the order sent
         self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes sent to the next hop, by wire type
         self._forwarded_lock = threading.Lock()
         config = manager.config
@@ -138,7 +190,10 @@ class StepRunner:
                 replies[i] = self._reply(items[i][1], opened)
             else:
                 ready.append(entry)
-        outs = self.adapter.step_many([step for _, step, _, _ in ready]) if ready else []
+        steps = [step for _, step, _, _ in ready]
+        if steps:
+            self.order.wait_turn(steps, deadline)
+        outs = self.adapter.step_many(steps, lambda: self.order.queued(steps)) if steps else []
         computed = []
         for (i, step, params, prefix), out in zip(ready, outs):
             if prefix is not None and prefix.store_tokens and isinstance(out, (BoundaryBundle, TailOutput)):

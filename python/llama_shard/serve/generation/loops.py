@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -19,13 +20,18 @@ from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, ch
 from ..admission import SessionCapRefused
 from ..speculation import StepCost
 from .host import HeadHost
-from .stream import Stream, common_prefix
+from .stream import Stream, Window, common_prefix
 
 #: a group's thread waits this long for a new stream before it ends
 IDLE_S = 2.0
 #: route changes (a failover, a hand-over followed) one step may cause before its stream ends with
 #: an error: a route whose replicas all fail in turn is not retried forever
 MAX_ROUTE_CHANGES = 4
+#: pipelining (a stream stepping alone): the most steps in flight at once
+MAX_WINDOWS = 4
+#: a verification window is sent ahead only while the chance that every window before it is kept
+#: (each accepted whole and the next token guessed) is at least this
+MIN_KEEP_CHANCE = 0.3
 
 
 class _RouteLoop:
@@ -44,6 +50,7 @@ class _RouteLoop:
         self.streams: list[Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
+        self._executor: ThreadPoolExecutor | None = None  # a lone stream's steps in flight (_pipeline)
 
     def add(self, stream: Stream) -> None:  # under the owner's lock
         self.streams.append(stream)
@@ -141,6 +148,8 @@ class _RouteLoop:
         for s in live:
             if s.first_step and not s.planned:
                 s.plan_prefix(owner.host.prefixes)
+        if len(live) == 1 and self.forward and self._pipeline(live[0]):
+            return
         # drafts only for a stream stepping alone: streams sharing a step already share its compute,
         # which a verification's extra rows would take from them
         cost = self.cost.relative() if len(live) == 1 else None
@@ -157,6 +166,139 @@ class _RouteLoop:
             return
         for s, reply in zip(live, replies):
             owner.settle(s, reply)
+
+
+    # --- pipelining: a stream stepping alone keeps several steps in flight --------------------------
+
+    def _next_window(self, s: Stream, ahead: list[Window], cost: list[float]) -> tuple | None:
+        """(Window, kind, request) of the stream's next step, built as if the steps in flight (`ahead`)
+        come back as hoped; None when none is worth sending now. With none in flight: the stream's
+        own next step (a prompt chunk after its first, or a token with the drafts DraftControl
+        chooses). After a prompt chunk that does not end the prompt: the next chunk (at most one in
+        flight per stage, and one more for the link). After verification windows: one more, whose
+        first token is the drafter's guess of the token the last one samples, while the chance that
+        every window before it is kept (its drafts accepted, its next token guessed) is at least
+        MIN_KEEP_CHANCE."""
+        if not ahead:
+            if s.first_step:
+                return None
+            kind, req = s.request(self.wire_dtype, cost)
+            return Window(s.computed, s.tokens[s.computed], s.sent, s.computed + s.sent.n_tokens), kind, req
+        last, end = ahead[-1], ahead[-1].end
+        if not last.sent.samples:  # a prompt's chunk: the next one
+            if len(ahead) >= min(MAX_WINDOWS, len(self.forward) + 2):
+                return None
+            with s.assuming([], end):
+                kind, req = s.request(self.wire_dtype)
+                return Window(end, s.tokens[end], s.sent, end + s.sent.n_tokens), kind, req
+        if ((s.drafter is None and s.draft_model is None) or len(ahead) >= MAX_WINDOWS
+                or not all(w.sent.samples for w in ahead)):
+            return None
+        room = s.max_tokens - len(s.generated) - sum(len(w.sent.drafts) + 1 for w in ahead)
+        a = s.control.rate(s.long_match)
+        chance = 1.0
+        for w in ahead:
+            chance *= a ** (len(w.sent.drafts) + 1)
+        if room < 1 or chance < MIN_KEEP_CHANCE:
+            return None
+        assumed = []  # after the stream's tokens: each window's drafts, then the next one's guess
+        for i, w in enumerate(ahead):
+            assumed += w.sent.drafts
+            if i + 1 < len(ahead):
+                assumed.append(ahead[i + 1].first_token)
+        k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
+        full = s.tokens + assumed
+        if s.draft_model is not None:
+            guess = s.draft_model.propose(s.key, full, k + 1)
+        else:
+            s.drafter.propose(s.tokens, 0)  # the stream's own tokens indexed; the assumed ones only read
+            guess, _ = s.drafter.propose(full, k + 1, index=False)
+        if not guess:
+            return None
+        s.unsent = None  # the token the draft would have been checked against is this window's guess
+        with s.assuming(assumed + guess[:1], end):
+            kind, req = s.request(self.wire_dtype, drafts=guess[1:])
+            return Window(end, guess[0], s.sent, end + s.sent.n_tokens, guess=True), kind, req
+
+    def _pipeline(self, s: Stream) -> bool:
+        """Runs a lone stream's steps with several in flight where that pays (a prompt's chunks, or
+        verification windows likely to be kept), each reply settled in order as if its step had been
+        sent alone; False if the stream has no step for this (its first, which opens the session on
+        the route). A reply that does not continue the stream (a draft rejected, a guess wrong, an
+        error) drops the steps after it: the stream waits for their replies, so that none overtakes
+        its next step, which then cuts what they computed. Kept replies are those the same steps sent
+        one at a time get: the tokens are exact."""
+        owner = self.owner
+        cost = self.cost.relative()
+        first = self._next_window(s, [], cost)
+        if first is None:
+            return False
+        pool = self._pool()
+        inflight: deque = deque()  # (window, future)
+        solo: list = []            # [window, sent at]: the one step in flight, while no other was sent with it
+
+        def send(window: Window, kind, req) -> None:
+            solo[:] = [window, time.perf_counter()] if not inflight else []
+            deadline = time.monotonic() + owner.host.max_hop_s
+            inflight.append((window, pool.submit(owner.host.run_steps, self.principal, [(kind, req)], self.forward,
+                                                 deadline)))
+
+        send(*first)
+        while inflight:
+            while not (s.done or s.stop_reason) and len(self.streams) == 1:
+                nxt = self._next_window(s, [w for w, _ in inflight], cost)
+                if nxt is None:
+                    break
+                s.pipelined_windows += 1
+                send(*nxt)
+            window, future = inflight.popleft()
+            try:
+                reply, = future.result()
+            except BaseException:
+                self._drain(s, inflight)
+                raise
+            if solo and solo[0] is window and window.sent.samples:  # timed alone: the route's step cost
+                self.cost.observe(window.sent.n_tokens, time.perf_counter() - solo[1])
+            keep = window.continues(s) and not s.done
+            if not keep or reply.outcome != pb.OUTCOME_OK:
+                s.held = max(s.held, window.end)
+                self._drain(s, inflight)  # nothing built on it counts, and none may overtake the next step
+            if keep:
+                if window is not first[0] and reply.outcome == pb.OUTCOME_OK:
+                    s.pipelined_kept += 1
+                s.sent = window.sent
+                owner.settle(s, reply)
+            nxt = inflight[0][0] if inflight and not s.done and reply.outcome == pb.OUTCOME_OK else None
+            if nxt is not None and nxt.guess and s.computed == nxt.start:
+                # the next window's first token guessed the token this one sampled: a draft, checked now
+                right = nxt.continues(s)
+                s.control.update(1, int(right), s.long_match)
+                owner.count_drafts(1, int(right))
+            if inflight and not s.done and not inflight[0][0].continues(s):
+                # a draft rejected, or the next window's guess wrong: what was built on it is dropped
+                # now, before anything more is built on it
+                self._drain(s, inflight)
+            if (s.done or s.rerouted or s.stop_reason is not None or owner.host.stopping.is_set()
+                    or (s.deadline is not None and time.monotonic() >= s.deadline)):
+                self._drain(s, inflight)
+        return True
+
+    @staticmethod
+    def _drain(s: Stream, inflight: deque) -> None:
+        """Waits for the replies of the steps still in flight and drops them; the route may hold their
+        positions (the next step is a prefill at `computed` that cuts them)."""
+        while inflight:
+            window, future = inflight.popleft()
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - a dropped step's failure is not the stream's
+                pass
+            s.held = max(s.held, window.end)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="pipelined-step")
+        return self._executor
 
 
 class RouteHolds(NamedTuple):
@@ -399,12 +541,14 @@ class GenerationLoops:
             if not self._emit(s, token, reply):
                 break
         if drafts:  # counted as the client got them (accepted never exceeds the completion's tokens)
-            shown = accepted - s.unsent_accepted
-            self.drafted.inc(len(drafts))
-            self.accepted.inc(shown)
-            with self.cond:  # streams of several route loops count here (Info reads these)
-                self.drafted_total += len(drafts)
-                self.accepted_total += shown
+            self.count_drafts(len(drafts), accepted - s.unsent_accepted)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        with self.cond:  # streams of several route loops count here (Info reads these)
+            self.drafted_total += drafted
+            self.accepted_total += accepted
 
     @staticmethod
     def _start_over(s: Stream) -> None:
@@ -494,7 +638,8 @@ class GenerationLoops:
             time_to_first_token_s=(s.t_first - s.t_start) if s.t_first is not None else 0.0, tokens_per_s=rate,
             seq_len=min(s.computed, len(s.tokens)), stop=stop, prefix_tokens=told,
             drafted_tokens=s.control.drafted, accepted_tokens=s.control.accepted - s.unsent_accepted,
-            failovers=s.failovers, reprefilled_tokens=s.reprefilled_tokens, moves=s.moves)
+            failovers=s.failovers, reprefilled_tokens=s.reprefilled_tokens, moves=s.moves,
+            pipelined_windows=s.pipelined_windows, pipelined_kept=s.pipelined_kept)
         replicas = host.replicas
         with self.cond:
             if self.streams.get(s.key) is s:
@@ -598,6 +743,9 @@ class GenerationLoops:
             for k, v in list(self.loops.items()):
                 if v is loop:
                     del self.loops[k]
+            if loop._executor is not None:  # its pipelined steps are all back (its streams ended)
+                loop._executor.shutdown(wait=False)
+                loop._executor = None
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no stream is left and no group step is running (shutdown)."""

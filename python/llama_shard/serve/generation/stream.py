@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import time
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from ...engine.hot_kv import StepKind
@@ -23,6 +24,24 @@ class SentStep(NamedTuple):
     n_tokens: int        # tokens sent (the chunk, drafts included)
     samples: bool        # whether the tail samples at its end (the prompt's last chunk, or a decode)
     drafts: list[int]    # the drafts it carries after the last sampled token
+
+
+class Window(NamedTuple):
+    """A step sent while the stream's earlier steps are still in flight (pipelining), built as if
+    they had all come back as hoped: a prompt's next chunk, or a verification window whose first
+    token guesses the token the window before it samples. Its reply counts only if, once those are
+    settled, the stream is where the window assumed (`continues`)."""
+    start: int            # the position of its first token
+    first_token: int      # that token (a guess, for a verification window after another)
+    sent: SentStep        # what Stream.sent is while its reply is settled
+    end: int              # the position after its last token (what the route may hold past `computed`)
+    guess: bool = False   # its first token guesses the token the window before it samples
+
+    def continues(self, s: "Stream") -> bool:
+        if s.computed != self.start:
+            return False
+        # after a guess: the stream's last token (sampled, not computed yet) is the one it guessed
+        return not self.guess or (len(s.tokens) == self.start + 1 and s.tokens[-1] == self.first_token)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -80,6 +99,8 @@ class Stream:
         self.moves = 0                        # times a draining replica had handed the session over
         self.changes_in_row = 0               # route changes since its last step that went through
         self.reprefilled_tokens = 0           # tokens computed again (misses, failovers)
+        self.pipelined_windows = 0            # steps sent while an earlier one was in flight
+        self.pipelined_kept = 0               # of those, the ones whose replies counted
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:
@@ -109,13 +130,32 @@ class Stream:
         self.unsent = candidates[0] if candidates and k == 0 else None  # checked against the step's token
         return candidates[:k]
 
-    def request(self, wire_dtype: int, cost: list[float] | None = None) -> tuple[StepKind, pb.StepRequest]:
+    @contextmanager
+    def assuming(self, assumed: list[int], computed: int):
+        """The stream as it will be if the steps in flight come back as hoped: `assumed` tokens after
+        its own (accepted drafts, then the guess of the next sampled token) and `computed` positions
+        held; restored after (a Window's request is built inside)."""
+        saved = (self.tokens, self.generated, self.computed, self.held, self.draws, self.sent)
+        n = len(assumed)
+        self.tokens, self.generated = self.tokens + assumed, self.generated + assumed
+        self.draws += n if self.params is not None else 0
+        self.computed = self.held = computed
+        try:
+            yield
+        finally:
+            self.tokens, self.generated, self.computed, self.held, self.draws, self.sent = saved
+
+    def request(self, wire_dtype: int, cost: list[float] | None = None,
+                drafts: list[int] | None = None) -> tuple[StepKind, pb.StepRequest]:
+        """The stream's next step (its SentStep in `sent`): a prompt chunk, or a token with drafts (from
+        the drafter at the route's step cost `cost`, or the `drafts` given; none without either)."""
         start = self.computed
         end = start + GENERATE_CHUNK
         plan = self.prefix
         if plan is not None and plan.store_tokens > start:
             end = min(end, plan.store_tokens)  # the step that stores a prefix ends with it
-        drafts = self.drafts(cost) if cost is not None else []
+        if drafts is None:
+            drafts = self.drafts(cost) if cost is not None else []
         chunk = self.tokens[start:end] + drafts
         final = start + len(chunk) - len(drafts) == len(self.tokens)
         opening = plan.open_tokens if plan is not None and self.first_step and start == plan.open_tokens else 0
