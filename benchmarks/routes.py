@@ -542,6 +542,8 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
         with grpc.insecure_channel(head_addr) as ch:
             stub = pb_grpc.ShardServiceStub(ch)
 
+            windows = [0, 0]  # pipelined windows sent, kept (with drafts)
+
             def run(prompts, max_drafts, tag):
                 t0, generated, drafted, accepted, outputs = time.perf_counter(), 0, 0, 0, []
                 for i, prompt in enumerate(prompts):
@@ -555,6 +557,9 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                     generated += final.completion_tokens
                     drafted += final.drafted_tokens
                     accepted += final.accepted_tokens
+                    if max_drafts:
+                        windows[0] += final.pipelined_windows
+                        windows[1] += final.pipelined_kept
                     stub.Release(pb.SessionRequest(session_id=req.session_id), timeout=10)
                 return generated / (time.perf_counter() - t0), drafted, accepted, outputs
 
@@ -563,6 +568,7 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
             for name, prompts in sets.items():
                 best_on = best_off = 0.0
                 differed = 0
+                windows[:] = [0, 0]
                 for _ in range(repeat):
                     off, _, _, plain = run(prompts, 0, "plain")
                     on, drafted, accepted, spec = run(prompts, DEFAULT_MAX_DRAFTS, "spec")
@@ -572,10 +578,11 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                     best_on, best_off = max(best_on, on), max(best_off, off)
                 out[name] = {"on": best_on, "off": best_off, "rate": accepted / max(drafted, 1),
                              "drafted": drafted, "accepted": accepted, "differed": differed,
-                             "prompts": len(prompts)}
+                             "prompts": len(prompts), "windows": windows[0] / repeat, "kept": windows[1] / repeat}
                 log(f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
                     f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted, {differed} of {len(prompts)} "
-                    f"prompts' tokens differed")
+                    f"prompts' tokens differed; {windows[0] / repeat:.0f} windows sent ahead, "
+                    f"{windows[1] / repeat:.0f} kept")
         return out
     finally:
         for proc in procs:

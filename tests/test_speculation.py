@@ -200,6 +200,8 @@ def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_
         assert final0.drafted_tokens == 0 and final.accepted_tokens <= final.drafted_tokens
         if text is REPEAT:  # a rewrite repeats the prompt: drafts are made and most are right
             assert final.drafted_tokens > 0 and final.accepted_tokens > final.drafted_tokens // 2
+        print(f"{layout}, {'repeat' if text is REPEAT else 'open'}: {final.accepted_tokens}/{final.drafted_tokens} "
+              f"drafts accepted, {final.pipelined_windows} windows sent ahead, {final.pipelined_kept} kept")
     info = route.info()
     assert info.draft_source == "ngram" and info.accepted_tokens <= info.drafted_tokens
 
@@ -459,3 +461,90 @@ def test_a_draft_model_is_in_the_memory_plan_and_its_engine_is_sized_by_it(embed
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     grown, planned = runs[1]["rss"] - runs[0]["rss"], runs[1]["hot_bytes"] - runs[0]["hot_bytes"]
     assert 0.9 * planned <= grown <= 1.1 * planned, runs
+
+
+# --- pipelining -----------------------------------------------------------------------------------
+
+def test_a_step_that_overtakes_the_one_before_it_waits_for_it():
+    """SessionOrder: a step starting past the end of its session's last step queued here waits (at
+    most ORDER_WAIT_S) until that step is queued; an unknown session, a step at or before that end,
+    or one far past it never waits."""
+    import threading
+    import time
+
+    from llama_shard.engine.hot_kv import Step
+    from llama_shard.serve.steps import ORDER_GAP_MAX, SessionOrder
+
+    order = SessionOrder(cap=4)
+    far = time.monotonic() + 30
+    a = Step.prefill("s", 0, [1, 2, 3], None, 10)
+    b = Step.prefill("s", 0, [4, 5], None, 13)
+    t0 = time.monotonic()
+    order.wait_turn([b], far)  # a session not seen here: no wait
+    assert time.monotonic() - t0 < 0.5
+    order.queued([Step.prefill("s", 0, [9] * 10, None, 0)])  # the session ends at 10
+    done = []
+    waiter = threading.Thread(target=lambda: (order.wait_turn([b], far), done.append(time.monotonic())))
+    waiter.start()
+    time.sleep(0.3)
+    assert not done  # b starts at 13: it waits for the step that ends there
+    order.queued([a])
+    waiter.join(5)
+    assert done and done[0] - t0 >= 0.3
+    t0 = time.monotonic()
+    order.wait_turn([Step.prefill("s", 0, [7], None, 5)], far)  # before the end: at once
+    order.wait_turn([Step.prefill("s", 0, [7], None, 13 + ORDER_GAP_MAX + 1)], far)  # far past it: at once
+    assert time.monotonic() - t0 < 0.5
+    for i in range(6):  # bounded: the oldest sessions are forgotten
+        order.queued([Step.prefill(f"o{i}", 0, [1], None, 0)])
+    assert len(order._ends) == 4
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_steps_sent_out_of_order_are_run_in_order_on_every_worker(smol_spec_routes):
+    """Two steps of one session in separate calls, the later one first (as a pipelined stream's windows
+    may arrive): every worker runs them in position order, and the answer is the one in-order steps get."""
+    import threading
+    import time
+
+    route = smol_spec_routes["3 shards"]
+    prompt = list(range(300, 340))
+    for sid in ("in-order", "overtaken"):
+        assert _prefill(route, sid, prompt, 0).outcome == pb.OUTCOME_OK
+    first, second = [500, 501, 502], [503, 504]
+    want = [_prefill(route, "in-order", first, 40), _prefill(route, "in-order", second, 43)]
+    got = {}
+    late = threading.Thread(target=lambda: got.update(second=_prefill(route, "overtaken", second, 43)))
+    late.start()
+    time.sleep(0.2)
+    got["first"] = _prefill(route, "overtaken", first, 40)
+    late.join(30)
+    for w, g in zip(want, (got["first"], got["second"])):
+        assert g.outcome == pb.OUTCOME_OK, g
+        assert g.token_id == w.token_id
+    for k in range(3):
+        held = route.stub(k).Resolve(pb.SessionRequest(session_id="overtaken"), timeout=10)
+        assert held.seq_len == 45, k
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+@pytest.mark.parametrize("ranges", [[(0, 14), (15, 29)], [(0, 9), (10, 19), (20, 29)]], ids=["2 shards", "3 shards"])
+def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(embedded_model, ranges):
+    from test_generate import Route
+
+    from llama_shard.engine.pipeline import LocalPipeline
+
+    prompt = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT * 16)[:900]  # four chunks of 256 at most
+    whole = LocalPipeline(embedded_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=1)
+    oracle = [t for t, _ in whole.generate(prompt, 12)]
+    route = Route(embedded_model, ranges, extra=("--context-tokens", "1024", "--budget-tokens", "4096"))
+    try:
+        tokens, final = _tokens(route, "long", prompt, 12, max_drafts=0)
+    finally:
+        route.stop()
+    assert tokens == oracle
+    # the first chunk opens the session alone, the second starts the pipeline: the last two were
+    # sent while another was in flight, and kept
+    assert final.pipelined_windows == 2 and final.pipelined_kept == 2, final

@@ -29,9 +29,6 @@ IDLE_S = 2.0
 MAX_ROUTE_CHANGES = 4
 #: pipelining (a stream stepping alone): the most steps in flight at once
 MAX_WINDOWS = 4
-#: a verification window is sent ahead only while the chance that every window before it is kept
-#: (each accepted whole and the next token guessed) is at least this
-MIN_KEEP_CHANCE = 0.3
 
 
 class _RouteLoop:
@@ -176,9 +173,12 @@ class _RouteLoop:
         own next step (a prompt chunk after its first, or a token with the drafts DraftControl
         chooses). After a prompt chunk that does not end the prompt: the next chunk (at most one in
         flight per stage, and one more for the link). After verification windows: one more, whose
-        first token is the drafter's guess of the token the last one samples, while the chance that
-        every window before it is kept (its drafts accepted, its next token guessed) is at least
-        MIN_KEEP_CHANCE."""
+        first token is the drafter's guess of the token the last one samples, where it pays: with P
+        the chance that every window before it is kept (its drafts accepted, its next token guessed),
+        a kept window saves a step's round trip (the route's one-token step, 1 in `cost`'s units) and
+        a dropped one delays the next step by its rows' compute (m a row, the cost of a step's
+        second token): sent while P >= (1 - P) * rows * m. A slow link (m small) keeps more in
+        flight; on loopback, where compute is the step, few."""
         if not ahead:
             if s.first_step:
                 return None
@@ -195,18 +195,21 @@ class _RouteLoop:
                 or not all(w.sent.samples for w in ahead)):
             return None
         room = s.max_tokens - len(s.generated) - sum(len(w.sent.drafts) + 1 for w in ahead)
+        if room < 1:
+            return None
         a = s.control.rate(s.long_match)
         chance = 1.0
         for w in ahead:
             chance *= a ** (len(w.sent.drafts) + 1)
-        if room < 1 or chance < MIN_KEEP_CHANCE:
+        k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
+        row = max(cost[1] - 1.0, 0.01)
+        if chance < (1.0 - chance) * (k + 1) * row:
             return None
         assumed = []  # after the stream's tokens: each window's drafts, then the next one's guess
         for i, w in enumerate(ahead):
             assumed += w.sent.drafts
             if i + 1 < len(ahead):
                 assumed.append(ahead[i + 1].first_token)
-        k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
         full = s.tokens + assumed
         if s.draft_model is not None:
             guess = s.draft_model.propose(s.key, full, k + 1)
