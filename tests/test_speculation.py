@@ -493,8 +493,19 @@ def test_a_step_that_overtakes_the_one_before_it_waits_for_it():
     assert done and done[0] - t0 >= 0.3
     t0 = time.monotonic()
     order.wait_turn([Step.prefill("s", 0, [7], None, 5)], far)  # before the end: at once
-    order.wait_turn([Step.prefill("s", 0, [7], None, 13 + ORDER_GAP_MAX + 1)], far)  # far past it: at once
+    order.wait_turn([Step.prefill("s", 0, [7], None, 15 + ORDER_GAP_MAX + 1)], far)  # far past it: at once
     assert time.monotonic() - t0 < 0.5
+    # a prompt's chunks in flight: the third of 256 tokens may come before the first two
+    chunks = [Step.prefill("p", 0, [1] * 256, None, 256 * i) for i in range(3)]
+    order.queued([Step.prefill("p", 0, [1] * 5, None, 0)])  # the session's first 5 tokens, then a cut at 0
+    waiter = threading.Thread(target=lambda: (order.wait_turn([chunks[2]], far), done.append("third")))
+    waiter.start()
+    order.queued([chunks[0]])
+    time.sleep(0.2)
+    assert "third" not in done
+    order.queued([chunks[1]])
+    waiter.join(5)
+    assert "third" in done
     for i in range(6):  # bounded: the oldest sessions are forgotten
         order.queued([Step.prefill(f"o{i}", 0, [1], None, 0)])
     assert len(order._ends) == 4

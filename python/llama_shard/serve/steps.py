@@ -46,9 +46,10 @@ class PrefixSteps(NamedTuple):
 #: the longest a step that starts past the end of its session's last step queued here waits for the
 #: step before it (a pipelined stream's windows travel in separate calls, which may arrive out of order)
 ORDER_WAIT_S = 1.0
-#: a step waits so only when it starts at most this far past that end (a window in flight), not for a
-#: position far beyond anything its caller sent before (answered at once, as ever)
-ORDER_GAP_MAX = 2 * (MAX_DRAFTS + 1)
+#: a step waits so only when it starts at most this far past that end (the steps a head keeps in
+#: flight: at most 4 of at most 256 tokens, generation/loops.py MAX_WINDOWS and stream.GENERATE_CHUNK),
+#: not for a position further on (answered at once, as ever)
+ORDER_GAP_MAX = 1024
 
 
 class SessionOrder:

@@ -19,6 +19,10 @@
   carry drafts after the last sampled token; the tail answers the drafts it accepted and one token of its own, so a step yields
   1 to k + 1 tokens. The route then holds the rejected drafts' positions too (`held`): the next
   step is a prefill at the position after the accepted ones, which cuts them on every shard.
+- Pipelining: a stream stepping alone keeps several steps in flight (a long prompt's chunks, or
+  verification windows each guessing the token the one before samples), settled in order; one
+  that does not continue the stream drops those after it (`_RouteLoop._pipeline`;
+  docs/design.md#pipelining-a-stream-stepping-alone).
 """
 
 from .host import HeadHost, max_generate_streams

@@ -15,12 +15,13 @@ from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
-from ...proto.requests import (MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts, check_stops,
-                               check_top_logprobs, sampling_from_wire)
+from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts,
+                               check_stops, check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
 from ..speculation import StepCost
 from .host import HeadHost
-from .stream import Stream, Window, common_prefix
+from ..steps import ORDER_GAP_MAX
+from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
 
 #: a group's thread waits this long for a new stream before it ends
 IDLE_S = 2.0
@@ -29,6 +30,8 @@ IDLE_S = 2.0
 MAX_ROUTE_CHANGES = 4
 #: pipelining (a stream stepping alone): the most steps in flight at once
 MAX_WINDOWS = 4
+# a worker waits for a session's earlier step only within this many positions (steps.SessionOrder)
+assert MAX_WINDOWS * max(GENERATE_CHUNK, MAX_DRAFTS + 1) <= ORDER_GAP_MAX
 
 
 class _RouteLoop:
