@@ -465,17 +465,19 @@ def test_a_draft_model_is_in_the_memory_plan_and_its_engine_is_sized_by_it(embed
 
 # --- pipelining -----------------------------------------------------------------------------------
 
-def test_a_step_that_overtakes_the_one_before_it_waits_for_it():
+def test_a_step_that_overtakes_the_one_before_it_waits_for_it(monkeypatch):
     """SessionOrder: a step starting past the end of its session's last step queued here waits (at
     most ORDER_WAIT_S) until that step is queued; an unknown session, a step at or before that end,
-    or one far past it never waits."""
+    one far past it, or one while max_waiting others wait, never waits."""
     import threading
     import time
 
     from llama_shard.engine.hot_kv import Step
+    from llama_shard.serve import steps
     from llama_shard.serve.steps import ORDER_GAP_MAX, SessionOrder
 
-    order = SessionOrder(cap=4)
+    monkeypatch.setattr(steps, "ORDER_WAIT_S", 30.0)  # the waits below end by the steps queued, not by time
+    order = SessionOrder(cap=4, max_waiting=1)
     far = time.monotonic() + 30
     a = Step.prefill("s", 0, [1, 2, 3], None, 10)
     b = Step.prefill("s", 0, [4, 5], None, 13)
@@ -506,6 +508,17 @@ def test_a_step_that_overtakes_the_one_before_it_waits_for_it():
     order.queued([chunks[1]])
     waiter.join(5)
     assert "third" in done
+    # one waits; a second, while it does, does not
+    waiter = threading.Thread(target=lambda: (order.wait_turn([Step.prefill("p", 0, [1], None, 800)], far),
+                                              done.append("waited")))
+    waiter.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    order.wait_turn([Step.prefill("p", 0, [1], None, 790)], far)
+    assert time.monotonic() - t0 < 0.5 and "waited" not in done
+    order.queued([Step.prefill("p", 0, [1] * 32, None, 768)])
+    waiter.join(5)
+    assert "waited" in done
     for i in range(6):  # bounded: the oldest sessions are forgotten
         order.queued([Step.prefill(f"o{i}", 0, [1], None, 0)])
     assert len(order._ends) == 4
@@ -526,9 +539,9 @@ def test_steps_sent_out_of_order_are_run_in_order_on_every_worker(smol_spec_rout
     first, second = [500, 501, 502], [503, 504]
     want = [_prefill(route, "in-order", first, 40), _prefill(route, "in-order", second, 43)]
     got = {}
-    late = threading.Thread(target=lambda: got.update(second=_prefill(route, "overtaken", second, 43)))
+    late = threading.Thread(target=lambda: got.update(second=_prefill(route, "overtaken", second, 43, follows=True)))
     late.start()
-    time.sleep(0.2)
+    time.sleep(0.1)
     got["first"] = _prefill(route, "overtaken", first, 40)
     late.join(30)
     for w, g in zip(want, (got["first"], got["second"])):
@@ -547,15 +560,24 @@ def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(em
 
     from llama_shard.engine.pipeline import LocalPipeline
 
-    prompt = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT * 16)[:900]  # four chunks of 256 at most
+    ids = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT * 16)
+    prompt, other = ids[:900], ids[:768] + ids[1000:1100]  # four chunks of 256 at most; the same first three
     whole = LocalPipeline(embedded_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=1)
-    oracle = [t for t, _ in whole.generate(prompt, 12)]
-    route = Route(embedded_model, ranges, extra=("--context-tokens", "1024", "--budget-tokens", "4096"))
+    oracle = {id(p): [t for t, _ in whole.generate(p, 12)] for p in (prompt, other)}
+    route = Route(embedded_model, ranges, extra=("--context-tokens", "1024", "--budget-tokens", "4096",
+                                                 "--prefix-memory", "64MiB"))
     try:
         tokens, final = _tokens(route, "long", prompt, 12, max_drafts=0)
+        assert tokens == oracle[id(prompt)]
+        # the first chunk opens the session alone, the second starts the pipeline: the last two were
+        # sent while another was in flight, and kept
+        assert final.pipelined_windows == 2 and final.pipelined_kept == 2, final
+        # a chunk that stores a prefix: nothing goes past it until it is back (each worker stores
+        # after that step), so every worker stores, and a prompt that begins alike opens from it
+        tokens, final = _tokens(route, "long-keep", prompt, 12, max_drafts=0, keep_prefix=768)
+        assert tokens == oracle[id(prompt)] and final.pipelined_windows == 1, final
+        assert [route.info(k).prefix_stores for k in range(len(ranges))] == [1] * len(ranges)
+        tokens, final = _tokens(route, "long-open", other, 12, max_drafts=0, keep_prefix=768)
+        assert tokens == oracle[id(other)] and final.prefix_tokens == 768, final
     finally:
         route.stop()
-    assert tokens == oracle
-    # the first chunk opens the session alone, the second starts the pipeline: the last two were
-    # sent while another was in flight, and kept
-    assert final.pipelined_windows == 2 and final.pipelined_kept == 2, final

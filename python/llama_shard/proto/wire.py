@@ -58,8 +58,11 @@ def quantize_q8_0(rows: np.ndarray) -> bytes:
     x = np.asarray(rows, dtype=np.float32).reshape(n_rows, n_cols // Q8_0_BLOCK, Q8_0_BLOCK)
     d = np.abs(x).max(axis=-1) / np.float32(127.0)
     inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d > 0)
+    if not np.all(d <= np.finfo(np.float16).max):  # (NaN too) the reader would refuse it: this worker says so
+        raise InvalidInputError("a hidden row holds values beyond what q8_0 carries (a block scale past float16's "
+                                "range, or not finite): send this route's rows as f32")
     blocks = np.empty(x.shape[:2], dtype=_Q8_0)
-    with np.errstate(over="ignore", invalid="ignore"):  # a scale past float16's range is refused by the reader
+    with np.errstate(over="ignore", invalid="ignore"):
         blocks["d"] = d.astype(np.float16)
         scaled = x * inv[..., None]
         # roundf: halves away from zero (np.rint would round them to even)

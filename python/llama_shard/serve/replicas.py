@@ -232,6 +232,17 @@ class Replicas:
                         f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
         return ""
 
+    def unreadable(self, wire_dtype: int) -> str | None:
+        """Why the head's own route cannot carry rows of this type (a replica that does not read
+        them), or None."""
+        with self._lock:
+            for r in self.replicas:
+                reads = tuple(r.info.wire_dtypes) or LEGACY_WIRE_DTYPES if r.info is not None else None
+                if reads is not None and not r.refused and wire_dtype not in reads:
+                    return (f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} reads hidden rows as "
+                            f"{', '.join(map(wire_dtype_name, reads))}")
+        return None
+
     # --- the route ----------------------------------------------------------------------------
 
     def _stages_locked(self) -> list[tuple[int, int]]:

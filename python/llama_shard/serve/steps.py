@@ -53,14 +53,17 @@ ORDER_GAP_MAX = 1024
 
 
 class SessionOrder:
-    """Where each session's last step queued here ends, so that a step which starts further on waits
-    (at most ORDER_WAIT_S) for the step before it to be queued: the engine runs a session's steps in
-    the order they were queued, and a pipelined stream's next window may overtake the one before it
-    between two workers. A session this worker has not seen, or a step at or before that end, never
-    waits. Bounded: the least recently stepped sessions are forgotten past `cap`."""
+    """Where each session's last step queued here ends, so that a step sent while the one before it
+    was in flight (`StepRequest.follows`), which starts further on, waits (at most ORDER_WAIT_S) for
+    that step to be queued: the engine runs a session's steps in the order they were queued, and a
+    pipelined stream's next window may overtake the one before it between two workers. A session
+    this worker has not seen, a step at or before that end, or one more than ORDER_GAP_MAX past it
+    never waits, nor does any step while `max_waiting` others wait. Bounded: the least recently
+    stepped sessions are forgotten past `cap`."""
 
-    def __init__(self, cap: int):
-        self._cap = cap
+    def __init__(self, cap: int, max_waiting: int):
+        self._cap, self._max_waiting = cap, max_waiting
+        self._waiting = 0
         self._ends: OrderedDict[str, int] = OrderedDict()
         self._cond = threading.Condition()
 
@@ -73,12 +76,16 @@ class SessionOrder:
         with self._cond:
             for step in steps:
                 start = self._start(step)
-                while start is not None:
+                while start is not None and self._waiting < self._max_waiting:
                     end = self._ends.get(step.session_id)
                     left = until - time.monotonic()
                     if end is None or start <= end or start - end > ORDER_GAP_MAX or left <= 0:
                         break
-                    self._cond.wait(left)
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._waiting -= 1
 
     def queued(self, steps: list[Step]) -> None:
         with self._cond:
@@ -104,7 +111,8 @@ class StepRunner:
         self.fingerprint = manager.recipe.fingerprint()
         self.numerics = manager.config.numerics
         self.wire_dtypes = wire_dtypes_for(model.info.n_embd)
-        self.order = SessionOrder(4 * manager.config.max_sessions)  # each session's steps in the order sent
+        # each session's steps in the order sent: one pipelined stream's windows per session wait at once
+        self.order = SessionOrder(4 * manager.config.max_sessions, 2 * manager.config.max_sessions)
         self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes sent to the next hop, by wire type
         self._forwarded_lock = threading.Lock()
         config = manager.config
@@ -137,6 +145,8 @@ class StepRunner:
             for i, (kind, req) in enumerate(items):
                 try:
                     step = self._parse_step(kind, req, principal)
+                    if req.follows:  # before it counts as running here: a drain does not wait for it
+                        self.order.wait_turn([step], deadline)
                     entry = (i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
                              self._parse_prefix(req, step, prefix_scope, own_loop))
                 except LlamaShardError as e:
@@ -192,8 +202,6 @@ class StepRunner:
             else:
                 ready.append(entry)
         steps = [step for _, step, _, _ in ready]
-        if steps:
-            self.order.wait_turn(steps, deadline)
         outs = self.adapter.step_many(steps, lambda: self.order.queued(steps)) if steps else []
         computed = []
         for (i, step, params, prefix), out in zip(ready, outs):
@@ -203,11 +211,14 @@ class StepRunner:
                 except LlamaShardError:
                     pass  # the session moved on since (a newer epoch, another step): nothing is stored
             if forward and isinstance(out, BoundaryBundle):
-                computed.append((i, step.kind, out))
+                try:  # its rows as the wire type asked (q8_0 refuses values beyond its range)
+                    computed.append((i, step.kind, out, encode_tensor(out.hidden, items[i][1].reply_dtype)))
+                except LlamaShardError as e:
+                    replies[i] = self._reply(items[i][1], e)
             else:
                 replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
         if computed:
-            for i, reply in zip([i for i, _, _ in computed],
+            for i, reply in zip([i for i, _, _, _ in computed],
                                 self._forward(principal, items, computed, forward, deadline, batch, visited,
                                               prefix_scope, assertion)):
                 replies[i] = reply
@@ -245,16 +256,17 @@ class StepRunner:
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
         nexts = []
-        for i, kind, out in computed:
+        for i, kind, out, hidden in computed:
             req = items[i][1]
             nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
                                  recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
-                                 return_logits=req.return_logits, hidden=encode_tensor(out.hidden, req.reply_dtype),
+                                 return_logits=req.return_logits, hidden=hidden,
                                  logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
             nxt.draft_tokens.extend(req.draft_tokens)
             nxt.row_by_row = req.row_by_row
+            nxt.follows = req.follows
             if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
                 del nxt.prefix.keys[:]

@@ -51,6 +51,7 @@ class _RouteLoop:
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
         self._executor: ThreadPoolExecutor | None = None  # a lone stream's steps in flight (_pipeline)
+        self._executor_lock = threading.Lock()
 
     def add(self, stream: Stream) -> None:  # under the owner's lock
         self.streams.append(stream)
@@ -186,14 +187,18 @@ class _RouteLoop:
             if s.first_step:
                 return None
             kind, req = s.request(self.wire_dtype, cost)
-            return Window(s.computed, s.tokens[s.computed], s.sent, s.computed + s.sent.n_tokens), kind, req
+            return Window(s.computed, s.tokens[s.computed], s.sent, s.computed + s.sent.n_tokens,
+                          stores=req.prefix.store_tokens > 0), kind, req
         last, end = ahead[-1], ahead[-1].end
+        if last.stores:  # each worker stores the prefix after that step: a later one must not run first
+            return None
         if not last.sent.samples:  # a prompt's chunk: the next one
             if len(ahead) >= min(MAX_WINDOWS, len(self.forward) + 2):
                 return None
             with s.assuming([], end):
                 kind, req = s.request(self.wire_dtype)
-                return Window(end, s.tokens[end], s.sent, end + s.sent.n_tokens), kind, req
+                return Window(end, s.tokens[end], s.sent, end + s.sent.n_tokens,
+                              stores=req.prefix.store_tokens > 0), kind, req
         if ((s.drafter is None and s.draft_model is None) or len(ahead) >= MAX_WINDOWS
                 or not all(w.sent.samples for w in ahead)):
             return None
@@ -236,6 +241,7 @@ class _RouteLoop:
         one at a time get: the tokens are exact."""
         owner = self.owner
         cost = self.cost.relative()
+        t_first = time.perf_counter()  # a draft model's time counts in the step's cost
         first = self._next_window(s, [], cost)
         if first is None:
             return False
@@ -243,50 +249,60 @@ class _RouteLoop:
         inflight: deque = deque()  # (window, future)
         solo: list = []            # [window, sent at]: the one step in flight, while no other was sent with it
 
-        def send(window: Window, kind, req) -> None:
-            solo[:] = [window, time.perf_counter()] if not inflight else []
+        def send(window: Window, kind, req, t0: float | None = None) -> None:
+            if inflight:
+                window = window._replace(ahead=True)
+                req.follows = True  # a worker that has not queued the step before it waits for it
+                s.pipelined_windows += 1
+            solo[:] = [window, t0 or time.perf_counter()] if not inflight else []
             deadline = time.monotonic() + owner.host.max_hop_s
             inflight.append((window, pool.submit(owner.host.run_steps, self.principal, [(kind, req)], self.forward,
                                                  deadline)))
 
-        send(*first)
-        while inflight:
-            while not (s.done or s.stop_reason) and len(self.streams) == 1:
-                nxt = self._next_window(s, [w for w, _ in inflight], cost)
-                if nxt is None:
-                    break
-                s.pipelined_windows += 1
-                send(*nxt)
-            window, future = inflight.popleft()
-            try:
-                reply, = future.result()
-            except BaseException:
-                self._drain(s, inflight)
-                raise
-            if solo and solo[0] is window and window.sent.samples:  # timed alone: the route's step cost
-                self.cost.observe(window.sent.n_tokens, time.perf_counter() - solo[1])
-            keep = window.continues(s) and not s.done
-            if not keep or reply.outcome != pb.OUTCOME_OK:
-                s.held = max(s.held, window.end)
-                self._drain(s, inflight)  # nothing built on it counts, and none may overtake the next step
-            if keep:
-                if window is not first[0] and reply.outcome == pb.OUTCOME_OK:
-                    s.pipelined_kept += 1
-                s.sent = window.sent
-                owner.settle(s, reply)
-            nxt = inflight[0][0] if inflight and not s.done and reply.outcome == pb.OUTCOME_OK else None
-            if nxt is not None and nxt.guess and s.computed == nxt.start:
-                # the next window's first token guessed the token this one sampled: a draft, checked now
-                right = nxt.continues(s)
-                s.control.update(1, int(right), s.long_match)
-                owner.count_drafts(1, int(right))
-            if inflight and not s.done and not inflight[0][0].continues(s):
-                # a draft rejected, or the next window's guess wrong: what was built on it is dropped
-                # now, before anything more is built on it
-                self._drain(s, inflight)
-            if (s.done or s.rerouted or s.stop_reason is not None or owner.host.stopping.is_set()
-                    or (s.deadline is not None and time.monotonic() >= s.deadline)):
-                self._drain(s, inflight)
+        def ending() -> bool:
+            return (s.done or s.rerouted or s.stop_reason is not None or owner.host.stopping.is_set()
+                    or (s.deadline is not None and time.monotonic() >= s.deadline))
+
+        try:
+            send(*first, t0=t_first)
+            while inflight:
+                while not ending() and len(self.streams) == 1:
+                    nxt = self._next_window(s, [w for w, _ in inflight], cost)
+                    if nxt is None:
+                        break
+                    send(*nxt)
+                window, future = inflight.popleft()
+                try:
+                    reply, = future.result()
+                except SessionCapRefused as e:  # (a later stage's cap: only a step that opens a session there)
+                    owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
+                    return True
+                if solo and solo[0] is window and window.sent.samples:  # timed alone: the route's step cost
+                    self.cost.observe(window.sent.n_tokens, time.perf_counter() - solo[1])
+                # a window sent ahead that missed is resent from where the stream is (it may have
+                # overtaken the step before it for longer than a worker waits), not a re-prefill
+                keep = (window.continues(s) and not s.done
+                        and not (window.ahead and reply.outcome == pb.OUTCOME_CACHE_MISS))
+                if not keep or reply.outcome != pb.OUTCOME_OK:
+                    s.held = max(s.held, window.end)
+                    self._drain(s, inflight)  # nothing built on it counts, and none may overtake the next step
+                if keep:
+                    if window.ahead and reply.outcome == pb.OUTCOME_OK:
+                        s.pipelined_kept += 1
+                    s.sent = window.sent
+                    owner.settle(s, reply)
+                nxt = inflight[0][0] if inflight and not s.done and reply.outcome == pb.OUTCOME_OK else None
+                if nxt is not None and nxt.guess and s.computed == nxt.start:
+                    # the next window's first token guessed the token this one sampled: a draft, checked now
+                    right = nxt.continues(s)
+                    s.control.update(1, int(right), s.long_match)
+                    owner.count_drafts(1, int(right))
+                if inflight and (ending() or not inflight[0][0].continues(s)):
+                    # a draft rejected, or the next window's guess wrong: what was built on it is
+                    # dropped now, before anything more is built on it
+                    self._drain(s, inflight)
+        finally:
+            self._drain(s, inflight)  # whatever ends the loop (an exception too), nothing stays in flight
         return True
 
     @staticmethod
@@ -302,9 +318,10 @@ class _RouteLoop:
             s.held = max(s.held, window.end)
 
     def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="pipelined-step")
-        return self._executor
+        with self._executor_lock:  # groups of one route loop may each have a lone stream
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="pipelined-step")
+            return self._executor
 
 
 class RouteHolds(NamedTuple):
@@ -465,6 +482,8 @@ class GenerationLoops:
         if wire_dtype not in wire_dtypes_for(info.n_embd):
             raise InvalidInputError(f"wire_dtype {wire_dtype_name(wire_dtype)}: this model's rows travel as "
                                     f"{', '.join(map(wire_dtype_name, wire_dtypes_for(info.n_embd)))}")
+        if not req.forward and host.replicas is not None and (why := host.replicas.unreadable(wire_dtype)):
+            raise InvalidInputError(why)
         n = len(req.prompt)
         if n == 0:
             raise InvalidInputError("the prompt is empty", param="prompt")

@@ -36,6 +36,8 @@ class Window(NamedTuple):
     sent: SentStep        # what Stream.sent is while its reply is settled
     end: int              # the position after its last token (what the route may hold past `computed`)
     guess: bool = False   # its first token guesses the token the window before it samples
+    stores: bool = False  # it stores a shared prefix: nothing is sent past it until it is back
+    ahead: bool = False   # sent while another step was in flight (counted in pipelined_windows)
 
     def continues(self, s: "Stream") -> bool:
         if s.computed != self.start:
