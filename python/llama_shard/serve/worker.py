@@ -118,15 +118,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.worker_id = secrets.token_hex(8)  # this worker in VISITED
         self.instance_id = secrets.token_hex(8)  # this process in Info: a head sees a restart by it
         self.model_digest = manager.model_digest()  # a replica's must match (one read of the file)
-        # a head's later stages and their replicas (its --peer workers), probed from ShardWorker.start
         if options.wire_dtype not in WIRE_DTYPES:
             raise InvalidInputError(f"wire dtype {options.wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
         self.wire_dtype = WIRE_DTYPES[options.wire_dtype]
-        # the types this worker reads and sends: q8_0 only where a row is whole blocks
-        self.wire_dtypes = wire_dtypes_for(self.info.n_embd)
-        if self.wire_dtype not in self.wire_dtypes:
+        if self.wire_dtype not in wire_dtypes_for(self.info.n_embd):  # q8_0 only where a row is whole blocks
             raise InvalidInputError(f"--wire-dtype {options.wire_dtype} carries rows of whole {Q8_0_BLOCK}-value "
                                     f"blocks; this model's rows have {self.info.n_embd} values")
+        # a head's later stages and their replicas (its --peer workers), probed from ShardWorker.start
         self.replicas = (Replicas(self.info, manager.config.numerics, self.model_digest, self.instance_id,
                                   tuple(options.peers), self.peers.info, registry, wire_dtype=self.wire_dtype)
                          if self.info.first == 0 and options.peers else None)
@@ -538,7 +536,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             accepted_tokens=self.generation.accepted_total, instance_id=self.instance_id,
             model_digest=self.model_digest, replicas=self.replicas.info() if self.replicas is not None else [],
             failovers=self.replicas.failovers_total if self.replicas is not None else 0,
-            wire_dtypes=self.wire_dtypes, wire_dtype=self.wire_dtype, forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
+            wire_dtypes=self.steps.wire_dtypes, wire_dtype=self.wire_dtype,
+            forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
             draining=self.moves.draining, handover_sessions=self.handover_total)
 
 

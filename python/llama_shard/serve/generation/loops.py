@@ -323,6 +323,13 @@ class _RouteLoop:
                 self._executor = ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="pipelined-step")
             return self._executor
 
+    def close(self) -> None:
+        """Its pipelined steps' threads end (called once it has no stream: every step is back)."""
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+
 
 class RouteHolds(NamedTuple):
     """What the route holds of a session after its last stream: what its next stream may reuse."""
@@ -768,9 +775,7 @@ class GenerationLoops:
             for k, v in list(self.loops.items()):
                 if v is loop:
                     del self.loops[k]
-            if loop._executor is not None:  # its pipelined steps are all back (its streams ended)
-                loop._executor.shutdown(wait=False)
-                loop._executor = None
+            loop.close()
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no stream is left and no group step is running (shutdown)."""
