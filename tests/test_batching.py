@@ -282,3 +282,31 @@ def test_a_micro_batch_runs_as_one_step(synthetic_model, manager):
     assert small.loop_stats()["steps"] == 5
     assert [tokens[i] for i in range(4)] == [ref.greedy(PROMPTS[i], 4) for i in range(4)]
     small.check_invariants()
+
+
+_COUNT_THREADS = """
+import os, sys
+from llama_shard import HotKvStateConfig, HotKvStateManager, ManualClock, ShardModel, Step
+threads = int(sys.argv[2])
+model = ShardModel(sys.argv[1], None, threads)
+manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=64, budget_tokens=128),
+                            ManualClock(), n_batch=32, n_threads=threads)
+for step in ([Step.prefill("s", 0, [5, 12, 3], start_pos=0)], [Step.decode("s", 0, [7])]):
+    manager.step_batch(step)
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_a_context_keeps_its_compute_threads_between_steps(synthetic_model):
+    """ggml joins the threads of a graph's pool after it unless the context has a pool of its own;
+    a context with 2 compute threads keeps its second one alive between steps (one thread more
+    than a 1-thread context's process, every other thread alike), so no step starts a thread."""
+    import subprocess
+    import sys
+    counts = {}
+    for threads in (1, 2):
+        out = subprocess.run([sys.executable, "-c", _COUNT_THREADS, str(synthetic_model), str(threads)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts[threads] = int(out.stdout.strip().splitlines()[-1])
+    assert counts[2] - counts[1] == 1, counts

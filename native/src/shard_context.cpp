@@ -4,6 +4,8 @@
 #include "llama_shard/cpu_backend.h"
 
 #include "llama.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +25,9 @@ struct shard_context::batch_buffers {
 };
 
 static std::string str(int64_t v) { return std::to_string(v); }
+
+// ggml's polling level (0-100) for the context's own compute threads between steps (see the constructor)
+static constexpr uint32_t COMPUTE_POOL_POLL = 1;
 
 shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
     if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
@@ -92,6 +97,26 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         const std::string why = shard_last_llama_error();
         throw shard_error(SHARD_ERRC_CAPACITY, "llama.cpp could not create the context" + (why.empty() ? std::string() : ": " + why));
     }
+    if (cparams.n_threads > 1) {
+        // Compute threads of its own that outlive a step. Without one, ggml makes a thread pool for
+        // every graph and joins it after: each step starts n_threads - 1 new threads, which on a
+        // small machine wait behind the callers' threads for a core while the step's first
+        // barrier spins. That cost 8-12% of the adapter path's decode (4 and 8 threads through
+        // KvBoundaryAdapter, docs/benchmarks.md "Compute threads"). poll 1: after a step the threads
+        // spin ~131k rounds (milliseconds) for the next one, then sleep, so an idle context does
+        // not take the cores from the process's other contexts and threads.
+        ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
+        auto pool_new = cpu == nullptr ? nullptr : reinterpret_cast<decltype(&ggml_threadpool_new)>(
+            ggml_backend_reg_get_proc_address(cpu, "ggml_threadpool_new"));
+        if (pool_new != nullptr) {
+            ggml_threadpool_params tpp = ggml_threadpool_params_default((int) cparams.n_threads);
+            tpp.poll = COMPUTE_POOL_POLL;
+            threadpool_ = pool_new(&tpp);
+            if (threadpool_ != nullptr) {
+                llama_attach_threadpool(ctx_, threadpool_, threadpool_);
+            }
+        }
+    }
     n_ctx_     = (int32_t) llama_n_ctx(ctx_);
     n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
     n_batch_   = (int32_t) llama_n_batch(ctx_);
@@ -143,6 +168,13 @@ shard_context::~shard_context() {
     batch_.reset();
     if (ctx_ != nullptr) {
         llama_free(ctx_);
+    }
+    if (threadpool_ != nullptr) {  // after the context: it computes no more
+        ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
+        if (auto pool_free = reinterpret_cast<decltype(&ggml_threadpool_free)>(
+                ggml_backend_reg_get_proc_address(cpu, "ggml_threadpool_free"))) {
+            pool_free(threadpool_);
+        }
     }
 }
 

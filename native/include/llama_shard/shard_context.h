@@ -27,6 +27,7 @@
 #include <vector>
 
 struct llama_context;
+struct ggml_threadpool;
 
 namespace llama_shard {
 
@@ -160,6 +161,7 @@ private:
 
     const shard_model & model_;
     llama_context *     ctx_ = nullptr;
+    ggml_threadpool *   threadpool_ = nullptr;  // persistent compute threads (see the constructor)
     int32_t             n_ctx_ = 0;
     int32_t             n_seq_max_ = 0;
     int32_t             n_batch_ = 0;
