@@ -31,11 +31,12 @@
 // racing a queued step makes that step a RELEASED miss, as if it had arrived later.
 //
 // Threads: steps run on a step_executor's thread. An engine with one compute thread gets an
-// executor of its own; engines with more share one executor per process. ggml computes with an
-// OpenMP team that belongs to the thread that starts it, and whose workers spin for a while after
-// each step: two engines stepping on two threads keep two spinning teams, which on a small machine
-// take the cores the other engine computes on (measured: two 2-thread engines in one process
-// decoded at 0.72 of one engine). On one shared thread their steps take turns, with one team.
+// executor of its own; engines with more share one executor per process. Each context computes
+// with compute threads of its own (shard_context), which spin at every barrier of a step and poll
+// for a few milliseconds after it: two engines stepping at once on two threads would keep two
+// such sets busy, taking the cores the other engine computes on (measured with OpenMP teams, which
+// behave alike: two 2-thread engines in one process decoded at 0.72 of one engine). On one shared
+// thread their steps take turns.
 
 #include "llama_shard/hot_kv_engine.h"
 
