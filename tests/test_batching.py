@@ -263,8 +263,11 @@ def test_a_micro_batch_runs_as_one_step(synthetic_model, manager):
     prefills chunked while others wait, a repeated session refused."""
     small = HotKvStateManager(manager.model, manager.config, ManualClock(), n_batch=32, prefill_chunk=4)
     adapter = KvBoundaryAdapter(small.model, small)
-    outs = adapter.step_many([Step.prefill(f"m{i}", 0, PROMPTS[i]) for i in range(4)]
-                             + [Step.decode("m-unknown", 0, [1]), Step.prefill("m0", 0, [1]), "not a step"])
+    batch = [Step.prefill(f"m{i}", 0, PROMPTS[i]) for i in range(4)] + [Step.decode("m-unknown", 0, [1]),
+                                                                        Step.prefill("m0", 0, [1]), "not a step"]
+    queued = []
+    outs = adapter.step_many(batch, queued.extend)
+    assert queued == batch[:5]  # told which were queued: not the repeated session's, not the non-step
     assert all(isinstance(o, TailOutput) for o in outs[:4])
     assert isinstance(outs[4], CacheMiss)
     assert isinstance(outs[5], InvalidInputError) and "more than one step" in str(outs[5])

@@ -118,6 +118,7 @@ def test_a_slow_hop_holds_the_handler_at_most_max_hop_seconds_and_others_are_ser
         thread.join(30)
         assert result["reply"].outcome == pb.OUTCOME_UNAVAILABLE and result["reply"].stage == 1
         assert 2.5 <= result["seconds"] < 10, result
+        assert dict(_info(head).forwarded_hidden_bytes) == {}  # nothing was delivered
     finally:
         stop_worker(proc)
         silent.close()

@@ -7,6 +7,8 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,6 +30,69 @@ static std::string str(int64_t v) { return std::to_string(v); }
 
 // ggml's polling level (0-100) for the context's own compute threads between steps (see the constructor)
 static constexpr uint32_t COMPUTE_POOL_POLL = 1;
+
+// ggml-cpu's thread-pool functions, from the module that computes: llama.cpp's CPU backend is the
+// first device of type CPU. A portable build loads that module at run time; its registry hands out
+// ggml_threadpool_new and _free but not _pause, taken from the same file (pause stays null if it
+// cannot be found: the pool then works, without taking turns).
+struct cpu_pool_functions {
+    ggml_threadpool * (*make)(ggml_threadpool_params *) = nullptr;
+    void              (*pause)(ggml_threadpool *) = nullptr;
+    void              (*release)(ggml_threadpool *) = nullptr;
+};
+
+static cpu_pool_functions cpu_pool_functions_of_this_process() {
+    cpu_pool_functions f;
+#ifdef GGML_BACKEND_DL
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_reg_t reg = dev == nullptr ? nullptr : ggml_backend_dev_backend_reg(dev);
+    if (reg == nullptr) {
+        return f;
+    }
+    f.make = reinterpret_cast<decltype(f.make)>(ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new"));
+    f.release = reinterpret_cast<decltype(f.release)>(ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_free"));
+    Dl_info info{};
+    if (f.make != nullptr && dladdr(reinterpret_cast<void *>(f.make), &info) != 0 && info.dli_fname != nullptr) {
+        if (void * module = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD)) {  // already loaded: no new copy
+            f.pause = reinterpret_cast<decltype(f.pause)>(dlsym(module, "ggml_threadpool_pause"));
+            dlclose(module);  // drops the reference NOLOAD took; ggml keeps the module loaded
+        }
+    }
+#else
+    f.make  = &ggml_threadpool_new;
+    f.pause = &ggml_threadpool_pause;
+    f.release = &ggml_threadpool_free;
+#endif
+    return f;
+}
+
+// The process's contexts take turns at polling: the last one to compute is the only one whose
+// threads may still spin. A context about to compute pauses that one's pool (its threads sleep at
+// once, and ggml resumes a paused pool when it next computes), unless it is computing itself
+// (a context may run on another thread: a pool is never paused inside a graph). Otherwise, where
+// contexts take turns (a draft model's steps between the route model's), each one's threads spin
+// for the next step while the other computes, on the cores it computes on.
+static std::mutex & compute_turns_mutex() {  // never destroyed: a context may outlive static destructors
+    static std::mutex * mutex = new std::mutex;
+    return *mutex;
+}
+static shard_context * last_to_compute = nullptr;  // guarded by compute_turns_mutex()
+
+void shard_context::take_compute_turn() {
+    std::lock_guard<std::mutex> lock(compute_turns_mutex());
+    shard_context * last = last_to_compute;
+    if (last != nullptr && last != this && !last->computing_ && last->threadpool_ != nullptr &&
+            last->pool_pause_ != nullptr) {
+        last->pool_pause_(last->threadpool_);
+    }
+    last_to_compute = this;
+    computing_ = true;
+}
+
+void shard_context::end_compute_turn() {
+    std::lock_guard<std::mutex> lock(compute_turns_mutex());
+    computing_ = false;
+}
 
 shard_context::shard_context(const shard_model & model, const shard_context_params & params) : model_(model) {
     if (params.n_ctx < 1 || params.n_seq_max < 1 || params.n_batch < 1 || params.n_threads < 0) {
@@ -103,12 +168,13 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
         // small machine wait behind the callers' threads for a core while the step's first
         // barrier spins. That cost 8-12% of the adapter path's decode (4 and 8 threads through
         // KvBoundaryAdapter, docs/benchmarks.md "Compute threads"). poll 1: after a step the threads
-        // spin ~131k rounds (milliseconds) for the next one, then sleep, so an idle context does
-        // not take the cores from the process's other contexts and threads.
-        ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
-        auto pool_new = cpu == nullptr ? nullptr : reinterpret_cast<decltype(&ggml_threadpool_new)>(
-            ggml_backend_reg_get_proc_address(cpu, "ggml_threadpool_new"));
-        if (pool_new != nullptr) {
+        // spin ~131k rounds (milliseconds) for the next one, then sleep, and they sleep at once
+        // when another context of the process computes (take_compute_turn).
+        const cpu_pool_functions fns = cpu_pool_functions_of_this_process();
+        pool_pause_ = fns.pause;
+        pool_free_  = fns.release;
+        auto pool_new = fns.make;
+        if (pool_new != nullptr && pool_free_ != nullptr) {
             ggml_threadpool_params tpp = ggml_threadpool_params_default((int) cparams.n_threads);
             tpp.poll = COMPUTE_POOL_POLL;
             threadpool_ = pool_new(&tpp);
@@ -169,12 +235,14 @@ shard_context::~shard_context() {
     if (ctx_ != nullptr) {
         llama_free(ctx_);
     }
-    if (threadpool_ != nullptr) {  // after the context: it computes no more
-        ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
-        if (auto pool_free = reinterpret_cast<decltype(&ggml_threadpool_free)>(
-                ggml_backend_reg_get_proc_address(cpu, "ggml_threadpool_free"))) {
-            pool_free(threadpool_);
+    {
+        std::lock_guard<std::mutex> lock(compute_turns_mutex());
+        if (last_to_compute == this) {
+            last_to_compute = nullptr;
         }
+    }
+    if (threadpool_ != nullptr) {  // after the context: it computes no more
+        pool_free_(threadpool_);
     }
 }
 
@@ -316,7 +384,9 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
         const std::vector<batch_item> & run = alone ? single : packed;
         const std::vector<size_t> one{alone ? first - packed.size() : 0};
         last = alone ? (fill_batch(run, one, 0), first + 1) : fill_batch(run, in_order, first);
+        take_compute_turn();
         const int32_t ret = llama_decode(ctx_, batch_->batch);
+        end_compute_turn();
         ++n_decode_calls_;
         ++n_calls;
         if (ret != 0) {

@@ -161,7 +161,14 @@ private:
 
     const shard_model & model_;
     llama_context *     ctx_ = nullptr;
-    ggml_threadpool *   threadpool_ = nullptr;  // persistent compute threads (see the constructor)
+    // compute threads of its own (see the constructor), with ggml-cpu's functions for them (looked
+    // up once, through the CPU device's registry: the module that computes)
+    ggml_threadpool *   threadpool_ = nullptr;
+    void              (*pool_pause_)(ggml_threadpool *) = nullptr;
+    void              (*pool_free_)(ggml_threadpool *) = nullptr;
+    bool                computing_ = false;  // between take_compute_turn and end_compute_turn (their mutex)
+    void take_compute_turn();
+    void end_compute_turn();
     int32_t             n_ctx_ = 0;
     int32_t             n_seq_max_ = 0;
     int32_t             n_batch_ = 0;

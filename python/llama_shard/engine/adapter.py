@@ -106,11 +106,12 @@ class KvBoundaryAdapter:
     def step_many(self, steps: Sequence[Step], on_queued=None) -> list:
         """Several sessions' steps queued together (a micro-batch, one step per session); returns,
         in order, what `prefill`/`decode` would have returned for each, or the LlamaShardError it
-        would have raised. `on_queued()`, when given, is called once they are queued (the engine
-        runs a session's steps in the order they were queued), before they are computed."""
+        would have raised. `on_queued(queued)`, when given, is called once they are queued (the
+        engine runs a session's steps in the order they were queued), before they are computed, with
+        the steps that were (not those refused at once)."""
         tickets = self._submit_micro_batch(steps)
         if on_queued is not None:
-            on_queued()
+            on_queued([step for step, t in zip(steps, tickets) if not isinstance(t, LlamaShardError)])
         for t in tickets:
             if not isinstance(t, LlamaShardError):
                 t.wait()

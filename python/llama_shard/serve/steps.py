@@ -113,7 +113,7 @@ class StepRunner:
         self.wire_dtypes = wire_dtypes_for(model.info.n_embd)
         # each session's steps in the order sent: one pipelined stream's windows per session wait at once
         self.order = SessionOrder(4 * manager.config.max_sessions, 2 * manager.config.max_sessions)
-        self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes sent to the next hop, by wire type
+        self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes the next hop took, by wire type
         self._forwarded_lock = threading.Lock()
         config = manager.config
         self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions,
@@ -202,7 +202,7 @@ class StepRunner:
             else:
                 ready.append(entry)
         steps = [step for _, step, _, _ in ready]
-        outs = self.adapter.step_many(steps, lambda: self.order.queued(steps)) if steps else []
+        outs = self.adapter.step_many(steps, self.order.queued) if steps else []
         computed = []
         for (i, step, params, prefix), out in zip(ready, outs):
             if prefix is not None and prefix.store_tokens and isinstance(out, (BoundaryBundle, TailOutput)):
@@ -275,11 +275,6 @@ class StepRunner:
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
             nexts.append((kind, nxt))
-        with self._forwarded_lock:
-            for _, nxt in nexts:
-                name = wire_dtype_name(nxt.hidden.dtype)
-                self.forwarded_bytes[name] = self.forwarded_bytes.get(name, 0) + len(nxt.hidden.data)
-
         def forward_once():
             timeout = max(deadline - time.monotonic(), 0.001)
             return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,),
@@ -293,6 +288,10 @@ class StepRunner:
                 return [pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=detail, stage=1) for _ in computed]
             detail = f"worker {hop.address} could not be reached: {e.code().name}: {e.details()}"
             return [pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, detail=detail, stage=1) for _ in computed]
+        with self._forwarded_lock:  # counted once delivered: a hop that could not be reached got none
+            for _, nxt in nexts:
+                name = wire_dtype_name(nxt.hidden.dtype)
+                self.forwarded_bytes[name] = self.forwarded_bytes.get(name, 0) + len(nxt.hidden.data)
         for r in replies:
             r.stage += 1
         return replies
