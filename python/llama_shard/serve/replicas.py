@@ -48,6 +48,17 @@ ON_DEMAND_PROBE_S = 1.0
 DOWN_AFTER_PROBES = 2
 
 
+def _reads(info: pb.InfoReply) -> tuple[int, ...]:
+    """The hidden-row types a peer reads (an older worker, which names none: f32 and f16)."""
+    return tuple(info.wire_dtypes) or LEGACY_WIRE_DTYPES
+
+
+class Refusal(enum.Enum):
+    """Why a peer that answered is no replica of a later stage."""
+    NOT_LATER = "not a later stage"    # this worker itself, or layers at or before the head's: never probed again
+    CONFLICT = "conflict"              # a mesh the operator must fix (refused at start-up)
+
+
 class ReplicaState(enum.Enum):
     UP = "up"
     SUSPECT = "suspect"
@@ -63,6 +74,7 @@ class Replica:
     state: ReplicaState = ReplicaState.DOWN
     info: pb.InfoReply | None = None    # its last Info (None: it never answered)
     refused: str = ""                   # why it is no replica of a stage (it answered, a check failed)
+    refusal: Refusal | None = None      # which kind of reason that is
     last_error: str = "not reached yet"
     failed_probes: int = 0
     next_probe: float = 0.0
@@ -134,9 +146,9 @@ class Replicas:
         for t in threads:
             t.join(wait_s + 1.0)
         with self._lock:
-            conflicts = [r.refused for r in self.replicas if r.refused.startswith("conflict: ")]
+            conflicts = [r.refused for r in self.replicas if r.refusal == Refusal.CONFLICT]
         if conflicts:
-            raise InvalidInputError(conflicts[0][len("conflict: "):])
+            raise InvalidInputError(conflicts[0])
         self._publish()
         self._thread = threading.Thread(target=self._run, name="replica-probe", daemon=True)
         self._thread.start()
@@ -149,7 +161,7 @@ class Replicas:
         while not self._stop.wait(0.05):
             now = time.monotonic()
             with self._lock:
-                due = [r for r in self.replicas if now >= r.next_probe and not r.refused.startswith("not a later")]
+                due = [r for r in self.replicas if now >= r.next_probe and r.refusal != Refusal.NOT_LATER]
                 for r in due:
                     if r.state == ReplicaState.DOWN:
                         r.state = ReplicaState.PROBING
@@ -168,7 +180,7 @@ class Replicas:
             return
         with self._lock:
             was = r.info
-            refusal = self._refusal_locked(r, info)
+            r.refusal, refusal = self._refusal_locked(r, info)
             r.info, r.refused = info, refusal
             r.failed_probes, r.backoff = 0, BACKOFF_MIN_S
             r.next_probe = time.monotonic() + PROBE_S
@@ -200,45 +212,45 @@ class Replicas:
             r.next_probe = time.monotonic() + r.backoff
             r.backoff = min(BACKOFF_MAX_S, 2 * r.backoff)
 
-    def _refusal_locked(self, r: Replica, info: pb.InfoReply) -> str:
-        """Why this answer makes the peer no replica of a later stage ('' if none). "conflict: ..."
-        ones are a mesh the operator must fix (refused at start-up)."""
+    def _refusal_locked(self, r: Replica, info: pb.InfoReply) -> tuple[Refusal | None, str]:
+        """Why this answer makes the peer no replica of a later stage: its kind and words (None, ''
+        if none)."""
         own = self.own
         if info.instance_id and info.instance_id == self.instance_id:
-            return "not a later stage: it is this worker"
+            return Refusal.NOT_LATER, "not a later stage: it is this worker"
         if (info.n_layer, info.n_embd, info.architecture) != (own.n_layer, own.n_embd, own.architecture):
-            return (f"conflict: peer {r.address} serves another model ({info.architecture}, {info.n_layer} layers) "
-                    f"than this head ({own.architecture}, {own.n_layer} layers)")
+            return Refusal.CONFLICT, (f"peer {r.address} serves another model ({info.architecture}, "
+                                      f"{info.n_layer} layers) than this head ({own.architecture}, {own.n_layer} layers)")
         if info.first <= own.last:
-            return f"not a later stage: it holds layers {info.first}-{info.last}, this head {own.first}-{own.last}"
-        reads = tuple(info.wire_dtypes) or LEGACY_WIRE_DTYPES
+            return Refusal.NOT_LATER, (f"not a later stage: it holds layers {info.first}-{info.last}, this head "
+                                       f"{own.first}-{own.last}")
+        reads = _reads(info)
         if self.wire_dtype not in reads:
-            return (f"conflict: peer {r.address} reads hidden rows as {', '.join(map(wire_dtype_name, reads))}; this "
-                    f"head sends {wire_dtype_name(self.wire_dtype)} (serve --wire-dtype)")
+            return Refusal.CONFLICT, (f"peer {r.address} reads hidden rows as {', '.join(map(wire_dtype_name, reads))}; "
+                                      f"this head sends {wire_dtype_name(self.wire_dtype)} (serve --wire-dtype)")
         for other in self.replicas:
             o = other.info
             if other is r or o is None or other.refused:
                 continue
             if (o.first, o.last) == (info.first, info.last):
                 if o.numerics != info.numerics or o.recipe_fingerprint != info.recipe_fingerprint:
-                    return (f"conflict: peers {other.address} and {r.address} both hold layers {info.first}-{info.last} "
-                            f"but compute differently ({o.numerics or 'unknown'}; {info.numerics or 'unknown'}): "
-                            f"replicas of a stage must give the same bits")
+                    return Refusal.CONFLICT, (f"peers {other.address} and {r.address} both hold layers "
+                                              f"{info.first}-{info.last} but compute differently ({o.numerics or 'unknown'}; "
+                                              f"{info.numerics or 'unknown'}): replicas of a stage must give the same bits")
                 if o.model_digest and info.model_digest and o.model_digest != info.model_digest:
-                    return (f"conflict: peers {other.address} and {r.address} both hold layers {info.first}-{info.last} "
-                            f"of different model files")
+                    return Refusal.CONFLICT, (f"peers {other.address} and {r.address} both hold layers "
+                                              f"{info.first}-{info.last} of different model files")
             elif o.first <= info.last and info.first <= o.last:
-                return (f"conflict: peer {r.address} holds layers {info.first}-{info.last}, which overlap "
-                        f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
-        return ""
+                return Refusal.CONFLICT, (f"peer {r.address} holds layers {info.first}-{info.last}, which overlap "
+                                          f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
+        return None, ""
 
     def unreadable(self, wire_dtype: int) -> str | None:
         """Why the head's own route cannot carry rows of this type (a replica that does not read
         them), or None."""
         with self._lock:
             for r in self.replicas:
-                reads = tuple(r.info.wire_dtypes) or LEGACY_WIRE_DTYPES if r.info is not None else None
-                if reads is not None and not r.refused and wire_dtype not in reads:
+                if r.info is not None and not r.refused and wire_dtype not in (reads := _reads(r.info)):
                     return (f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} reads hidden rows as "
                             f"{', '.join(map(wire_dtype_name, reads))}")
         return None
