@@ -303,12 +303,14 @@ void register_backends(py::module_ & m) {
               d["amx"] = c.amx;
               d["self_check"] = c.self_check;
               d["fallbacks"] = c.fallbacks;
+              d["flash_attn_tiled_rows"] = c.flash_attn_tiled_rows;
               return d;
           },
           "The CPU kernels this process runs, after the start-up self-check: variant (a portable build's "
           "libggml-cpu-<variant>.so, or 'built in'), library, features (instruction sets compiled in), "
           "available (the variants shipped), amx (AMX kernels in use), self_check (one line), fallbacks "
-          "(each failed probe and what runs instead).");
+          "(each failed probe and what runs instead), flash_attn_tiled_rows (steps of this many query rows or more "
+          "take the tiled flash-attention kernel).");
     m.def("devices", [] {
               std::vector<device_info> found;
               {

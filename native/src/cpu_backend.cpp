@@ -31,12 +31,16 @@ namespace fs = std::filesystem;
 static const char * const VARIANT_PREFIX = "libggml-cpu-";
 static const char * const SET_AMX_ENABLED = "ggml_backend_cpu_set_amx_enabled";  // patch 0006
 typedef void (*set_amx_enabled_t)(bool);
+static const char * const SET_FLASH_ATTN_TILED_ROWS = "ggml_backend_cpu_set_flash_attn_tiled_min_rows";  // patch 0010
+typedef void (*set_flash_attn_tiled_rows_t)(int);
+static const char * const FLASH_ATTN_TILED_ROWS_ENV = "LLAMA_SHARD_FLASH_ATTN_TILED_ROWS";
 
 // what the self-check found, filled once by shard_load_cpu_backend()
 struct self_check_state {
     std::vector<std::string> fallbacks;
     std::string              summary;
     bool                     amx = false;
+    int                      flash_attn_tiled_rows = 0;
 };
 static self_check_state g_check;
 
@@ -390,6 +394,30 @@ static void load_checked_dynamic_backend() {
 }
 #endif
 
+// The fewest query rows of one step that take ggml's tiled flash-attention kernel (patch 0010):
+// fewer take the one-row kernel, which reads the cached K and V once per row. The kernel changes a
+// row's rounding, so the value is part of a route's numerics (HotKvStateConfig.numerics);
+// LLAMA_SHARD_FLASH_ATTN_TILED_ROWS overrides it for a study (benchmarks/flash_attn_study.py).
+static void set_flash_attn_tiled_rows(ggml_backend_reg_t reg) {
+    int rows = DEFAULT_FLASH_ATTN_TILED_ROWS;
+    if (const char * env = std::getenv(FLASH_ATTN_TILED_ROWS_ENV); env != nullptr && *env != '\0') {
+        char * end = nullptr;
+        const long v = std::strtol(env, &end, 10);
+        if (*end != '\0' || v < 1 || v > 4096) {
+            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string(FLASH_ATTN_TILED_ROWS_ENV) + "=" + env +
+                                                              " is not a row count from 1 to 4096");
+        }
+        rows = static_cast<int>(v);
+    }
+    auto set = reinterpret_cast<set_flash_attn_tiled_rows_t>(ggml_backend_reg_get_proc_address(reg, SET_FLASH_ATTN_TILED_ROWS));
+    if (set == nullptr) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, std::string("the CPU kernels lack ") + SET_FLASH_ATTN_TILED_ROWS +
+                                                     " (llama.cpp without patch 0010)");
+    }
+    set(rows);
+    g_check.flash_attn_tiled_rows = rows;
+}
+
 static void load_checked_cpu_backend() {
 #ifdef GGML_BACKEND_DL
     load_checked_dynamic_backend();
@@ -411,6 +439,7 @@ static void load_checked_cpu_backend() {
             report_fallback("AMX tiles failed a probe (" + failed + "); running the same kernels without AMX (AVX-512)");
         }
     }
+    set_flash_attn_tiled_rows(reg);
     g_check.summary = g_check.fallbacks.empty() ? std::string("passed") + (g_check.amx ? " (AMX tiles included)" : "")
                                                 : "fell back: " + g_check.fallbacks.back();
 }
@@ -447,6 +476,7 @@ cpu_backend_info shard_cpu_backend() {
     out.amx = g_check.amx;
     out.self_check = g_check.summary;
     out.fallbacks = g_check.fallbacks;
+    out.flash_attn_tiled_rows = g_check.flash_attn_tiled_rows;
     return out;
 }
 
