@@ -394,18 +394,19 @@ static void load_checked_dynamic_backend() {
 }
 #endif
 
-// The fewest query rows of one step that take ggml's tiled flash-attention kernel (patch 0010):
-// fewer take the one-row kernel, which reads the cached K and V once per row. The kernel changes a
-// row's rounding, so the value is part of a route's numerics (HotKvStateConfig.numerics);
-// LLAMA_SHARD_FLASH_ATTN_TILED_ROWS overrides it for a study (benchmarks/flash_attn_study.py).
+// The fewest query rows of one step that take the two-pass tiled flash-attention kernel (patch
+// 0010; 0: upstream's kernels, tiled in one pass from 64 rows): fewer take the one-row kernel,
+// which computes the step's rows one at a time. The kernel changes a row's rounding, so the value
+// is part of a route's numerics (HotKvStateConfig.numerics); LLAMA_SHARD_FLASH_ATTN_TILED_ROWS
+// overrides it for a study (benchmarks/flash_attn_study.py).
 static void set_flash_attn_tiled_rows(ggml_backend_reg_t reg) {
     int rows = DEFAULT_FLASH_ATTN_TILED_ROWS;
     if (const char * env = std::getenv(FLASH_ATTN_TILED_ROWS_ENV); env != nullptr && *env != '\0') {
         char * end = nullptr;
         const long v = std::strtol(env, &end, 10);
-        if (*end != '\0' || v < 1 || v > 4096) {
+        if (*end != '\0' || v < 0 || v > 4096) {
             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, std::string(FLASH_ATTN_TILED_ROWS_ENV) + "=" + env +
-                                                              " is not a row count from 1 to 4096");
+                                                              " is not a row count from 0 (upstream's kernels) to 4096");
         }
         rows = static_cast<int>(v);
     }
