@@ -177,7 +177,7 @@ def test_a_route_that_mixes_attention_kernels_is_refused_naming_both(synthetic_m
         wait_serving(procs[1], head)
         info = _info(tail)
         assert (info.flash_attn, info.numerics) == (False, "K/V f16, flash attention off")
-        assert _info(head).numerics == "K/V f16, flash attention on (two-pass tiles from 4 rows)"
+        assert _info(head).numerics == "K/V f16, flash attention on (llama-shard's kernel)"
         reply = _prefill(head, [tail], "mixed")
         assert reply.outcome == pb.OUTCOME_INCOMPATIBLE_RECIPE and reply.stage == 1, reply
         assert "flash attention off" in reply.detail and "flash attention on" in reply.detail

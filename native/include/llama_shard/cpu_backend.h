@@ -44,13 +44,14 @@ struct cpu_backend_info {
     bool                     amx = false; // AMX kernels compiled into the loaded kernels and in use
     std::string              self_check;  // the self-check in one line: what passed, what fell back
     std::vector<std::string> fallbacks;   // each failed probe and what runs instead (empty: none)
-    int flash_attn_tiled_rows = 0;        // steps of this many query rows or more take the two-pass tiled flash-attention kernel (0: upstream's kernels)
+    int flash_attn_tiled_rows = 0;        // steps of this many query rows or more take patch 0010's flash-attention kernel (0: upstream's kernels)
 };
 
-// the default of cpu_backend_info.flash_attn_tiled_rows (patch 0010; upstream's is 64, one tile): from 6
-// rows the tiled kernel was the faster one at 128-2,048 cached tokens (AVX-512 with AMX and AVX2,
-// docs/benchmarks.md "Flash attention: what nothing set gets")
-constexpr int DEFAULT_FLASH_ATTN_TILED_ROWS = 4;
+// the default of cpu_backend_info.flash_attn_tiled_rows: every step takes patch 0010's kernel, so a
+// row's attention is the same bytes in a step of one row or of many (a verification, a re-prefill,
+// a batch of sessions), and it was as fast or faster than upstream's kernels at every size measured
+// (docs/benchmarks.md "Flash attention: what nothing set gets")
+constexpr int DEFAULT_FLASH_ATTN_TILED_ROWS = 1;
 
 // loads the CPU backend once per process after the self-check (a source build loads nothing);
 // throws shard_error(SHARD_ERRC_MODEL_LOAD) when LLAMA_SHARD_CPU_VARIANT names a variant that is

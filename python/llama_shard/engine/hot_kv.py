@@ -202,15 +202,16 @@ _ENGINE_DEFAULTS = _native.HotKvConfig()
 def route_numerics(kv_type: str, flash_attn: bool) -> str:
     """What every worker of a route must share for the route's logits to be the whole model's under
     one setting: the K/V element type and the attention kernel (each rounds differently). With
-    flash attention on an f16 or f32 cache, also the fewest query rows of a step that take the
-    two-pass tiled CPU kernel rather than the one-row kernel (patch 0010; `cpu_backend()`). Compared as a
+    flash attention on an f16 or f32 cache, also which CPU kernel computes it (patch 0010's,
+    batch-invariant, for steps of at least `cpu_backend()["flash_attn_tiled_rows"]` rows). Compared as a
     string (StepRequest.numerics, InfoReply.numerics, check_route)."""
     if not flash_attn:
         return f"K/V {kv_type}, flash attention off"
     if kv_type not in ("f16", "f32"):  # ggml tiles only a float cache
         return f"K/V {kv_type}, flash attention on"
     rows = _native.cpu_backend()["flash_attn_tiled_rows"]
-    return f"K/V {kv_type}, flash attention on " + (f"(two-pass tiles from {rows} rows)" if rows else "(upstream's kernels)")
+    kernel = "upstream's kernels" if rows == 0 else "llama-shard's kernel" + (f" from {rows} rows" if rows > 1 else "")
+    return f"K/V {kv_type}, flash attention on ({kernel})"
 
 
 #: the end of every refusal of a route whose workers' numerics differ
