@@ -7,8 +7,10 @@
 2. What a user who sets nothing gets against the better setting, on one worker of the whole model
    (`--threads` threads), end to end through Generate: the decode rows above, the time to first token
    of a fresh 512-token prompt (prefill), and of a chat's next turn (32 new tokens on a session
-   holding 2,048: llama.cpp's CPU flash attention computes a step of under 64 rows one query row at
-   a time).
+   holding 2,048: upstream's CPU flash attention computes a step of under 64 rows one query row at
+   a time). Beside them, flash attention on with upstream's kernels
+   (`LLAMA_SHARD_FLASH_ATTN_TILED_ROWS=0` in the workers' environment): what patch 0010's kernel
+   changes.
 3. The ceiling of two chained 1-thread workers: two stock `llama-batched-bench -t 1 -npl N/2`
    processes run at the same time (what two workers that only compute could reach on this
    machine), beside twice one run alone (the bench's ceiling row).
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,25 @@ from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serv
 from routes import _first_token_seconds, ours_generate_streams
 
 VOCAB = 49152  # ids drawn for the random prompts (below every certified test model's vocabulary)
+
+
+@contextlib.contextmanager
+def worker_kernels(setting: str):
+    """Workers started inside see LLAMA_SHARD_FLASH_ATTN_TILED_ROWS=0 for the setting "upstream"."""
+    name, before = "LLAMA_SHARD_FLASH_ATTN_TILED_ROWS", os.environ.get("LLAMA_SHARD_FLASH_ATTN_TILED_ROWS")
+    if setting == "upstream":
+        os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+#: the settings each measure takes turns at: --flash-attn on (nothing set), off, and on with upstream's kernels
+SETTINGS = ("on", "off", "upstream")
 
 
 def ours_prefill_and_turn(path: Path, n_layer: int, threads: int, fa: str) -> dict[str, float]:
@@ -85,37 +108,43 @@ def main() -> int:
     tools = find_stock_tools()
     bench = tools["llama-batched-bench"] if tools else None
 
-    print("| prompt + generated | streams | Generate, flash attention on | off | "
+    print("| prompt + generated | streams | Generate, flash attention on | off | on, upstream's kernels | "
           "nothing set / the better | stock batched-bench decode -fa on | off | stock prefill -fa on | off |")
-    print("| --- | ---: | --- | --- | ---: | --- | --- | --- | --- |")
+    print("| --- | ---: | --- | --- | --- | ---: | --- | --- | --- | --- |")
     for npp, ntg in shapes:
-        got: dict[str, list[float]] = {"on": [], "off": [], "stock on": [], "stock off": []}
+        got: dict[str, list[float]] = {"on": [], "off": [], "upstream": [], "stock on": [], "stock off": []}
         stock_pp: dict[str, list[float]] = {"on": [], "off": []}
         for _ in range(args.rounds):
-            for fa in ("on", "off"):
-                got[fa].append(ours_generate_streams(path, [(0, n_layer - 1)], args.threads, npp, ntg, n, VOCAB,
-                                                     worker_flags=("--flash-attn", fa)))
-                if bench:
+            for setting in SETTINGS:
+                fa = "off" if setting == "off" else "on"
+                with worker_kernels(setting):
+                    got[setting].append(ours_generate_streams(path, [(0, n_layer - 1)], args.threads, npp, ntg, n,
+                                                              VOCAB, worker_flags=("--flash-attn", fa)))
+                if bench and setting != "upstream":
                     context = ("-c", str(max(4096, n * (npp + ntg))))  # later flags win: room for every session
                     r = stock_batched_bench(bench, path, args.threads, npp, ntg, [n], extra=("-fa", fa, *context))[n]
                     got[f"stock {fa}"].append(r["tg"])
                     stock_pp[fa].append(r["pp"])
-        cells = [" / ".join(f"{v:.1f}" for v in got[k]) or "n/a" for k in ("on", "off")]
+        cells = [" / ".join(f"{v:.1f}" for v in got[k]) or "n/a" for k in ("on", "off", "upstream")]
         cells.append(f"{max(got['on']) / max(max(got['on']), max(got['off'])):.3f}")  # best of each
         cells += [" / ".join(f"{v:.1f}" for v in got[k]) or "n/a" for k in ("stock on", "stock off")]
         cells += [" / ".join(f"{v:.0f}" for v in stock_pp[k]) or "n/a" for k in ("on", "off")]
         print(f"| {npp} + {ntg} | {n} | " + " | ".join(cells) + " |", flush=True)
 
-    print("\n| one worker, the whole model | flash attention on (nothing set) | --flash-attn off | nothing set / the better |")
-    print("| --- | ---: | ---: | ---: |")
-    timed: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    print("\n| one worker, the whole model | flash attention on (nothing set) | --flash-attn off | "
+          "on, upstream's kernels | nothing set / the better |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    timed: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
     for _ in range(args.rounds):  # taking turns, one worker per round and setting
-        for fa in ("on", "off"):
-            timed[fa].append(ours_prefill_and_turn(path, n_layer, args.threads, fa))
+        for setting in SETTINGS:
+            with worker_kernels(setting):
+                timed[setting].append(ours_prefill_and_turn(path, n_layer, args.threads,
+                                                            "off" if setting == "off" else "on"))
     for key, label in (("prefill", "time to first token, a fresh 512-token prompt"),
                        ("turn", "time to first token, 32 new tokens on 2,048 cached")):
-        on, off = (min(r[key] for r in timed[fa]) for fa in ("on", "off"))
-        print(f"| {label} | {on * 1e3:.0f} ms | {off * 1e3:.0f} ms | {min(on, off) / on:.3f} |", flush=True)
+        on, off, upstream = (min(r[key] for r in timed[s]) for s in SETTINGS)
+        print(f"| {label} | {on * 1e3:.0f} ms | {off * 1e3:.0f} ms | {upstream * 1e3:.0f} ms | "
+              f"{min(on, off) / on:.3f} |", flush=True)
 
     if bench:
         def one() -> float:
