@@ -109,7 +109,11 @@ def test_the_device_agrees_with_the_cpu_within_rounding(embedded_model, device):
     a, b = cpu.step(0, 0, prompt), gpu.step(0, 0, prompt)
     assert int(np.argmax(a)) == int(np.argmax(b))
     rel = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
-    assert 0 < rel < 0.05, rel  # different kernels (never the CPU's by accident), the same answer
+    # different kernels (never the CPU's by accident), the same answer. The CPU's Q4_1 kernels round
+    # the activations to 8 bits and the device's do not: on lavapipe this prompt's logits were 0.036
+    # to 0.066 apart (relative) for every pair of CPU and device, flash attention on and off, with
+    # either CPU attention kernel (patch 0010's or upstream's)
+    assert 0 < rel < 0.1, rel
 
 
 def test_a_partial_offload_puts_the_first_owned_layers_on_the_device(synthetic_model, device):

@@ -213,7 +213,7 @@ def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
 
         def metric() -> str:
             return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert f"{gauge} 1.0" in metric()
+        assert _until(lambda: f"{gauge} 1.0" in metric())  # set by the head's first probe of the stage
         mesh.procs[1].send_signal(signal.SIGKILL)
         mesh.procs[1].wait()
         assert _until(lambda: _grpc_health(mesh.addresses[0]) == health_pb2.HealthCheckResponse.NOT_SERVING)
