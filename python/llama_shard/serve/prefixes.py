@@ -16,8 +16,10 @@
   GenerateRequest.keep_prefix) is stored by the step that ends at its last block.
 
 Why blocks of 256 tokens: the head's loop cuts a prompt into chunks at multiples of GENERATE_CHUNK
-(256) from position 0, and llama.cpp's results depend on how a prompt is cut (its flash-attention
-kernel takes another path for fewer than 64 query rows). A prefix that ends at a chunk boundary
+(256) from position 0, and llama.cpp's results may depend on how a prompt is cut (upstream's CPU
+flash-attention kernels, which a quantized cache still takes, round a step of under 64 query rows
+otherwise; patch 0010's kernel and attention without flash attention do not). A prefix that ends
+at a chunk boundary
 leaves a session opened from it computing exactly the chunks a session without it computes after
 that boundary, so its tokens and logits are the same bytes (tests/test_prefixes.py).
 """
