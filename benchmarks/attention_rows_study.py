@@ -87,19 +87,21 @@ def main() -> int:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", "on" if flash_attn else "off"]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         results[name] = json.loads(res.stdout.strip().splitlines()[-1])
-    rows = list(next(iter(results.values()))["rows"])
-    print(f"one step of r new rows on a session holding {args.depth} tokens, ms (best of {args.reps})\n")
-    print("| rows | " + " | ".join(rows) + " |")
-    print("| --- |" + " ---: |" * len(rows))
-    for name, got in results.items():
-        print(f"| {name} | " + " | ".join(f"{got['rows'][r]:.1f}" for r in rows) + " |")
-    sessions = list(next(iter(results.values()))["sessions"])
-    print(f"\none batched decode step of N sessions holding {args.session_depth} tokens each, ms\n")
-    print("| sessions | " + " | ".join(sessions) + " |")
-    print("| --- |" + " ---: |" * len(sessions))
-    for name, got in results.items():
-        print(f"| {name} | " + " | ".join(f"{got['sessions'][n]:.1f}" for n in sessions) + " |")
+    print_table(f"one step of r new rows on a session holding {args.depth} tokens, ms (best of {args.reps})",
+                "rows", results)
+    print_table(f"\none batched decode step of N sessions holding {args.session_depth} tokens each, ms",
+                "sessions", results)
     return 0
+
+
+def print_table(title: str, measure: str, results: dict) -> None:
+    """One markdown table: a row per setting, a column per key of results[setting][measure]."""
+    keys = list(next(iter(results.values()))[measure])
+    print(title + "\n")
+    print(f"| {measure} | " + " | ".join(keys) + " |")
+    print("| --- |" + " ---: |" * len(keys))
+    for name, got in results.items():
+        print(f"| {name} | " + " | ".join(f"{got[measure][k]:.1f}" for k in keys) + " |")
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ void register_backends(py::module_ & m) {
           "libggml-cpu-<variant>.so, or 'built in'), library, features (instruction sets compiled in), "
           "available (the variants shipped), amx (AMX kernels in use), self_check (one line), fallbacks "
           "(each failed probe and what runs instead), flash_attn_tiled_rows (steps of this many query rows or more "
-          "take the tiled flash-attention kernel).");
+          "take patch 0010's flash-attention kernel; 0: upstream's kernels).");
     m.def("devices", [] {
               std::vector<device_info> found;
               {

@@ -46,8 +46,8 @@ print(json.dumps({"equal": equal, "numerics": route_numerics("f16", True)}))
 """
 
 
-def _rows_against_one_token_steps(model_path, tiled_rows: str | None) -> dict:
-    env = dict(os.environ)
+def _rows_against_one_token_steps(model_path, tiled_rows: str | None, **env_extra: str) -> dict:
+    env = dict(os.environ, **env_extra)
     env.pop("LLAMA_SHARD_FLASH_ATTN_TILED_ROWS", None)
     if tiled_rows is not None:
         env["LLAMA_SHARD_FLASH_ATTN_TILED_ROWS"] = tiled_rows
@@ -66,6 +66,20 @@ def test_a_steps_rows_are_one_token_steps_to_the_byte_and_upstreams_kernels_are_
     upstream = _rows_against_one_token_steps(embedded_model, "0")
     assert upstream["numerics"] == "K/V f16, flash attention on (upstream's kernels)"
     assert upstream["equal"]["40"] == [True] * 6 and not any(upstream["equal"]["600"])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("variant", ["haswell", "sse42"])
+def test_other_kernel_families_keep_a_steps_rows_alike(embedded_model, variant):
+    """The kernel's AVX2 path (inline f16 loads) and its generic horizontal sum (SSE) on any CPU
+    that runs them: the portable build's variants, forced. (sandybridge, AVX without F16C, is not
+    here: its Q4_1 matrix kernels round a 6-row step unlike one-token steps with either attention
+    kernel, so the logits cannot show the attention's bytes.)"""
+    c = cpu_backend()
+    if variant not in c["available"]:
+        pytest.skip(f"the {variant} kernels are not in this build (a source build has one variant)")
+    got = _rows_against_one_token_steps(embedded_model, None, LLAMA_SHARD_CPU_VARIANT=variant)
+    assert got["equal"] == {"40": [True] * 6, "600": [True] * 6}
 
 
 @pytest.mark.model

@@ -394,11 +394,10 @@ static void load_checked_dynamic_backend() {
 }
 #endif
 
-// The fewest query rows of one step that take the two-pass tiled flash-attention kernel (patch
-// 0010; 0: upstream's kernels, tiled in one pass from 64 rows): fewer take the one-row kernel,
-// which computes the step's rows one at a time. The kernel changes a row's rounding, so the value
+// The fewest query rows of one step that take patch 0010's flash-attention kernel (0: upstream's
+// kernels): fewer take upstream's one-row kernel. The kernel changes a row's rounding, so the value
 // is part of a route's numerics (HotKvStateConfig.numerics); LLAMA_SHARD_FLASH_ATTN_TILED_ROWS
-// overrides it for a study (benchmarks/flash_attn_study.py).
+// overrides it for a study (benchmarks/flash_attn_study.py, attention_rows_study.py).
 static void set_flash_attn_tiled_rows(ggml_backend_reg_t reg) {
     int rows = DEFAULT_FLASH_ATTN_TILED_ROWS;
     if (const char * env = std::getenv(FLASH_ATTN_TILED_ROWS_ENV); env != nullptr && *env != '\0') {

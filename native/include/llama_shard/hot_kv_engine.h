@@ -139,9 +139,9 @@ struct hot_kv_config {
     int64_t warm_bytes      = 0;      // host memory for evicted sessions' KV; 0: no warm tier
     double  warm_ttl_seconds = 3600.0; // idle time (since last use) after which a warm session is dropped; 0 disables
     std::string kv_type     = "f16";  // K/V element type: f16, q8_0, q4_0
-    // llama.cpp's flash attention (its default on a CPU). Off stores V transposed (another cache
-    // layout: part of the recipe) and changes the logits' rounding; it needs kv_type f16. On some
-    // CPUs the plain kernels are much faster once a session holds hundreds of tokens.
+    // flash attention (llama.cpp's default on a CPU; with an f16 cache patch 0010's kernel,
+    // cpu_backend.h). Off stores V transposed (another cache layout: part of the recipe) and
+    // changes the logits' rounding; it needs kv_type f16.
     bool        flash_attn  = true;
     // the disk tier: sessions that fall out of the host tier go to files in warm_dir (at most
     // warm_disk_bytes), and a worker restarted on the same directory, model, range and recipe
