@@ -519,6 +519,14 @@ void register_context(py::module_ & m) {
                  py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
                  return self.n_decode_calls();
              })
+        .def_property_readonly("whole_rows_verdicts", [](const shard_context & self) {
+                 std::map<int32_t, std::string> out;
+                 {
+                     py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
+                     out = self.whole_rows_verdicts();
+                 }
+                 return out;
+             }, "See HotKvEngine.whole_rows_verdicts")
         .def("seq_rm", [](shard_context & self, int32_t seq_id, int32_t p0) {
                  py::gil_scoped_release release;  // waits for the context mutex, held for a whole forward
                  return self.seq_rm(seq_id, p0);
@@ -856,6 +864,19 @@ void register_engine(py::module_ & m) {
                  py::gil_scoped_release release;  // waits for the context mutex, held for a whole step
                  return e.n_decode_calls();
              })
+        .def_property_readonly("whole_rows_verdicts", [](const hot_kv_engine & e) {
+                 std::map<int32_t, std::string> out;
+                 {
+                     py::gil_scoped_release release;  // waits for the context mutex, held for a whole step
+                     out = e.whole_rows_verdicts();
+                 }
+                 return out;
+             },
+             "How a verification's rows (row_by_row) are computed, by row count, once the first of that "
+             "count was computed in one llama_decode call and row by row and compared: 'one call' (the "
+             "same bytes, in less time), 'row by row: one call was slower', 'row by row: one call rounded "
+             "differently'. {} until one is tried, and always where attention is not patch 0010's kernel "
+             "on the CPU")
         .def("truncate", [](hot_kv_engine & e, const std::string & sid, int64_t epoch, int32_t length, double now) {
                  py::gil_scoped_release release;  // waits for the engine lock; may restore a warm session
                  return e.truncate(sid, epoch, length, now);

@@ -10,6 +10,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -189,6 +190,12 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
     kv_unified_ = params.kv_unified;
     batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd);
+    // One call can give a verification's rows the bytes of one-token steps only where attention
+    // computes a row alike whatever the call's shape and wherever its cells sit: patch 0010's kernel
+    // (the CPU, a float cache, every step). Then the comparison of whole_rows_verdict_ at one depth
+    // holds at every depth. Every cell is kept (swa_full), so a compared call's cells can be cut.
+    whole_rows_possible_ = params.flash_attn && type == GGML_TYPE_F16 && model.device() == nullptr &&
+                           params.swa_full && shard_cpu_backend().flash_attn_tiled_rows == 1;
 }
 
 shard_memory shard_context::memory() const {
@@ -326,6 +333,39 @@ uint64_t shard_context::n_decode_calls() const {
     return n_decode_calls_;
 }
 
+std::map<int32_t, std::string> shard_context::whole_rows_verdicts() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::map<int32_t, std::string> out;
+    for (size_t n = 0; n < whole_rows_verdict_.size(); ++n) {
+        switch (whole_rows_verdict_[n]) {
+            case WHOLE_ROWS_ONE_CALL: out[(int32_t) n] = "one call"; break;
+            case WHOLE_ROWS_SLOWER:   out[(int32_t) n] = "row by row: one call was slower"; break;
+            case WHOLE_ROWS_DIFFER:   out[(int32_t) n] = "row by row: one call rounded differently"; break;
+            default: break;
+        }
+    }
+    return out;
+}
+
+template <class RollBack>
+size_t shard_context::decode_call(const std::vector<batch_item> & items, const std::vector<size_t> & order, size_t first,
+                                  RollBack & roll_back) {
+    const size_t last = fill_batch(items, order, first);
+    take_compute_turn();
+    const int32_t ret = llama_decode(ctx_, batch_->batch);
+    end_compute_turn();
+    ++n_decode_calls_;
+    if (ret != 0) {
+        const std::string why = shard_last_llama_error();
+        roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
+                  ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
+    }
+    if (const char * missing = read_outputs(items, order, first, last)) {  // before the next decode overwrites them
+        roll_back(missing, SHARD_ERRC_COMPUTE);
+    }
+    return last;
+}
+
 int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) {
     validate_batch_locked(items, inputs_validated);  // nothing reaches llama.cpp before this passes
     const std::vector<size_t> order = decode_order(items);
@@ -336,71 +376,99 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
         }
         throw shard_error(code, why);
     };
-    // items computed row by row: one llama_decode call per token, each row then rounds exactly as a
-    // one-token step does (llama.cpp's kernels and their order of sums depend on a call's shape)
+    // the items in order into llama_decode calls of at most n_batch tokens each; the row_by_row ones
+    // (a verification: each row must round as a one-token step does) after them, each alone
     std::vector<batch_item> packed;
-    std::vector<batch_item> single;
-    std::vector<float> scratch;
+    std::vector<batch_item> by_rows;
     for (const size_t k : order) {
         const batch_item & it = items[k];
-        if (!it.input.row_by_row || it.input.n_tokens == 1) {
-            packed.push_back(it);
-            continue;
-        }
-        const shard_model_info & info = model_.info();
-        const int64_t m = it.input.n_tokens;
-        for (int64_t j = 0; j < m; ++j) {
-            batch_item row = it;
-            row.pos = it.pos + (int32_t) j;
-            row.input.n_tokens = 1;
-            row.input.n_logits = 1;
-            row.input.row_by_row = false;
-            if (it.input.tokens != nullptr) {
-                row.input.tokens = it.input.tokens + j;
-            } else {
-                row.input.hidden = it.input.hidden + j * info.n_embd;
-            }
-            const int64_t first_logit = m - it.input.n_logits;
-            if (!info.is_tail) {
-                row.out = it.out + j * info.n_embd;
-            } else if (j >= first_logit) {
-                row.out = it.out + (j - first_logit) * info.n_vocab;
-            } else {
-                scratch.resize((size_t) info.n_vocab);  // logits no one asked for
-                row.out = scratch.data();
-            }
-            single.push_back(row);
-        }
+        (it.input.row_by_row && it.input.n_tokens > 1 ? by_rows : packed).push_back(it);
     }
+    const uint64_t calls_before = n_decode_calls_;
     std::vector<size_t> in_order(packed.size());
     for (size_t k = 0; k < in_order.size(); ++k) {
         in_order[k] = k;
     }
-    // packed items in order into llama_decode calls of at most n_batch tokens each, then each row
-    // of the row-by-row items alone (their positions follow each other: one call each)
-    int32_t n_calls = 0;
-    for (size_t first = 0, last = 0; first < packed.size() + single.size(); first = last) {
-        const bool alone = first >= packed.size();
-        const std::vector<batch_item> & run = alone ? single : packed;
-        const std::vector<size_t> one{alone ? first - packed.size() : 0};
-        last = alone ? (fill_batch(run, one, 0), first + 1) : fill_batch(run, in_order, first);
-        take_compute_turn();
-        const int32_t ret = llama_decode(ctx_, batch_->batch);
-        end_compute_turn();
-        ++n_decode_calls_;
-        ++n_calls;
-        if (ret != 0) {
-            const std::string why = shard_last_llama_error();
-            roll_back("llama_decode failed with status " + str(ret) + (why.empty() ? std::string() : ": " + why),
-                      ret == 1 ? SHARD_ERRC_CAPACITY : SHARD_ERRC_COMPUTE);
+    for (size_t first = 0; first < packed.size();) {
+        first = decode_call(packed, in_order, first, roll_back);
+    }
+    for (const batch_item & it : by_rows) {
+        forward_rows_locked(it, roll_back);
+    }
+    return (int32_t) (n_decode_calls_ - calls_before);
+}
+
+template <class RollBack>
+void shard_context::forward_rows_locked(const batch_item & it, RollBack & roll_back) {
+    const shard_model_info & info = model_.info();
+    const int32_t m = (int32_t) it.input.n_tokens;
+    const size_t row_floats = (size_t) (info.is_tail ? info.n_vocab : info.n_embd);
+    const std::vector<size_t> one{0};
+    // llama.cpp's kernels and their order of sums may depend on a call's shape: a verdict per row
+    // count says whether one call gives the rows' bytes (0: not tried yet; never where not possible)
+    int8_t verdict = WHOLE_ROWS_DIFFER;
+    if (whole_rows_possible_ && m < (int32_t) whole_rows_verdict_.size()) {
+        verdict = whole_rows_verdict_[(size_t) m];
+    }
+    using clock = std::chrono::steady_clock;
+    const clock::time_point t0 = clock::now();
+    std::vector<float> whole_out;
+    if (verdict == WHOLE_ROWS_UNTRIED || verdict == WHOLE_ROWS_ONE_CALL) {
+        // every row's output (on the tail, logits of all m rows: the call's shape must not depend on
+        // how many the caller wants)
+        batch_item whole = it;
+        whole.input.row_by_row = false;
+        whole.input.n_logits = m;
+        if (verdict == WHOLE_ROWS_UNTRIED || (info.is_tail && it.input.n_logits != m)) {
+            whole_out.resize((size_t) m * row_floats);
+            whole.out = whole_out.data();
         }
-        const char * missing = alone ? read_outputs(run, one, 0, 1)  // before the next decode overwrites them
-                                     : read_outputs(run, in_order, first, last);
-        if (missing != nullptr) {
-            roll_back(missing, SHARD_ERRC_COMPUTE);
+        decode_call(std::vector<batch_item>{whole}, one, 0, roll_back);
+        if (verdict == WHOLE_ROWS_ONE_CALL) {
+            if (whole.out != it.out) {  // the tail's last n_logits rows
+                std::memcpy(it.out, whole_out.data() + (size_t) (m - it.input.n_logits) * row_floats,
+                            sizeof(float) * (size_t) it.input.n_logits * row_floats);
+            }
+            return;
+        }
+        // not tried yet: cut the rows again, compute them one at a time below and compare
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_), it.seq_id, it.pos, -1)) {
+            roll_back("llama.cpp could not cut a compared call's cells", SHARD_ERRC_COMPUTE);
         }
     }
-    return n_calls;
+    const clock::time_point t1 = clock::now();
+    // each row alone: the outputs no one asked for (the tail's earlier rows) land in `rows_out`, as
+    // every row does when they are compared
+    std::vector<float> rows_out;
+    if (verdict == WHOLE_ROWS_UNTRIED || (info.is_tail && it.input.n_logits != m)) {
+        rows_out.resize((size_t) m * row_floats);
+    }
+    for (int32_t j = 0; j < m; ++j) {
+        batch_item row = it;
+        row.pos = it.pos + j;
+        row.input.n_tokens = 1;
+        row.input.n_logits = 1;
+        row.input.row_by_row = false;
+        if (it.input.tokens != nullptr) {
+            row.input.tokens = it.input.tokens + j;
+        } else {
+            row.input.hidden = it.input.hidden + (size_t) j * info.n_embd;
+        }
+        const int32_t first_out = info.is_tail ? m - it.input.n_logits : 0;
+        row.out = rows_out.empty() ? it.out + (size_t) (j - first_out) * row_floats : rows_out.data() + (size_t) j * row_floats;
+        decode_call(std::vector<batch_item>{row}, one, 0, roll_back);
+    }
+    if (!rows_out.empty()) {
+        const int32_t n_out = info.is_tail ? it.input.n_logits : m;
+        std::memcpy(it.out, rows_out.data() + (size_t) (m - n_out) * row_floats, sizeof(float) * (size_t) n_out * row_floats);
+    }
+    if (verdict == WHOLE_ROWS_UNTRIED) {
+        // equal bytes make one call exact for m rows; it is taken where it was also the faster here
+        // (on AVX2 a small model's m rows cost about m rows' time either way; AMX's tiles take less)
+        const bool same = std::memcmp(whole_out.data(), rows_out.data(), sizeof(float) * whole_out.size()) == 0;
+        whole_rows_verdict_[(size_t) m] = !same ? WHOLE_ROWS_DIFFER : t1 - t0 <= clock::now() - t1 ? WHOLE_ROWS_ONE_CALL
+                                                                                                   : WHOLE_ROWS_SLOWER;
+    }
 }
 
 void shard_context::validate_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) const {

@@ -274,6 +274,8 @@ public:
 
     // llama_decode calls made so far (batching makes this smaller than the steps answered)
     uint64_t n_decode_calls() const { return ctx_->n_decode_calls(); }
+    // verifications' rows computed in one call, by row count (shard_context::whole_rows_verdicts)
+    std::map<int32_t, std::string> whole_rows_verdicts() const { return ctx_->whole_rows_verdicts(); }
     // the bytes its context and model hold on the device and the host (llama.cpp's account)
     shard_memory memory() const { return ctx_->memory(); }
 

@@ -15,13 +15,20 @@
 //    logits of the last n_logits input tokens (1 unless asked: a speculative verification);
 //  - every check runs before llama.cpp is called; a rejected call changes nothing, and a failed
 //    llama_decode has every position it added removed again before the error is thrown;
+//  - a row_by_row input's rows are one-token steps' to the byte. They are computed in one call only
+//    where that is proven for their count (whole_rows_verdicts): the first such input of each count
+//    is computed both ways and compared, and only where attention is patch 0010's kernel, whose
+//    rows do not depend on a call's shape nor on where cells sit (the matmuls' kernels still may:
+//    that is what the comparison decides);
 //  - llama_context is not thread-safe: every public method takes the context's mutex.
 
 #include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_type.h"
 #include "llama_shard/shard_model.h"
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -120,6 +127,15 @@ public:
     // llama_decode calls made by this context so far
     uint64_t n_decode_calls() const;
 
+    // row_by_row inputs of n tokens (2..HOT_KV_MAX_LOGIT_ROWS), by n, once the first was computed both
+    // ways: "one call" (it gave the bytes of n one-token steps in less time: such inputs are one call
+    // since), "row by row: one call was slower", "row by row: one call rounded differently". Empty
+    // where it is never tried (see whole_rows_possible).
+    std::map<int32_t, std::string> whole_rows_verdicts() const;
+    // whether whole-call verification can be proven here: flash attention by patch 0010's kernel
+    // on the CPU (an f16 cache, every step), every cell kept (swa_full)
+    bool whole_rows_possible() const { return whole_rows_possible_; }
+
     // removes positions [p0, inf) of `seq_id`; returns false if llama.cpp refused (never for a valid id)
     bool seq_rm(int32_t seq_id, int32_t p0);
 
@@ -150,6 +166,15 @@ public:
 
 private:
     int32_t forward_batch_locked(const std::vector<batch_item> & items, bool inputs_validated);
+    // decodes items order[first..) that fit one call into their outputs (rolling every item back on a
+    // failure: roll_back throws); returns the end
+    template <class RollBack>
+    size_t decode_call(const std::vector<batch_item> & items, const std::vector<size_t> & order, size_t first,
+                       RollBack & roll_back);
+    // one row_by_row input of several tokens after the call's other items: one call where its row
+    // count is proven, each row alone otherwise (the first time, after one call, compared)
+    template <class RollBack>
+    void forward_rows_locked(const batch_item & it, RollBack & roll_back);
     // forward_batch_locked's steps: check every item against the context (throws, nothing changed),
     // the order items are decoded in, one llama_decode's batch, and that call's outputs
     void                validate_batch_locked(const std::vector<batch_item> & items, bool inputs_validated) const;
@@ -175,6 +200,10 @@ private:
     int32_t             n_ctx_seq_ = 0;
     uint64_t            n_decode_calls_ = 0;
     bool                kv_unified_ = true;
+    bool                whole_rows_possible_ = false;
+    // by a row_by_row input's tokens (whole_rows_verdicts)
+    enum : int8_t { WHOLE_ROWS_UNTRIED = 0, WHOLE_ROWS_ONE_CALL = 1, WHOLE_ROWS_SLOWER = 2, WHOLE_ROWS_DIFFER = -1 };
+    std::array<int8_t, HOT_KV_MAX_LOGIT_ROWS + 1> whole_rows_verdict_{};
     std::string         kv_type_;
     uint64_t            kv_bytes_per_token_ = 0;
     mutable std::mutex  mutex_;
