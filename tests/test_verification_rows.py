@@ -1,0 +1,126 @@
+"""A verification's rows (`row_by_row`: serve --draft-verify exact) are the bytes of one-token steps,
+and are computed in one llama_decode call where that is proven: the first verification of each row
+count is computed in one call and row by row, and compared (shard_context's whole_rows_verdicts).
+Only patch 0010's attention kernel on the CPU makes the comparison hold at every depth, so nothing
+is tried elsewhere; a CPU whose matrix kernels round by a call's shape (sandybridge's, with Q4_1)
+keeps row by row.
+
+Each case runs in a subprocess: the CPU variant and the attention kernel are chosen once per process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llama_shard._native import cpu_backend
+
+ONE_CALL = "one call"
+SLOWER = "row by row: one call was slower"
+DIFFER = "row by row: one call rounded differently"
+
+# for each row count: one-token steps on one session, then the same rows as a verification on
+# another, twice (the first is compared, the second follows the verdict), cut back after each
+_VERIFY_ROWS = """
+import json, sys
+import numpy as np
+from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
+
+layers = json.loads(sys.argv[2])
+model = ShardModel(sys.argv[1], tuple(layers) if layers else None, 1)
+config = HotKvStateConfig(max_sessions=2, context_tokens=256, flash_attn=sys.argv[3] == "on")
+mgr = HotKvStateManager(model, config, n_threads=1)
+ad = KvBoundaryAdapter(model, mgr)
+info = model.info
+rng = np.random.default_rng(7)
+
+def rows(n):
+    if info.is_head:
+        return {"token_ids": rng.integers(100, 40000, n).tolist()}
+    return {"boundary": rng.standard_normal((n, info.n_embd)).astype(np.float32)}
+
+def out_bytes(out, i=None):
+    data = out.rows if info.is_tail and i is not None else (out.logits if info.is_tail else out.hidden)
+    return (data if i is None or not info.is_tail else data[i]).tobytes()
+
+depth = 40
+prompt = rows(depth)
+ad.prefill("one", 0, **prompt, start_pos=0)
+ad.prefill("rows", 0, **prompt, start_pos=0)
+report = {"equal": {}, "calls": {}}
+for m in (2, 6, 9):
+    more = rows(m)
+    singles = []
+    for j in range(m):
+        one = {k: (v[j:j + 1]) for k, v in more.items()}
+        singles.append(out_bytes(ad.prefill("one", 0, **one, start_pos=depth + j)))
+    kw = {"logit_rows": m} if info.is_tail else {}
+    for attempt in range(2):
+        before = mgr.n_decode_calls
+        out = ad.prefill("rows", 0, **more, start_pos=depth, row_by_row=True, **kw)
+        report["calls"].setdefault(str(m), []).append(mgr.n_decode_calls - before)
+        if info.is_tail:
+            got = [out.rows[i].tobytes() for i in range(m)]
+        else:
+            got = [out.hidden[i].tobytes() for i in range(m)]
+        report["equal"].setdefault(str(m), []).append(got == singles)
+    mgr.truncate("one", 0, depth)
+    mgr.truncate("rows", 0, depth)
+report["verdicts"] = {str(k): v for k, v in mgr.engine.whole_rows_verdicts.items()}
+mgr.close()
+print(json.dumps(report))
+"""
+
+
+def _verify_rows(model_path, layers=None, flash_attn: str = "on", **env_extra: str) -> dict:
+    env = dict(os.environ, **env_extra)
+    env.pop("LLAMA_SHARD_FLASH_ATTN_TILED_ROWS", None)
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_VERIFY_ROWS), str(model_path),
+                          json.dumps(layers), flash_attn], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.model
+def test_a_verifications_rows_are_one_call_where_proven_and_one_token_steps_always(embedded_model):
+    taken = []
+    for layers in (None, [0, 14], [15, 29]):  # the whole model, a head (token ids), a tail (hidden rows)
+        got = _verify_rows(embedded_model, layers)
+        assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}, layers
+        assert set(got["verdicts"]) == {"2", "6", "9"}, layers
+        for m, verdict in got["verdicts"].items():
+            n = int(m)
+            assert verdict in (ONE_CALL, SLOWER), (layers, m, verdict)  # this build's kernels: no rounding by shape
+            # the first: one call, then each row alone (compared); the second as the verdict says
+            assert got["calls"][m] == [n + 1, 1 if verdict == ONE_CALL else n], (layers, m, got["calls"])
+            taken.append(verdict == ONE_CALL)
+    # nine rows in one call read the weights once instead of nine times: faster on any CPU measured
+    assert any(taken)
+
+
+@pytest.mark.model
+def test_nothing_is_tried_where_attention_rounds_by_depth(embedded_model):
+    """Flash attention off, or upstream's kernels: a comparison at one depth would prove nothing for
+    another (upstream splits a one-row step of 512 cells or more among threads), so rows stay alone."""
+    for got in (_verify_rows(embedded_model, flash_attn="off"),
+                _verify_rows(embedded_model, LLAMA_SHARD_FLASH_ATTN_TILED_ROWS="0")):
+        assert got["verdicts"] == {}
+        assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
+        assert got["calls"] == {m: [int(m), int(m)] for m in ("2", "6", "9")}
+
+
+@pytest.mark.model
+def test_kernels_that_round_by_a_calls_shape_keep_rows_alone(embedded_model):
+    """sandybridge (AVX without F16C): its matrix kernels round a many-row call of the tail's layers
+    unlike one-token calls, which the first comparison finds; every row stays a one-token step's."""
+    if "sandybridge" not in cpu_backend()["available"]:
+        pytest.skip("the sandybridge kernels are not in this build (a source build has one variant)")
+    got = _verify_rows(embedded_model, LLAMA_SHARD_CPU_VARIANT="sandybridge")
+    assert got["verdicts"]["6"] == DIFFER and got["verdicts"]["9"] == DIFFER
+    assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
+    assert got["calls"]["9"] == [10, 9]
