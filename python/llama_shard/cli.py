@@ -793,10 +793,11 @@ def _speculation_flags(sv: argparse.ArgumentParser) -> None:
                     help="a head's drafts come from this small model (loaded whole; its tokenizer must be the "
                          "model's, or the worker refuses to start) instead of prompt lookup")
     sv.add_argument("--draft-verify", choices=VERIFY_MODES, default="exact",
-                    help="how the route computes a step of drafts: 'exact' (default): each token alone on every "
-                         "worker, so the output is, token for token, generation's without drafts; 'batched': in one "
-                         "computation, cheaper per token, but llama.cpp rounds by a computation's shape and a "
-                         "near-tie may go the other way")
+                    help="how the route computes a step of drafts: 'exact' (default): every token as a one-token "
+                         "step would, to the bit, so the output is, token for token, generation's without drafts (in "
+                         "one computation where a worker has shown it gives the same bytes, else one at a time); "
+                         "'batched': in one computation always, cheaper where that is not shown, but llama.cpp may "
+                         "round by a computation's shape and a near-tie may go the other way")
     _deprecated_alias(sv, "--verify", "--draft-verify", choices=VERIFY_MODES)
     sv.add_argument("--max-drafts", type=_count(0, MAX_DRAFTS), default=DEFAULT_MAX_DRAFTS, metavar="K",
                     help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "

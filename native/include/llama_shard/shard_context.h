@@ -64,9 +64,10 @@ struct shard_input {
     // the tail: logits of the last n_logits tokens, in order (1..min(n_tokens, HOT_KV_MAX_LOGIT_ROWS));
     // other shards ignore it (they return every token's row)
     int32_t         n_logits = 1;
-    // each token computed by its own llama_decode call, after the step's other sequences: every row
-    // (hidden state, logits) is then the one a one-token step gives, to the bit (llama.cpp's kernels
-    // round by a call's shape); a speculative verification that must give non-speculative tokens
+    // every row (hidden state, logits) the one a one-token step gives, to the bit: computed after the
+    // step's other sequences, in one llama_decode call where that was shown to give those bytes
+    // (whole_rows_verdicts), each token by its own call otherwise (llama.cpp's kernels may round by a
+    // call's shape); a speculative verification that must give non-speculative tokens
     bool            row_by_row = false;
 };
 

@@ -74,7 +74,7 @@ public:
     // the tail: logits of the last n_logits tokens (1..min(n_tokens, HOT_KV_MAX_LOGIT_ROWS)); a
     // ticket asking for more than one row is computed whole, never cut into chunks
     int32_t              n_logits = 1;
-    bool                 row_by_row = false;  // each token its own llama_decode call (shard_input::row_by_row)
+    bool                 row_by_row = false;  // every row a one-token step's bytes (shard_input::row_by_row)
     double               now      = 0.0; // the submitter's clock reading
     int                  notify_fd = -1; // >= 0: one byte is written here on completion
 

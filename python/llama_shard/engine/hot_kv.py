@@ -70,9 +70,10 @@ class Step:
     length, 0 to re-prefill from scratch. `expected_seq_len` (decode only): the cached length the
     step must find, None for unchecked. `logit_rows`: the tail returns the logits of the step's last
     logit_rows tokens (a speculative verification; 1..min(n_tokens, MAX_LOGIT_ROWS)); a step asking
-    for more than one is computed whole, never cut into chunks. `row_by_row`: each token computed
-    alone, so every row is, to the bit, what a one-token step gives (llama.cpp rounds by a
-    computation's shape). Constructing one validates it (InvalidInputError)."""
+    for more than one is computed whole, never cut into chunks. `row_by_row`: every row is, to the
+    bit, what a one-token step gives (llama.cpp may round by a computation's shape: the rows are
+    one computation where the engine has shown it gives those bytes, each alone otherwise;
+    `HotKvEngine.whole_rows_verdicts`). Constructing one validates it (InvalidInputError)."""
 
     kind: StepKind
     session_id: str

@@ -37,9 +37,10 @@ PROBE_EVERY = 8
 #: low side, so that a size is tried; llama.cpp measured 0.2-0.5 per shard: docs/benchmarks.md)
 PRIOR_BETA = 0.15
 DRAFT_SOURCES = ("ngram", "off")
-#: how a route computes a verification step: "exact", each token alone on every shard (the rows are
-#: one-token steps' to the bit: the tokens of generation without drafts), or "batched", all in one
-#: computation (cheaper per row; llama.cpp rounds by a computation's shape, so a near-tie may flip)
+#: how a route computes a verification step: "exact", every row the bytes of a one-token step's on
+#: every shard (the tokens of generation without drafts: one computation where a shard has shown it
+#: gives those bytes, shard_context's whole_rows_verdicts, each row alone otherwise), or "batched",
+#: all in one computation unchecked (llama.cpp may round by a computation's shape: a near-tie may flip)
 VERIFY_MODES = ("exact", "batched")
 
 
