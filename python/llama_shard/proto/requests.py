@@ -30,11 +30,8 @@ MAX_STOP_TOKENS = 64
 MAX_REPREFILLS = 3
 #: drafts one verification step carries: the tail returns one logit row per draft and one more
 MAX_DRAFTS = MAX_LOGIT_ROWS - 1
-#: drafts per step a Generate stream gets unless it says (serve --max-drafts): all a step can carry.
-#: The head sends fewer where they do not pay at the route's measured step cost; where a verification's
-#: rows are one call (shard_context's whole_rows_verdicts) a long run of copied text pays (15 against 8:
-#: 1.61-1.72x against 1.52-1.60x at +10 ms, docs/benchmarks.md)
-DEFAULT_MAX_DRAFTS = MAX_DRAFTS
+#: drafts per step a Generate stream gets unless it says (serve --max-drafts)
+DEFAULT_MAX_DRAFTS = 8
 #: a worker's smallest batch (serve --batch): a verification of MAX_DRAFTS drafts is one step of this many tokens
 MIN_BATCH_TOKENS = MAX_DRAFTS + 1
 
