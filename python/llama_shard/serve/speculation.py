@@ -5,10 +5,11 @@
   the drafts. Matches of one token are right less often: they keep an acceptance rate of their own. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
   are often right.
 - How many (the head, per stream): `DraftControl` picks k in 0..max_drafts maximising expected
-  tokens per step over the step's cost, E(k) / c(k), with E(k) = 1 + a + ... + a^k for the
-  stream's acceptance rate a (each draft accepted with probability a, given the ones before it) and
-  c(k) the route's measured time of a step of k + 1 tokens relative to a step of 1 (`StepCost`:
-  the loop's own steps, timed by size; llama.cpp's cost is not linear in the rows). Where drafting
+  tokens per step over the step's cost, E(k) / c(k), with E(k) = 1 + a1 (1 + an + ... + an^(k-1))
+  for the stream's acceptance rates (a1 of a step's first draft, an of a draft after an accepted
+  one: acceptance comes in runs) and c(k) the route's measured time of a step of k + 1 tokens
+  relative to a step of 1 (`StepCost`: the loop's own steps, timed by size; llama.cpp's cost is
+  not linear in the rows). Where drafting
   does not pay, k is 0; the first draft it would have sent is still compared with the token the
   step gives (`unsent`), so the rate follows the text for free (a draft model, whose drafts cost a
   step of their own, drafts one token every PROBE_EVERY steps instead).
@@ -113,24 +114,44 @@ class StepCost:
 
 
 class DraftControl:
-    """One stream's number of drafts per step (see the module's docstring) and its counters."""
+    """One stream's number of drafts per step (see the module's docstring) and its counters.
+
+    Acceptance comes in runs: where the text copies, a draft after an accepted one is accepted more
+    often than a step's first draft. So two rates are kept, each per match kind: `rate` for a step's
+    first draft, `run_rate` for a draft after an accepted one. A step of k drafts then yields
+    E(k) = 1 + a1 (1 + an + ... + an^(k-1)) tokens on average, and all k are accepted with
+    probability a1 an^(k-1) (a window sent ahead is kept only then). With one rate for both, the
+    rewrites of the speculation benchmark drafted too little: 1.89x against 2.04x at +10 ms, replayed
+    on their greedy tokens at the route's measured step costs (docs/benchmarks.md)."""
 
     DECAY = 0.9
 
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
-        # (accepted, rejected) for long and short matches; prior: a = 0.25, worth a draft only where one
-        # costs little (a slow link), so open text on a fast route does not pay for the rate to fall
-        # (on loopback the prior a = 0.5 made requests 6% slower than no drafting; docs/benchmarks.md)
-        self._counts = {True: [1.0, 3.0], False: [1.0, 3.0]}
+        # [accepted, rejected] by match kind. A step's first draft: prior a = 0.25, worth a draft only
+        # where one costs little (a slow link), so open text on a fast route does not pay for the rate
+        # to fall (on loopback the prior a = 0.5 made requests 6% slower than no drafting;
+        # docs/benchmarks.md). A draft after an accepted one: prior 0.5.
+        self._first = {True: [1.0, 3.0], False: [1.0, 3.0]}
+        self._run = {True: [1.0, 1.0], False: [1.0, 1.0]}
         self._idle = 0
         self.drafted = 0
         self.accepted = 0
 
     def rate(self, long: bool = True) -> float:
-        """The acceptance rate of drafts from matches of NGRAM_LONG tokens or more (or shorter ones)."""
-        acc, rej = self._counts[long]
+        """The acceptance rate of a step's first draft from matches of NGRAM_LONG tokens or more (or
+        of shorter ones)."""
+        acc, rej = self._first[long]
         return acc / (acc + rej)
+
+    def run_rate(self, long: bool = True) -> float:
+        """The acceptance rate of a draft that follows an accepted one."""
+        acc, rej = self._run[long]
+        return acc / (acc + rej)
+
+    def all_accepted(self, n: int, long: bool = True) -> float:
+        """The chance that n drafts in a row, the first a step's first, are all accepted."""
+        return self.rate(long) * self.run_rate(long) ** (n - 1) if n > 0 else 1.0
 
     def k(self, cost: list[float], long: bool = True, probe: bool = True) -> int:
         """The drafts for the next step, given the route's relative step cost by size
@@ -139,11 +160,11 @@ class DraftControl:
         draft is compared for free: `unsent`)."""
         if self.max_drafts <= 0:
             return 0
-        a = min(self.rate(long), 0.999)
-        best_k, best, e, ai = 0, 1.0, 1.0, 1.0
+        a1, an = min(self.rate(long), 0.999), min(self.run_rate(long), 0.999)
+        best_k, best, e, ai = 0, 1.0, 1.0, a1
         for k in range(1, self.max_drafts + 1):
-            ai *= a
-            e += ai
+            e += ai  # ai: the chance that the k-th draft is accepted (and every one before it)
+            ai *= an
             value = e / cost[k]
             if value > best:
                 best_k, best = k, value
@@ -156,23 +177,33 @@ class DraftControl:
             self._idle = 0
         return best_k
 
-    def update(self, drafted: int, accepted: int, long: bool = True) -> None:
-        """A verification's outcome: `accepted` of `drafted` drafts, the first rejected one after."""
+    def update(self, drafted: int, accepted: int, long: bool = True, in_run: bool = False) -> None:
+        """A verification's outcome: `accepted` of `drafted` drafts, the first rejected one after.
+        `in_run`: the first of them followed accepted drafts (the guess of a window sent ahead)."""
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += accepted
-        self._learn(drafted, accepted, long)
+        self._learn(drafted, accepted, long, in_run)
 
     def unsent(self, right: bool, long: bool = True) -> None:
         """A draft that was not sent (k was 0) turned out right or wrong: the rate learns it for free,
         so a stream whose text starts repeating itself drafts again without waiting for a probe."""
-        self._learn(1, int(right), long)
+        self._learn(1, int(right), long, False)
 
-    def _learn(self, drafted: int, accepted: int, long: bool) -> None:
-        d, counts = self.DECAY, self._counts[long]
-        counts[0] = d * counts[0] + accepted
-        counts[1] = d * counts[1] + (1 if accepted < drafted else 0)
+    def _learn(self, drafted: int, accepted: int, long: bool, in_run: bool) -> None:
+        d = self.DECAY
+        first, run = self._first[long], self._run[long]
+        rejected = 1 if accepted < drafted else 0
+        if not in_run:  # the first draft judged alone; the ones after it (up to the rejected one) in a run
+            first[0] = d * first[0] + (1 if accepted else 0)
+            first[1] = d * first[1] + (0 if accepted else 1)
+            run_acc, run_rej = max(accepted - 1, 0), rejected if accepted else 0
+        else:
+            run_acc, run_rej = accepted, rejected
+        if run_acc or run_rej:
+            run[0] = d * run[0] + run_acc
+            run[1] = d * run[1] + run_rej
 
 
 def verify(rows: np.ndarray, drafts: list[int], draw) -> list[int]:

@@ -178,7 +178,8 @@ class _RouteLoop:
         chooses). After a prompt chunk that does not end the prompt: the next chunk (at most one in
         flight per stage, and one more for the link). After verification windows: one more, whose
         first token is the drafter's guess of the token the last one samples, where it pays: with P
-        the chance that every window before it is kept (its drafts accepted, its next token guessed),
+        the chance that every window before it is kept (its drafts accepted, its next token guessed:
+        one run of accepted drafts, DraftControl.all_accepted),
         a kept window saves a step's round trip (the route's one-token step, 1 in `cost`'s units) and
         a dropped one delays the next step by its rows' compute (m a row, the cost of a step's
         second token): sent while P >= (1 - P) * rows * m. A slow link (m small) keeps more in
@@ -205,10 +206,9 @@ class _RouteLoop:
         room = s.max_tokens - len(s.generated) - sum(len(w.sent.drafts) + 1 for w in ahead)
         if room < 1:
             return None
-        a = s.control.rate(s.long_match)
-        chance = 1.0
-        for w in ahead:
-            chance *= a ** (len(w.sent.drafts) + 1)
+        # every window in flight kept: its drafts accepted and the next one's first token guessed,
+        # one run of drafts from the first window's first
+        chance = s.control.all_accepted(sum(len(w.sent.drafts) + 1 for w in ahead), s.long_match)
         k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
         row = max(cost[1] - 1.0, 0.01)
         if chance < (1.0 - chance) * (k + 1) * row:
@@ -229,7 +229,8 @@ class _RouteLoop:
         s.unsent = None  # the token the draft would have been checked against is this window's guess
         with s.assuming(assumed + guess[:1], end):
             kind, req = s.request(self.wire_dtype, drafts=guess[1:])
-            return Window(end, guess[0], s.sent, end + s.sent.n_tokens, guess=True), kind, req
+            sent = s.sent._replace(in_run=True)
+            return Window(end, guess[0], sent, end + sent.n_tokens, guess=True), kind, req
 
     def _pipeline(self, s: Stream) -> bool:
         """Runs a lone stream's steps with several in flight where that pays (a prompt's chunks, or
@@ -295,7 +296,7 @@ class _RouteLoop:
                 if nxt is not None and nxt.guess and s.computed == nxt.start:
                     # the next window's first token guessed the token this one sampled: a draft, checked now
                     right = nxt.continues(s)
-                    s.control.update(1, int(right), s.long_match)
+                    s.control.update(1, int(right), s.long_match, in_run=bool(window.sent.drafts))
                     owner.count_drafts(1, int(right))
                 if inflight and (ending() or not inflight[0][0].continues(s)):
                     # a draft rejected, or the next window's guess wrong: what was built on it is
@@ -522,7 +523,7 @@ class GenerationLoops:
 
     def settle(self, s: Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
-        n_sent, final, drafts = s.sent
+        n_sent, final, drafts = s.sent.n_tokens, s.sent.samples, s.sent.drafts
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             s.reprefills += 1
             s.misses_in_row += 1
@@ -567,7 +568,7 @@ class GenerationLoops:
         if s.unsent is not None:
             s.control.unsent(tokens[0] == s.unsent, s.long_match)
             s.unsent = None
-        s.control.update(len(drafts), accepted, s.long_match)
+        s.control.update(len(drafts), accepted, s.long_match, in_run=s.sent.in_run)
         for i, token in enumerate(tokens):
             s.unsent_accepted = max(0, accepted - i - 1)  # accepted drafts behind this token: a stop here drops them
             if not self._emit(s, token, reply):

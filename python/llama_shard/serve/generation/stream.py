@@ -24,6 +24,7 @@ class SentStep(NamedTuple):
     n_tokens: int        # tokens sent (the chunk, drafts included)
     samples: bool        # whether the tail samples at its end (the prompt's last chunk, or a decode)
     drafts: list[int]    # the drafts it carries after the last sampled token
+    in_run: bool = False  # its first token was a guess (a window sent ahead): its drafts follow accepted ones
 
 
 class Window(NamedTuple):
