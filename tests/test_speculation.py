@@ -80,6 +80,25 @@ def test_the_number_of_drafts_follows_acceptance_and_cost_down_to_a_probe():
     assert (bad.drafted, bad.accepted, good.drafted, good.accepted) == (40, 0, 160, 80)
 
 
+def test_acceptance_in_runs_drafts_long_where_a_first_draft_often_fails():
+    """A copied text: a step's first draft is right half the time, but a draft after a right one
+    nearly always. One rate for both (0.5 per draft) would send a few; the run's own rate sends the
+    longest step the cost allows, and prices a window ahead by one run."""
+    flat = [1.0 + 0.05 * n for n in range(MAX_LOGIT_ROWS)]
+    c = DraftControl(8)
+    for i in range(40):
+        c.update(8, 8 if i % 2 else 0)  # all accepted, or the first rejected
+    assert 0.4 < c.rate() < 0.6 and c.run_rate() > 0.95
+    assert c.k(flat) == 8
+    assert c.all_accepted(1) == c.rate() and abs(c.all_accepted(9) - c.rate() * c.run_rate() ** 8) < 1e-12
+    # drafts after a guessed token (a window sent ahead) are judged as a run: the first rate is untouched
+    first, run = c.rate(), c.run_rate()
+    c.update(3, 0, in_run=True)
+    assert c.rate() == first and c.run_rate() < run
+    # a short match's rates are its own
+    assert c.rate(long=False) == 0.25 and c.run_rate(long=False) == 0.5
+
+
 def test_step_cost_prices_untimed_sizes_from_timed_ones():
     cost = StepCost()
     assert cost.relative()[0] == 1.0 and cost.relative()[1] > 1.0
