@@ -1,12 +1,15 @@
 // Split vs whole on the patched llama.cpp, bit for bit: for 2- and 3-shard layouts (one-layer
 // shards at either end included), two interleaved sequences, a multi-token prefill and 16 greedy
 // decode steps, the tail's logits equal the whole model's and every boundary hidden state equals
-// the output of a head shard that ends at the same layer.
+// the output of a head shard that ends at the same layer. And a verification's rows (row_by_row)
+// equal one-token steps' bytes, the first of its size computed both ways and later ones as the
+// verdict says.
 
 #include "llama_shard/shard_context.h"
 #include "test-common.h"
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -119,6 +122,56 @@ void check_layout(const std::string & path, const std::vector<std::pair<int, int
     CHECK(mismatches == 0);
 }
 
+// k tokens as a verification (row_by_row, every row's logits) against k one-token steps: the same
+// bytes, the first time (one call, then each row: k + 1 calls) and the second (as the verdict says)
+void check_verification_rows(const std::string & path, int k) {
+    stage s = make_stage(path, 0, 0, /*whole*/ true);
+    const std::vector<int32_t> prompt = {1, 17, 42, 99, 5, 250, 3, 7, 300, 12, 64, 128, 9, 31, 77, 2, 8, 400, 11, 23};
+    std::vector<int32_t> more;
+    for (int i = 0; i < k; ++i) {
+        more.push_back(100 + 37 * i);
+    }
+    const int32_t n_vocab = s.model->info().n_vocab;
+    std::vector<float> singles((size_t) k * n_vocab);
+    for (int seq = 0; seq < 2; ++seq) {
+        shard_input in;
+        in.tokens = prompt.data();
+        in.n_tokens = (int64_t) prompt.size();
+        std::vector<float> out((size_t) s.ctx->output_size(in.n_tokens));
+        s.ctx->forward(seq, 0, in, out.data());
+    }
+    for (int i = 0; i < k; ++i) {
+        shard_input in;
+        in.tokens = more.data() + i;
+        in.n_tokens = 1;
+        s.ctx->forward(0, (int32_t) prompt.size() + i, in, singles.data() + (size_t) i * n_vocab);
+    }
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        shard_input in;
+        in.tokens = more.data();
+        in.n_tokens = k;
+        in.n_logits = k;
+        in.row_by_row = true;
+        std::vector<float> rows((size_t) s.ctx->output_size(k, k));
+        const uint64_t before = s.ctx->n_decode_calls();
+        s.ctx->forward(1, (int32_t) prompt.size(), in, rows.data());
+        const uint64_t calls = s.ctx->n_decode_calls() - before;
+        CHECK(same_bits(rows, singles));
+        CHECK(s.ctx->seq_rm(1, (int32_t) prompt.size()));
+        const std::map<int32_t, std::string> verdicts = s.ctx->whole_rows_verdicts();
+        if (!s.ctx->whole_rows_possible()) {
+            CHECK(verdicts.empty() && calls == (uint64_t) k);
+            continue;
+        }
+        CHECK(verdicts.count(k) == 1);
+        const std::string verdict = verdicts.count(k) ? verdicts.at(k) : "";
+        std::printf("%d rows, attempt %d: %llu calls, verdict: %s\n", k, attempt, (unsigned long long) calls, verdict.c_str());
+        CHECK(verdict == "one call" || verdict == "row by row: one call was slower" ||
+              verdict == "row by row: one call rounded differently");
+        CHECK(calls == (attempt == 0 ? (uint64_t) k + 1 : verdict == "one call" ? 1 : (uint64_t) k));
+    }
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -137,6 +190,8 @@ int main(int argc, char ** argv) {
         check_layout(path, {{0, L - 2}, {L - 1, L - 1}});
         check_layout(path, {{0, 0}, {1, L - 2}, {L - 1, L - 1}});
         check_layout(path, {{0, 1}, {2, 3}, {4, L - 1}});
+        check_verification_rows(path, 6);
+        check_verification_rows(path, 9);
     }
     return finish("test-split-parity");
 }

@@ -32,7 +32,7 @@ from llama_shard.errors import InvalidInputError
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.proto.requests import MAX_DRAFTS
-from llama_shard.serve.speculation import (PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
+from llama_shard.serve.speculation import (PRIOR_BETA, PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
                                            verify)
 
 REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
@@ -103,9 +103,23 @@ def test_step_cost_prices_untimed_sizes_from_timed_ones():
     cost = StepCost()
     assert cost.relative()[0] == 1.0 and cost.relative()[1] > 1.0
     cost.observe(1, 0.010)
-    cost.observe(4, 0.020)
+    cost.observe(4, 0.012)  # once, under the estimate from one token (1 + 3 x PRIOR_BETA): its own
     rel = cost.relative()
-    assert rel[0] == 1.0 and rel[3] == pytest.approx(2.0) and rel[1] < rel[3] < rel[5]
+    assert rel[0] == 1.0 and rel[3] == pytest.approx(1.2) and rel[1] < rel[3] < rel[5]
+    assert rel[5] == pytest.approx(1.2 + 2 * PRIOR_BETA)
+
+
+def test_a_sizes_first_time_counts_at_most_the_estimate_until_its_second():
+    """A size's first step may carry the workers' one-time comparison of its rows (computed twice):
+    above the estimate it does not price the size out before a second time."""
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(4, 0.040)
+    assert cost.relative()[3] == pytest.approx(1 + 3 * PRIOR_BETA)
+    cost.observe(4, 0.020)  # the second replaces the first
+    assert cost.relative()[3] == pytest.approx(2.0)
+    cost.observe(4, 0.030)  # then an exponential average
+    assert cost.relative()[3] == pytest.approx(0.8 * 2.0 + 0.2 * 3.0)
 
 
 def test_the_tail_accepts_drafts_while_its_own_draw_equals_them():

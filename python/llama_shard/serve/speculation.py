@@ -86,17 +86,22 @@ class StepCost:
     """The route's step time by the tokens each stream's step carried (1 .. MAX_LOGIT_ROWS), each an
     exponential average of the loop's recent steps. A size not timed yet is priced from the largest
     smaller one timed, PRIOR_BETA of a one-token step per extra token (optimistic: a size is timed
-    once tried, and dropped again where it does not pay)."""
+    once tried, and dropped again where it does not pay). The first step of a size may carry the
+    workers' one-time comparison of its rows (a verification computed both ways: shard_context's
+    whole_rows_verdicts), so a size timed once is priced at most at that estimate, and its second
+    time replaces its first."""
 
     DECAY = 0.8
 
     def __init__(self):
-        self._t = [0.0] * (MAX_LOGIT_ROWS + 1)  # index: tokens per stream's step; 0.0: not timed
+        self._t = [0.0] * (MAX_LOGIT_ROWS + 1)  # index: tokens per stream's step
+        self._n = [0] * (MAX_LOGIT_ROWS + 1)    # steps of that size timed
 
     def observe(self, tokens_per_stream: int, seconds: float) -> None:
         n = min(max(tokens_per_stream, 1), MAX_LOGIT_ROWS)
         old = self._t[n]
-        self._t[n] = seconds if old == 0.0 else self.DECAY * old + (1 - self.DECAY) * seconds
+        self._t[n] = seconds if self._n[n] < 2 else self.DECAY * old + (1 - self.DECAY) * seconds
+        self._n[n] += 1
 
     def relative(self) -> list[float]:
         """Cost of a step of n tokens relative to one of 1 token, for n = 1 .. MAX_LOGIT_ROWS (index n - 1)."""
@@ -105,11 +110,13 @@ class StepCost:
             return [1 + PRIOR_BETA * (n - 1) for n in range(1, MAX_LOGIT_ROWS + 1)]
         out, last_n, last = [], 1, base
         for n in range(1, MAX_LOGIT_ROWS + 1):
-            if self._t[n] > 0:
-                last_n, last = n, self._t[n]
+            estimate = last + PRIOR_BETA * base * (n - last_n)
+            timed = self._t[n] if self._n[n] else 0.0
+            if n == 1 or self._n[n] >= 2 or (timed and timed <= estimate):
+                last_n, last = n, timed
                 out.append(last / base)
             else:
-                out.append((last + PRIOR_BETA * base * (n - last_n)) / base)
+                out.append(estimate / base)  # not timed, or once and above the estimate
         return out
 
 
@@ -135,6 +142,7 @@ class DraftControl:
         self._first = {True: [1.0, 3.0], False: [1.0, 3.0]}
         self._run = {True: [1.0, 1.0], False: [1.0, 1.0]}
         self._idle = 0
+        self._unsent_right = False  # the last step's draft, not sent, was right (a run unsent)
         self.drafted = 0
         self.accepted = 0
 
@@ -182,14 +190,21 @@ class DraftControl:
         `in_run`: the first of them followed accepted drafts (the guess of a window sent ahead)."""
         if drafted <= 0:
             return
+        self._unsent_right = False
         self.drafted += drafted
         self.accepted += accepted
         self._learn(drafted, accepted, long, in_run)
 
     def unsent(self, right: bool, long: bool = True) -> None:
         """A draft that was not sent (k was 0) turned out right or wrong: the rate learns it for free,
-        so a stream whose text starts repeating itself drafts again without waiting for a probe."""
-        self._learn(1, int(right), long, False)
+        so a stream whose text starts repeating itself drafts again without waiting for a probe. After
+        a right one, the next is judged as a run (both would have been drafts of one step)."""
+        self._learn(1, int(right), long, self._unsent_right)
+        self._unsent_right = right
+
+    def no_candidate(self) -> None:
+        """The drafter had nothing for a step: a run of unsent right drafts ends."""
+        self._unsent_right = False
 
     def _learn(self, drafted: int, accepted: int, long: bool, in_run: bool) -> None:
         d = self.DECAY

@@ -129,6 +129,8 @@ class Stream:
             return self.draft_model.propose(self.key, self.tokens, k) if k > 0 else []
         candidates, n = self.drafter.propose(self.tokens, room)
         self.long_match = n >= NGRAM_LONG
+        if not candidates:
+            self.control.no_candidate()
         k = self.control.k(cost, self.long_match, probe=False) if candidates else 0  # unsent drafts teach it
         self.unsent = candidates[0] if candidates and k == 0 else None  # checked against the step's token
         return candidates[:k]
