@@ -197,9 +197,12 @@ class DraftControl:
 
     def unsent(self, right: bool, long: bool = True) -> None:
         """A draft that was not sent (k was 0) turned out right or wrong: the rate learns it for free,
-        so a stream whose text starts repeating itself drafts again without waiting for a probe. After
-        a right one, the next is judged as a run (both would have been drafts of one step)."""
-        self._learn(1, int(right), long, self._unsent_right)
+        so a stream whose text starts repeating itself drafts again without waiting for a probe. It
+        was a step's first draft; after a right one it also continued a run (both would have been
+        drafts of one step), which the run rate learns."""
+        self._learn(1, int(right), long, False)
+        if self._unsent_right:
+            self._learn(1, int(right), long, True)
         self._unsent_right = right
 
     def no_candidate(self) -> None:
