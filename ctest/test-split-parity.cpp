@@ -173,6 +173,15 @@ void check_verification_rows(const std::string & path, int k) {
               verdict == "row by row: one call rounded differently");
         CHECK(calls == (attempt == 0 ? (uint64_t) k + 1 : verdict == "one call" ? 1 : (uint64_t) k));
     }
+    // the tail asked for its last 2 rows only: the same call, those rows' bytes
+    shard_input in;
+    in.tokens = more.data();
+    in.n_tokens = k;
+    in.n_logits = 2;
+    in.row_by_row = true;
+    std::vector<float> last((size_t) s.ctx->output_size(k, 2));
+    s.ctx->forward(1, (int32_t) prompt.size(), in, last.data());
+    CHECK(std::memcmp(last.data(), singles.data() + (size_t) (k - 2) * n_vocab, last.size() * sizeof(float)) == 0);
 }
 
 } // namespace

@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
+#include <new>
 #include <string>
 
 namespace llama_shard {
@@ -194,8 +196,15 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     // computes a row alike whatever the call's shape and wherever its cells sit: patch 0010's kernel
     // (the CPU, a float cache, every step). Then the comparison of whole_rows_verdict_ at one depth
     // holds at every depth. Every cell is kept (swa_full), so a compared call's cells can be cut.
+    // Dense models only: a mixture of experts hands each expert rows by their values, so one
+    // comparison would not prove another input's shapes; a recurrent state cannot be cut back.
+    char experts[32] = {0};
+    const std::string expert_key = info.architecture + ".expert_count";
+    const bool dense = llama_model_meta_val_str(model.raw(), expert_key.c_str(), experts, sizeof(experts)) < 0 ||
+                       std::atoi(experts) == 0;
     whole_rows_possible_ = params.flash_attn && type == GGML_TYPE_F16 && model.device() == nullptr &&
-                           params.swa_full && shard_cpu_backend().flash_attn_tiled_rows == 1;
+                           params.swa_full && shard_cpu_backend().flash_attn_tiled_rows == 1 && dense &&
+                           !llama_model_is_recurrent(model.raw()) && !llama_model_is_hybrid(model.raw());
 }
 
 shard_memory shard_context::memory() const {
@@ -392,8 +401,12 @@ int32_t shard_context::forward_batch_locked(const std::vector<batch_item> & item
     for (size_t first = 0; first < packed.size();) {
         first = decode_call(packed, in_order, first, roll_back);
     }
-    for (const batch_item & it : by_rows) {
-        forward_rows_locked(it, roll_back);
+    try {
+        for (const batch_item & it : by_rows) {
+            forward_rows_locked(it, roll_back);
+        }
+    } catch (const std::bad_alloc &) {  // a compared call's buffers: nothing half-done stays
+        roll_back("out of host memory for a verification's rows", SHARD_ERRC_COMPUTE);
     }
     return (int32_t) (n_decode_calls_ - calls_before);
 }
