@@ -9,9 +9,8 @@
   for the stream's acceptance rates (a1 of a step's first draft, an of a draft after an accepted
   one: acceptance comes in runs) and c(k) the route's measured time of a step of k + 1 tokens
   relative to a step of 1 (`StepCost`: the loop's own steps, timed by size; llama.cpp's cost is
-  not linear in the rows). Where drafting
-  does not pay, k is 0; the first draft it would have sent is still compared with the token the
-  step gives (`unsent`), so the rate follows the text for free (a draft model, whose drafts cost a
+  not linear in the rows). Where drafting does not pay, k is 0; the first draft it would have sent
+  is still compared with the token the step gives (`unsent`), so the rates follow the text for free (a draft model, whose drafts cost a
   step of their own, drafts one token every PROBE_EVERY steps instead).
 - Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
