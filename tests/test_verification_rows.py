@@ -122,3 +122,16 @@ def test_kernels_that_round_by_a_calls_shape_keep_rows_alone(embedded_model):
     assert got["verdicts"]["6"] == DIFFER and got["verdicts"]["9"] == DIFFER
     assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
     assert got["calls"]["9"] == [10, 9]
+
+
+@pytest.mark.model
+def test_the_avx2_kernels_keep_a_verifications_rows_exact(embedded_model):
+    """The portable build's AVX2 variant forced (no AMX tiles): whatever each size's verdict, every
+    row is a one-token step's."""
+    if "haswell" not in cpu_backend()["available"]:
+        pytest.skip("the haswell kernels are not in this build (a source build has one variant)")
+    got = _verify_rows(embedded_model, LLAMA_SHARD_CPU_VARIANT="haswell")
+    assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
+    assert set(got["verdicts"]) == {"2", "6", "9"}
+    for m, verdict in got["verdicts"].items():
+        assert got["calls"][m][1] == (1 if verdict == ONE_CALL else int(m)), (m, verdict, got["calls"])

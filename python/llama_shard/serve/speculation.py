@@ -110,7 +110,7 @@ class StepCost:
         out, last_n, last = [], 1, base
         for n in range(1, MAX_LOGIT_ROWS + 1):
             estimate = last + PRIOR_BETA * base * (n - last_n)
-            timed = self._t[n] if self._n[n] else 0.0
+            timed = self._t[n]  # 0.0: not timed
             if n == 1 or self._n[n] >= 2 or (timed and timed <= estimate):
                 last_n, last = n, timed
                 out.append(last / base)
@@ -127,8 +127,9 @@ class DraftControl:
     first draft, `run_rate` for a draft after an accepted one. A step of k drafts then yields
     E(k) = 1 + a1 (1 + an + ... + an^(k-1)) tokens on average, and all k are accepted with
     probability a1 an^(k-1) (a window sent ahead is kept only then). With one rate for both, the
-    rewrites of the speculation benchmark drafted too little: 1.89x against 2.04x at +10 ms, replayed
-    on their greedy tokens at the route's measured step costs (docs/benchmarks.md)."""
+    rewrites of the speculation benchmark drafted too little: 1.88x against 1.94x at +10 ms, replayed
+    on their greedy tokens at the route's measured step costs (benchmarks/draft_control_study.py,
+    docs/benchmarks.md)."""
 
     DECAY = 0.9
 
