@@ -180,6 +180,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
                                      registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        # every label exported from the start (zero counts), so a scrape before the first step sees the series
+        for label in ("prefill", "decode", "batch"):
+            self.step_seconds.labels(label)
+        for kind in StepKind.__members__:
+            self.step_tokens.labels(kind.lower())
 
     # --- steps ---------------------------------------------------------------------------------
 
