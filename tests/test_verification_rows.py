@@ -70,6 +70,12 @@ for m in (2, 6, 9):
     mgr.truncate("one", 0, depth)
     mgr.truncate("rows", 0, depth)
 report["verdicts"] = {str(k): v for k, v in mgr.engine.whole_rows_verdicts.items()}
+from prometheus_client import CollectorRegistry, generate_latest
+from llama_shard.serve.metrics import EngineCollector
+registry = CollectorRegistry()
+registry.register(EngineCollector(mgr, {"shard": "s"}))
+report["metrics"] = sorted(line for line in generate_latest(registry).decode().splitlines()
+                           if line.startswith("llama_shard_verification_rows{"))
 mgr.close()
 print(json.dumps(report))
 """
@@ -97,6 +103,9 @@ def test_a_verifications_rows_are_one_call_where_proven_and_one_token_steps_alwa
             # the first: one call, then each row alone (compared); the second as the verdict says
             assert got["calls"][m] == [n + 1, 1 if verdict == ONE_CALL else n], (layers, m, got["calls"])
             taken.append(verdict == ONE_CALL)
+        # the same verdicts on the worker's metrics page
+        assert got["metrics"] == sorted(f'llama_shard_verification_rows{{shard="s",tokens="{m}",verdict="{v}"}} 1.0'
+                                        for m, v in got["verdicts"].items()), layers
     # nine rows in one call read the weights once instead of nine times: faster on any CPU measured
     assert any(taken)
 
@@ -107,7 +116,7 @@ def test_nothing_is_tried_where_attention_rounds_by_depth(embedded_model):
     another (upstream splits a one-row step of 512 cells or more among threads), so rows stay alone."""
     for got in (_verify_rows(embedded_model, flash_attn="off"),
                 _verify_rows(embedded_model, LLAMA_SHARD_FLASH_ATTN_TILED_ROWS="0")):
-        assert got["verdicts"] == {}
+        assert got["verdicts"] == {} and got["metrics"] == []
         assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
         assert got["calls"] == {m: [int(m), int(m)] for m in ("2", "6", "9")}
 

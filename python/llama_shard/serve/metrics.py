@@ -54,6 +54,14 @@ class EngineCollector:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, st[key])
             yield c
+        # how this worker computes a verification of n tokens (--draft-verify exact), decided by its first
+        # one of that size: one call where that was proven to give one-token steps' bytes and was faster
+        v = GaugeMetricFamily("llama_shard_verification_rows",
+                              "1 per verification size (tokens) decided: one call, or row by row and why",
+                              labels=names + ["tokens", "verdict"])
+        for n, verdict in getattr(self.manager.engine, "whole_rows_verdicts", {}).items():
+            v.add_metric(values + [str(n), verdict], 1)
+        yield v
         h = HistogramMetricFamily("llama_shard_restore_seconds", "Time to restore a warm session's KV", labels=names)
         cumulative, buckets = 0, []
         for le, n in st["restore_buckets"]:
