@@ -14,8 +14,10 @@ same tokens (the bench's runs vary by several percent from one to the next):
    tokens/s against one token per step.
 
 Policies: `DraftControl` (one rate for a step's first draft and one for a draft after an accepted
-one), `one rate` (the controller before, a single acceptance rate for every draft), and `always k`
-(every draft the lookup has, up to k).
+one, each request starting from the rates the one before it ended with, as a route loop does),
+`per request` (the same, each request from the priors: the controller before), `one rate` (a
+single acceptance rate for every draft, each request from the priors), and `always k` (every draft
+the lookup has, up to k).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from llama_shard.serve.speculation import DraftControl, NgramDrafter
 from routes import speculation_prompts
 
 TOKENS = 64
-SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 
 
 class OneRateControl(DraftControl):
@@ -110,8 +112,11 @@ def replay(data, policy: str, max_drafts: int, cost_ms: list[float]) -> tuple[in
     costs cost_ms[n])."""
     cost = [c / cost_ms[1] for c in cost_ms[1:]]  # index k: a step of k + 1 tokens (StepCost.relative)
     steps, ms = 0, 0.0
+    carried = DraftControl(0)  # the route loop's rates: each request starts where the last one ended
     for prompt, tokens in data:
         control = OneRateControl(max_drafts) if policy == "one rate" else DraftControl(max_drafts)
+        if policy == "DraftControl":
+            control.learn_rates_from(carried)
         drafter, n = NgramDrafter(), 0
         while n < TOKENS:
             candidates, match = drafter.propose(prompt + tokens[:n], max_drafts)
@@ -131,6 +136,7 @@ def replay(data, policy: str, max_drafts: int, cost_ms: list[float]) -> tuple[in
             steps += 1
             ms += cost_ms[len(drafts) + 1]
             n += accepted + 1
+        carried.learn_rates_from(control)
     return steps, ms
 
 
@@ -151,8 +157,8 @@ def main() -> None:
     data = greedy(path)
     for name, runs in data.items():
         base = len(runs) * TOKENS  # steps without drafts
-        for policy, max_drafts in (("DraftControl", 8), ("one rate", 8), ("always k", 8), ("DraftControl", 15),
-                                   ("one rate", 15), ("always k", 15)):
+        for policy, max_drafts in (("DraftControl", 8), ("per request", 8), ("always k", 8), ("DraftControl", 15),
+                                   ("per request", 15), ("one rate", 15), ("always k", 15)):
             steps, ms = replay(runs, policy, max_drafts, cost_ms)
             print(f"{name:10s} {policy:12s} max {max_drafts:2d}: {steps} steps for {base} tokens, "
                   f"{1e3 * base / ms:.1f} tok/s, {base * cost_ms[1] / ms:.2f}x one token per step")

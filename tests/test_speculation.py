@@ -99,6 +99,23 @@ def test_acceptance_in_runs_drafts_long_where_a_first_draft_often_fails():
     assert c.rate(long=False) == 0.25 and c.run_rate(long=False) == 0.5
 
 
+def test_a_new_streams_rates_start_where_the_last_one_ended():
+    """A route loop hands the rates its last stream ended with to the next (`learn_rates_from`): one
+    request meets few matches, and from the priors it would draft little where the text copies."""
+    flat = [1.0 + 0.05 * n for n in range(MAX_LOGIT_ROWS)]
+    done = DraftControl(15)
+    for i in range(20):
+        done.update(15, 15 if i % 4 else 2)
+    fresh, seeded = DraftControl(15), DraftControl(15)
+    seeded.learn_rates_from(done)
+    assert fresh.k(flat) < seeded.k(flat) == done.k(flat) == 15
+    assert (seeded.rate(), seeded.run_rate()) == (done.rate(), done.run_rate())
+    assert seeded.rate(long=False) == fresh.rate(long=False)  # nothing learned of short matches there
+    seeded.update(3, 0)  # the stream learns on its own from there: the one it started from is unchanged
+    assert seeded.rate() < done.rate() and done.k(flat) == 15
+    assert seeded.drafted == 3 and seeded.max_drafts == 15  # its counters and its cap are its own
+
+
 def test_step_cost_prices_untimed_sizes_from_timed_ones():
     cost = StepCost()
     assert cost.relative()[0] == 1.0 and cost.relative()[1] > 1.0

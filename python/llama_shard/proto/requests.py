@@ -31,7 +31,7 @@ MAX_REPREFILLS = 3
 #: drafts one verification step carries: the tail returns one logit row per draft and one more
 MAX_DRAFTS = MAX_LOGIT_ROWS - 1
 #: drafts per step a Generate stream gets unless it says (serve --max-drafts)
-DEFAULT_MAX_DRAFTS = 8
+DEFAULT_MAX_DRAFTS = 15
 #: a worker's smallest batch (serve --batch): a verification of MAX_DRAFTS drafts is one step of this many tokens
 MIN_BATCH_TOKENS = MAX_DRAFTS + 1
 

@@ -18,7 +18,7 @@ from ...proto.wire import wire_dtype_name, wire_dtypes_for
 from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts,
                                check_stops, check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
-from ..speculation import StepCost
+from ..speculation import DraftControl, StepCost
 from .host import HeadHost
 from ..steps import ORDER_GAP_MAX
 from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
@@ -47,6 +47,7 @@ class _RouteLoop:
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f, fail_fast=ff) for a, f, ff in forward]
         self.n_groups = 1 + len(forward)
         self.cost = StepCost()  # the route's step time by tokens per step (what a draft costs)
+        self.rates = DraftControl(0)  # the acceptance rates the last stream ended with: the next starts there
         self.streams: list[Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
@@ -54,6 +55,8 @@ class _RouteLoop:
         self._executor_lock = threading.Lock()
 
     def add(self, stream: Stream) -> None:  # under the owner's lock
+        if not stream.control.drafted:  # a new stream (not one moved from another route mid-way)
+            stream.control.learn_rates_from(self.rates)
         self.streams.append(stream)
         self._dirty = True
         for g, t in enumerate(self.threads):
@@ -110,6 +113,7 @@ class _RouteLoop:
                         s.in_flight = False
                         if s.done:
                             self.streams.remove(s)
+                            self.rates.learn_rates_from(s.control)
                             self._dirty = True
                         elif s.rerouted:  # a failover or a hand-over: its steps go down another route now
                             self.streams.remove(s)
