@@ -29,7 +29,7 @@ import numpy as np
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
-from llama_shard.serve.speculation import DraftControl, NgramDrafter
+from llama_shard.serve.speculation import CARRIED_WEIGHT, DraftControl, NgramDrafter
 from routes import speculation_prompts
 
 TOKENS = 64
@@ -107,16 +107,18 @@ def shard_ms(path, layers: tuple[int, int]) -> dict[int, float]:
     return out
 
 
-def replay(data, policy: str, max_drafts: int, cost_ms: list[float]) -> tuple[int, float]:
+def replay(data, policy: str, max_drafts: int, cost_ms: list[float], carried: DraftControl | None = None
+           ) -> tuple[int, float]:
     """Steps and milliseconds of the policy's drafting along the greedy tokens (a step of n tokens
-    costs cost_ms[n])."""
+    costs cost_ms[n]). `carried`: the route loop's rates before the first request (updated)."""
     cost = [c / cost_ms[1] for c in cost_ms[1:]]  # index k: a step of k + 1 tokens (StepCost.relative)
     steps, ms = 0, 0.0
-    carried = DraftControl(0)  # the route loop's rates: each request starts where the last one ended
+    if carried is None:  # the route loop's rates: each request starts where the last one ended
+        carried = DraftControl(0)
     for prompt, tokens in data:
         control = OneRateControl(max_drafts) if policy == "one rate" else DraftControl(max_drafts)
         if policy == "DraftControl":
-            control.learn_rates_from(carried)
+            control.learn_rates_from(carried, CARRIED_WEIGHT)
         drafter, n = NgramDrafter(), 0
         while n < TOKENS:
             candidates, match = drafter.propose(prompt + tokens[:n], max_drafts)
@@ -162,6 +164,13 @@ def main() -> None:
             steps, ms = replay(runs, policy, max_drafts, cost_ms)
             print(f"{name:10s} {policy:12s} max {max_drafts:2d}: {steps} steps for {base} tokens, "
                   f"{1e3 * base / ms:.1f} tok/s, {base * cost_ms[1] / ms:.2f}x one token per step")
+    # open questions right after the rewrites on the same route loop: the rates they start from are
+    # the rewrites' (what CARRIED_WEIGHT keeps light)
+    carried = DraftControl(0)
+    replay(data["repetitive"], "DraftControl", 15, cost_ms, carried)
+    base = len(data["open"]) * TOKENS
+    steps, ms = replay(data["open"], "DraftControl", 15, cost_ms, carried)
+    print(f"open after the rewrites, DraftControl max 15: {steps} steps, {base * cost_ms[1] / ms:.2f}x")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,11 @@ def test_a_new_streams_rates_start_where_the_last_one_ended():
     seeded.update(3, 0)  # the stream learns on its own from there: the one it started from is unchanged
     assert seeded.rate() < done.rate() and done.k(flat) == 15
     assert seeded.drafted == 3 and seeded.max_drafts == 15  # its counters and its cap are its own
+    light = DraftControl(15)  # carried with a weight: the same rates, sooner unlearned
+    light.learn_rates_from(done, weight=4.0)
+    assert light.rate() == pytest.approx(done.rate()) and light.run_rate() == pytest.approx(done.run_rate())
+    light.update(3, 0)
+    assert light.rate() < seeded.rate()
 
 
 def test_step_cost_prices_untimed_sizes_from_timed_ones():

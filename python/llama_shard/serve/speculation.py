@@ -36,6 +36,9 @@ PROBE_EVERY = 8
 #: a step size not timed yet: one more token costs this fraction of a one-token step (a guess on the
 #: low side, so that a size is tried; llama.cpp measured 0.2-0.5 per shard: docs/benchmarks.md)
 PRIOR_BETA = 0.15
+#: a new stream starts from the rates its route loop's last stream ended with, weighing this many
+#: observations per rate (DraftControl.learn_rates_from)
+CARRIED_WEIGHT = 4.0
 DRAFT_SOURCES = ("ngram", "off")
 #: how a route computes a verification step: "exact", every row the bytes of a one-token step's on
 #: every shard (the tokens of generation without drafts: one computation where a shard has shown it
@@ -146,14 +149,20 @@ class DraftControl:
         self.drafted = 0
         self.accepted = 0
 
-    def learn_rates_from(self, other: "DraftControl") -> None:
-        """Takes another's acceptance rates (its decayed counts, so they weigh as much as they did
-        there). A route loop keeps the rates its last stream ended with and each new stream starts
-        from them: one request meets few matches of each kind, and with only its own it drafted
-        near the priors (replayed on the speculation benchmark's rewrites at +10 ms: 2.23x against
-        2.17x with 15 drafts at most; benchmarks/draft_control_study.py)."""
-        self._first = {kind: list(counts) for kind, counts in other._first.items()}
-        self._run = {kind: list(counts) for kind, counts in other._run.items()}
+    def learn_rates_from(self, other: "DraftControl", weight: float | None = None) -> None:
+        """Takes another's acceptance rates: its decayed counts, scaled down to `weight` observations
+        per rate where they weigh more (None: as they are). A route loop keeps the rates its last
+        stream ended with and each new stream starts from them, weighing CARRIED_WEIGHT: one
+        request meets few matches of each kind, and from the priors alone it drafted too little
+        where the text copies; light, so that a request whose text does not repeat (after one
+        that did) stops drafting after a few misses. Replayed (benchmarks/draft_control_study.py,
+        15 drafts at most): the rewrites at +10 ms 2.20x against 2.14x from the priors; open
+        questions right after them on loopback 0.99x (live, the rates carried whole: 0.89-0.93x)."""
+        def scaled(counts: list[float]) -> list[float]:
+            total = sum(counts)
+            return [c * weight / total for c in counts] if weight is not None and total > weight else list(counts)
+        self._first = {kind: scaled(counts) for kind, counts in other._first.items()}
+        self._run = {kind: scaled(counts) for kind, counts in other._run.items()}
 
     def rate(self, long: bool = True) -> float:
         """The acceptance rate of a step's first draft from matches of NGRAM_LONG tokens or more (or

@@ -18,7 +18,7 @@ from ...proto.wire import wire_dtype_name, wire_dtypes_for
 from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts,
                                check_stops, check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
-from ..speculation import DraftControl, StepCost
+from ..speculation import CARRIED_WEIGHT, DraftControl, StepCost
 from .host import HeadHost
 from ..steps import ORDER_GAP_MAX
 from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
@@ -56,7 +56,7 @@ class _RouteLoop:
 
     def add(self, stream: Stream) -> None:  # under the owner's lock
         if not stream.control.drafted:  # a new stream (not one moved from another route mid-way)
-            stream.control.learn_rates_from(self.rates)
+            stream.control.learn_rates_from(self.rates, CARRIED_WEIGHT)
         self.streams.append(stream)
         self._dirty = True
         for g, t in enumerate(self.threads):
