@@ -128,7 +128,16 @@ def test_step_cost_prices_untimed_sizes_from_timed_ones():
     cost.observe(4, 0.012)  # once, under the estimate from one token (1 + 3 x PRIOR_BETA): its own
     rel = cost.relative()
     assert rel[0] == 1.0 and rel[3] == pytest.approx(1.2) and rel[1] < rel[3] < rel[5]
-    assert rel[5] == pytest.approx(1.2 + 2 * PRIOR_BETA)
+    assert rel[5] == pytest.approx(1.2 + 2 * 0.2 / 3)  # the timed sizes' cost a token (under PRIOR_BETA)
+    slow_link = StepCost()  # most of a step is the link: a token costs far less than PRIOR_BETA of a step
+    slow_link.observe(1, 0.110)
+    slow_link.observe(3, 0.112)
+    assert slow_link.relative()[15] == pytest.approx((0.112 + 13 * 0.001) / 0.110)
+    steep = StepCost()  # where tokens cost more than PRIOR_BETA, untimed sizes stay optimistic
+    steep.observe(1, 0.010)
+    steep.observe(2, 0.010 * (1 + 2 * PRIOR_BETA))
+    steep.observe(2, 0.010 * (1 + 2 * PRIOR_BETA))
+    assert steep.relative()[4] == pytest.approx(1 + 5 * PRIOR_BETA)
 
 
 def test_a_sizes_first_time_counts_at_most_the_estimate_until_its_second():

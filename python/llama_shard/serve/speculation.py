@@ -87,8 +87,10 @@ class NgramDrafter:
 class StepCost:
     """The route's step time by the tokens each stream's step carried (1 .. MAX_LOGIT_ROWS), each an
     exponential average of the loop's recent steps. A size not timed yet is priced from the largest
-    smaller one timed, PRIOR_BETA of a one-token step per extra token (optimistic: a size is timed
-    once tried, and dropped again where it does not pay). The first step of a size may carry the
+    smaller one timed, at PRIOR_BETA of a one-token step per extra token, or at the mean cost per
+    extra token of the sizes timed so far where that is less (optimistic: a size is timed once
+    tried, and dropped again where it does not pay; over a +50 ms link PRIOR_BETA alone priced a
+    token at 17 ms where it costs about 1 ms, and the stream kept to the sizes it had timed). The first step of a size may carry the
     workers' one-time comparison of its rows (a verification computed both ways: shard_context's
     whole_rows_verdicts), so a size timed once is priced at most at that estimate, and its second
     time replaces its first."""
@@ -112,7 +114,12 @@ class StepCost:
             return [1 + PRIOR_BETA * (n - 1) for n in range(1, MAX_LOGIT_ROWS + 1)]
         out, last_n, last = [], 1, base
         for n in range(1, MAX_LOGIT_ROWS + 1):
-            estimate = last + PRIOR_BETA * base * (n - last_n)
+            # per extra token: PRIOR_BETA of a one-token step, or less where the sizes timed so far
+            # cost less a token (over a slow link most of a step is the link, not its tokens)
+            per_token = PRIOR_BETA * base
+            if last_n > 1:
+                per_token = min(per_token, max(last - base, 0.0) / (last_n - 1))
+            estimate = last + per_token * (n - last_n)
             timed = self._t[n]  # 0.0: not timed
             if n == 1 or self._n[n] >= 2 or (timed and timed <= estimate):
                 last_n, last = n, timed
