@@ -144,3 +144,27 @@ def test_the_avx2_kernels_keep_a_verifications_rows_exact(embedded_model):
     assert set(got["verdicts"]) == {"2", "6", "9"}
     for m, verdict in got["verdicts"].items():
         assert got["calls"][m][1] == (1 if verdict == ONE_CALL else int(m)), (m, verdict, got["calls"])
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_a_worker_decides_its_verification_sizes_before_it_serves(embedded_model):
+    """Each size's one-time comparison runs on a scratch session at start-up (verification_sizes), so
+    no request pays it: the metrics page has a verdict for every size before the first request, the
+    log says which, and the scratch session is gone."""
+    import re
+    import urllib.request
+
+    from llama_shard._native import MAX_LOGIT_ROWS
+    from test_wire_and_worker import Worker
+
+    w = Worker(embedded_model, "15-29")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).read().decode()
+    finally:
+        _, log = w.stop()
+    verdicts = dict(re.findall(r'llama_shard_verification_rows\{[^}]*tokens="(\d+)",verdict="([^"]+)"\} 1\.0', text))
+    assert set(map(int, verdicts)) == set(range(2, MAX_LOGIT_ROWS + 1)), text[-2000:]
+    assert set(verdicts.values()) <= {ONE_CALL, SLOWER}  # this build's kernels: no rounding by shape
+    assert re.search(r'llama_shard_live_sessions\{layers="15-29"\} 0\.0', text)
+    assert re.search(r"verifications of .* tokens in one call, .* row by row \(decided in [0-9.]+ s\)", log), log

@@ -31,6 +31,8 @@ from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import CacheMiss, HotKvStateConfig, StepKind, Tier
 from ..engine.manager import HotKvStateManager
 from ..engine.models import backend_text
+from ..engine.verification_sizes import decide_verification_sizes
+from ..engine.verification_sizes import describe as describe_verification_sizes
 from ..errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError, LlamaShardError,
                       StaleRouteEpochError)
 from ..proto import shard_pb2 as pb
@@ -556,6 +558,10 @@ class ShardWorker:
         self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
                                          max_step_sessions=options.max_step_sessions,
                                          prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)
+        # each verification size's one-time comparison (one call against row by row) now, not in a request
+        verdicts, seconds = decide_verification_sizes(self.manager)
+        if verdicts:
+            print(f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr, flush=True)
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
