@@ -108,6 +108,7 @@ def test_a_new_streams_rates_start_where_the_last_one_ended():
         done.update(15, 15 if i % 4 else 2)
     fresh, seeded = DraftControl(15), DraftControl(15)
     seeded.learn_rates_from(done)
+    assert fresh.observed == seeded.observed == 0 and done.observed == 20  # what a route loop checks
     assert fresh.k(flat) < seeded.k(flat) == done.k(flat) == 15
     assert (seeded.rate(), seeded.run_rate()) == (done.rate(), done.run_rate())
     assert seeded.rate(long=False) == fresh.rate(long=False)  # nothing learned of short matches there
@@ -128,11 +129,18 @@ def test_step_cost_prices_untimed_sizes_from_timed_ones():
     cost.observe(4, 0.012)  # once, under the estimate from one token (1 + 3 x PRIOR_BETA): its own
     rel = cost.relative()
     assert rel[0] == 1.0 and rel[3] == pytest.approx(1.2) and rel[1] < rel[3] < rel[5]
-    assert rel[5] == pytest.approx(1.2 + 2 * 0.2 / 3)  # the timed sizes' cost a token (under PRIOR_BETA)
+    assert rel[5] == pytest.approx(1.2 + 2 * PRIOR_BETA)  # 4 timed once: not yet a cost a token
+    cost.observe(4, 0.012)
+    assert cost.relative()[5] == pytest.approx(1.2 + 2 * 0.2 / 3)  # timed twice: its cost a token (under PRIOR_BETA)
     slow_link = StepCost()  # most of a step is the link: a token costs far less than PRIOR_BETA of a step
     slow_link.observe(1, 0.110)
     slow_link.observe(3, 0.112)
+    slow_link.observe(3, 0.112)
     assert slow_link.relative()[15] == pytest.approx((0.112 + 13 * 0.001) / 0.110)
+    noisy = StepCost()  # one timing at or under a one-token step does not make every larger size free
+    noisy.observe(1, 0.010)
+    noisy.observe(3, 0.009)
+    assert noisy.relative()[15] == pytest.approx(0.9 + 13 * PRIOR_BETA)
     steep = StepCost()  # where tokens cost more than PRIOR_BETA, untimed sizes stay optimistic
     steep.observe(1, 0.010)
     steep.observe(2, 0.010 * (1 + 2 * PRIOR_BETA))

@@ -18,6 +18,7 @@ import numpy as np
 from .._native import MAX_LOGIT_ROWS
 from ..errors import LlamaShardError
 from .adapter import KvBoundaryAdapter
+from .hot_kv import CacheMiss
 from .manager import HotKvStateManager
 
 #: the scratch session's id (a client's would have to guess it while the worker is not serving yet)
@@ -31,7 +32,8 @@ def decide_verification_sizes(manager: HotKvStateManager, max_rows: int = MAX_LO
                               ) -> tuple[dict[int, str], float]:
     """Runs a verification of each size 2..max_rows on a scratch session (released after); returns
     the engine's verdicts and the seconds it took. Nothing is run where the manager has no room for
-    the scratch session; a failure is reported in the verdicts' place (requests then decide)."""
+    the scratch session. A failure raises LlamaShardError (the caller serves on: requests then
+    decide, as before)."""
     model = manager.model
     info, config = model.info, manager.config
     depth = min(DEPTH, config.context_tokens - max_rows, config.budget_tokens - max_rows)
@@ -45,16 +47,17 @@ def decide_verification_sizes(manager: HotKvStateManager, max_rows: int = MAX_LO
             return {"token_ids": rng.integers(0, info.n_vocab, n).tolist()}
         return {"boundary": rng.standard_normal((n, info.n_embd)).astype(np.float32)}
 
+    def step(**kw) -> None:
+        if isinstance(adapter.prefill(SCRATCH_SESSION, 0, **kw), CacheMiss):
+            raise LlamaShardError("the scratch session was lost (a cache miss)")
+
     t0 = time.perf_counter()
     try:
-        adapter.prefill(SCRATCH_SESSION, 0, **rows(depth), start_pos=0)
+        step(**rows(depth), start_pos=0)
         for m in range(2, max_rows + 1):
-            adapter.prefill(SCRATCH_SESSION, 0, **rows(m), start_pos=depth, row_by_row=True,
-                            **({"logit_rows": m} if info.is_tail else {}))
+            step(**rows(m), start_pos=depth, row_by_row=True, **({"logit_rows": m} if info.is_tail else {}))
             if not manager.engine.whole_rows_verdicts:  # this engine computes rows alone: nothing to decide
                 break
-    except LlamaShardError as e:
-        raise RuntimeError(f"the verification sizes could not be decided at start-up: {e}") from e
     finally:
         manager.release(SCRATCH_SESSION, 0)
     return dict(manager.engine.whole_rows_verdicts), time.perf_counter() - t0

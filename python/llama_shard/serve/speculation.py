@@ -87,8 +87,8 @@ class NgramDrafter:
 class StepCost:
     """The route's step time by the tokens each stream's step carried (1 .. MAX_LOGIT_ROWS), each an
     exponential average of the loop's recent steps. A size not timed yet is priced from the largest
-    smaller one timed, at PRIOR_BETA of a one-token step per extra token, or at the mean cost per
-    extra token of the sizes timed so far where that is less (optimistic: a size is timed once
+    smaller one timed, at PRIOR_BETA of a one-token step per extra token, or at the cost per extra
+    token of the largest size timed twice where that is less (optimistic: a size is timed once
     tried, and dropped again where it does not pay; over a +50 ms link PRIOR_BETA alone priced a
     token at 17 ms where it costs about 1 ms, and the stream kept to the sizes it had timed). The first step of a size may carry the
     workers' one-time comparison of its rows (a verification computed both ways: shard_context's
@@ -112,13 +112,15 @@ class StepCost:
         base = self._t[1]
         if base <= 0:
             return [1 + PRIOR_BETA * (n - 1) for n in range(1, MAX_LOGIT_ROWS + 1)]
+        # per extra token: PRIOR_BETA of a one-token step, or less where the largest size timed twice
+        # cost less a token (over a slow link most of a step is the link, not its tokens)
+        per_token = PRIOR_BETA * base
+        for n in range(MAX_LOGIT_ROWS, 1, -1):
+            if self._n[n] >= 2:
+                per_token = min(per_token, max(self._t[n] - base, 0.0) / (n - 1))
+                break
         out, last_n, last = [], 1, base
         for n in range(1, MAX_LOGIT_ROWS + 1):
-            # per extra token: PRIOR_BETA of a one-token step, or less where the sizes timed so far
-            # cost less a token (over a slow link most of a step is the link, not its tokens)
-            per_token = PRIOR_BETA * base
-            if last_n > 1:
-                per_token = min(per_token, max(last - base, 0.0) / (last_n - 1))
             estimate = last + per_token * (n - last_n)
             timed = self._t[n]  # 0.0: not timed
             if n == 1 or self._n[n] >= 2 or (timed and timed <= estimate):
@@ -153,6 +155,7 @@ class DraftControl:
         self._run = {True: [1.0, 1.0], False: [1.0, 1.0]}
         self._idle = 0
         self._unsent_right = False  # the last step's draft, not sent, was right (a run unsent)
+        self.observed = 0  # outcomes learned (sent or unsent drafts): a stream that saw none teaches nothing
         self.drafted = 0
         self.accepted = 0
 
@@ -235,6 +238,7 @@ class DraftControl:
         self._unsent_right = False
 
     def _learn(self, drafted: int, accepted: int, long: bool, in_run: bool) -> None:
+        self.observed += 1
         d = self.DECAY
         first, run = self._first[long], self._run[long]
         rejected = 1 if accepted < drafted else 0

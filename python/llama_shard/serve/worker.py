@@ -558,14 +558,19 @@ class ShardWorker:
         self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
                                          max_step_sessions=options.max_step_sessions,
                                          prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)
-        # each verification size's one-time comparison (one call against row by row) now, not in a request
-        verdicts, seconds = decide_verification_sizes(self.manager)
-        if verdicts:
-            print(f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr, flush=True)
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
-        self.servicer = ShardServicer(self.model, self.manager, self.registry, options)
+        self.servicer = ShardServicer(self.model, self.manager, self.registry, options)  # checks the options first
+        # each verification size's one-time comparison (one call against row by row) now, not in a request
+        try:
+            verdicts, seconds = decide_verification_sizes(self.manager)
+            if verdicts:
+                print(f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr,
+                      flush=True)
+        except LlamaShardError as e:  # the first verification of each size decides it, as before
+            print(f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
+                  f"verification of each size decides it", file=sys.stderr, flush=True)
         self.health = health.HealthServicer()
         limit = self.servicer.max_request_bytes
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.max_in_flight_request_bytes)

@@ -55,7 +55,7 @@ class _RouteLoop:
         self._executor_lock = threading.Lock()
 
     def add(self, stream: Stream) -> None:  # under the owner's lock
-        if not stream.control.drafted:  # a new stream (not one moved from another route mid-way)
+        if not stream.control.observed:  # a new stream (not one moved from another route after learning)
             stream.control.learn_rates_from(self.rates, CARRIED_WEIGHT)
         self.streams.append(stream)
         self._dirty = True
@@ -113,7 +113,8 @@ class _RouteLoop:
                         s.in_flight = False
                         if s.done:
                             self.streams.remove(s)
-                            self.rates.learn_rates_from(s.control)
+                            if s.control.observed:  # (a stream without drafts, or in shared steps, saw none)
+                                self.rates.learn_rates_from(s.control)
                             self._dirty = True
                         elif s.rerouted:  # a failover or a hand-over: its steps go down another route now
                             self.streams.remove(s)
