@@ -2,16 +2,18 @@
 
 - Drafts (the head): prompt lookup. The longest n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that
   ends the session's tokens and occurred before names the tokens that followed it then; those are
-  the drafts. Matches of one token are right less often: they keep an acceptance rate of their own. No model is needed, and on text that repeats itself (a rewrite, a quote, code) they
-  are often right.
+  the drafts. Matches of one token are right less often: they keep an acceptance rate of their own.
+  No model is needed, and on text that repeats itself (a rewrite, a quote, code) they are often
+  right.
 - How many (the head, per stream): `DraftControl` picks k in 0..max_drafts maximising expected
   tokens per step over the step's cost, E(k) / c(k), with E(k) = 1 + a1 (1 + an + ... + an^(k-1))
   for the stream's acceptance rates (a1 of a step's first draft, an of a draft after an accepted
   one: acceptance comes in runs) and c(k) the route's measured time of a step of k + 1 tokens
   relative to a step of 1 (`StepCost`: the loop's own steps, timed by size; llama.cpp's cost is
   not linear in the rows). Where drafting does not pay, k is 0; the first draft it would have sent
-  is still compared with the token the step gives (`unsent`), so the rates follow the text for free (a draft model, whose drafts cost a
-  step of their own, drafts one token every PROBE_EVERY steps instead).
+  is still compared with the token the step gives (`unsent`), so the rates follow the text for free
+  (a draft model, whose drafts cost a step of their own, drafts one token every PROBE_EVERY steps
+  instead).
 - Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
   sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
@@ -90,10 +92,10 @@ class StepCost:
     smaller one timed, at PRIOR_BETA of a one-token step per extra token, or at the cost per extra
     token of the largest size timed twice where that is less (optimistic: a size is timed once
     tried, and dropped again where it does not pay; over a +50 ms link PRIOR_BETA alone priced a
-    token at 17 ms where it costs about 1 ms, and the stream kept to the sizes it had timed). The first step of a size may carry the
-    workers' one-time comparison of its rows (a verification computed both ways: shard_context's
-    whole_rows_verdicts), so a size timed once is priced at most at that estimate, and its second
-    time replaces its first."""
+    token at 17 ms where it costs about 1 ms, and the stream kept to the sizes it had timed). The
+    first step of a size may carry the workers' one-time comparison of its rows (a verification
+    computed both ways: shard_context's whole_rows_verdicts), so a size timed once is priced at most
+    at that estimate, and its second time replaces its first."""
 
     DECAY = 0.8
 
