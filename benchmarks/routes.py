@@ -515,7 +515,7 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                      repeat: int = 1, worker_flags: tuple = (), prompts_per_set: int | None = None) -> dict:
     """One Generate stream at a time on two chained 1-thread workers, greedy, `tokens` each, with
     speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
-    turns on the same workers; with delay_ms > 0 the head reaches the tail through a proxy that
+    turns on the same workers (each prompt both ways in a row, which first alternating); with delay_ms > 0 the head reaches the tail through a proxy that
     delays each direction by that much. Returns per prompt set: tokens/s of whole requests with and
     without (best of `repeat`), the acceptance rate, and how many prompts' greedy tokens differed
     (with --draft-verify exact, the default, none may: that raises)."""
@@ -542,47 +542,53 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
         with grpc.insecure_channel(head_addr) as ch:
             stub = pb_grpc.ShardServiceStub(ch)
 
-            windows = [0, 0]  # pipelined windows sent, kept (with drafts)
+            def request(prompt, max_drafts, tag):
+                """One greedy Generate stream: (seconds, its final event, its tokens)."""
+                req = pb.GenerateRequest(session_id=f"{tag}-{time.monotonic_ns()}", prompt=prompt, max_tokens=tokens,
+                                         forward=forward, max_drafts=max_drafts)
+                t0 = time.perf_counter()
+                events = list(stub.Generate(req, timeout=600))
+                seconds = time.perf_counter() - t0
+                final = events[-1].final
+                if final.finish_reason != "length":
+                    raise RuntimeError(f"a Generate stream failed: {final}")
+                stub.Release(pb.SessionRequest(session_id=req.session_id), timeout=10)
+                return seconds, final, [e.token.token_id for e in events[:-1]]
 
-            def run(prompts, max_drafts, tag):
-                t0, generated, drafted, accepted, outputs = time.perf_counter(), 0, 0, 0, []
-                for i, prompt in enumerate(prompts):
-                    req = pb.GenerateRequest(session_id=f"{tag}-{i}-{time.monotonic_ns()}", prompt=prompt,
-                                             max_tokens=tokens, forward=forward, max_drafts=max_drafts)
-                    events = list(stub.Generate(req, timeout=600))
-                    final = events[-1].final
-                    if final.finish_reason != "length":
-                        raise RuntimeError(f"a Generate stream failed: {final}")
-                    outputs.append([e.token.token_id for e in events[:-1]])
-                    generated += final.completion_tokens
-                    drafted += final.drafted_tokens
-                    accepted += final.accepted_tokens
-                    if max_drafts:
-                        windows[0] += final.pipelined_windows
-                        windows[1] += final.pipelined_kept
-                    stub.Release(pb.SessionRequest(session_id=req.session_id), timeout=10)
-                return generated / (time.perf_counter() - t0), drafted, accepted, outputs
-
-            run(sets["open"][:1], 0, "warm-up")
+            request(sets["open"][0], 0, "warm-up")
             exact = "batched" not in worker_flags
             for name, prompts in sets.items():
                 best_on = best_off = 0.0
-                differed = 0
-                windows[:] = [0, 0]
-                for _ in range(repeat):
-                    off, _, _, plain = run(prompts, 0, "plain")
-                    on, drafted, accepted, spec = run(prompts, DEFAULT_MAX_DRAFTS, "spec")
-                    differed = max(differed, sum(a != b for a, b in zip(spec, plain)))
-                    if differed and exact:  # greedy, verified row by row: not a token may change
-                        raise RuntimeError(f"speculative decoding changed the greedy tokens of the {name} set")
-                    best_on, best_off = max(best_on, on), max(best_off, off)
+                differed = drafted = accepted = windows = kept = 0
+                for r in range(repeat):
+                    # each prompt with and without drafts one after the other, which first alternating:
+                    # the machine's drift (several percent from one second to the next here) falls on both
+                    seconds, generated, differed_now = {0: 0.0, DEFAULT_MAX_DRAFTS: 0.0}, 0, 0
+                    for i, prompt in enumerate(prompts):
+                        order = (0, DEFAULT_MAX_DRAFTS) if (r + i) % 2 == 0 else (DEFAULT_MAX_DRAFTS, 0)
+                        got = {md: request(prompt, md, f"{name}-{md}-{i}") for md in order}
+                        for md, (t, _, _) in got.items():
+                            seconds[md] += t
+                        final = got[DEFAULT_MAX_DRAFTS][1]
+                        generated += final.completion_tokens
+                        if r == repeat - 1:  # the counts of one run
+                            drafted += final.drafted_tokens
+                            accepted += final.accepted_tokens
+                            windows += final.pipelined_windows
+                            kept += final.pipelined_kept
+                        if got[DEFAULT_MAX_DRAFTS][2] != got[0][2]:
+                            differed_now += 1
+                            if exact:  # greedy, verified row by row: not a token may change
+                                raise RuntimeError(f"speculative decoding changed the greedy tokens of the {name} set")
+                    best_on = max(best_on, generated / seconds[DEFAULT_MAX_DRAFTS])
+                    best_off = max(best_off, generated / seconds[0])
+                    differed = max(differed, differed_now)
                 out[name] = {"on": best_on, "off": best_off, "rate": accepted / max(drafted, 1),
                              "drafted": drafted, "accepted": accepted, "differed": differed,
-                             "prompts": len(prompts), "windows": windows[0] / repeat, "kept": windows[1] / repeat}
+                             "prompts": len(prompts), "windows": windows, "kept": kept}
                 log(f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
                     f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted, {differed} of {len(prompts)} "
-                    f"prompts' tokens differed; {windows[0] / repeat:.0f} windows sent ahead, "
-                    f"{windows[1] / repeat:.0f} kept")
+                    f"prompts' tokens differed; {windows} windows sent ahead, {kept} kept")
         return out
     finally:
         for proc in procs:

@@ -109,6 +109,11 @@ class StepCost:
         self._t[n] = seconds if self._n[n] < 2 else self.DECAY * old + (1 - self.DECAY) * seconds
         self._n[n] += 1
 
+    def seconds(self, tokens_per_stream: int) -> float | None:
+        """The measured time of a step of that many tokens; None where none was timed."""
+        n = min(max(tokens_per_stream, 1), MAX_LOGIT_ROWS)
+        return self._t[n] if self._n[n] else None
+
     def relative(self) -> list[float]:
         """Cost of a step of n tokens relative to one of 1 token, for n = 1 .. MAX_LOGIT_ROWS (index n - 1)."""
         base = self._t[1]
@@ -131,6 +136,55 @@ class StepCost:
             else:
                 out.append(estimate / base)  # not timed, or once and above the estimate
         return out
+
+
+class AheadTiming:
+    """What a verification window sent ahead (while the step before it is still in flight) gains
+    when it is kept and costs when it is dropped, as measured on the route (exponential averages,
+    in seconds; generation/loops.py's `_pipeline` observes them):
+
+    - `gain`: a kept window's reply came this much sooner than had it been sent once the reply
+      before it was back (its size's step time alone, StepCost, less the time between the replies);
+    - `slowdown`: a step with a window sent behind it took this much longer than alone (the
+      workers compute both at once, on cores they share with the head);
+    - `drop_per_row`: a dropped window held up the stream's next step this much per token it
+      carried (its replies waited for before the next step may go).
+
+    Before the route has measured one, the model pipelining started with: a kept window saves a
+    one-token step, a dropped one costs its rows at the step cost of a second token, and nothing is
+    slowed. That holds over a slow link, where most of a step is the link. On loopback (2 cores,
+    two 1-thread workers) a kept window saved 1-4 ms of a 7 ms step, a step with one behind it
+    took up to 3 ms longer, and a dropped window held the next step up about 5 ms: there a window
+    ahead pays only when nearly sure to be kept, and the open prompts lost up to 15% with windows
+    sent at the priors' odds (docs/benchmarks.md)."""
+
+    DECAY = 0.8
+
+    def __init__(self):
+        self._gain = self._slowdown = self._drop_per_row = None
+
+    @classmethod
+    def _average(cls, old: float | None, new: float) -> float:
+        return new if old is None else cls.DECAY * old + (1 - cls.DECAY) * new
+
+    def kept(self, alone_s: float, between_replies_s: float) -> None:
+        self._gain = self._average(self._gain, alone_s - between_replies_s)
+
+    def slowed(self, alone_s: float, took_s: float) -> None:
+        self._slowdown = self._average(self._slowdown, took_s - alone_s)
+
+    def dropped(self, rows: int, waited_s: float) -> None:
+        if rows > 0:
+            self._drop_per_row = self._average(self._drop_per_row, waited_s / rows)
+
+    def worth(self, chance: float, rows: int, step_s: float, row_s: float) -> bool:
+        """Whether a window of `rows` tokens, kept with probability `chance`, is worth sending ahead
+        on a route whose one-token step takes `step_s` and whose second token costs `row_s` (the
+        priors, where nothing was measured yet): chance * gain >= (1 - chance) * rows * drop + slowdown."""
+        gain = step_s if self._gain is None else self._gain
+        drop = row_s if self._drop_per_row is None else self._drop_per_row
+        slowdown = 0.0 if self._slowdown is None else self._slowdown
+        return chance * gain >= (1.0 - chance) * rows * drop + slowdown
 
 
 class DraftControl:

@@ -18,7 +18,7 @@ from ...proto.wire import wire_dtype_name, wire_dtypes_for
 from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts,
                                check_stops, check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
-from ..speculation import CARRIED_WEIGHT, DraftControl, StepCost
+from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
 from .host import HeadHost
 from ..steps import ORDER_GAP_MAX
 from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
@@ -32,6 +32,11 @@ MAX_ROUTE_CHANGES = 4
 MAX_WINDOWS = 4
 # a worker waits for a session's earlier step only within this many positions (steps.SessionOrder)
 assert MAX_WINDOWS * max(GENERATE_CHUNK, MAX_DRAFTS + 1) <= ORDER_GAP_MAX
+
+
+def _arrival_timed(call, *args):
+    """call(*args) and when it returned (a pipelined step's reply: AheadTiming's measures)."""
+    return call(*args), time.perf_counter()
 
 
 class _RouteLoop:
@@ -48,6 +53,7 @@ class _RouteLoop:
         self.n_groups = 1 + len(forward)
         self.cost = StepCost()  # the route's step time by tokens per step (what a draft costs)
         self.rates = DraftControl(0)  # the acceptance rates the last stream ended with: the next starts there
+        self.ahead = AheadTiming()  # what a verification window sent ahead gains and costs on this route
         self.streams: list[Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
@@ -184,11 +190,11 @@ class _RouteLoop:
         flight per stage, and one more for the link). After verification windows: one more, whose
         first token is the drafter's guess of the token the last one samples, where it pays: with P
         the chance that every window before it is kept (its drafts accepted, its next token guessed:
-        one run of accepted drafts, DraftControl.all_accepted),
-        a kept window saves a step's round trip (the route's one-token step, 1 in `cost`'s units) and
-        a dropped one delays the next step by its rows' compute (m a row, the cost of a step's
-        second token): sent while P >= (1 - P) * rows * m. A slow link (m small) keeps more in
-        flight; on loopback, where compute is the step, few."""
+        one run of accepted drafts, DraftControl.all_accepted), sent while P times what a kept window
+        saves is at least (1 - P) times what a dropped one costs, plus what it slows the steps
+        before it (AheadTiming: measured on the route; before that, a kept window saves a one-token
+        step and a dropped one costs its rows at the step cost of a second token). A slow link
+        keeps more in flight; on loopback, where compute is the step, few."""
         if not ahead:
             if s.first_step:
                 return None
@@ -215,8 +221,8 @@ class _RouteLoop:
         # one run of drafts from the first window's first
         chance = s.control.all_accepted(sum(len(w.sent.drafts) + 1 for w in ahead), s.long_match)
         k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
-        row = max(cost[1] - 1.0, 0.01)
-        if chance < (1.0 - chance) * (k + 1) * row:
+        step_s = self.cost.seconds(1) or 1.0  # (not timed yet: in units of a one-token step, the priors)
+        if not self.ahead.worth(chance, k + 1, step_s, max(cost[1] - 1.0, 0.01) * step_s):
             return None
         assumed = []  # after the stream's tokens: each window's drafts, then the next one's guess
         for i, w in enumerate(ahead):
@@ -252,18 +258,25 @@ class _RouteLoop:
         if first is None:
             return False
         pool = self._pool()
-        inflight: deque = deque()  # (window, future)
+        inflight: deque = deque()  # (window, future of (replies, arrived at), sent at)
         solo: list = []            # [window, sent at]: the one step in flight, while no other was sent with it
+        arrived_before = None      # when the reply popped before this one came back
 
         def send(window: Window, kind, req, t0: float | None = None) -> None:
             if inflight:
                 window = window._replace(ahead=True)
                 req.follows = True  # a worker that has not queued the step before it waits for it
                 s.pipelined_windows += 1
-            solo[:] = [window, t0 or time.perf_counter()] if not inflight else []
+            sent_at = time.perf_counter()
+            solo[:] = [window, t0 or sent_at] if not inflight else []
             deadline = time.monotonic() + owner.host.max_hop_s
-            inflight.append((window, pool.submit(owner.host.run_steps, self.principal, [(kind, req)], self.forward,
-                                                 deadline)))
+            inflight.append((window, pool.submit(_arrival_timed, owner.host.run_steps, self.principal, [(kind, req)],
+                                                 self.forward, deadline), sent_at))
+
+        def drop(record: bool) -> None:  # the windows in flight, built on what did not happen
+            rows, waited = self._drain(s, inflight)
+            if record and self.cost.seconds(1) is not None:
+                self.ahead.dropped(rows, waited)
 
         def ending() -> bool:
             return (s.done or s.rerouted or s.stop_reason is not None or owner.host.stopping.is_set()
@@ -273,13 +286,13 @@ class _RouteLoop:
             send(*first, t0=t_first)
             while inflight:
                 while not ending() and len(self.streams) == 1:
-                    nxt = self._next_window(s, [w for w, _ in inflight], cost)
+                    nxt = self._next_window(s, [w for w, _, _ in inflight], cost)
                     if nxt is None:
                         break
                     send(*nxt)
-                window, future = inflight.popleft()
+                window, future, sent_at = inflight.popleft()
                 try:
-                    reply, = future.result()
+                    (reply,), arrived = future.result()
                 except SessionCapRefused as e:  # (a later stage's cap: only a step that opens a session there)
                     owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
                     return True
@@ -289,9 +302,17 @@ class _RouteLoop:
                 # overtaken the step before it for longer than a worker waits), not a re-prefill
                 keep = (window.continues(s) and not s.done
                         and not (window.ahead and reply.outcome == pb.OUTCOME_CACHE_MISS))
+                alone = self.cost.seconds(window.sent.n_tokens)
+                if window.sent.samples and alone is not None and reply.outcome == pb.OUTCOME_OK:
+                    if window.ahead and keep and arrived_before is not None:
+                        self.ahead.kept(alone, arrived - arrived_before)
+                    elif not window.ahead and inflight:  # a window was sent behind it (still in flight)
+                        self.ahead.slowed(alone, arrived - sent_at)
+                arrived_before = arrived
                 if not keep or reply.outcome != pb.OUTCOME_OK:
                     s.held = max(s.held, window.end)
-                    self._drain(s, inflight)  # nothing built on it counts, and none may overtake the next step
+                    # nothing built on it counts, and none may overtake the next step
+                    drop(record=reply.outcome == pb.OUTCOME_OK)
                 if keep:
                     if window.ahead and reply.outcome == pb.OUTCOME_OK:
                         s.pipelined_kept += 1
@@ -306,22 +327,26 @@ class _RouteLoop:
                 if inflight and (ending() or not inflight[0][0].continues(s)):
                     # a draft rejected, or the next window's guess wrong: what was built on it is
                     # dropped now, before anything more is built on it
-                    self._drain(s, inflight)
+                    drop(record=not ending())
         finally:
             self._drain(s, inflight)  # whatever ends the loop (an exception too), nothing stays in flight
         return True
 
     @staticmethod
-    def _drain(s: Stream, inflight: deque) -> None:
+    def _drain(s: Stream, inflight: deque) -> tuple[int, float]:
         """Waits for the replies of the steps still in flight and drops them; the route may hold their
-        positions (the next step is a prefill at `computed` that cuts them)."""
+        positions (the next step is a prefill at `computed` that cuts them). Returns the tokens they
+        carried and the seconds waited."""
+        t0, rows = time.perf_counter(), 0
         while inflight:
-            window, future = inflight.popleft()
+            window, future, _ = inflight.popleft()
+            rows += window.sent.n_tokens
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - a dropped step's failure is not the stream's
                 pass
             s.held = max(s.held, window.end)
+        return rows, time.perf_counter() - t0
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._executor_lock:  # groups of one route loop may each have a lone stream
