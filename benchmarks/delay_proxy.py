@@ -48,6 +48,12 @@ class DelayProxy:
         self.address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
         self._ready.set()
         self.loop.run_forever()
+        # closed: the listening socket, the connections' transports (a turn of the loop lets the
+        # cancelled handlers' closes finish) and the loop itself, so nothing is left to the collector
+        server.close()
+        self.loop.run_until_complete(server.wait_closed())
+        self.loop.run_until_complete(asyncio.sleep(0.05))
+        self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

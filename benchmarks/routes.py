@@ -515,8 +515,9 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                      repeat: int = 1, worker_flags: tuple = (), prompts_per_set: int | None = None) -> dict:
     """One Generate stream at a time on two chained 1-thread workers, greedy, `tokens` each, with
     speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
-    turns on the same workers (each prompt both ways in a row, which first alternating); with delay_ms > 0 the head reaches the tail through a proxy that
-    delays each direction by that much. Returns per prompt set: tokens/s of whole requests with and
+    turns on the same workers (each prompt both ways in a row, which first alternating); with
+    delay_ms > 0 the head reaches the tail through a proxy that delays each direction by that much.
+    Returns per prompt set: tokens/s of whole requests with and
     without (best of `repeat`), the acceptance rate, and how many prompts' greedy tokens differed
     (with --draft-verify exact, the default, none may: that raises)."""
     from delay_proxy import DelayProxy

@@ -32,7 +32,7 @@ from llama_shard.errors import InvalidInputError
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.proto.requests import MAX_DRAFTS
-from llama_shard.serve.speculation import (PRIOR_BETA, PROBE_EVERY, DraftControl, NgramDrafter, StepCost,
+from llama_shard.serve.speculation import (PRIOR_BETA, PROBE_EVERY, AheadTiming, DraftControl, NgramDrafter, StepCost,
                                            verify)
 
 REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
@@ -146,6 +146,34 @@ def test_step_cost_prices_untimed_sizes_from_timed_ones():
     steep.observe(2, 0.010 * (1 + 2 * PRIOR_BETA))
     steep.observe(2, 0.010 * (1 + 2 * PRIOR_BETA))
     assert steep.relative()[4] == pytest.approx(1 + 5 * PRIOR_BETA)
+
+
+def test_a_window_ahead_is_sent_at_the_odds_the_route_measured():
+    """Before anything is measured: the priors (a kept window saves a one-token step, a dropped one
+    costs its rows at the second token's cost). Measured as on loopback here (a kept window saved
+    2.5 ms of a 7 ms step, a step with one behind it took 2 ms longer, a dropped row held the next step
+    5 ms): only a near-sure window goes. Over a slow link (a kept one saves about a round trip, a row
+    costs about 1 ms): long windows at low odds."""
+    step, row = 0.007, 0.006
+    fresh = AheadTiming()
+    for chance, rows in ((0.5, 1), (0.6, 1), (0.3, 2), (0.9, 9)):
+        assert fresh.worth(chance, rows, step, row) == (chance * step >= (1 - chance) * rows * row)
+    loopback = AheadTiming()
+    loopback.kept(alone_s=0.007, between_replies_s=0.0045)
+    loopback.slowed(alone_s=0.007, took_s=0.009)
+    loopback.dropped(rows=2, waited_s=0.010)
+    assert fresh.worth(0.6, 1, step, row) and not loopback.worth(0.6, 1, step, row)
+    assert loopback.worth(0.99, 1, step, row) and not loopback.worth(0.9, 1, step, row)
+    slow = AheadTiming()
+    slow.kept(alone_s=0.112, between_replies_s=0.012)
+    slow.slowed(alone_s=0.112, took_s=0.113)
+    slow.dropped(rows=16, waited_s=0.016)
+    assert slow.worth(0.2, 16, 0.112, 0.001) and not slow.worth(0.1, 16, 0.112, 0.001)
+    slow.dropped(rows=0, waited_s=1.0)  # nothing dropped: nothing learned
+    assert slow.worth(0.2, 16, 0.112, 0.001)
+    for _ in range(20):  # exponential averages: the route's recent windows, not its first
+        slow.kept(alone_s=0.112, between_replies_s=0.110)
+    assert not slow.worth(0.5, 16, 0.112, 0.001)
 
 
 def test_a_sizes_first_time_counts_at_most_the_estimate_until_its_second():
@@ -653,3 +681,48 @@ def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(em
         assert tokens == oracle[id(other)] and final.prefix_tokens == 768, final
     finally:
         route.stop()
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+def test_windows_sent_ahead_over_a_slow_link_keep_greedy_and_seeded_tokens(embedded_model):
+    """Over a link of +20 ms each way (benchmarks/delay_proxy.py) the head keeps verification windows
+    in flight (on loopback, where they seldom pay, it sends few or none): greedy and seeded streams
+    give the tokens they give without drafts, with windows kept and windows dropped."""
+    import sys
+
+    from conftest import REPO
+    from test_generate import Route
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from delay_proxy import DelayProxy
+
+    tail = Route(embedded_model, [(15, 29)])
+    try:
+        with DelayProxy(tail.addresses[0], delay_s=0.02) as proxy:
+            head = Route(embedded_model, [(0, 14)], extra=("--peer", proxy.address))
+            head.addresses.append(proxy.address)  # its requests' forward: the tail, through the proxy
+            head.ranges = [(0, 14), (15, 29)]
+            try:
+                vocab = ShardModel(str(embedded_model), (0, 0), 1)
+                # a cycle the model goes on with (long runs accepted: windows kept), and a rewrite
+                # (paraphrased in places: windows dropped)
+                cycle = vocab.tokenize("Continue the list.\n" + ", ".join(["red", "green", "blue", "yellow"] * 9))
+                seeded = params_to_wire(SamplingParams(seed=3, temperature=0.7, top_k=40, top_p=0.95))
+                windows = kept = 0
+                cases = ((cycle, None), (cycle, seeded), (vocab.tokenize(REPEAT), None))
+                for i, (prompt, sampling) in enumerate(cases):
+                    plain, _ = _tokens(head, f"slow-plain-{i}", prompt, 64, sampling=sampling, max_drafts=0)
+                    for again in range(2):  # the second starts from the rates the first ended with
+                        spec, final = _tokens(head, f"slow-spec-{i}-{again}", prompt, 64, sampling=sampling,
+                                              max_drafts=MAX_DRAFTS)
+                        assert spec == plain, (i, again)
+                        assert final.accepted_tokens > 0
+                        windows += final.pipelined_windows
+                        kept += final.pipelined_kept
+                print(f"over +20 ms each way: {windows} windows sent ahead, {kept} kept")
+                assert 0 < kept < windows, (windows, kept)  # some kept, some dropped
+            finally:
+                head.stop()
+    finally:
+        tail.stop()
