@@ -726,3 +726,37 @@ def test_windows_sent_ahead_over_a_slow_link_keep_greedy_and_seeded_tokens(embed
                 head.stop()
     finally:
         tail.stop()
+
+
+def test_a_routes_measures_outlive_its_loop():
+    """A route loop ends IDLE_S after its last stream; the principal's next request down the same
+    route starts from what the last one measured (step costs, windows ahead, rates), not the priors.
+    The head keeps the measures of the MEASURES_KEPT most recent routes."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from llama_shard.serve.generation import loops as generation
+    from llama_shard.serve.generation.host import HeadHost
+
+    host = HeadHost(info=None, fingerprint="", context_tokens=64, max_sessions=2, warm_bytes=0, detokenize=None,
+                    security=None, prefixes=None, session_cap=None, stopping=threading.Event(), max_hop_s=1.0,
+                    forward_refusal=None, admit=None, caller_full=None, run_steps=None, sessions=list)
+    owner = generation.GenerationLoops(host, CollectorRegistry(), max_drafts=15)
+    route = [pb.Hop(address="127.0.0.1:1")]
+    with owner.cond:
+        first = owner.loop_for("alice", route, pb.DTYPE_FLOAT32)
+        first.cost.observe(1, 0.110)
+        first.rates.update(4, 4)
+        owner.drop_if_idle(first)
+        assert not owner.loops
+        again = owner.loop_for("alice", route, pb.DTYPE_FLOAT32)
+        assert again is not first
+        assert (again.cost, again.ahead, again.rates) == (first.cost, first.ahead, first.rates)
+        assert again.cost.seconds(1) == 0.110
+        other = owner.loop_for("bob", route, pb.DTYPE_FLOAT32)  # another principal's texts: its own
+        assert other.cost.seconds(1) is None and other.rates.rate() < again.rates.rate()
+        for i in range(generation.MEASURES_KEPT):  # bounded: the oldest go
+            owner.loop_for(f"caller-{i}", route, pb.DTYPE_FLOAT32)
+        owner.loops.clear()
+        assert owner.loop_for("alice", route, pb.DTYPE_FLOAT32).cost.seconds(1) is None

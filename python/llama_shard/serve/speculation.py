@@ -38,8 +38,8 @@ PROBE_EVERY = 8
 #: a step size not timed yet: one more token costs this fraction of a one-token step (a guess on the
 #: low side, so that a size is tried; llama.cpp measured 0.2-0.5 per shard: docs/benchmarks.md)
 PRIOR_BETA = 0.15
-#: a new stream starts from the rates its route loop's last stream ended with, weighing this many
-#: observations per rate (DraftControl.learn_rates_from)
+#: a new stream starts from the rates its route's last stream ended with (generation/loops.py,
+#: RouteMeasures), weighing this many observations per rate (DraftControl.learn_rates_from)
 CARRIED_WEIGHT = 4.0
 DRAFT_SOURCES = ("ngram", "off")
 #: how a route computes a verification step: "exact", every row the bytes of a one-token step's on

@@ -30,6 +30,8 @@ IDLE_S = 2.0
 MAX_ROUTE_CHANGES = 4
 #: pipelining (a stream stepping alone): the most steps in flight at once
 MAX_WINDOWS = 4
+#: route loops whose measures (RouteMeasures) the head keeps after the loop ends, the most recent
+MEASURES_KEPT = 256
 # a worker waits for a session's earlier step only within this many positions (steps.SessionOrder)
 assert MAX_WINDOWS * max(GENERATE_CHUNK, MAX_DRAFTS + 1) <= ORDER_GAP_MAX
 
@@ -37,6 +39,19 @@ assert MAX_WINDOWS * max(GENERATE_CHUNK, MAX_DRAFTS + 1) <= ORDER_GAP_MAX
 def _arrival_timed(call, *args):
     """call(*args) and when it returned (a pipelined step's reply: AheadTiming's measures)."""
     return call(*args), time.perf_counter()
+
+
+class RouteMeasures(NamedTuple):
+    """What a route loop learns of its route as its streams step: kept by `GenerationLoops` after
+    the loop ends (IDLE_S after its last stream), so that the principal's next request down the same
+    route starts from them, not from the priors, however long after it comes."""
+    cost: StepCost          # the route's step time by tokens per step (what a draft costs)
+    ahead: AheadTiming      # what a verification window sent ahead gains and costs on it
+    rates: DraftControl     # the acceptance rates the last stream ended with: the next starts there
+
+    @classmethod
+    def new(cls) -> "RouteMeasures":
+        return cls(StepCost(), AheadTiming(), DraftControl(0))
 
 
 class _RouteLoop:
@@ -47,13 +62,12 @@ class _RouteLoop:
     recomputed when a stream joins, leaves or gets a new id; a stream moves to its new group once
     its step in flight is back (`in_flight`: never in two steps at once)."""
 
-    def __init__(self, owner: "GenerationLoops", principal: str, forward: tuple, wire_dtype: int):
+    def __init__(self, owner: "GenerationLoops", principal: str, forward: tuple, wire_dtype: int,
+                 measures: RouteMeasures | None = None):
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f, fail_fast=ff) for a, f, ff in forward]
         self.n_groups = 1 + len(forward)
-        self.cost = StepCost()  # the route's step time by tokens per step (what a draft costs)
-        self.rates = DraftControl(0)  # the acceptance rates the last stream ended with: the next starts there
-        self.ahead = AheadTiming()  # what a verification window sent ahead gains and costs on this route
+        self.cost, self.ahead, self.rates = measures or RouteMeasures.new()
         self.streams: list[Stream] = []  # in arrival order
         self.threads: list[threading.Thread | None] = [None] * self.n_groups
         self._dirty = True
@@ -403,6 +417,7 @@ class GenerationLoops:
         self.max_drafts = max_drafts if draft_source != "off" else 0  # a request's default
         self.cond = threading.Condition()
         self.loops: dict[tuple, _RouteLoop] = {}
+        self._measures: OrderedDict[tuple, RouteMeasures] = OrderedDict()  # by loop key, MEASURES_KEPT at most
         self.streams: dict[str, Stream] = {}           # engine key -> its running stream
         self.busy = 0                                   # group steps in progress
         # engine key -> (epoch, tokens the route holds): what the next stream of the session may reuse
@@ -495,7 +510,11 @@ class GenerationLoops:
         loop_key = (principal, hops, wire_dtype)
         loop = self.loops.get(loop_key)
         if loop is None:
-            loop = self.loops[loop_key] = _RouteLoop(self, principal, hops, wire_dtype)
+            measures = self._measures.pop(loop_key, None) or RouteMeasures.new()
+            self._measures[loop_key] = measures  # the most recent last
+            while len(self._measures) > MEASURES_KEPT:
+                self._measures.popitem(last=False)
+            loop = self.loops[loop_key] = _RouteLoop(self, principal, hops, wire_dtype, measures)
         return loop
 
     def _check(self, req: pb.GenerateRequest):
