@@ -110,9 +110,10 @@ class StepCost:
         self._n[n] += 1
 
     def seconds(self, tokens_per_stream: int) -> float | None:
-        """The measured time of a step of that many tokens; None where none was timed."""
+        """The measured time of a step of that many tokens; None until it was timed twice (a size's
+        first step may carry the workers' one-time comparison of its rows)."""
         n = min(max(tokens_per_stream, 1), MAX_LOGIT_ROWS)
-        return self._t[n] if self._n[n] else None
+        return self._t[n] if self._n[n] >= 2 else None
 
     def relative(self) -> list[float]:
         """Cost of a step of n tokens relative to one of 1 token, for n = 1 .. MAX_LOGIT_ROWS (index n - 1)."""
@@ -154,7 +155,7 @@ class AheadTiming:
     one-token step, a dropped one costs its rows at the step cost of a second token, and nothing is
     slowed. That holds over a slow link, where most of a step is the link. On loopback (2 cores,
     two 1-thread workers) a kept window saved 1-4 ms of a 7 ms step, a step with one behind it
-    took up to 3 ms longer, and a dropped window held the next step up about 5 ms: there a window
+    took up to 3.7 ms longer, and a dropped window held the next step up to 4.8 ms: there a window
     ahead pays only when nearly sure to be kept. Sent at the priors' odds, in a measuring build that
     sent no drafts inside a step, 43 windows (13 kept) made the open prompts 0.81-0.90x of no drafts
     (docs/benchmarks.md)."""

@@ -181,7 +181,7 @@ class _RouteLoop:
         cost = self.cost.relative() if len(live) == 1 else None
         t0 = time.perf_counter()  # a draft model's time counts in the step's cost
         items = [s.request(self.wire_dtype, cost) for s in live]
-        generating = all(not s.first_step and s.sent.samples for s in live)  # steps past the prompt: timed
+        generating = all(not s.first_step and s.sent.decodes for s in live)  # steps past the prompt: timed
         try:
             replies = owner.host.run_steps(self.principal, items, self.forward, now + owner.host.max_hop_s)
             if generating:  # timed by the largest stream's step (what the batch's size follows)
@@ -235,8 +235,10 @@ class _RouteLoop:
         # one run of drafts from the first window's first
         chance = s.control.all_accepted(sum(len(w.sent.drafts) + 1 for w in ahead), s.long_match)
         k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
-        step_s = self.cost.seconds(1) or 1.0  # (not timed yet: in units of a one-token step, the priors)
-        if not self.ahead.worth(chance, k + 1, step_s, max(cost[1] - 1.0, 0.01) * step_s):
+        step_s = self.cost.seconds(1)
+        # nothing measured before a one-token step is timed: the priors, in units of such a step
+        timing, step_s = (self.ahead, step_s) if step_s is not None else (AheadTiming(), 1.0)
+        if not timing.worth(chance, k + 1, step_s, max(cost[1] - 1.0, 0.01) * step_s):
             return None
         assumed = []  # after the stream's tokens: each window's drafts, then the next one's guess
         for i, w in enumerate(ahead):
@@ -310,23 +312,20 @@ class _RouteLoop:
                 except SessionCapRefused as e:  # (a later stage's cap: only a step that opens a session there)
                     owner.finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=str(e))
                     return True
-                if solo and solo[0] is window and window.sent.samples:  # timed alone: the route's step cost
+                if solo and solo[0] is window and window.sent.decodes:  # timed alone: the route's step cost
                     self.cost.observe(window.sent.n_tokens, time.perf_counter() - solo[1])
                 # a window sent ahead that missed is resent from where the stream is (it may have
                 # overtaken the step before it for longer than a worker waits), not a re-prefill
                 keep = (window.continues(s) and not s.done
                         and not (window.ahead and reply.outcome == pb.OUTCOME_CACHE_MISS))
-                alone = self.cost.seconds(window.sent.n_tokens)
-                if window.sent.samples and alone is not None and reply.outcome == pb.OUTCOME_OK:
-                    if window.ahead and keep and arrived_before is not None:
-                        self.ahead.kept(alone, arrived - arrived_before)
-                    elif not window.ahead and inflight:  # a window was sent behind it (still in flight)
-                        self.ahead.slowed(alone, arrived - sent_at)
+                if reply.outcome == pb.OUTCOME_OK:
+                    self._measure_ahead(window, inflight[0][0] if inflight else None, keep, sent_at, arrived,
+                                        arrived_before)
                 arrived_before = arrived
                 if not keep or reply.outcome != pb.OUTCOME_OK:
                     s.held = max(s.held, window.end)
                     # nothing built on it counts, and none may overtake the next step
-                    drop(record=reply.outcome == pb.OUTCOME_OK)
+                    drop(record=reply.outcome == pb.OUTCOME_OK and not ending())
                 if keep:
                     if window.ahead and reply.outcome == pb.OUTCOME_OK:
                         s.pipelined_kept += 1
@@ -345,6 +344,21 @@ class _RouteLoop:
         finally:
             self._drain(s, inflight)  # whatever ends the loop (an exception too), nothing stays in flight
         return True
+
+    def _measure_ahead(self, window: Window, behind: Window | None, keep: bool, sent_at: float, arrived: float,
+                       arrived_before: float | None) -> None:
+        """What a pipelined generation step's reply (OK) tells of windows ahead (AheadTiming): a
+        verification window sent ahead and kept, how much sooner it came than sent after the reply
+        before it; a step with one sent behind it, how much longer it took. Prompt chunks tell
+        neither, and nothing counts before a one-token step is timed (the priors are in its units)."""
+        alone = self.cost.seconds(window.sent.n_tokens)
+        if not window.sent.decodes or alone is None or self.cost.seconds(1) is None:
+            return
+        if window.ahead and window.guess and keep and arrived_before is not None:
+            # (sent once the reply before it was back but not yet read: its time from then)
+            self.ahead.kept(alone, arrived - max(arrived_before, sent_at))
+        elif not window.ahead and behind is not None and behind.guess:
+            self.ahead.slowed(alone, arrived - sent_at)
 
     @staticmethod
     def _drain(s: Stream, inflight: deque) -> tuple[int, float]:
@@ -825,6 +839,8 @@ class GenerationLoops:
             for k, v in list(self.loops.items()):
                 if v is loop:
                     del self.loops[k]
+                    if k in self._measures:  # the most recently used last (a long-lived loop is not the oldest)
+                        self._measures.move_to_end(k)
             loop.close()
 
     def wait_idle(self, timeout: float) -> bool:

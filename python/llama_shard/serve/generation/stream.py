@@ -26,6 +26,12 @@ class SentStep(NamedTuple):
     drafts: list[int]    # the drafts it carries after the last sampled token
     in_run: bool = False  # its first token was a guess (a window sent ahead): its drafts follow accepted ones
 
+    @property
+    def decodes(self) -> bool:
+        """A generation step: one token (the last sampled, or a guess of it) and its drafts, sampled
+        (not a prompt's chunk, whose time says nothing of a step's cost by drafts)."""
+        return self.samples and self.n_tokens == len(self.drafts) + 1
+
 
 class Window(NamedTuple):
     """A step sent while the stream's earlier steps are still in flight (pipelining), built as if
