@@ -235,10 +235,10 @@ class _RouteLoop:
         # one run of drafts from the first window's first
         chance = s.control.all_accepted(sum(len(w.sent.drafts) + 1 for w in ahead), s.long_match)
         k = max(0, min(s.control.k(cost, s.long_match, probe=False), room - 1))
-        step_s = self.cost.seconds(1)
-        # nothing measured before a one-token step is timed: the priors, in units of such a step
-        timing, step_s = (self.ahead, step_s) if step_s is not None else (AheadTiming(), 1.0)
-        if not timing.worth(chance, k + 1, step_s, max(cost[1] - 1.0, 0.01) * step_s):
+        # until a one-token step is timed, AheadTiming has measured nothing (_measure_ahead, drop):
+        # the priors, in units of such a step
+        step_s = self.cost.seconds(1) or 1.0
+        if not self.ahead.worth(chance, k + 1, step_s, max(cost[1] - 1.0, 0.01) * step_s):
             return None
         assumed = []  # after the stream's tokens: each window's drafts, then the next one's guess
         for i, w in enumerate(ahead):
