@@ -628,11 +628,15 @@ def _https_status(port: int, ca_cert) -> tuple[int, dict]:
 
 def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
     port = free_port()
-    proc, addr = start_worker(embedded_model, 0, 14, 1, extra=("--peer", f"127.0.0.1:{free_port()}",
+    # the peer's port stays bound and never listens: refused for the whole test (a port only found
+    # free could be taken meanwhile; once, a worker answered there and /health said ok)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    proc, addr = start_worker(embedded_model, 0, 14, 1, extra=("--peer", f"127.0.0.1:{dead.getsockname()[1]}",
                                                                "--http-port", str(port), "--max-hop-seconds", "5"))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         wait_serving(proc, addr, route_up=False)  # NOT_SERVING: its only later stage never answered
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -643,9 +647,10 @@ def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
         resp = conn.getresponse()
         answer = json.loads(resp.read())
         assert resp.status == 503 and "stage 1 (layers 15-29)" in answer["error"]["message"], answer
-        conn.close()
     finally:
+        conn.close()  # (a failure must not leave its socket to the next test's garbage collection)
         stop_worker(proc)
+        dead.close()
 
 
 def test_http_needs_the_head(embedded_model):
