@@ -542,13 +542,17 @@ void register_context(py::module_ & m) {
 void register_contract_types(py::module_ & m) {
     m.def(
         "kv_state_problem",
-        [](py::bytes state, int32_t seq_len) {
+        [](py::bytes state, int32_t seq_len, bool values) {
             const std::string blob = state;
+            const auto * data = (const uint8_t *) blob.data();
             std::string why;
-            return kv_state_positions_ok((const uint8_t *) blob.data(), blob.size(), seq_len, why) ? std::string() : why;
+            const bool ok = values ? kv_state_values_ok(data, blob.size(), seq_len, why)
+                                   : kv_state_positions_ok(data, blob.size(), seq_len, why);
+            return ok ? std::string() : why;
         },
-        py::arg("state"), py::arg("seq_len"),
-        "What the restore check (kv_state_check.h) finds wrong with a llama.cpp sequence state of seq_len tokens; '' if nothing.");
+        py::arg("state"), py::arg("seq_len"), py::arg("values") = false,
+        "What the restore check (kv_state_check.h) finds wrong with a llama.cpp sequence state of seq_len tokens "
+        "(with values: every K/V value finite too); '' if nothing.");
     m.def("warm_sha256", &kv_file_store::sha256_implementation,
           "Whose SHA-256 the warm files' MAC uses: 'openssl' (libcrypto, when the build found it) or 'vendored'.");
     m.def("model_digest", &kv_file_store::model_digest, py::call_guard<py::gil_scoped_release>(), py::arg("path"),

@@ -112,7 +112,10 @@ def test_the_endpoint_and_generate_chat_render_a_conversation_the_same(route, em
     assert cli.returncode == 0, cli.stderr[-2000:]
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
         {"messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}))
-    assert got == 200 and answer["usage"]["completion_tokens"] == 12
+    # where the answer ends is the model's choice on this CPU's kernels (8 tokens and EOS on zen4's):
+    # both ways must end at the same token, whichever it is
+    used, finish = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+    assert got == 200 and 1 <= used <= 12 and finish == ("length" if used == 12 else "stop"), answer
     assert cli.stdout.strip() == answer["choices"][0]["message"]["content"].strip()
     assert f"prompt {answer['usage']['prompt_tokens']} tokens" in cli.stderr
 

@@ -259,6 +259,30 @@ elif case == "other-range":
     _, third_state = third.engine.export_session("s", 0, 0.0)
     r = dst.engine.import_session("c", 0, n, third_state, 0.0)
     assert r.status.name == "INVALID_INPUT" and "layers" in r.detail, (r.status, r.detail)
+elif case == "non-finite":
+    # values the sender's digest cannot vouch for: NaN and Inf in K and in V (f16), and in a
+    # quantized cache's block scale (q8_0, q4_0: their quants are integers), each refused
+    from llama_shard.testing.kv_state import F16_INF, F16_NAN, F16_NEG_INF, state_rows, with_f16
+    rows = state_rows(state)
+    k0, v_last = rows[0], [r for r in rows if r.kind == "V"][-1]
+    assert k0.ggml_type == 1 and v_last.ggml_type == 1, rows
+    forged = [reseal(with_f16(state, k0.offset, F16_NAN)), reseal(with_f16(state, k0.offset + 14, F16_INF)),
+              reseal(with_f16(state, v_last.offset + v_last.size - 2, F16_NEG_INF))]
+    for kv_type in ("q8_0", "q4_0"):
+        qcfg = HotKvStateConfig(max_sessions=4, context_tokens=96, budget_tokens=384, ttl_seconds=0, kv_type=kv_type)
+        q_src = HotKvStateManager(head, qcfg, ManualClock(), n_batch=64)
+        q_dst = HotKvStateManager(ShardModel(path, (0, 14), 1), qcfg, ManualClock(), n_batch=64)
+        KvBoundaryAdapter(head, q_src).prefill("s", 0, token_ids=prompt, start_pos=0)
+        _, q_state = q_src.engine.export_session("s", 0, 0.0)
+        q_rows = state_rows(q_state)
+        assert q_rows[0].ggml_type in (8, 2), q_rows[0]
+        q_before = (q_dst.sessions(), q_dst.stats())
+        for at in (q_rows[0].offset, q_rows[-1].offset + q_rows[-1].size - (34 if kv_type == "q8_0" else 18)):
+            r = q_dst.engine.import_session("c", 0, n, with_f16(q_state, at, F16_NAN), 0.0)
+            assert r.status.name == "INVALID_INPUT" and "not finite" in r.detail, (kv_type, r.status, r.detail)
+        assert (q_dst.sessions(), q_dst.stats()) == q_before
+        assert q_dst.engine.import_session("c", 0, n, q_state, 0.0).status.name == "OK"  # the genuine bytes
+        refusals.append(kv_type)
 elif case == "seq-len":
     forged = []
     for m in (n - 1, n + 1, 1):
@@ -284,7 +308,7 @@ print("REFUSED", len(refusals), sorted(set(refusals)))
 """
 
 
-@pytest.mark.parametrize("case", ["truncated", "position", "random", "other-range", "seq-len"])
+@pytest.mark.parametrize("case", ["truncated", "position", "random", "other-range", "seq-len", "non-finite"])
 def test_forged_bytes_are_refused_and_change_nothing(embedded_model, case):
     res = run_isolated(FORGED.format(path=str(embedded_model), prompt=PROMPT, case=case), timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

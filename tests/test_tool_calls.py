@@ -219,11 +219,13 @@ def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
               tool_choice="required", max_tokens=120, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict] = {}
-    finish, pieces = None, 0
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    finish, pieces, empty = None, 0, 0
+    for i, chunk in enumerate(client.chat.completions.create(stream=True, **kw)):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        # the first chunk names the role (with OpenAI's empty content); no other sends empty content
+        empty += i > 0 and delta.content == ""
         for d in delta.tool_calls or []:
             c = calls.setdefault(d.index, {"name": "", "arguments": ""})
             if d.function.name:
@@ -232,6 +234,7 @@ def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
             pieces += bool(d.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and pieces > 1  # the arguments streamed as they were written
+    assert empty == 0, f"{empty} chunks with empty content"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 

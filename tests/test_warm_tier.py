@@ -467,6 +467,36 @@ def test_a_signed_state_with_wrong_positions_is_refused(synthetic_model, tmp_pat
     m.check_invariants()
 
 
+@pytest.mark.parametrize("where", ["K", "V"])
+def test_a_signed_state_with_a_value_that_is_not_finite_is_refused(synthetic_model, tmp_path, capfd, where):
+    """A NaN or Inf row restores without an error and every later token is garbage: a file read back
+    is checked to its values (kv_state_check.h), even one signed with the directory's key; the
+    session it held is a miss (re-prefilled by the head), the others are untouched."""
+    from llama_shard._native import kv_state_problem
+    from llama_shard.testing.kv_state import F16_INF, F16_NAN, state_rows, with_f16
+
+    warm_dir = tmp_path / "w"
+    m, ad, f = _one_file_on_disk(synthetic_model, warm_dir)
+    key = (warm_dir / "llama-shard.key").read_bytes()
+    kv = KvFile(f.read_bytes())
+    state = bytes(kv.payload)
+    assert kv_state_problem(state, 3, values=True) == ""
+    rows = [r for r in state_rows(state) if r.kind == where]
+    for bits in (F16_NAN, F16_INF):
+        bad = with_f16(state, rows[-1].offset + rows[-1].size - 2, bits)
+        assert kv_state_problem(bad, 3) == ""  # its positions are fine: only the values are not
+        assert "not finite" in kv_state_problem(bad, 3, values=True)
+    kv.payload[:] = with_f16(state, rows[0].offset, F16_NAN)
+    f.write_bytes(kv.signed(key))
+    other = m.resolve("b", 0)
+    out = ad.decode("a", 0, token_ids=[5])
+    assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.EVICTED_LRU
+    assert f"refused a state of 3 tokens: {where} rows of layer 0 hold a value that is not finite" in capfd.readouterr().err
+    assert m.stats()["disk_failures"] == 1 and not f.exists()
+    assert m.resolve("b", 0) == other
+    m.check_invariants()
+
+
 def _cell_offsets(state: bytes, seq_len: int) -> list[int]:
     """Where each cell's position lies in a one-cache state (magic, seq id, stream count, the cell
     count of each stream: the sequence's stream is the one whose count is seq_len)."""
@@ -500,6 +530,13 @@ def test_the_state_check_survives_any_damage(synthetic_model, tmp_path):
     assert 0 < rows < 3 * len(state)
     for seq_len in (-1, 0, 2, 4, 1 << 30):
         assert kv_state_problem(state, seq_len) != ""
+    # the value check too: any damage passes or is named
+    for n in range(0, len(state), 7):
+        assert kv_state_problem(state[:n], 3, values=True) != ""
+    for i in range(len(state)):
+        damaged = bytearray(state)
+        damaged[i] ^= 0x7C
+        kv_state_problem(bytes(damaged), 3, values=True)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign_recipe", "foreign_range", "foreign_model", "flash_attn_off"])

@@ -1,5 +1,7 @@
 #include "llama_shard/kv_state_check.h"
 
+#include "ggml.h"
+
 #include <cstring>
 #include <vector>
 
@@ -41,9 +43,79 @@ struct stream_span {
     size_t end   = 0;
 };
 
+// --- values -----------------------------------------------------------------------------------
+// A K/V value is finite exactly when its type's own bits say so, so nothing is dequantized: a float
+// type by its exponent (all ones: Inf or NaN), a block-quantized type by its block's f16 scale (and
+// minimum), whose integer quants times a finite scale are finite.
+
+bool f16_finite(const uint8_t * p, uint64_t n) {
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        bad |= (uint32_t) ((h & 0x7c00u) == 0x7c00u);  // branch-free: the loop vectorizes
+    }
+    return bad == 0;
+}
+
+bool bf16_finite(const uint8_t * p, uint64_t n) {
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        bad |= (uint32_t) ((h & 0x7f80u) == 0x7f80u);
+    }
+    return bad == 0;
+}
+
+bool f32_finite(const uint8_t * p, uint64_t n) {
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+        uint32_t f;
+        std::memcpy(&f, p + 4 * i, 4);
+        bad |= (uint32_t) ((f & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+}
+
+// the f16 halves at the start of each block that scale it: d, and m for the "_1" types
+bool block_scales_finite(const uint8_t * p, uint64_t bytes, size_t block_bytes, int n_scales) {
+    uint32_t bad = 0;
+    for (uint64_t at = 0; at + block_bytes <= bytes; at += block_bytes) {
+        for (int k = 0; k < n_scales; ++k) {
+            uint16_t h;
+            std::memcpy(&h, p + at + 2 * k, 2);
+            bad |= (uint32_t) ((h & 0x7c00u) == 0x7c00u);
+        }
+    }
+    return bad == 0;
+}
+
+// true if every value of `bytes` bytes of `type` is finite; false for a type this check cannot read
+bool values_finite(int32_t type, const uint8_t * p, uint64_t bytes) {
+    switch (type) {
+        case GGML_TYPE_F32:  return bytes % 4 == 0 && f32_finite(p, bytes / 4);
+        case GGML_TYPE_F16:  return bytes % 2 == 0 && f16_finite(p, bytes / 2);
+        case GGML_TYPE_BF16: return bytes % 2 == 0 && bf16_finite(p, bytes / 2);
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q4_1:
+        case GGML_TYPE_Q5_1: {
+            const size_t block = ggml_type_size((ggml_type) type);
+            const int    n_scales = (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1) ? 2 : 1;
+            return bytes % block == 0 && block_scales_finite(p, bytes, block, n_scales);
+        }
+        default:
+            return false;
+    }
+}
+
 // the rows of one stream's cells: K per layer, then V per layer (rows, or transposed elements);
-// each header checked against `layout` when there is one; the cache's layer count added to `layers`
-bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, uint64_t & layers, std::string & why) {
+// each header checked against `layout` when there is one, every value checked finite when
+// `check_values`; the cache's layer count added to `layers`
+bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool check_values, uint64_t & layers,
+               std::string & why) {
     uint32_t v_trans = 0, n_layer = 0;
     if (!c.get(v_trans) || !c.get(n_layer) || v_trans > 1 || n_layer > MAX_LAYERS) {
         why = "a bad row header";
@@ -78,8 +150,14 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, uint6
                       std::to_string(layout->row_bytes);
                 return false;
             }
+            const uint8_t * rows = c.p;
             if (!c.skip(cells, row)) {
                 why = "rows past the end of the state";
+                return false;
+            }
+            if (check_values && !values_finite(type, rows, (uint64_t) cells * row)) {
+                why = std::string(kv) + " rows of layer " + std::to_string(l % n_layer) + " hold a value that is not " +
+                      "finite (NaN or Inf), or are of ggml type " + std::to_string(type) + ", whose values are not checked";
                 return false;
             }
         } else {
@@ -93,8 +171,14 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, uint6
                       std::to_string(layout->n_embd_v) + " of " + std::to_string(layout->el_bytes);
                 return false;
             }
+            const uint8_t * rows = c.p;
             if (!c.skip((uint64_t) cells * n_embd, el)) {
                 why = "rows past the end of the state";
+                return false;
+            }
+            if (check_values && !values_finite(type, rows, (uint64_t) cells * n_embd * el)) {
+                why = std::string(kv) + " rows of layer " + std::to_string(l % n_layer) + " hold a value that is not " +
+                      "finite (NaN or Inf), or are of ggml type " + std::to_string(type) + ", whose values are not checked";
                 return false;
             }
         }
@@ -102,9 +186,9 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, uint6
     return true;
 }
 
-// the one reader: positions, and the rows against `layout` when given; each cache's span of the
-// sequence appended to `spans` when given
-bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout,
+// the one reader: positions, the rows against `layout` when given and their values when
+// `check_values`; each cache's span of the sequence appended to `spans` when given
+bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout, bool check_values,
                 std::vector<stream_span> * spans, std::string & why) {
     cursor c{data, data != nullptr ? size : 0};
     uint32_t magic = 0;
@@ -159,7 +243,7 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
                     return false;
                 }
             }
-            if (!skip_rows(c, cells, layout, layers, why)) {
+            if (!skip_rows(c, cells, layout, check_values, layers, why)) {
                 return false;
             }
             span = stream_span{at, size - c.left};
@@ -190,12 +274,16 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
 } // namespace
 
 bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
-    return read_state(data, size, seq_len, nullptr, nullptr, why);
+    return read_state(data, size, seq_len, nullptr, false, nullptr, why);
+}
+
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
+    return read_state(data, size, seq_len, nullptr, true, nullptr, why);
 }
 
 bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
                          std::string & why) {
-    return read_state(data, size, seq_len, &layout, nullptr, why);
+    return read_state(data, size, seq_len, &layout, true, nullptr, why);
 }
 
 uint32_t kv_state_streams(const uint8_t * data, size_t size) {
@@ -212,7 +300,7 @@ bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint3
     out.reset();
     std::vector<stream_span> spans;
     std::string why;
-    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, &spans, why)) {
+    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, false, &spans, why)) {
         return false;
     }
     const size_t header = sizeof(uint32_t) + sizeof(int32_t);  // magic, saved seq id

@@ -169,7 +169,9 @@ const page_buffer * warm_tier::restore_source(const std::string & sid, uint64_t 
     }
     const page_buffer & state = w.on_disk ? scratch : w.state;
     std::string why;
-    if (!kv_state_positions_ok(state.data(), state.size(), w.seq_len, why)) {
+    // a file read back is checked to its values (a copy kept in memory is this engine's own bytes)
+    if (!(w.on_disk ? kv_state_values_ok(state.data(), state.size(), w.seq_len, why)
+                    : kv_state_positions_ok(state.data(), state.size(), w.seq_len, why))) {
         std::fprintf(stderr, "llama-shard warm tier: refused a state of %d tokens: %s\n", (int) w.seq_len, why.c_str());
         counters_.disk_failures += w.on_disk ? 1 : 0;
         return nullptr;

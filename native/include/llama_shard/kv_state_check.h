@@ -29,6 +29,11 @@
 // bytes are refused before the engine changes anything. What no layout shows is where the rows
 // came from: another layer range of the same shape, another model of the same geometry (the
 // caller's identity check: the recipe and the model, see HotKvStateManager.import_session).
+// Values: state from elsewhere (an import, a warm file read back from disk) must also hold only
+// finite K/V values. A NaN or Inf row restores without an error and turns every later token of the
+// session into garbage; the sender's digest cannot catch it, since the sender made the digest. The
+// check reads each type's own bits (float exponents, block-quantized scales), dequantizing nothing;
+// a type it cannot read is refused. A state this engine wrote to its own memory is not re-checked.
 // The stream count is the one field that may differ: a context with one KV stream per sequence
 // writes one cell count per stream (n_seq_max of them), and llama.cpp restores the sequence's
 // cells into the receiving sequence's own stream whatever index they were saved under, so
@@ -45,6 +50,10 @@ namespace llama_shard {
 // true if `data` is the state of one sequence of exactly seq_len tokens; `why` says what is not
 bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why);
 
+// kv_state_positions_ok, and every K/V value finite (a row type whose values cannot be checked is
+// refused); `why` says what is not
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why);
+
 // what the rows of a state restored on one context must be (hot_kv_engine fills it from its
 // context: kv_type, flash attention, head geometry, owned layers)
 struct kv_state_layout {
@@ -56,7 +65,7 @@ struct kv_state_layout {
     uint32_t n_embd_v  = 0;      // V transposed: V elements per cell
 };
 
-// kv_state_positions_ok, and every row header as `layout` says; `why` says what is not
+// kv_state_values_ok, and every row header as `layout` says; `why` says what is not
 bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
                          std::string & why);
 

@@ -90,6 +90,18 @@ class ChaosMonkey:
         self._thread.start()
         return self
 
+    def kills(self) -> int:
+        """Workers killed or stopped so far."""
+        return sum(1 for e in list(self.events) if e[2] in ("kill", "term"))
+
+    def run_for(self, seconds: float, kills: int, bound_s: float = 600.0) -> None:
+        """Lets the monkey work for at least `seconds` and until it has killed or stopped `kills`
+        workers (a loaded machine fits fewer restart cycles in a given time), at most `bound_s`."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < bound_s and not self.errors and (
+                time.monotonic() - t0 < seconds or self.kills() < kills):
+            time.sleep(0.2)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(120)

@@ -844,7 +844,8 @@ class OpenAIEndpoint:
                 await send(fmt.chunk(text, None, lp))
                 continue
             text, deltas = calls.feed(text)
-            await send(fmt.chunk(text, None, lp))
+            if text or lp is not None:  # no empty content between calls' deltas (a token's logprobs go out)
+                await send(fmt.chunk(text or None, None, lp))
             for delta in deltas:
                 await send(fmt.tool_chunk(delta))
         final = event.final
