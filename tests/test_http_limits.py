@@ -165,7 +165,10 @@ def test_slow_headers_and_slow_bodies_are_closed_within_their_timeouts(plain):
           f"{idle * 1000:.0f} ms idle, {during * 1000:.0f} ms during the attack")
     assert all(c is not None and c <= TIMEOUT_S + 1.0 for c in headers_closed), headers_closed
     assert all(c is not None and c <= TIMEOUT_S + 1.0 for c in bodies_closed), bodies_closed
-    assert all(a.startswith(b"HTTP/1.1 408") for a in answers[150:]), answers[150:]  # told why, then closed
+    # told why, then closed: the first 16 (one address's bodies at once) when their time is up, the
+    # others at once
+    statuses = [a[:12] for a in answers[150:]]
+    assert statuses.count(b"HTTP/1.1 408") == 16 and statuses.count(b"HTTP/1.1 429") == 14, statuses
     assert not any(answers[:150])
     assert during <= 2 * idle + 0.1, (idle, during)
 
@@ -520,6 +523,68 @@ def test_shared_prefix_counts_go_to_admins_only_when_prefixes_are_shared(tls_wor
 
 
 # --- the file-descriptor attack -------------------------------------------------------------------
+
+def test_slow_bodies_from_one_address_refuse_no_one_else(embedded_model):
+    """300, then 1,000 connections from one address send whole headers (Content-Length 100,000),
+    then their bodies a byte a second. Before, each took a generation slot with its headers and
+    everyone got 429 until the body deadline (30 s). A body on its way now holds a place of its
+    address's (16) instead: the rest are refused at once, and a client at another address gets 200
+    throughout, as does a slow sender there (its address has places of its own)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2400:
+        pytest.skip(f"this test needs 2,400 open files for its own connections (hard limit {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2400), hard))
+    port = free_port()
+    proc, addr = start_worker(embedded_model, 0, 29, 1, extra=("--http-port", str(port), "--http-body-timeout", "30",
+                                                               "--http-header-timeout", "30"))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+           b"Content-Length: 100000\r\n\r\n"
+
+    def post(source: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(COMPLETION), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    try:
+        wait_serving(proc, addr)
+        assert post("127.0.0.2") == 200
+        idle_rss = _rss(proc.pid)
+        for n in (300, 1000):
+            socks = []
+            for _ in range(n):
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(head)  # whole headers at once, then the body a byte at a time
+                socks.append(s)
+            other = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0))
+            other.sendall(head)  # a slow sender at another address: a place of its own
+            statuses: list[int] = []
+            peak = idle_rss
+            answers = [b""] * (n + 1)
+            attack = threading.Thread(target=_drip, args=(socks + [other], [b"{" * 100000] * (n + 1), 6.0, 1.0, answers))
+            attack.start()
+            t0 = time.monotonic()
+            while attack.is_alive():
+                statuses.append(post("127.0.0.2"))
+                peak = max(peak, _rss(proc.pid))
+            attack.join()
+            refused = sum(a.startswith(b"HTTP/1.1 429") for a in answers[:n])
+            print(f"{n} slow bodies from one address for {time.monotonic() - t0:.1f} s: {refused} refused at once "
+                  f"(429), {sum(not a for a in answers[:n])} still sending; another address's requests: "
+                  f"{len(statuses)}, statuses {sorted(set(statuses))}; its slow sender answered "
+                  f"{answers[n][:12]!r}; resident memory {idle_rss / 2**20:.0f} MiB idle, peak {peak / 2**20:.0f} MiB")
+            assert statuses and set(statuses) == {200}, statuses
+            assert refused == n - 16 and answers[n] == b"", (refused, answers[n][:80])
+            assert peak <= 2 * idle_rss
+        assert proc.poll() is None
+    finally:
+        code, err = stop_worker(proc)
+        assert "Traceback" not in err, err[-3000:]
+
 
 def test_1100_slow_connections_under_a_1024_file_limit_leave_both_ports_serving(embedded_model):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

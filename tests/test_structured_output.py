@@ -413,3 +413,95 @@ def test_generated_schemas_never_crash_the_converter_or_the_sampler(embedded_mod
     print(f"\n  {converted + refused} generated schemas: {converted} converted ({sampled} sampled under their "
           f"grammar), {refused} refused")
     assert converted and refused and sampled
+
+
+def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
+    """The tail keeps each session's grammar state between steps: a step that names it by its digest
+    samples what a step replaying every token samples (the protocol before), a step naming a state
+    the tail does not hold (a new replica, an eviction, another history) is refused with nothing
+    sampled, and the head's replay after that refusal goes on with the same tokens."""
+    from llama_shard.proto import shard_pb2 as pb
+    from llama_shard.proto.requests import sampling_to_wire
+    from llama_shard.serve.generation.grammar_sync import GrammarSync
+    from llama_shard.serve.sampling import SamplerStateMissing, TailSamplers
+
+    n_vocab = vocab.info.n_vocab
+    params = SamplingParams(temperature=0.9, seed=5, penalty_repeat=1.1, penalty_last_n=8,
+                            grammar='root ::= "[" [0-9] "," [0-9] "," [0-9] "," [0-9] ("," [0-9]+)* "]"')
+    rows = (np.random.default_rng(3).standard_normal((24, n_vocab)) * 3).astype(np.float32)
+    prompt = [1, 2, 3]
+
+    def run(replay_every_step: bool, lose_at: int | None = None) -> tuple[list[int], int]:
+        tail, sync, generated = TailSamplers(n_vocab, 4096, 4, model=vocab), GrammarSync(), []
+        for i, row in enumerate(rows):
+            if i == lose_at:
+                tail = TailSamplers(n_vocab, 4096, 4, model=vocab)  # a failover to a replica of the tail
+            state = pb.SamplerState(params=sampling_to_wire(params), draws=len(generated),
+                                    recent=(prompt + generated)[-8:])
+            if replay_every_step:
+                sync.lost()
+            sync.fill(state, generated)
+            try:
+                token = tail.sample(("s", 0), params, state, row)
+            except SamplerStateMissing:
+                assert not replay_every_step and i == lose_at
+                sync.lost()  # the head sends the step again with the tokens
+                state = pb.SamplerState(params=sampling_to_wire(params), draws=len(generated),
+                                        recent=(prompt + generated)[-8:])
+                sync.fill(state, generated)
+                token = tail.sample(("s", 0), params, state, row)
+            sync.sampled()
+            generated.append(token)
+            if token in vocab.eog_tokens:
+                break
+        return generated, tail.grammar_replays
+
+    every, replays = run(True)  # the protocol before: every token in every step
+    assert replays == 1 and len(every) > 4
+    kept, replays = run(False)
+    assert kept == every and replays == 1
+    lost, replays = run(False, lose_at=3)
+    assert lost == every and replays == 1  # the new tail replayed once
+    # a digest of another history, or one the tail never saw, is refused and nothing is sampled
+    tail, sync = TailSamplers(n_vocab, 4096, 4, model=vocab), GrammarSync()
+    state = pb.SamplerState(params=sampling_to_wire(params), draws=0)
+    sync.fill(state, [])
+    first = tail.sample(("s", 0), params, state, rows[0])
+    sync.sampled()
+    for other in ([first + 1], [first, first]):
+        state = pb.SamplerState(params=sampling_to_wire(params), draws=len(other))
+        sync.fill(state, other)
+        assert not state.generated and len(state.generated_digest) == 16
+        with pytest.raises(SamplerStateMissing):
+            tail.sample(("s", 0), params, state, rows[1])
+    state = pb.SamplerState(params=sampling_to_wire(params), draws=1)
+    sync.fill(state, [first])
+    assert tail.sample(("s", 0), params, state, rows[1]) == every[1]  # the kept state survived the refusals
+
+
+def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
+    """A step used to carry every token generated under a grammar (128 KB at 32,768 tokens, every
+    token, every hop); it now carries their 16-byte digest, and the tokens only where the tail must
+    replay them."""
+    from llama_shard.proto import shard_pb2 as pb
+    from llama_shard.serve.generation.stream import Stream
+
+    grammar = 'root ::= [a-z ]*'
+    req = pb.GenerateRequest(session_id="s", prompt=[1, 2, 3], max_tokens=20000,
+                             sampling=pb.Sampling(temperature=0.0, grammar=grammar))
+    sizes = {}
+    for n in (100, 10000):
+        generated = [100 + i % 500 for i in range(n)]
+        s = Stream("", "s", req, SamplingParams(temperature=0.0, grammar=grammar), 20000, 0, None, vocab.detokenize)
+        s.tokens, s.generated, s.draws = [1, 2, 3] + generated, generated, n
+        s.computed = s.held = len(s.tokens) - 1
+        s.first_step = False
+        _, replayed = s.request(pb.DTYPE_FLOAT32)
+        s.grammar.sampled()
+        _, named = s.request(pb.DTYPE_FLOAT32)
+        assert list(replayed.sampler.generated) == generated and not named.sampler.generated
+        sizes[n] = (replayed.ByteSize(), named.ByteSize())
+    print(f"\n  a grammar step's request: at token 100 {sizes[100][1]} bytes, at token 10,000 {sizes[10000][1]} bytes "
+          f"(replaying every token, as every step did before: {sizes[100][0]} and {sizes[10000][0]} bytes)")
+    assert abs(sizes[10000][1] - sizes[100][1]) <= 4  # varints of positions and draws: a byte or two
+    assert sizes[10000][0] > 10000

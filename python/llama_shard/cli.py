@@ -426,7 +426,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
                              args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
                              tuple(h.strip().lower() for h in args.http_allowed_host),
-                             tuple(cors_origin(o) for o in args.http_cors_origin))
+                             tuple(cors_origin(o) for o in args.http_cors_origin),
+                             parse_size(args.http_body_memory) if args.http_body_memory is not None
+                             else HttpLimits.body_memory_bytes, args.http_max_bodies_per_address)
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
@@ -698,6 +700,13 @@ def _http_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--http-max-requests-per-principal", type=_count(1, 1 << 20), default=None, metavar="N",
                     help="HTTP requests in flight per caller (default: all of --max-concurrent-rpcs without "
                          "authentication, half of them with)")
+    sv.add_argument("--http-max-bodies-per-address", type=_count(1, 1 << 20), default=lim.max_bodies_per_address,
+                    metavar="N", help="request bodies one address may have arriving at once on a worker without "
+                    f"authentication (429 past it; default {lim.max_bodies_per_address}): a slow sender holds no "
+                    "generation slot, and only this many places of its own")
+    sv.add_argument("--http-body-memory", type=_size, default=None, metavar="SIZE",
+                    help="memory for request bodies being read at once, each reserving its declared length "
+                         f"(503 past it; default {lim.body_memory_bytes // 2**20}MiB)")
     sv.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
                     help="a Host name a plaintext HTTP port answers besides IP literals and localhost (repeatable; "
                          "a page's own name is refused: DNS rebinding)")

@@ -12,6 +12,7 @@ entry point can say which of its own parameters was wrong without reading the me
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
@@ -120,6 +121,23 @@ def sampling_to_wire(p: SamplingParams) -> pb.Sampling:
 def sampling_key(p: SamplingParams) -> tuple:
     """The parameters as a value (what a kept sampler is compared by)."""
     return tuple(getattr(p, q.native) for q in SAMPLING_PARAMETERS) + (p.seed, tuple(p.logit_bias), p.grammar)
+
+
+#: a grammar's sampled tokens, as SamplerState.generated_digest names them: a chain over the tokens,
+#: so the head and the tail each extend it a token at a time (neither rehashes the whole output)
+GRAMMAR_DIGEST_BYTES = 16
+GRAMMAR_DIGEST_EMPTY = bytes(GRAMMAR_DIGEST_BYTES)
+#: StepReply.miss_reason of a tail that keeps no grammar state matching a step's digest
+SAMPLER_STATE_MISS = "SAMPLER_STATE"
+
+
+def grammar_digest(tokens, after: bytes = GRAMMAR_DIGEST_EMPTY) -> bytes:
+    """The running digest `after` extended by `tokens`, one token at a time."""
+    digest = after
+    for t in tokens:
+        digest = hashlib.blake2b(digest + int(t).to_bytes(4, "little", signed=True),
+                                 digest_size=GRAMMAR_DIGEST_BYTES).digest()
+    return digest
 
 
 def check_top_logprobs(n: int) -> None:

@@ -1,7 +1,8 @@
 """Sampling at the tail: llama.cpp's sampler chain for each session, rebuilt from the step itself.
 
 A step that asks the tail to sample carries the sampler's whole state (`SamplerState`: the params,
-the draws made so far, the last penalty_last_n tokens), so the tail keeps nothing it could lose:
+the draws made so far, the last penalty_last_n tokens; a grammar's tokens only where the tail must
+replay them, else their digest: generation/grammar_sync.py), so the tail keeps nothing it could lose:
 a retried step, or a session re-prefilled after a miss, samples exactly the token it would have
 sampled anyway. `TailSamplers` only saves the rebuild: it keeps each session's sampler after a
 step and uses it again when the next step's state is the one it has reached, otherwise it rebuilds
@@ -17,7 +18,8 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
-from ..proto.requests import check_grammar, check_top_logprobs, sampling_from_wire, sampling_key
+from ..proto.requests import (GRAMMAR_DIGEST_BYTES, check_grammar, check_top_logprobs, grammar_digest,
+                              sampling_from_wire, sampling_key)
 from .speculation import verify
 
 class StepSamplingChecks:
@@ -63,11 +65,12 @@ class StepSamplingChecks:
             raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
         if any(not 0 <= t < n_vocab for t in state.recent):
             raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
-        if params.grammar and len(state.generated) != state.draws:
-            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token: "
-                                    f"{len(state.generated)} for {state.draws} draws")
-        if state.generated and not params.grammar:
-            raise InvalidInputError("a sampler state without a grammar carries no generated tokens")
+        if params.grammar and len(state.generated) != state.draws and not (
+                not state.generated and len(state.generated_digest) == GRAMMAR_DIGEST_BYTES):
+            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token ({len(state.generated)} "
+                                    f"for {state.draws} draws), or none and their {GRAMMAR_DIGEST_BYTES}-byte digest")
+        if (state.generated or state.generated_digest) and not params.grammar:
+            raise InvalidInputError("a sampler state without a grammar carries no generated tokens or digest")
         if any(not 0 <= t < n_vocab for t in state.generated):
             raise InvalidInputError(f"a generated token of the sampler state is outside the vocabulary "
                                     f"(0..{n_vocab - 1})")
@@ -91,18 +94,26 @@ def log_softmax_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, l
     return float(x[token] - lse), top
 
 
+class SamplerStateMissing(Exception):
+    """A step names its grammar's state by digest, and the tail keeps no such state for the session."""
+
+
 class TailSamplers:
-    """Each session's sampler, kept between its steps (bounded, least recently used dropped)."""
+    """Each session's sampler, kept between its steps (bounded, least recently used dropped). With a
+    grammar, a kept sampler is matched by the running digest of the tokens it sampled: a step that
+    carries the digest alone continues it, or gets SamplerStateMissing (nothing is sampled) and
+    comes again with the tokens to replay (grammar_sync.py, the head's side)."""
 
     def __init__(self, n_vocab: int, max_window: int, capacity: int, model=None):
         self.n_vocab = n_vocab
         self.model = model  # a grammar's vocabulary (the tail's ShardModel)
         self.max_window = max_window
         self.capacity = max(1, capacity)
-        # (key, epoch) -> (sampler, params, draws, recent, generated)
+        # (key, epoch) -> (sampler, params, draws, recent, the digest of its grammar's tokens)
         self._kept: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
         self.rebuilds = 0
+        self.grammar_replays = 0  # grammar states rebuilt from a step's tokens
 
     def sample(self, key: tuple, params: SamplingParams, state: pb.SamplerState, logits: np.ndarray) -> int:
         return self.sample_rows(key, params, state, logits.reshape(1, -1), [])[0]
@@ -112,15 +123,25 @@ class TailSamplers:
         """A verification (speculation.verify) with the session's sampler: row by row, each draw
         accepted as one step's would be, until a token is not the next draft."""
         pkey, recent, draws = sampling_key(params), tuple(state.recent), state.draws
-        generated = tuple(state.generated)  # with a grammar: its replay (else empty)
+        replay = params.grammar and len(state.generated) == draws  # every token (else their digest)
+        digest = b""
+        if params.grammar:
+            digest = grammar_digest(state.generated) if replay else state.generated_digest
         with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
             kept = self._kept.pop(key, None)
-        if kept is not None and kept[1:] == (pkey, draws, recent, generated):
+        if kept is not None and kept[1:] == (pkey, draws, recent, digest):
             sampler = kept[0]
+        elif params.grammar and not replay:
+            if kept is not None:  # still the session's latest state: a replay of this step may continue it
+                with self._lock:
+                    self._kept[key] = kept
+            raise SamplerStateMissing(f"this tail keeps no grammar state of the session after {draws} tokens "
+                                      "with that digest: send the step with its generated tokens")
         else:
             sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws,
-                                   model=self.model if params.grammar else None, generated=list(generated))
+                                   model=self.model if params.grammar else None, generated=list(state.generated))
             self.rebuilds += 1
+            self.grammar_replays += bool(params.grammar)
 
         def draw(row):
             token = sampler.sample(np.ascontiguousarray(row))
@@ -130,7 +151,8 @@ class TailSamplers:
         window = params.penalty_last_n
         after = (recent + tuple(tokens))[-window:] if window else ()
         with self._lock:
-            self._kept[key] = (sampler, pkey, draws + len(tokens), after, generated + tuple(tokens) if params.grammar else ())
+            self._kept[key] = (sampler, pkey, draws + len(tokens), after,
+                               grammar_digest(tokens, digest) if params.grammar else b"")
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
         return tokens

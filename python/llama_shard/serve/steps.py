@@ -23,13 +23,13 @@ from ..engine.manager import HotKvStateManager
 from ..errors import (ComputeError, IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError,
                       LlamaShardError, StaleRouteEpochError)
 from ..proto import shard_pb2 as pb
-from ..proto.requests import MAX_DRAFTS
+from ..proto.requests import MAX_DRAFTS, SAMPLER_STATE_MISS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for
 from .admission import SessionCapRefused, SessionOwners
 from .handover import STILL_MOVING, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
-from .sampling import StepSamplingChecks, TailSamplers, log_softmax_of
+from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of
 from .security import ServerSecurity
 from .speculation import verify
 
@@ -408,6 +408,8 @@ class StepRunner:
                     tokens = self.samplers.sample_rows(key, params, req.sampler, rows, drafts)
                 else:
                     tokens = verify(rows, drafts, lambda row: int(np.argmax(row)))
+            except SamplerStateMissing as e:  # the head sends the step again with the grammar's tokens
+                return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=SAMPLER_STATE_MISS, detail=str(e))
             except LlamaShardError as e:  # e.g. a non-finite logit: this step fails, not the batch
                 return pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=f"sampling failed: {e}")
             token = tokens[-1]

@@ -15,8 +15,8 @@ from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
-from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, check_grammar, check_max_drafts,
-                               check_stops, check_top_logprobs, sampling_from_wire)
+from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, SAMPLER_STATE_MISS, check_grammar,
+                               check_max_drafts, check_stops, check_top_logprobs, sampling_from_wire)
 from ..admission import SessionCapRefused
 from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
 from .host import HeadHost
@@ -587,6 +587,17 @@ class GenerationLoops:
     def settle(self, s: Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
         n_sent, final, drafts = s.sent.n_tokens, s.sent.samples, s.sent.drafts
+        if reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == SAMPLER_STATE_MISS:
+            # the tail keeps no grammar state this step named: the same step again with the tokens
+            # (the stages before it applied it: a prefill at the same position cuts there)
+            s.misses_in_row += 1
+            if s.misses_in_row > MAX_REPREFILLS:
+                self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
+                            detail=f"the tail refused the grammar's state {MAX_REPREFILLS} times: {reply.detail}")
+                return
+            s.grammar.lost()
+            s.held = max(s.held, s.computed + n_sent)
+            return
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             s.reprefills += 1
             s.misses_in_row += 1
@@ -614,6 +625,7 @@ class GenerationLoops:
             s.computed += n_sent
             s.held = s.computed
             return
+        s.grammar.sampled()
         tokens = list(reply.tokens) if drafts else [reply.token_id]
         n_vocab = self.host.info.n_vocab
         # a tail must not make the head crash: its answer is checked against what was asked
@@ -651,6 +663,7 @@ class GenerationLoops:
         """The route lost the session (a miss, a failover): its next step re-prefills it from token
         zero, with the same tokens and draw count, so it samples what it would have anyway."""
         s.reprefilled_tokens += s.computed
+        s.grammar.lost()
         s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
         s.planned, s.prefix, s.prefix_tokens = False, None, 0
 
@@ -668,6 +681,7 @@ class GenerationLoops:
                         detail=f"the route changed {MAX_ROUTE_CHANGES} times in one step; last: {reply.detail}")
             return
         hop = replicas.moved(failed, reply.moved_to) if reply.moved_to else None
+        s.grammar.lost()  # another replica's tail keeps no grammar state of this session
         if hop is not None:
             s.moves += 1
             # the stages before it applied the step: the same step again is a prefill that cuts there

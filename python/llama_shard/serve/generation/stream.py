@@ -12,6 +12,7 @@ from ...engine.hot_kv import StepKind
 from ...proto import shard_pb2 as pb
 from ..prefixes import PREFIX_BLOCK_TOKENS
 from ..speculation import NGRAM_LONG, DraftControl, NgramDrafter
+from .grammar_sync import GrammarSync
 
 #: prompt tokens per step: a long prompt does not hold up the decoders grouped with it for long
 GENERATE_CHUNK = 256
@@ -110,6 +111,7 @@ class Stream:
         self.reprefilled_tokens = 0           # tokens computed again (misses, failovers)
         self.pipelined_windows = 0            # steps sent while an earlier one was in flight
         self.pipelined_kept = 0               # of those, the ones whose replies counted
+        self.grammar = GrammarSync()          # with a grammar: whether the tail holds its state (else a replay)
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:
@@ -188,6 +190,6 @@ class Stream:
                 req.sampler.draws = self.draws
                 req.sampler.recent.extend(self.tokens[-window:] if window else [])
                 if self.req.sampling.grammar:
-                    req.sampler.generated.extend(self.generated)
+                    self.grammar.fill(req.sampler, self.generated)
         self.sent = SentStep(len(chunk), final, drafts)
         return kind, req

@@ -15,9 +15,9 @@ Invariants: nothing a client sends reaches llama.cpp unchecked (every parameter 
 then again by `GenerationLoops`); every error is OpenAI's JSON shape with its status; a closed
 connection cancels its stream before the next step (the session's KV stays for the next turn).
 A request is refused by what it costs before it costs it: its connection is counted and timed from
-accept (`guard`); its in-flight slot (global and per principal) is taken before its body is
-read; a body longer than the context could hold as tokens is refused by its length before it is
-parsed; rendering and tokenizing run on a bounded pool off the event loop, their output bounded."""
+accept (`guard`); its body is read holding a place bounded in memory and per caller (`bodies`),
+and its in-flight slot (global and per principal) is taken once the body is whole; a body longer
+than the context could hold as tokens is refused by its length before it is read; rendering and tokenizing run on a bounded pool off the event loop, their output bounded."""
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +43,7 @@ from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_STOP_TOKENS, check_grammar
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
 from ..security import ANONYMOUS, ServerSecurity, file_mtimes
+from .bodies import BodyReaders
 from .chat_template import ModelChat
 from .errors import HttpError, outcome_status, refusal_error
 from .guard import ConnectionGuard, HttpLimits
@@ -109,6 +110,9 @@ class OpenAIEndpoint:
         self.max_token_bytes = _longest_token_bytes(model)
         self.max_body_bytes = min(MAX_BODY_BYTES, generation.context_tokens * self.max_token_bytes
                                   + BODY_OVERHEAD_BYTES)
+        # bodies on their way in: bounded in memory and per caller (an address without authentication)
+        self.bodies = BodyReaders(limits, self.max_body_bytes, self.max_in_flight_per_principal,
+                                  security.authenticated)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="http-tokenize")
         self.split_special_tokens = split_special_tokens  # message text never parsed as special tokens
         self.model_id = Path(model.path).name.removesuffix(".gguf")
@@ -277,7 +281,8 @@ class OpenAIEndpoint:
             principal = self._principal(request)
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 raise self._too_large()
-            refusal = self._slot_refusal(principal)
+            refusal = (self.bodies.refusal(request.remote, principal, request.content_length)
+                       or self._slot_refusal(principal))
             if refusal is not None:
                 raise refusal
         except HttpError as e:
@@ -405,8 +410,8 @@ class OpenAIEndpoint:
         """llama-server's /tokenize: {"content", "add_special" (false), "with_pieces" (false)} ->
         {"tokens": [id, ...]} or [{"id", "piece"}, ...]: what a prompt costs against the context."""
         principal = self._principal(request)
+        body = await self._body(request, principal)
         with self._slot(principal):
-            body = await self._body(request)
             content = body.get("content")
             if not isinstance(content, str):
                 raise HttpError(400, "content must be a string", "content")
@@ -420,8 +425,8 @@ class OpenAIEndpoint:
     async def _detokenize_route(self, request: web.Request) -> web.Response:
         """llama-server's /detokenize: {"tokens": [id, ...]} -> {"content"}."""
         principal = self._principal(request)
+        body = await self._body(request, principal)
         with self._slot(principal):
-            body = await self._body(request)
             tokens = body.get("tokens")
             n_vocab = self.model.info.n_vocab
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
@@ -431,8 +436,9 @@ class OpenAIEndpoint:
 
     @contextlib.contextmanager
     def _slot(self, principal: str):
-        """One of the endpoint's requests in flight, counted globally and for its principal (before its
-        body is read: a slow or huge body waits in no queue and holds no memory past the cap)."""
+        """One of the endpoint's requests in flight, counted globally and for its principal, taken once
+        its body is whole (a body on its way holds a place of `bodies` instead: a slow sender holds
+        no slot another caller could use)."""
         refusal = self._slot_refusal(principal)
         if refusal is not None:
             raise refusal
@@ -459,15 +465,17 @@ class OpenAIEndpoint:
                                   "(serve --http-max-requests-per-principal)")
         return None
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, principal: str) -> dict:
         """The request's JSON object: its length checked before it is read, read within the body
-        timeout, parsed with its depth bounded by Python's recursion limit (a 400, not a 500)."""
+        timeout while it holds a place of `bodies` (the caller's and the memory's), parsed with its
+        depth bounded by Python's recursion limit (a 400, not a 500)."""
         if self.generation.stopping:
             raise HttpError(503, "the worker is shutting down")
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise self._too_large()
         try:
-            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
+            with self.bodies.reading(request.remote, principal, request.content_length):
+                raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
             raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
                                  "(serve --http-body-timeout)", close=True) from None
@@ -540,8 +548,8 @@ class OpenAIEndpoint:
         """llama-server's /apply-template: {"messages", "tools"?} -> {"prompt"}: the text a chat request
         with these messages would generate from (before tokenization)."""
         principal = self._principal(request)
+        body = await self._body(request, principal)
         with self._slot(principal):
-            body = await self._body(request)
             unknown = sorted(set(body) - {"messages", "tools", "tool_choice", "parallel_tool_calls", "model"})
             if unknown:
                 raise HttpError(400, f"unrecognized request argument: {unknown[0][:64]!r}", unknown[0][:64])
@@ -572,11 +580,11 @@ class OpenAIEndpoint:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         principal = self._principal(request)
+        body = await self._body(request, principal)
         with self._slot(principal):
-            return await self._chat_in_slot(request, principal)
+            return await self._chat_in_slot(request, principal, body)
 
-    async def _chat_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
-        body = await self._body(request)
+    async def _chat_in_slot(self, request: web.Request, principal: str, body: dict) -> web.StreamResponse:
         check_keys(body, "chat")
         rendered = self._messages(body)
         top = number(body, "top_logprobs", 0, INT32_MAX, integer=True) or 0
@@ -598,11 +606,11 @@ class OpenAIEndpoint:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         principal = self._principal(request)
+        body = await self._body(request, principal)
         with self._slot(principal):
-            return await self._completions_in_slot(request, principal)
+            return await self._completions_in_slot(request, principal, body)
 
-    async def _completions_in_slot(self, request: web.Request, principal: str) -> web.StreamResponse:
-        body = await self._body(request)
+    async def _completions_in_slot(self, request: web.Request, principal: str, body: dict) -> web.StreamResponse:
         check_keys(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

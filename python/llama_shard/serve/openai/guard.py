@@ -10,7 +10,8 @@ handshake, to close:
 - **headers**: a new connection must complete its TLS handshake and its first request's headers
   within `header_timeout_s`; a kept-alive one may wait `idle_timeout_s` for its next request, whose
   headers must then arrive within `header_timeout_s` of its first byte.
-- **body**: a handler reads its body within `body_timeout_s` (`OpenAIEndpoint._body`).
+- **body**: a handler reads its body within `body_timeout_s` (`OpenAIEndpoint._body`), holding a
+  place bounded in memory and per caller (`bodies.BodyReaders`), not a generation slot.
 - **writes**: a connection whose unsent bytes do not shrink for `write_timeout_s` (a client that does
   not read its stream) is aborted; the stream's handler sees the failed write, stops the stream's
   compute and frees its slot.
@@ -31,6 +32,8 @@ import socket
 import ssl
 import sys
 from collections import OrderedDict
+
+from .bodies import BODIES_PER_ADDRESS, BODY_MEMORY_BYTES
 
 #: how often the deadlines are checked (a connection lives at most this much past its deadline)
 SWEEP_S = 0.25
@@ -53,6 +56,8 @@ class HttpLimits:
     max_in_flight_per_principal: int | None = None  # None: the global cap without authentication, half of it with
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted on a plaintext port beside IP literals and localhost
     cors_origins: tuple[str, ...] = ()   # Origins a browser page may call from (CORS; "*": any); none by default
+    body_memory_bytes: int = BODY_MEMORY_BYTES       # bodies being read at once, together (bodies.py)
+    max_bodies_per_address: int = BODIES_PER_ADDRESS  # bodies arriving at once from one address, without authentication
 
     def connection_cap(self) -> int:
         if self.max_connections is not None:
