@@ -180,7 +180,7 @@ def test_stats_and_other_threads_run_while_a_long_step_computes(embedded_model):
     waited = time.perf_counter() - t0
     ticker.join()
     assert not ticket.done(), "the step ended too soon to show anything; use a longer prompt"
-    assert waited < 0.05, waited
+    assert waited < 0.5, waited  # not the step's seconds (a loaded machine schedules the call late, not 1 s late)
     assert st["live_sessions"] <= 1 and len(ticks) == 20
     ticket.wait()
     assert ticket.result.seq_len == 2048 and manager.stats()["tokens_computed"] == 2048

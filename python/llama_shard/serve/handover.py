@@ -24,6 +24,7 @@ import hashlib
 import threading
 import time
 from collections import Counter as Tally
+from collections import OrderedDict
 
 from ..engine.hot_kv import CacheMiss
 from ..errors import LlamaShardError
@@ -107,6 +108,46 @@ class SessionMoves:
             return len(set(self.moved) - self.asked)
 
 
+#: StepReply.miss_reason of a step whose handed_from names a hand-over this worker did not receive
+NOT_HANDED_OVER = "NOT_HANDED_OVER"
+
+
+class HandedIn:
+    """The receiving side's record of sessions that arrived by hand-over and that no step has touched
+    since: (engine key, epoch) -> the sender's instance id. A head whose record places an idle
+    session on the drained sender names that instance in its next step (StepRequest.handed_from),
+    and the session goes on here without a re-prefill; a step that names another instance, or a
+    session stepped since, is a miss (its copy here may be older than the head's record). Bounded:
+    the oldest marks go first (their sessions then re-prefill). Thread-safe."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self._marks: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.continued = 0  # steps that went on from a handed-in session
+
+    def arrived(self, key: str, epoch: int, from_instance: str) -> None:
+        with self._lock:
+            self._marks.pop((key, epoch), None)
+            if from_instance:
+                self._marks[(key, epoch)] = from_instance
+                while len(self._marks) > self.capacity:
+                    self._marks.popitem(last=False)
+
+    def step(self, key: str, epoch: int, handed_from: str) -> bool:
+        """A step of the session: False when it names a hand-over (`handed_from`) this worker did not
+        receive; a step that names none ends the session's mark (it is this worker's own now)."""
+        with self._lock:
+            mark = self._marks.get((key, epoch))
+            if not handed_from:
+                self._marks.pop((key, epoch), None)
+                return True
+            if mark != handed_from:
+                return False
+            self.continued += 1
+            return True
+
+
 def state_digest(state: bytes) -> bytes:
     return hashlib.sha256(state).digest()
 
@@ -126,15 +167,20 @@ class Drainer:
     `Peers` may reach), in turn. `owner_of(key)` gives (the owner's principal, its session id)."""
 
     def __init__(self, manager, peers, moves: SessionMoves, owner_of, fingerprint: str, digest: str,
-                 on_moved=lambda n: None, sign=lambda owner: None):
+                 on_moved=lambda n: None, sign=lambda owner: None, instance_id: str = ""):
         self.manager, self.peers, self.moves = manager, peers, moves
+        self.instance_id = instance_id  # this worker's, in each hand-over (the receiver marks the session)
         self.owner_of = owner_of
         self.fingerprint, self.digest = fingerprint, digest
         self.on_moved = on_moved
         self.sign = sign  # the route key's assertion of an owner (None: no route key, or anonymous)
 
     def drain(self, targets: tuple[str, ...], timeout: float = HANDOVER_TIMEOUT_S) -> pb.DrainReply:
+        """Every session handed over within `timeout` in all, the most recently used first (idle ones
+        too: their head continues them on the replica, StepRequest.handed_from); those left when the
+        time is up are released here, each explicitly (its next step is a miss)."""
         t0 = time.monotonic()
+        end = t0 + timeout
         self.moves.draining = True
         self._unreachable: set[str] = set()
         handed = released = 0
@@ -148,9 +194,16 @@ class Drainer:
             if not records:
                 break
             for r in records:
-                to = self._move(r.session_id, r.route_epoch, r.last_used, targets, timeout, errors)
+                left = end - time.monotonic()
+                if left <= 0:
+                    self._release(r.session_id, r.route_epoch)
+                    released += 1
+                    continue
+                to = self._move(r.session_id, r.route_epoch, r.last_used, targets, left, errors)
                 handed += to is not None
                 released += to is None
+            if time.monotonic() >= end:
+                errors.append(f"the hand-over's {timeout:g} s ran out: the sessions left were released")
         detail = "; ".join(dict.fromkeys(errors))[:1000]
         return pb.DrainReply(handed_over=handed, released=released, seconds=time.monotonic() - t0, detail=detail)
 
@@ -164,14 +217,19 @@ class Drainer:
             else:
                 errors.append("a step in flight outlasted the hand-over's wait")
         finally:
-            try:
-                self.manager.release(key, epoch)
-            except LlamaShardError:
-                pass
-            self.moves.done(key, to)
+            self._release(key, epoch, to)
         if to is not None:
             self.on_moved(1)
         return to
+
+    def _release(self, key: str, epoch: int, to: str | None = None) -> None:
+        """The session's copy here is gone (handed to `to`, or released: None)."""
+        self.moves.begin(key, 0.0)
+        try:
+            self.manager.release(key, epoch)
+        except LlamaShardError:
+            pass
+        self.moves.done(key, to)
 
     def _hand_over(self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float,
                    errors: list[str]) -> str | None:
@@ -191,8 +249,8 @@ class Drainer:
             return None
         messages = handover_messages(pb.HandoverRequest(
             session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len, idle_seconds=idle,
-            recipe_fingerprint=self.fingerprint, model_digest=self.digest, owner_assertion=self.sign(owner) or b""),
-            state)
+            recipe_fingerprint=self.fingerprint, model_digest=self.digest, owner_assertion=self.sign(owner) or b"",
+            from_instance=self.instance_id), state)
         for target in targets:
             if target in self._unreachable:
                 continue

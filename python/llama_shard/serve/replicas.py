@@ -372,6 +372,25 @@ class Replicas:
             r.next_probe = time.monotonic() + r.backoff
             return self._hop_locked(t)
 
+    def handed_from(self, held: tuple[str, ...], route: tuple[str, ...]) -> list[str] | None:
+        """For a session that `held` (its last route) holds and that goes down `route` now: per stage,
+        the instance id of its replica in `held` where `route` has another ('' where the same), for
+        StepRequest.handed_from: the new replica continues it only if that one handed it over. None
+        where a stage's replica was never reached (no instance id) or the stages differ."""
+        if len(held) != len(route):
+            return None
+        with self._lock:
+            out = []
+            for old, new in zip(held, route):
+                if old == new:
+                    out.append("")
+                    continue
+                r = self._by_address.get(old)
+                if r is None or r.info is None or not r.info.instance_id:
+                    return None
+                out.append(r.info.instance_id)
+            return out
+
     def place(self, key: str, route: tuple[str, ...]) -> None:
         """The head's session `key` now lives on these replicas (and on no other)."""
         with self._lock:

@@ -26,7 +26,7 @@ from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS, SAMPLER_STATE_MISS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for
 from .admission import SessionCapRefused, SessionOwners
-from .handover import STILL_MOVING, SessionMoves
+from .handover import NOT_HANDED_OVER, STILL_MOVING, HandedIn, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of
@@ -104,7 +104,7 @@ class SessionOrder:
 class StepRunner:
     def __init__(self, model, manager: HotKvStateManager, adapter: KvBoundaryAdapter, security: ServerSecurity,
                  peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str,
-                 moves: SessionMoves | None = None):
+                 moves: SessionMoves | None = None, handed_in: HandedIn | None = None):
         self.info = model.info
         self.manager, self.adapter, self.security = manager, adapter, security
         self.peers, self.owners, self.prefixes, self.samplers = peers, owners, prefixes, samplers
@@ -121,6 +121,7 @@ class StepRunner:
         self.worker_id = worker_id           # this worker in the visited list
         self.own_addresses = frozenset()     # set by ShardWorker once bound: forwards to these are loops
         self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)
+        self.handed_in = handed_in if handed_in is not None else HandedIn(4 * config.max_sessions)
 
     def run(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
                   batch: bool, own_loop: bool = False, prefix_scope=None,
@@ -152,7 +153,7 @@ class StepRunner:
                 except LlamaShardError as e:
                     replies[i] = self._reply(req, e)
                     continue
-                replies[i] = self._enter(step, deadline, entered)
+                replies[i] = self._enter(step, deadline, entered) or self._handed(step, req)
                 if replies[i] is None:
                     parsed.append(entry)
             return self._run_parsed(principal, visited, items, forward, deadline, batch, prefix_scope, assertion,
@@ -180,6 +181,15 @@ class StepRunner:
             return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
                                 detail="this worker is draining: it takes no new session (a replica of its layers does)")
         return None
+
+    def _handed(self, step: Step, req: pb.StepRequest) -> pb.StepReply | None:
+        """None: the step may run here; else the miss of a step whose head expects the session to have
+        arrived by a hand-over that this worker did not receive (nothing is computed)."""
+        handed_from = req.handed_from[0] if req.handed_from else ""
+        if self.handed_in.step(step.session_id, step.route_epoch, handed_from):
+            return None
+        return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=NOT_HANDED_OVER,
+                            detail="the session was not handed to this worker by the replica the head last placed it on")
 
     def _run_parsed(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward: list,
                     deadline: float, batch: bool, prefix_scope, assertion: bytes | None, replies: list,
@@ -267,6 +277,7 @@ class StepRunner:
             nxt.draft_tokens.extend(req.draft_tokens)
             nxt.row_by_row = req.row_by_row
             nxt.follows = req.follows
+            nxt.handed_from.extend(req.handed_from[1:])
             if req.HasField("prefix"):  # the keys, mixed with what this hop adds (PrefixNames.forwarded)
                 nxt.prefix.CopyFrom(req.prefix)
                 del nxt.prefix.keys[:]

@@ -43,7 +43,7 @@ from ..proto.wire import Q8_0_BLOCK, WIRE_DTYPES, tier_name, wire_dtypes_for
 from . import DEFAULT_MAX_HOP_S
 from .admission import AdmitRequests, SessionCapRefused, SessionOwners
 from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
-from .handover import HANDOVER_TIMEOUT_S, Drainer, SessionMoves, state_digest
+from .handover import HANDOVER_TIMEOUT_S, Drainer, HandedIn, SessionMoves, state_digest
 from .metrics import EngineCollector
 from .openai.guard import HttpLimits
 from .peers import MAX_FORWARD_HOPS, SERVER_KEEPALIVE_OPTIONS, VISITED, Peers
@@ -143,8 +143,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.max_handover_bytes = 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20)
         self._handovers_gathered = threading.BoundedSemaphore(2)
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions, model)
+        # sessions that arrived by hand-over, untouched since: a head continues them by their sender's id
+        self.handed_in = HandedIn(4 * manager.config.max_sessions)
         self.steps = StepRunner(model, manager, self.adapter, self.security, self.peers, self.owners, self.prefixes,
-                                self.samplers, self.worker_id, self.moves)
+                                self.samplers, self.worker_id, self.moves, self.handed_in)
         if options.verify not in VERIFY_MODES:
             raise InvalidInputError(f"verify is one of {', '.join(VERIFY_MODES)}, not {options.verify!r}")
         if options.draft not in DRAFT_SOURCES:
@@ -177,7 +179,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
                                  "from one (received)", ["direction"], registry=registry)
         self.drainer = Drainer(manager, self.peers, self.moves, self._owner_of, self.fingerprint, self.model_digest,
-                               on_moved=lambda n: self._count_handover("sent", n), sign=self.security.assertion)
+                               on_moved=lambda n: self._count_handover("sent", n), sign=self.security.assertion,
+                               instance_id=self.instance_id)
         self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
                                       registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
@@ -459,6 +462,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return refused(pb.OUTCOME_INTERNAL, str(e))
         self.generation.forget(key)
         self.samplers.forget((key, request.route_epoch))
+        self.handed_in.arrived(key, request.route_epoch, request.from_instance)
         self._count_handover("received", 1)
         return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=request.seq_len, tier="hot")
 

@@ -493,13 +493,18 @@ class GenerationLoops:
             if isinstance(route, str):
                 return refused(RefusalReason.NO_ROUTE, pb.OUTCOME_UNAVAILABLE, route)
             addresses = tuple(h.address for h in route)
-            cached = 0
-            # what the session holds is reused on the replicas that hold it: another route re-prefills
-            if record is not None and record.epoch == req.route_epoch and record.route == addresses:
-                cached = min(common_prefix(record.tokens, list(req.prompt)), len(req.prompt) - 1)
+            cached, handed_from = 0, None
+            # what the session holds is reused on the replicas that hold it, and on those a drained one
+            # handed it to (each continues it only if it did: StepRequest.handed_from); else a re-prefill
+            if record is not None and record.epoch == req.route_epoch:
+                if record.route != addresses and self.host.replicas is not None:
+                    handed_from = self.host.replicas.handed_from(record.route, addresses)
+                if record.route == addresses or handed_from is not None:
+                    cached = min(common_prefix(record.tokens, list(req.prompt)), len(req.prompt) - 1)
             stream = Stream(principal, key, req, params, max_tokens, cached, deadline, self.host.detokenize,
                             events, max_drafts, self.draft_model, self.row_by_row)
             stream.route = route
+            stream.handed_from = handed_from or []
             if self.host.replicas is not None:
                 self.host.replicas.place(key, addresses)
             self.streams[key] = stream
@@ -587,6 +592,7 @@ class GenerationLoops:
     def settle(self, s: Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
         n_sent, final, drafts = s.sent.n_tokens, s.sent.samples, s.sent.drafts
+        s.handed_from = []  # a hand-over is claimed by the first step (a miss re-prefills without it)
         if reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == SAMPLER_STATE_MISS:
             # the tail keeps no grammar state this step named: the same step again with the tokens
             # (the stages before it applied it: a prefill at the same position cuts there)
@@ -692,8 +698,16 @@ class GenerationLoops:
                 self.finish(s, "error", outcome=pb.OUTCOME_UNAVAILABLE, stage=reply.stage, detail=hop)
                 return
             s.failovers += 1
-            s.reprefills += 1
-            self._start_over(s)
+            # a stream's first step on a session the route held: the failed replica may have drained,
+            # handing it to this one (an idle session's head learns it only now); this one says
+            handed = replicas.handed_from((failed,), (hop.address,)) if s.first_step and s.computed else None
+            if handed:
+                s.handed_from = [""] * len(s.route)
+                s.handed_from[k] = handed[0]
+                s.held = max(s.held, s.computed + s.sent.n_tokens)
+            else:
+                s.reprefills += 1
+                self._start_over(s)
         s.route = [*s.route[:k], hop, *s.route[k + 1:]]
         s.rerouted = True
         replicas.place(s.key, tuple(h.address for h in s.route))

@@ -105,6 +105,7 @@ class Stream:
         self.prefix_tokens = 0                # prompt tokens opened from a shared prefix
         self.route: list[pb.Hop] = []         # the rest of the route: one replica per later stage
         self.rerouted = False                 # its route changed: the loop moves it to that route's group
+        self.handed_from: list[str] = []      # its first step: StepRequest.handed_from of each later stage
         self.failovers = 0                    # times a replica failed and the session moved to another
         self.moves = 0                        # times a draining replica had handed the session over
         self.changes_in_row = 0               # route changes since its last step that went through
@@ -179,6 +180,8 @@ class Stream:
         req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
                              reply_dtype=wire_dtype, position=start, draft_tokens=drafts,
                              row_by_row=bool(drafts) and self.row_by_row)
+        if self.handed_from:
+            req.handed_from.extend(["", *self.handed_from])  # the head's own stage never changes
         if opening or storing:
             req.prefix.keys.extend(plan.keys)
             req.prefix.open_tokens, req.prefix.store_tokens = opening, storing

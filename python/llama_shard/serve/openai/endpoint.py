@@ -251,8 +251,11 @@ class OpenAIEndpoint:
                 return e.response()
             response = e.response()  # sent whole, then the connection ends (no body is waited for)
             response.force_close()
-            await response.prepare(request)
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                await response.write_eof()
+            except ConnectionError:  # the client left first (a slow sender giving up): nothing to tell
+                pass
             if request.transport is not None:
                 request.transport.close()
             return response
@@ -479,6 +482,8 @@ class OpenAIEndpoint:
         except asyncio.TimeoutError:
             raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
                                  "(serve --http-body-timeout)", close=True) from None
+        except ConnectionError:  # the client went away mid-body: nothing to answer, nothing to log
+            raise HttpError(400, "the connection closed before the body arrived", close=True) from None
         try:
             body = json.loads(raw)
             json.dumps(body, ensure_ascii=False).encode("utf-8")  # "\ud800" escapes decode to lone surrogates
