@@ -444,6 +444,7 @@ def test_an_unread_stream_is_dropped_and_the_in_flight_cap_is_per_principal(tls_
                b"Authorization: Bearer " + ALICE.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
                + b"\r\n\r\n" + body)
     readers = []
+    before = _sessions_of(tls_worker, "alice")
     for _ in range(2):
         raw = socket.socket()
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing, with a small window
@@ -452,12 +453,13 @@ def test_an_unread_stream_is_dropped_and_the_in_flight_cap_is_per_principal(tls_
         tls.sendall(request)
         readers.append(tls)
     started = time.monotonic()
-    until = started + 20  # both streams in flight (a loaded machine takes a while to start them)
-    while True:
-        status, answer = _tls_post(tls_worker, ALICE, {**COMPLETION, "max_tokens": 1})
-        if status == 429 or time.monotonic() > until:
-            break
+    # both streams in flight (each stream's first token: its session exists, so alice's third request
+    # cannot take it over), however long a loaded machine takes to start them
+    until = started + 30
+    while time.monotonic() < until and sum(
+            before.get(sid) != n for sid, n in _sessions_of(tls_worker, "alice").items()) < 2:
         time.sleep(0.1)
+    status, answer = _tls_post(tls_worker, ALICE, {**COMPLETION, "max_tokens": 1})
     assert status == 429 and "this caller" in answer["error"]["message"], answer
     assert _tls_post(tls_worker, BOB, {**COMPLETION, "max_tokens": 1})[0] == 200  # another principal: served
     freed = None
@@ -575,7 +577,8 @@ def test_slow_bodies_from_one_address_refuse_no_one_else(embedded_model):
             statuses: list[int] = []
             peak = idle_rss
             answers = [b""] * (n + 1)
-            attack = threading.Thread(target=_drip, args=(socks + [other], [b"{" * 100000] * (n + 1), 6.0, 1.0, answers))
+            attack = threading.Thread(target=_drip,
+                                      args=(socks + [other], [b"{" * 100000] * (n + 1), 6.0, 1.0, answers))
             attack.start()
             t0 = time.monotonic()
             while attack.is_alive():

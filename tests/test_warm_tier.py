@@ -490,7 +490,8 @@ def test_a_signed_state_with_a_value_that_is_not_finite_is_refused(synthetic_mod
     f.write_bytes(kv.signed(key))
     out = ad.decode("a", 0, token_ids=[5])
     assert isinstance(out, CacheMiss) and out.reason == CacheMissReason.EVICTED_LRU
-    assert f"refused a state of 3 tokens: {where} rows of layer 0 hold a value that is not finite" in capfd.readouterr().err
+    refused = f"refused a state of 3 tokens: {where} rows of layer 0 hold a value that is not finite"
+    assert refused in capfd.readouterr().err
     assert m.stats()["disk_failures"] == 1 and not f.exists()
     assert m.resolve("b", 0).seq_len == 1  # the other session is held still (the restore made room first)
     m.check_invariants()

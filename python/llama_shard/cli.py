@@ -429,6 +429,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              tuple(cors_origin(o) for o in args.http_cors_origin),
                              parse_size(args.http_body_memory) if args.http_body_memory is not None
                              else HttpLimits.body_memory_bytes, args.http_max_bodies_per_address)
+    if http_limits.body_memory_bytes < 2**20:
+        raise InvalidInputError(f"--http-body-memory {args.http_body_memory}: at least 1MiB (every request body "
+                                "reserves its length against it)")
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")

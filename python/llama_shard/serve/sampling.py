@@ -67,8 +67,9 @@ class StepSamplingChecks:
             raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
         if params.grammar and len(state.generated) != state.draws and not (
                 not state.generated and len(state.generated_digest) == GRAMMAR_DIGEST_BYTES):
-            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token ({len(state.generated)} "
-                                    f"for {state.draws} draws), or none and their {GRAMMAR_DIGEST_BYTES}-byte digest")
+            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token "
+                                    f"({len(state.generated)} for {state.draws} draws), or none and their "
+                                    f"{GRAMMAR_DIGEST_BYTES}-byte digest")
         if (state.generated or state.generated_digest) and not params.grammar:
             raise InvalidInputError("a sampler state without a grammar carries no generated tokens or digest")
         if any(not 0 <= t < n_vocab for t in state.generated):

@@ -189,7 +189,8 @@ class StepRunner:
         if self.handed_in.step(step.session_id, step.route_epoch, handed_from):
             return None
         return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=NOT_HANDED_OVER,
-                            detail="the session was not handed to this worker by the replica the head last placed it on")
+                            detail="the session was not handed to this worker by the replica the head last "
+                                   "placed it on")
 
     def _run_parsed(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward: list,
                     deadline: float, batch: bool, prefix_scope, assertion: bytes | None, replies: list,

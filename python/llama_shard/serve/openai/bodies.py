@@ -63,8 +63,9 @@ class BodyReaders:
         need = self._reservation(content_length)
         if self.reserved + need > self.limits.body_memory_bytes:
             self.refused["memory"] += 1
-            return HttpError(503, f"request bodies arriving fill this worker's {self.limits.body_memory_bytes} bytes for "
-                                  "them (serve --http-body-memory); try again shortly", close=True)
+            return HttpError(503, "request bodies arriving fill this worker's "
+                                  f"{self.limits.body_memory_bytes} bytes for them (serve --http-body-memory); "
+                                  "try again shortly", close=True)
         return None
 
     @contextlib.contextmanager

@@ -17,7 +17,8 @@ connection cancels its stream before the next step (the session's KV stays for t
 A request is refused by what it costs before it costs it: its connection is counted and timed from
 accept (`guard`); its body is read holding a place bounded in memory and per caller (`bodies`),
 and its in-flight slot (global and per principal) is taken once the body is whole; a body longer
-than the context could hold as tokens is refused by its length before it is read; rendering and tokenizing run on a bounded pool off the event loop, their output bounded."""
+than the context could hold as tokens is refused by its length before it is read; rendering and
+tokenizing run on a bounded pool off the event loop, their output bounded."""
 from __future__ import annotations
 
 import asyncio
