@@ -114,7 +114,7 @@ def test_a_slow_hop_holds_the_handler_at_most_max_hop_seconds_and_others_are_ser
         time.sleep(0.5)
         t0 = time.monotonic()
         assert _info(head).first == 0 and _prefill(head, [], "other", timeout=10).outcome == pb.OUTCOME_OK
-        assert time.monotonic() - t0 < 10  # not held by the stuck hop (its 60 s)
+        assert "reply" not in result and time.monotonic() - t0 < 10  # served while the stuck call is held
         thread.join(30)
         assert result["reply"].outcome == pb.OUTCOME_UNAVAILABLE and result["reply"].stage == 1
         assert 2.5 <= result["seconds"] < 10, result

@@ -16,6 +16,7 @@ of the review that found the port open, with the figure it now gives:
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -597,6 +598,46 @@ def test_slow_bodies_from_one_address_refuse_no_one_else(embedded_model):
     finally:
         code, err = stop_worker(proc)
         assert "Traceback" not in err, err[-3000:]
+
+
+def test_body_places_are_bounded_per_caller_in_count_and_bytes_and_in_memory():
+    """BodyReaders alone: an address has 16 bodies at once, and a quarter of the memory (four 4 MiB
+    bodies of the default 64 MiB); four such addresses fill it and a fifth gets 503; an IPv6 host
+    is its /64; with authentication a principal is the caller wherever it connects from; a place
+    is given back however its body ends."""
+    from llama_shard.serve.openai.bodies import MAX_BODY_BYTES, BodyReaders, caller_address
+    from llama_shard.serve.openai.guard import HttpLimits
+
+    bodies = BodyReaders(HttpLimits(), MAX_BODY_BYTES, per_principal=2, authenticated=False)
+    held = contextlib.ExitStack()
+    for _ in range(16):
+        held.enter_context(bodies.reading("10.0.0.1", "", 1000))
+    refusal = bodies.refusal("10.0.0.1", "", 1000)
+    assert refusal.status == 429 and "16 request bodies" in refusal.message
+    assert bodies.refusal("10.0.0.2", "", 1000) is None  # another address
+    held.close()
+    big = [contextlib.ExitStack() for _ in range(5)]
+    for i, stack in enumerate(big[:4]):
+        for _ in range(4):
+            stack.enter_context(bodies.reading(f"10.0.1.{i}", "", MAX_BODY_BYTES))
+        assert bodies.refusal(f"10.0.1.{i}", "", MAX_BODY_BYTES).status == 429  # its quarter
+    assert bodies.refusal("10.0.2.1", "", MAX_BODY_BYTES).status == 503  # the memory is full
+    assert bodies.refusal("10.0.2.1", "", None).status == 503  # a chunked body reserves the cap
+    with pytest.raises(RuntimeError):
+        with bodies.reading("10.0.1.0", "", 0):  # an empty body fits its caller's share still
+            raise RuntimeError("the handler failed")
+    big[0].close()
+    assert bodies.refusal("10.0.2.1", "", MAX_BODY_BYTES) is None
+    for stack in big:
+        stack.close()
+    assert bodies.reserved == 0 and bodies.by_caller == {} and bodies.bytes_by_caller == {}
+    assert caller_address("2001:db8::1") == caller_address("2001:db8::ffff") == "2001:db8::/64"
+    assert caller_address("2001:db8:0:1::1") != caller_address("2001:db8::1")
+    assert caller_address("::ffff:10.0.0.1") == "10.0.0.1"
+    authed = BodyReaders(HttpLimits(), MAX_BODY_BYTES, per_principal=2, authenticated=True)
+    with authed.reading("10.0.0.1", "alice", 10), authed.reading("10.0.0.2", "alice", 10):
+        assert authed.refusal("10.0.0.3", "alice", 10).status == 429
+        assert authed.refusal("10.0.0.1", "bob", 10) is None
 
 
 def test_1100_slow_connections_under_a_1024_file_limit_leave_both_ports_serving(embedded_model):

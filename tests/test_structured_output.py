@@ -436,6 +436,7 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
 
     def run(replay_every_step: bool, lose_at: int | None = None) -> tuple[list[int], int]:
         tail, sync, generated = TailSamplers(n_vocab, 4096, 4, model=vocab), GrammarSync(), []
+        sync.by_digest = True  # a tail of this version (InfoReply.features)
         for i, row in enumerate(rows):
             if i == lose_at:
                 tail = TailSamplers(n_vocab, 4096, 4, model=vocab)  # a failover to a replica of the tail
@@ -467,6 +468,7 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
     assert lost == every and replays == 1  # the new tail replayed once
     # a digest of another history, or one the tail never saw, is refused and nothing is sampled
     tail, sync = TailSamplers(n_vocab, 4096, 4, model=vocab), GrammarSync()
+    sync.by_digest = True
     state = pb.SamplerState(params=sampling_to_wire(params), draws=0, recent=prompt)
     sync.fill(state, [])
     first = tail.sample(("s", 0), params, state, rows[0])
@@ -502,8 +504,11 @@ def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
         s.first_step = False
         _, replayed = s.request(pb.DTYPE_FLOAT32)
         s.grammar.sampled()
+        _, older = s.request(pb.DTYPE_FLOAT32)  # a tail of an earlier version gets every token, always
+        s.grammar.by_digest = True               # one that lists grammar_digest in its Info
         _, named = s.request(pb.DTYPE_FLOAT32)
-        assert list(replayed.sampler.generated) == generated and not named.sampler.generated
+        assert list(replayed.sampler.generated) == list(older.sampler.generated) == generated
+        assert not named.sampler.generated and len(named.sampler.generated_digest) == 16
         sizes[n] = (replayed.ByteSize(), named.ByteSize())
     print(f"\n  a grammar step's request: at token 100 {sizes[100][1]} bytes, at token 10,000 {sizes[10000][1]} bytes "
           f"(replaying every token, as every step did before: {sizes[100][0]} and {sizes[10000][0]} bytes)")

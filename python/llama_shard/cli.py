@@ -33,6 +33,7 @@ from .engine.hot_kv import KV_TYPES, HotKvStateConfig, parse_size
 from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .serve import DEFAULT_MAX_HOP_S
+from .serve.openai.bodies import MAX_BODY_BYTES
 from .serve.openai.guard import HttpLimits, raise_open_file_limit
 from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
 from .proto.wire import WIRE_DTYPES
@@ -429,9 +430,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              tuple(cors_origin(o) for o in args.http_cors_origin),
                              parse_size(args.http_body_memory) if args.http_body_memory is not None
                              else HttpLimits.body_memory_bytes, args.http_max_bodies_per_address)
-    if http_limits.body_memory_bytes < 2**20:
-        raise InvalidInputError(f"--http-body-memory {args.http_body_memory}: at least 1MiB (every request body "
-                                "reserves its length against it)")
+    if http_limits.body_memory_bytes < 4 * MAX_BODY_BYTES:
+        raise InvalidInputError(f"--http-body-memory {args.http_body_memory}: at least "
+                                f"{4 * MAX_BODY_BYTES // 2**20}MiB (a caller may hold a quarter of it, and a request "
+                                f"body may be up to {MAX_BODY_BYTES // 2**20}MiB)")
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")

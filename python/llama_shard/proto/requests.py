@@ -123,6 +123,12 @@ def sampling_key(p: SamplingParams) -> tuple:
     return tuple(getattr(p, q.native) for q in SAMPLING_PARAMETERS) + (p.seed, tuple(p.logit_bias), p.grammar)
 
 
+#: InfoReply.features of this version: a tail that keeps a grammar's state named by digest, and a
+#: worker that forwards and checks StepRequest.handed_from
+FEATURE_GRAMMAR_DIGEST = "grammar_digest"
+FEATURE_HANDED_FROM = "handed_from"
+FEATURES = (FEATURE_GRAMMAR_DIGEST, FEATURE_HANDED_FROM)
+
 #: a grammar's sampled tokens, as SamplerState.generated_digest names them: a chain over the tokens,
 #: so the head and the tail each extend it a token at a time (neither rehashes the whole output)
 GRAMMAR_DIGEST_BYTES = 16

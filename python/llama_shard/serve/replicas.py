@@ -34,6 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
+from ..proto.requests import FEATURE_HANDED_FROM
 from ..proto.wire import LEGACY_WIRE_DTYPES, wire_dtype_name
 
 #: how often an up replica's Info is read again (its load, and a death noticed without a step)
@@ -372,12 +373,19 @@ class Replicas:
             r.next_probe = time.monotonic() + r.backoff
             return self._hop_locked(t)
 
+    def supports(self, route: tuple[str, ...], feature: str) -> bool:
+        """Whether every worker of `route` lists `feature` in its last Info (InfoReply.features)."""
+        with self._lock:
+            return all((r := self._by_address.get(a)) is not None and r.info is not None
+                       and feature in r.info.features for a in route)
+
     def handed_from(self, held: tuple[str, ...], route: tuple[str, ...]) -> list[str] | None:
         """For a session that `held` (its last route) holds and that goes down `route` now: per stage,
         the instance id of its replica in `held` where `route` has another ('' where the same), for
         StepRequest.handed_from: the new replica continues it only if that one handed it over. None
-        where a stage's replica was never reached (no instance id) or the stages differ."""
-        if len(held) != len(route):
+        where a stage's replica was never reached (no instance id), the stages differ, or a worker of
+        `route` would not forward or check it (an older version)."""
+        if len(held) != len(route) or not self.supports(route, FEATURE_HANDED_FROM):
             return None
         with self._lock:
             out = []

@@ -95,6 +95,11 @@ def log_softmax_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, l
     return float(x[token] - lse), top
 
 
+#: how long a step naming its grammar's state waits for the session's sampler to be put back by the
+#: step before it (pipelined windows reach the tail together)
+SAMPLER_WAIT_S = 1.0
+
+
 class SamplerStateMissing(Exception):
     """A step names its grammar's state by digest, and the tail keeps no such state for the session."""
 
@@ -113,6 +118,8 @@ class TailSamplers:
         # (key, epoch) -> (sampler, params, draws, recent, the digest of its grammar's tokens)
         self._kept: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # a sampler in use was put back
+        self._in_use: set[tuple] = set()
         self.rebuilds = 0
         self.grammar_replays = 0  # grammar states rebuilt from a step's tokens
 
@@ -129,7 +136,20 @@ class TailSamplers:
         if params.grammar:
             digest = grammar_digest(state.generated) if replay else state.generated_digest
         with self._lock:  # taken out while in use: a concurrent step of the same session rebuilds its own
+            if params.grammar and not replay:
+                # a window sent ahead may sample before the step it follows has put the sampler back,
+                # and it can continue only that one: it waits for it (a short while)
+                self._returned.wait_for(lambda: key not in self._in_use, SAMPLER_WAIT_S)
             kept = self._kept.pop(key, None)
+            self._in_use.add(key)
+        try:
+            return self._sample_with(key, kept, params, state, rows, drafts, pkey, recent, draws, replay, digest)
+        finally:
+            with self._lock:
+                self._in_use.discard(key)
+                self._returned.notify_all()
+
+    def _sample_with(self, key, kept, params, state, rows, drafts, pkey, recent, draws, replay, digest) -> list[int]:
         if kept is not None and kept[1:] == (pkey, draws, recent, digest):
             sampler = kept[0]
         elif params.grammar and not replay:

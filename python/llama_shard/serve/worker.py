@@ -38,7 +38,7 @@ from ..errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetE
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
-from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, check_max_drafts
+from ..proto.requests import DEFAULT_MAX_DRAFTS, FEATURES, MAX_DRAFTS, MIN_BATCH_TOKENS, check_max_drafts
 from ..proto.wire import Q8_0_BLOCK, WIRE_DTYPES, tier_name, wire_dtypes_for
 from . import DEFAULT_MAX_HOP_S
 from .admission import AdmitRequests, SessionCapRefused, SessionOwners
@@ -549,7 +549,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             failovers=self.replicas.failovers_total if self.replicas is not None else 0,
             wire_dtypes=self.steps.wire_dtypes, wire_dtype=self.wire_dtype,
             forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
-            draining=self.moves.draining, handover_sessions=self.handover_total)
+            draining=self.moves.draining, handover_sessions=self.handover_total, features=FEATURES)
 
 
 class ShardWorker:

@@ -9,6 +9,9 @@ lost or changed the session (a miss, a failover, a hand-over followed), and afte
 holds no matching state (OUTCOME_CACHE_MISS, SAMPLER_STATE: its kept state was evicted, or it is a
 replica that never had it).
 
+A tail of an older version (one that does not list `grammar_digest` in its Info) gets the tokens in
+every step, as before.
+
 Invariants: `replay` is set whenever the tail cannot be known to hold the state; the digest of a
 list of tokens is that of each prefix extended, so a window sent ahead on assumed tokens, then
 rolled back, costs no rehash of what was kept."""
@@ -23,13 +26,14 @@ class GrammarSync:
 
     def __init__(self):
         self.replay = True          # the next sampled step carries every generated token
+        self.by_digest = False      # the route's tail keeps the state (InfoReply.features): else always a replay
         self.replays = 0            # sampled steps that carried them
         self._tokens: list[int] = []
         self._digests = [GRAMMAR_DIGEST_EMPTY]  # _digests[i]: the digest of _tokens[:i]
 
     def fill(self, sampler: pb.SamplerState, generated: list[int]) -> None:
         """The state's grammar part for a step after `generated`."""
-        if self.replay:
+        if self.replay or not self.by_digest:
             sampler.generated.extend(generated)
             self.replays += 1
         else:

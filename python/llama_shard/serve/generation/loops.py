@@ -15,8 +15,9 @@ from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
-from ...proto.requests import (MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS, SAMPLER_STATE_MISS, check_grammar,
-                               check_max_drafts, check_stops, check_top_logprobs, sampling_from_wire)
+from ...proto.requests import (FEATURE_GRAMMAR_DIGEST, MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS,
+                               SAMPLER_STATE_MISS, check_grammar, check_max_drafts, check_stops, check_top_logprobs,
+                               sampling_from_wire)
 from ..admission import SessionCapRefused
 from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
 from .host import HeadHost
@@ -505,11 +506,21 @@ class GenerationLoops:
                             events, max_drafts, self.draft_model, self.row_by_row)
             stream.route = route
             stream.handed_from = handed_from or []
+            stream.grammar.by_digest = self._tail_keeps_grammar(route)
             if self.host.replicas is not None:
                 self.host.replicas.place(key, addresses)
             self.streams[key] = stream
             self.loop_for(principal, route, wire_dtype).add(stream)
         return stream
+
+    def _tail_keeps_grammar(self, route: list[pb.Hop]) -> bool:
+        """Whether a stream down `route` may name its grammar's state by digest: the head is the tail,
+        or every worker of the route lists the feature (an older tail refuses a step without tokens)."""
+        if not route:
+            return True
+        replicas = self.host.replicas
+        addresses = tuple(h.address for h in route)
+        return replicas is not None and replicas.supports(addresses, FEATURE_GRAMMAR_DIGEST)
 
     def _route(self, req: pb.GenerateRequest, record: "RouteHolds | None") -> list[pb.Hop] | str:
         """The hops a new stream's steps go down: the request's own `forward`, else the head's own
@@ -592,7 +603,9 @@ class GenerationLoops:
     def settle(self, s: Stream, reply: pb.StepReply) -> None:
         """What one step's reply means for its stream (called by the stream's group thread)."""
         n_sent, final, drafts = s.sent.n_tokens, s.sent.samples, s.sent.drafts
-        s.handed_from = []  # a hand-over is claimed by the first step (a miss re-prefills without it)
+        # a hand-over is claimed by the first step (a miss re-prefills without it; a route change of
+        # that step keeps what the other stages must still check: _reroute)
+        handed, s.handed_from = s.handed_from, []
         if reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == SAMPLER_STATE_MISS:
             # the tail keeps no grammar state this step named: the same step again with the tokens
             # (the stages before it applied it: a prefill at the same position cuts there)
@@ -617,7 +630,7 @@ class GenerationLoops:
             return
         if (reply.outcome == pb.OUTCOME_UNAVAILABLE and self.host.replicas is not None
                 and 1 <= reply.stage <= len(s.route)):
-            self._reroute(s, reply)
+            self._reroute(s, reply, handed)
             return
         if reply.outcome != pb.OUTCOME_OK:
             self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, detail=reply.detail)
@@ -673,7 +686,7 @@ class GenerationLoops:
         s.computed, s.held, s.first_step, s.cached = 0, 0, True, 0
         s.planned, s.prefix, s.prefix_tokens = False, None, 0
 
-    def _reroute(self, s: Stream, reply: pb.StepReply) -> None:
+    def _reroute(self, s: Stream, reply: pb.StepReply, handed: list[str]) -> None:
         """A later stage's replica did not take the step (reply.stage names which): follow its
         hand-over when it names the replica that holds the session now (the same step goes there,
         nothing is computed again), else mark it down and move the session to another replica of
@@ -692,24 +705,30 @@ class GenerationLoops:
             s.moves += 1
             # the stages before it applied the step: the same step again is a prefill that cuts there
             s.held = max(s.held, s.computed + s.sent.n_tokens)
+            # what the other stages must still check (this one was followed: the session is there now)
+            s.handed_from = [h if i != k else "" for i, h in enumerate(handed)]
+            route = [*s.route[:k], hop, *s.route[k + 1:]]
         else:
             hop = replicas.failover(failed, reply.detail)
             if isinstance(hop, str):
                 self.finish(s, "error", outcome=pb.OUTCOME_UNAVAILABLE, stage=reply.stage, detail=hop)
                 return
             s.failovers += 1
+            route = [*s.route[:k], hop, *s.route[k + 1:]]
             # a stream's first step on a session the route held: the failed replica may have drained,
-            # handing it to this one (an idle session's head learns it only now); this one says
-            handed = replicas.handed_from((failed,), (hop.address,)) if s.first_step and s.computed else None
-            if handed:
-                s.handed_from = [""] * len(s.route)
-                s.handed_from[k] = handed[0]
+            # handing it to this one (an idle session's head learns it only now); this one says. The
+            # other stages keep the checks the step already named (`handed`)
+            named = (replicas.handed_from(tuple(h.address for h in s.route), tuple(h.address for h in route))
+                     if s.first_step and s.cached else None)
+            if named:
+                s.handed_from = [named[i] or (handed[i] if i < len(handed) else "") for i in range(len(route))]
                 s.held = max(s.held, s.computed + s.sent.n_tokens)
             else:
                 s.reprefills += 1
                 self._start_over(s)
-        s.route = [*s.route[:k], hop, *s.route[k + 1:]]
+        s.route = route
         s.rerouted = True
+        s.grammar.by_digest = self._tail_keeps_grammar(s.route)
         replicas.place(s.key, tuple(h.address for h in s.route))
 
     def _emit(self, s: Stream, token: int, reply: pb.StepReply) -> bool:

@@ -8,7 +8,8 @@
   text a client reads up to a stop sequence; `errors`: OpenAI's error shape and the status of each
   outcome;
 - `chat_template` and `template_sandbox`: the GGUF's chat template in a bounded jinja2 sandbox;
-- `guard`: the port's connections (timeouts and cap from accept, `HttpLimits`).
+- `guard`: the port's connections (timeouts and cap from accept, `HttpLimits`); `bodies`: request
+  bodies on their way in (places per caller and in memory, before a request's slot).
 
 Importing this package loads nothing heavy; `endpoint` loads aiohttp and jinja2 (a worker without
 --http-port never imports it).

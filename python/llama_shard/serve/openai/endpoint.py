@@ -44,7 +44,7 @@ from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_STOP_TOKENS, check_grammar
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
 from ..security import ANONYMOUS, ServerSecurity, file_mtimes
-from .bodies import BodyReaders
+from .bodies import MAX_BODY_BYTES, BodyReaders
 from .chat_template import ModelChat
 from .errors import HttpError, outcome_status, refusal_error
 from .guard import ConnectionGuard, HttpLimits
@@ -52,8 +52,6 @@ from .requests import INT32_MAX, PARAM_NAMES, check_keys, flag, generate_request
 from .responses import CompletionFormat, StopTrimmer
 from .tool_calls import ToolCallStream, ToolRequest, history_message, parse_calls, template_renders_tools
 
-#: the largest request body whatever the context (a longer one gets 413 before it is read in full)
-MAX_BODY_BYTES = 4 * 2**20
 #: room in a body for what is not prompt text (parameters, JSON syntax, the template's own text)
 BODY_OVERHEAD_BYTES = 64 * 2**10
 #: renders and tokenizations at once: one core at most for text that may yet be refused (the
