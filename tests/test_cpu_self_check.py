@@ -114,7 +114,10 @@ def test_a_failing_best_variant_picks_the_next(embedded_model, tmp_path):
     c = cpu_backend()
     if not c["available"]:
         pytest.skip("a source build has one set of kernels built in (the portable wheel ships variants)")
-    best = c["variant"]
+    # the variant a node picks unforced (this process's may be forced: LLAMA_SHARD_CPU_VARIANT)
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SHARD_CPU_PROBE_FAIL", "LLAMA_SHARD_CPU_VARIANT")}
+    best = subprocess.run([sys.executable, "-c", "import llama_shard as ls; print(ls.cpu_backend()['variant'])"],
+                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout.strip()
     info, _, err = _run(embedded_model, tmp_path, "next", best, steps=2)
     assert info["backend"]["variant"] != best
     assert err.count(PROBE_LINE) == 1 and f"the {best} kernels failed a probe (killed by SIGILL" in err, err
