@@ -48,32 +48,14 @@ struct stream_span {
 // type by its exponent (all ones: Inf or NaN), a block-quantized type by its block's f16 scale (and
 // minimum), whose integer quants times a finite scale are finite.
 
-bool f16_finite(const uint8_t * p, uint64_t n) {
+// no element of n `Bits`-wide values has all of `exponent`'s bits set (Inf or NaN); branch-free,
+// so the loop vectorizes
+template <typename Bits> bool no_exponent_all_ones(const uint8_t * p, uint64_t n, Bits exponent) {
     uint32_t bad = 0;
     for (uint64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * i, 2);
-        bad |= (uint32_t) ((h & 0x7c00u) == 0x7c00u);  // branch-free: the loop vectorizes
-    }
-    return bad == 0;
-}
-
-bool bf16_finite(const uint8_t * p, uint64_t n) {
-    uint32_t bad = 0;
-    for (uint64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * i, 2);
-        bad |= (uint32_t) ((h & 0x7f80u) == 0x7f80u);
-    }
-    return bad == 0;
-}
-
-bool f32_finite(const uint8_t * p, uint64_t n) {
-    uint32_t bad = 0;
-    for (uint64_t i = 0; i < n; ++i) {
-        uint32_t f;
-        std::memcpy(&f, p + 4 * i, 4);
-        bad |= (uint32_t) ((f & 0x7f800000u) == 0x7f800000u);
+        Bits v;
+        std::memcpy(&v, p + sizeof(Bits) * i, sizeof(Bits));
+        bad |= (uint32_t) ((v & exponent) == exponent);
     }
     return bad == 0;
 }
@@ -94,9 +76,9 @@ bool block_scales_finite(const uint8_t * p, uint64_t bytes, size_t block_bytes, 
 // true if every value of `bytes` bytes of `type` is finite; false for a type this check cannot read
 bool values_finite(int32_t type, const uint8_t * p, uint64_t bytes) {
     switch (type) {
-        case GGML_TYPE_F32:  return bytes % 4 == 0 && f32_finite(p, bytes / 4);
-        case GGML_TYPE_F16:  return bytes % 2 == 0 && f16_finite(p, bytes / 2);
-        case GGML_TYPE_BF16: return bytes % 2 == 0 && bf16_finite(p, bytes / 2);
+        case GGML_TYPE_F32:  return bytes % 4 == 0 && no_exponent_all_ones<uint32_t>(p, bytes / 4, 0x7f800000u);
+        case GGML_TYPE_F16:  return bytes % 2 == 0 && no_exponent_all_ones<uint16_t>(p, bytes / 2, 0x7c00u);
+        case GGML_TYPE_BF16: return bytes % 2 == 0 && no_exponent_all_ones<uint16_t>(p, bytes / 2, 0x7f80u);
         case GGML_TYPE_Q8_0:
         case GGML_TYPE_Q4_0:
         case GGML_TYPE_Q5_0:
