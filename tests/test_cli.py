@@ -15,7 +15,7 @@ def test_inspect_synthetic_model(synthetic_model):
     res = run_cli("inspect", str(synthetic_model))
     assert res.returncode == 0, res.stderr
     assert "architecture:  llama" in res.stdout
-    assert "suggested 2-shard split: 0-2,3-5" in res.stdout
+    assert "suggested 2-shard split (by bytes): 0-2,3-5" in res.stdout
     assert "KV bytes/token (f16): 128 per layer, 768 for the whole model" in res.stdout
 
 

@@ -36,17 +36,38 @@ def test_pin_names_package_version_hash_and_upstream_commit():
 
 
 def test_the_graph_patch_certifies_the_architectures_the_native_module_lists():
-    """The native module's list is the one the Python side reads; llama.cpp's own check (patch
-    0001, extended by later patches) must name the same architectures, in its condition and in
-    its message."""
+    """The native module's list is the one the Python side reads; llama.cpp's own certification
+    table (LLAMA_SHARD_CERTIFIED, patch 0011) must name the same architectures, and
+    shard_boundary.py's table must name a graph builder for each."""
+    import sys
+
     from llama_shard import certified_architectures
 
-    # the last patch that writes the check holds its final form
-    patch = [p.read_text() for p in sorted((REPO / "patches").glob("0*.patch")) if "does not support a shard layer range" in p.read_text()][-1]
-    condition = re.search(r"^\+\s*if \((\s*model->arch != LLM_ARCH_\w+\s*(&&\s*\+?\s*)?)+\)", patch, re.M)
-    assert condition, "the series no longer has its architecture check"
-    in_condition = sorted(a.lower() for a in re.findall(r"LLM_ARCH_(\w+)", condition.group(0)))
-    message = re.search(r"^\+.*does not support a shard layer range \(supported: ([a-z0-9, ]+)\)", patch, re.M)
-    in_message = sorted(message.group(1).split(", "))
-    assert in_condition == in_message == sorted(certified_architectures())
+    patch = [p.read_text() for p in sorted((REPO / "patches").glob("0*.patch")) if "LLAMA_SHARD_CERTIFIED[] = {" in p.read_text()][-1]
+    table = re.search(r"^\+static const llm_arch LLAMA_SHARD_CERTIFIED\[\] = \{(.*?)^\+\};", patch, re.M | re.S)
+    assert table, "the series no longer has its certification table"
+    names = re.findall(r"LLM_ARCH_(\w+)", table.group(1))
+    arch_names = (REPO / "third_party" / "llama.cpp" / "src" / "llama-arch.cpp")
+    if arch_names.is_file():  # the materialized tree: the enum's printed names
+        text = arch_names.read_text()
+        in_table = sorted(re.search(rf"\{{\s*LLM_ARCH_{n},\s*\"([^\"]+)\"", text).group(1) for n in names)
+    else:
+        in_table = sorted(n.lower() for n in names)
+    sys.path.insert(0, str(REPO / "third_party"))
+    try:
+        import shard_boundary
+    finally:
+        sys.path.pop(0)
+    assert in_table == sorted(certified_architectures()) == sorted(shard_boundary.FAMILY_SOURCES)
 
+
+def test_every_certified_builder_has_the_uniform_boundary_edit():
+    """The materialized tree's graph builders: exactly shard_boundary.py's three edits each."""
+    import subprocess
+
+    tree = REPO / "third_party" / "llama.cpp"
+    if not (tree / "src" / "models").is_dir():
+        pytest.skip("no materialized llama.cpp tree")
+    res = subprocess.run([sys.executable, str(REPO / "third_party" / "shard_boundary.py"), str(tree), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

@@ -228,6 +228,14 @@ def check_series() -> None:
             if res.returncode != 0:
                 raise MaterializeError(f"{p.name} does not apply to the pristine pin:\n{res.stderr}")
             _git_apply(tree, p)
+        # every certified family's graph builder has exactly the uniform boundary edit
+        import shard_boundary
+        problems = []
+        for source in shard_boundary.FAMILY_SOURCES.values():
+            text = (tree / "src" / "models" / source).read_text()
+            problems += shard_boundary.check_boundary(text, source) + shard_boundary.check_family_edits(source, text)
+        if problems:
+            raise MaterializeError("the shard boundary edit is incomplete:\n" + "\n".join(problems))
         for p in reversed(patches):
             res = _git_apply(tree, p, "--reverse")
             if res.returncode != 0:

@@ -110,9 +110,11 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     }
     const shard_model_info & info = model.info();
     // validates the type first
-    kv_bytes_per_token_ = llama_shard::kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), params.kv_type);
+    llama_shard::kv_bytes_per_token(info.n_head_kv, info.head_dim, info.n_owned_layers(), params.kv_type);
     kv_type_ = params.kv_type;
     const ggml_type type = kv_ggml_type(params.kv_type);
+    // what the cache allocates per token (per-layer head sizes, latent attention's K-only rows)
+    kv_bytes_per_token_ = llama_model_kv_bytes_per_token(model.raw(), type, type);
     if (!params.flash_attn && type != GGML_TYPE_F16) {
         // llama.cpp would abort context creation with a log line; say why here
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "kv_type " + params.kv_type + " needs flash attention (llama.cpp's quantized V cache)");

@@ -27,8 +27,9 @@ const char * shard_errc_name(shard_errc code) {
 }
 
 const std::vector<std::string> & shard_certified_architectures() {
-    // patches 0001 and 0005 name the same in llama.cpp's own check (a test reads them)
-    static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3"};
+    // patch 0011's LLAMA_SHARD_CERTIFIED table in llama.cpp names the same (a test reads it)
+    static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
+                                                    "qwen3moe", "gpt-oss", "deepseek2", "glm4moe"};
     return certified;
 }
 
@@ -53,7 +54,8 @@ namespace {
 
 struct gguf_header {
     std::string arch;
-    int64_t     n_layer = -1;
+    int64_t     n_layer = -1;      // block_count: the trunk's layers and any MTP (nextn) blocks after them
+    int64_t     n_layer_nextn = 0;  // nextn_predict_layers: MTP blocks, which no shard's range may reach
     int64_t     key_length = -1;
 };
 
@@ -94,6 +96,10 @@ gguf_header read_gguf_header(const std::string & path) {
         if (n_layer_id >= 0) {
             h.n_layer = gguf_int_value(ctx, n_layer_id);
         }
+        const int64_t nextn_id = gguf_find_key(ctx, (h.arch + ".nextn_predict_layers").c_str());
+        if (nextn_id >= 0) {
+            h.n_layer_nextn = gguf_int_value(ctx, nextn_id);
+        }
         const int64_t kl_id = gguf_find_key(ctx, (h.arch + ".attention.key_length").c_str());
         if (kl_id >= 0) {
             h.key_length = gguf_int_value(ctx, kl_id);
@@ -129,14 +135,21 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         if (header.n_layer <= 0) {
             throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no " + header.arch + ".block_count");
         }
-        if (first < 0 || last < first || last >= header.n_layer) {
+        const int64_t n_trunk = header.n_layer - std::max<int64_t>(0, header.n_layer_nextn);
+        if (n_trunk <= 0) {
+            throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has " + std::to_string(header.n_layer_nextn) +
+                              " MTP layers of " + std::to_string(header.n_layer) + " blocks: no trunk to split");
+        }
+        if (first < 0 || last < first || last >= n_trunk) {
             throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
                 "layer range [" + std::to_string(first) + ", " + std::to_string(last) + "] is not inside [0, " +
-                std::to_string(header.n_layer - 1) + "] with first <= last");
+                std::to_string(n_trunk - 1) + "] with first <= last" +
+                (header.n_layer_nextn > 0 ? " (layers " + std::to_string(n_trunk) + "-" + std::to_string(header.n_layer - 1) +
+                                            " are MTP blocks, which no shard owns)" : std::string()));
         }
     }
 
-    const int32_t n_owned = params.layers ? params.layers->second - params.layers->first + 1 : (int32_t) header.n_layer;
+    const int32_t n_owned = params.layers ? params.layers->second - params.layers->first + 1 : (int32_t) (header.n_layer - std::max<int64_t>(0, header.n_layer_nextn));
     if (params.gpu_layers < -1 || (n_owned > 0 && params.gpu_layers > n_owned)) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
             "gpu_layers " + std::to_string(params.gpu_layers) + " is outside [0, " + std::to_string(n_owned) +
@@ -194,8 +207,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.n_ctx_train  = llama_model_n_ctx_train(model_);
     info_.kv_dtype     = "f16";
     info_.weight_bytes = llama_model_weight_bytes(model_);
-    info_.kv_bytes_per_token = kv_bytes_per_token(info_.n_head_kv, info_.head_dim, info_.n_owned_layers(),
-                                                  info_.kv_dtype);  // at the default KV type
+    info_.kv_bytes_per_token = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F16);  // at the default KV type
     info_.sliding_window     = llama_model_n_swa(model_);
     info_.device             = device != nullptr ? ggml_backend_dev_name(device) : "cpu";
     info_.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";

@@ -298,7 +298,7 @@ def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str,
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._native import certified_architectures
-    from .engine.hot_kv import kv_bytes_per_token, parse_size
+    from .engine.hot_kv import parse_size
     from .engine.memory import memory_plan
     from .engine.models import gguf_shape
 
@@ -307,31 +307,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = _model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
-    kv_per_layer = kv_bytes_per_token(shape.n_head_kv, shape.head_dim, 1)
+    kv_layer = shape.kv_layer_bytes
     arch = shape.architecture
     print(f"file:          {path}")
     print(f"CPU kernels:   {_cpu_kernels()}")
     print("devices:\n" + _devices_text())
     certified = arch in certified_architectures()
     print(f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})")
-    print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}")
-    print(f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)")
-    print(f"KV bytes/token (f16): {kv_per_layer} per layer, {kv_per_layer * n_layer} for the whole model")
-    print("bytes per layer:")
+    print(f"kind:          {shape.kind}")
+    print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}"
+          + (f"; then {shape.n_nextn} MTP block(s) ({shape.mtp_bytes / 2**20:.1f} MiB) no shard loads" if shape.n_nextn else ""))
+    print(f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)"
+          + (f"; experts {sum(shape.expert_bytes) / 2**20:.1f} MiB" if shape.n_expert else ""))
+    if len(set(kv_layer)) == 1:
+        print(f"KV bytes/token (f16): {kv_layer[0]} per layer, {sum(kv_layer)} for the whole model")
+    else:
+        print(f"KV bytes/token (f16): {min(kv_layer)}-{max(kv_layer)} per layer, {sum(kv_layer)} for the whole model")
+    print("bytes per layer:" + (" (of which experts)" if shape.n_expert else ""))
     for il in range(n_layer):
-        print(f"  {il:3d}: {per_layer[il] / 2**20:8.2f} MiB")
-    cum = np.cumsum(per_layer)
+        experts = f"  ({shape.expert_bytes[il] / 2**20:.2f} MiB experts)" if shape.n_expert else ""
+        recurrent = "  recurrent" if il in shape.recurrent_layers else ""
+        print(f"  {il:3d}: {per_layer[il] / 2**20:8.2f} MiB{experts}{recurrent}")
     for n_shards in (2, 3, 4):
         if n_shards > n_layer:
             break
-        cuts = [int(np.searchsorted(cum, cum[-1] * k / n_shards)) for k in range(1, n_shards)]
-        bounds, start = [], 0
-        for c in cuts:
-            c = max(c, start)
-            bounds.append((start, c))
-            start = c + 1
-        bounds.append((start, n_layer - 1))
-        print(f"suggested {n_shards}-shard split: " + ",".join(f"{a}-{b}" for a, b in bounds))
+        bounds = shape.byte_weighted_splits(n_shards)
+        print(f"suggested {n_shards}-shard split (by bytes): " + ",".join(f"{a}-{b}" for a, b in bounds))
     cut = compute_balanced_cut(path)
     print(f"compute-balanced 2-shard split (the tail also runs the LM head): 0-{cut - 1},{cut}-{n_layer - 1}")
     if args.kv_memory:

@@ -81,11 +81,14 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
                 kv_type: str = "f16", warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0,
                 *, max_sessions: int | None = None, prefix_bytes: int = 0) -> MemoryPlan:
     """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
-    weight_bytes: a ShardModel's info or the same read from a GGUF header): `kv_memory` bytes buy
+    weight_bytes and f16 kv_bytes_per_token: a ShardModel's info or the same read from a GGUF header): `kv_memory` bytes buy
     the hot slots, or `max_sessions` (kv_memory None) names them. InvalidInputError when not even
     one slot fits."""
     n_layers = info.last - info.first + 1
-    bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)
+    bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)  # validates kv_type for the heads
+    f16_bpt = int(getattr(info, "kv_bytes_per_token", 0) or 0)
+    if f16_bpt:  # what llama.cpp caches (per-layer heads, latent attention's K-only rows), at kv_type's size
+        bpt = f16_bpt * kv_bytes_per_token(1, 256, 1, kv_type) // kv_bytes_per_token(1, 256, 1, "f16")
     cells = HotKvConfig(context_tokens=context_tokens, n_batch=n_batch).slot_cells
     if kv_memory is None:
         slots = max_sessions if max_sessions is not None else HotKvStateConfig().max_sessions

