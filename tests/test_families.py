@@ -122,36 +122,50 @@ def test_greedy_tokens_equal_the_whole_models(family):
     assert len(set(tokens)) >= 3, tokens  # the experts make varied text
 
 
-def test_a_rejected_draft_truncation_continues_as_a_fresh_run(family):
-    """What speculation does: a step appends drafts, the verdict cuts back to the accepted length."""
+def test_rejected_drafts_leave_no_trace(family):
+    """What speculation does: a step appends drafts, the verdict cuts back to the accepted length.
+    Two sessions that computed the same accepted draft among different rejected ones continue
+    byte for byte alike for six steps, and the first step is a fresh run's (its token; its logits
+    to rounding: a fresh prefill computes in other batch shapes, which an expert matmul rounds
+    differently, and a near tie in a router then picks other experts later on)."""
     name, path, spec = family
     route = Route(path, halves(spec))
     try:
-        tokens, _ = route.greedy("s", PROMPT, 6)
+        tokens, _ = route.greedy("a", PROMPT, 6)
+        assert route.greedy("b", PROMPT, 6)[0] == tokens
         history = PROMPT + tokens[:-1]
-        drafts = [3, 4, 5, 6]
-        route.prefill("s", drafts)                                 # the drafts, computed
-        for m in route.managers:
-            assert m.truncate("s", 0, len(history) + 1).seq_len == len(history) + 1  # one accepted
-        got = route.decode("s", 77)
-        fresh = route.prefill("fresh", history + drafts[:1] + [77], start_pos=0)
-        assert got.logits.tobytes() == fresh.logits.tobytes()
+        outs = []
+        for sid, drafts in (("a", [3, 4, 5, 6]), ("b", [3, 250, 9, 1])):
+            route.prefill(sid, drafts)                                 # the drafts, computed
+            for m in route.managers:
+                assert m.truncate(sid, 0, len(history) + 1).seq_len == len(history) + 1  # one accepted
+            outs.append([route.decode(sid, 77)])
+            outs[-1] += [route.decode(sid, outs[-1][-1].token_id) for _ in range(5)]
+        assert [o.logits.tobytes() for o in outs[0]] == [o.logits.tobytes() for o in outs[1]]
+        fresh = route.prefill("fresh", history + [3, 77], start_pos=0)
+        assert outs[0][0].token_id == fresh.token_id
+        np.testing.assert_allclose(outs[0][0].logits, fresh.logits, rtol=1e-4, atol=1e-4)
     finally:
         route.close()
 
 
-def test_a_prefix_open_gives_the_fresh_runs_logits(family):
+def test_a_prefix_open_continues_as_the_prefix_owner_does(family):
+    """A stored prefix opened by another session holds the owner's bytes: both continue alike,
+    and with a fresh run's greedy tokens."""
     name, path, spec = family
     config = HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0, prefix_bytes=16 << 20)
     route = Route(path, halves(spec), config)
     try:
-        route.prefill("a", PROMPT)
+        route.prefill("a", PROMPT[:8])
         assert all(m.store_prefix("a", 0, 42, 8) for m in route.managers)
         for m in route.managers:
             assert not isinstance(m.open_prefix("b", 0, 42, 8), CacheMiss)
-        got = route.prefill("b", [200, 201, 202], start_pos=8)
-        fresh = route.prefill("fresh", PROMPT[:8] + [200, 201, 202], start_pos=0)
-        assert got.logits.tobytes() == fresh.logits.tobytes()
+        suffix = [200, 201, 202]
+        got, owner = route.prefill("b", suffix, start_pos=8), route.prefill("a", suffix, start_pos=8)
+        assert got.logits.tobytes() == owner.logits.tobytes()
+        fresh = route.prefill("fresh", PROMPT[:8] + suffix, start_pos=0)
+        assert got.token_id == fresh.token_id
+        np.testing.assert_allclose(got.logits, fresh.logits, rtol=1e-4, atol=1e-5)
     finally:
         route.close()
 
@@ -226,5 +240,5 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
     bad = tmp_path / "liar16.gguf"
     bad.write_bytes(bytes(data))
     del reader
-    with pytest.raises(ModelLoadError, match="ffn_gate_inp|wrong shape|expected"):
+    with pytest.raises(ModelLoadError, match="ffn_gate_inp.weight' has wrong shape"):
         ShardModel(str(bad), (0, 2), 1)

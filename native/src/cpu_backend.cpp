@@ -56,8 +56,10 @@ static void shard_log_callback(ggml_log_level level, const char * text, void * /
         while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
             line.pop_back();
         }
-        if (!line.empty()) {
-            g_last_error = line;
+        // every error line since the last clear: llama.cpp says why first ("error loading model:
+        // ... has wrong shape") and that it failed last
+        if (!line.empty() && g_last_error.size() < 4096) {
+            g_last_error += (g_last_error.empty() ? "" : "; ") + line;
         }
     }
     // llama.cpp is chatty at info level; LLAMA_SHARD_LOG=1 shows everything, otherwise only errors

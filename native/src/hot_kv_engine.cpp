@@ -218,6 +218,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
         state_layout_.v_trans   = !config.flash_attn;
         state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);
         state_layout_.n_embd_v  = (uint32_t) n_embd_kv;
+        state_layout_.v_rows    = info.kv_v_rows;
         n_stream_ = ctx_->kv_unified() ? 1u : (uint32_t) ctx_->n_seq_max();
     }
 
@@ -339,7 +340,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     uint64_t min_bytes = 0, max_bytes = 0;
     warm_file_bounds(*w, min_bytes, max_bytes);
     page_buffer from_disk;  // read and verified (MAC, header, size, digest, positions) before llama.cpp sees it
-    const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk);
+    const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk, state_layout_.v_rows);
     bool ok = state != nullptr;
     int32_t seq_id = -1;
     if (ok) {
@@ -1215,7 +1216,7 @@ hot_kv_result hot_kv_engine::export_session(const std::string & sid, int64_t epo
     uint64_t min_bytes = 0, max_bytes = 0;
     warm_file_bounds(*w, min_bytes, max_bytes);
     page_buffer scratch;
-    const page_buffer * src = warm_.restore_source(sid, min_bytes, max_bytes, scratch);
+    const page_buffer * src = warm_.restore_source(sid, min_bytes, max_bytes, scratch, state_layout_.v_rows);
     if (src == nullptr) {  // as a restore that finds its copy unusable: dropped, a miss
         warm_.drop(sid, SHARD_MISS_EVICTED_LRU);
         res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be read");
@@ -1265,7 +1266,7 @@ hot_kv_result hot_kv_engine::import_session(const std::string & sid, int64_t epo
     }
     page_buffer restreamed;  // a state of an engine with another stream count, rewritten for this one
     if (kv_state_streams(data, size) != n_stream_) {
-        if (!kv_state_restream(data, size, seq_len, n_stream_, restreamed)) {
+        if (!kv_state_restream(data, size, seq_len, n_stream_, restreamed, state_layout_.v_rows)) {
             throw shard_error(SHARD_ERRC_CAPACITY, "could not copy the state for this engine's streams (" +
                               str((int64_t) size) + " bytes)");
         }

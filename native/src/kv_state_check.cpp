@@ -96,8 +96,8 @@ bool values_finite(int32_t type, const uint8_t * p, uint64_t bytes) {
 // the rows of one stream's cells: K per layer, then V per layer (rows, or transposed elements);
 // each header checked against `layout` when there is one, every value checked finite when
 // `check_values`; the cache's layer count added to `layers`
-bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool check_values, uint64_t & layers,
-               std::string & why) {
+bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool check_values, bool v_rows,
+               uint64_t & layers, std::string & why) {
     uint32_t v_trans = 0, n_layer = 0;
     if (!c.get(v_trans) || !c.get(n_layer) || v_trans > 1 || n_layer > MAX_LAYERS) {
         why = "a bad row header";
@@ -109,7 +109,8 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
         return false;
     }
     layers += n_layer;
-    for (uint32_t l = 0; l < 2 * n_layer; ++l) {
+    // K rows of every layer, then V rows of every layer (none where latent attention caches no V)
+    for (uint32_t l = 0; l < (v_rows ? 2 : 1) * n_layer; ++l) {
         const char * kv = l < n_layer ? "K" : "V";
         int32_t type = 0;
         if (!c.get(type)) {
@@ -171,7 +172,7 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
 // the one reader: positions, the rows against `layout` when given and their values when
 // `check_values`; each cache's span of the sequence appended to `spans` when given
 bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout, bool check_values,
-                std::vector<stream_span> * spans, std::string & why) {
+                bool v_rows, std::vector<stream_span> * spans, std::string & why) {
     cursor c{data, data != nullptr ? size : 0};
     uint32_t magic = 0;
     int32_t saved_seq = 0;
@@ -225,7 +226,7 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
                     return false;
                 }
             }
-            if (!skip_rows(c, cells, layout, check_values, layers, why)) {
+            if (!skip_rows(c, cells, layout, check_values, v_rows, layers, why)) {
                 return false;
             }
             span = stream_span{at, size - c.left};
@@ -255,17 +256,17 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
 
 } // namespace
 
-bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
-    return read_state(data, size, seq_len, nullptr, false, nullptr, why);
+bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows) {
+    return read_state(data, size, seq_len, nullptr, false, v_rows, nullptr, why);
 }
 
-bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why) {
-    return read_state(data, size, seq_len, nullptr, true, nullptr, why);
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows) {
+    return read_state(data, size, seq_len, nullptr, true, v_rows, nullptr, why);
 }
 
 bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
                          std::string & why) {
-    return read_state(data, size, seq_len, &layout, true, nullptr, why);
+    return read_state(data, size, seq_len, &layout, true, layout.v_rows, nullptr, why);
 }
 
 uint32_t kv_state_streams(const uint8_t * data, size_t size) {
@@ -278,11 +279,12 @@ uint32_t kv_state_streams(const uint8_t * data, size_t size) {
     return n_stream;
 }
 
-bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out) {
+bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out,
+                       bool v_rows) {
     out.reset();
     std::vector<stream_span> spans;
     std::string why;
-    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, false, &spans, why)) {
+    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, false, v_rows, &spans, why)) {
         return false;
     }
     const size_t header = sizeof(uint32_t) + sizeof(int32_t);  // magic, saved seq id

@@ -162,6 +162,7 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     cparams.op_offload      = false;
     cparams.swa_full        = params.swa_full;  // see shard_context_params
 
+    shard_clear_llama_error();
     ctx_ = llama_init_from_model(model.raw(), cparams);
     if (ctx_ == nullptr) {
         const std::string why = shard_last_llama_error();
@@ -363,6 +364,7 @@ size_t shard_context::decode_call(const std::vector<batch_item> & items, const s
                                   RollBack & roll_back) {
     const size_t last = fill_batch(items, order, first);
     take_compute_turn();
+    shard_clear_llama_error();  // cheap: an empty string
     const int32_t ret = llama_decode(ctx_, batch_->batch);
     end_compute_turn();
     ++n_decode_calls_;

@@ -48,11 +48,12 @@
 namespace llama_shard {
 
 // true if `data` is the state of one sequence of exactly seq_len tokens; `why` says what is not
-bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why);
+// v_rows: the state has V rows (false for a latent-attention cache, which holds K only)
+bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows = true);
 
 // kv_state_positions_ok, and every K/V value finite (a row type whose values cannot be checked is
 // refused); `why` says what is not
-bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why);
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows = true);
 
 // what the rows of a state restored on one context must be (hot_kv_engine fills it from its
 // context: kv_type, flash attention, head geometry, owned layers)
@@ -63,6 +64,7 @@ struct kv_state_layout {
     bool     v_trans   = false;  // V stored transposed (no flash attention): per layer an element size and width
     uint32_t el_bytes  = 0;      // V transposed: ggml_type_size(type)
     uint32_t n_embd_v  = 0;      // V transposed: V elements per cell
+    bool     v_rows    = true;   // V rows follow the K rows (latent attention caches K only)
 };
 
 // kv_state_values_ok, and every row header as `layout` says; `why` says what is not
@@ -75,6 +77,7 @@ uint32_t kv_state_streams(const uint8_t * data, size_t size);
 // `data` (a state that kv_state_positions_ok accepted) rewritten with n_stream streams per cache:
 // each cache's non-empty stream first, then empty ones. False (and `out` empty) if n_stream is 0,
 // the state is not one this reader accepts, or the memory cannot be had.
-bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out);
+bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out,
+                       bool v_rows = true);
 
 } // namespace llama_shard

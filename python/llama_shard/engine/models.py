@@ -129,6 +129,8 @@ class GgufShape:
     other_bytes: int                 # embedding, output norm and head
     layer_elements: tuple[int, ...]  # weight elements per block
     lm_head_elements: int            # output.weight, or the tied token_embd
+    input_bytes: int = 0             # token_embd: the head's (part of other_bytes)
+    output_bytes: int = 0            # output norm and head, the tied token_embd again: the tail's
     n_nextn: int = 0                 # MTP blocks after the trunk
     mtp_bytes: int = 0
     n_expert: int = 0
@@ -148,7 +150,10 @@ class GgufShape:
         return "; ".join(parts) or "dense"
 
     def range_info(self, first: int, last: int) -> RangeInfo:
-        outside = self.other_bytes if first == 0 or last == self.n_layer - 1 else 0
+        if first == 0 and last == self.n_layer - 1:
+            outside = self.other_bytes  # the whole model loads a tied head once
+        else:
+            outside = (self.input_bytes if first == 0 else 0) + (self.output_bytes if last == self.n_layer - 1 else 0)
         return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
                          weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside,
                          kv_bytes_per_token=sum(self.kv_layer_bytes[first:last + 1]))
@@ -234,6 +239,8 @@ def gguf_shape(path: str | Path) -> GgufShape:
             else:
                 other += int(t.n_bytes)
                 outside[t.name] = int(t.n_elements)
+        embd = sum(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+        tied = "output.weight" not in outside
         # f16 K and V rows per token (latent attention caches K only; a recurrent layer no KV)
         kv_layer = [0 if il in recurrent or heads_kv[il] == 0 else
                     2 * heads_kv[il] * (k_len + (0 if mla else v_len)) for il in range(n_blocks)]
@@ -242,6 +249,7 @@ def gguf_shape(path: str | Path) -> GgufShape:
                          layer_bytes=tuple(per_layer[:n_layer]), other_bytes=other,
                          layer_elements=tuple(elements[:n_layer]),
                          lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)),
+                         input_bytes=embd, output_bytes=other - embd + (embd if tied else 0),
                          n_nextn=n_nextn, mtp_bytes=sum(per_layer[n_layer:]),
                          n_expert=field("expert_count", 0) or 0, n_expert_used=field("expert_used_count", 0) or 0,
                          expert_bytes=tuple(experts[:n_layer]), kv_layer_bytes=tuple(kv_layer[:n_layer]),
