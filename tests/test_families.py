@@ -242,3 +242,33 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
     del reader
     with pytest.raises(ModelLoadError, match="ffn_gate_inp.weight' has wrong shape"):
         ShardModel(str(bad), (0, 2), 1)
+
+
+REPEAT = [5, 6, 7, 8, 9, 10] * 4  # a prompt that repeats: the worker's prompt-lookup drafts get accepted
+
+
+@pytest.mark.grpc
+def test_a_served_route_generates_the_whole_models_tokens_greedy_seeded_and_with_drafts(family):
+    """Two workers, the tail sampling with llama.cpp's chain: greedy without drafts, with the
+    worker's drafts, and seeded sampling each give the whole model's tokens."""
+    from test_generate import Route as ServedRoute, whole_model_tokens
+
+    from llama_shard._native import SamplingParams
+    from llama_shard.proto.requests import sampling_to_wire
+
+    name, path, spec = family
+    route = ServedRoute(path, halves(spec))
+    try:
+        for i, prompt in enumerate((PROMPT, REPEAT)):
+            expected = whole_model_tokens(path, prompt, None)
+            plain, _ = route.generate(f"plain-{i}", prompt, max_drafts=0)
+            drafted, final = route.generate(f"drafts-{i}", prompt)
+            assert plain == expected, (name, i)
+            assert drafted == expected, (name, i, final.accepted_tokens)
+            if prompt is REPEAT:
+                assert final.drafted_tokens > 0, name  # the verification rows were computed
+        params = SamplingParams(seed=42, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+        sampled, _ = route.generate("seeded", PROMPT, sampling=sampling_to_wire(params))
+        assert sampled == whole_model_tokens(path, PROMPT, params)
+    finally:
+        route.stop()
