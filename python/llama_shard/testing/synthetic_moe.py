@@ -212,3 +212,22 @@ CERTIFICATION_SPECS = {
     "deepseek2": MoeSpec(family="deepseek2", n_dense_lead=1, n_shared=1, n_nextn=1, seed=34),
     "glm4moe": MoeSpec(family="glm4moe", n_dense_lead=1, n_shared=1, n_nextn=1, seed=35),
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python synthetic_moe.py OUT.gguf --family F`: the family's certification model (the CTest
+    fixture runs it; it imports nothing from llama_shard)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write a synthetic random MoE GGUF (a certification model)")
+    ap.add_argument("out")
+    ap.add_argument("--family", choices=sorted(CERTIFICATION_SPECS), required=True)
+    a = ap.parse_args(argv)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    write_moe_gguf(a.out, CERTIFICATION_SPECS[a.family])
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
