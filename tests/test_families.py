@@ -1,6 +1,6 @@
 """Certification, family by family: each cell of docs/families.md's table is a test here.
 
-Every family runs on a tiny random-weight file of its own (testing/synthetic_moe.py) written with
+Every family runs on a tiny random-weight file of its own (testing/synthetic_families.py) written with
 each kind of layer it has: dense lead layers, sliding-window and full layers, latent attention, a
 shared expert, an MTP block. Each test compares a split route with the whole model (which runs
 upstream's code path: patch 0001's gate) or a session's later state with a fresh run, byte for byte.
@@ -14,7 +14,7 @@ from llama_shard import (CacheMiss, HotKvStateConfig, HotKvStateManager, KvBound
                          Tier)
 from llama_shard.engine.hot_kv import ManualClock
 from llama_shard.engine.pipeline import LocalPipeline
-from llama_shard.testing.synthetic_moe import CERTIFICATION_SPECS, MoeSpec, write_moe_gguf
+from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, MoeSpec, write_moe_gguf
 
 FAMILIES = list(CERTIFICATION_SPECS)
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]

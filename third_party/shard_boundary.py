@@ -38,6 +38,7 @@ FAMILY_SOURCES = {
     "gpt-oss": "openai-moe.cpp",
     "deepseek2": "deepseek2.cpp",
     "glm4moe": "glm4-moe.cpp",
+    "nemotron_h": "nemotron-h.cpp",
 }
 
 #: edits one family needs besides the three: (file, upstream text, patched text)

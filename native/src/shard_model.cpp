@@ -29,7 +29,7 @@ const char * shard_errc_name(shard_errc code) {
 const std::vector<std::string> & shard_certified_architectures() {
     // patch 0011's LLAMA_SHARD_CERTIFIED table in llama.cpp names the same (a test reads it)
     static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
-                                                    "qwen3moe", "gpt-oss", "deepseek2", "glm4moe"};
+                                                    "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h"};
     return certified;
 }
 
@@ -57,7 +57,32 @@ struct gguf_header {
     int64_t     n_layer = -1;      // block_count: the trunk's layers and any MTP (nextn) blocks after them
     int64_t     n_layer_nextn = 0;  // nextn_predict_layers: MTP blocks, which no shard's range may reach
     int64_t     key_length = -1;
+    int64_t     n_head_kv_max = -1;  // head_count_kv given per layer (hybrids: 0 for a recurrent layer): the largest
 };
+
+// the largest value of an integer array of `ctx` (-1: not an integer array)
+int64_t gguf_int_array_max(const gguf_context * ctx, int64_t id) {
+    if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY) {
+        return -1;
+    }
+    const size_t n = gguf_get_arr_n(ctx, id);
+    const void * data = gguf_get_arr_data(ctx, id);
+    int64_t best = -1;
+    for (size_t i = 0; i < n; ++i) {
+        int64_t v = -1;
+        switch (gguf_get_arr_type(ctx, id)) {
+            case GGUF_TYPE_UINT32: v = ((const uint32_t *) data)[i]; break;
+            case GGUF_TYPE_INT32:  v = ((const int32_t *) data)[i]; break;
+            case GGUF_TYPE_UINT16: v = ((const uint16_t *) data)[i]; break;
+            case GGUF_TYPE_INT16:  v = ((const int16_t *) data)[i]; break;
+            case GGUF_TYPE_UINT8:  v = ((const uint8_t *) data)[i]; break;
+            case GGUF_TYPE_INT8:   v = ((const int8_t *) data)[i]; break;
+            default:               return -1;
+        }
+        best = std::max(best, v);
+    }
+    return best;
+}
 
 int64_t gguf_int_value(const gguf_context * ctx, int64_t id) {
     switch (gguf_get_kv_type(ctx, id)) {
@@ -99,6 +124,10 @@ gguf_header read_gguf_header(const std::string & path) {
         const int64_t nextn_id = gguf_find_key(ctx, (h.arch + ".nextn_predict_layers").c_str());
         if (nextn_id >= 0) {
             h.n_layer_nextn = gguf_int_value(ctx, nextn_id);
+        }
+        const int64_t kv_id = gguf_find_key(ctx, (h.arch + ".attention.head_count_kv").c_str());
+        if (kv_id >= 0) {
+            h.n_head_kv_max = gguf_int_array_max(ctx, kv_id);
         }
         const int64_t kl_id = gguf_find_key(ctx, (h.arch + ".attention.key_length").c_str());
         if (kl_id >= 0) {
@@ -202,7 +231,8 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.n_embd       = llama_model_n_embd(model_);
     info_.n_vocab      = llama_vocab_n_tokens(vocab_);
     info_.n_head       = llama_model_n_head(model_);
-    info_.n_head_kv    = llama_model_n_head_kv(model_);
+    // layer 0's, or the largest of a per-layer array (a hybrid's recurrent layers have none)
+    info_.n_head_kv    = header.n_head_kv_max > 0 ? (int32_t) header.n_head_kv_max : llama_model_n_head_kv(model_);
     info_.head_dim     = header.key_length > 0 ? (int32_t) header.key_length : info_.n_embd / std::max(1, info_.n_head);
     info_.n_ctx_train  = llama_model_n_ctx_train(model_);
     info_.kv_dtype     = "f16";

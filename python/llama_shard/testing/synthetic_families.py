@@ -1,6 +1,6 @@
-"""Synthetic random mixture-of-experts GGUF files, one writer per family: download-free and tiny.
+"""Synthetic random GGUF files of the mixture-of-experts and hybrid families: download-free, tiny.
 
-No small real MoE GGUF is on the package index, so the certification tests write their own. Each
+No small real MoE or hybrid GGUF is on the package index, so the certification tests write their own. Each
 family's tensor names, shapes and metadata keys are the ones the pinned llama.cpp's loader asks for
 (`src/models/<family>.cpp`, `load_arch_hparams` / `load_arch_tensors`): a file that disagreed would
 be refused at load, so loading one is the check that this module is right.
@@ -12,6 +12,7 @@ be refused at load, so loading one is the check that this module is right.
 | `gpt-oss`   | alternating sliding-window / full layers, attention sinks, biased experts (SwiGLU-OAI) |
 | `deepseek2` | latent attention (MLA: a K-only cache), dense lead layers, a shared expert, sigmoid gating with expert biases, an MTP block |
 | `glm4moe`   | dense lead layers, shared experts, sigmoid gating, q/k norms, an MTP block         |
+| `nemotron_h`| a hybrid: Mamba-2 (recurrent) layers, attention layers and FFN-only layers, by per-layer arrays of KV heads and FFN widths |
 
 The MTP (nextn) block is written after the trunk (`block_count` counts it, as converters do) and
 loaded by no shard. Like `synthetic.py`, the tokenizer is `none`: token ids only.
@@ -26,7 +27,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter
 
 #: family name -> GGUF architecture
 FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
-               "glm4moe": "glm4moe"}
+               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h"}
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -49,6 +50,11 @@ class MoeSpec:
     kv_lora_rank: int = 32      # deepseek2: the latent K/V width (the cache's row)
     q_lora_rank: int = 32       # deepseek2
     rope_dim: int = 8           # deepseek2: the roped part of a head (the rest is the "nope" part)
+    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F), layer by layer
+    ssm_heads: int = 4          # nemotron_h: Mamba-2 heads (d_inner = n_embd, split among them)
+    ssm_groups: int = 2
+    ssm_state: int = 16
+    ssm_conv: int = 4
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
@@ -72,6 +78,8 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe"):
         raise ValueError(f"{spec.family} has no MTP blocks")
     path = Path(path)
+    if spec.family == "nemotron_h":
+        return _write_nemotron_h(path, spec)
     rng = np.random.default_rng(spec.seed)
     arch, fam = spec.architecture, spec.family
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
@@ -204,6 +212,76 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     return path
 
 
+def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
+    """Nemotron-H: a layer is Mamba-2 when its KV heads and FFN width are both 0, attention when
+    only its FFN width is, an FFN (squared ReLU, no gate) otherwise (the per-layer arrays
+    `attention.head_count_kv` and `feed_forward_length` say which)."""
+    rng = np.random.default_rng(spec.seed)
+    arch, kinds = spec.architecture, spec.layer_kinds
+    if len(kinds) != spec.n_layer or set(kinds) - set("MAF"):
+        raise ValueError(f"layer_kinds {kinds!r} must give M, A or F for each of {spec.n_layer} layers")
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    d_inner, groups, state, heads = E, spec.ssm_groups, spec.ssm_state, spec.ssm_heads
+    conv_dim = d_inner + 2 * groups * state
+
+    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * s).astype(np.float16 if spec.f16 else np.float32)
+
+    def vec(*shape: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
+        return (base + scale * rng.standard_normal(shape)).astype(np.float32)
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-nemotron_h-{kinds}")
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length([spec.n_ff if k == "F" else 0 for k in kinds])
+    w.add_head_count(H)
+    w.add_head_count_kv([Hkv if k == "A" else 0 for k in kinds])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_eps(spec.rms_eps)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_ssm_conv_kernel(spec.ssm_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(heads)
+    w.add_ssm_group_count(groups)
+    w.add_vocab_size(spec.n_vocab)
+    w.add_file_type(1 if spec.f16 else 0)
+    w.add_tokenizer_model("none")
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il, kind in enumerate(kinds):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        if kind == "M":
+            w.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * groups * state + heads, E))
+            w.add_tensor(p + "ssm_conv1d.weight", mat(conv_dim, spec.ssm_conv, scale=0.5))
+            w.add_tensor(p + "ssm_conv1d.bias", vec(conv_dim))
+            w.add_tensor(p + "ssm_dt.bias", vec(heads, scale=0.5))
+            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))   # A = -exp(A_log): decaying
+            w.add_tensor(p + "ssm_d", vec(heads, 1, scale=0.5, base=1.0))
+            w.add_tensor(p + "ssm_norm.weight", vec(groups, d_inner // groups, base=1.0))
+            w.add_tensor(p + "ssm_out.weight", mat(E, d_inner))
+        elif kind == "A":
+            w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+            w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        else:
+            w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+            w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 #: the certification fixtures: small, with every kind of layer each family has
 CERTIFICATION_SPECS = {
     "mixtral": MoeSpec(family="mixtral", n_ff=48, seed=31),
@@ -211,11 +289,12 @@ CERTIFICATION_SPECS = {
     "gpt-oss": MoeSpec(family="gpt-oss", n_expert=8, n_expert_used=2, sliding_window=4, seed=33),
     "deepseek2": MoeSpec(family="deepseek2", n_dense_lead=1, n_shared=1, n_nextn=1, seed=34),
     "glm4moe": MoeSpec(family="glm4moe", n_dense_lead=1, n_shared=1, n_nextn=1, seed=35),
+    "nemotron_h": MoeSpec(family="nemotron_h", n_layer=8, n_expert=0, n_expert_used=0, seed=36),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python synthetic_moe.py OUT.gguf --family F`: the family's certification model (the CTest
+    """`python synthetic_families.py OUT.gguf --family F`: the family's certification model (the CTest
     fixture runs it; it imports nothing from llama_shard)."""
     import argparse
 
