@@ -231,6 +231,10 @@ py::dict stats_dict(const hot_kv_stats & st) {
     d["misses"] = misses;
     d["spills"] = st.spills;
     d["restores"] = st.restores;
+    d["checkpoints_taken"] = st.checkpoints_taken;
+    d["checkpoint_restores"] = st.checkpoint_restores;
+    d["checkpoint_tokens"] = st.checkpoint_tokens;
+    d["checkpoint_bytes"] = st.checkpoint_bytes;
     d["warm_drops"] = st.warm_drops;
     d["warm_sessions"] = st.warm_sessions;
     d["warm_bytes"] = st.warm_bytes;
@@ -387,6 +391,7 @@ void register_model(py::module_ & m) {
         .def_readonly("weight_bytes", &shard_model_info::weight_bytes)
         .def_readonly("kv_bytes_per_token", &shard_model_info::kv_bytes_per_token)
         .def_readonly("sliding_window", &shard_model_info::sliding_window)
+        .def_readonly("recurrent_bytes", &shard_model_info::recurrent_bytes)
         .def_readonly("swa_pattern", &shard_model_info::swa_pattern)
         .def_readonly("device", &shard_model_info::device)
         .def_readonly("device_description", &shard_model_info::device_description)

@@ -209,15 +209,24 @@ def test_inspect_reads_the_family_and_its_expert_bytes(family):
     shape = gguf_shape(path)
     assert shape.n_layer == spec.n_layer and shape.n_nextn == spec.n_nextn
     assert shape.n_expert == spec.n_expert and shape.n_expert_used == spec.n_expert_used
-    assert shape.kind == f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"
-    moe_layers = range(spec.n_dense_lead, spec.n_layer)
-    assert all(shape.expert_bytes[il] > 0 for il in moe_layers)
-    assert all(shape.expert_bytes[il] == 0 for il in range(spec.n_dense_lead))
+    if spec.family == "nemotron_h":
+        recurrent = [il for il, kind in enumerate(spec.layer_kinds) if kind == "M"]
+        assert shape.kind == f"hybrid, {len(recurrent)} of {spec.n_layer} layers recurrent"
+        assert list(shape.recurrent_layers) == recurrent
+        assert [b > 0 for b in shape.kv_layer_bytes] == [kind == "A" for kind in spec.layer_kinds]
+    else:
+        assert shape.kind == f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"
+        moe_layers = range(spec.n_dense_lead, spec.n_layer)
+        assert all(shape.expert_bytes[il] > 0 for il in moe_layers)
+        assert all(shape.expert_bytes[il] == 0 for il in range(spec.n_dense_lead))
     # the memory plan counts what llama.cpp allocated, within 10%
     for first, last in halves(spec):
         model = ShardModel(str(path), (first, last), 1)
-        planned = shape.range_info(first, last).weight_bytes
-        assert abs(planned - model.info.weight_bytes) <= 0.1 * model.info.weight_bytes, (first, last, planned)
+        planned = shape.range_info(first, last)
+        assert abs(planned.weight_bytes - model.info.weight_bytes) <= 0.1 * model.info.weight_bytes, (first, last, planned)
+        # KV and recurrent state per token and per session as llama.cpp allocates them
+        assert planned.kv_bytes_per_token == model.info.kv_bytes_per_token
+        assert planned.recurrent_bytes == model.info.recurrent_bytes
 
 
 def test_a_cut_inside_the_mtp_block_is_refused(family_models):

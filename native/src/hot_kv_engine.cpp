@@ -218,7 +218,12 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
         state_layout_.v_trans   = !config.flash_attn;
         state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);
         state_layout_.n_embd_v  = (uint32_t) n_embd_kv;
-        state_layout_.v_rows    = info.kv_v_rows;
+        state_layout_.format.v_rows = info.kv_v_rows;
+        if (ctx_->recurrent()) {  // a hybrid: its attention layers with a cache, then its recurrent block
+            state_layout_.n_layers = (uint32_t) llama_model_layers_with_state(model.raw(), false);
+            state_layout_.format.recurrent_layers = llama_model_layers_with_state(model.raw(), true);
+            state_layout_.recurrent_row_bytes = llama_model_recurrent_state_bytes(model.raw());
+        }
         n_stream_ = ctx_->kv_unified() ? 1u : (uint32_t) ctx_->n_seq_max();
     }
 
@@ -340,7 +345,7 @@ hot_kv_engine::session * hot_kv_engine::restore_locked(const std::string & sid, 
     uint64_t min_bytes = 0, max_bytes = 0;
     warm_file_bounds(*w, min_bytes, max_bytes);
     page_buffer from_disk;  // read and verified (MAC, header, size, digest, positions) before llama.cpp sees it
-    const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk, state_layout_.v_rows);
+    const page_buffer * state = warm_.restore_source(sid, min_bytes, max_bytes, from_disk, state_layout_.format);
     bool ok = state != nullptr;
     int32_t seq_id = -1;
     if (ok) {
@@ -385,7 +390,8 @@ void hot_kv_engine::warm_file_bounds(const warm_entry & w, uint64_t & min_bytes,
         const int32_t least_cells = n_swa_ > 0 ? std::min(w.seq_len, n_swa_) : w.seq_len;
         min_bytes = (uint64_t) least_cells * counters_.kv_bytes_per_token;
         max_bytes = (uint64_t) w.seq_len * (counters_.kv_bytes_per_token + 64) +
-                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096;
+                    4ull * (uint64_t) config_.max_sessions + 64ull * (uint64_t) info.n_owned_layers() + 4096 +
+                    state_layout_.recurrent_row_bytes;  // a hybrid's recurrent block: one cell, whatever the length
     }
 }
 
@@ -751,6 +757,13 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
     for (const planned & p : plan) {
         const hot_kv_request & req = requests[p.index];
         items.push_back({p.s->seq_id, p.start, req.input, req.out});
+        if (ctx_->recurrent() && p.s->checkpoints.wants(p.start, req.input.n_tokens)) {
+            page_buffer state;  // the recurrent state where this step starts (a prompt's, a verification's)
+            if (ctx_->seq_save_recurrent(p.s->seq_id, state)) {
+                p.s->checkpoints.take(p.start, std::move(state));
+                counters_.checkpoints_taken++;
+            }
+        }
     }
     shard_status status = SHARD_STATUS_OK;
     std::string  detail;
@@ -764,6 +777,7 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
     for (const planned & p : plan) {
         const int64_t n = requests[p.index].input.n_tokens;
         if (status == SHARD_STATUS_OK) {
+            p.s->checkpoints.record(p.start, requests[p.index].input);
             p.s->seq_len = p.start + (int32_t) n;
             // only decodes can be retried (a prefill names its start): hidden rows of a long prefill
             // are not hashed on the way
@@ -774,6 +788,10 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
             counters_.tokens_computed += (uint64_t) n;
         } else {
             reserved_ -= n;  // reserved at admission, never held
+            if (ctx_->recurrent() && !cut_locked(*p.s, p.start)) {
+                // forward_batch's roll back cannot cut a recurrent state: its checkpoint at the start does
+                std::fprintf(stderr, "llama-shard: a failed step left a recurrent state that no checkpoint restores\n");
+            }
         }
         hot_kv_result & r = results[p.index];
         r = hot_result(p.s->seq_len, p.s->seq_id);
@@ -822,7 +840,9 @@ bool hot_kv_engine::admit_locked(const hot_kv_request & req, const std::vector<s
         return false;  // a miss: the head re-prefills
     }
     if (start < s->seq_len) {
-        ctx_->seq_rm(s->seq_id, start);
+        if (!cut_or_drop_locked(sid, *s, start, res)) {
+            return false;  // a miss: the head re-prefills
+        }
         reserved_ -= s->seq_len - start;
         s->seq_len = start;
         s->swa_floor = start == 0 ? 0 : s->swa_floor;
@@ -923,6 +943,48 @@ bool hot_kv_engine::drop_if_cut_inexact_locked(const std::string & sid, const se
     return true;
 }
 
+bool hot_kv_engine::cut_locked(session & s, int32_t length) {
+    if (!ctx_->recurrent() || length == 0) {
+        s.checkpoints.cut(length);
+        return ctx_->seq_rm(s.seq_id, length);
+    }
+    const recurrent_checkpoints::checkpoint * c = s.checkpoints.covering(length);
+    if (c == nullptr) {
+        return false;
+    }
+    try {
+        // the state at the checkpoint (the attention cells from its position on removed: the recurrent
+        // state, restored first, is at the position before it and seq_rm leaves it), then its inputs again
+        const bool at_start = c->pos == 0 ? ctx_->seq_rm(s.seq_id, 0)
+                                          : ctx_->seq_restore_recurrent(s.seq_id, c->state) && ctx_->seq_rm(s.seq_id, c->pos);
+        if (!at_start) {
+            return false;
+        }
+        if (length > c->pos) {
+            const shard_input in = c->input(length - c->pos);
+            std::vector<float> discarded((size_t) ctx_->output_size(in.n_tokens));
+            ctx_->forward(s.seq_id, c->pos, in, discarded.data());
+            counters_.checkpoint_tokens += (uint64_t) (length - c->pos);
+        }
+    } catch (const shard_error &) {
+        return false;
+    }
+    counters_.checkpoint_restores++;
+    s.checkpoints.cut(length);
+    return true;
+}
+
+bool hot_kv_engine::cut_or_drop_locked(const std::string & sid, session & s, int32_t length, hot_kv_result & res) {
+    const int32_t held = s.seq_len;
+    if (cut_locked(s, length)) {
+        return true;
+    }
+    drop_locked(sid, SHARD_MISS_EVICTED_LRU);
+    res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's recurrent state cannot go back from " + str(held) + " to " +
+                      str(length) + " tokens (no checkpoint covers it): the head re-prefills");
+    return false;
+}
+
 hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, int32_t length, double now) {
     std::lock_guard<fair_mutex> lock(mutex_);
     const publisher publish_on_return(*this);  // stats() sees this call once it is done
@@ -953,7 +1015,10 @@ hot_kv_result hot_kv_engine::truncate(const std::string & sid, int64_t epoch, in
         return res;
     }
     if (length < s->seq_len) {
-        ctx_->seq_rm(s->seq_id, length);
+        if (!cut_or_drop_locked(sid, *s, length, res)) {
+            count_miss_locked(res);
+            return res;
+        }
         reserved_ -= s->seq_len - length;
         s->seq_len = length;
         s->swa_floor = length == 0 ? 0 : s->swa_floor;
@@ -1216,7 +1281,7 @@ hot_kv_result hot_kv_engine::export_session(const std::string & sid, int64_t epo
     uint64_t min_bytes = 0, max_bytes = 0;
     warm_file_bounds(*w, min_bytes, max_bytes);
     page_buffer scratch;
-    const page_buffer * src = warm_.restore_source(sid, min_bytes, max_bytes, scratch, state_layout_.v_rows);
+    const page_buffer * src = warm_.restore_source(sid, min_bytes, max_bytes, scratch, state_layout_.format);
     if (src == nullptr) {  // as a restore that finds its copy unusable: dropped, a miss
         warm_.drop(sid, SHARD_MISS_EVICTED_LRU);
         res = miss_result(SHARD_MISS_EVICTED_LRU, "the session's warm copy could not be read");
@@ -1266,7 +1331,7 @@ hot_kv_result hot_kv_engine::import_session(const std::string & sid, int64_t epo
     }
     page_buffer restreamed;  // a state of an engine with another stream count, rewritten for this one
     if (kv_state_streams(data, size) != n_stream_) {
-        if (!kv_state_restream(data, size, seq_len, n_stream_, restreamed, state_layout_.v_rows)) {
+        if (!kv_state_restream(data, size, seq_len, n_stream_, restreamed, state_layout_.format)) {
             throw shard_error(SHARD_ERRC_CAPACITY, "could not copy the state for this engine's streams (" +
                               str((int64_t) size) + " bytes)");
         }
@@ -1314,6 +1379,10 @@ void hot_kv_engine::publish_locked() const {
     st.disk_failures   = wc.disk_failures;
     st.prefix_entries  = (int32_t) prefixes_.size();
     st.prefix_bytes    = prefixes_.held();
+    st.checkpoint_bytes = 0;
+    for (const auto & [sid, s] : live_) {
+        st.checkpoint_bytes += s.checkpoints.bytes();
+    }
     const prefix_counters & pc = prefixes_.counters();
     st.prefix_stores       = pc.stores;
     st.prefix_hits         = pc.hits;

@@ -171,8 +171,60 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
 
 // the one reader: positions, the rows against `layout` when given and their values when
 // `check_values`; each cache's span of the sequence appended to `spans` when given
+// a hybrid memory's recurrent block (llama-memory-recurrent.cpp state_write): one cell at the
+// sequence's last position, then r rows per recurrent layer, then s rows per recurrent layer (f32)
+bool read_recurrent(cursor & c, int32_t seq_len, const kv_state_format & format, const kv_state_layout * layout,
+                    bool check_values, std::string & why) {
+    uint32_t cells = 0;
+    if (!c.get(cells) || cells != 1) {
+        why = "a recurrent state that is not one cell";
+        return false;
+    }
+    int32_t pos = 0;
+    uint32_t n_seq = 0, s_trans = 0, n_layer = 0;
+    if (!c.get(pos) || !c.get(n_seq) || n_seq != 0) {  // one sequence's state names no sequence
+        why = "a recurrent cell that is not of one sequence";
+        return false;
+    }
+    if (pos != seq_len - 1) {
+        why = "a recurrent state at position " + std::to_string(pos) + " for " + std::to_string(seq_len) + " tokens";
+        return false;
+    }
+    if (!c.get(s_trans) || s_trans != 0 || !c.get(n_layer) || n_layer > MAX_LAYERS ||
+        (uint32_t) format.recurrent_layers > n_layer) {
+        why = "a bad recurrent row header";
+        return false;
+    }
+    uint64_t row_bytes = 0;
+    for (int32_t l = 0; l < 2 * format.recurrent_layers; ++l) {
+        int32_t type = 0;
+        uint64_t row = 0;
+        if (!c.get(type) || type != GGML_TYPE_F32 || !c.get(row)) {
+            why = "a recurrent row that is not f32";
+            return false;
+        }
+        const uint8_t * rows = c.p;
+        if (!c.skip(1, row)) {
+            why = "recurrent rows past the end of the state";
+            return false;
+        }
+        if (check_values && !values_finite(type, rows, row)) {
+            why = "a recurrent state value that is not finite (NaN or Inf)";
+            return false;
+        }
+        row_bytes += row;
+    }
+    if (layout != nullptr && row_bytes != layout->recurrent_row_bytes) {
+        why = "recurrent rows of " + std::to_string(row_bytes) + " bytes, this context's are " +
+              std::to_string(layout->recurrent_row_bytes);
+        return false;
+    }
+    return true;
+}
+
 bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout, bool check_values,
-                bool v_rows, std::vector<stream_span> * spans, std::string & why) {
+                const kv_state_format & format, std::vector<stream_span> * spans, std::string & why,
+                size_t * recurrent_begin = nullptr) {
     cursor c{data, data != nullptr ? size : 0};
     uint32_t magic = 0;
     int32_t saved_seq = 0;
@@ -183,7 +235,8 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
     uint64_t layers = 0;
     uint32_t streams = 0;  // the first cache's count: every cache of a context has as many
     int cache = 0;
-    for (; c.left > 0; ++cache) {
+    const bool recurrent = format.recurrent_layers >= 0;
+    for (; c.left > 0 && !(recurrent && cache == 1); ++cache) {
         uint32_t n_stream = 0;
         if (!c.get(n_stream) || n_stream == 0 || n_stream > MAX_STREAMS || (cache > 0 && n_stream != streams)) {
             why = "a bad stream count";
@@ -226,7 +279,7 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
                     return false;
                 }
             }
-            if (!skip_rows(c, cells, layout, check_values, v_rows, layers, why)) {
+            if (!skip_rows(c, cells, layout, check_values, format.v_rows, layers, why)) {
                 return false;
             }
             span = stream_span{at, size - c.left};
@@ -238,8 +291,20 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
         if (spans != nullptr) {
             spans->push_back(span);
         }
-        if (cache >= 1 && c.left > 0) {
+        if (cache >= 1 && c.left > 0 && !recurrent) {
             why = "more than two caches";
+            return false;
+        }
+    }
+    if (recurrent) {
+        if (recurrent_begin != nullptr) {
+            *recurrent_begin = size - c.left;
+        }
+        if (!read_recurrent(c, seq_len, format, layout, check_values, why)) {
+            return false;
+        }
+        if (c.left > 0) {
+            why = "bytes after the recurrent state";
             return false;
         }
     }
@@ -256,17 +321,19 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
 
 } // namespace
 
-bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows) {
-    return read_state(data, size, seq_len, nullptr, false, v_rows, nullptr, why);
+bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why,
+                           const kv_state_format & format) {
+    return read_state(data, size, seq_len, nullptr, false, format, nullptr, why);
 }
 
-bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows) {
-    return read_state(data, size, seq_len, nullptr, true, v_rows, nullptr, why);
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why,
+                        const kv_state_format & format) {
+    return read_state(data, size, seq_len, nullptr, true, format, nullptr, why);
 }
 
 bool kv_state_restorable(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout & layout,
                          std::string & why) {
-    return read_state(data, size, seq_len, &layout, true, layout.v_rows, nullptr, why);
+    return read_state(data, size, seq_len, &layout, true, layout.format, nullptr, why);
 }
 
 uint32_t kv_state_streams(const uint8_t * data, size_t size) {
@@ -280,15 +347,16 @@ uint32_t kv_state_streams(const uint8_t * data, size_t size) {
 }
 
 bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out,
-                       bool v_rows) {
+                       const kv_state_format & format) {
     out.reset();
     std::vector<stream_span> spans;
     std::string why;
-    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, false, v_rows, &spans, why)) {
+    size_t tail = size;  // a recurrent block after the caches, copied as it is
+    if (n_stream == 0 || n_stream > MAX_STREAMS || !read_state(data, size, seq_len, nullptr, false, format, &spans, why, &tail)) {
         return false;
     }
     const size_t header = sizeof(uint32_t) + sizeof(int32_t);  // magic, saved seq id
-    size_t total = header;
+    size_t total = header + (size - tail);
     for (const stream_span & s : spans) {
         total += sizeof(uint32_t) + (s.end - s.begin) + sizeof(uint32_t) * (n_stream - 1);
     }
@@ -307,6 +375,7 @@ bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint3
         std::memset(p, 0, sizeof(uint32_t) * (n_stream - 1));  // the empty streams' cell counts
         p += sizeof(uint32_t) * (n_stream - 1);
     }
+    std::memcpy(p, data + tail, size - tail);
     out = std::move(buf);
     return true;
 }

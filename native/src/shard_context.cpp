@@ -205,6 +205,7 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     const std::string expert_key = info.architecture + ".expert_count";
     const bool dense = llama_model_meta_val_str(model.raw(), expert_key.c_str(), experts, sizeof(experts)) < 0 ||
                        std::atoi(experts) == 0;
+    recurrent_ = llama_model_is_recurrent(model.raw()) || llama_model_is_hybrid(model.raw());
     whole_rows_possible_ = params.flash_attn && type == GGML_TYPE_F16 && model.device() == nullptr &&
                            params.swa_full && shard_cpu_backend().flash_attn_tiled_rows == 1 && dense &&
                            !llama_model_is_recurrent(model.raw()) && !llama_model_is_hybrid(model.raw());
@@ -615,6 +616,9 @@ int32_t shard_context::seq_pos_max(int32_t seq_id) const {
 int32_t shard_context::seq_pos_min(int32_t seq_id) const {
     std::lock_guard<std::mutex> lock(mutex_);
     validate_seq_id(seq_id);
+    if (recurrent_) {  // llama.cpp answers the recurrent state's position (the last): the cells start at 0
+        return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq_id) >= 0 ? 0 : -1;
+    }
     return llama_memory_seq_pos_min(llama_get_memory(ctx_), seq_id);
 }
 
@@ -651,12 +655,29 @@ bool shard_context::seq_restore(int32_t seq_id, const uint8_t * data, size_t siz
     return true;
 }
 
+bool shard_context::seq_save_recurrent(int32_t seq_id, page_buffer & out) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    const size_t size = llama_state_seq_get_size_ext(ctx_, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    out = size > 0 ? page_buffer::allocate(size) : page_buffer{};
+    return !out.empty() &&
+           llama_state_seq_get_data_ext(ctx_, out.data(), size, seq_id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == size;
+}
+
+bool shard_context::seq_restore_recurrent(int32_t seq_id, const page_buffer & state) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    validate_seq_id(seq_id);
+    return !state.empty() && llama_state_seq_set_data_ext(ctx_, state.data(), state.size(), seq_id,
+                                                          LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == state.size();
+}
+
 // cells in use = the sum over sequences of their lengths (positions are contiguous from 0)
 int64_t shard_context::n_cells_used_unlocked() const {
     llama_memory_t mem = llama_get_memory(ctx_);
     int64_t total = 0;
     for (int32_t s = 0; s < n_seq_max_; ++s) {
-        const llama_pos lo = llama_memory_seq_pos_min(mem, s);
+        // a recurrent memory's first position is its last (the state): the attention cells start at 0
+        const llama_pos lo = recurrent_ ? (llama_memory_seq_pos_max(mem, s) >= 0 ? 0 : -1) : llama_memory_seq_pos_min(mem, s);
         const llama_pos hi = llama_memory_seq_pos_max(mem, s);
         if (lo >= 0 && hi >= lo) {
             total += hi - lo + 1;

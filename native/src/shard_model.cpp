@@ -239,6 +239,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.weight_bytes = llama_model_weight_bytes(model_);
     info_.kv_bytes_per_token = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F16);  // at the default KV type
     // a cache with V rows costs more when they are wider: one without (latent attention) does not
+    info_.recurrent_bytes = llama_model_recurrent_state_bytes(model_);
     info_.kv_v_rows = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F32) != info_.kv_bytes_per_token ||
                       info_.n_owned_layers() == 0;
     info_.sliding_window     = llama_model_n_swa(model_);

@@ -161,7 +161,7 @@ void warm_tier::discard(const std::string & sid) {
 }
 
 const page_buffer * warm_tier::restore_source(const std::string & sid, uint64_t min_bytes, uint64_t max_bytes,
-                                              page_buffer & scratch, bool v_rows) {
+                                              page_buffer & scratch, const kv_state_format & format) {
     const warm_entry & w = entries_.at(sid);
     if (w.on_disk && !disk_->read(sid, w.epoch, w.seq_len, min_bytes, max_bytes, scratch)) {
         counters_.disk_failures++;
@@ -170,8 +170,8 @@ const page_buffer * warm_tier::restore_source(const std::string & sid, uint64_t 
     const page_buffer & state = w.on_disk ? scratch : w.state;
     std::string why;
     // a file read back is checked to its values (a copy kept in memory is this engine's own bytes)
-    if (!(w.on_disk ? kv_state_values_ok(state.data(), state.size(), w.seq_len, why, v_rows)
-                    : kv_state_positions_ok(state.data(), state.size(), w.seq_len, why, v_rows))) {
+    if (!(w.on_disk ? kv_state_values_ok(state.data(), state.size(), w.seq_len, why, format)
+                    : kv_state_positions_ok(state.data(), state.size(), w.seq_len, why, format))) {
         std::fprintf(stderr, "llama-shard warm tier: refused a state of %d tokens: %s\n", (int) w.seq_len, why.c_str());
         counters_.disk_failures += w.on_disk ? 1 : 0;
         return nullptr;

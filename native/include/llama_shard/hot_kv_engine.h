@@ -65,6 +65,7 @@
 
 #include "llama_shard/hot_kv_types.h"
 #include "llama_shard/prefix_store.h"
+#include "llama_shard/recurrent_checkpoints.h"
 #include "llama_shard/warm_tier.h"
 #include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_file_store.h"
@@ -235,6 +236,11 @@ struct hot_kv_stats {
     uint64_t prefix_hits;         // sessions opened from a stored prefix
     uint64_t prefix_tokens_saved; // tokens those sessions did not compute
     uint64_t prefix_evictions;    // prefixes dropped to make room
+    // a hybrid model's recurrent-state checkpoints (recurrent_checkpoints.h)
+    uint64_t checkpoints_taken;   // states saved at a step's start
+    uint64_t checkpoint_restores; // cuts made through one
+    uint64_t checkpoint_tokens;   // tokens computed again after them
+    uint64_t checkpoint_bytes;    // held now (states and recorded inputs)
 };
 
 class hot_kv_engine {
@@ -375,6 +381,8 @@ private:
         // the first position its sliding-window layers hold: 0, except after a restore from the
         // warm tier (llama.cpp's sequence state keeps only the window), which cut_is_exact_locked checks
         int32_t  swa_floor = 0;
+        // a hybrid model's recurrent state at earlier positions, for cuts (empty otherwise)
+        recurrent_checkpoints checkpoints;
     };
 
     struct dropped {
@@ -420,6 +428,12 @@ private:
     bool     cut_is_exact_locked(const session & s, int32_t length) const;
     // drops `sid` (hot) as a miss when a cut to `length` would not be exact; true when it did
     bool     drop_if_cut_inexact_locked(const std::string & sid, const session & s, int32_t length, hot_kv_result & res);
+    // cuts a hot session to `length` (< its length): llama.cpp's seq_rm, or for a recurrent state
+    // the checkpoint that covers it, restored and computed on (recurrent_checkpoints.h); false when
+    // none covers it or llama.cpp refused, and the session must then be dropped
+    bool     cut_locked(session & s, int32_t length);
+    // cut_locked, or the session dropped as a miss (EVICTED_LRU: the head re-prefills) in `res`
+    bool     cut_or_drop_locked(const std::string & sid, session & s, int32_t length, hot_kv_result & res);
     // frees a hot session's cells, seq id and reservation (no record, no counters)
     void     free_hot_locked(const std::string & sid);
     // removes a warm entry from its tier (no record, no counters)

@@ -48,12 +48,20 @@
 namespace llama_shard {
 
 // true if `data` is the state of one sequence of exactly seq_len tokens; `why` says what is not
-// v_rows: the state has V rows (false for a latent-attention cache, which holds K only)
-bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows = true);
+// what a state holds besides its K rows, which a reader cannot tell from the bytes
+struct kv_state_format {
+    bool    v_rows = true;          // V rows follow the K rows (latent attention caches K only)
+    int32_t recurrent_layers = -1;  // a hybrid's memory: after its one KV cache, a recurrent block of
+                                    // this many layers' r and s rows (-1: no such block)
+};
+
+bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why,
+                           const kv_state_format & format = {});
 
 // kv_state_positions_ok, and every K/V value finite (a row type whose values cannot be checked is
 // refused); `why` says what is not
-bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why, bool v_rows = true);
+bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why,
+                        const kv_state_format & format = {});
 
 // what the rows of a state restored on one context must be (hot_kv_engine fills it from its
 // context: kv_type, flash attention, head geometry, owned layers)
@@ -64,7 +72,8 @@ struct kv_state_layout {
     bool     v_trans   = false;  // V stored transposed (no flash attention): per layer an element size and width
     uint32_t el_bytes  = 0;      // V transposed: ggml_type_size(type)
     uint32_t n_embd_v  = 0;      // V transposed: V elements per cell
-    bool     v_rows    = true;   // V rows follow the K rows (latent attention caches K only)
+    kv_state_format format;      // V rows or not, a recurrent block or not
+    uint64_t recurrent_row_bytes = 0;  // a recurrent block: the r and s bytes of one cell over its layers
 };
 
 // kv_state_values_ok, and every row header as `layout` says; `why` says what is not
@@ -78,6 +87,6 @@ uint32_t kv_state_streams(const uint8_t * data, size_t size);
 // each cache's non-empty stream first, then empty ones. False (and `out` empty) if n_stream is 0,
 // the state is not one this reader accepts, or the memory cannot be had.
 bool kv_state_restream(const uint8_t * data, size_t size, int32_t seq_len, uint32_t n_stream, page_buffer & out,
-                       bool v_rows = true);
+                       const kv_state_format & format = {});
 
 } // namespace llama_shard

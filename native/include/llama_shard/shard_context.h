@@ -24,6 +24,7 @@
 
 #include "llama_shard/hot_kv_limits.h"
 #include "llama_shard/kv_type.h"
+#include "llama_shard/page_buffer.h"
 #include "llama_shard/shard_model.h"
 
 #include <array>
@@ -158,6 +159,18 @@ public:
     // not where they came from); false (and `seq_id` empty) if llama.cpp refused it
     bool seq_restore(int32_t seq_id, const uint8_t * data, size_t size);
 
+    // --- recurrent state (hybrid models: Mamba-2, gated delta-net layers beside attention) ---
+    // the memory holds a recurrent state per sequence (for its recurrent layers, if it owns any):
+    // llama.cpp cannot cut such a sequence back below its length (seq_rm refuses), so a cut goes
+    // through a checkpoint (hot_kv_engine); the first position held is then the last one
+    bool recurrent() const { return recurrent_; }
+    // the recurrent part of `seq_id`'s state (llama.cpp's PARTIAL_ONLY sequence state) into `out`;
+    // false if llama.cpp could not write it
+    bool seq_save_recurrent(int32_t seq_id, page_buffer & out) const;
+    // replaces the recurrent part of `seq_id`'s state with bytes seq_save_recurrent wrote on this
+    // context; the attention cells stay (cut them with seq_rm at the checkpoint's length after)
+    bool seq_restore_recurrent(int32_t seq_id, const page_buffer & state);
+
     const std::string & kv_type() const { return kv_type_; }
     uint64_t kv_bytes_per_token() const { return kv_bytes_per_token_; }
 
@@ -202,6 +215,7 @@ private:
     uint64_t            n_decode_calls_ = 0;
     bool                kv_unified_ = true;
     bool                whole_rows_possible_ = false;
+    bool                recurrent_ = false;
     // by a row_by_row input's tokens (whole_rows_verdicts)
     enum : int8_t { WHOLE_ROWS_UNTRIED = 0, WHOLE_ROWS_ONE_CALL = 1, WHOLE_ROWS_SLOWER = 2, WHOLE_ROWS_DIFFER = -1 };
     std::array<int8_t, HOT_KV_MAX_LOGIT_ROWS + 1> whole_rows_verdict_{};

@@ -51,6 +51,7 @@ struct shard_model_info {
     uint64_t    weight_bytes;        // bytes of weight buffers allocated for this shard
     uint64_t    kv_bytes_per_token;  // K and V bytes per cached token over the owned layers, at kv_dtype
     bool        kv_v_rows = true;    // the cache holds V rows (latent attention, deepseek2's MLA, caches K only)
+    uint64_t    recurrent_bytes = 0; // a hybrid's recurrent state per session over the owned layers (fixed size)
     int32_t     sliding_window;      // tokens a sliding-window layer attends to (0: no such layers)
     std::string swa_pattern;         // <arch>.attention.sliding_window_pattern as the GGUF writes it ("": the default)
     std::string device;              // where the device layers run: "cpu" or ggml's name ("Vulkan0")

@@ -18,6 +18,7 @@
 
 #include "llama_shard/hot_kv_types.h"
 #include "llama_shard/kv_file_store.h"
+#include "llama_shard/kv_state_check.h"
 #include "llama_shard/page_buffer.h"
 
 #include <cstdint>
@@ -74,10 +75,10 @@ public:
     void discard(const std::string & sid);
     // the state to restore: the host copy, or the file read into `scratch` and checked (its MAC,
     // header and size within [min_bytes, max_bytes]); either checked for its cell positions. Null
-    // when unusable (logged; a disk failure counted for a file). Changes no entry. v_rows: the
-    // engine's states have V rows (kv_state_layout::v_rows).
+    // when unusable (logged; a disk failure counted for a file). Changes no entry. `format`: what
+    // the engine's states hold (kv_state_layout::format).
     const page_buffer * restore_source(const std::string & sid, uint64_t min_bytes, uint64_t max_bytes,
-                                       page_buffer & scratch, bool v_rows);
+                                       page_buffer & scratch, const kv_state_format & format);
     // the entry was restored hot: removed (its file deleted: a stale one must not come back after
     // a restart), a disk restore counted when it was on disk
     void take(const std::string & sid);

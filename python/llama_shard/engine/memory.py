@@ -34,6 +34,8 @@ class MemoryPlan:
     warm_disk_bytes: int = 0  # the disk tier's bound (files, not memory)
     prefix_bytes: int = 0     # the prefix store's bound (host memory)
     draft: "MemoryPlan | None" = None  # the draft model's own plan (serve --draft-model), or none
+    recurrent_bytes: int = 0  # a hybrid's recurrent state per slot (fixed size, whatever the length)
+    checkpoint_bytes: int = 0 # a hybrid's checkpoints per session at most (host memory)
 
     @property
     def draft_bytes(self) -> int:
@@ -41,7 +43,7 @@ class MemoryPlan:
 
     @property
     def slot_bytes(self) -> int:
-        return self.slot_cells * self.kv_bytes_per_token
+        return self.slot_cells * self.kv_bytes_per_token + self.recurrent_bytes
 
     @property
     def hot_bytes(self) -> int:
@@ -66,13 +68,17 @@ class MemoryPlan:
             f"prefixes: {format_size(self.prefix_bytes) + ' in host memory' if self.prefix_bytes else 'off'} "
             f"(shared starts of sessions)",
         ]
+        if self.recurrent_bytes:
+            lines.append(f"recurrent: {format_size(self.recurrent_bytes)} of state per slot (in hot KV); checkpoints up to "
+                         f"{format_size(self.checkpoint_bytes)} per session in host memory")
         if self.draft is not None:
             d = self.draft
             lines.append(f"draft:    {format_size(self.draft_bytes)} (a draft model: weights {format_size(d.model_bytes)} "
                          f"+ KV of {d.hot_slots} streams x {d.slot_cells} cells x {d.kv_bytes_per_token} B/token)")
         if self.model_bytes:
             lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
-            total = self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes + self.draft_bytes
+            total = (self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes + self.draft_bytes
+                     + self.hot_slots * self.checkpoint_bytes)
             lines.append(f"total:    about {format_size(total)} + compute buffers")
         return "\n".join(lines)
 
@@ -90,11 +96,13 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
     if f16_bpt:  # what llama.cpp caches (per-layer heads, latent attention's K-only rows), at kv_type's size
         bpt = f16_bpt * kv_bytes_per_token(1, 256, 1, kv_type) // kv_bytes_per_token(1, 256, 1, "f16")
     cells = HotKvConfig(context_tokens=context_tokens, n_batch=n_batch).slot_cells
+    recurrent = int(getattr(info, "recurrent_bytes", 0) or 0)
+    slot = cells * bpt + recurrent
     if kv_memory is None:
         slots = max_sessions if max_sessions is not None else HotKvStateConfig().max_sessions
-        kv_memory = slots * cells * bpt
+        kv_memory = slots * slot
     else:
-        slots = min(kv_memory // (cells * bpt), MAX_SESSIONS)
+        slots = min(kv_memory // slot, MAX_SESSIONS)
     if slots < 1:
         raise InvalidInputError(
             f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "
@@ -104,7 +112,20 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
     return MemoryPlan(kv_memory=kv_memory, context_tokens=context_tokens, kv_type=kv_type, kv_bytes_per_token=bpt,
                       slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
                       model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
-                      warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes)
+                      warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes, recurrent_bytes=recurrent,
+                      checkpoint_bytes=checkpoint_bytes(recurrent, int(getattr(info, "n_embd", 0) or 0)))
+
+
+#: recurrent_checkpoints.h: MAX_CHECKPOINTS states per session, each with up to MAX_INPUT_ROWS inputs
+CHECKPOINTS_PER_SESSION, CHECKPOINT_INPUT_ROWS = 4, 64
+
+
+def checkpoint_bytes(recurrent_bytes: int, n_embd: int) -> int:
+    """The most a hybrid session's checkpoints hold: the recurrent states and the inputs after each
+    (hidden rows of n_embd floats; a head's token ids are smaller). 0 for a model without recurrent state."""
+    if not recurrent_bytes:
+        return 0
+    return CHECKPOINTS_PER_SESSION * (recurrent_bytes + CHECKPOINT_INPUT_ROWS * 4 * max(n_embd, 1))
 
 
 def draft_model_plan(path, context_tokens: int, streams: int) -> MemoryPlan:

@@ -105,6 +105,8 @@ class RangeInfo:
     last: int
     weight_bytes: int  # its layers, plus the tensors outside the blocks for a head or tail shard
     kv_bytes_per_token: int = 0  # f16 K and V over its layers as llama.cpp caches them (0: from the heads)
+    recurrent_bytes: int = 0     # a hybrid's recurrent state per session over its layers (fixed size)
+    n_embd: int = 0              # a hidden row's width (a checkpoint records hidden rows)
 
 
 #: tensor names of routed experts (and their router) in llama.cpp's GGUF naming
@@ -138,6 +140,7 @@ class GgufShape:
     expert_bytes: tuple[int, ...] = ()      # routed experts and their router, per block
     kv_layer_bytes: tuple[int, ...] = ()    # f16 K and V bytes one token takes per block (0: no KV cache)
     recurrent_layers: tuple[int, ...] = ()  # blocks whose state is recurrent (SSM / linear attention)
+    recurrent_layer_bytes: int = 0          # f32 conv and SSM state one recurrent layer holds per session
 
     @property
     def kind(self) -> str:
@@ -154,9 +157,10 @@ class GgufShape:
             outside = self.other_bytes  # the whole model loads a tied head once
         else:
             outside = (self.input_bytes if first == 0 else 0) + (self.output_bytes if last == self.n_layer - 1 else 0)
-        return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last,
+        return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last, n_embd=self.n_embd,
                          weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside,
-                         kv_bytes_per_token=sum(self.kv_layer_bytes[first:last + 1]))
+                         kv_bytes_per_token=sum(self.kv_layer_bytes[first:last + 1]),
+                         recurrent_bytes=self.recurrent_layer_bytes * sum(first <= il <= last for il in self.recurrent_layers))
 
     def balanced_cut(self) -> int:
         """The first layer of the tail for a 2-shard split that balances per-token compute.
@@ -241,6 +245,10 @@ def gguf_shape(path: str | Path) -> GgufShape:
                 outside[t.name] = int(t.n_elements)
         embd = sum(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
         tied = "output.weight" not in outside
+        # Mamba's per-session state (llama_hparams::n_embd_r / n_embd_s): the conv window, the SSM state
+        d_conv, d_inner = field("ssm.conv_kernel", 0) or 0, field("ssm.inner_size", 0) or 0
+        d_state, groups = field("ssm.state_size", 0) or 0, field("ssm.group_count", 0) or 0
+        recurrent_layer = 4 * (max(d_conv - 1, 0) * (d_inner + 2 * groups * d_state) + d_state * d_inner)
         # f16 K and V rows per token (latent attention caches K only; a recurrent layer no KV)
         kv_layer = [0 if il in recurrent or heads_kv[il] == 0 else
                     2 * heads_kv[il] * (k_len + (0 if mla else v_len)) for il in range(n_blocks)]
@@ -253,7 +261,8 @@ def gguf_shape(path: str | Path) -> GgufShape:
                          n_nextn=n_nextn, mtp_bytes=sum(per_layer[n_layer:]),
                          n_expert=field("expert_count", 0) or 0, n_expert_used=field("expert_used_count", 0) or 0,
                          expert_bytes=tuple(experts[:n_layer]), kv_layer_bytes=tuple(kv_layer[:n_layer]),
-                         recurrent_layers=tuple(sorted(il for il in recurrent if il < n_layer)))
+                         recurrent_layers=tuple(sorted(il for il in recurrent if il < n_layer)),
+                         recurrent_layer_bytes=recurrent_layer if recurrent else 0)
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the shape of {path}: {e}") from e
 
