@@ -32,6 +32,11 @@ def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
             layouts.append([(0, 0), (1, L - 1)])                                  # inside the dense lead
     if spec.family == "gpt-oss":
         layouts += [[(0, 2), (3, L - 1)], [(0, 1), (2, L - 1)]]   # after a full layer, after a sliding one
+    if spec.layer_kinds and spec.family == "nemotron_h":           # after a recurrent / an attention layer
+        for kinds in ("MA", "AF", "FM"):
+            at = spec.layer_kinds.find(kinds)
+            layouts.append([(0, at), (at + 1, L - 1)])
+        layouts.append([(0, 0), (1, 1), (2, L - 1)])               # a shard of one recurrent layer only
     return layouts
 
 
@@ -78,6 +83,13 @@ class Route:
             tokens.append(out.token_id)
             logits.append(out.logits.tobytes())
         return tokens, logits
+
+    def greedy_from(self, sid, out, n):
+        """n greedy tokens after a step's answer `out` (its token first)."""
+        tokens = [out.token_id]
+        for _ in range(n - 1):
+            tokens.append(self.decode(sid, tokens[-1]).token_id)
+        return tokens
 
     def close(self):
         for m in self.managers:
