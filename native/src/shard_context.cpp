@@ -23,8 +23,18 @@ namespace llama_shard {
 struct shard_context::batch_buffers {
     llama_batch batch{};
 
-    batch_buffers(int32_t n_batch, int32_t n_embd_or_zero) {
+    // n_pos positions a token: an M-RoPE model's embeddings input (a non-head shard's residual)
+    // carries one per rope section, section-major (llama_batch_free frees them as its own)
+    batch_buffers(int32_t n_batch, int32_t n_embd_or_zero, int32_t n_pos) {
         batch = llama_batch_init(n_batch, n_embd_or_zero, 1);
+        if (n_pos > 1) {
+            std::free(batch.pos);
+            batch.pos = (llama_pos *) std::malloc(sizeof(llama_pos) * (size_t) n_batch * (size_t) n_pos);
+            if (batch.pos == nullptr) {
+                llama_batch_free(batch);
+                throw std::bad_alloc();
+            }
+        }
     }
     ~batch_buffers() { llama_batch_free(batch); }
 };
@@ -194,7 +204,9 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     n_batch_   = (int32_t) llama_n_batch(ctx_);
     n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
     kv_unified_ = params.kv_unified;
-    batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd);
+    const llama_rope_type rope = llama_model_rope_type(model.raw());
+    n_pos_per_embd_ = rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE ? 4 : 1;  // GGML_MROPE_SECTIONS
+    batch_     = std::make_unique<batch_buffers>(n_batch_, info.is_head ? 0 : info.n_embd, info.is_head ? 1 : n_pos_per_embd_);
     // One call can give a verification's rows the bytes of one-token steps only where attention
     // computes a row alike whatever the call's shape and wherever its cells sit: patch 0010's kernel
     // (the CPU, a float cache, every step). Then the comparison of whole_rows_verdict_ at one depth
@@ -563,6 +575,15 @@ size_t shard_context::fill_batch(const std::vector<batch_item> & items, const st
         }
     }
     batch.n_tokens = row;
+    if (n_pos_per_embd_ > 1 && batch.embd != nullptr && row > 0 && items[order[first]].input.hidden != nullptr) {
+        // M-RoPE with a residual input: a text token's sections all take its position, the last 0
+        // (what llama.cpp gives a token input: llm_graph_input_pos::set_input)
+        for (int32_t j = 1; j < n_pos_per_embd_; ++j) {
+            for (int32_t i = 0; i < row; ++i) {
+                batch.pos[j * row + i] = j + 1 < n_pos_per_embd_ ? batch.pos[i] : 0;
+            }
+        }
+    }
     return last;
 }
 

@@ -216,6 +216,7 @@ private:
     bool                kv_unified_ = true;
     bool                whole_rows_possible_ = false;
     bool                recurrent_ = false;
+    int32_t             n_pos_per_embd_ = 1;  // positions a token takes (4: M-RoPE's sections)
     // by a row_by_row input's tokens (whole_rows_verdicts)
     enum : int8_t { WHOLE_ROWS_UNTRIED = 0, WHOLE_ROWS_ONE_CALL = 1, WHOLE_ROWS_SLOWER = 2, WHOLE_ROWS_DIFFER = -1 };
     std::array<int8_t, HOT_KV_MAX_LOGIT_ROWS + 1> whole_rows_verdict_{};

@@ -798,6 +798,8 @@ class ReferenceHotKvEngine:
             "prefix_capacity": self.prefix_bytes, "prefix_stores": self._prefixes.counters["stores"],
             "prefix_hits": self._prefixes.counters["hits"], "prefix_tokens_saved": self._prefixes.counters["tokens_saved"],
             "prefix_evictions": self._prefixes.counters["evictions"],
+            # the reference's dense models hold no recurrent state: no checkpoints
+            "checkpoints_taken": 0, "checkpoint_restores": 0, "checkpoint_tokens": 0, "checkpoint_bytes": 0,
         }
 
     @_serialised

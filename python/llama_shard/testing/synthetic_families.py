@@ -13,6 +13,7 @@ be refused at load, so loading one is the check that this module is right.
 | `deepseek2` | latent attention (MLA: a K-only cache), dense lead layers, a shared expert, sigmoid gating with expert biases, an MTP block |
 | `glm4moe`   | dense lead layers, shared experts, sigmoid gating, q/k norms, an MTP block         |
 | `nemotron_h`| a hybrid: Mamba-2 (recurrent) layers, attention layers and FFN-only layers, by per-layer arrays of KV heads and FFN widths |
+| `qwen35`    | a hybrid: gated delta-net (linear attention, recurrent) layers and every 4th a gated full-attention layer with M-RoPE (four positions a token) |
 
 The MTP (nextn) block is written after the trunk (`block_count` counts it, as converters do) and
 loaded by no shard. Like `synthetic.py`, the tokenizer is `none`: token ids only.
@@ -27,7 +28,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter
 
 #: family name -> GGUF architecture
 FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
-               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h"}
+               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35"}
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -80,6 +81,8 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     path = Path(path)
     if spec.family == "nemotron_h":
         return _write_nemotron_h(path, spec)
+    if spec.family == "qwen35":
+        return _write_qwen35(path, spec)
     rng = np.random.default_rng(spec.seed)
     arch, fam = spec.architecture, spec.family
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
@@ -282,6 +285,83 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
     return path
 
 
+def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
+    """Qwen 3.5: every `full_attention_interval`-th layer (4) is full attention (a joint query and
+    output gate, q/k norms, M-RoPE), the others gated delta-net: q/k/v mixed by a short conv, a
+    state of ssm_state x ssm_state per value head (ssm_heads of them; ssm_groups key heads)."""
+    rng = np.random.default_rng(spec.seed)
+    arch = spec.architecture
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    state, k_heads, v_heads = spec.ssm_state, spec.ssm_groups, spec.ssm_heads
+    key_dim, value_dim = state * k_heads, state * v_heads
+    conv_dim = 2 * key_dim + value_dim
+    interval = 4
+
+    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * s).astype(np.float16 if spec.f16 else np.float32)
+
+    def vec(*shape: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
+        return (base + scale * rng.standard_normal(shape)).astype(np.float32)
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-qwen35-{spec.n_layer}L")
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_sections([3, 3, 2, 0])  # text: the three sections take the same position
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_ssm_conv_kernel(spec.ssm_conv)
+    w.add_ssm_inner_size(value_dim)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(v_heads)
+    w.add_ssm_group_count(k_heads)
+    w.add_uint32(f"{arch}.full_attention_interval", interval)
+    w.add_vocab_size(spec.n_vocab)
+    w.add_file_type(1 if spec.f16 else 0)
+    w.add_tokenizer_model("none")
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "post_attention_norm.weight", vec(E, base=1.0))
+        if (il + 1) % interval == 0:  # full attention
+            w.add_tensor(p + "attn_q.weight", mat(2 * H * hd, E))  # the query and its output gate
+            w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+            w.add_tensor(p + "attn_q_norm.weight", vec(hd, base=1.0))
+            w.add_tensor(p + "attn_k_norm.weight", vec(hd, base=1.0))
+        else:  # gated delta-net
+            w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))
+            w.add_tensor(p + "attn_gate.weight", mat(value_dim, E))
+            w.add_tensor(p + "ssm_conv1d.weight", mat(conv_dim, spec.ssm_conv, scale=0.5))
+            w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
+            w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))
+            w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
+            w.add_tensor(p + "ssm_alpha.weight", mat(v_heads, E))
+            w.add_tensor(p + "ssm_norm.weight", vec(state, base=1.0))
+            w.add_tensor(p + "ssm_out.weight", mat(E, value_dim))
+        w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 #: the certification fixtures: small, with every kind of layer each family has
 CERTIFICATION_SPECS = {
     "mixtral": MoeSpec(family="mixtral", n_ff=48, seed=31),
@@ -293,17 +373,29 @@ CERTIFICATION_SPECS = {
 }
 
 
+#: models for benchmarks (docs/benchmarks.md), not tests: a MoE of 64 experts, top-8, about 1 GB (f16),
+#: and a hybrid of about the same compute per token
+BENCHMARK_SPECS = {
+    "bench-moe": MoeSpec(family="qwen3moe", n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=64,
+                         n_expert_used=8, n_ff_exp=256, n_vocab=32000, f16=True, seed=101),
+    "bench-hybrid": MoeSpec(family="nemotron_h", n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64,
+                            n_ff=4096, n_expert=0, n_expert_used=0, layer_kinds="MMAFMMAFMMAFMMAF", ssm_heads=16,
+                            ssm_groups=4, ssm_state=64, n_vocab=32000, f16=True, seed=102),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python synthetic_families.py OUT.gguf --family F`: the family's certification model (the CTest
-    fixture runs it; it imports nothing from llama_shard)."""
+    fixture runs it; it imports nothing from llama_shard), or a benchmark model (bench-moe, bench-hybrid)."""
     import argparse
 
-    ap = argparse.ArgumentParser(description="write a synthetic random MoE GGUF (a certification model)")
+    specs = {**CERTIFICATION_SPECS, **BENCHMARK_SPECS}
+    ap = argparse.ArgumentParser(description="write a synthetic random MoE or hybrid GGUF")
     ap.add_argument("out")
-    ap.add_argument("--family", choices=sorted(CERTIFICATION_SPECS), required=True)
+    ap.add_argument("--family", choices=sorted(specs), required=True)
     a = ap.parse_args(argv)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    write_moe_gguf(a.out, CERTIFICATION_SPECS[a.family])
+    write_moe_gguf(a.out, specs[a.family])
     print(a.out)
     return 0
 
