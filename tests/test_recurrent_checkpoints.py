@@ -15,13 +15,13 @@ from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, write_mo
 
 from test_families import PROMPT, Route
 
-SPEC = CERTIFICATION_SPECS["nemotron_h"]
-LAYOUT = [(0, 1), (2, 7)]  # the head: two Mamba-2 layers; the tail: attention, FFN and Mamba-2 layers
+LAYOUT = [(0, 1), (2, 7)]  # the head: two recurrent layers; the tail: attention layers and recurrent ones
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    return write_moe_gguf(tmp_path_factory.mktemp("hybrid") / "nemotron_h.gguf", SPEC)
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen35"])
+def hybrid(request, tmp_path_factory):
+    """Mamba-2 beside attention and FFN layers; gated delta-net beside M-RoPE attention."""
+    return write_moe_gguf(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", CERTIFICATION_SPECS[request.param])
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ FAMILY_SOURCES = {
     "deepseek2": "deepseek2.cpp",
     "glm4moe": "glm4-moe.cpp",
     "nemotron_h": "nemotron-h.cpp",
+    "qwen35": "qwen35.cpp",
 }
 
 #: edits one family needs besides the three: (file, upstream text, patched text)

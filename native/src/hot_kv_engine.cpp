@@ -219,6 +219,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
         state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);
         state_layout_.n_embd_v  = (uint32_t) n_embd_kv;
         state_layout_.format.v_rows = info.kv_v_rows;
+        state_layout_.format.cell_ext_bytes = ctx_->n_pos_per_embd() > 1 ? 12 : 0;  // llama_kv_cell_ext
         if (ctx_->recurrent()) {  // a hybrid: its attention layers with a cache, then its recurrent block
             state_layout_.n_layers = (uint32_t) llama_model_layers_with_state(model.raw(), false);
             state_layout_.format.recurrent_layers = llama_model_layers_with_state(model.raw(), true);

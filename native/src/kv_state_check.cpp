@@ -269,7 +269,7 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
             for (uint32_t i = 0; i < cells; ++i) {
                 int32_t pos = 0, seq = 0;
                 uint32_t n_seq = 0;
-                if (!c.get(pos) || !c.get(n_seq) || n_seq != 1 || !c.get(seq)) {
+                if (!c.get(pos) || !c.get(n_seq) || n_seq != 1 || !c.skip(1, format.cell_ext_bytes) || !c.get(seq)) {
                     why = "a cell that is not of one sequence";
                     return false;
                 }

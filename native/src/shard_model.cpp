@@ -29,7 +29,8 @@ const char * shard_errc_name(shard_errc code) {
 const std::vector<std::string> & shard_certified_architectures() {
     // patch 0011's LLAMA_SHARD_CERTIFIED table in llama.cpp names the same (a test reads it)
     static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
-                                                    "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h"};
+                                                    "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h",
+                                                    "qwen35"};
     return certified;
 }
 

@@ -53,6 +53,8 @@ struct kv_state_format {
     bool    v_rows = true;          // V rows follow the K rows (latent attention caches K only)
     int32_t recurrent_layers = -1;  // a hybrid's memory: after its one KV cache, a recurrent block of
                                     // this many layers' r and s rows (-1: no such block)
+    uint32_t cell_ext_bytes = 0;    // a KV cell's extra record after its sequence count (M-RoPE: its
+                                    // 2D position and token, llama_kv_cell_ext: 12 bytes)
 };
 
 bool kv_state_positions_ok(const uint8_t * data, size_t size, int32_t seq_len, std::string & why,

@@ -164,6 +164,8 @@ public:
     // llama.cpp cannot cut such a sequence back below its length (seq_rm refuses), so a cut goes
     // through a checkpoint (hot_kv_engine); the first position held is then the last one
     bool recurrent() const { return recurrent_; }
+    // positions a token takes: 4 for M-RoPE (its sections), else 1
+    int32_t n_pos_per_embd() const { return n_pos_per_embd_; }
     // the recurrent part of `seq_id`'s state (llama.cpp's PARTIAL_ONLY sequence state) into `out`;
     // false if llama.cpp could not write it
     bool seq_save_recurrent(int32_t seq_id, page_buffer & out) const;

@@ -370,7 +370,17 @@ CERTIFICATION_SPECS = {
     "deepseek2": MoeSpec(family="deepseek2", n_dense_lead=1, n_shared=1, n_nextn=1, seed=34),
     "glm4moe": MoeSpec(family="glm4moe", n_dense_lead=1, n_shared=1, n_nextn=1, seed=35),
     "nemotron_h": MoeSpec(family="nemotron_h", n_layer=8, n_expert=0, n_expert_used=0, seed=36),
+    "qwen35": MoeSpec(family="qwen35", n_layer=8, n_expert=0, n_expert_used=0, seed=37),
 }
+
+
+def recurrent_layers(spec: MoeSpec) -> list[int]:
+    """The layers of `spec` whose state is recurrent (none for a MoE family)."""
+    if spec.family == "nemotron_h":
+        return [il for il, kind in enumerate(spec.layer_kinds) if kind == "M"]
+    if spec.family == "qwen35":
+        return [il for il in range(spec.n_layer) if (il + 1) % 4 != 0]
+    return []
 
 
 #: models for benchmarks (docs/benchmarks.md), not tests: a MoE of 64 experts, top-8, about 1 GB (f16),
