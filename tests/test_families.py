@@ -302,3 +302,19 @@ def test_a_served_route_generates_the_whole_models_tokens_greedy_seeded_and_with
         assert sampled == whole_model_tokens(path, PROMPT, params)
     finally:
         route.stop()
+
+
+def test_a_hybrid_whose_conv_kernel_is_not_f32_is_refused_at_load(tmp_path):
+    """llama.cpp's conv kernel asserts an f32 weight at the first decode (an abort): the file is
+    refused when it loads, whole or split, in a child process that must not die."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    path = write_moe_gguf(tmp_path / "f16-conv.gguf", dataclasses.replace(CERTIFICATION_SPECS["nemotron_h"], ssm_conv_f16=True))
+    code = ("import sys\nfrom llama_shard import ShardModel, ModelLoadError\n"
+            "for layers in (None, (0, 3)):\n"
+            "    try:\n        ShardModel(sys.argv[1], layers, 1)\n    except ModelLoadError as e:\n        print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("conv kernel must be f32") == 2, res.stdout

@@ -3,6 +3,7 @@
 #include "llama_shard/devices.h"
 #include "llama_shard/kv_type.h"
 
+#include "ggml.h"
 #include "gguf.h"
 #include "llama.h"
 
@@ -133,6 +134,16 @@ gguf_header read_gguf_header(const std::string & path) {
         const int64_t kl_id = gguf_find_key(ctx, (h.arch + ".attention.key_length").c_str());
         if (kl_id >= 0) {
             h.key_length = gguf_int_value(ctx, kl_id);
+        }
+    }
+    // llama.cpp's CPU ssm_conv asserts an f32 kernel at the first decode (an abort): refused here
+    for (int64_t t = 0; t < gguf_get_n_tensors(ctx); ++t) {
+        const std::string name = gguf_get_tensor_name(ctx, t);
+        const ggml_type type = gguf_get_tensor_type(ctx, t);
+        if (name.size() > 18 && name.compare(name.size() - 18, 18, ".ssm_conv1d.weight") == 0 && type != GGML_TYPE_F32) {
+            gguf_free(ctx);
+            throw shard_error(SHARD_ERRC_MODEL_LOAD, "tensor " + name + " is " + ggml_type_name(type) +
+                              "; a recurrent layer's conv kernel must be f32: " + path);
         }
     }
     gguf_free(ctx);

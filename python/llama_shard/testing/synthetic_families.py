@@ -56,6 +56,7 @@ class MoeSpec:
     ssm_groups: int = 2
     ssm_state: int = 16
     ssm_conv: int = 4
+    ssm_conv_f16: bool = False  # a bad file: llama.cpp's conv kernel takes f32 only (the load refuses it)
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
@@ -261,7 +262,7 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
         if kind == "M":
             w.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * groups * state + heads, E))
-            w.add_tensor(p + "ssm_conv1d.weight", mat(conv_dim, spec.ssm_conv, scale=0.5))
+            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
             w.add_tensor(p + "ssm_conv1d.bias", vec(conv_dim))
             w.add_tensor(p + "ssm_dt.bias", vec(heads, scale=0.5))
             w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))   # A = -exp(A_log): decaying
@@ -343,7 +344,7 @@ def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
         else:  # gated delta-net
             w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))
             w.add_tensor(p + "attn_gate.weight", mat(value_dim, E))
-            w.add_tensor(p + "ssm_conv1d.weight", mat(conv_dim, spec.ssm_conv, scale=0.5))
+            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
             w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
             w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))
             w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
