@@ -318,3 +318,20 @@ def test_a_hybrid_whose_conv_kernel_is_not_f32_is_refused_at_load(tmp_path):
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("conv kernel must be f32") == 2, res.stdout
+
+
+def test_the_memory_plan_of_a_hybrid_shard_counts_its_state_not_every_layers_kv(family_models):
+    """A range of recurrent layers caches no KV: its slot is the recurrent state; a range of FFN
+    layers only holds nothing per session. Both are planned as llama.cpp allocates them."""
+    from llama_shard._native import MAX_SESSIONS
+    from llama_shard.engine.memory import memory_plan
+    from llama_shard.engine.models import gguf_shape
+
+    shape = gguf_shape(family_models["nemotron_h"])                 # layers MMAFMMAF
+    recurrent = memory_plan(shape.range_info(0, 1), 64 << 20, 128)
+    model = ShardModel(str(family_models["nemotron_h"]), (0, 1), 1)
+    assert recurrent.kv_bytes_per_token == 0 == model.info.kv_bytes_per_token
+    assert recurrent.slot_bytes == model.info.recurrent_bytes > 0
+    assert recurrent.checkpoint_bytes > 0 and "recurrent:" in recurrent.describe()
+    ffn_only = memory_plan(shape.range_info(7, 7), 64 << 20, 128)
+    assert ffn_only.slot_bytes == 0 and ffn_only.hot_slots == MAX_SESSIONS

@@ -775,6 +775,7 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
         status = SHARD_STATUS_COMPUTE_ERROR;
         detail = e.what();
     }
+    std::vector<const std::string *> unrestorable;  // recurrent sessions a failed step left past their length
     for (const planned & p : plan) {
         const int64_t n = requests[p.index].input.n_tokens;
         if (status == SHARD_STATUS_OK) {
@@ -790,14 +791,18 @@ void hot_kv_engine::compute_locked(const std::vector<hot_kv_request> & requests,
         } else {
             reserved_ -= n;  // reserved at admission, never held
             if (ctx_->recurrent() && !cut_locked(*p.s, p.start)) {
-                // forward_batch's roll back cannot cut a recurrent state: its checkpoint at the start does
-                std::fprintf(stderr, "llama-shard: a failed step left a recurrent state that no checkpoint restores\n");
+                // forward_batch's roll back cannot cut a recurrent state, a checkpoint usually does;
+                // without one the session is dropped below (its next step a miss, never a wrong state)
+                unrestorable.push_back(p.sid);
             }
         }
         hot_kv_result & r = results[p.index];
         r = hot_result(p.s->seq_len, p.s->seq_id);
         r.status = status;
         r.detail = detail;
+    }
+    for (const std::string * sid : unrestorable) {
+        drop_locked(*sid, SHARD_MISS_EVICTED_LRU);
     }
 }
 
@@ -961,12 +966,25 @@ bool hot_kv_engine::cut_locked(session & s, int32_t length) {
         if (!at_start) {
             return false;
         }
-        if (length > c->pos) {
-            const shard_input in = c->input(length - c->pos);
-            std::vector<float> discarded((size_t) ctx_->output_size(in.n_tokens));
-            ctx_->forward(s.seq_id, c->pos, in, discarded.data());
-            counters_.checkpoint_tokens += (uint64_t) (length - c->pos);
+        // step by step, each of the rows it had (a kernel may choose by a call's row count: qwen35's
+        // delta-net has one for a single token, another for chunks); a step the cut falls inside
+        // is computed up to the cut
+        int32_t done = 0;
+        std::vector<float> discarded;
+        for (const int32_t rows : c->steps) {
+            const int32_t n = std::min(rows, length - c->pos - done);
+            if (n <= 0) {
+                break;
+            }
+            const shard_input in = c->input(done, n);
+            discarded.resize((size_t) ctx_->output_size(in.n_tokens));
+            ctx_->forward(s.seq_id, c->pos + done, in, discarded.data());
+            done += n;
         }
+        if (c->pos + done != length) {
+            return false;  // (covering() promised the inputs: never)
+        }
+        counters_.checkpoint_tokens += (uint64_t) done;
     } catch (const shard_error &) {
         return false;
     }
@@ -1209,6 +1227,7 @@ hot_kv_engine::session * hot_kv_engine::replace_for_prefix_locked(const std::str
     }
     s->swa_floor  = 0;
     s->last_start = -1;
+    s->checkpoints.clear();  // another state comes in: the old one's checkpoints are not its
     return s;
 }
 

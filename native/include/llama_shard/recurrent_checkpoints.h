@@ -13,13 +13,21 @@
 // session had at L, bit for bit (the same operations on the same values). A cut no checkpoint
 // covers is a cache miss (the head re-prefills), never a wrong state.
 //
-// Where checkpoints are taken (hot_kv_engine): at the start of every step of several tokens (a
-// prompt: the end of the last turn; a verification: its drafts' start) and whenever the latest
-// one's inputs are full, so a cut back within the last MAX_CHECKPOINTS x MAX_INPUT_ROWS tokens is
-// always covered. Their bytes count in the session's host memory (bytes()).
+// The inputs are computed again step by step, each with the rows it had (a kernel may choose by a
+// call's row count), so a cut between steps gives the state the session had, bit for bit; a cut
+// inside a step (a prompt cut back into: a next turn re-rendering it) computes that step's rows up
+// to the cut in one call, which a fresh run of the same tokens rounds alike only where the kernels
+// do not depend on the row count. A verification's rows are steps of one row each (row_by_row).
+//
+// Where checkpoints are taken (hot_kv_engine, wants()): before a session's first step, and before
+// a step whose inputs the latest one cannot record (not contiguous, or past MAX_INPUT_ROWS), so a
+// cut back within the last MAX_CHECKPOINTS x MAX_INPUT_ROWS tokens or so is covered (a step longer
+// than MAX_INPUT_ROWS, a long prompt, is covered up to its first MAX_INPUT_ROWS rows). Their bytes
+// count in the session's host memory (bytes()).
 //
 // Invariants: checkpoints are in increasing position order; each one's inputs start at its
-// position and are contiguous; only the latest one's inputs grow.
+// position and are contiguous, in whole steps except a last one cut short; only the latest one's
+// inputs grow.
 
 #include "llama_shard/page_buffer.h"
 #include "llama_shard/shard_context.h"
@@ -32,8 +40,8 @@ namespace llama_shard {
 
 class recurrent_checkpoints {
 public:
-    static constexpr size_t  MAX_CHECKPOINTS = 4;
-    static constexpr int32_t MAX_INPUT_ROWS  = 64;
+    static constexpr size_t  MAX_CHECKPOINTS = 8;
+    static constexpr int32_t MAX_INPUT_ROWS  = 16;
 
     struct checkpoint {
         int32_t              pos = 0;  // the session's length when it was taken
@@ -42,9 +50,10 @@ public:
         std::vector<float>   hidden;   // ... or hidden rows of hidden_cols floats
         int64_t              hidden_cols = 0;
         int32_t              rows = 0; // inputs recorded after pos
+        std::vector<int32_t> steps;    // the rows of each step they came in (they sum to `rows`)
 
-        // the first `n` recorded inputs, as a forward() input
-        shard_input input(int32_t n) const;
+        // recorded inputs [first, first + n), as a forward() input
+        shard_input input(int32_t first, int32_t n) const;
     };
 
     // whether the next step (of n_tokens, at the session's length `pos`) should start with a checkpoint

@@ -92,9 +92,10 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
     one slot fits."""
     n_layers = info.last - info.first + 1
     bpt = kv_bytes_per_token(info.n_head_kv, info.head_dim, n_layers, kv_type)  # validates kv_type for the heads
-    f16_bpt = int(getattr(info, "kv_bytes_per_token", 0) or 0)
-    if f16_bpt:  # what llama.cpp caches (per-layer heads, latent attention's K-only rows), at kv_type's size
-        bpt = f16_bpt * kv_bytes_per_token(1, 256, 1, kv_type) // kv_bytes_per_token(1, 256, 1, "f16")
+    f16_bpt = getattr(info, "kv_bytes_per_token", None)
+    if f16_bpt is not None:  # what llama.cpp caches (per-layer heads, latent attention's K-only rows; 0 for a
+        #                      shard of recurrent or FFN-only layers), at kv_type's size
+        bpt = int(f16_bpt) * kv_bytes_per_token(1, 256, 1, kv_type) // kv_bytes_per_token(1, 256, 1, "f16")
     cells = HotKvConfig(context_tokens=context_tokens, n_batch=n_batch).slot_cells
     recurrent = int(getattr(info, "recurrent_bytes", 0) or 0)
     slot = cells * bpt + recurrent
@@ -102,7 +103,7 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
         slots = max_sessions if max_sessions is not None else HotKvStateConfig().max_sessions
         kv_memory = slots * slot
     else:
-        slots = min(kv_memory // slot, MAX_SESSIONS)
+        slots = min(kv_memory // slot, MAX_SESSIONS) if slot else MAX_SESSIONS  # a shard that holds no state per token or session
     if slots < 1:
         raise InvalidInputError(
             f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "
@@ -117,7 +118,7 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
 
 
 #: recurrent_checkpoints.h: MAX_CHECKPOINTS states per session, each with up to MAX_INPUT_ROWS inputs
-CHECKPOINTS_PER_SESSION, CHECKPOINT_INPUT_ROWS = 4, 64
+CHECKPOINTS_PER_SESSION, CHECKPOINT_INPUT_ROWS = 8, 16
 
 
 def checkpoint_bytes(recurrent_bytes: int, n_embd: int) -> int:

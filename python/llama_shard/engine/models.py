@@ -104,7 +104,7 @@ class RangeInfo:
     first: int
     last: int
     weight_bytes: int  # its layers, plus the tensors outside the blocks for a head or tail shard
-    kv_bytes_per_token: int = 0  # f16 K and V over its layers as llama.cpp caches them (0: from the heads)
+    kv_bytes_per_token: int | None = None  # f16 K and V over its layers as llama.cpp caches them (None: from the heads)
     recurrent_bytes: int = 0     # a hybrid's recurrent state per session over its layers (fixed size)
     n_embd: int = 0              # a hidden row's width (a checkpoint records hidden rows)
 
