@@ -73,6 +73,46 @@ class MoeSpec:
         return self.n_layer + self.n_nextn
 
 
+class _Weights:
+    """Random weights of one model: matrices scaled by their input width (f16 with spec.f16), f32
+    vectors around `base` (norms at 1, biases at 0)."""
+
+    def __init__(self, spec: "MoeSpec"):
+        self.rng = np.random.default_rng(spec.seed)
+        self.dtype = np.float16 if spec.f16 else np.float32
+
+    def mat(self, *shape: int, scale: float | None = None) -> np.ndarray:
+        """A weight of numpy `shape` (ggml's ne reversed): the last axis is the input."""
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (self.rng.standard_normal(shape) * s).astype(self.dtype)
+
+    def vec(self, *shape: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
+        return (base + scale * self.rng.standard_normal(shape)).astype(np.float32)
+
+
+def _start(path: Path, spec: "MoeSpec", name: str) -> GGUFWriter:
+    """A writer with the keys every family shares (the caller adds its own)."""
+    w = GGUFWriter(str(path), spec.architecture)
+    w.add_name(name)
+    w.add_block_count(spec.n_blocks)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_head_count(spec.n_head)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_vocab_size(spec.n_vocab)
+    w.add_file_type(1 if spec.f16 else 0)
+    w.add_tokenizer_model("none")
+    return w
+
+
+def _finish(w: GGUFWriter, path: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     """Write a random GGUF of `spec.family` to `path` and return the path."""
     if spec.family not in FAMILY_ARCH:
@@ -84,32 +124,20 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
         return _write_nemotron_h(path, spec)
     if spec.family == "qwen35":
         return _write_qwen35(path, spec)
-    rng = np.random.default_rng(spec.seed)
     arch, fam = spec.architecture, spec.family
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
-    mat_dtype = np.float16 if spec.f16 else np.float32
-
-    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
-        """A weight of numpy `shape` (ggml's ne reversed): the last axis is the input."""
-        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * s).astype(mat_dtype)
+    weights = _Weights(spec)
+    mat = weights.mat
 
     def vec(n: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
-        return (base + scale * rng.standard_normal(n)).astype(np.float32)
+        return weights.vec(n, scale=scale, base=base)
 
     def norm(n: int) -> np.ndarray:
         return vec(n, 0.1, 1.0)
 
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"synthetic-{fam}-{spec.n_layer}L-{spec.n_expert}x{spec.n_expert_used}")
-    w.add_block_count(spec.n_blocks)
-    w.add_context_length(spec.n_ctx_train)
-    w.add_embedding_length(E)
+    w = _start(path, spec, f"synthetic-{fam}-{spec.n_layer}L-{spec.n_expert}x{spec.n_expert_used}")
     w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(H)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(spec.n_vocab)
     w.add_expert_count(spec.n_expert)
     w.add_expert_used_count(spec.n_expert_used)
     if fam != "mixtral":
@@ -139,8 +167,6 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
             w.add_uint32(f"{arch}.nextn_predict_layers", spec.n_nextn)
     if fam == "gpt-oss":
         w.add_sliding_window(spec.sliding_window)
-    w.add_file_type(1 if spec.f16 else 0)
-    w.add_tokenizer_model("none")
 
     n_kv = 1 if fam == "deepseek2" else Hkv
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
@@ -191,9 +217,9 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
             w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
             if fam == "gpt-oss":
                 w.add_tensor(p + "ffn_gate_inp.bias", vec(X))
-                w.add_tensor(p + "ffn_gate_exps.bias", (0.1 * rng.standard_normal((X, ff))).astype(np.float32))
-                w.add_tensor(p + "ffn_up_exps.bias", (0.1 * rng.standard_normal((X, ff))).astype(np.float32))
-                w.add_tensor(p + "ffn_down_exps.bias", (0.1 * rng.standard_normal((X, E))).astype(np.float32))
+                w.add_tensor(p + "ffn_gate_exps.bias", weights.vec(X, ff))
+                w.add_tensor(p + "ffn_up_exps.bias", weights.vec(X, ff))
+                w.add_tensor(p + "ffn_down_exps.bias", weights.vec(X, E))
             if fam in ("deepseek2", "glm4moe"):
                 w.add_tensor(p + "exp_probs_b.bias", vec(X))
                 if spec.n_shared:
@@ -208,53 +234,34 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
             w.add_tensor(p + "nextn.shared_head_norm.weight", norm(E))
     w.add_tensor("output_norm.weight", norm(E))
     w.add_tensor("output.weight", mat(spec.n_vocab, E))
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path)
 
 
 def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
     """Nemotron-H: a layer is Mamba-2 when its KV heads and FFN width are both 0, attention when
     only its FFN width is, an FFN (squared ReLU, no gate) otherwise (the per-layer arrays
     `attention.head_count_kv` and `feed_forward_length` say which)."""
-    rng = np.random.default_rng(spec.seed)
-    arch, kinds = spec.architecture, spec.layer_kinds
+    kinds = spec.layer_kinds
     if len(kinds) != spec.n_layer or set(kinds) - set("MAF"):
         raise ValueError(f"layer_kinds {kinds!r} must give M, A or F for each of {spec.n_layer} layers")
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     d_inner, groups, state, heads = E, spec.ssm_groups, spec.ssm_state, spec.ssm_heads
     conv_dim = d_inner + 2 * groups * state
 
-    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
-        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * s).astype(np.float16 if spec.f16 else np.float32)
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
 
-    def vec(*shape: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
-        return (base + scale * rng.standard_normal(shape)).astype(np.float32)
-
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"synthetic-nemotron_h-{kinds}")
-    w.add_block_count(spec.n_layer)
-    w.add_context_length(spec.n_ctx_train)
-    w.add_embedding_length(E)
+    w = _start(path, spec, f"synthetic-nemotron_h-{kinds}")
     w.add_feed_forward_length([spec.n_ff if k == "F" else 0 for k in kinds])
-    w.add_head_count(H)
     w.add_head_count_kv([Hkv if k == "A" else 0 for k in kinds])
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_eps(spec.rms_eps)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_ssm_conv_kernel(spec.ssm_conv)
     w.add_ssm_inner_size(d_inner)
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(heads)
     w.add_ssm_group_count(groups)
-    w.add_vocab_size(spec.n_vocab)
-    w.add_file_type(1 if spec.f16 else 0)
-    w.add_tokenizer_model("none")
 
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
     for il, kind in enumerate(kinds):
@@ -279,18 +286,13 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
             w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
     w.add_tensor("output_norm.weight", vec(E, base=1.0))
     w.add_tensor("output.weight", mat(spec.n_vocab, E))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path)
 
 
 def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
     """Qwen 3.5: every `full_attention_interval`-th layer (4) is full attention (a joint query and
     output gate, q/k norms, M-RoPE), the others gated delta-net: q/k/v mixed by a short conv, a
     state of ssm_state x ssm_state per value head (ssm_heads of them; ssm_groups key heads)."""
-    rng = np.random.default_rng(spec.seed)
     arch = spec.architecture
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     state, k_heads, v_heads = spec.ssm_state, spec.ssm_groups, spec.ssm_heads
@@ -298,36 +300,23 @@ def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
     conv_dim = 2 * key_dim + value_dim
     interval = 4
 
-    def mat(*shape: int, scale: float | None = None) -> np.ndarray:
-        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * s).astype(np.float16 if spec.f16 else np.float32)
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
 
-    def vec(*shape: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
-        return (base + scale * rng.standard_normal(shape)).astype(np.float32)
-
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"synthetic-qwen35-{spec.n_layer}L")
-    w.add_block_count(spec.n_layer)
-    w.add_context_length(spec.n_ctx_train)
-    w.add_embedding_length(E)
+    w = _start(path, spec, f"synthetic-qwen35-{spec.n_layer}L")
     w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(H)
     w.add_head_count_kv(Hkv)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
     w.add_rope_dimension_sections([3, 3, 2, 0])  # text: the three sections take the same position
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_ssm_conv_kernel(spec.ssm_conv)
     w.add_ssm_inner_size(value_dim)
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(v_heads)
     w.add_ssm_group_count(k_heads)
     w.add_uint32(f"{arch}.full_attention_interval", interval)
-    w.add_vocab_size(spec.n_vocab)
-    w.add_file_type(1 if spec.f16 else 0)
-    w.add_tokenizer_model("none")
 
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
     for il in range(spec.n_layer):
@@ -356,11 +345,7 @@ def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
     w.add_tensor("output_norm.weight", vec(E, base=1.0))
     w.add_tensor("output.weight", mat(spec.n_vocab, E))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path)
 
 
 #: the certification fixtures: small, with every kind of layer each family has
