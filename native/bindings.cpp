@@ -8,6 +8,7 @@
 #include "llama_shard/cpu_backend.h"
 #include "llama_shard/devices.h"
 #include "llama_shard/hot_kv_engine.h"
+#include "llama_shard/recurrent_checkpoints.h"
 #include "llama_shard/json_schema_grammar.h"
 #include "llama_shard/kv_state_check.h"
 #include "llama_shard/shard_context.h"
@@ -347,6 +348,9 @@ void register_backends(py::module_ & m) {
 // the limits and defaults Python reads from here (hot_kv_limits.h, step_loop.h, prefix_store.h), the KV types
 void register_limits(py::module_ & m) {
     m.attr("MAX_SESSIONS")         = SHARD_MAX_SEQUENCES;
+    // a hybrid session's recurrent-state checkpoints at most (recurrent_checkpoints.h): the memory plan's
+    m.attr("CHECKPOINTS_PER_SESSION") = recurrent_checkpoints::MAX_CHECKPOINTS;
+    m.attr("CHECKPOINT_INPUT_ROWS")   = recurrent_checkpoints::MAX_INPUT_ROWS;
     m.attr("MAX_SESSION_ID_BYTES") = HOT_KV_MAX_SESSION_ID_BYTES;
     m.attr("MAX_CONTEXT_TOKENS")   = HOT_KV_MAX_CONTEXT_TOKENS;
     m.attr("MAX_LOGIT_ROWS")       = HOT_KV_MAX_LOGIT_ROWS;

@@ -220,7 +220,7 @@ shard_context::shard_context(const shard_model & model, const shard_context_para
     recurrent_ = llama_model_is_recurrent(model.raw()) || llama_model_is_hybrid(model.raw());
     whole_rows_possible_ = params.flash_attn && type == GGML_TYPE_F16 && model.device() == nullptr &&
                            params.swa_full && shard_cpu_backend().flash_attn_tiled_rows == 1 && dense &&
-                           !llama_model_is_recurrent(model.raw()) && !llama_model_is_hybrid(model.raw());
+                           !recurrent_;
 }
 
 shard_memory shard_context::memory() const {
@@ -575,7 +575,7 @@ size_t shard_context::fill_batch(const std::vector<batch_item> & items, const st
         }
     }
     batch.n_tokens = row;
-    if (n_pos_per_embd_ > 1 && batch.embd != nullptr && row > 0 && items[order[first]].input.hidden != nullptr) {
+    if (n_pos_per_embd_ > 1 && batch.embd != nullptr) {  // a residual batch (its buffers hold n_pos_per_embd_ positions a row)
         // M-RoPE with a residual input: a text token's sections all take its position, the last 0
         // (what llama.cpp gives a token input: llm_graph_input_pos::set_input)
         for (int32_t j = 1; j < n_pos_per_embd_; ++j) {

@@ -6,6 +6,8 @@ import numpy as np
 import numpy.typing as npt
 
 MAX_SESSIONS: int
+CHECKPOINTS_PER_SESSION: int
+CHECKPOINT_INPUT_ROWS: int
 MAX_SESSION_ID_BYTES: int
 MAX_CONTEXT_TOKENS: int
 MAX_LOGIT_ROWS: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._native import MAX_SESSIONS, HotKvConfig
+from .._native import CHECKPOINT_INPUT_ROWS, CHECKPOINTS_PER_SESSION, MAX_SESSIONS, HotKvConfig
 from ..errors import InvalidInputError
 from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
 
@@ -114,14 +114,10 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
                       slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
                       model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
                       warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes, recurrent_bytes=recurrent,
-                      checkpoint_bytes=checkpoint_bytes(recurrent, int(getattr(info, "n_embd", 0) or 0)))
+                      checkpoint_bytes=checkpoints_bytes_per_session(recurrent, int(getattr(info, "n_embd", 0) or 0)))
 
 
-#: recurrent_checkpoints.h: MAX_CHECKPOINTS states per session, each with up to MAX_INPUT_ROWS inputs
-CHECKPOINTS_PER_SESSION, CHECKPOINT_INPUT_ROWS = 8, 16
-
-
-def checkpoint_bytes(recurrent_bytes: int, n_embd: int) -> int:
+def checkpoints_bytes_per_session(recurrent_bytes: int, n_embd: int) -> int:
     """The most a hybrid session's checkpoints hold: the recurrent states and the inputs after each
     (hidden rows of n_embd floats; a head's token ids are smaller). 0 for a model without recurrent state."""
     if not recurrent_bytes:
