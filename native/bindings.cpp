@@ -401,6 +401,7 @@ void register_model(py::module_ & m) {
         .def_readonly("device_description", &shard_model_info::device_description)
         .def_readonly("device_note", &shard_model_info::device_note)
         .def_readonly("gpu_layers", &shard_model_info::gpu_layers)
+        .def_readonly("cpu_moe_layers", &shard_model_info::cpu_moe_layers)
         .def_readonly("output_on_device", &shard_model_info::output_on_device)
         .def_property_readonly("n_owned_layers", &shard_model_info::n_owned_layers)
         .def("__repr__", [](const shard_model_info & i) {
@@ -411,18 +412,19 @@ void register_model(py::module_ & m) {
 
     py::class_<shard_model>(m, "ShardModel")
         .def(py::init([](const std::string & path, std::optional<std::pair<int32_t, int32_t>> layers, std::optional<int32_t> n_threads,
-                         const std::string & device, int32_t gpu_layers) {
+                         const std::string & device, int32_t gpu_layers, int32_t cpu_moe_layers) {
                  shard_model_params params;
                  params.path       = path;
                  params.layers     = layers;
                  params.n_threads  = n_threads.value_or(0);
                  params.device     = device;
                  params.gpu_layers = gpu_layers;
+                 params.cpu_moe_layers = cpu_moe_layers;
                  py::gil_scoped_release release;  // loading reads the whole file; no Python object is touched
                  return std::make_unique<shard_model>(params);
              }),
              py::arg("path"), py::arg("layers") = py::none(), py::arg("n_threads") = py::none(),
-             py::arg("device") = "cpu", py::arg("gpu_layers") = -1)
+             py::arg("device") = "cpu", py::arg("gpu_layers") = -1, py::arg("cpu_moe_layers") = 0)
         .def_property_readonly("info", &shard_model::info, py::return_value_policy::reference_internal)
         .def_property_readonly("path", &shard_model::path)
         .def_property_readonly("n_threads", &shard_model::n_threads)
@@ -832,13 +834,15 @@ void register_sampling(py::module_ & m) {
 
 void register_engine(py::module_ & m) {
     m.def("plan_memory", [](const std::string & path, std::optional<std::pair<int32_t, int32_t>> layers,
-                            const std::string & device, int32_t gpu_layers, const hot_kv_config & config) {
+                            const std::string & device, int32_t gpu_layers, const hot_kv_config & config,
+                            int32_t cpu_moe_layers) {
               shard_model_params mp;
               mp.path = path;
               mp.layers = layers;
               mp.n_threads = 1;
               mp.device = device;
               mp.gpu_layers = gpu_layers;
+              mp.cpu_moe_layers = cpu_moe_layers;
               shard_memory mem;
               {
                   py::gil_scoped_release release;  // reads the GGUF's metadata
@@ -847,6 +851,7 @@ void register_engine(py::module_ & m) {
               return memory_dict(mem);
           },
           py::arg("path"), py::arg("layers"), py::arg("device"), py::arg("gpu_layers"), py::arg("config"),
+          py::arg("cpu_moe_layers") = 0,
           "A dry run of a shard and the engine `config` makes over it (nothing allocated, no weight read): the "
           "bytes llama.cpp would hold on the device and the host, as HotKvEngine.memory() reports them loaded.");
     py::class_<hot_kv_engine>(m, "HotKvEngine")

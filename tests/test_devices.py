@@ -416,3 +416,61 @@ def test_a_plan_larger_than_the_device_is_refused_before_loading(embedded_model,
         refused = "the plan does not fit" in res.stderr or "takes in one tensor" in res.stderr
         assert refused and (expected in res.stderr or not lavapipe), res.stderr[-2000:]
         assert "loading" not in res.stderr
+
+
+# --- a mixture of experts on one GPU: its experts in host memory (--cpu-moe) ----------------------
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, write_moe_gguf
+
+    return write_moe_gguf(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", CERTIFICATION_SPECS["qwen3moe"])
+
+
+def test_cpu_moe_keeps_the_owned_experts_in_host_memory(moe_model, device):
+    """--cpu-moe / --n-cpu-moe N: the owned layers' expert tensors (the first N layers') move from the
+    device's weights to the host's, by their bytes, in the dry run and in what llama.cpp allocates."""
+    from llama_shard._native import plan_memory
+    from llama_shard.engine.models import gguf_shape
+
+    experts = gguf_shape(moe_model).expert_bytes
+    routers = [t.n_bytes for t in __import__("gguf").GGUFReader(str(moe_model)).tensors if "ffn_gate_inp" in t.name]
+    config = HotKvStateConfig(max_sessions=2, context_tokens=64).engine_config(n_batch=16)
+    plans = {n: plan_memory(str(moe_model), (2, 5), device, -1, config, n) for n in (0, 2, -1)}
+    moved = {n: plans[0]["device_model"] - plans[n]["device_model"] for n in (2, -1)}
+    # the routed experts only: the router (ffn_gate_inp, counted with them) stays on the device
+    for n, layers in ((2, (2, 3)), (-1, (2, 3, 4, 5))):
+        want = sum(experts[il] - routers[il] for il in layers)
+        assert abs(moved[n] - want) <= 4096 * 3 * len(layers), (n, moved[n], want)
+        assert plans[n]["host_model"] - plans[0]["host_model"] == moved[n]
+    model = ShardModel(str(moe_model), (2, 5), 2, device, -1, -1)
+    assert model.info.cpu_moe_layers == 4 and model.info.gpu_layers == 4
+    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=64), n_batch=16)
+    try:
+        real = manager.engine.memory()
+        assert abs(real["device_model"] - plans[-1]["device_model"]) <= 0.10 * plans[-1]["device_model"]
+    finally:
+        manager.close()
+    # nothing changes on the CPU, and a count outside the owned layers is refused before loading
+    assert ShardModel(str(moe_model), (2, 5), 2, "cpu", 0, -1).info.cpu_moe_layers == 0
+    with pytest.raises(InvalidInputError, match="cpu_moe_layers 5 is outside"):
+        ShardModel(str(moe_model), (2, 5), 2, device, -1, 5)
+
+
+def test_a_split_with_its_experts_in_host_memory_equals_the_whole_model_so_placed(moe_model, device):
+    """Experts on the host, the rest on the device: a 2-shard split gives the whole model's logits to
+    the bit when both are placed alike, and the CPU's greedy tokens."""
+    kw = dict(n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2, device=device, cpu_moe_layers=-1)
+    prompt = [1, 17, 42, 99, 5, 250, 3, 8]
+    whole = _generate(LocalPipeline(moe_model, None, **kw), prompt, 8)
+    split = _generate(LocalPipeline(moe_model, [(0, 2), (3, 5)], **kw), prompt, 8)
+    assert split == whole
+    cpu = _generate(LocalPipeline(moe_model, [(0, 2), (3, 5)], n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2), prompt, 8)
+    assert [t for t, _ in cpu] == [t for t, _ in whole]
+
+
+def test_serve_refuses_n_cpu_moe_outside_the_owned_layers_before_loading(moe_model):
+    res = _cli("serve", "--model", str(moe_model), "--layers", "2-5", "--device", "cpu", "--n-cpu-moe", "9", "--port", "0")
+    assert res.returncode == 2, res.stderr
+    assert "cpu_moe_layers 9 is outside [0, 4]" in res.stderr
+    assert "listening" not in res.stderr + res.stdout

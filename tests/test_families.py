@@ -14,7 +14,8 @@ from llama_shard import (CacheMiss, HotKvStateConfig, HotKvStateManager, KvBound
                          Tier)
 from llama_shard.engine.hot_kv import ManualClock
 from llama_shard.engine.pipeline import LocalPipeline
-from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, MoeSpec, recurrent_layers, write_moe_gguf
+from llama_shard.testing.synthetic_families import (CERTIFICATION_SPECS, MoeSpec, moe_layers, recurrent_layers,
+                                                    write_moe_gguf)
 
 FAMILIES = list(CERTIFICATION_SPECS)
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]
@@ -37,8 +38,12 @@ def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
             at = spec.layer_kinds.find(kinds)
             layouts.append([(0, at), (at + 1, L - 1)])
         layouts.append([(0, 0), (1, 1), (2, L - 1)])               # a shard of one recurrent layer only
-    if spec.family == "qwen35":                                    # layers 3 and 7 are attention
+    if spec.family in ("qwen35", "qwen35moe"):                     # layers 3 and 7 are attention
         layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 2), (3, 3), (4, L - 1)]]
+    if spec.family == "granitehybrid":                             # MMAMMMAM: after M, after A, A alone
+        layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
+    if spec.family == "llama4":  # layer 3 is full attention without rope; odd layers MoE, even dense
+        layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 0), (1, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
     return layouts
 
 
@@ -224,18 +229,17 @@ def test_inspect_reads_the_family_and_its_expert_bytes(family):
     assert shape.n_layer == spec.n_layer and shape.n_nextn == spec.n_nextn
     assert shape.n_expert == spec.n_expert and shape.n_expert_used == spec.n_expert_used
     recurrent = recurrent_layers(spec)
+    kind = ([f"hybrid, {len(recurrent)} of {spec.n_layer} layers recurrent"] if recurrent else []) + \
+        ([f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"] if spec.n_expert else [])
+    assert shape.kind == ("; ".join(kind) or "dense")
     if recurrent:
-        assert shape.kind == f"hybrid, {len(recurrent)} of {spec.n_layer} layers recurrent"
         assert list(shape.recurrent_layers) == recurrent
-        if spec.family == "nemotron_h":
+        if spec.family in ("nemotron_h", "granitehybrid"):
             assert [b > 0 for b in shape.kv_layer_bytes] == [kind == "A" for kind in spec.layer_kinds]
         else:
             assert [b > 0 for b in shape.kv_layer_bytes] == [il not in recurrent for il in range(spec.n_layer)]
-    else:
-        assert shape.kind == f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"
-        moe_layers = range(spec.n_dense_lead, spec.n_layer)
-        assert all(shape.expert_bytes[il] > 0 for il in moe_layers)
-        assert all(shape.expert_bytes[il] == 0 for il in range(spec.n_dense_lead))
+    moe = moe_layers(spec)
+    assert [shape.expert_bytes[il] > 0 for il in range(spec.n_layer)] == [il in moe for il in range(spec.n_layer)]
     # the memory plan counts what llama.cpp allocated, within 10%
     for first, last in halves(spec):
         model = ShardModel(str(path), (first, last), 1)
@@ -268,6 +272,29 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
     del reader
     with pytest.raises(ModelLoadError, match="ffn_gate_inp.weight' has wrong shape"):
         ShardModel(str(bad), (0, 2), 1)
+
+
+@pytest.mark.parametrize("arch, why", [("deepseek4", "hyper-connection residual streams"),
+                                       ("glm5-next", "4 mHC residual streams"),
+                                       ("kimi-k3", "cross-layer residual attention"),
+                                       ("gemma4", "per-layer input")])
+def test_a_family_that_cannot_be_split_exactly_is_refused_naming_why(tmp_path, arch, why):
+    """Families whose layers pass more than one residual row on: a range is refused from the header,
+    before llama.cpp reads anything, with the reason."""
+    import gguf
+
+    from llama_shard import UncertifiedArchitectureError
+
+    w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UncertifiedArchitectureError, match=f"'{arch}' cannot be split exactly: .*{why}"):
+        ShardModel(str(tmp_path / f"{arch}.gguf"), (0, 1), 1)
 
 
 REPEAT = PROMPT * 2  # its end is an n-gram seen before: the worker's prompt-lookup drafts from the first step

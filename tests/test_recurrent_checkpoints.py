@@ -18,9 +18,10 @@ from test_families import PROMPT, Route
 LAYOUT = [(0, 1), (2, 7)]  # the head: two recurrent layers; the tail: attention layers and recurrent ones
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen35"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen35", "qwen35moe", "granitehybrid"])
 def hybrid(request, tmp_path_factory):
-    """Mamba-2 beside attention and FFN layers; gated delta-net beside M-RoPE attention."""
+    """Mamba-2 beside attention and FFN layers (nemotron_h) or MoE layers (granitehybrid); gated
+    delta-net beside M-RoPE attention, with dense FFNs (qwen35) or experts (qwen35moe)."""
     return write_moe_gguf(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", CERTIFICATION_SPECS[request.param])
 
 

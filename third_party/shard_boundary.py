@@ -40,6 +40,11 @@ FAMILY_SOURCES = {
     "glm4moe": "glm4-moe.cpp",
     "nemotron_h": "nemotron-h.cpp",
     "qwen35": "qwen35.cpp",
+    "qwen35moe": "qwen35moe.cpp",
+    "granitehybrid": "granite-hybrid.cpp",
+    "llama4": "llama4.cpp",
+    "mistral3": "mistral3.cpp",
+    "minimax-m2": "minimax-m2.cpp",
 }
 
 #: edits one family needs besides the three: (file, upstream text, patched text)

@@ -31,13 +31,35 @@ const std::vector<std::string> & shard_certified_architectures() {
     // patch 0011's LLAMA_SHARD_CERTIFIED table in llama.cpp names the same (a test reads it)
     static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
                                                     "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h",
-                                                    "qwen35"};
+                                                    "qwen35", "qwen35moe", "granitehybrid", "llama4", "mistral3",
+                                                    "minimax-m2"};
     return certified;
 }
 
 bool shard_arch_is_certified(const std::string & arch) {
     const auto & c = shard_certified_architectures();
     return std::find(c.begin(), c.end(), arch) != c.end();
+}
+
+// families whose layers pass more than one residual row per token to the next layer: a shard
+// boundary passes one, so a split could not be exact (each read in the pin's graph builder)
+static const char * unsplittable_reason(const std::string & arch) {
+    static const std::pair<const char *, const char *> reasons[] = {
+        {"deepseek4", "it carries several hyper-connection residual streams between layers "
+                      "(hyper_connection.count), and its first layers route experts by token id"},
+        {"glm5-next", "it carries 4 mHC residual streams between layers, and its shared-indexer layers reuse an "
+                      "earlier layer's sparse-attention selection"},
+        {"gemma4",    "it feeds every layer a per-layer input computed before the layer loop from the token ids "
+                      "and embedding, and its last layers reuse earlier layers' KV cache"},
+        {"kimi-k3",   "its cross-layer residual attention mixes the saved inputs of every attn_res.block_size-th "
+                      "layer into every later layer and the output"},
+    };
+    for (const auto & [name, why] : reasons) {
+        if (arch == name) {
+            return why;
+        }
+    }
+    return nullptr;
 }
 
 static std::string certified_list() {
@@ -169,6 +191,11 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
 
     if (params.layers) {
         const auto [first, last] = *params.layers;
+        if (const char * why = unsplittable_reason(header.arch)) {
+            throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
+                "architecture '" + header.arch + "' cannot be split exactly: " + why +
+                "; a shard boundary passes one residual row per token (run it whole, without a layer range)");
+        }
         if (!shard_arch_is_certified(header.arch)) {
             throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
                 "architecture '" + header.arch + "' is not certified for shard execution (supported: " + certified_list() + ")");
@@ -197,6 +224,12 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
             "] (the owned layers; -1: all of them)");
     }
 
+    if (params.cpu_moe_layers < -1 || (n_owned > 0 && params.cpu_moe_layers > n_owned)) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "cpu_moe_layers " + std::to_string(params.cpu_moe_layers) + " is outside [0, " + std::to_string(n_owned) +
+            "] (the owned layers whose experts stay in host memory; -1: all of them)");
+    }
+
     if (params.gpu_layers > 0 && (params.device == "cpu" || params.device == "CPU")) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "gpu_layers " + std::to_string(params.gpu_layers) +
                           " puts layers on a device, and the device is the CPU: name one (or auto)");
@@ -217,6 +250,23 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     mparams.devices      = device_list;
     mparams.n_gpu_layers = device == nullptr ? 0 : params.gpu_layers;  // -1: llama.cpp's "all"
     mparams.no_alloc     = params.no_alloc;
+    // --cpu-moe: the expert tensors of the chosen owned layers in host memory (llama.cpp's own
+    // override, common.h's LLM_FFN_EXPS_REGEX); the patterns outlive the load, which reads them
+    const int32_t n_cpu_moe = device == nullptr ? 0 : (params.cpu_moe_layers < 0 ? n_owned : params.cpu_moe_layers);
+    std::vector<std::string> moe_patterns;
+    std::vector<llama_model_tensor_buft_override> overrides;
+    if (n_cpu_moe > 0) {
+        const int32_t first_owned = params.layers ? params.layers->first : 0;
+        for (int32_t il = first_owned; il < first_owned + n_cpu_moe; ++il) {
+            moe_patterns.push_back("blk\\." + std::to_string(il) + "\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
+        }
+        ggml_backend_buffer_type_t host = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+        for (const std::string & pattern : moe_patterns) {
+            overrides.push_back({pattern.c_str(), host});
+        }
+        overrides.push_back({nullptr, nullptr});
+        mparams.tensor_buft_overrides = overrides.data();
+    }
     if (params.no_alloc) {
         mparams.load_mode = LLAMA_LOAD_MODE_NONE;  // llama.cpp asserts that a dry run maps nothing (as common/fit does)
     }
@@ -267,6 +317,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : std::max(0, std::min(params.gpu_layers, n_owned + 1) - 1);
         info_.output_on_device = true;
     }
+    info_.cpu_moe_layers = n_cpu_moe;
     {
         char buf[512] = {0};
         const std::string key = info_.architecture + ".attention.sliding_window_pattern";

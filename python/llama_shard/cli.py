@@ -265,15 +265,18 @@ def _device_text(info) -> str:
     if info.device == "cpu":
         return "cpu" + (f" ({info.device_note})" if info.device_note else "")
     output = "; the output layer too" if info.output_on_device else ""
+    experts = (f"; the experts of {info.cpu_moe_layers} of them in host memory (--cpu-moe)"
+               if info.cpu_moe_layers else "")
     return (f"{info.device} ({info.device_description}): {info.gpu_layers} of {info.n_owned_layers} owned "
-            f"layers and their KV{output}")
+            f"layers and their KV{output}{experts}")
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str, gpu_layers: int, engine_config) -> str:
+def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str, gpu_layers: int, engine_config,
+                       cpu_moe_layers: int = 0) -> str:
     """The device's share of a shard and its engine, from llama.cpp's dry run (nothing allocated),
     against the device's free memory: one line, or InvalidInputError naming the device and the
     numbers when it does not fit. "" on the CPU."""
@@ -281,7 +284,7 @@ def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str,
 
     if device.lower() == "cpu" or gpu_layers == 0:
         return ""
-    mem = plan_memory(str(model), layers, device, gpu_layers, engine_config)
+    mem = plan_memory(str(model), layers, device, gpu_layers, engine_config, cpu_moe_layers)
     if mem["device"] == "cpu":
         return ""
     need = mem["device_model"] + mem["device_context"] + mem["device_compute"]
@@ -290,7 +293,8 @@ def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str,
     if need > mem["device_free"]:
         raise InvalidInputError(
             f"the plan does not fit {mem['device']}: it needs {_mib(need)} there ({parts}) and {_mib(mem['device_free'])} "
-            f"of {_mib(mem['device_total'])} are free; give fewer --gpu-layers, fewer --max-sessions (or less "
+            f"of {_mib(mem['device_total'])} are free; give fewer --gpu-layers, --cpu-moe or --n-cpu-moe on a "
+            f"mixture of experts, fewer --max-sessions (or less "
             f"--kv-memory) or fewer --context-tokens")
     return (f"{mem['device']}: {_mib(need)} ({parts}) of {_mib(mem['device_free'])} free; "
             f"host: {_mib(mem['host_model'] + mem['host_context'] + mem['host_compute'])}")
@@ -302,8 +306,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.memory import memory_plan
     from .engine.models import gguf_shape
 
-    if (args.device != "cpu" or args.gpu_layers is not None) and not args.kv_memory:
-        raise InvalidInputError("--device and --gpu-layers size the device's share of a memory plan: give --kv-memory too")
+    if (args.device != "cpu" or args.gpu_layers is not None or args.cpu_moe_layers) and not args.kv_memory:
+        raise InvalidInputError("--device, --gpu-layers and --cpu-moe size the device's share of a memory plan: give "
+                                "--kv-memory too")
     path = _model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
@@ -348,7 +353,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.device != "cpu":
             layers = None if args.layers in (None, "all") else (first, last)
             on_device = device_memory_plan(path, layers, args.device, -1 if args.gpu_layers is None else args.gpu_layers,
-                                           plan.config().engine_config())
+                                           plan.config().engine_config(), args.cpu_moe_layers)
             print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
     return 0
 
@@ -444,7 +449,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, plan = serve_config(args, layers)
     gpu_layers = -1 if args.gpu_layers is None else args.gpu_layers
     device_plan = device_memory_plan(_model_path(args.model), layers, args.device, gpu_layers,
-                                     config.engine_config(n_batch=args.batch))  # refuses before loading
+                                     config.engine_config(n_batch=args.batch),
+                                     args.cpu_moe_layers)  # refuses before loading
     _status(f"loading {_model_path(args.model)} layers {args.layers or 'all'} ...")
     _status("memory plan:\n  " + plan.describe().replace("\n", "\n  ") +
             (f"\n  on the device (llama.cpp's dry run): {device_plan}" if device_plan else ""))
@@ -453,7 +459,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                        metrics_host=args.metrics_host,
                                        threads=args.threads, n_batch=args.batch, device=args.device,
-                                       gpu_layers=gpu_layers,
+                                       gpu_layers=gpu_layers, cpu_moe_layers=args.cpu_moe_layers,
                                        gather_s=args.gather_ms / 1000.0,
                                        max_step_sessions=args.max_step_sessions,
                                        prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
@@ -743,6 +749,18 @@ def _device_flags(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=None, metavar="N",
                     help="owned layers on the device, the first N of the range (default: all of them, and a tail's "
                          "output layer with them; 0: the CPU)")
+    _cpu_moe_flags(sv)
+
+
+def _cpu_moe_flags(parser: argparse.ArgumentParser) -> None:
+    """llama.cpp's --cpu-moe / --n-cpu-moe: a mixture of experts on one consumer GPU keeps its expert
+    tensors in host memory and the rest of each layer on the device."""
+    moe = parser.add_mutually_exclusive_group()
+    moe.add_argument("--cpu-moe", dest="cpu_moe_layers", action="store_const", const=-1, default=0,
+                     help="on a device: every owned layer's expert tensors in host memory, the rest on the device "
+                          "(a mixture of experts; nothing changes on the CPU or for a dense model)")
+    moe.add_argument("--n-cpu-moe", dest="cpu_moe_layers", type=_count(0, 1 << 16), metavar="N",
+                     help="on a device: the expert tensors of the first N owned layers in host memory")
 
 
 def _engine_flags(sv: argparse.ArgumentParser) -> None:
@@ -842,6 +860,7 @@ def _inspect_parser(sub) -> None:
                         "its free memory")
     i.add_argument("--gpu-layers", type=_count(0, 1 << 16), default=None, metavar="N",
                    help="with --device: owned layers on the device (default: all)")
+    _cpu_moe_flags(i)
     i.set_defaults(func=cmd_inspect)
 
 

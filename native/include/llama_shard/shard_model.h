@@ -10,7 +10,7 @@
 //  - without a range the model is the whole model and behaves exactly as upstream llama.cpp;
 //  - every input is validated before llama.cpp sees it: a missing, truncated or corrupt file, a range
 //    outside [0, n_layer) or reversed, a range on an uncertified architecture, a device ggml does not
-//    list or gpu_layers outside [-1, owned layers] throws shard_error and nothing is loaded;
+//    list, gpu_layers or cpu_moe_layers outside [-1, owned layers] throws shard_error and nothing is loaded;
 //  - on the CPU the model is given an empty device list, so no GPU backend takes part even when one
 //    is loaded in the process (llama.cpp would otherwise offload large batches' products to it).
 
@@ -59,6 +59,7 @@ struct shard_model_info {
     std::string device_note;         // why `auto` chose the CPU ("" otherwise)
     int32_t     gpu_layers = 0;      // owned layers on the device (the first of the range; 0 on the CPU)
     bool        output_on_device = false;  // a tail's output layer with them (only when all are)
+    int32_t     cpu_moe_layers = 0;  // owned layers on the device whose experts stay in host memory
 
     int32_t n_owned_layers() const { return last - first + 1; }
 };
@@ -74,6 +75,10 @@ struct shard_model_params {
     // output layer with them. 0 runs on the CPU. Without a range (the whole model) llama.cpp's own
     // rule applies: the last N layers, the output layer first.
     int32_t gpu_layers = -1;
+    // owned layers, the first of the range, whose expert tensors (ffn_*_exps) stay in host memory
+    // while the rest of the layer is on the device (llama.cpp's --n-cpu-moe); -1: every owned layer
+    // (--cpu-moe); 0: none. Nothing changes on the CPU or for a model without experts.
+    int32_t cpu_moe_layers = 0;
     // a dry run: llama.cpp sizes every buffer without allocating or reading the weights (the memory
     // plan, shard_plan_memory); such a model computes nothing
     bool no_alloc = false;

@@ -54,15 +54,15 @@ class LocalPipeline:
 
     def __init__(self, path: str | Path, split: Sequence[LayerRange] | None = None, *, n_ctx: int = 2048,
                  n_seq_max: int = 4, n_batch: int = 512, n_threads: int | None = None, flash_attn: bool = True,
-                 device: str = "cpu"):
+                 device: str = "cpu", cpu_moe_layers: int = 0):
         self.path = Path(path)
         self.models: list[ShardModel] = []
         if split is None:
-            self.models.append(ShardModel(str(self.path), None, n_threads, device))
+            self.models.append(ShardModel(str(self.path), None, n_threads, device, -1, cpu_moe_layers))
         else:
             split = list(split)
             for first, last in split:
-                self.models.append(ShardModel(str(self.path), (first, last), n_threads, device))
+                self.models.append(ShardModel(str(self.path), (first, last), n_threads, device, -1, cpu_moe_layers))
             check_tiling(split, self.models[0].info.n_layer)
         self.contexts = [ShardContext(m, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                       flash_attn=flash_attn) for m in self.models]

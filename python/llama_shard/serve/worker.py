@@ -66,6 +66,7 @@ class WorkerOptions:
     threads: int | None = None
     device: str = "cpu"                # where the owned layers run: cpu, auto or a device name (Vulkan0)
     gpu_layers: int = -1               # owned layers on the device, the first of the range (-1: all)
+    cpu_moe_layers: int = 0            # of those, the first N keep their experts in host memory (-1: all)
     n_batch: int = HotKvConfig().n_batch
     gather_s: float = DEFAULT_GATHER_S     # longest wait for as many sessions as the last step had
     max_step_sessions: int | None = None   # None: up to max_sessions per engine step
@@ -558,7 +559,8 @@ class ShardWorker:
     def __init__(self, model_path: str, layers: tuple[int, int] | None, config: HotKvStateConfig,
                  options: WorkerOptions = WorkerOptions()):
         self.options = options
-        self.model = ShardModel(str(model_path), layers, options.threads, options.device, options.gpu_layers)
+        self.model = ShardModel(str(model_path), layers, options.threads, options.device, options.gpu_layers,
+                                options.cpu_moe_layers)
         self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
                                          max_step_sessions=options.max_step_sessions,
                                          prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)

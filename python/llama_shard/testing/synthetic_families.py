@@ -24,11 +24,12 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-from gguf import ExpertGatingFuncType, GGUFWriter
+from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 
 #: family name -> GGUF architecture
 FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
-               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35"}
+               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35", "qwen35moe": "qwen35moe",
+               "granitehybrid": "granitehybrid", "llama4": "llama4", "mistral3": "mistral3", "minimax-m2": "minimax-m2"}
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -51,12 +52,14 @@ class MoeSpec:
     kv_lora_rank: int = 32      # deepseek2: the latent K/V width (the cache's row)
     q_lora_rank: int = 32       # deepseek2
     rope_dim: int = 8           # deepseek2: the roped part of a head (the rest is the "nope" part)
-    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F), layer by layer
+    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F); granitehybrid: M or A
     ssm_heads: int = 4          # nemotron_h: Mamba-2 heads (d_inner = n_embd, split among them)
     ssm_groups: int = 2
     ssm_state: int = 16
     ssm_conv: int = 4
     ssm_conv_f16: bool = False  # a bad file: llama.cpp's conv kernel takes f32 only (the load refuses it)
+    n_ff_shexp: int = 64        # qwen35moe / granitehybrid: the shared expert's width (granitehybrid: 0 = none)
+    moe_layer_step: int = 2     # llama4: every step-th layer is MoE (routed + a shared expert), the others dense
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
@@ -117,13 +120,14 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     """Write a random GGUF of `spec.family` to `path` and return the path."""
     if spec.family not in FAMILY_ARCH:
         raise ValueError(f"unknown family {spec.family!r} (known: {', '.join(FAMILY_ARCH)})")
-    if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe"):
+    if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe", "qwen35moe"):
         raise ValueError(f"{spec.family} has no MTP blocks")
     path = Path(path)
-    if spec.family == "nemotron_h":
-        return _write_nemotron_h(path, spec)
-    if spec.family == "qwen35":
-        return _write_qwen35(path, spec)
+    own_writer = {"nemotron_h": _write_nemotron_h, "qwen35": _write_qwen35, "qwen35moe": _write_qwen35moe,
+                  "granitehybrid": _write_granitehybrid, "llama4": _write_llama4, "mistral3": _write_mistral3,
+                  "minimax-m2": _write_minimax_m2}.get(spec.family)
+    if own_writer is not None:
+        return own_writer(path, spec)
     arch, fam = spec.architecture, spec.family
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     weights = _Weights(spec)
@@ -348,6 +352,336 @@ def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
     return _finish(w, path)
 
 
+def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
+    """Qwen 3.5 MoE: qwen35's layers (every 4th full attention with a query gate, q/k norms and
+    M-RoPE; the others gated delta-net) with every FFN a softmax-routed, top-k renormalised MoE plus
+    one shared expert scaled by its own sigmoid gate (`ffn_gate_inp_shexp`, one value a token).
+    With n_nextn = 1 an MTP block (full attention + the same MoE + nextn projections) follows."""
+    if spec.n_nextn not in (0, 1):
+        raise ValueError("qwen35moe: at most one MTP block (graph_mtp asserts n_layer_nextn == 1)")
+    if spec.n_expert <= 0 or not 0 < spec.n_expert_used <= spec.n_expert:
+        raise ValueError("qwen35moe: every layer is MoE: n_expert > 0 and 0 < n_expert_used <= n_expert")
+    if spec.n_ff_shexp <= 0:
+        raise ValueError("qwen35moe: the shared expert is required (n_ff_shexp > 0)")
+    if spec.ssm_heads % spec.ssm_groups:
+        raise ValueError("qwen35moe: ssm_heads (value heads) must be a multiple of ssm_groups (key heads)")
+    arch = spec.architecture
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    X, ff, sh = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
+    state, k_heads, v_heads = spec.ssm_state, spec.ssm_groups, spec.ssm_heads
+    key_dim, value_dim = state * k_heads, state * v_heads
+    conv_dim = 2 * key_dim + value_dim
+    interval = 4
+
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-qwen35moe-{spec.n_layer}L-{X}x{spec.n_expert_used}")
+    w.add_feed_forward_length(spec.n_ff)             # unused by the graph (experts / shexp have their own)
+    w.add_expert_count(X)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_expert_feed_forward_length(ff)             # absent: n_ff / n_expert_used
+    w.add_expert_shared_feed_forward_length(sh)      # absent: n_ff
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)                           # the graph asserts key_length == value_length
+    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_sections([3, 3, 2, 0])      # required by the loader; text: sections take one position
+    w.add_rope_freq_base(10000.0)
+    w.add_ssm_conv_kernel(spec.ssm_conv)
+    w.add_ssm_inner_size(value_dim)                  # head_v_dim = inner / time_step_rank must equal state
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(v_heads)
+    w.add_ssm_group_count(k_heads)
+    w.add_uint32(f"{arch}.full_attention_interval", interval)
+    if spec.n_nextn:
+        w.add_uint32(f"{arch}.nextn_predict_layers", spec.n_nextn)
+
+    def full_attention(p: str) -> None:
+        w.add_tensor(p + "attn_q.weight", mat(2 * H * hd, E))  # the query and its output gate
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        w.add_tensor(p + "attn_q_norm.weight", vec(hd, base=1.0))
+        w.add_tensor(p + "attn_k_norm.weight", vec(hd, base=1.0))
+
+    def moe(p: str) -> None:
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
+        w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+        w.add_tensor(p + "ffn_gate_inp_shexp.weight", mat(E, scale=1.0 / np.sqrt(E)))  # ne {n_embd}: one logit a token
+        w.add_tensor(p + "ffn_gate_shexp.weight", mat(sh, E))
+        w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
+        w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_blocks):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "post_attention_norm.weight", vec(E, base=1.0))
+        if il >= spec.n_layer or (il + 1) % interval == 0:  # full attention (the MTP block always is)
+            full_attention(p)
+        else:  # gated delta-net
+            w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))    # NOT_REQUIRED in the loader, needed by the graph
+            w.add_tensor(p + "attn_gate.weight", mat(value_dim, E))  # likewise (z)
+            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
+            w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
+            w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))  # ne {dt_rank} (1-D, unlike Mamba-2's {1, heads})
+            w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
+            w.add_tensor(p + "ssm_alpha.weight", mat(v_heads, E))
+            w.add_tensor(p + "ssm_norm.weight", vec(state, base=1.0))
+            w.add_tensor(p + "ssm_out.weight", mat(E, value_dim))
+        moe(p)
+        if il >= spec.n_layer:  # the MTP block's own projections (embed_tokens / shared_head_* are optional)
+            w.add_tensor(p + "nextn.eh_proj.weight", mat(E, 2 * E))
+            w.add_tensor(p + "nextn.enorm.weight", vec(E, base=1.0))
+            w.add_tensor(p + "nextn.hnorm.weight", vec(E, base=1.0))
+            w.add_tensor(p + "nextn.shared_head_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    return _finish(w, path)
+
+
+def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
+    """Granite 4.0-H: Mamba-2 (M) and attention (A) layers by `layer_kinds` -- written as the per-layer
+    array attention.head_count_kv, 0 marking a recurrent layer --, each followed by an RMS-normed FFN:
+    a softmax-routed MoE (top-k renormalised) with an optional ungated shared expert when n_expert > 0,
+    a dense SwiGLU otherwise. Granite multipliers: embeddings x embedding_scale, each sub-layer's
+    output x residual_scale, logits / logit_scale. Mamba-2 d_inner is 2 * n_embd (the loader asserts it)."""
+    kinds = spec.layer_kinds
+    if len(kinds) != spec.n_layer or set(kinds) - set("MA"):
+        raise ValueError(f"layer_kinds {kinds!r} must give M or A for each of {spec.n_layer} layers")
+    if spec.n_nextn:
+        raise ValueError("granitehybrid has no MTP blocks")
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    d_inner, groups, state, heads = 2 * E, spec.ssm_groups, spec.ssm_state, spec.ssm_heads
+    if d_inner % heads or d_inner % groups:
+        raise ValueError("granitehybrid: 2*n_embd must be a multiple of ssm_heads and of ssm_groups")
+    if Hkv <= 0:
+        raise ValueError("granitehybrid: n_head_kv must be > 0 (0 marks a Mamba-2 layer)")
+    conv_dim = d_inner + 2 * groups * state
+    moe = spec.n_expert > 0
+    if moe and not 0 < spec.n_expert_used <= spec.n_expert:
+        raise ValueError("granitehybrid MoE: 0 < n_expert_used <= n_expert")
+    ff = spec.n_ff_exp if moe else spec.n_ff  # granite sizes experts by feed_forward_length
+    sh = spec.n_ff_shexp if moe else 0
+
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-granitehybrid-{kinds}" + (f"-{spec.n_expert}x{spec.n_expert_used}" if moe else ""))
+    w.add_feed_forward_length(ff)
+    w.add_head_count_kv([Hkv if k == "A" else 0 for k in kinds])  # 0: a recurrent (Mamba-2) layer
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_scaling_finetuned(True)  # granite's rope switch: on, so positions matter in the attention layers
+    w.add_ssm_conv_kernel(spec.ssm_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(heads)
+    w.add_ssm_group_count(groups)
+    w.add_embedding_scale(12.0)  # Granite's multipliers (the logit scale at 1: no near-ties by it)
+    w.add_residual_scale(0.22)
+    w.add_logit_scale(1.0)
+    if moe:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        if sh:
+            w.add_expert_shared_feed_forward_length(sh)
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il, kind in enumerate(kinds):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        if kind == "M":
+            w.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * groups * state + heads, E))
+            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
+            w.add_tensor(p + "ssm_conv1d.bias", vec(conv_dim))  # NOT_REQUIRED in the loader, but the graph adds it unchecked
+            w.add_tensor(p + "ssm_dt.bias", vec(heads, scale=0.5))
+            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))   # ne {1, heads}; A = -exp(A_log)
+            w.add_tensor(p + "ssm_d", vec(heads, 1, scale=0.5, base=1.0))
+            w.add_tensor(p + "ssm_norm.weight", vec(groups, d_inner // groups, base=1.0))
+            w.add_tensor(p + "ssm_out.weight", mat(E, d_inner))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+            w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        w.add_tensor(p + "ffn_norm.weight", vec(E, base=1.0))
+        if moe:
+            X = spec.n_expert
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))
+            w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))  # separate gate/up: granite never looks for gate_up_exps
+            w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+            if sh:
+                w.add_tensor(p + "ffn_gate_shexp.weight", mat(sh, E))
+                w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
+                w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(ff, E))
+            w.add_tensor(p + "ffn_up.weight", mat(ff, E))
+            w.add_tensor(p + "ffn_down.weight", mat(E, ff))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    return _finish(w, path)
+
+
+def _write_llama4(path: Path, spec: MoeSpec) -> Path:
+    """Llama 4: every `moe_layer_step`-th layer MoE (sigmoid router over top-k, the router weight
+    applied to the input before the experts, plus one shared expert of the same width), the others
+    dense; 3 chunked-attention layers then 1 full layer (the loader's default pattern), and the full
+    layers are also the NoPE layers (hard-coded: (il + 1) % 4 == 0), whose Q is scaled by the
+    temperature input instead of roped. Roped layers take an unweighted L2 (rms) norm of Q and K.
+
+    No `attention.sliding_window` key: 0 would mean "no chunking" and then the decode aborts (the
+    graph always builds the temperature input, whose scale the loader leaves 0); any other value is
+    overwritten with 8192 by the loader."""
+    step = spec.moe_layer_step
+    if spec.n_expert <= 0 or not 0 < spec.n_expert_used <= spec.n_expert:
+        raise ValueError("llama4 needs experts (the loader refuses n_expert == 0)")
+    if spec.n_expert == 128:
+        raise ValueError("n_expert 128 is Maverick's type: the loader then drops the Q/K L2 norm")
+    E, H, Hkv, hd, X = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim, spec.n_expert
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-llama4-{spec.n_layer}L-{X}x{spec.n_expert_used}")
+    w.add_feed_forward_length(spec.n_ff)              # the dense layers' width
+    w.add_expert_feed_forward_length(spec.n_ff_exp)   # required (routed and shared experts' width)
+    w.add_interleave_moe_layer_step(step)             # required
+    w.add_expert_count(X)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)                    # the graph asserts n_rot == head_dim
+    w.add_rope_freq_base(10000.0)
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        w.add_tensor(p + "ffn_norm.weight", vec(E, base=1.0))
+        if step > 0 and (il + 1) % step == 0:
+            ff = spec.n_ff_exp
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))
+            w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+            w.add_tensor(p + "ffn_gate_shexp.weight", mat(ff, E))
+            w.add_tensor(p + "ffn_up_shexp.weight", mat(ff, E))
+            w.add_tensor(p + "ffn_down_shexp.weight", mat(E, ff))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E))
+            w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+            w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    return _finish(w, path)
+
+
+def _write_mistral3(path: Path, spec: MoeSpec) -> Path:
+    """Mistral 3 (Ministral 3 / Mistral Small 3.x text): llama-shaped and dense (n_expert is ignored:
+    no expert_count is written), NORM rope with YaRN scaling, and the "llama 4" attention
+    temperature: after RoPE, Q *= 1 + beta * log(1 + floor(pos / original_context_length)) in every
+    layer (inputs built once before the layer loop)."""
+    arch = spec.architecture
+    # YaRN over an original context of 8 tokens and the temperature's beta: a 12-token prompt has
+    # scaled (pos >= 8) and unscaled rows
+    temp, yarn, orig, log_mul = 0.1, 4.0, 8, 1.0
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-mistral3-{spec.n_layer}L")
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)                    # the graph asserts n_rot == head_dim
+    w.add_rope_freq_base(10000.0)
+    if yarn:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn)
+        w.add_rope_scaling_yarn_log_mul(log_mul)
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)
+    if yarn or temp:
+        w.add_rope_scaling_orig_ctx_len(orig)         # n_ctx_orig_yarn (else n_ctx_train)
+    if temp:
+        w.add_attn_temperature_scale(temp)
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        w.add_tensor(p + "ffn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    return _finish(w, path)
+
+
+def _write_minimax_m2(path: Path, spec: MoeSpec) -> Path:
+    """MiniMax-M2: every layer MoE with sigmoid gating and a selection bias (exp_probs_b), top-k
+    renormalised; Q and K rms-normed over all heads at once (weights of H*hd and Hkv*hd), then a
+    partial NEOX rope (rope_dim of head_dim). The expert width is `feed_forward_length` (the loader
+    shapes the experts by n_ff), and `expert_feed_forward_length` is required too: both n_ff_exp."""
+    if spec.n_expert <= 0 or not 0 < spec.n_expert_used <= spec.n_expert:
+        raise ValueError("minimax-m2 is MoE in every layer")
+    if spec.rope_dim > spec.head_dim or spec.rope_dim % 2:
+        raise ValueError("rope_dim must be even and at most head_dim")
+    E, H, Hkv, hd, X, ff = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim, spec.n_expert, spec.n_ff_exp
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-minimax-m2-{spec.n_layer}L-{X}x{spec.n_expert_used}")
+    w.add_feed_forward_length(ff)                     # the experts' shape comes from this key
+    w.add_expert_feed_forward_length(ff)              # required by load_arch_hparams
+    w.add_expert_count(X)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)  # optional key, but 0 (none) aborts the graph build
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(spec.rope_dim)
+    w.add_rope_freq_base(10000.0)
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_q_norm.weight", vec(H * hd, base=1.0))
+        w.add_tensor(p + "attn_k_norm.weight", vec(Hkv * hd, base=1.0))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+        w.add_tensor(p + "ffn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))
+        w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+        w.add_tensor(p + "exp_probs_b.bias", vec(X))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))  # required: no tied-embedding fallback
+    return _finish(w, path)
+
+
 #: the certification fixtures: small, with every kind of layer each family has
 CERTIFICATION_SPECS = {
     "mixtral": MoeSpec(family="mixtral", n_ff=48, seed=31),
@@ -357,16 +691,33 @@ CERTIFICATION_SPECS = {
     "glm4moe": MoeSpec(family="glm4moe", n_dense_lead=1, n_shared=1, n_nextn=1, seed=35),
     "nemotron_h": MoeSpec(family="nemotron_h", n_layer=8, n_expert=0, n_expert_used=0, seed=36),
     "qwen35": MoeSpec(family="qwen35", n_layer=8, n_expert=0, n_expert_used=0, seed=37),
+    # attention 3 and 7, gated delta-net elsewhere; every layer MoE with a gated shared expert; an MTP block
+    "qwen35moe": MoeSpec(family="qwen35moe", n_layer=8, n_nextn=1, seed=38),
+    # attention 2 and 6, Mamba-2 elsewhere; every layer MoE with a shared expert
+    "granitehybrid": MoeSpec(family="granitehybrid", n_layer=8, layer_kinds="MMAMMMAM", seed=39),
+    # MoE (with a shared expert) on odd layers, dense on even; chunked attention, and layer 3 full with no rope
+    "llama4": MoeSpec(family="llama4", seed=40),
+    "mistral3": MoeSpec(family="mistral3", n_expert=0, n_expert_used=0, seed=41),
+    "minimax-m2": MoeSpec(family="minimax-m2", rope_dim=8, seed=42),
 }
 
 
 def recurrent_layers(spec: MoeSpec) -> list[int]:
     """The layers of `spec` whose state is recurrent (none for a MoE family)."""
-    if spec.family == "nemotron_h":
+    if spec.family in ("nemotron_h", "granitehybrid"):
         return [il for il, kind in enumerate(spec.layer_kinds) if kind == "M"]
-    if spec.family == "qwen35":
+    if spec.family in ("qwen35", "qwen35moe"):
         return [il for il in range(spec.n_layer) if (il + 1) % 4 != 0]
     return []
+
+
+def moe_layers(spec: MoeSpec) -> list[int]:
+    """The layers of `spec` with routed experts (none for a dense family)."""
+    if not spec.n_expert or spec.family in ("nemotron_h", "qwen35", "mistral3"):
+        return []
+    if spec.family == "llama4":
+        return [il for il in range(spec.n_layer) if (il + 1) % spec.moe_layer_step == 0]
+    return list(range(spec.n_dense_lead, spec.n_layer))
 
 
 #: models for benchmarks (docs/benchmarks.md), not tests: a MoE of 64 experts, top-8, about 1 GB (f16),
