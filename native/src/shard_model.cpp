@@ -317,7 +317,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : std::max(0, std::min(params.gpu_layers, n_owned + 1) - 1);
         info_.output_on_device = true;
     }
-    info_.cpu_moe_layers = n_cpu_moe;
+    info_.cpu_moe_layers = std::min(n_cpu_moe, info_.gpu_layers);  // of the layers on the device (the others are on the host whole)
     {
         char buf[512] = {0};
         const std::string key = info_.architecture + ".attention.sliding_window_pattern";
