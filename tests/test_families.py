@@ -33,12 +33,12 @@ def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
             layouts.append([(0, 0), (1, L - 1)])                                  # inside the dense lead
     if spec.family == "gpt-oss":
         layouts += [[(0, 2), (3, L - 1)], [(0, 1), (2, L - 1)]]   # after a full layer, after a sliding one
-    if spec.family == "nemotron_h":                                # after a recurrent / an attention layer
+    if spec.family in ("nemotron_h", "nemotron_h_moe"):           # after a recurrent / an attention layer
         for kinds in ("MA", "AF", "FM"):
             at = spec.layer_kinds.find(kinds)
             layouts.append([(0, at), (at + 1, L - 1)])
         layouts.append([(0, 0), (1, 1), (2, L - 1)])               # a shard of one recurrent layer only
-    if spec.family in ("qwen35", "qwen35moe"):                     # layers 3 and 7 are attention
+    if spec.family in ("qwen35", "qwen35moe", "qwen3next"):        # layers 3 and 7 are attention
         layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 2), (3, 3), (4, L - 1)]]
     if spec.family == "granitehybrid":                             # MMAMMMAM: after M, after A, A alone
         layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
@@ -234,7 +234,7 @@ def test_inspect_reads_the_family_and_its_expert_bytes(family):
     assert shape.kind == ("; ".join(kind) or "dense")
     if recurrent:
         assert list(shape.recurrent_layers) == recurrent
-        if spec.family in ("nemotron_h", "granitehybrid"):
+        if spec.family in ("nemotron_h", "nemotron_h_moe", "granitehybrid"):
             assert [b > 0 for b in shape.kv_layer_bytes] == [kind == "A" for kind in spec.layer_kinds]
         else:
             assert [b > 0 for b in shape.kv_layer_bytes] == [il not in recurrent for il in range(spec.n_layer)]

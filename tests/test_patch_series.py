@@ -68,3 +68,43 @@ def test_every_certified_builder_has_the_uniform_boundary_edit():
     res = subprocess.run([sys.executable, str(REPO / "third_party" / "shard_boundary.py"), str(tree), "--check"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("builder", ["gemma4.cpp", "gemma.cpp", "gpt2.cpp", "bloom.cpp"])
+def test_the_boundary_edit_refuses_a_builder_that_uses_the_embeddings_before_the_loop(builder):
+    """Per-layer inputs (gemma4), an unconditional scale (gemma), learned positions (gpt2) or an
+    embedding norm (bloom) are computed from the token embedding, which a non-head shard does not
+    have: the edit would apply textually and be silently wrong, so it is refused."""
+    shard_boundary = _shard_boundary()
+    source = REPO / "third_party" / "llama.cpp" / "src" / "models" / builder
+    if not source.is_file():
+        pytest.skip("no materialized llama.cpp tree")
+    with pytest.raises(shard_boundary.BoundaryError, match="embeddings feed more than the layer loop"):
+        shard_boundary.apply_boundary(source.read_text(), builder)
+
+
+def test_the_boundary_check_wants_the_residual_returned_where_the_loop_leaves_it():
+    """phi3's loop leaves the residual in `inpL` (no `cur = inpL;`): its return must be `inpL`,
+    right after the loop; the checker flags the same return moved or naming `cur`."""
+    shard_boundary = _shard_boundary()
+    source = REPO / "third_party" / "llama.cpp" / "src" / "models" / "phi3.cpp"
+    if not source.is_file():
+        pytest.skip("no materialized llama.cpp tree")
+    patched = source.read_text()
+    assert shard_boundary.check_boundary(patched, "phi3.cpp") == []
+    assert shard_boundary.check_boundary(patched.replace("build_shard_residual_output(inpL);",
+                                                         "build_shard_residual_output(cur);"), "phi3.cpp")
+    block = patched[patched.index("\n    if (!model.shard_is_tail()) {"):patched.index("return;\n    }\n") + len("return;\n    }\n")]
+    end = "    ggml_build_forward_expand(gf, cur);\n}"
+    moved = patched.replace(block, "", 1).replace(end, block.lstrip("\n") + end, 1)   # after the LM head
+    assert moved.count("build_shard_residual_output(inpL);") == 1
+    assert shard_boundary.check_boundary(moved, "phi3.cpp")
+
+
+def _shard_boundary():
+    sys.path.insert(0, str(REPO / "third_party"))
+    try:
+        import shard_boundary
+    finally:
+        sys.path.pop(0)
+    return shard_boundary

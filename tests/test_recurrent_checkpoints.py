@@ -18,10 +18,11 @@ from test_families import PROMPT, Route
 LAYOUT = [(0, 1), (2, 7)]  # the head: two recurrent layers; the tail: attention layers and recurrent ones
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen35", "qwen35moe", "granitehybrid"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen35", "qwen35moe", "granitehybrid", "qwen3next", "nemotron_h_moe"])
 def hybrid(request, tmp_path_factory):
     """Mamba-2 beside attention and FFN layers (nemotron_h) or MoE layers (granitehybrid); gated
-    delta-net beside M-RoPE attention, with dense FFNs (qwen35) or experts (qwen35moe)."""
+    delta-net beside M-RoPE attention, with dense FFNs (qwen35) or experts (qwen35moe), or beside a plain
+    rope (qwen3next); Mamba-2 beside attention and MoE layers with an MTP block (nemotron_h_moe)."""
     return write_moe_gguf(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf", CERTIFICATION_SPECS[request.param])
 
 

@@ -8,7 +8,13 @@ main graph (the one that starts from `build_inp_embd(model.tok_embd)`), and noth
    (only the tail selects output rows; a non-tail shard passes every token's residual on);
 2. the layers:   `for (int il = model.shard_il_begin(); il < model.shard_il_end(); ++il)`;
 3. the end:      right after the loop's `cur = inpL;`, a non-tail shard returns the residual
-   (`build_shard_residual_output`, patch 0004) before the final norm and the LM head.
+   (`build_shard_residual_output`, patch 0004) before the final norm and the LM head; where the
+   loop is followed directly by code reading `inpL` (phi3), right after the loop, returning `inpL`.
+
+The builder must carry the residual in `inpL` (the loop ends with `inpL = cur;`) and use the
+embeddings for nothing but the loop: a builder that computes something else from them before the
+loop (gemma's unconditional scale, per-layer inputs, learned positions, an embedding norm) is
+refused, since a non-head shard's input is the residual, not the embeddings.
 
 A family whose graph refuses embeddings as input takes one more edit (FAMILY_EDITS). Otherwise
 the input needs no edit: on a non-head shard `model.tok_embd` is null (patch 0002), and
@@ -24,6 +30,7 @@ patched tree has exactly these edits for every family in FAMILY_SOURCES. materia
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +52,9 @@ FAMILY_SOURCES = {
     "llama4": "llama4.cpp",
     "mistral3": "mistral3.cpp",
     "minimax-m2": "minimax-m2.cpp",
+    "phi3": "phi3.cpp",
+    "qwen3next": "qwen3next.cpp",
+    "nemotron_h_moe": "nemotron-h.cpp",  # nemotron_h's main graph (llama_model_nemotron_h_moe::graph)
 }
 
 #: edits one family needs besides the three: (file, upstream text, patched text)
@@ -73,21 +83,103 @@ class BoundaryError(Exception):
     pass
 
 
+#: the residual stream: the variable the main graph's embeddings go into, which every layer reads
+#: at its start and the loop's last statement writes (`inpL = cur;`)
+STREAM = "inpL"
+CARRY = f"{STREAM} = cur;"
+#: what a builder may do with the embeddings between MAIN_GRAPH and the layer loop: anything else
+#: (gemma3n/gemma4's per-layer inputs, gemma3n's altup streams) is computed from the embeddings for
+#: use inside the loop, and a non-head shard, whose input is the residual, does not have them
+PRE_LOOP_OK = (
+    re.compile(r"inpL = ggml_scale\(ctx0, inpL, ubatch\.token \? [^:]+ : 1\.0f\);"),  # gemma3: x1 on the residual
+    re.compile(r"cb\(inpL, \"[^\"]*\", -1\);"),
+    re.compile(r"ggml_build_forward_expand\(gf, inpL\);"),
+)
+
+
+def _residual_out(var: str) -> str:
+    return RESIDUAL_OUT.replace("build_shard_residual_output(cur);", f"build_shard_residual_output({var});")
+
+
+def _close_brace(text: str, at: int) -> int:
+    """Index of the `}` closing the first `{` at or after `at` (C++ comments and literals skipped)."""
+    i, depth = text.index("{", at), 0
+    while i < len(text):
+        c = text[i]
+        if text.startswith("//", i):
+            i = text.find("\n", i)
+            continue
+        if text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+            continue
+        if c in "\"'":
+            j = i + 1
+            while text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise BoundaryError("unbalanced braces")
+
+
+def _next_line(text: str, at: int) -> int:
+    """The start of the line after the one holding `at`."""
+    return text.index("\n", at) + 1
+
+
+def _statements(chunk: str) -> list[str]:
+    """The non-blank, non-comment lines of `chunk`, stripped."""
+    return [l.strip() for l in chunk.splitlines() if l.strip() and not l.strip().startswith("//")]
+
+
+def _boundary_site(body: str, name: str) -> tuple[int, str]:
+    """Where a non-tail shard's return goes in `body` (the main graph, loop already edited) and the
+    variable it returns. Either right after the loop's `cur = inpL;` (llama and most families:
+    returns `cur`), or, where the loop is followed directly by code reading the stream (phi3, phi2,
+    gpt2, starcoder, ...: `cur = build_norm(inpL, ...`), right after the loop's closing brace
+    (returns `inpL`). Both need the loop to carry the stream in `inpL`."""
+    loop = body.find(LOOP_SHARD)
+    close = _close_brace(body, loop)
+    inside = _statements(body[body.index("{", loop) + 1:close])
+    if not inside or inside[-1] != CARRY:
+        raise BoundaryError(f"{name}: the layer loop does not end with {CARRY!r}")
+    after = _next_line(body, close)
+    m = re.compile(r"\n*" + re.escape(LOOP_END.lstrip("\n"))).match(body, after)
+    if m:  # (nemotron_h has a blank line before it)
+        return m.end(), "cur"
+    nxt = _statements(body[after:])
+    if not nxt or not re.search(rf"\b{STREAM}\b", nxt[0]) or nxt[0].startswith(f"{STREAM} ="):
+        raise BoundaryError(f"{name}: neither {LOOP_END.strip()!r} nor a read of {STREAM} right after the layer loop")
+    return after, STREAM
+
+
+def _pre_loop_problems(body: str, name: str) -> list[str]:
+    pre = body[len(MAIN_GRAPH):body.find(LOOP_SHARD) if LOOP_SHARD in body else body.find(LOOP)]
+    return [f"{name}: the embeddings feed more than the layer loop ({s!r}): a non-head shard would lack it"
+            for s in _statements(pre) if re.search(rf"\b{STREAM}\b", s) and not any(p.fullmatch(s) for p in PRE_LOOP_OK)]
+
+
 def apply_boundary(text: str, name: str = "graph") -> str:
     """`text` of a graph builder with the three edits made in its main graph."""
     start = text.find(MAIN_GRAPH)
     if start < 0:
         raise BoundaryError(f"{name}: no main graph ({MAIN_GRAPH!r})")
     head, body = text[:start], text[start:]
+    if problems := _pre_loop_problems(body, name):
+        raise BoundaryError(problems[0])
     for old, new in ((OUT_IDS, OUT_IDS_SHARD), (LOOP, LOOP_SHARD)):
         if old not in body:
             raise BoundaryError(f"{name}: the main graph has no {old!r}")
         body = body.replace(old, new, 1)
-    at = body.find(LOOP_END, body.find(LOOP_SHARD))
-    if at < 0:
-        raise BoundaryError(f"{name}: no {LOOP_END.strip()!r} after the layer loop")
-    at += len(LOOP_END)
-    return head + body[:at] + RESIDUAL_OUT + body[at:]
+    at, var = _boundary_site(body, name)
+    out = _residual_out(var) if var == "cur" else _residual_out(var) + "\n"
+    return head + body[:at] + out + body[at:]
 
 
 def check_boundary(text: str, name: str = "graph") -> list[str]:
@@ -96,15 +188,19 @@ def check_boundary(text: str, name: str = "graph") -> list[str]:
     if start < 0:
         return [f"{name}: no main graph"]
     body = text[start:]
-    problems = []
+    problems = _pre_loop_problems(body, name)
     if body.count(LOOP_SHARD) != 1:
-        problems.append(f"{name}: the main graph does not loop over the owned layers once")
+        return problems + [f"{name}: the main graph does not loop over the owned layers once"]
     if LOOP in body.split(LOOP_SHARD, 1)[0]:
         problems.append(f"{name}: a loop over every layer before the owned-layer loop")
     if "model.shard_is_tail() ? build_inp_out_ids() : nullptr" not in body:
         problems.append(f"{name}: output rows are selected on every shard")
-    if "build_shard_residual_output(cur);" not in body:
-        problems.append(f"{name}: a non-tail shard does not return its residual")
+    # the return must sit exactly where apply_boundary puts it, returning the stream
+    close = _close_brace(body, body.find(LOOP_SHARD))
+    tail = body[_next_line(body, close):].lstrip("\n")
+    if not (tail.startswith(LOOP_END.lstrip("\n") + _residual_out("cur"))
+            or tail.startswith(_residual_out(STREAM).lstrip("\n"))):
+        problems.append(f"{name}: a non-tail shard does not return its residual right after the layer loop")
     return problems
 
 

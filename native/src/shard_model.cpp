@@ -32,7 +32,7 @@ const std::vector<std::string> & shard_certified_architectures() {
     static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
                                                     "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h",
                                                     "qwen35", "qwen35moe", "granitehybrid", "llama4", "mistral3",
-                                                    "minimax-m2"};
+                                                    "minimax-m2", "phi3", "qwen3next", "nemotron_h_moe"};
     return certified;
 }
 

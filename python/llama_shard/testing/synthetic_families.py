@@ -29,7 +29,8 @@ from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 #: family name -> GGUF architecture
 FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
                "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35", "qwen35moe": "qwen35moe",
-               "granitehybrid": "granitehybrid", "llama4": "llama4", "mistral3": "mistral3", "minimax-m2": "minimax-m2"}
+               "granitehybrid": "granitehybrid", "llama4": "llama4", "mistral3": "mistral3", "minimax-m2": "minimax-m2",
+               "phi3": "phi3", "qwen3next": "qwen3next", "nemotron_h_moe": "nemotron_h_moe"}
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -47,18 +48,18 @@ class MoeSpec:
     n_ff: int = 96              # a dense (lead) layer's FFN width
     n_dense_lead: int = 0       # deepseek2 / glm4moe: leading dense layers
     n_shared: int = 0           # deepseek2 / glm4moe: shared experts
-    n_nextn: int = 0            # deepseek2 / glm4moe: MTP blocks after the trunk
+    n_nextn: int = 0            # deepseek2 / glm4moe / qwen35moe / qwen3next / nemotron_h_moe: MTP blocks after the trunk
     sliding_window: int = 4     # gpt-oss: the window of its sliding layers (even layers)
     kv_lora_rank: int = 32      # deepseek2: the latent K/V width (the cache's row)
     q_lora_rank: int = 32       # deepseek2
     rope_dim: int = 8           # deepseek2: the roped part of a head (the rest is the "nope" part)
-    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F); granitehybrid: M or A
+    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F: MoE in nemotron_h_moe); granitehybrid: M or A
     ssm_heads: int = 4          # nemotron_h: Mamba-2 heads (d_inner = n_embd, split among them)
     ssm_groups: int = 2
     ssm_state: int = 16
     ssm_conv: int = 4
     ssm_conv_f16: bool = False  # a bad file: llama.cpp's conv kernel takes f32 only (the load refuses it)
-    n_ff_shexp: int = 64        # qwen35moe / granitehybrid: the shared expert's width (granitehybrid: 0 = none)
+    n_ff_shexp: int = 64        # qwen35moe / qwen3next / granitehybrid / nemotron_h_moe: the shared expert's width (granitehybrid: 0 = none)
     moe_layer_step: int = 2     # llama4: every step-th layer is MoE (routed + a shared expert), the others dense
     n_vocab: int = 320
     n_ctx_train: int = 2048
@@ -120,12 +121,13 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     """Write a random GGUF of `spec.family` to `path` and return the path."""
     if spec.family not in FAMILY_ARCH:
         raise ValueError(f"unknown family {spec.family!r} (known: {', '.join(FAMILY_ARCH)})")
-    if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe", "qwen35moe"):
+    if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe", "qwen35moe", "qwen3next", "nemotron_h_moe"):
         raise ValueError(f"{spec.family} has no MTP blocks")
     path = Path(path)
-    own_writer = {"nemotron_h": _write_nemotron_h, "qwen35": _write_qwen35, "qwen35moe": _write_qwen35moe,
-                  "granitehybrid": _write_granitehybrid, "llama4": _write_llama4, "mistral3": _write_mistral3,
-                  "minimax-m2": _write_minimax_m2}.get(spec.family)
+    own_writer = {"nemotron_h": _write_nemotron_h, "nemotron_h_moe": _write_nemotron_h, "qwen35": _write_qwen35,
+                  "qwen35moe": _write_qwen35moe, "qwen3next": _write_qwen35moe, "granitehybrid": _write_granitehybrid,
+                  "llama4": _write_llama4, "mistral3": _write_mistral3, "minimax-m2": _write_minimax_m2,
+                  "phi3": _write_phi3}.get(spec.family)
     if own_writer is not None:
         return own_writer(path, spec)
     arch, fam = spec.architecture, spec.family
@@ -244,10 +246,20 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
 def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
     """Nemotron-H: a layer is Mamba-2 when its KV heads and FFN width are both 0, attention when
     only its FFN width is, an FFN (squared ReLU, no gate) otherwise (the per-layer arrays
-    `attention.head_count_kv` and `feed_forward_length` say which)."""
+    `attention.head_count_kv` and `feed_forward_length` say which). nemotron_h_moe (Nemotron 3):
+    every FFN layer is a sigmoid-routed MoE with expert biases beside a shared expert, all squared
+    ReLU without gates; with n_nextn = 1 an MTP block (attention + the same MoE + nextn projections)
+    follows the trunk."""
     kinds = spec.layer_kinds
     if len(kinds) != spec.n_layer or set(kinds) - set("MAF"):
         raise ValueError(f"layer_kinds {kinds!r} must give M, A or F for each of {spec.n_layer} layers")
+    moe = spec.family == "nemotron_h_moe"
+    if moe and not (spec.n_expert > 0 and 0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_shexp > 0):
+        raise ValueError("nemotron_h_moe: every FFN layer is MoE with a shared expert (n_expert, n_expert_used, n_ff_shexp > 0)")
+    if spec.n_nextn not in (0, 1):
+        raise ValueError("nemotron_h_moe: at most one MTP block (graph_mtp asserts n_layer_nextn == 1)")
+    X, ff, sh = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
+    blocks = kinds + "A" * spec.n_nextn   # the MTP block: attention (its FFN width 0) and a MoE
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     d_inner, groups, state, heads = E, spec.ssm_groups, spec.ssm_state, spec.ssm_heads
     conv_dim = d_inner + 2 * groups * state
@@ -255,9 +267,18 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
     weights = _Weights(spec)
     mat, vec = weights.mat, weights.vec
 
-    w = _start(path, spec, f"synthetic-nemotron_h-{kinds}")
-    w.add_feed_forward_length([spec.n_ff if k == "F" else 0 for k in kinds])
-    w.add_head_count_kv([Hkv if k == "A" else 0 for k in kinds])
+    w = _start(path, spec, f"synthetic-{spec.family}-{kinds}")
+    w.add_feed_forward_length([spec.n_ff if k == "F" else 0 for k in blocks])
+    w.add_head_count_kv([Hkv if k == "A" else 0 for k in blocks])
+    if moe:
+        w.add_expert_count(X)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(ff)
+        w.add_expert_shared_feed_forward_length(sh)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(2.5)
+    if spec.n_nextn:
+        w.add_uint32(f"{spec.architecture}.nextn_predict_layers", spec.n_nextn)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_eps(spec.rms_eps)
@@ -266,6 +287,20 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(heads)
     w.add_ssm_group_count(groups)
+
+    def attention(p: str) -> None:
+        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+
+    def routed_experts(p: str) -> None:  # no gate tensors: squared ReLU on up alone
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
+        w.add_tensor(p + "exp_probs_b.bias", vec(X))
+        w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+        w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
+        w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
 
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
     for il, kind in enumerate(kinds):
@@ -281,13 +316,22 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
             w.add_tensor(p + "ssm_norm.weight", vec(groups, d_inner // groups, base=1.0))
             w.add_tensor(p + "ssm_out.weight", mat(E, d_inner))
         elif kind == "A":
-            w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
-            w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
-            w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
-            w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+            attention(p)
+        elif moe:
+            routed_experts(p)
         else:
             w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
             w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+    for il in range(spec.n_layer, spec.n_blocks):  # the MTP block
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        attention(p)
+        w.add_tensor(p + "post_attention_norm.weight", vec(E, base=1.0))
+        routed_experts(p)
+        w.add_tensor(p + "nextn.eh_proj.weight", mat(E, 2 * E))
+        w.add_tensor(p + "nextn.enorm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "nextn.hnorm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "nextn.shared_head_norm.weight", vec(E, base=1.0))
     w.add_tensor("output_norm.weight", vec(E, base=1.0))
     w.add_tensor("output.weight", mat(spec.n_vocab, E))
     return _finish(w, path)
@@ -356,15 +400,18 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
     """Qwen 3.5 MoE: qwen35's layers (every 4th full attention with a query gate, q/k norms and
     M-RoPE; the others gated delta-net) with every FFN a softmax-routed, top-k renormalised MoE plus
     one shared expert scaled by its own sigmoid gate (`ffn_gate_inp_shexp`, one value a token).
-    With n_nextn = 1 an MTP block (full attention + the same MoE + nextn projections) follows."""
+    With n_nextn = 1 an MTP block (full attention + the same MoE + nextn projections) follows.
+    qwen3next (Qwen3-Next, qwen35moe's predecessor) has the same layers with a plain rope instead of
+    M-RoPE and one fused beta/alpha projection (`ssm_ba`)."""
     if spec.n_nextn not in (0, 1):
-        raise ValueError("qwen35moe: at most one MTP block (graph_mtp asserts n_layer_nextn == 1)")
+        raise ValueError(f"{spec.family}: at most one MTP block (graph_mtp asserts n_layer_nextn == 1)")
+    next_ = spec.family == "qwen3next"
     if spec.n_expert <= 0 or not 0 < spec.n_expert_used <= spec.n_expert:
-        raise ValueError("qwen35moe: every layer is MoE: n_expert > 0 and 0 < n_expert_used <= n_expert")
+        raise ValueError(f"{spec.family}: every layer is MoE: n_expert > 0 and 0 < n_expert_used <= n_expert")
     if spec.n_ff_shexp <= 0:
-        raise ValueError("qwen35moe: the shared expert is required (n_ff_shexp > 0)")
+        raise ValueError(f"{spec.family}: the shared expert is required (n_ff_shexp > 0)")
     if spec.ssm_heads % spec.ssm_groups:
-        raise ValueError("qwen35moe: ssm_heads (value heads) must be a multiple of ssm_groups (key heads)")
+        raise ValueError(f"{spec.family}: ssm_heads (value heads) must be a multiple of ssm_groups (key heads)")
     arch = spec.architecture
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     X, ff, sh = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
@@ -376,7 +423,7 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
     weights = _Weights(spec)
     mat, vec = weights.mat, weights.vec
 
-    w = _start(path, spec, f"synthetic-qwen35moe-{spec.n_layer}L-{X}x{spec.n_expert_used}")
+    w = _start(path, spec, f"synthetic-{spec.family}-{spec.n_layer}L-{X}x{spec.n_expert_used}")
     w.add_feed_forward_length(spec.n_ff)             # unused by the graph (experts / shexp have their own)
     w.add_expert_count(X)
     w.add_expert_used_count(spec.n_expert_used)
@@ -386,7 +433,8 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
     w.add_key_length(hd)
     w.add_value_length(hd)                           # the graph asserts key_length == value_length
     w.add_rope_dimension_count(hd)
-    w.add_rope_dimension_sections([3, 3, 2, 0])      # required by the loader; text: sections take one position
+    if not next_:
+        w.add_rope_dimension_sections([3, 3, 2, 0])  # required by qwen35moe's loader; text: sections take one position
     w.add_rope_freq_base(10000.0)
     w.add_ssm_conv_kernel(spec.ssm_conv)
     w.add_ssm_inner_size(value_dim)                  # head_v_dim = inner / time_step_rank must equal state
@@ -428,8 +476,11 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
             w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
             w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
             w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))  # ne {dt_rank} (1-D, unlike Mamba-2's {1, heads})
-            w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
-            w.add_tensor(p + "ssm_alpha.weight", mat(v_heads, E))
+            if next_:
+                w.add_tensor(p + "ssm_ba.weight", mat(2 * v_heads, E))
+            else:
+                w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
+                w.add_tensor(p + "ssm_alpha.weight", mat(v_heads, E))
             w.add_tensor(p + "ssm_norm.weight", vec(state, base=1.0))
             w.add_tensor(p + "ssm_out.weight", mat(E, value_dim))
         moe(p)
@@ -438,6 +489,41 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
             w.add_tensor(p + "nextn.enorm.weight", vec(E, base=1.0))
             w.add_tensor(p + "nextn.hnorm.weight", vec(E, base=1.0))
             w.add_tensor(p + "nextn.shared_head_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output_norm.weight", vec(E, base=1.0))
+    w.add_tensor("output.weight", mat(spec.n_vocab, E))
+    return _finish(w, path)
+
+
+def _write_phi3(path: Path, spec: MoeSpec) -> Path:
+    """Phi-3: fused attn_qkv (Q, K, V rows in that order), fused ffn_up (gate and up: 2*n_ff rows,
+    SwiGLU), RMS norms, an untied LM head; per-layer rope factors (long/short, longrope). The file's sliding window is read and ignored (phi3.cpp: SWA disabled)."""
+    E, H, Hkv = spec.n_embd, spec.n_head, spec.n_head_kv
+    hd = E // H
+    if hd * H != E or spec.head_dim != hd:
+        raise ValueError(f"phi3 needs head_dim == n_embd / n_head ({E}/{H}), not {spec.head_dim}")
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    w = _start(path, spec, f"synthetic-phi3-{spec.n_layer}L")
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count_kv(Hkv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)  # read, warned about, switched off by the loader
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    # one tensor each; the loader requests them per layer (duplicated after layer 0), as llama's rope_freqs
+    w.add_tensor("rope_factors_long.weight", vec(hd // 2, scale=0.5, base=2.0))
+    w.add_tensor("rope_factors_short.weight", vec(hd // 2, scale=0.2, base=1.0))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "attn_qkv.weight", mat(E + 2 * Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, E))
+        w.add_tensor(p + "ffn_norm.weight", vec(E, base=1.0))
+        w.add_tensor(p + "ffn_up.weight", mat(2 * spec.n_ff, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
     w.add_tensor("output_norm.weight", vec(E, base=1.0))
     w.add_tensor("output.weight", mat(spec.n_vocab, E))
     return _finish(w, path)
@@ -491,6 +577,20 @@ def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
         w.add_expert_used_count(spec.n_expert_used)
         if sh:
             w.add_expert_shared_feed_forward_length(sh)
+
+    def attention(p: str) -> None:
+        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
+        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
+
+    def routed_experts(p: str) -> None:  # no gate tensors: squared ReLU on up alone
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
+        w.add_tensor(p + "exp_probs_b.bias", vec(X))
+        w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+        w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+        w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
+        w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
 
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
     for il, kind in enumerate(kinds):
@@ -699,22 +799,30 @@ CERTIFICATION_SPECS = {
     "llama4": MoeSpec(family="llama4", seed=40),
     "mistral3": MoeSpec(family="mistral3", n_expert=0, n_expert_used=0, seed=41),
     "minimax-m2": MoeSpec(family="minimax-m2", rope_dim=8, seed=42),
+    # fused QKV and gate/up, long/short rope factors (its sliding window is read and switched off)
+    "phi3": MoeSpec(family="phi3", n_expert=0, n_expert_used=0, seed=43),
+    # qwen35moe's layers with a plain rope and a fused beta/alpha projection; an MTP block
+    "qwen3next": MoeSpec(family="qwen3next", n_layer=8, n_nextn=1, seed=44),
+    # Mamba-2, attention and MoE layers (sigmoid routing, a shared expert); an MTP block
+    "nemotron_h_moe": MoeSpec(family="nemotron_h_moe", n_layer=8, n_nextn=1, seed=45),
 }
 
 
 def recurrent_layers(spec: MoeSpec) -> list[int]:
     """The layers of `spec` whose state is recurrent (none for a MoE family)."""
-    if spec.family in ("nemotron_h", "granitehybrid"):
+    if spec.family in ("nemotron_h", "nemotron_h_moe", "granitehybrid"):
         return [il for il, kind in enumerate(spec.layer_kinds) if kind == "M"]
-    if spec.family in ("qwen35", "qwen35moe"):
+    if spec.family in ("qwen35", "qwen35moe", "qwen3next"):
         return [il for il in range(spec.n_layer) if (il + 1) % 4 != 0]
     return []
 
 
 def moe_layers(spec: MoeSpec) -> list[int]:
     """The layers of `spec` with routed experts (none for a dense family)."""
-    if not spec.n_expert or spec.family in ("nemotron_h", "qwen35", "mistral3"):
+    if not spec.n_expert or spec.family in ("nemotron_h", "qwen35", "mistral3", "phi3"):
         return []
+    if spec.family == "nemotron_h_moe":
+        return [il for il, kind in enumerate(spec.layer_kinds) if kind == "F"]
     if spec.family == "llama4":
         return [il for il in range(spec.n_layer) if (il + 1) % spec.moe_layer_step == 0]
     return list(range(spec.n_dense_lead, spec.n_layer))
