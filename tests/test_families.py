@@ -42,6 +42,8 @@ def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
         layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 2), (3, 3), (4, L - 1)]]
     if spec.family == "granitehybrid":                             # MMAMMMAM: after M, after A, A alone
         layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
+    if spec.family == "gemma4":  # layers 2 and 5 are full attention (another head size, K as V), the rest sliding
+        layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
     if spec.family == "llama4":  # layer 3 is full attention without rope; odd layers MoE, even dense
         layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 0), (1, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
     return layouts
@@ -101,6 +103,14 @@ class Route:
     def close(self):
         for m in self.managers:
             m.close()
+
+
+def fresh_atol(spec: MoeSpec, default: float) -> float:
+    """How far a fresh prefill's logits may be from the same tokens computed in other batch shapes.
+    The whole model itself (upstream's path) moves this much: gemma4 without flash attention by
+    7.5e-4 (measured: 12 tokens and then 7 one at a time, against 19 at once), the others by less
+    than 1e-4."""
+    return 2e-3 if spec.family == "gemma4" else default
 
 
 def halves(spec: MoeSpec):
@@ -163,7 +173,7 @@ def test_rejected_drafts_leave_no_trace(family):
         assert [o.logits.tobytes() for o in outs[0]] == [o.logits.tobytes() for o in outs[1]]
         fresh = route.prefill("fresh", history + [3, 77], start_pos=0)
         assert outs[0][0].token_id == fresh.token_id
-        np.testing.assert_allclose(outs[0][0].logits, fresh.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(outs[0][0].logits, fresh.logits, rtol=1e-4, atol=fresh_atol(spec, 1e-4))
     finally:
         route.close()
 
@@ -184,7 +194,7 @@ def test_a_prefix_open_continues_as_the_prefix_owner_does(family):
         assert got.logits.tobytes() == owner.logits.tobytes()
         fresh = route.prefill("fresh", PROMPT[:8] + suffix, start_pos=0)
         assert got.token_id == fresh.token_id
-        np.testing.assert_allclose(got.logits, fresh.logits, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got.logits, fresh.logits, rtol=1e-4, atol=fresh_atol(spec, 1e-5))
     finally:
         route.close()
 
@@ -276,8 +286,7 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
 
 @pytest.mark.parametrize("arch, why", [("deepseek4", "hyper-connection residual streams"),
                                        ("glm5-next", "4 mHC residual streams"),
-                                       ("kimi-k3", "cross-layer residual attention"),
-                                       ("gemma4", "per-layer input")])
+                                       ("kimi-k3", "cross-layer residual attention")])
 def test_a_family_that_cannot_be_split_exactly_is_refused_naming_why(tmp_path, arch, why):
     """Families whose layers pass more than one residual row on: a range is refused from the header,
     before llama.cpp reads anything, with the reason."""
@@ -295,6 +304,22 @@ def test_a_family_that_cannot_be_split_exactly_is_refused_naming_why(tmp_path, a
     w.close()
     with pytest.raises(UncertifiedArchitectureError, match=f"'{arch}' cannot be split exactly: .*{why}"):
         ShardModel(str(tmp_path / f"{arch}.gguf"), (0, 1), 1)
+
+
+@pytest.mark.parametrize("variant, why", [({"n_embd_per_layer": 16}, "per-layer input"),
+                                          ({"n_kv_shared": 3}, "reuse earlier layers' KV cache")])
+def test_a_gemma4_file_with_per_layer_inputs_or_shared_kv_is_refused_a_range(tmp_path, variant, why):
+    """gemma4 is certified for files like 26B-A4B's; E2B/E4B-style files (per-layer inputs computed
+    from the token ids before the loop, KV shared between layers) are refused from the header with
+    the reason, and load whole."""
+    import dataclasses
+
+    from llama_shard import UncertifiedArchitectureError
+
+    path = write_moe_gguf(tmp_path / "gemma4-e.gguf", dataclasses.replace(CERTIFICATION_SPECS["gemma4"], **variant))
+    with pytest.raises(UncertifiedArchitectureError, match=f"'gemma4' cannot be split exactly: .*{why}"):
+        ShardModel(str(path), (0, 2), 1)
+    assert ShardModel(str(path), None, 1).info.n_layer == CERTIFICATION_SPECS["gemma4"].n_layer
 
 
 REPEAT = PROMPT * 2  # its end is an n-gram seen before: the worker's prompt-lookup drafts from the first step

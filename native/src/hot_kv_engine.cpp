@@ -208,16 +208,17 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
     n_swa_ = llama_model_n_swa(model.raw());
     {
         // what llama.cpp writes for this context (src/llama-kv-cache.cpp state_write_data): every owned
-        // layer's K and V rows of kv_type, n_head_kv x head_dim wide; V transposed without flash attention
+        // attention layer's K and V rows of kv_type, each layer's own width; V transposed without flash attention
         const shard_model_info & info = model.info();
         const ggml_type type = kv_ggml_type(config.kv_type);
-        const int64_t   n_embd_kv = (int64_t) info.n_head_kv * info.head_dim;
+        const int32_t n_kv_layers = llama_model_kv_state_widths(model.raw(), nullptr, nullptr, 0);
+        state_layout_.k_widths.resize((size_t) n_kv_layers);
+        state_layout_.v_widths.resize((size_t) n_kv_layers);
+        llama_model_kv_state_widths(model.raw(), state_layout_.k_widths.data(), state_layout_.v_widths.data(), n_kv_layers);
         state_layout_.n_layers  = (uint32_t) info.n_owned_layers();
         state_layout_.type      = (int32_t) type;
-        state_layout_.row_bytes = (uint64_t) ggml_row_size(type, n_embd_kv);
         state_layout_.v_trans   = !config.flash_attn;
         state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);
-        state_layout_.n_embd_v  = (uint32_t) n_embd_kv;
         state_layout_.format.v_rows = info.kv_v_rows;
         state_layout_.format.cell_ext_bytes = ctx_->n_pos_per_embd() > 1 ? 12 : 0;  // llama_kv_cell_ext
         if (ctx_->recurrent()) {  // a hybrid: its attention layers with a cache, then its recurrent block

@@ -108,10 +108,17 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
               (layout->v_trans ? "transposed" : "not transposed") + " (flash attention)";
         return false;
     }
+    const uint64_t first_layer = layers;  // this cache's first layer among the context's owned ones
     layers += n_layer;
+    if (layout != nullptr && layers > layout->k_widths.size()) {
+        why = "rows of more layers than this context owns (" + std::to_string(layout->k_widths.size()) + ")";
+        return false;
+    }
     // K rows of every layer, then V rows of every layer (none where latent attention caches no V)
     for (uint32_t l = 0; l < (v_rows ? 2 : 1) * n_layer; ++l) {
         const char * kv = l < n_layer ? "K" : "V";
+        const int64_t width = layout == nullptr ? 0 :
+            (l < n_layer ? layout->k_widths : layout->v_widths)[first_layer + l % n_layer];
         int32_t type = 0;
         if (!c.get(type)) {
             why = "truncated rows";
@@ -128,9 +135,9 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
                 why = "truncated rows";
                 return false;
             }
-            if (layout != nullptr && row != layout->row_bytes) {
+            if (layout != nullptr && row != ggml_row_size((ggml_type) layout->type, width)) {
                 why = std::string(kv) + " rows of " + std::to_string(row) + " bytes, this context's are " +
-                      std::to_string(layout->row_bytes);
+                      std::to_string(ggml_row_size((ggml_type) layout->type, width));
                 return false;
             }
             const uint8_t * rows = c.p;
@@ -149,9 +156,9 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
                 why = "truncated rows";
                 return false;
             }
-            if (layout != nullptr && (el != layout->el_bytes || n_embd != layout->n_embd_v)) {
+            if (layout != nullptr && (el != layout->el_bytes || (int64_t) n_embd != width)) {
                 why = "V rows of " + std::to_string(n_embd) + " elements of " + std::to_string(el) + " bytes, this context's are " +
-                      std::to_string(layout->n_embd_v) + " of " + std::to_string(layout->el_bytes);
+                      std::to_string(width) + " of " + std::to_string(layout->el_bytes);
                 return false;
             }
             const uint8_t * rows = c.p;

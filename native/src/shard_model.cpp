@@ -32,34 +32,13 @@ const std::vector<std::string> & shard_certified_architectures() {
     static const std::vector<std::string> certified{"llama", "qwen2", "qwen3", "gemma3",
                                                     "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "nemotron_h",
                                                     "qwen35", "qwen35moe", "granitehybrid", "llama4", "mistral3",
-                                                    "minimax-m2", "phi3", "qwen3next", "nemotron_h_moe"};
+                                                    "minimax-m2", "phi3", "qwen3next", "nemotron_h_moe", "gemma4"};
     return certified;
 }
 
 bool shard_arch_is_certified(const std::string & arch) {
     const auto & c = shard_certified_architectures();
     return std::find(c.begin(), c.end(), arch) != c.end();
-}
-
-// families whose layers pass more than one residual row per token to the next layer: a shard
-// boundary passes one, so a split could not be exact (each read in the pin's graph builder)
-static const char * unsplittable_reason(const std::string & arch) {
-    static const std::pair<const char *, const char *> reasons[] = {
-        {"deepseek4", "it carries several hyper-connection residual streams between layers "
-                      "(hyper_connection.count), and its first layers route experts by token id"},
-        {"glm5-next", "it carries 4 mHC residual streams between layers, and its shared-indexer layers reuse an "
-                      "earlier layer's sparse-attention selection"},
-        {"gemma4",    "it feeds every layer a per-layer input computed before the layer loop from the token ids "
-                      "and embedding, and its last layers reuse earlier layers' KV cache"},
-        {"kimi-k3",   "its cross-layer residual attention mixes the saved inputs of every attn_res.block_size-th "
-                      "layer into every later layer and the output"},
-    };
-    for (const auto & [name, why] : reasons) {
-        if (arch == name) {
-            return why;
-        }
-    }
-    return nullptr;
 }
 
 static std::string certified_list() {
@@ -82,6 +61,8 @@ struct gguf_header {
     int64_t     n_layer_nextn = 0;  // nextn_predict_layers: MTP blocks, which no shard's range may reach
     int64_t     key_length = -1;
     int64_t     n_head_kv_max = -1;  // head_count_kv given per layer (hybrids: 0 for a recurrent layer): the largest
+    int64_t     n_embd_per_layer = 0;  // gemma4: embedding_length_per_layer_input
+    int64_t     n_kv_shared = 0;       // gemma4: attention.shared_kv_layers
 };
 
 // the largest value of an integer array of `ctx` (-1: not an integer array)
@@ -157,6 +138,14 @@ gguf_header read_gguf_header(const std::string & path) {
         if (kl_id >= 0) {
             h.key_length = gguf_int_value(ctx, kl_id);
         }
+        const int64_t ple_id = gguf_find_key(ctx, (h.arch + ".embedding_length_per_layer_input").c_str());
+        if (ple_id >= 0) {
+            h.n_embd_per_layer = gguf_int_value(ctx, ple_id);
+        }
+        const int64_t shared_id = gguf_find_key(ctx, (h.arch + ".attention.shared_kv_layers").c_str());
+        if (shared_id >= 0) {
+            h.n_kv_shared = gguf_int_value(ctx, shared_id);
+        }
     }
     // llama.cpp's CPU ssm_conv asserts an f32 kernel at the first decode (an abort): refused here
     for (int64_t t = 0; t < gguf_get_n_tensors(ctx); ++t) {
@@ -175,6 +164,36 @@ gguf_header read_gguf_header(const std::string & path) {
     return h;
 }
 
+// why a file of a certified or known family cannot be split exactly ("" when it can): its layers pass
+// more than one residual row per token to the next layer, and a shard boundary passes one (each read
+// in the pin's graph builder)
+std::string unsplittable_reason(const gguf_header & h) {
+    static const std::pair<const char *, const char *> families[] = {
+        {"deepseek4", "it carries several hyper-connection residual streams between layers "
+                      "(hyper_connection.count), and its first layers route experts by token id"},
+        {"glm5-next", "it carries 4 mHC residual streams between layers, and its shared-indexer layers reuse an "
+                      "earlier layer's sparse-attention selection"},
+        {"kimi-k3",   "its cross-layer residual attention mixes the saved inputs of every attn_res.block_size-th "
+                      "layer into every later layer and the output"},
+    };
+    for (const auto & [name, why] : families) {
+        if (h.arch == name) {
+            return why;
+        }
+    }
+    // gemma4 is certified for files without per-layer inputs and without KV shared between layers
+    // (patch 0014 refuses the others in llama.cpp too)
+    if (h.arch == "gemma4" && h.n_embd_per_layer > 0) {
+        return "this file feeds every layer a per-layer input (embedding_length_per_layer_input " +
+               std::to_string(h.n_embd_per_layer) + ") computed before the layer loop from the token ids and embedding";
+    }
+    if (h.arch == "gemma4" && h.n_kv_shared > 0) {
+        return "the last " + std::to_string(h.n_kv_shared) + " layers of this file reuse earlier layers' KV cache "
+               "(attention.shared_kv_layers)";
+    }
+    return "";
+}
+
 } // namespace
 
 //
@@ -191,7 +210,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
 
     if (params.layers) {
         const auto [first, last] = *params.layers;
-        if (const char * why = unsplittable_reason(header.arch)) {
+        if (const std::string why = unsplittable_reason(header); !why.empty()) {
             throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
                 "architecture '" + header.arch + "' cannot be split exactly: " + why +
                 "; a shard boundary passes one residual row per token (run it whole, without a layer range)");

@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace llama_shard {
 
@@ -70,10 +71,12 @@ bool kv_state_values_ok(const uint8_t * data, size_t size, int32_t seq_len, std:
 struct kv_state_layout {
     uint32_t n_layers  = 0;      // owned layers: the caches' layer counts add up to this
     int32_t  type      = -1;     // ggml type of every K and V row
-    uint64_t row_bytes = 0;      // bytes of one cell's K row, and of its V row, in every layer
+    // K and V elements per cell of each owned attention layer, in the order a state writes their rows
+    // (llama_model_kv_state_widths: a full cache's layers, then a sliding-window cache's); layers may
+    // differ (gemma4's sliding and full layers have other head sizes and KV heads)
+    std::vector<int64_t> k_widths, v_widths;
     bool     v_trans   = false;  // V stored transposed (no flash attention): per layer an element size and width
     uint32_t el_bytes  = 0;      // V transposed: ggml_type_size(type)
-    uint32_t n_embd_v  = 0;      // V transposed: V elements per cell
     kv_state_format format;      // V rows or not, a recurrent block or not
     uint64_t recurrent_row_bytes = 0;  // a recurrent block: the r and s bytes of one cell over its layers
 };

@@ -249,9 +249,14 @@ def gguf_shape(path: str | Path) -> GgufShape:
         d_conv, d_inner = field("ssm.conv_kernel", 0) or 0, field("ssm.inner_size", 0) or 0
         d_state, groups = field("ssm.state_size", 0) or 0, field("ssm.group_count", 0) or 0
         recurrent_layer = 4 * (max(d_conv - 1, 0) * (d_inner + 2 * groups * d_state) + d_state * d_inner)
+        # sliding-window layers may have their own head size (gemma4: attention.key_length_swa)
+        pattern = raw("attention.sliding_window_pattern")  # per layer (gemma4), or a period, or absent
+        swa = ([bool(v) for v in pattern] if isinstance(pattern, (list, tuple)) else []) + [False] * n_blocks
+        k_swa, v_swa = field("attention.key_length_swa", k_len), field("attention.value_length_swa", v_len)
         # f16 K and V rows per token (latent attention caches K only; a recurrent layer no KV)
         kv_layer = [0 if il in recurrent or heads_kv[il] == 0 else
-                    2 * heads_kv[il] * (k_len + (0 if mla else v_len)) for il in range(n_blocks)]
+                    2 * heads_kv[il] * ((k_swa if swa[il] else k_len) + (0 if mla else (v_swa if swa[il] else v_len)))
+                    for il in range(n_blocks)]
         return GgufShape(architecture=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                          n_head_kv=max(heads_kv[:n_layer]), head_dim=head_dim,
                          layer_bytes=tuple(per_layer[:n_layer]), other_bytes=other,

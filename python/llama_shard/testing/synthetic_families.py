@@ -30,7 +30,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
                "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35", "qwen35moe": "qwen35moe",
                "granitehybrid": "granitehybrid", "llama4": "llama4", "mistral3": "mistral3", "minimax-m2": "minimax-m2",
-               "phi3": "phi3", "qwen3next": "qwen3next", "nemotron_h_moe": "nemotron_h_moe"}
+               "phi3": "phi3", "qwen3next": "qwen3next", "nemotron_h_moe": "nemotron_h_moe", "gemma4": "gemma4"}
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -61,6 +61,8 @@ class MoeSpec:
     ssm_conv_f16: bool = False  # a bad file: llama.cpp's conv kernel takes f32 only (the load refuses it)
     n_ff_shexp: int = 64        # qwen35moe / qwen3next / granitehybrid / nemotron_h_moe: the shared expert's width (granitehybrid: 0 = none)
     moe_layer_step: int = 2     # llama4: every step-th layer is MoE (routed + a shared expert), the others dense
+    n_embd_per_layer: int = 0   # gemma4: per-layer token-embedding inputs (E2B/E4B); > 0 cannot be split
+    n_kv_shared: int = 0        # gemma4: the last n_kv_shared layers reuse earlier layers' KV; > 0 cannot be split
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
@@ -127,7 +129,7 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     own_writer = {"nemotron_h": _write_nemotron_h, "nemotron_h_moe": _write_nemotron_h, "qwen35": _write_qwen35,
                   "qwen35moe": _write_qwen35moe, "qwen3next": _write_qwen35moe, "granitehybrid": _write_granitehybrid,
                   "llama4": _write_llama4, "mistral3": _write_mistral3, "minimax-m2": _write_minimax_m2,
-                  "phi3": _write_phi3}.get(spec.family)
+                  "phi3": _write_phi3, "gemma4": _write_gemma4}.get(spec.family)
     if own_writer is not None:
         return own_writer(path, spec)
     arch, fam = spec.architecture, spec.family
@@ -529,6 +531,100 @@ def _write_phi3(path: Path, spec: MoeSpec) -> Path:
     return _finish(w, path)
 
 
+def gemma4_swa_layers(spec: MoeSpec) -> list[bool]:
+    """Which layers of `spec` are sliding-window (every 3rd layer is full attention)."""
+    return [(il + 1) % 3 != 0 for il in range(spec.n_layer)]
+
+
+def _write_gemma4(path: Path, spec: MoeSpec) -> Path:
+    """Gemma 4: sliding (head_dim, n_head_kv KV heads, rope base 1e4) and full layers (2*head_dim,
+    one KV head, K used as V, proportional rope through rope_freqs, base 1e6); q/k norms, V RMS-normed,
+    norms after attention and after the FFN, a layer output scale, a dense GELU MLP and, with
+    n_expert > 0, a routed MoE beside it in every layer (26B-A4B); logit soft-capping; tied embeddings.
+    With n_embd_per_layer > 0 the per-layer token embeddings and their projections (E2B/E4B), with
+    n_kv_shared > 0 the KV-sharing tail (E2B/E4B): the two things a shard range must refuse."""
+    arch = spec.architecture
+    E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    hd_full, Hkv_full = 2 * hd, 1
+    L, npl = spec.n_layer, spec.n_embd_per_layer
+    swa = gemma4_swa_layers(spec)
+    kv_from = L - spec.n_kv_shared
+    if spec.n_kv_shared and not (kv_from >= 2 and swa[kv_from - 2] and not swa[kv_from - 1]):
+        # create_memory's reuse: a shared sliding layer reads layer kv_from-2, a full one kv_from-1
+        raise ValueError(f"n_kv_shared={spec.n_kv_shared}: layers {kv_from - 2} and {kv_from - 1} must be sliding and full")
+    weights = _Weights(spec)
+    mat, vec = weights.mat, weights.vec
+
+    def norm(n: int) -> np.ndarray:
+        return vec(n, base=1.0)
+
+    w = _start(path, spec, f"synthetic-gemma4-{L}L" + (f"-ple{npl}" if npl else "") + (f"-kvshared{spec.n_kv_shared}" if spec.n_kv_shared else ""))
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count_kv([Hkv if s else Hkv_full for s in swa])
+    w.add_key_length(hd_full)
+    w.add_value_length(hd_full)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_rope_dimension_count(hd_full)            # full layers: all dims, rope_freqs leaves 3/4 unrotated
+    w.add_rope_dimension_count_swa(hd)
+    w.add_rope_freq_base(1000000.0)
+    w.add_rope_freq_base_swa(10000.0)
+    w.add_sliding_window(spec.sliding_window)
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(spec.n_kv_shared)
+    w.add_embedding_length_per_layer_input(npl)    # required key (0: no per-layer inputs)
+    w.add_final_logit_softcapping(30.0)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
+
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
+    if npl:
+        w.add_tensor("per_layer_token_embd.weight", mat(spec.n_vocab, npl * L, scale=spec.embd_scale))
+        w.add_tensor("per_layer_model_proj.weight", mat(npl * L, E))
+        w.add_tensor("per_layer_proj_norm.weight", norm(npl))
+    n_rot_prop = hd_full // 8  # partial_rotary_factor 0.25 over hd_full/2 frequency pairs
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot_prop + [1e30] * (hd_full // 2 - n_rot_prop), dtype=np.float32))
+    for il in range(L):
+        p, d = f"blk.{il}.", (hd if swa[il] else hd_full)
+        kv = Hkv if swa[il] else Hkv_full
+        has_kv = il < kv_from
+        w.add_tensor(p + "attn_norm.weight", norm(E))
+        w.add_tensor(p + "attn_q.weight", mat(H * d, E))
+        if has_kv:
+            w.add_tensor(p + "attn_k.weight", mat(kv * d, E))
+            if swa[il]:  # full layers: no V projection, K serves as V (attention_k_eq_v)
+                w.add_tensor(p + "attn_v.weight", mat(kv * d, E))
+            w.add_tensor(p + "attn_k_norm.weight", norm(d))
+        w.add_tensor(p + "attn_q_norm.weight", norm(d))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * d))
+        w.add_tensor(p + "post_attention_norm.weight", norm(E))
+        w.add_tensor(p + "layer_output_scale.weight", vec(1, scale=0.1, base=0.8))
+        w.add_tensor(p + "ffn_norm.weight", norm(E))
+        w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff))
+        w.add_tensor(p + "post_ffw_norm.weight", norm(E))
+        if spec.n_expert:
+            X, ff = spec.n_expert, spec.n_ff_exp
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))
+            w.add_tensor(p + "ffn_gate_inp.scale", norm(E))
+            w.add_tensor(p + "pre_ffw_norm_2.weight", norm(E))
+            w.add_tensor(p + "post_ffw_norm_1.weight", norm(E))
+            w.add_tensor(p + "post_ffw_norm_2.weight", norm(E))
+            w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
+            w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
+            w.add_tensor(p + "ffn_down_exps.scale", vec(X, base=1.0))
+        if npl:
+            w.add_tensor(p + "inp_gate.weight", mat(npl, E))
+            w.add_tensor(p + "proj.weight", mat(E, npl))
+            w.add_tensor(p + "post_norm.weight", norm(E))
+    w.add_tensor("output_norm.weight", norm(E))
+    return _finish(w, path)
+
+
 def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
     """Granite 4.0-H: Mamba-2 (M) and attention (A) layers by `layer_kinds` -- written as the per-layer
     array attention.head_count_kv, 0 marking a recurrent layer --, each followed by an RMS-normed FFN:
@@ -805,6 +901,9 @@ CERTIFICATION_SPECS = {
     "qwen3next": MoeSpec(family="qwen3next", n_layer=8, n_nextn=1, seed=44),
     # Mamba-2, attention and MoE layers (sigmoid routing, a shared expert); an MTP block
     "nemotron_h_moe": MoeSpec(family="nemotron_h_moe", n_layer=8, n_nextn=1, seed=45),
+    # sliding layers and every 3rd full (other head size, K as V), a dense MLP beside routed experts
+    # in every layer (26B-A4B's shape); no per-layer inputs, no shared KV (those files are refused)
+    "gemma4": MoeSpec(family="gemma4", n_expert=4, n_expert_used=2, sliding_window=4, seed=46),
 }
 
 
