@@ -20,18 +20,39 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import (
+    NO_AMX_FLAGS,
+    Row,
+    alternate,
+    bench_manager,
+    find_stock_tools,
+    format_table,
+    log,
+    model_and_vocab,
+    pin_label,
+    stock_batched_bench,
+    stock_llama_bench,
+    stock_rpc_split,
+    stock_server_streams,
+    user_manager,
+)
+from routes import (
+    LINKS,
+    ours_chat_reuse,
+    ours_generate_streams,
+    ours_long_prompt_ttft,
+    ours_shared_prefix,
+    ours_speculation,
+    ours_two_stages,
+    ours_worker_clients,
+    wire_agreement,
+)
 
-from common import (NO_AMX_FLAGS, Row, alternate, bench_manager, find_stock_tools, format_table, log, model_and_vocab,
-                    pin_label, stock_batched_bench, stock_llama_bench, stock_rpc_split, stock_server_streams,
-                    user_manager)
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard._native import grammar_problem
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.openai.requests import sampling_from
-from routes import (LINKS, ours_chat_reuse, ours_generate_streams, ours_long_prompt_ttft, ours_shared_prefix,
-                    ours_speculation, ours_two_stages, ours_worker_clients, wire_agreement)
-
 
 # ---------------------------------------------------------------------------------------------
 # llama-shard in this process, the peer's shapes

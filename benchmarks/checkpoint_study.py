@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     a_ms, b_ms = statistics.median(with_cp) * 1e3, statistics.median(full) * 1e3
     print(f"nemotron_h synthetic, 16 layers, n_embd 512, 2 shards, {a.threads} threads; history {a.history} tokens, "
           f"the next turn re-renders the last {a.back} and adds {a.new}; median of {a.rounds}")
-    print(f"| next turn | time to first token | |\n| --- | --- | --- |")
+    print("| next turn | time to first token | |\n| --- | --- | --- |")
     print(f"| with checkpoints | {a_ms:.1f} ms | restores: {restores} |")
     print(f"| full re-prefill ({len(next_turn)} tokens) | {b_ms:.1f} ms | |")
     print(f"| ratio | {b_ms / a_ms:.1f}x faster | |")

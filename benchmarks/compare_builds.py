@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 def measure(model: str, threads: int, quick: bool) -> dict:
     """This install's figures (run in the interpreter being measured)."""
     from bench import ours_batched, ours_prefill_and_tg
+
     from llama_shard import ShardModel, cpu_backend
 
     vocab = ShardModel(model, (0, 0), 1).info.n_vocab
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 for label, key in keys]
         print(format_table(rows, f"{Path(args.model).name}, {args.threads} threads, {args.rounds} alternating rounds, "
                                  f"best of each; llama-shard: {args.other}; peer: {sys.executable}"))
-        for label, key in keys:
+        for _label, key in keys:
             print(f"{key}: this {' '.join(f'{r[key]:.1f}' for r in sides['this'])}; "
                   f"other {' '.join(f'{r[key]:.1f}' for r in sides['other'])}")
         return 0

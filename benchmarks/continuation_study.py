@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from common import find_stock_tools, log
+
 from llama_shard.engine.models import gguf_layer_count, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc

@@ -26,11 +26,11 @@ import statistics
 import time
 
 import numpy as np
+from routes import speculation_prompts
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
 from llama_shard.serve.speculation import CARRIED_WEIGHT, DraftControl, NgramDrafter
-from routes import speculation_prompts
 
 TOKENS = 64
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)

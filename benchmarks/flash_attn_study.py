@@ -22,20 +22,20 @@ Every measure runs `--rounds` times, taking turns (docs/benchmarks.md, "Generati
 from __future__ import annotations
 
 import argparse
-import time
-from concurrent.futures import ThreadPoolExecutor
 import contextlib
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
 from common import find_stock_tools, log, stock_batched_bench
+from routes import _first_token_seconds, ours_generate_streams
+
 from llama_shard.engine.models import gguf_layer_count, require_embedded_model
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
-from routes import _first_token_seconds, ours_generate_streams
 
 VOCAB = 49152  # ids drawn for the random prompts (below every certified test model's vocabulary)
 

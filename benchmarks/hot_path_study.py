@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from common import model_and_vocab, user_manager
+from routes import ours_worker_clients
+
 from llama_shard import KvBoundaryAdapter, ShardModel
 from llama_shard.engine.models import require_embedded_model
-from routes import ours_worker_clients
 
 
 def hot_path_study(path: Path, threads: int, rounds: int, quick: bool = False) -> str:

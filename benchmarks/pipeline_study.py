@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import bench_manager, find_stock_tools, model_and_vocab, stock_batched_bench, stock_rpc_split
+from routes import TOPOLOGIES, ours_two_stages
+
 from llama_shard import ShardModel, Step
 from llama_shard.engine.models import compute_balanced_cut, require_embedded_model
-from routes import TOPOLOGIES, ours_two_stages
 
 
 def _stage_step_ms(path: str, layers: tuple[int, int], seconds: float, start=None, out=None) -> float:

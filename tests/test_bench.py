@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"

@@ -34,7 +34,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire
 from llama_shard.serve.handover import handover_messages
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker

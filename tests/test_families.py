@@ -10,12 +10,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_shard import (CacheMiss, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ModelLoadError, ShardModel,
-                         Tier)
+from llama_shard import (
+    CacheMiss,
+    HotKvStateConfig,
+    HotKvStateManager,
+    KvBoundaryAdapter,
+    ModelLoadError,
+    ShardModel,
+    Tier,
+)
 from llama_shard.engine.hot_kv import ManualClock
 from llama_shard.engine.pipeline import LocalPipeline
-from llama_shard.testing.synthetic_families import (CERTIFICATION_SPECS, MoeSpec, moe_layers, recurrent_layers,
-                                                    write_moe_gguf)
+from llama_shard.testing.synthetic_families import (
+    CERTIFICATION_SPECS,
+    MoeSpec,
+    moe_layers,
+    recurrent_layers,
+    write_moe_gguf,
+)
 
 FAMILIES = list(CERTIFICATION_SPECS)
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]
@@ -147,7 +159,7 @@ def test_greedy_tokens_equal_the_whole_models(family):
     finally:
         route.close()
     assert tokens == [t for t, _ in expected]
-    assert logits == [l.tobytes() for _, l in expected]
+    assert logits == [row.tobytes() for _, row in expected]
     assert len(set(tokens)) >= 3, tokens  # the experts make varied text
 
 
@@ -329,7 +341,8 @@ REPEAT = PROMPT * 2  # its end is an n-gram seen before: the worker's prompt-loo
 def test_a_served_route_generates_the_whole_models_tokens_greedy_seeded_and_with_drafts(family):
     """Two workers, the tail sampling with llama.cpp's chain: greedy without drafts, with the
     worker's drafts, and seeded sampling each give the whole model's tokens."""
-    from test_generate import Route as ServedRoute, whole_model_tokens
+    from test_generate import Route as ServedRoute
+    from test_generate import whole_model_tokens
 
     from llama_shard._native import SamplingParams
     from llama_shard.proto.requests import sampling_to_wire

@@ -11,7 +11,15 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from llama_shard import CacheMiss, CacheMissReason, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Tier
+from llama_shard import (
+    CacheMiss,
+    CacheMissReason,
+    HotKvStateConfig,
+    HotKvStateManager,
+    KvBoundaryAdapter,
+    ShardModel,
+    Tier,
+)
 from llama_shard.engine.hot_kv import ManualClock
 
 PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]  # 12 tokens: three windows
@@ -68,7 +76,7 @@ def test_a_gemma3_split_gives_the_whole_models_tokens_and_logits(synthetic_gemma
     expected = list(whole.generate(PROMPT, 16))
     tokens, logits = route.greedy("s", PROMPT, 16)
     assert tokens == [t for t, _ in expected]
-    assert logits == [l.tobytes() for _, l in expected]
+    assert logits == [row.tobytes() for _, row in expected]
     assert len(set(tokens)) >= 4, tokens  # the text varies
 
 

@@ -29,9 +29,9 @@ from llama_shard._native import SamplingParams, ShardModel, TokenSampler
 from llama_shard.engine.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.route import RemoteStage, RouteClient
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
-from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 
 pytestmark = pytest.mark.grpc
 

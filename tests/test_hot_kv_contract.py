@@ -537,7 +537,7 @@ def test_engines_serialise_calls_from_many_threads(make_shard):
     def work(t):
         rng = np.random.default_rng(t)
         try:
-            for k in range(40):
+            for _ in range(40):
                 sid = f"s{int(rng.integers(0, 6))}"
                 op = int(rng.integers(0, 5))
                 try:

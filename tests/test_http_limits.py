@@ -35,8 +35,14 @@ import pytest
 
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.serve.local_workers import (WORKER_DEFAULTS, free_port, start_worker, stop_worker, wait_for_port,
-                                             wait_serving)
+from llama_shard.serve.local_workers import (
+    WORKER_DEFAULTS,
+    free_port,
+    start_worker,
+    stop_worker,
+    wait_for_port,
+    wait_serving,
+)
 from llama_shard.serve.openai.chat_template import ChatTemplate
 from llama_shard.serve.openai.errors import HttpError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_isolated
+
 from llama_shard import ShardModel
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 

@@ -99,7 +99,7 @@ def test_the_import_graph_has_no_circle():
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
-        for nxt in graph.get(nxt_ := node, ()):  # noqa: B020
+        for nxt in graph.get(nxt_ := node, ()):
             if state.get(nxt) == 1:
                 raise AssertionError("an import circle: " + " -> ".join(path + [nxt]))
             if nxt not in state:

@@ -23,6 +23,7 @@ import time
 
 import grpc
 import pytest
+from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
 from llama_shard._native import ShardModel
 from llama_shard.proto import shard_pb2 as pb
@@ -32,7 +33,6 @@ from llama_shard.serve.openai.chat_template import ChatTemplate
 from llama_shard.serve.openai.errors import HttpError
 from llama_shard.serve.openai.requests import sampling_from
 from llama_shard.serve.openai.responses import StopTrimmer as _StopTrimmer
-from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.grpc
@@ -336,9 +336,9 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
 
 def test_every_parameter_is_in_the_readme_table():
     """The README's table of the endpoint's parameters names each one the endpoint takes."""
-    from llama_shard.serve.openai.requests import PARAMETERS
-
     from conftest import REPO
+
+    from llama_shard.serve.openai.requests import PARAMETERS
 
     readme = (REPO / "README.md").read_text()
     missing = [p.name for p in PARAMETERS if f"| `{p.name}` |" not in readme]

@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_security import pki  # noqa: F401 - the certificates and tokens fixture
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
@@ -30,7 +31,6 @@ from llama_shard.errors import StaleRouteEpochError
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.serve.local_workers import stop_worker
 from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, SHARED, PrefixNames, block_keys
-from test_security import pki  # noqa: F401 - the certificates and tokens fixture
 
 SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}
 KEY = 0x5EED
@@ -233,7 +233,7 @@ def test_block_keys_chain_and_local_names_scope_by_principal_and_recipe():
     assert all(a != b for a, b in zip(block_keys(changed), keys))  # block k's key covers every token before it
 
     class _Manager:
-        class config:
+        class config:  # noqa: N801 - stands in for the manager's config attribute
             prefix_bytes = 1
 
     own, everyone = PrefixNames(_Manager, "recipe-a"), PrefixNames(_Manager, "recipe-a", share="all")
@@ -262,7 +262,7 @@ def test_the_heads_plan_opens_the_longest_stored_prefix_and_stores_only_clean_st
     B = PREFIX_BLOCK_TOKENS
 
     class _Manager:
-        class config:
+        class config:  # noqa: N801 - stands in for the manager's config attribute
             prefix_bytes = 1
         stored: dict = {}
 
@@ -384,7 +384,7 @@ def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
     def refused(stub, req, why):
         reply = stub.Prefill(req, timeout=30)
         assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and why in reply.detail, reply
-    step = lambda n=len(tokens), **kw: pb.StepRequest(session_id="bad", token_ids=tokens[:n], position=0, **kw)  # noqa: E731
+    step = lambda n=None, **kw: pb.StepRequest(session_id="bad", token_ids=tokens[:n], position=0, **kw)  # noqa: E731
     refused(head, step(256, prefix=pb.PrefixPlan(keys=[keys[0] ^ 1], store_tokens=256)), "do not match the step's tokens")
     refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), "must end there")
     refused(head, pb.StepRequest(session_id="bad", token_ids=tokens[256:], position=256,

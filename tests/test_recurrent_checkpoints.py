@@ -9,11 +9,10 @@ is an explicit miss, never a wrong state.
 from __future__ import annotations
 
 import pytest
+from test_families import PROMPT, Route
 
 from llama_shard import CacheMiss, CacheMissReason, HotKvStateConfig
 from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, write_moe_gguf
-
-from test_families import PROMPT, Route
 
 LAYOUT = [(0, 1), (2, 7)]  # the head: two recurrent layers; the tail: attention layers and recurrent ones
 
@@ -89,7 +88,7 @@ def test_checkpoints_are_bounded_and_counted(hybrid):
     try:
         route.prefill("s", PROMPT)
         route.greedy_from("s", route.decode("s", 1), 300)   # far more than the checkpoints' inputs
-        for m, (first, last) in zip(route.managers, LAYOUT):
+        for m, (first, _last) in zip(route.managers, LAYOUT):
             st, info = m.stats(), m.model.info
             rows = 4 if first == 0 else 4 * info.n_embd     # a token id, or a hidden row
             pages = lambda n: -(-n // 4096) * 4096           # noqa: E731 (a state lives in whole pages)

@@ -11,8 +11,14 @@ import pytest
 from llama_shard._native import SamplingParams
 from llama_shard.errors import InvalidInputError
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto.requests import (SAMPLING_PARAMETERS, check_max_drafts, check_stops, check_top_logprobs,
-                                        sampling_from_wire, sampling_to_wire)
+from llama_shard.proto.requests import (
+    SAMPLING_PARAMETERS,
+    check_max_drafts,
+    check_stops,
+    check_top_logprobs,
+    sampling_from_wire,
+    sampling_to_wire,
+)
 from llama_shard.serve.sampling import StepSamplingChecks
 
 

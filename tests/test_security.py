@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
-from llama_shard.testing.certs import CertificateAuthority
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
+from llama_shard.testing.certs import CertificateAuthority
 
 pytestmark = pytest.mark.grpc
 

@@ -7,16 +7,18 @@ restore are refused before anything changes (its sessions() and stats() are the 
 forged ones run in a subprocess, so an abort in llama.cpp would fail the test instead of pytest."""
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
-
 from conftest import run_isolated
+
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock, Tier
-from llama_shard.errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError,
-                                StaleRouteEpochError)
+from llama_shard.errors import (
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    StaleRouteEpochError,
+)
 
 SPLIT = [(0, 14), (15, 29)]  # SmolLM2-135M: 30 layers
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(1, 40000, 40)]

@@ -30,10 +30,17 @@ from llama_shard.engine.hot_kv import HotKvStateConfig
 from llama_shard.engine.manager import HotKvStateManager
 from llama_shard.errors import InvalidInputError
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.proto.requests import MAX_DRAFTS
-from llama_shard.serve.speculation import (PRIOR_BETA, PROBE_EVERY, AheadTiming, DraftControl, NgramDrafter, StepCost,
-                                           verify)
+from llama_shard.proto.requests import sampling_to_wire as params_to_wire
+from llama_shard.serve.speculation import (
+    PRIOR_BETA,
+    PROBE_EVERY,
+    AheadTiming,
+    DraftControl,
+    NgramDrafter,
+    StepCost,
+    verify,
+)
 
 REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
           "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
@@ -331,7 +338,7 @@ def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_r
     cmd = [sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model), "--route", spec,
            "--prompt", REPEAT, "--max-tokens", "32"]
     runs = {k: subprocess.run([*cmd, "--max-drafts", k], capture_output=True, text=True, timeout=300) for k in "08"}
-    for k, res in runs.items():
+    for res in runs.values():
         assert res.returncode == 0, res.stderr[-2000:]
     assert runs["0"].stdout == runs["8"].stdout and "drafts accepted" not in runs["0"].stderr
     assert "drafts accepted" in runs["8"].stderr, runs["8"].stderr[-500:]

@@ -18,8 +18,13 @@ import pytest
 
 import llama_shard
 from llama_shard.serve.openai.errors import HttpError
-from llama_shard.serve.openai.tool_calls import (ToolCallStream, ToolRequest, parse_calls, rename_rule,
-                                                 template_renders_tools)
+from llama_shard.serve.openai.tool_calls import (
+    ToolCallStream,
+    ToolRequest,
+    parse_calls,
+    rename_rule,
+    template_renders_tools,
+)
 
 TEMPLATE = Path(llama_shard.__file__).parent / "serve" / "openai" / "templates" / "chatml-tools.jinja"
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from llama_shard import (
-    Tier,
     CacheMiss,
     CacheMissReason,
     HotKvStateConfig,
@@ -16,10 +15,11 @@ from llama_shard import (
     ManualClock,
     ShardModel,
     TailOutput,
+    Tier,
 )
-from llama_shard.errors import InvalidInputError
 from llama_shard.engine.hot_kv import kv_bytes_per_token, parse_size
 from llama_shard.engine.memory import memory_plan
+from llama_shard.errors import InvalidInputError
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "The three primary colors are",

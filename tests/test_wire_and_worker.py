@@ -13,16 +13,15 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from conftest import REPO, varint
 
 from llama_shard import StepKind
 from llama_shard.engine.pipeline import LocalPipeline
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
+from llama_shard.proto.wire import decode_tensor, encode_tensor
 from llama_shard.route import RemoteStage, RouteClient, RouteError
 from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
-from llama_shard.proto.wire import decode_tensor, encode_tensor
-
-from conftest import REPO, varint
 
 
 def test_generated_code_matches_the_proto(tmp_path):

@@ -144,7 +144,7 @@ def _next_line(text: str, at: int) -> int:
 
 def _statements(chunk: str) -> list[str]:
     """The non-blank, non-comment lines of `chunk`, stripped."""
-    return [l.strip() for l in chunk.splitlines() if l.strip() and not l.strip().startswith("//")]
+    return [line.strip() for line in chunk.splitlines() if line.strip() and not line.strip().startswith("//")]
 
 
 def _boundary_site(body: str, name: str) -> tuple[int, str]:

@@ -34,18 +34,7 @@ from ._native import (
     certified_architectures,
     cpu_backend,
 )
-from .errors import (
-    CapacityError,
-    ComputeError,
-    IncompatibleCacheRecipeError,
-    InvalidInputError,
-    KvBudgetExceededError,
-    KvCacheMissError,
-    LlamaShardError,
-    ModelLoadError,
-    StaleRouteEpochError,
-    UncertifiedArchitectureError,
-)
+from .engine.adapter import KvBoundaryAdapter
 from .engine.hot_kv import (
     BoundaryBundle,
     CacheMiss,
@@ -60,9 +49,20 @@ from .engine.hot_kv import (
     certified_architecture,
     kv_recipe_for,
 )
-from .engine.adapter import KvBoundaryAdapter
 from .engine.manager import HotKvStateManager
 from .engine.models import embedded_model_path
+from .errors import (
+    CapacityError,
+    ComputeError,
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    KvCacheMissError,
+    LlamaShardError,
+    ModelLoadError,
+    StaleRouteEpochError,
+    UncertifiedArchitectureError,
+)
 
 __version__ = "0.1.0"
 

@@ -26,17 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS,
-                      MAX_SESSIONS)
-from .errors import InvalidInputError, LlamaShardError
+from ._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_BUDGET_TOKENS, MAX_CONTEXT_TOKENS, MAX_SESSIONS
 from .engine.hot_kv import KV_TYPES, HotKvStateConfig, parse_size
 from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
+from .errors import InvalidInputError, LlamaShardError
+from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
+from .proto.wire import WIRE_DTYPES
 from .serve import DEFAULT_MAX_HOP_S
 from .serve.openai.bodies import MAX_BODY_BYTES
 from .serve.openai.guard import HttpLimits, raise_open_file_limit
-from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
-from .proto.wire import WIRE_DTYPES
 from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
 
 #: the configuration's defaults, as the help texts state them
@@ -108,8 +107,8 @@ def _parse_route(text: str) -> list[str]:
 
 
 def cmd_generate_route(args: argparse.Namespace) -> int:
-    from .route import RemoteStage, RouteClient
     from .proto.credentials import ClientSecurity
+    from .route import RemoteStage, RouteClient
 
     entries = _parse_route(args.route)
     security = ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)

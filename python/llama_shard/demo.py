@@ -25,9 +25,9 @@ from .engine.models import gguf_layer_count
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .route import RemoteStage, RouteClient
-from .serve.prefixes import PREFIX_BLOCK_TOKENS
-from .serve.openai.chat_template import ModelChat
 from .serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from .serve.openai.chat_template import ModelChat
+from .serve.prefixes import PREFIX_BLOCK_TOKENS
 
 QUESTIONS = [
     "What is the capital of France?",

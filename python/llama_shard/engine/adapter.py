@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .asyncio_wakeup import ticket_waiter
 from ..errors import InvalidInputError, LlamaShardError
+from .asyncio_wakeup import ticket_waiter
 from .hot_kv import BoundaryBundle, KvCacheRecipe, Step, TailOutput
 from .manager import HotKvStateManager
 

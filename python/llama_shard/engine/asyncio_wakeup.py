@@ -7,6 +7,7 @@ import asyncio
 import os
 import weakref
 
+
 class _AsyncCompletions:
     """One per event loop: the native loop writes a byte to `fd` when a ticket completes; the event
     loop wakes, and every awaited ticket that is done gets its future resolved."""

@@ -13,8 +13,8 @@ import enum
 import hashlib
 import json
 import os
-import sys
 import re
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence

@@ -20,8 +20,17 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 
-from .._native import (DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig, HotKvEngine, MissReason, ShardModel, Status,
-                       StepLoop, model_digest)
+from .._native import (
+    DEFAULT_GATHER_S,
+    DEFAULT_PREFILL_CHUNK,
+    HotKvConfig,
+    HotKvEngine,
+    MissReason,
+    ShardModel,
+    Status,
+    StepLoop,
+    model_digest,
+)
 from ..errors import (
     ComputeError,
     IncompatibleCacheRecipeError,

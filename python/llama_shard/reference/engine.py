@@ -24,8 +24,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 #: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
-from .._native import (MAX_EPOCH, MAX_SESSION_ID_BYTES, RESTORE_BUCKETS, HotKvConfig,
-                       MissReason, Status, StepKind, Tier, model_digest)
+from .._native import (
+    MAX_EPOCH,
+    MAX_SESSION_ID_BYTES,
+    RESTORE_BUCKETS,
+    HotKvConfig,
+    MissReason,
+    Status,
+    StepKind,
+    Tier,
+    model_digest,
+)
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
 from .prefix_store import PrefixStore
@@ -826,7 +835,7 @@ class ReferenceHotKvEngine:
         if sorted(ids + self._free_ids) != list(range(self.max_sessions)):
             fail("seq ids leaked or duplicated")
         owned = set(self.shard.owned_layers)
-        for sid, s in self._live.items():
+        for s in self._live.values():
             if set(s.kv.layers) != owned:
                 fail("a session holds K/V for layers it does not own")
             if any(k.shape[0] != s.seq_len or v.shape[0] != s.seq_len for k, v in s.kv.layers.values()):

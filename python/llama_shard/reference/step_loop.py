@@ -9,8 +9,8 @@ import threading
 import numpy as np
 
 from .._native import Status, StepKind
-from ..errors import CapacityError, InvalidInputError
 from ..engine.hot_kv import Step
+from ..errors import CapacityError, InvalidInputError
 from .engine import StepResult
 
 

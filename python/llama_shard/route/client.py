@@ -22,17 +22,17 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from ..errors import InvalidInputError, LlamaShardError
-from ..engine.hot_kv import BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput, MIXED_NUMERICS
+from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
 from ..engine.adapter import KvBoundaryAdapter
+from ..engine.hot_kv import MIXED_NUMERICS, BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
 from ..engine.manager import HotKvStateManager
-from ..engine.pipeline import check_tiling
 from ..engine.models import backend_text
+from ..engine.pipeline import check_tiling
+from ..errors import InvalidInputError, LlamaShardError
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
-from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
-from ..proto.requests import MAX_REPREFILLS, sampling_to_wire
 from ..proto.credentials import ClientSecurity
+from ..proto.requests import MAX_REPREFILLS, sampling_to_wire
 from ..proto.wire import RECONNECT_OPTIONS, call_reconnecting, decode_tensor, encode_tensor
 
 

@@ -257,7 +257,7 @@ class Drainer:
             try:
                 reply = self.peers.handover(target, messages, timeout)
             except Exception as e:  # noqa: BLE001 - grpc.RpcError or a channel problem: the next replica
-                errors.append(f"{target}: {getattr(e, 'details', lambda: str(e))()}")
+                errors.append(f"{target}: {e.details() if hasattr(e, 'details') else e}")
                 self._unreachable.add(target)  # not tried again for this drain's other sessions
                 continue
             if reply.outcome == pb.OUTCOME_OK:

@@ -18,9 +18,16 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
-from ..proto.requests import (GRAMMAR_DIGEST_BYTES, check_grammar, check_top_logprobs, grammar_digest,
-                              sampling_from_wire, sampling_key)
+from ..proto.requests import (
+    GRAMMAR_DIGEST_BYTES,
+    check_grammar,
+    check_top_logprobs,
+    grammar_digest,
+    sampling_from_wire,
+    sampling_key,
+)
 from .speculation import verify
+
 
 class StepSamplingChecks:
     """The sampler state a step carries, checked before anything is computed: its parameters by the

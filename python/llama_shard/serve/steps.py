@@ -20,8 +20,14 @@ from .._native import SamplingParams
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import MIXED_NUMERICS, BoundaryBundle, CacheMiss, Step, StepKind, TailOutput
 from ..engine.manager import HotKvStateManager
-from ..errors import (ComputeError, IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError,
-                      LlamaShardError, StaleRouteEpochError)
+from ..errors import (
+    ComputeError,
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    LlamaShardError,
+    StaleRouteEpochError,
+)
 from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS, SAMPLER_STATE_MISS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for

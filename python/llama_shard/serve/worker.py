@@ -33,8 +33,13 @@ from ..engine.manager import HotKvStateManager
 from ..engine.models import backend_text
 from ..engine.verification_sizes import decide_verification_sizes
 from ..engine.verification_sizes import describe as describe_verification_sizes
-from ..errors import (IncompatibleCacheRecipeError, InvalidInputError, KvBudgetExceededError, LlamaShardError,
-                      StaleRouteEpochError)
+from ..errors import (
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    LlamaShardError,
+    StaleRouteEpochError,
+)
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
@@ -95,7 +100,8 @@ class WorkerOptions:
 
 class ShardServicer(pb_grpc.ShardServiceServicer):
     def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
-                 options: WorkerOptions = WorkerOptions()):
+                 options: WorkerOptions | None = None):
+        options = options or WorkerOptions()  # a fresh one each: WorkerOptions is mutable
         self.model = model
         self.info = model.info
         self.manager = manager
@@ -557,7 +563,8 @@ class ShardWorker:
     """Loads a shard, serves it, and shuts down gracefully."""
 
     def __init__(self, model_path: str, layers: tuple[int, int] | None, config: HotKvStateConfig,
-                 options: WorkerOptions = WorkerOptions()):
+                 options: WorkerOptions | None = None):
+        options = options or WorkerOptions()  # a fresh one each: WorkerOptions is mutable
         self.options = options
         self.model = ShardModel(str(model_path), layers, options.threads, options.device, options.gpu_layers,
                                 options.cpu_moe_layers)

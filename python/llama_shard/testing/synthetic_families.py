@@ -543,7 +543,6 @@ def _write_gemma4(path: Path, spec: MoeSpec) -> Path:
     n_expert > 0, a routed MoE beside it in every layer (26B-A4B); logit soft-capping; tied embeddings.
     With n_embd_per_layer > 0 the per-layer token embeddings and their projections (E2B/E4B), with
     n_kv_shared > 0 the KV-sharing tail (E2B/E4B): the two things a shard range must refuse."""
-    arch = spec.architecture
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     hd_full, Hkv_full = 2 * hd, 1
     L, npl = spec.n_layer, spec.n_embd_per_layer

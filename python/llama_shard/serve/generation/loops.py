@@ -14,14 +14,23 @@ from prometheus_client import Counter, Gauge, Histogram
 from ...engine.hot_kv import CacheMissReason, check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
+from ...proto.requests import (
+    FEATURE_GRAMMAR_DIGEST,
+    MAX_DRAFTS,
+    MAX_REPREFILLS,
+    MAX_STOP_CHARS,
+    SAMPLER_STATE_MISS,
+    check_grammar,
+    check_max_drafts,
+    check_stops,
+    check_top_logprobs,
+    sampling_from_wire,
+)
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
-from ...proto.requests import (FEATURE_GRAMMAR_DIGEST, MAX_DRAFTS, MAX_REPREFILLS, MAX_STOP_CHARS,
-                               SAMPLER_STATE_MISS, check_grammar, check_max_drafts, check_stops, check_top_logprobs,
-                               sampling_from_wire)
 from ..admission import SessionCapRefused
 from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
-from .host import HeadHost
 from ..steps import ORDER_GAP_MAX
+from .host import HeadHost
 from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
 
 #: a group's thread waits this long for a new stream before it ends

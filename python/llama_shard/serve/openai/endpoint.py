@@ -935,7 +935,7 @@ def _version() -> str:
 def _longest_token_bytes(model) -> int:
     """The most bytes any token of the model's vocabulary stands for (its text in the GGUF, which is at
     least its bytes: byte-level and SentencePiece spellings are never shorter than what they spell)."""
-    from ...engine.models import gguf_token_texts  # noqa: PLC0415 - only an HTTP worker needs it
+    from ...engine.models import gguf_token_texts
 
     texts = gguf_token_texts(model.path)
     return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) or 256
