@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # The test command: pytest (against the installed package) and the CTest conformance suite (C++,
 # no Python in the code under test), from the build directory scripts/install.sh left behind.
+# Tests marked slow (10 s or more each: routes of real workers, chaos, soaks, studies) are left out;
+# `--slow` runs only them (CI runs both), `--all` everything. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+LANE=(-m "not slow")
+RUN_CTEST=1
+case "${1:-}" in
+    --slow) LANE=(-m slow); RUN_CTEST=0; shift ;;
+    --all)  LANE=(); shift ;;
+esac
 export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
 # tests import the installed package (python/ is not on sys.path). A pytest killed by a signal
 # names the signal and the test it was running (tests/conftest.py writes it to this file).
 PROGRESS=$(mktemp)
 trap 'rm -f "$PROGRESS"' EXIT
 set +e
-LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider tests "$@"
+LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider "${LANE[@]}" tests "$@"
 rc=$?
 set -e
 if [ "$rc" -gt 128 ]; then
     echo "test.sh: pytest was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128)))) during $(cat "$PROGRESS")" >&2
 fi
 [ "$rc" -eq 0 ] || exit "$rc"
+[ "$RUN_CTEST" -eq 1 ] || exit 0
 build_dir=$("$PY" - <<'PY'
 import glob, os
 # the build scripts/install.sh left (build/<wheel tag>), not scripts/sanitize.sh's

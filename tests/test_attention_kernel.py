@@ -58,6 +58,7 @@ def _rows_against_one_token_steps(model_path, tiled_rows: str | None, **env_extr
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_a_steps_rows_are_one_token_steps_to_the_byte_and_upstreams_kernels_are_not(embedded_model):
     ours = _rows_against_one_token_steps(embedded_model, None)
     assert ours["numerics"] == "K/V f16, flash attention on (llama-shard's kernel)"
@@ -70,6 +71,7 @@ def test_a_steps_rows_are_one_token_steps_to_the_byte_and_upstreams_kernels_are_
 
 @pytest.mark.model
 @pytest.mark.parametrize("variant", ["haswell", "sse42"])
+@pytest.mark.slow
 def test_other_kernel_families_keep_a_steps_rows_alike(embedded_model, variant):
     """The kernel's AVX2 path (inline f16 loads) and its generic horizontal sum (SSE) on any CPU
     that runs them: the portable build's variants, forced. (sandybridge, AVX without F16C, is not
@@ -83,6 +85,7 @@ def test_other_kernel_families_keep_a_steps_rows_alike(embedded_model, variant):
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_any_cut_of_a_prompt_gives_the_same_logits(embedded_model):
     """Upstream's kernels round a step of under 64 rows (the one-row kernel) unlike a larger one
     (the tiled kernel): the same prompt cut differently gave other logits (benchmarks/chunking_study.py)."""

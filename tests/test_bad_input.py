@@ -7,6 +7,7 @@ still computes the same bits.
 from __future__ import annotations
 
 import pytest
+
 from conftest import run_isolated
 
 SETUP = """

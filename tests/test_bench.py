@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+
 from conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -70,6 +71,7 @@ def fake_stock_env(tmp_path) -> dict:
                 LLAMA_SHARD_STOCK_NOAMX_BIN_DIR=str(bin_dir))
 
 
+@pytest.mark.slow
 def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_stock_env):
     out_json = tmp_path / "rows.json"
     env = fake_stock_env
@@ -105,6 +107,7 @@ def test_bench_says_why_the_stock_columns_are_missing_and_can_require_them(synth
     assert "not found (--stock-bin-dir) and not built" in res.stderr
 
 
+@pytest.mark.slow
 def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model, fake_stock_env):
     res = subprocess.run([sys.executable, BENCHMARKS / "pipeline_study.py", "2", "--model", str(synthetic_model),
                           "--quick", "--no-build"], capture_output=True, text=True, timeout=600,

@@ -66,6 +66,7 @@ def _greedy(model, variant: str | None, forced: list[list[int]] | None = None) -
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_forced_baseline_variant_gives_the_same_greedy_tokens(embedded_model):
     if not cpu_backend()["available"]:
         pytest.skip("a source build has its CPU kernels built in: one variant (the portable wheel has several)")

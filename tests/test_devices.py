@@ -72,6 +72,7 @@ def _generate(pipe: LocalPipeline, prompt: list[int], n: int) -> list[tuple[int,
 
 @pytest.mark.model
 @pytest.mark.parametrize("model_fixture", ["embedded_model", "gemma3_model"])
+@pytest.mark.slow
 def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, device):
     path = request.getfixturevalue(model_fixture)
     kw = dict(n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2, device=device)
@@ -326,6 +327,7 @@ MIXED_PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b)
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, device, capsys):
     """A CPU stage and a device stage chain as two CPU stages do; the route's greedy completions are
     compared with the whole model's on the CPU, and the agreement printed (other kernels: close, not

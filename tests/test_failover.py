@@ -118,6 +118,7 @@ def _kill_when(mesh: Mesh, candidates, after_tokens: int, sessions_tag: str):
     return on_token, killed
 
 
+@pytest.mark.slow
 def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
     # head 0-14, two tail replicas 15-29: the head lists both
     mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
@@ -159,6 +160,7 @@ def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
         mesh.stop()
 
 
+@pytest.mark.slow
 def test_a_killed_middle_replica_of_a_three_worker_route_loses_no_token(embedded_model, prompts):
     mesh = Mesh(embedded_model, [(0, 9), (10, 19), (10, 19), (20, 29)],
                 [("--peer", "{1}", "--peer", "{2}", "--peer", "{3}"), ("--peer", "{3}"), ("--peer", "{3}"), ()])
@@ -200,6 +202,7 @@ def _until(predicate, timeout_s: float = 20.0) -> bool:
     return predicate()
 
 
+@pytest.mark.slow
 def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
     http_port, metrics_port = free_port(), free_port()
     mesh = Mesh(embedded_model, [(0, 14), (15, 29)],
@@ -226,6 +229,7 @@ def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
         mesh.stop()
 
 
+@pytest.mark.slow
 def test_replicas_that_compute_differently_are_refused_at_start_naming_both(embedded_model):
     mesh = Mesh(embedded_model, [(15, 29), (15, 29)], [("--flash-attn", "on"), ("--flash-attn", "off")])
     try:
@@ -238,6 +242,7 @@ def test_replicas_that_compute_differently_are_refused_at_start_naming_both(embe
         mesh.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, prompts):
     mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
                 [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")])
@@ -275,6 +280,7 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
         mesh.stop()
 
 
+@pytest.mark.slow
 def test_a_drain_hands_idle_sessions_over_and_their_next_turn_computes_only_its_new_tokens(embedded_model,
                                                                                              prompts):
     """8 sessions (greedy, seeded, two under a grammar) answer a first turn and go idle; the tail
@@ -319,6 +325,7 @@ def test_a_drain_hands_idle_sessions_over_and_their_next_turn_computes_only_its_
         mesh.stop()
 
 
+@pytest.mark.slow
 def test_chaos_on_the_openai_endpoint_fails_no_request(embedded_model, prompts):
     openai = pytest.importorskip("openai")
     seconds = float(os.environ.get("LLAMA_SHARD_CHAOS_SECONDS", "20"))

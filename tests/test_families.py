@@ -13,13 +13,10 @@ import pytest
 from llama_shard import (
     CacheMiss,
     HotKvStateConfig,
-    HotKvStateManager,
-    KvBoundaryAdapter,
     ModelLoadError,
     ShardModel,
     Tier,
 )
-from llama_shard.engine.hot_kv import ManualClock
 from llama_shard.engine.pipeline import LocalPipeline
 from llama_shard.testing.synthetic_families import (
     CERTIFICATION_SPECS,
@@ -29,8 +26,9 @@ from llama_shard.testing.synthetic_families import (
     write_moe_gguf,
 )
 
+from support.engine_route import PROMPT, Route
+
 FAMILIES = list(CERTIFICATION_SPECS)
-PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]
 
 
 def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
@@ -70,51 +68,6 @@ def family_models(tmp_path_factory):
 @pytest.fixture(params=FAMILIES)
 def family(request, family_models):
     return request.param, family_models[request.param], CERTIFICATION_SPECS[request.param]
-
-
-class Route:
-    """A 2-shard split through the Hot KV engine (what a worker runs)."""
-
-    def __init__(self, path, layout, config: HotKvStateConfig | None = None):
-        config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
-        self.models = [ShardModel(str(path), r, 1) for r in layout]
-        self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=32) for m in self.models]
-        self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
-
-    def prefill(self, sid, tokens, start_pos=None):
-        out = None
-        for i, a in enumerate(self.adapters):
-            out = a.prefill(sid, 0, token_ids=tokens, start_pos=start_pos) if i == 0 else \
-                a.prefill(sid, 0, boundary=out, start_pos=start_pos)
-            if isinstance(out, CacheMiss):
-                return out
-        return out
-
-    def decode(self, sid, token):
-        out = None
-        for i, a in enumerate(self.adapters):
-            out = a.decode(sid, 0, token_ids=[token]) if i == 0 else a.decode(sid, 0, boundary=out)
-        return out
-
-    def greedy(self, sid, prompt, n):
-        out = self.prefill(sid, prompt)
-        tokens, logits = [out.token_id], [out.logits.tobytes()]
-        for _ in range(n - 1):
-            out = self.decode(sid, tokens[-1])
-            tokens.append(out.token_id)
-            logits.append(out.logits.tobytes())
-        return tokens, logits
-
-    def greedy_from(self, sid, out, n):
-        """n greedy tokens after a step's answer `out` (its token first)."""
-        tokens = [out.token_id]
-        for _ in range(n - 1):
-            tokens.append(self.decode(sid, tokens[-1]).token_id)
-        return tokens
-
-    def close(self):
-        for m in self.managers:
-            m.close()
 
 
 def fresh_atol(spec: MoeSpec, default: float) -> float:
@@ -338,14 +291,15 @@ REPEAT = PROMPT * 2  # its end is an n-gram seen before: the worker's prompt-loo
 
 
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_a_served_route_generates_the_whole_models_tokens_greedy_seeded_and_with_drafts(family):
     """Two workers, the tail sampling with llama.cpp's chain: greedy without drafts, with the
     worker's drafts, and seeded sampling each give the whole model's tokens."""
-    from test_generate import Route as ServedRoute
-    from test_generate import whole_model_tokens
-
     from llama_shard._native import SamplingParams
     from llama_shard.proto.requests import sampling_to_wire
+
+    from support.served_route import Route as ServedRoute
+    from support.served_route import whole_model_tokens
 
     name, path, spec = family
     route = ServedRoute(path, halves(spec))

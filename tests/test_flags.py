@@ -23,6 +23,7 @@ BAD = {
 
 @pytest.mark.parametrize("command,flag,value", [(c, f, v) for c, cases in BAD.items() for f, v in cases],
                          ids=[f"{c} {f} {v}" for c, cases in BAD.items() for f, v in cases])
+@pytest.mark.slow
 def test_a_bad_numeric_flag_exits_2_naming_it(command, flag, value):
     res = subprocess.run([sys.executable, "-m", "llama_shard.cli", command, f"{flag}={value}"],
                          capture_output=True, text=True, timeout=60)

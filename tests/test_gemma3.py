@@ -192,6 +192,7 @@ def _real_prompts(model) -> list[list[int]]:
 
 @pytest.mark.model
 @pytest.mark.parametrize("split", [[(0, 8), (9, 17)], [(0, 5), (6, 11), (12, 17)]], ids=["2-shard", "3-shard"])
+@pytest.mark.slow
 def test_real_gemma3_split_gives_the_whole_models_tokens_and_logits(gemma3_model, split):
     from llama_shard.engine.pipeline import LocalPipeline
 
@@ -213,6 +214,7 @@ def test_real_gemma3_half_shard_holds_half_the_kv(gemma3_model):
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(gemma3_model):
     from llama_shard.engine.pipeline import LocalPipeline
     from llama_shard.route import RemoteStage, RouteClient

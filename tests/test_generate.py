@@ -22,16 +22,15 @@ import signal
 import threading
 import time
 
-import grpc
 import pytest
 
-from llama_shard._native import SamplingParams, ShardModel, TokenSampler
-from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.route import RemoteStage, RouteClient
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import stop_worker
+
+from support.served_route import N_TOKENS, Route, whole_model_tokens
 
 pytestmark = pytest.mark.grpc
 
@@ -42,64 +41,6 @@ PARAMS = {
                       penalty_freq=0.2, penalty_present=0.3),
 }
 SEEDS = [1, 42, 1234]
-N_TOKENS = 16
-
-
-class Route:
-    """Workers of one model started on loopback, each forwarding to the next."""
-
-    def __init__(self, model, ranges, extra=()):
-        self.model, self.ranges = model, ranges
-        self.ports = [free_port() for _ in ranges]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        self.procs = [None] * len(ranges)
-        for k in reversed(range(len(ranges))):
-            self.start(k, extra)
-
-    def start(self, k, extra=()):
-        peer = ("--peer", self.addresses[k + 1]) if k + 1 < len(self.ranges) else ()
-        first, last = self.ranges[k]
-        self.procs[k], _ = start_worker(self.model, first, last, port=self.ports[k], extra=(*peer, *extra))
-        wait_serving(self.procs[k], self.addresses[k])
-
-    def stub(self, k=0):
-        return pb_grpc.ShardServiceStub(grpc.insecure_channel(self.addresses[k]))
-
-    def request(self, sid, prompt, max_tokens=N_TOKENS, sampling=None, **kw):
-        req = pb.GenerateRequest(session_id=sid, prompt=prompt, max_tokens=max_tokens,
-                                 forward=[pb.Hop(address=a) for a in self.addresses[1:]], **kw)
-        if sampling is not None:
-            req.sampling.CopyFrom(sampling)
-        return req
-
-    def generate(self, sid, prompt, max_tokens=N_TOKENS, sampling=None, **kw):
-        events = list(self.stub().Generate(self.request(sid, prompt, max_tokens, sampling, **kw), timeout=120))
-        assert events and events[-1].HasField("final") and all(e.HasField("token") for e in events[:-1])
-        return [e.token.token_id for e in events[:-1]], events[-1].final
-
-    def info(self, k=0):
-        return self.stub(k).Info(pb.InfoRequest(), timeout=10)
-
-    def stop(self):
-        for p in self.procs:
-            if p is not None:
-                stop_worker(p)
-
-
-_WHOLE: dict = {}
-
-
-def whole_model_tokens(model_path, prompt, params: SamplingParams | None, n=N_TOKENS):
-    """The reference: the same chain on the whole model in this process (1 thread, as the workers),
-    the prompt accepted first."""
-    pipe = _WHOLE.get(str(model_path))
-    if pipe is None:
-        pipe = _WHOLE[str(model_path)] = LocalPipeline(model_path, None, n_ctx=512, n_seq_max=1, n_threads=1)
-    sampler = None
-    if params is not None:
-        window = params.penalty_last_n
-        sampler = TokenSampler(pipe.head.info.n_vocab, params, 512, history=prompt[-window:] if window else [])
-    return [t for t, _ in pipe.generate(prompt, n, sampler=sampler)]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +73,7 @@ def smol_reference(embedded_model, smol_prompts):
 
 
 @pytest.mark.parametrize("layout", ["whole", "2 shards", "3 shards"])
+@pytest.mark.slow
 def test_greedy_generate_gives_todays_tokens_and_the_whole_models(smol_routes, smol_prompts, smol_reference, layout):
     route = smol_routes[layout]
     stages = [RemoteStage(a) for a in route.addresses]
@@ -147,6 +89,7 @@ def test_greedy_generate_gives_todays_tokens_and_the_whole_models(smol_routes, s
 
 @pytest.mark.parametrize("layout", ["whole", "2 shards", "3 shards"])
 @pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.slow
 def test_seeded_sampling_on_the_route_equals_the_chain_on_the_whole_model(smol_routes, smol_prompts, smol_reference,
                                                                            layout, name):
     route = smol_routes[layout]
@@ -270,6 +213,7 @@ def test_releasing_a_session_mid_stream_ends_the_stream_and_it_stays_released(sm
     assert "released" not in [s.session_id for s in route.info().sessions]
 
 
+@pytest.mark.slow
 def test_a_killed_tail_ends_the_stream_naming_its_stage_and_a_restart_continues(embedded_model, smol_prompts):
     route = Route(embedded_model, [(0, 14), (15, 29)], extra=("--max-hop-seconds", "5"))
     try:
@@ -311,6 +255,7 @@ def test_sigterm_ends_a_running_stream_with_a_shutdown_event(embedded_model, smo
         route.stop()
 
 
+@pytest.mark.slow
 def test_64_streams_opened_and_dropped_at_random_leave_nothing_behind(embedded_model):
     route = Route(embedded_model, [(0, 14), (15, 29)])
     try:
@@ -433,6 +378,7 @@ def test_route_client_uses_generate_on_a_chained_route(smol_routes, smol_prompts
     unchained.close()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_on_gemma3_in_two_shards_equals_the_whole_model(gemma3_model):
     vocab = ShardModel(str(gemma3_model), (0, 0), 1)
     n_layer = vocab.info.n_layer

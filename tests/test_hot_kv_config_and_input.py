@@ -3,9 +3,10 @@ state change, on both engines (the native cases run in a subprocess so an abort 
 from __future__ import annotations
 
 import pytest
-from conftest import run_isolated
 
 from llama_shard import HotKvStateConfig, InvalidInputError
+
+from conftest import run_isolated
 
 
 def test_config_from_env_reads_every_variable():

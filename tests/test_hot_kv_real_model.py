@@ -164,6 +164,7 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
     assert route.head_mgr.stats()["releases"] == 1
 
 
+@pytest.mark.slow
 def test_stats_and_other_threads_run_while_a_long_step_computes(embedded_model):
     """A 2,048-token prefill is one engine step of seconds here. Meanwhile stats() (what a metrics
     scrape and Info read) answers from its snapshot at once, and other Python threads keep running

@@ -395,6 +395,7 @@ def lockstep_model(model_dir):
 
 
 @pytest.mark.parametrize("name", list(MACHINES))
+@pytest.mark.slow
 def test_native_engine_and_reference_agree_step_for_step(name, lockstep_model):
     from hypothesis.stateful import run_state_machine_as_test
     machine = MACHINES[name]

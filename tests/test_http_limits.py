@@ -154,6 +154,7 @@ def _drip(socks: list[socket.socket], payloads: list[bytes], seconds: float, eve
     return closed
 
 
+@pytest.mark.slow
 def test_slow_headers_and_slow_bodies_are_closed_within_their_timeouts(plain):
     idle = plain.latency()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
@@ -404,6 +405,7 @@ def _tls_post(w, token: str, body: dict, timeout=60, path="/v1/completions") -> 
 ALICE, BOB = "alice-secret-token-123456", "bob-secret-token-1234567890"
 
 
+@pytest.mark.slow
 def test_silent_and_slow_tls_connections_are_closed_within_the_header_timeout(tls_worker):
     port = tls_worker["port"]
 
@@ -543,6 +545,7 @@ def test_shared_prefix_counts_go_to_admins_only_when_prefixes_are_shared(tls_wor
 
 # --- the file-descriptor attack -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_slow_bodies_from_one_address_refuse_no_one_else(embedded_model):
     """300, then 1,000 connections from one address send whole headers (Content-Length 100,000),
     then their bodies a byte a second. Before, each took a generation slot with its headers and
@@ -646,6 +649,7 @@ def test_body_places_are_bounded_per_caller_in_count_and_bytes_and_in_memory():
         assert authed.refusal("10.0.0.1", "bob", 10) is None
 
 
+@pytest.mark.slow
 def test_1100_slow_connections_under_a_1024_file_limit_leave_both_ports_serving(embedded_model):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2400:

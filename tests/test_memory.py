@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_isolated
 
 from llama_shard import ShardModel
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
+from conftest import run_isolated
 
 # loads a model (and optionally a context) in a fresh interpreter and reports what it cost
 MEASURE = """

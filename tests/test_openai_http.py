@@ -23,7 +23,6 @@ import time
 
 import grpc
 import pytest
-from test_speculation import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
 from llama_shard._native import ShardModel
 from llama_shard.proto import shard_pb2 as pb
@@ -34,48 +33,14 @@ from llama_shard.serve.openai.errors import HttpError
 from llama_shard.serve.openai.requests import sampling_from
 from llama_shard.serve.openai.responses import StopTrimmer as _StopTrimmer
 
+from support.prompts import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
+
 openai = pytest.importorskip("openai")
+from support.http_route import HttpRoute  # noqa: E402 - after the openai check
+
 pytestmark = pytest.mark.grpc
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
-
-
-class HttpRoute:
-    """Two workers (0-14, 15-29); the head serves HTTP and forwards to the tail."""
-
-    def __init__(self, model, head_extra=()):
-        self.tail, self.tail_addr = start_worker(model, 15, 29, 1, extra=("--context-tokens", "1024"))
-        self.http_port = free_port()
-        self.head, self.head_addr = start_worker(model, 0, 14, 1, extra=(
-            "--context-tokens", "1024", "--peer", self.tail_addr, "--http-port", str(self.http_port), *head_extra))
-        wait_serving(self.tail, self.tail_addr)
-        wait_serving(self.head, self.head_addr)
-        self.base = f"http://127.0.0.1:{self.http_port}/v1"
-        self.client = openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
-
-    def raw(self, method: str, path: str, body: bytes | str | None = None, headers=None) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
-        conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        return resp.status, json.loads(data) if data else {}
-
-    def info(self) -> pb.InfoReply:
-        with grpc.insecure_channel(self.head_addr) as ch:
-            return pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
-
-    def generate(self, prompt: list[int], **kw) -> tuple[list[int], str, pb.GenerateFinal]:
-        req = pb.GenerateRequest(session_id=f"grpc-{time.monotonic_ns()}", prompt=prompt,
-                                 forward=[pb.Hop(address=self.tail_addr)], **kw)
-        with grpc.insecure_channel(self.head_addr) as ch:
-            events = list(pb_grpc.ShardServiceStub(ch).Generate(req, timeout=120))
-        return ([e.token.token_id for e in events[:-1]], "".join(e.token.piece for e in events[:-1]), events[-1].final)
-
-    def stop(self):
-        self.client.close()
-        stop_worker(self.head)
-        stop_worker(self.tail)
 
 
 @pytest.fixture(scope="module")
@@ -336,9 +301,9 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
 
 def test_every_parameter_is_in_the_readme_table():
     """The README's table of the endpoint's parameters names each one the endpoint takes."""
-    from conftest import REPO
-
     from llama_shard.serve.openai.requests import PARAMETERS
+
+    from conftest import REPO
 
     readme = (REPO / "README.md").read_text()
     missing = [p.name for p in PARAMETERS if f"| `{p.name}` |" not in readme]
@@ -463,6 +428,7 @@ def test_a_closed_connection_stops_the_streams_compute(route):
     assert route.info().generate_streams == 0
 
 
+@pytest.mark.slow
 def test_a_hundred_requests_past_the_limits_get_429_and_leave_nothing(embedded_model):
     r = HttpRoute(embedded_model, head_extra=("--max-concurrent-rpcs", "4", "--max-sessions", "4"))
     try:
@@ -499,6 +465,7 @@ def test_a_model_without_a_chat_template_serves_completions_only(synthetic_model
         stop_worker(proc)
 
 
+@pytest.mark.slow
 def test_bearer_tokens_over_tls(embedded_model, tmp_path):
     from llama_shard.testing.certs import CertificateAuthority
 
@@ -543,6 +510,7 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
         stop_worker(proc)
 
 
+@pytest.mark.slow
 def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
     """--tls-client-ca on the HTTP port: a client certificate is the credential (its CN the
     principal), a client without one does not get through the handshake; the port follows its

@@ -23,7 +23,6 @@ import threading
 
 import numpy as np
 import pytest
-from test_security import pki  # noqa: F401 - the certificates and tokens fixture
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
@@ -304,7 +303,7 @@ SYSTEM = _prompt(0, 2 * PREFIX_BLOCK_TOKENS)
 
 @pytest.fixture(scope="module")
 def routes(embedded_model):
-    from test_generate import Route
+    from support.served_route import Route
     made = {}
     try:
         made["plain"] = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS)
@@ -325,6 +324,7 @@ def _run(route, sid, prompt, **kw):
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_streams_sharing_a_start_give_a_plain_routes_tokens_and_logprobs_to_the_byte(routes):
     plain, shared = routes["plain"], routes["shared"]
     prompts = [SYSTEM + _prompt(10 + i, 20 + 7 * i) for i in range(4)]
@@ -345,12 +345,13 @@ def test_streams_sharing_a_start_give_a_plain_routes_tokens_and_logprobs_to_the_
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_a_prefix_the_tail_evicted_costs_one_reprefill_and_is_stored_again(embedded_model, routes):
     """The tail's store holds one 512-token prefix (about 5.9 MB for layers 15-29), the head's
     several: after prefix B pushed A out of the tail, a stream from A is opened by the head, missed
     by the tail (PREFIX_EVICTED), re-prefilled in full, and gives the plain route's tokens; the
     re-prefill stores A on the tail again, so the next stream from A opens on both."""
-    from test_generate import Route
+    from support.served_route import Route
     first = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS + ("--prefix-memory", "64MiB"))
     try:
         # the tail alone with a small store: restart it with 8 MiB
@@ -418,11 +419,12 @@ def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_gemma3_streams_sharing_a_start_give_a_plain_routes_tokens(gemma3_model):
     """Gemma 3 270M (sliding window 512) in two workers, a 768-token shared start: the copy holds
     the sliding layers' last 512 positions, all a continuation reads, and the streams opened from
     it give the plain route's tokens and logprobs to the byte."""
-    from test_generate import Route
+    from support.served_route import Route
     flags = FLAGS + ("--max-sessions", "2")
     plain = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags)
     shared = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags + ("--prefix-memory", "64MiB"))
@@ -440,20 +442,20 @@ def test_gemma3_streams_sharing_a_start_give_a_plain_routes_tokens(gemma3_model)
 
 
 @pytest.mark.grpc
-def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_model, pki):  # noqa: F811
+def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_model, pki):
     """A tail sharing prefixes with every caller (`--share-prefixes all`), behind a head it trusts
     as a forwarder: a caller stepping the tail directly (bob) stores and opens only prefixes of his
     own, so hidden rows of his choosing never become the copy the route's sessions open from."""
-    from test_security import _PKI, _as, _on_behalf_of, _serve, _stub
+    from support.pki import PKI, client_as, on_behalf_of, serve_worker, stub_for
 
-    _PKI.update(pki)
+    PKI.update(pki)
     flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
              str(pki["tokens"]), "--forwarder", "ops", "--route-key-file", str(pki["route_key"]),
              "--share-prefixes", "all", "--prefix-memory", "8MiB", "--context-tokens", "512")
-    proc, addr = _serve(synthetic_model, flags, 3, 5)
+    proc, addr = serve_worker(synthetic_model, flags, 3, 5)
     tail = "localhost:" + addr.rsplit(":", 1)[1]
     try:
-        bob, ops = _stub(tail, _as(pki, "bob")), _stub(tail, _as(pki, "ops"))
+        bob, ops = stub_for(tail, client_as(pki, "bob")), stub_for(tail, client_as(pki, "ops"))
         n_embd = bob.Info(pb.InfoRequest(), timeout=10).n_embd
         key = block_keys(_prompt(3, PREFIX_BLOCK_TOKENS))[0]
 
@@ -462,7 +464,7 @@ def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_m
             return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[n, n_embd], data=data.tobytes())
 
         def step(stub, sid, n, position, plan, who=None):
-            meta = _on_behalf_of(pki, who) if who else None  # the head's signed assertion
+            meta = on_behalf_of(pki, who) if who else None  # the head's signed assertion
             return stub.Prefill(pb.StepRequest(session_id=sid, hidden=rows(n, position + len(sid)), position=position,
                                                prefix=plan), timeout=30, metadata=meta)
 

@@ -9,10 +9,11 @@ is an explicit miss, never a wrong state.
 from __future__ import annotations
 
 import pytest
-from test_families import PROMPT, Route
 
 from llama_shard import CacheMiss, CacheMissReason, HotKvStateConfig
 from llama_shard.testing.synthetic_families import CERTIFICATION_SPECS, write_moe_gguf
+
+from support.engine_route import PROMPT, Route
 
 LAYOUT = [(0, 1), (2, 7)]  # the head: two recurrent layers; the tail: attention layers and recurrent ones
 

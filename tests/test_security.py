@@ -21,64 +21,15 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
-from llama_shard.testing.certs import CertificateAuthority
+
+from support.pki import PKI, TOKENS, assertion, client_as, on_behalf_of, serve_worker, stub_for
 
 pytestmark = pytest.mark.grpc
 
-TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
-ZOE_TOKEN = "zoe-token-0123456789abcd"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca, other = CertificateAuthority.create(d, "mesh-ca"), CertificateAuthority.create(d, "other-ca")
-    tokens = d / "tokens"
-    # and a principal whose name is not ASCII (a token file is UTF-8; so is a certificate's CN)
-    tokens.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items())
-                      + f"zoë:{ZOE_TOKEN}\n", encoding="utf-8")
-    for principal, token in TOKENS.items():
-        (d / f"{principal}.token").write_text(token + "\n")
-    (d / "zoe.token").write_text(ZOE_TOKEN + "\n")
-    route_key = d / "route.key"  # the route's shared secret (serve --route-key-file)
-    route_key.write_bytes(os.urandom(32))
-    route_key.chmod(0o600)
-    return {"dir": d, "ca": ca, "other": other, "server": ca.issue("worker", server=True), "tokens": tokens,
-            "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice"),
-            "empty_cn": ca.issue(""), "no_cn": ca.issue(None), "route_key": route_key}
-
-
-def _serve(model, flags: tuple, first: int = 0, last: int = 5, ready: bool = True) -> tuple[subprocess.Popen, str]:
-    proc, addr = start_worker(model, first, last, 1, extra=("--context-tokens", "256", *flags))
-    if ready:
-        probe = ("localhost:" + addr.rsplit(":", 1)[1]) if "--tls-cert" in flags else addr
-        _wait_tls(proc, probe) if "--tls-cert" in flags else wait_serving(proc, addr)
-    return proc, addr
-
-
-def _wait_tls(proc, address: str, timeout_s: float = 120.0) -> None:
-    """The health check over TLS, without credentials: it stays reachable for orchestrators."""
-    creds = grpc.ssl_channel_credentials(root_certificates=_PKI["ca"].cert.read_bytes())
-    deadline = time.monotonic() + timeout_s
-    with grpc.secure_channel(address, creds) as ch:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
-    raise TimeoutError(address)
-
-
-_PKI: dict = {}
-
-
 @pytest.fixture(scope="module")
 def token_worker(synthetic_model, pki):
-    _PKI.update(pki)
-    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+    PKI.update(pki)
+    proc, addr = serve_worker(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
                                           "--auth-token-file", str(pki["tokens"]), "--admin", "ops",
                                           "--max-sessions-per-principal", "3"))
     yield "localhost:" + addr.rsplit(":", 1)[1]
@@ -87,38 +38,17 @@ def token_worker(synthetic_model, pki):
 
 @pytest.fixture(scope="module")
 def mtls_worker(synthetic_model, pki):
-    _PKI.update(pki)
-    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+    PKI.update(pki)
+    proc, addr = serve_worker(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
                                           "--tls-client-ca", str(pki["ca"].cert)), ready=False)
     yield proc, "localhost:" + addr.rsplit(":", 1)[1]
     stop_worker(proc)
-
-
-def _stub(address: str, security: ClientSecurity) -> pb_grpc.ShardServiceStub:
-    return pb_grpc.ShardServiceStub(security.channel(address, []))
-
-
-def _as(pki, principal: str) -> ClientSecurity:
-    return ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(pki["dir"] / f"{principal}.token"))
 
 
 def _code(call) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as e:
         call()
     return e.value.code()
-
-
-def _assertion(key: bytes, principal: str, issued_at: int | None = None) -> bytes:
-    """The head's on-behalf-of assertion, built from its wire format (not the worker's code): version
-    1, issued-at as 8 big-endian bytes, HMAC-SHA256 under the route key of those and the name."""
-    head = bytes([1]) + (int(time.time()) if issued_at is None else issued_at).to_bytes(8, "big")
-    return head + hmac.new(key, head + principal.encode("utf-8"), hashlib.sha256).digest()
-
-
-def _on_behalf_of(pki, principal: str, **kw) -> tuple:
-    """Metadata a head sends for `principal`, signed with the pki's route key."""
-    return (("llama-shard-on-behalf-of-bin", principal.encode("utf-8")),
-            ("llama-shard-on-behalf-of-sig-bin", _assertion(pki["route_key"].read_bytes(), principal, **kw)))
 
 
 def _prefill(stub, sid: str, epoch: int = 1, tokens=(1, 2, 3), position: int | None = 0):
@@ -131,17 +61,17 @@ def _prefill(stub, sid: str, epoch: int = 1, tokens=(1, 2, 3), position: int | N
 # --- token over TLS --------------------------------------------------------------------------------
 
 def test_token_worker_refuses_every_wrong_caller_and_keeps_serving(token_worker, pki):
-    alice = _stub(token_worker, _as(pki, "alice"))
+    alice = stub_for(token_worker, client_as(pki, "alice"))
     assert _prefill(alice, "a-first").outcome == pb.OUTCOME_OK
     plaintext = pb_grpc.ShardServiceStub(grpc.insecure_channel(token_worker))
     assert _code(lambda: plaintext.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
-    other_ca = _stub(token_worker, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
+    other_ca = stub_for(token_worker, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
     assert _code(lambda: other_ca.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
-    no_token = _stub(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert)))
+    no_token = stub_for(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert)))
     assert _code(lambda: no_token.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
     wrong = pki["dir"] / "wrong.token"
     wrong.write_text("alice-token-0123456788\n")
-    bad_token = _stub(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(wrong)))
+    bad_token = stub_for(token_worker, ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(wrong)))
     for call in (lambda: bad_token.Info(pb.InfoRequest(), timeout=10), lambda: _prefill(bad_token, "a-first"),
                  lambda: bad_token.Release(pb.SessionRequest(session_id="a-first", route_epoch=1), timeout=10),
                  lambda: bad_token.StepBatch(pb.StepBatchRequest(), timeout=10)):
@@ -164,7 +94,7 @@ def _same_as_absent(reply_for_owned, reply_for_absent, owned: str, absent: str) 
 
 
 def test_another_principal_cannot_touch_a_session_and_learns_nothing(token_worker, pki):
-    alice, bob = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "bob"))
+    alice, bob = stub_for(token_worker, client_as(pki, "alice")), stub_for(token_worker, client_as(pki, "bob"))
     assert _prefill(alice, "victim", epoch=5, tokens=[1, 2, 3, 4]).outcome == pb.OUTCOME_OK
     calls = {
         "resolve": lambda sid: bob.Resolve(pb.SessionRequest(session_id=sid, route_epoch=5), timeout=10),
@@ -188,7 +118,7 @@ def test_another_principal_cannot_touch_a_session_and_learns_nothing(token_worke
     # Info: counts for everyone, ids (with their owners) for the admin only
     bob_info = bob.Info(pb.InfoRequest(), timeout=10)
     assert bob_info.live_sessions >= 2 and list(bob_info.sessions) == []
-    ops_info = _stub(token_worker, _as(pki, "ops")).Info(pb.InfoRequest(), timeout=10)
+    ops_info = stub_for(token_worker, client_as(pki, "ops")).Info(pb.InfoRequest(), timeout=10)
     owners = {(s.session_id, s.route_epoch): s.owner for s in ops_info.sessions}
     assert owners[("victim", 5)] == "alice" and owners[("victim", 6)] == "bob"
     for stub, epoch in ((alice, 5), (bob, 6)):
@@ -196,7 +126,7 @@ def test_another_principal_cannot_touch_a_session_and_learns_nothing(token_worke
 
 
 def test_the_per_principal_cap_answers_resource_exhausted_and_costs_others_nothing(token_worker, pki):
-    alice, bob = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "bob"))
+    alice, bob = stub_for(token_worker, client_as(pki, "alice")), stub_for(token_worker, client_as(pki, "bob"))
     held = [f"cap-{i}" for i in range(3)]
     for sid in held[:2]:  # with a-first from the first test: 3, the cap
         assert _prefill(alice, sid).outcome == pb.OUTCOME_OK
@@ -235,15 +165,15 @@ def _wait_answering(proc, stub, timeout_s: float = 120) -> None:
 def test_mutual_tls_principal_is_the_certificate_name(mtls_worker, pki):
     proc, address = mtls_worker
     alice_sec = ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["alice"].cert), tls_key=str(pki["alice"].key))
-    alice = _stub(address, alice_sec)
+    alice = stub_for(address, alice_sec)
     _wait_answering(proc, alice)
     assert _prefill(alice, "m-victim").outcome == pb.OUTCOME_OK
-    no_cert = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert)))
+    no_cert = stub_for(address, ClientSecurity(tls_ca=str(pki["ca"].cert)))
     assert _code(lambda: no_cert.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
-    mallory = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["mallory"].cert),
+    mallory = stub_for(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["mallory"].cert),
                                             tls_key=str(pki["mallory"].key)))  # "alice", signed by another CA
     assert _code(lambda: mallory.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAVAILABLE
-    bob = _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["bob"].cert), tls_key=str(pki["bob"].key)))
+    bob = stub_for(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(pki["bob"].cert), tls_key=str(pki["bob"].key)))
     r = bob.Resolve(pb.SessionRequest(session_id="m-victim", route_epoch=1), timeout=10)
     assert r.miss_reason == "UNKNOWN_SESSION"
     assert list(bob.Info(pb.InfoRequest(), timeout=10).sessions) == []  # no --admin: nobody sees ids
@@ -278,15 +208,15 @@ def test_an_exposed_address_needs_tls_and_authentication_or_insecure(synthetic_m
 
 
 def test_token_file_and_certificates_reload_without_a_restart(synthetic_model, pki, tmp_path):
-    _PKI.update(pki)
+    PKI.update(pki)
     tokens, cert, key = tmp_path / "tokens", tmp_path / "server.cert", tmp_path / "server.key"
     tokens.write_text(f"alice:{TOKENS['alice']}\n")
     shutil.copy(pki["server"].cert, cert)
     shutil.copy(pki["server"].key, key)
-    proc, addr = _serve(synthetic_model, ("--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(tokens)))
+    proc, addr = serve_worker(synthetic_model, ("--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(tokens)))
     address = "localhost:" + addr.rsplit(":", 1)[1]
     try:
-        bob = _stub(address, _as(pki, "bob"))
+        bob = stub_for(address, client_as(pki, "bob"))
         assert _code(lambda: bob.Info(pb.InfoRequest(), timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
         tokens.write_text(f"alice:{TOKENS['alice']}\nbob:{TOKENS['bob']}\n")
         proc.send_signal(signal.SIGHUP)
@@ -299,13 +229,13 @@ def test_token_file_and_certificates_reload_without_a_restart(synthetic_model, p
                 assert time.monotonic() < deadline, "the new token was not accepted"
                 time.sleep(0.2)
         # a new certificate, from another CA: new connections get it, the worker keeps running
-        alice = _stub(address, _as(pki, "alice"))
+        alice = stub_for(address, client_as(pki, "alice"))
         assert _prefill(alice, "kept").outcome == pb.OUTCOME_OK
         renewed = pki["other"].issue("worker-renewed", server=True)
         shutil.copy(renewed.key, key)
         shutil.copy(renewed.cert, cert)
         os.utime(cert)
-        new_ca = _stub(address, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
+        new_ca = stub_for(address, ClientSecurity(tls_ca=str(pki["other"].cert), token_file=str(pki["dir"] / "alice.token")))
         r = new_ca.Resolve(pb.SessionRequest(session_id="kept", route_epoch=1), timeout=10)
         assert r.outcome == pb.OUTCOME_OK and r.seq_len == 3  # the session survived the renewal
     finally:
@@ -313,7 +243,7 @@ def test_token_file_and_certificates_reload_without_a_restart(synthetic_model, p
 
 
 def test_the_rpc_limit_answers_resource_exhausted_and_the_worker_goes_on(synthetic_model):
-    proc, addr = _serve(synthetic_model, ("--max-concurrent-rpcs", "1"))
+    proc, addr = serve_worker(synthetic_model, ("--max-concurrent-rpcs", "1"))
     codes: list = []
     try:
         stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(addr))
@@ -342,20 +272,20 @@ def test_the_rpc_limit_answers_resource_exhausted_and_the_worker_goes_on(synthet
 def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_model, pki):
     from llama_shard.route import RemoteStage, RouteClient
 
-    _PKI.update(pki)
+    PKI.update(pki)
     tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
            "--auth-token-file", str(pki["tokens"]))
     route_key = ("--route-key-file", str(pki["route_key"]))  # the head signs whom it forwards for; the tail checks
-    tail, tail_addr = _serve(synthetic_model, (*tls, "--forwarder", "ops", "--admin", "bob", *route_key), 3, 5)
+    tail, tail_addr = serve_worker(synthetic_model, (*tls, "--forwarder", "ops", "--admin", "bob", *route_key), 3, 5)
     tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
     refused = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model),
                               "--layers", "0-2", "--port", "0", *tls, "--peer", tail_name],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--peer-tls-ca" in refused.stderr  # a peer it could not authenticate
-    head, head_addr = _serve(synthetic_model, (*tls, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
+    head, head_addr = serve_worker(synthetic_model, (*tls, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
                                                "--peer-token-file", str(pki["dir"] / "ops.token"), *route_key), 0, 2)
     try:
-        security = _as(pki, "alice")
+        security = client_as(pki, "alice")
         stages = [RemoteStage("localhost:" + head_addr.rsplit(":", 1)[1], security=security),
                   RemoteStage(tail_name, security=security)]
         client = RouteClient(stages)
@@ -376,22 +306,22 @@ def test_a_chained_route_over_tls_forwards_with_the_workers_own_token(synthetic_
         zoe_client = RouteClient([RemoteStage(stages[0].address, security=zoe), RemoteStage(tail_name, security=zoe)])
         zoe_session = zoe_client.session("tls-route-zoe")
         assert zoe_client.generate_many([zoe_session], [[1, 17, 42, 99, 5]], 8)[0] == whole
-        zoe_tail = _stub(tail_name, zoe)
+        zoe_tail = stub_for(tail_name, zoe)
         assert zoe_tail.Resolve(pb.SessionRequest(session_id="tls-route-zoe", route_epoch=zoe_session.epoch),
                                 timeout=10).seq_len > 0  # keyed by zoë on the tail too
         zoe_session.release()
         zoe_client.close()
         # the tail keyed the session by alice (the head, "ops", forwards on her behalf): she sees it
         # there herself, bob does not, and bob naming alice as a forwarder would is not believed
-        tail_alice = _stub(tail_name, security)
+        tail_alice = stub_for(tail_name, security)
         assert tail_alice.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10).seq_len > 0
-        bob = _stub(tail_name, _as(pki, "bob"))
+        bob = stub_for(tail_name, client_as(pki, "bob"))
         r = bob.Resolve(pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch), timeout=10,
                         metadata=(("llama-shard-on-behalf-of-bin", b"alice"),))
         assert r.miss_reason == "UNKNOWN_SESSION"
         # the forwarder's scope: it acts for others on step RPCs only, and never for an admin. Acting
         # "for alice" on a session call or Info it is itself: it cannot see, list or drop her session
-        ops = _stub(tail_name, _as(pki, "ops"))
+        ops = stub_for(tail_name, client_as(pki, "ops"))
         for_alice = (("llama-shard-on-behalf-of-bin", b"alice"),)
         key = pb.SessionRequest(session_id="tls-route", route_epoch=session.epoch)
         assert ops.Resolve(key, timeout=10, metadata=for_alice).miss_reason == "UNKNOWN_SESSION"
@@ -423,40 +353,40 @@ def test_a_forwarder_token_without_the_route_key_steps_no_ones_session(synthetic
     key, a stale or future issued-at, a signature for another name, a blank name: UNAUTHENTICATED,
     never ops itself, and alice's session is unchanged. With the head's assertion, a middle worker
     passes it on unchanged and the tail keys the session by alice."""
-    _PKI.update(pki)
+    PKI.update(pki)
     flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
              str(pki["tokens"]), "--forwarder", "ops", "--route-key-file", str(pki["route_key"]))
-    tail, tail_addr = _serve(synthetic_model, flags, 4, 5)
+    tail, tail_addr = serve_worker(synthetic_model, flags, 4, 5)
     tail_name = "localhost:" + tail_addr.rsplit(":", 1)[1]
-    middle, middle_addr = _serve(synthetic_model, (*flags, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
+    middle, middle_addr = serve_worker(synthetic_model, (*flags, "--peer", tail_name, "--peer-tls-ca", str(pki["ca"].cert),
                                                    "--peer-token-file", str(pki["dir"] / "ops.token")), 2, 3)
     middle_name = "localhost:" + middle_addr.rsplit(":", 1)[1]
     try:
-        ops, alice_tail = _stub(middle_name, _as(pki, "ops")), _stub(tail_name, _as(pki, "alice"))
+        ops, alice_tail = stub_for(middle_name, client_as(pki, "ops")), stub_for(tail_name, client_as(pki, "alice"))
         n_embd = ops.Info(pb.InfoRequest(), timeout=10).n_embd
         # the head's step for alice: through the middle to the tail, keyed by alice on both
         r = ops.Prefill(pb.StepRequest(session_id="victim", route_epoch=1, hidden=_rows(4, n_embd, 1), position=0,
                                        forward=[pb.Hop(address=tail_name)]),
-                        timeout=30, metadata=_on_behalf_of(pki, "alice"))
+                        timeout=30, metadata=on_behalf_of(pki, "alice"))
         assert r.outcome == pb.OUTCOME_OK and r.seq_len == 4, r
         key = pb.SessionRequest(session_id="victim", route_epoch=1)
         assert alice_tail.Resolve(key, timeout=10).seq_len == 4
-        assert _stub(middle_name, _as(pki, "alice")).Resolve(key, timeout=10).seq_len == 4
+        assert stub_for(middle_name, client_as(pki, "alice")).Resolve(key, timeout=10).seq_len == 4
         route_key, wrong_key = pki["route_key"].read_bytes(), os.urandom(32)
         now = int(time.time())
         name = ("llama-shard-on-behalf-of-bin", b"alice")
         forged = {
             "no signature": (name,),
-            "another key": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(wrong_key, "alice"))),
-            "stale": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice", now - 301))),
-            "from the future": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice", now + 120))),
-            "another name's": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "bob"))),
-            "truncated": (name, ("llama-shard-on-behalf-of-sig-bin", _assertion(route_key, "alice")[:-1])),
-            "a blank name": _on_behalf_of(pki, " "),
-            "an empty name": _on_behalf_of(pki, ""),
+            "another key": (name, ("llama-shard-on-behalf-of-sig-bin", assertion(wrong_key, "alice"))),
+            "stale": (name, ("llama-shard-on-behalf-of-sig-bin", assertion(route_key, "alice", now - 301))),
+            "from the future": (name, ("llama-shard-on-behalf-of-sig-bin", assertion(route_key, "alice", now + 120))),
+            "another name's": (name, ("llama-shard-on-behalf-of-sig-bin", assertion(route_key, "bob"))),
+            "truncated": (name, ("llama-shard-on-behalf-of-sig-bin", assertion(route_key, "alice")[:-1])),
+            "a blank name": on_behalf_of(pki, " "),
+            "an empty name": on_behalf_of(pki, ""),
         }
         for target in (tail_name, middle_name):  # the middle checks before it forwards
-            forwarder = _stub(target, _as(pki, "ops"))
+            forwarder = stub_for(target, client_as(pki, "ops"))
             for why, metadata in forged.items():
                 step = pb.StepRequest(session_id="victim", route_epoch=1, hidden=_rows(1, n_embd, 2))
                 assert _code(lambda: forwarder.Decode(step, timeout=10, metadata=metadata)) == \
@@ -466,7 +396,7 @@ def test_a_forwarder_token_without_the_route_key_steps_no_ones_session(synthetic
                     grpc.StatusCode.UNAUTHENTICATED, (target, why)
         assert alice_tail.Resolve(key, timeout=10).seq_len == 4  # untouched
         # and ops stepping as itself reaches only its own key space
-        r = _stub(tail_name, _as(pki, "ops")).Decode(pb.StepRequest(session_id="victim", route_epoch=1,
+        r = stub_for(tail_name, client_as(pki, "ops")).Decode(pb.StepRequest(session_id="victim", route_epoch=1,
                                                                      hidden=_rows(1, n_embd, 3)), timeout=10)
         assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "UNKNOWN_SESSION"
         assert alice_tail.Resolve(key, timeout=10).seq_len == 4
@@ -518,17 +448,17 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
 
     from llama_shard.serve.local_workers import free_port
 
-    _PKI.update(pki)
+    PKI.update(pki)
     warm = tmp_path / "warm"
     warm.mkdir(mode=0o700)
     http_port = free_port()
-    proc, addr = _serve(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+    proc, addr = serve_worker(synthetic_model, ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
                                           "--tls-client-ca", str(pki["ca"].cert), "--warm-dir", str(warm),
                                           "--warm-disk", "64MiB", "--http-port", str(http_port)), ready=False)
     address = "localhost:" + addr.rsplit(":", 1)[1]
 
     def as_cert(issued) -> pb_grpc.ShardServiceStub:
-        return _stub(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(issued.cert),
+        return stub_for(address, ClientSecurity(tls_ca=str(pki["ca"].cert), tls_cert=str(issued.cert),
                                              tls_key=str(issued.key)))
 
     try:
@@ -588,11 +518,12 @@ def test_owner_tags_are_keyed_per_worker_and_kept_with_its_warm_directory(pki, t
     assert one.tag("alice") == hmac.new(tag_key, "alice".encode(), hashlib.sha256).hexdigest()[:16]
 
 
+@pytest.mark.slow
 def test_generate_reaches_a_route_over_tls_with_a_token_and_is_refused_without(embedded_model, pki):
-    _PKI.update(pki)
+    PKI.update(pki)
     tls = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
            "--auth-token-file", str(pki["tokens"]))
-    workers = [_serve(embedded_model, tls, 0, 14), _serve(embedded_model, tls, 15, 29)]
+    workers = [serve_worker(embedded_model, tls, 0, 14), serve_worker(embedded_model, tls, 15, 29)]
     route = ",".join(f"{a}-{b}@localhost:{addr.rsplit(':', 1)[1]}" for (a, b), (_, addr) in zip([(0, 14), (15, 29)], workers))
     cmd = [sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model), "--route", route,
            "--prompt", "The capital of France is", "--max-tokens", "6", "--tls-ca", str(pki["ca"].cert)]
@@ -669,22 +600,22 @@ def test_a_deleted_token_file_revokes_every_token(tmp_path, capfd):
 def test_sessions_resumed_from_disk_count_against_their_owners_cap(synthetic_model, pki, tmp_path):
     """alice (cap 1) holds one session; the worker restarts on its disk tier and resumes it: it
     is still hers, so a second new session is refused (before: the restarted worker counted 0)."""
-    _PKI.update(pki)
+    PKI.update(pki)
     flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
              str(pki["tokens"]), "--warm-dir", str(tmp_path / "warm"), "--warm-disk", "64MiB",
              "--max-sessions-per-principal", "1")
     (tmp_path / "warm").mkdir(mode=0o700)
-    proc, addr = _serve(synthetic_model, flags)
-    alice = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "alice"))
+    proc, addr = serve_worker(synthetic_model, flags)
+    alice = stub_for("localhost:" + addr.rsplit(":", 1)[1], client_as(pki, "alice"))
     assert _prefill(alice, "kept").outcome == pb.OUTCOME_OK
     assert stop_worker(proc)[0] == 0  # SIGTERM: the session goes to disk
-    proc, addr = _serve(synthetic_model, flags)
+    proc, addr = serve_worker(synthetic_model, flags)
     try:
-        alice = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "alice"))
+        alice = stub_for("localhost:" + addr.rsplit(":", 1)[1], client_as(pki, "alice"))
         assert _code(lambda: _prefill(alice, "second")) == grpc.StatusCode.RESOURCE_EXHAUSTED
         r = alice.Resolve(pb.SessionRequest(session_id="kept", route_epoch=1), timeout=10)
         assert r.outcome == pb.OUTCOME_OK and r.seq_len == 3  # resumed, and hers
-        bob = _stub("localhost:" + addr.rsplit(":", 1)[1], _as(pki, "bob"))
+        bob = stub_for("localhost:" + addr.rsplit(":", 1)[1], client_as(pki, "bob"))
         assert _prefill(bob, "bobs").outcome == pb.OUTCOME_OK  # the cap is per principal
     finally:
         assert stop_worker(proc)[0] == 0
@@ -693,7 +624,7 @@ def test_sessions_resumed_from_disk_count_against_their_owners_cap(synthetic_mod
 def test_only_a_trusted_worker_or_an_admin_may_hand_sessions_over_or_drain(token_worker, pki):
     """Handover writes KV into a session of the owner it names: an ordinary principal may not call
     it (nor Drain), whatever it sends; an admin's malformed hand-over is refused, nothing changed."""
-    alice, ops = _stub(token_worker, _as(pki, "alice")), _stub(token_worker, _as(pki, "ops"))
+    alice, ops = stub_for(token_worker, client_as(pki, "alice")), stub_for(token_worker, client_as(pki, "ops"))
     before = ops.Info(pb.InfoRequest(), timeout=10)
     forged = pb.HandoverRequest(session_id="bob-chat", owner="bob", seq_len=4, state=b"\0" * 64, state_bytes=64,
                                 recipe_fingerprint=before.recipe_fingerprint, model_digest=before.model_digest)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_isolated
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock, Tier
@@ -19,6 +18,8 @@ from llama_shard.errors import (
     KvBudgetExceededError,
     StaleRouteEpochError,
 )
+
+from conftest import run_isolated
 
 SPLIT = [(0, 14), (15, 29)]  # SmolLM2-135M: 30 layers
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(1, 40000, 40)]

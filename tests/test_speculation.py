@@ -42,9 +42,8 @@ from llama_shard.serve.speculation import (
     verify,
 )
 
-REPEAT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
-          "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
-          "page and choose a new password.\n\nRewritten text: ")
+from support.prompts import REPEAT
+
 OPEN = "Write a short story about a lighthouse keeper."
 
 
@@ -274,7 +273,7 @@ def test_the_reference_engine_returns_the_same_rows(synthetic_model):
 
 @pytest.fixture(scope="module")
 def smol_spec_routes(embedded_model):
-    from test_generate import Route
+    from support.served_route import Route
 
     routes = {}
     try:
@@ -296,6 +295,7 @@ def _tokens(route, sid, prompt, n, **kw):
 @pytest.mark.model
 @pytest.mark.grpc
 @pytest.mark.parametrize("layout", ["whole", "2 shards", "3 shards"])
+@pytest.mark.slow
 def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_model, layout):
     route = smol_spec_routes[layout]
     vocab = ShardModel(str(embedded_model), (0, 0), 1)
@@ -351,8 +351,9 @@ def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_r
 
 
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_greedy_with_drafts_on_gemma3_in_two_shards_gives_the_tokens_without(gemma3_model):
-    from test_generate import Route
+    from support.served_route import Route
 
     vocab = ShardModel(str(gemma3_model), (0, 0), 1)
     n_layer = vocab.info.n_layer
@@ -371,6 +372,7 @@ def test_greedy_with_drafts_on_gemma3_in_two_shards_gives_the_tokens_without(gem
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_seeded_sampling_with_drafts_is_deterministic_and_matches_without(smol_spec_routes, embedded_model):
     """Seed by seed the same tokens; over 40 seeds, the frequencies of the tokens sampled at each
     position pass a chi-square homogeneity test against generation without drafts (p > 0.01)."""
@@ -450,8 +452,9 @@ def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_s
 @pytest.mark.model
 @pytest.mark.grpc
 @pytest.mark.parametrize("fault", ["truncated", "released", "tail restarted"])
+@pytest.mark.slow
 def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generation_goes_on(embedded_model, fault):
-    from test_generate import Route
+    from support.served_route import Route
 
     route = Route(embedded_model, [(0, 14), (15, 29)])
     try:
@@ -486,6 +489,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
 # --- a draft model --------------------------------------------------------------------------------
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_model, gemma3_model):
     from llama_shard.serve.draft_model import check_vocabulary
     from llama_shard.serve.local_workers import start_worker
@@ -506,12 +510,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_mode
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
     """The route's own model as its draft model: every greedy draft is the route's token (a cheap
     draft model would be a smaller one of the same tokenizer; the rule is the same)."""
-    from test_generate import Route
-
     from llama_shard.serve.local_workers import stop_worker
+
+    from support.served_route import Route
 
     route = Route(embedded_model, [(0, 14), (15, 29)])
     drafting = Route(embedded_model, [(0, 14), (15, 29)])
@@ -547,12 +552,13 @@ print(json.dumps(dict(rss=rss() - r0, hot_bytes=plan.hot_bytes, model_bytes=plan
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_a_draft_model_is_in_the_memory_plan_and_its_engine_is_sized_by_it(embedded_model):
     """serve's memory plan names the draft model's weights and its KV (a slot per Generate stream);
     the draft engine is built from that plan and its KV grows with the streams as the plan says."""
-    from conftest import run_isolated
-
     from llama_shard.cli import build_parser, serve_config
+
+    from conftest import run_isolated
 
     flags = ["serve", "--model", str(embedded_model), "--max-sessions", "3", "--context-tokens", "1024"]
     _, plain = serve_config(build_parser().parse_args(flags), None)
@@ -662,10 +668,11 @@ def test_steps_sent_out_of_order_are_run_in_order_on_every_worker(smol_spec_rout
 @pytest.mark.model
 @pytest.mark.grpc
 @pytest.mark.parametrize("ranges", [[(0, 14), (15, 29)], [(0, 9), (10, 19), (20, 29)]], ids=["2 shards", "3 shards"])
+@pytest.mark.slow
 def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(embedded_model, ranges):
-    from test_generate import Route
-
     from llama_shard.engine.pipeline import LocalPipeline
+
+    from support.served_route import Route
 
     ids = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT * 16)
     prompt, other = ids[:900], ids[:768] + ids[1000:1100]  # four chunks of 256 at most; the same first three
@@ -692,6 +699,7 @@ def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(em
 
 @pytest.mark.model
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_windows_sent_ahead_over_a_slow_link_keep_greedy_and_seeded_tokens(embedded_model):
     """Over a link of +20 ms each way (benchmarks/delay_proxy.py) the head keeps verification windows
     in flight (on loopback, where they seldom pay, it sends few or none): greedy and seeded streams
@@ -699,7 +707,7 @@ def test_windows_sent_ahead_over_a_slow_link_keep_greedy_and_seeded_tokens(embed
     import sys
 
     from conftest import REPO
-    from test_generate import Route
+    from support.served_route import Route
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from delay_proxy import DelayProxy

@@ -269,7 +269,7 @@ def test_the_converter_gives_a_grammar_llama_cpp_parses(vocab):
 
 @pytest.fixture(scope="module")
 def http_route(embedded_model):
-    from test_openai_http import HttpRoute
+    from support.http_route import HttpRoute
     r = HttpRoute(embedded_model)
     yield r
     r.stop()
@@ -280,6 +280,7 @@ PROMPTS = ["Describe Paris as JSON.", "Describe the Nile as JSON.", "Describe Mo
 
 
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_twenty_answers_under_a_json_schema_parse_and_validate(http_route):
     jsonschema = pytest.importorskip("jsonschema")
     client = http_route.client

@@ -150,7 +150,7 @@ def test_tool_requests_are_checked():
 
 @pytest.fixture(scope="module")
 def tool_route(embedded_model):
-    from test_openai_http import HttpRoute
+    from support.http_route import HttpRoute
     r = HttpRoute(embedded_model, head_extra=("--chat-template-file", str(TEMPLATE)))
     yield r
     r.stop()
@@ -172,6 +172,7 @@ def _validated(calls) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.grpc
+@pytest.mark.slow
 def test_required_and_named_choices_answer_with_valid_calls(tool_route):
     client = tool_route.client
     model = client.models.list().data[0].id

@@ -155,9 +155,9 @@ def test_a_worker_decides_its_verification_sizes_before_it_serves(embedded_model
     import re
     import urllib.request
 
-    from test_wire_and_worker import Worker
-
     from llama_shard._native import MAX_LOGIT_ROWS
+
+    from support.worker import Worker
 
     w = Worker(embedded_model, "15-29")
     try:

@@ -13,7 +13,6 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO, varint
 
 from llama_shard import StepKind
 from llama_shard.engine.pipeline import LocalPipeline
@@ -21,7 +20,10 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.wire import decode_tensor, encode_tensor
 from llama_shard.route import RemoteStage, RouteClient, RouteError
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
+
+from conftest import REPO, varint
+from support.worker import Worker
 
 
 def test_generated_code_matches_the_proto(tmp_path):
@@ -84,29 +86,6 @@ def test_q8_0_rows_are_llama_cpps_blocks():
 
 # --- workers on loopback ------------------------------------------------------------------------
 
-class Worker:
-    def __init__(self, model, layers: str, port: int | None = None, extra: tuple = ()):
-        self.port = port or free_port()
-        self.metrics_port = free_port()
-        first, last = (int(x) for x in layers.split("-"))
-        self.proc, self.address = start_worker(model, first, last, 1, port=self.port, extra=(
-            "--context-tokens", "256", "--metrics-port", str(self.metrics_port), *extra))
-        wait_serving(self.proc, self.address)
-
-    def stop(self, sig=signal.SIGTERM, timeout=30) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stderr.closed:
-            return self.proc.returncode, ""
-        with self.proc.stderr:
-            return self.proc.returncode, self.proc.stderr.read()
-
-
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fib(n):", "The three primary colors are",
            "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
 N_TOKENS = 20
@@ -134,6 +113,7 @@ def workers(embedded_model):
         w.stop()
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_whole_models_tokens_to_eight_concurrent_sessions(workers, whole_tokens, tokenizer):
     head, tail = workers
     client = RouteClient([RemoteStage(head.address), RemoteStage(tail.address)])
@@ -226,6 +206,7 @@ def test_step_batch_answers_each_step_on_its_own(workers, tokenizer):
         stub.Release(pb.SessionRequest(session_id=sid, route_epoch=0), timeout=10)
 
 
+@pytest.mark.slow
 def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedded_model, whole_tokens, tokenizer):
     head, tail = Worker(embedded_model, "0-14"), Worker(embedded_model, "15-29")
     try:
@@ -385,6 +366,7 @@ def test_sigterm_with_live_sessions_exits_zero_and_reports(embedded_model, token
     assert "released 3 session(s)" in err
 
 
+@pytest.mark.slow
 def test_a_worker_with_a_disk_tier_resumes_its_sessions_after_a_restart(embedded_model, tokenizer, tmp_path):
     """SIGTERM writes every session to --warm-dir; a worker restarted on it continues them without
     a re-prefill, and the tokens are those of a conversation that never saw the restart."""
@@ -415,6 +397,7 @@ def test_a_worker_with_a_disk_tier_resumes_its_sessions_after_a_restart(embedded
         w.stop()
 
 
+@pytest.mark.slow
 def test_a_quiet_worker_applies_its_ttl(embedded_model, tokenizer):
     """No request arrives after the session's: the worker's own sweep evicts it after --ttl."""
     w = Worker(embedded_model, "0-29", extra=("--ttl", "3", "--sweep-seconds", "0.2"))
@@ -431,6 +414,7 @@ def test_a_quiet_worker_applies_its_ttl(embedded_model, tokenizer):
         w.stop()
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end():
     res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "demo", "--max-tokens", "16"], capture_output=True,
                          text=True, timeout=600, cwd=REPO)
@@ -461,6 +445,7 @@ def chain(embedded_model):
         w.stop()
 
 
+@pytest.mark.slow
 def test_a_chained_route_gives_the_whole_models_tokens(chain, whole_tokens, tokenizer):
     head, tail = chain
     stages = [RemoteStage(head.address), RemoteStage(tail.address)]
@@ -480,6 +465,7 @@ def test_a_chained_route_gives_the_whole_models_tokens(chain, whole_tokens, toke
         sess.release()
 
 
+@pytest.mark.slow
 def test_a_heads_wire_dtype_is_its_routes_default_and_a_request_may_name_another(embedded_model, whole_tokens,
                                                                                  tokenizer):
     """serve --wire-dtype q8_0: the head's own route sends q8_0 rows (34 bytes per 32 values) when a
@@ -601,6 +587,7 @@ def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, wh
     s.release()
 
 
+@pytest.mark.slow
 def test_a_killed_tail_on_a_chained_route_is_a_clear_error_then_a_reprefill(embedded_model, whole_tokens, tokenizer):
     tail = Worker(embedded_model, "15-29")
     head = Worker(embedded_model, "0-14", extra=("--peer", tail.address))

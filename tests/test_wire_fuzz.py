@@ -9,7 +9,6 @@ import collections
 
 import grpc
 import pytest
-from conftest import varint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +17,8 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.testing.process import resident_bytes
+
+from conftest import varint
 
 pytestmark = pytest.mark.grpc
 
@@ -85,6 +86,7 @@ def _call(fn, request):
 
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.slow
 def test_generated_messages_get_an_outcome_or_a_clean_status(worker, data):
     proc, channel = worker
     stub = pb_grpc.ShardServiceStub(channel)
@@ -123,6 +125,7 @@ def test_raw_bytes_get_a_clean_status(worker, method, payload):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.slow
 def test_maximum_and_oversize_fields_get_an_outcome_or_a_clean_status(worker, data):
     """Each field at the largest size the worker's receive limit lets through, and at one that makes
     the message just too large: a token list of one-byte or five-byte ids, hidden bytes, a session

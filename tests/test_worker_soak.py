@@ -21,6 +21,7 @@ SESSIONS = int(os.environ.get("LLAMA_SHARD_SOAK_SESSIONS", "10000"))
 RSS_GROWTH_BOUND = 24 << 20  # after the warm-up: allocator pools and gRPC buffers settle below this
 
 
+@pytest.mark.slow
 def test_sessions_through_a_worker_leave_nothing_behind(synthetic_model):
     proc, addr = start_worker(synthetic_model, 0, 5, 1, extra=("--ttl", "0.2", "--sweep-seconds", "0.1",
                                                                "--context-tokens", "64", "--budget-tokens", "512"))
