@@ -72,10 +72,10 @@ def family(request, family_models):
 
 def fresh_atol(spec: MoeSpec, default: float) -> float:
     """How far a fresh prefill's logits may be from the same tokens computed in other batch shapes.
-    The whole model itself (upstream's path) moves this much: gemma4 without flash attention by
-    7.5e-4 (measured: 12 tokens and then 7 one at a time, against 19 at once), the others by less
-    than 1e-4."""
-    return 2e-3 if spec.family == "gemma4" else default
+    The whole model itself (upstream's path) moves this much: gemma4 by up to 3.1e-3 (measured on
+    the dense fixture: 12 tokens and then 7 one at a time, against 19 at once; 1.7e-3 without flash
+    attention), the others by less than 1e-4."""
+    return 5e-3 if spec.family == "gemma4" else default
 
 
 def halves(spec: MoeSpec):

@@ -12,9 +12,11 @@ main graph (the one that starts from `build_inp_embd(model.tok_embd)`), and noth
    loop is followed directly by code reading `inpL` (phi3), right after the loop, returning `inpL`.
 
 The builder must carry the residual in `inpL` (the loop ends with `inpL = cur;`) and use the
-embeddings for nothing but the loop: a builder that computes something else from them before the
-loop (gemma's unconditional scale, per-layer inputs, learned positions, an embedding norm) is
-refused, since a non-head shard's input is the residual, not the embeddings.
+embeddings (or the token ids) for nothing but the loop: a builder that computes something else
+from them before the loop (gemma's unconditional scale, per-layer inputs, learned positions, an
+embedding norm) is refused, since a non-head shard's input is the residual, not the embeddings.
+PRE_LOOP_FAMILY_OK names the one exception, gemma4's per-layer inputs, which a load-time refusal
+backs (a range on a file that has them is refused).
 
 A family whose graph refuses embeddings as input takes one more edit (FAMILY_EDITS). Otherwise
 the input needs no edit: on a non-head shard `model.tok_embd` is null (patch 0002), and
@@ -98,11 +100,16 @@ PRE_LOOP_OK = (
 )
 
 
-#: a builder's own pre-loop use of the embeddings that the loader makes safe: gemma4's per-layer
-#: inputs exist only in files with `embedding_length_per_layer_input` > 0, and a range on such a
-#: file is refused at load (patch 0014), so on a shard the branch is never taken
+#: what else before the loop reads the tokens rather than the residual (a non-head shard has none)
+TOKEN_INPUT = re.compile(r"build_inp_per_layer\(|ubatch\.token|inp->tokens")
+
+#: a builder's own pre-loop use of the embeddings or tokens that the loader makes safe: gemma4's
+#: per-layer inputs exist only in files with `embedding_length_per_layer_input` > 0, and a range on
+#: such a file is refused at load (patch 0014 in llama.cpp, and the native header check), so on a
+#: shard the branch is never taken
 PRE_LOOP_FAMILY_OK = {
-    "gemma4.cpp": ("inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);",),
+    "gemma4.cpp": ("inp_per_layer = build_inp_per_layer();",
+                   "inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);"),
 }
 
 
@@ -169,9 +176,12 @@ def _boundary_site(body: str, name: str) -> tuple[int, str]:
 
 
 def _pre_loop_problems(body: str, name: str) -> list[str]:
-    pre = body[len(MAIN_GRAPH):body.find(LOOP_SHARD) if LOOP_SHARD in body else body.find(LOOP)]
+    loop = body.find(LOOP_SHARD) if LOOP_SHARD in body else body.find(LOOP)
+    if loop < 0:
+        return [f"{name}: the main graph has no {LOOP!r}"]
     return [f"{name}: the embeddings feed more than the layer loop ({s!r}): a non-head shard would lack it"
-            for s in _statements(pre) if re.search(rf"\b{STREAM}\b", s) and not any(p.fullmatch(s) for p in PRE_LOOP_OK)
+            for s in _statements(body[len(MAIN_GRAPH):loop])
+            if (re.search(rf"\b{STREAM}\b", s) or TOKEN_INPUT.search(s)) and not any(p.fullmatch(s) for p in PRE_LOOP_OK)
             and s not in PRE_LOOP_FAMILY_OK.get(name, ())]
 
 

@@ -215,7 +215,7 @@ hot_kv_engine::hot_kv_engine(const shard_model & model, const hot_kv_config & co
         state_layout_.k_widths.resize((size_t) n_kv_layers);
         state_layout_.v_widths.resize((size_t) n_kv_layers);
         llama_model_kv_state_widths(model.raw(), state_layout_.k_widths.data(), state_layout_.v_widths.data(), n_kv_layers);
-        state_layout_.n_layers  = (uint32_t) info.n_owned_layers();
+        state_layout_.n_layers  = (uint32_t) n_kv_layers;
         state_layout_.type      = (int32_t) type;
         state_layout_.v_trans   = !config.flash_attn;
         state_layout_.el_bytes  = (uint32_t) ggml_type_size(type);

@@ -903,6 +903,8 @@ CERTIFICATION_SPECS = {
     # sliding layers and every 3rd full (other head size, K as V), a dense MLP beside routed experts
     # in every layer (26B-A4B's shape); no per-layer inputs, no shared KV (those files are refused)
     "gemma4": MoeSpec(family="gemma4", n_expert=4, n_expert_used=2, sliding_window=4, seed=46),
+    # the same without experts (31B's shape)
+    "gemma4-dense": MoeSpec(family="gemma4", n_expert=0, n_expert_used=0, sliding_window=4, seed=47),
 }
 
 
