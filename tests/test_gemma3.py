@@ -15,51 +15,19 @@ from llama_shard import (
     CacheMiss,
     CacheMissReason,
     HotKvStateConfig,
-    HotKvStateManager,
-    KvBoundaryAdapter,
     ShardModel,
     Tier,
 )
-from llama_shard.engine.hot_kv import ManualClock
 
-PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]  # 12 tokens: three windows
+from support.engine_route import PROMPT
+from support.engine_route import Route as EngineRoute
 
 
-class Route:
+class Route(EngineRoute):
     """A 2-shard split of the synthetic Gemma 3 (layers 0-4: sliding only; 5-7: the global layer 5)."""
 
     def __init__(self, path, config: HotKvStateConfig | None = None, configs: list | None = None):
-        config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
-        self.models = [ShardModel(str(path), (0, 4), 1), ShardModel(str(path), (5, 7), 1)]
-        self.managers = [HotKvStateManager(m, c, ManualClock(), n_batch=32)
-                         for m, c in zip(self.models, configs or [config, config])]
-        self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
-
-    def prefill(self, sid: str, tokens, start_pos: int | None = None):
-        head, tail = self.adapters
-        return tail.prefill(sid, 0, boundary=head.prefill(sid, 0, token_ids=tokens, start_pos=start_pos),
-                            start_pos=start_pos)
-
-    def decode(self, sid: str, token: int):
-        head, tail = self.adapters
-        return tail.decode(sid, 0, boundary=head.decode(sid, 0, token_ids=[token]))
-
-    def greedy(self, sid: str, prompt, n: int) -> tuple[list[int], list[bytes]]:
-        out = self.prefill(sid, prompt)
-        tokens, logits = [out.token_id], [out.logits.tobytes()]
-        for _ in range(n - 1):
-            out = self.decode(sid, tokens[-1])
-            tokens.append(out.token_id)
-            logits.append(out.logits.tobytes())
-        return tokens, logits
-
-    def truncate(self, sid: str, length: int) -> None:
-        for mgr in self.managers:
-            assert mgr.truncate(sid, 0, length).seq_len == length
-
-    def close(self) -> None:
-        for mgr in self.managers:
-            mgr.close()
+        super().__init__(path, [(0, 4), (5, 7)], config, configs)
 
 
 @pytest.fixture

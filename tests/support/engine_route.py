@@ -9,12 +9,14 @@ PROMPT = [1, 17, 42, 99, 5, 250, 3, 8, 9, 10, 11, 12]
 
 
 class Route:
-    """A 2-shard split through the Hot KV engine (what a worker runs)."""
+    """A split (the shards' `layout`: (first, last) ranges) through the Hot KV engine, as workers run
+    it; one `config` for every shard's engine, or one each in `configs`."""
 
-    def __init__(self, path, layout, config: HotKvStateConfig | None = None):
+    def __init__(self, path, layout, config: HotKvStateConfig | None = None, configs: list | None = None):
         config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
         self.models = [ShardModel(str(path), r, 1) for r in layout]
-        self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=32) for m in self.models]
+        self.managers = [HotKvStateManager(m, c, ManualClock(), n_batch=32)
+                         for m, c in zip(self.models, configs or [config] * len(layout))]
         self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
 
     def prefill(self, sid, tokens, start_pos=None):
@@ -47,6 +49,10 @@ class Route:
         for _ in range(n - 1):
             tokens.append(self.decode(sid, tokens[-1]).token_id)
         return tokens
+
+    def truncate(self, sid, length):
+        for mgr in self.managers:
+            assert mgr.truncate(sid, 0, length).seq_len == length
 
     def close(self):
         for m in self.managers:
