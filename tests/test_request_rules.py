@@ -73,6 +73,29 @@ def test_a_sessions_parameters_are_checked_once_and_its_state_at_every_step():
     assert checks.params(("x", 0), pb.StepRequest()) is None
 
 
+def test_a_grammar_verdict_counts_only_for_the_model_it_was_made_for(synthetic_model):
+    """The verdicts are kept by id(model); an id is reused once its model is gone, so a kept verdict
+    whose model is not this one (its weak reference dead) is made again, not trusted."""
+    import weakref
+
+    from llama_shard import ShardModel
+    from llama_shard.proto import requests
+
+    model = ShardModel(str(synthetic_model), (0, 0), 1)
+    bad = SamplingParams(grammar='root ::= "a" (')
+    with pytest.raises(InvalidInputError, match="grammar"):
+        requests.check_grammar(bad, model)
+
+    class Gone:
+        pass
+
+    stale = weakref.ref(Gone())  # dead at once: the model a reused id once named
+    requests._GRAMMAR_VERDICTS[(id(model), bad.grammar)] = (stale, None)  # that model accepted it
+    with pytest.raises(InvalidInputError, match="grammar"):
+        requests.check_grammar(bad, model)
+    assert requests._GRAMMAR_VERDICTS[(id(model), bad.grammar)][0]() is model
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True, timeout=120)
 

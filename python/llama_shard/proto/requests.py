@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -89,7 +90,9 @@ def sampling_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> Samplin
                           max_window)
 
 
-_GRAMMAR_VERDICTS: OrderedDict[tuple, str | None] = OrderedDict()  # (model, grammar) -> why not, or None
+# (id(model), grammar) -> (the model, weakly; why not, or None). An id is reused once its object is
+# gone, so a verdict counts only while its weak reference still gives the same model
+_GRAMMAR_VERDICTS: OrderedDict[tuple, tuple[weakref.ref, str | None]] = OrderedDict()
 _GRAMMAR_VERDICTS_LOCK = threading.Lock()
 
 
@@ -101,12 +104,11 @@ def check_grammar(params: SamplingParams, model) -> None:
         return
     key = (id(model), params.grammar)
     with _GRAMMAR_VERDICTS_LOCK:
-        known = key in _GRAMMAR_VERDICTS
-        why = _GRAMMAR_VERDICTS.get(key)
-    if not known:
+        seen, why = _GRAMMAR_VERDICTS.get(key, (None, None))
+    if seen is None or seen() is not model:
         why = grammar_problem(model, params.grammar)
         with _GRAMMAR_VERDICTS_LOCK:
-            _GRAMMAR_VERDICTS[key] = why
+            _GRAMMAR_VERDICTS[key] = (weakref.ref(model), why)
             while len(_GRAMMAR_VERDICTS) > 256:
                 _GRAMMAR_VERDICTS.popitem(last=False)
     if why is not None:
