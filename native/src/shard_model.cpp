@@ -122,30 +122,19 @@ gguf_header read_gguf_header(const std::string & path) {
         h.arch = gguf_get_val_str(ctx, arch_id);
     }
     if (!h.arch.empty()) {
-        const int64_t n_layer_id = gguf_find_key(ctx, (h.arch + ".block_count").c_str());
-        if (n_layer_id >= 0) {
-            h.n_layer = gguf_int_value(ctx, n_layer_id);
-        }
-        const int64_t nextn_id = gguf_find_key(ctx, (h.arch + ".nextn_predict_layers").c_str());
-        if (nextn_id >= 0) {
-            h.n_layer_nextn = gguf_int_value(ctx, nextn_id);
-        }
-        const int64_t kv_id = gguf_find_key(ctx, (h.arch + ".attention.head_count_kv").c_str());
-        if (kv_id >= 0) {
-            h.n_head_kv_max = gguf_int_array_max(ctx, kv_id);
-        }
-        const int64_t kl_id = gguf_find_key(ctx, (h.arch + ".attention.key_length").c_str());
-        if (kl_id >= 0) {
-            h.key_length = gguf_int_value(ctx, kl_id);
-        }
-        const int64_t ple_id = gguf_find_key(ctx, (h.arch + ".embedding_length_per_layer_input").c_str());
-        if (ple_id >= 0) {
-            h.n_embd_per_layer = gguf_int_value(ctx, ple_id);
-        }
-        const int64_t shared_id = gguf_find_key(ctx, (h.arch + ".attention.shared_kv_layers").c_str());
-        if (shared_id >= 0) {
-            h.n_kv_shared = gguf_int_value(ctx, shared_id);
-        }
+        // `<arch>.<key>` read by `read` into `out` where the file has it (a missing key keeps the default)
+        auto key = [&](const char * name, int64_t & out, int64_t (*read)(const gguf_context *, int64_t)) {
+            const int64_t id = gguf_find_key(ctx, (h.arch + "." + name).c_str());
+            if (id >= 0) {
+                out = read(ctx, id);
+            }
+        };
+        key("block_count", h.n_layer, gguf_int_value);
+        key("nextn_predict_layers", h.n_layer_nextn, gguf_int_value);
+        key("attention.head_count_kv", h.n_head_kv_max, gguf_int_array_max);
+        key("attention.key_length", h.key_length, gguf_int_value);
+        key("embedding_length_per_layer_input", h.n_embd_per_layer, gguf_int_value);
+        key("attention.shared_kv_layers", h.n_kv_shared, gguf_int_value);
     }
     // llama.cpp's CPU ssm_conv asserts an f32 kernel at the first decode (an abort): refused here
     for (int64_t t = 0; t < gguf_get_n_tensors(ctx); ++t) {

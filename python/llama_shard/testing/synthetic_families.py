@@ -673,20 +673,6 @@ def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
         if sh:
             w.add_expert_shared_feed_forward_length(sh)
 
-    def attention(p: str) -> None:
-        w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
-        w.add_tensor(p + "attn_k.weight", mat(Hkv * hd, E))
-        w.add_tensor(p + "attn_v.weight", mat(Hkv * hd, E))
-        w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
-
-    def routed_experts(p: str) -> None:  # no gate tensors: squared ReLU on up alone
-        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
-        w.add_tensor(p + "exp_probs_b.bias", vec(X))
-        w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
-        w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
-        w.add_tensor(p + "ffn_up_shexp.weight", mat(sh, E))
-        w.add_tensor(p + "ffn_down_shexp.weight", mat(E, sh))
-
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
     for il, kind in enumerate(kinds):
         p = f"blk.{il}."
