@@ -14,8 +14,8 @@ from .model import (
     ReferenceModel,
     ReferenceShard,
     ReferenceShardInfo,
-    SequenceKv,
 )
+from .sequences import SequenceKv
 
 __all__ = [
     "NATIVE_LOGIT_ATOL",

@@ -19,7 +19,6 @@ import os
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,10 +37,8 @@ from .._native import (
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
 from .prefix_store import PrefixStore
+from .sequences import KvShard, SequenceKv
 from .warm_tier import WarmEntry, WarmTier
-
-if TYPE_CHECKING:  # the shard brings this engine (ReferenceShard.hot_kv_engine): no import back
-    from .model import ReferenceShard, SequenceKv
 
 # the native enums: one status and miss-reason type for both engines
 OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
@@ -113,7 +110,7 @@ class _Dropped:
 
 
 class ReferenceHotKvEngine:
-    def __init__(self, shard: ReferenceShard, config: HotKvConfig):
+    def __init__(self, shard: KvShard, config: HotKvConfig):
         """The native engine's configuration, checked by the same native function; a warm_dir is
         simulated (the same decisions and sizes as the disk tier's files, no files)."""
         config.check()

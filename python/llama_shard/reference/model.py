@@ -26,6 +26,9 @@ from gguf.quants import dequantize
 
 from .._native import kv_bytes_per_token
 from ..errors import InvalidInputError, ModelLoadError, UncertifiedArchitectureError
+from .engine import ReferenceHotKvEngine
+from .sequences import SequenceKv
+from .step_loop import ReferenceStepLoop
 
 #: absolute tolerance on logits between the native engine and this reference on the synthetic
 #: models. Measured (tests/test_native_vs_reference.py, 50 random prompts x 16 teacher-forced steps
@@ -314,37 +317,12 @@ class ReferenceShardInfo:
     swa_pattern: str
 
 
-class SequenceKv:
-    """K/V of one sequence for the owned layers of a shard: {layer: (k, v)}, rows = positions 0..len-1."""
-
-    def __init__(self, model: ReferenceModel, owned_layers: range):
-        hp = model.hparams
-        empty = np.zeros((0, hp.n_head_kv, hp.head_dim))
-        self.layers = {il: (empty, empty) for il in owned_layers}
-
-    @property
-    def seq_len(self) -> int:
-        first = next(iter(self.layers.values()))
-        return first[0].shape[0]
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.seq_len:
-            raise InvalidInputError(f"cannot truncate a sequence of {self.seq_len} to {length}")
-        self.layers = {il: (k[:length], v[:length]) for il, (k, v) in self.layers.items()}
-
-    def nbytes(self, dtype_bytes: int = 2) -> int:
-        return sum(k.size + v.size for k, v in self.layers.values()) * dtype_bytes
-
-
 class ReferenceShard:
     """KV-cached execution of layers [first, last] with the native engine's boundary contract."""
 
     def hot_kv_engine(self, engine_config, max_step_sessions: int | None, prefill_chunk: int):
         """(engine, step loop) for a HotKvStateManager over this shard: the reference brings its own
         engine (the manager names none, so the engine package never imports the reference)."""
-        from .engine import ReferenceHotKvEngine
-        from .step_loop import ReferenceStepLoop
-
         engine = ReferenceHotKvEngine(self, engine_config)
         return engine, ReferenceStepLoop(engine, max_step_sessions, prefill_chunk)
 
@@ -376,7 +354,8 @@ class ReferenceShard:
             sliding_window=hp.sliding_window, swa_pattern=hp.swa_pattern)
 
     def new_sequence(self) -> SequenceKv:
-        return SequenceKv(self.model, self.owned_layers)
+        hp = self.model.hparams
+        return SequenceKv(hp.n_head_kv, hp.head_dim, self.owned_layers)
 
     def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None, n_logits: int = 1) -> np.ndarray:
         """Appends the input to `seq` and returns residual rows (non-tail) or the last n_logits tokens'

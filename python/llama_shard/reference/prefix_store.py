@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .._native import PREFIX_HIT_CAP, PREFIX_HIT_SECONDS
 
 if TYPE_CHECKING:
-    from .model import SequenceKv
+    from .sequences import SequenceKv
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .._native import MissReason, Tier
 
 if TYPE_CHECKING:
-    from .model import SequenceKv
+    from .sequences import SequenceKv
 
 
 @dataclasses.dataclass
