@@ -51,8 +51,8 @@ from routes import (
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard._native import grammar_problem
 from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
+from llama_shard.head.openai.requests import sampling_from
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.serve.openai.requests import sampling_from
 
 # ---------------------------------------------------------------------------------------------
 # llama-shard in this process, the peer's shapes

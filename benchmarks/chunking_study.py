@@ -1,5 +1,5 @@
 """Whether llama.cpp's logits depend on how a prompt is cut into steps (why shared prefixes are
-whole blocks of 256 tokens, serve/prefixes.py; the figures docs/benchmarks.md quotes):
+whole blocks of 256 tokens, worker/prefixes.py; the figures docs/benchmarks.md quotes):
 
     python benchmarks/chunking_study.py [--threads 2]
 

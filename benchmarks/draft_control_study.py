@@ -30,7 +30,7 @@ from routes import speculation_prompts
 
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
-from llama_shard.serve.speculation import CARRIED_WEIGHT, DraftControl, NgramDrafter
+from llama_shard.head.speculation import CARRIED_WEIGHT, DraftControl, NgramDrafter
 
 TOKENS = 64
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)

@@ -24,7 +24,7 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
 from llama_shard.proto.requests import DEFAULT_MAX_DRAFTS
 from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
 TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}

@@ -1,5 +1,5 @@
 """A route that survives its nodes: replicas of a stage, failover mid-stream, health that tells the
-truth, and drain that hands live sessions to a replica (serve/replicas.py, serve/handover.py).
+truth, and drain that hands live sessions to a replica (head/replicas.py, worker/handover.py).
 
 What is shown here, on live workers over loopback with SmolLM2 (one thread each, as the whole-model
 reference in test_generate.py):
@@ -35,9 +35,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import sampling_to_wire
-from llama_shard.serve.handover import handover_messages
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker
 from llama_shard.testing.chaos import ChaosMonkey, Mesh
+from llama_shard.testing.local_workers import free_port, start_worker, stop_worker
+from llama_shard.worker.handover import handover_messages
 
 pytestmark = pytest.mark.grpc
 

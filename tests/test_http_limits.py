@@ -33,9 +33,11 @@ import time
 import grpc
 import pytest
 
+from llama_shard.head.openai.chat_template import ChatTemplate
+from llama_shard.head.openai.errors import HttpError
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.serve.local_workers import (
+from llama_shard.testing.local_workers import (
     WORKER_DEFAULTS,
     free_port,
     start_worker,
@@ -43,8 +45,6 @@ from llama_shard.serve.local_workers import (
     wait_for_port,
     wait_serving,
 )
-from llama_shard.serve.openai.chat_template import ChatTemplate
-from llama_shard.serve.openai.errors import HttpError
 
 pytestmark = pytest.mark.grpc
 
@@ -614,8 +614,8 @@ def test_body_places_are_bounded_per_caller_in_count_and_bytes_and_in_memory():
     bodies of the default 64 MiB); four such addresses fill it and a fifth gets 503; an IPv6 host
     is its /64; with authentication a principal is the caller wherever it connects from; a place
     is given back however its body ends."""
-    from llama_shard.serve.openai.bodies import MAX_BODY_BYTES, BodyReaders, caller_address
-    from llama_shard.serve.openai.guard import HttpLimits
+    from llama_shard.head.openai.bodies import MAX_BODY_BYTES, BodyReaders, caller_address
+    from llama_shard.head.openai.guard import HttpLimits
 
     bodies = BodyReaders(HttpLimits(), MAX_BODY_BYTES, per_principal=2, authenticated=False)
     held = contextlib.ExitStack()

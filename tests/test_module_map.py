@@ -117,3 +117,18 @@ def test_the_readme_names_the_packages_of_the_map():
     named = set(re.findall(r"^   (\w+)/ ", section, re.M))
     assert named == packages
     assert "docs/design.md#module-map" in section
+
+
+def test_a_plain_worker_loads_nothing_of_the_head():
+    """Every worker's code (worker/) imports none of the head's (head/), not even lazily: the head
+    sits on a worker through `HeadSlot` only."""
+    import subprocess
+    import sys
+
+    for module in package_modules():
+        if module.startswith("worker/"):
+            assert not [t for _, t in _imports(PACKAGE / module) if t.startswith("head/")], module
+    code = ("import sys, llama_shard.worker.servicer; "
+            "print(sorted(m for m in sys.modules if m.startswith('llama_shard.head')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -25,13 +25,13 @@ import grpc
 import pytest
 
 from llama_shard._native import ShardModel
+from llama_shard.head.openai.chat_template import ChatTemplate
+from llama_shard.head.openai.errors import HttpError
+from llama_shard.head.openai.requests import sampling_from
+from llama_shard.head.openai.responses import StopTrimmer as _StopTrimmer
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.serve.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
-from llama_shard.serve.openai.chat_template import ChatTemplate
-from llama_shard.serve.openai.errors import HttpError
-from llama_shard.serve.openai.requests import sampling_from
-from llama_shard.serve.openai.responses import StopTrimmer as _StopTrimmer
+from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
 
 from support.prompts import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 
@@ -136,7 +136,7 @@ def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
 def test_apply_template_props_and_metrics_as_llama_server_has_them(route, vocab):
     """/apply-template gives the prompt a chat request generates from, /props the context and the
     template, /metrics the worker's Prometheus metrics on the HTTP port too."""
-    from llama_shard.serve.openai.chat_template import ModelChat
+    from llama_shard.head.openai.chat_template import ModelChat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     got, answer = route.raw("POST", "/apply-template", json.dumps({"messages": messages}))
@@ -301,7 +301,7 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
 
 def test_every_parameter_is_in_the_readme_table():
     """The README's table of the endpoint's parameters names each one the endpoint takes."""
-    from llama_shard.serve.openai.requests import PARAMETERS
+    from llama_shard.head.openai.requests import PARAMETERS
 
     from conftest import REPO
 

@@ -27,9 +27,10 @@ import pytest
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
 from llama_shard.errors import StaleRouteEpochError
+from llama_shard.head.prefix_plans import PrefixPlanner
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.serve.local_workers import stop_worker
-from llama_shard.serve.prefixes import PREFIX_BLOCK_TOKENS, SHARED, PrefixNames, block_keys
+from llama_shard.testing.local_workers import stop_worker
+from llama_shard.worker.prefixes import PREFIX_BLOCK_TOKENS, SHARED, PrefixNames, block_keys
 
 SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}
 KEY = 0x5EED
@@ -270,19 +271,20 @@ def test_the_heads_plan_opens_the_longest_stored_prefix_and_stores_only_clean_st
             return cls.stored.get(name, 0)
 
     names = PrefixNames(_Manager, "recipe")
+    planner = PrefixPlanner(names)
     tokens = _prompt(4, 3 * B + 10)
     keys = block_keys(tokens)
     local = [names.local(names.scope("alice", True), k) for k in keys]
-    assert names.plan("alice", tokens, 0) is None  # seen once
-    plan = names.plan("alice", tokens, 0)  # seen twice: the longest start is stored
+    assert planner.plan("alice", tokens, 0) is None  # seen once
+    plan = planner.plan("alice", tokens, 0)  # seen twice: the longest start is stored
     assert (plan.open_tokens, plan.store_tokens, plan.keys) == (0, 3 * B, keys)
-    assert names.plan("alice", tokens, 0, keep=2 * B).store_tokens == 3 * B
+    assert planner.plan("alice", tokens, 0, keep=2 * B).store_tokens == 3 * B
     _Manager.stored = {local[0]: B}
-    plan = names.plan("alice", tokens, 0)
+    plan = planner.plan("alice", tokens, 0)
     assert (plan.open_tokens, plan.store_tokens) == (B, 3 * B)  # opened from block 1, stores past it
-    assert names.plan("alice", tokens, 2 * B + 5) is None  # the session holds more: nothing to open, no clean start
-    assert names.plan("bob", tokens, 0) is None  # another principal's names: nothing seen, nothing stored
-    plan = names.plan("alice", tokens, 0, may_open=False)  # after a shard lacked it: stored again, not opened
+    assert planner.plan("alice", tokens, 2 * B + 5) is None  # the session holds more: nothing to open, no clean start
+    assert planner.plan("bob", tokens, 0) is None  # another principal's names: nothing seen, nothing stored
+    plan = planner.plan("alice", tokens, 0, may_open=False)  # after a shard lacked it: stored again, not opened
     assert (plan.open_tokens, plan.store_tokens) == (0, 3 * B)
     _Manager.stored = {}
 

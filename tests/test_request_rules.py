@@ -19,7 +19,7 @@ from llama_shard.proto.requests import (
     sampling_from_wire,
     sampling_to_wire,
 )
-from llama_shard.serve.sampling import StepSamplingChecks
+from llama_shard.worker.sampling import StepSamplingChecks
 
 
 def test_the_native_check_names_each_parameter_it_refuses():

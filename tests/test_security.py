@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
-from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
+from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 from support.pki import PKI, TOKENS, assertion, client_as, on_behalf_of, serve_worker, stub_for
 
@@ -446,7 +446,7 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
     the old unkeyed one, is untouched."""
     import ssl
 
-    from llama_shard.serve.local_workers import free_port
+    from llama_shard.testing.local_workers import free_port
 
     PKI.update(pki)
     warm = tmp_path / "warm"
@@ -498,7 +498,7 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
 
 
 def test_owner_tags_are_keyed_per_worker_and_kept_with_its_warm_directory(pki, tmp_path):
-    from llama_shard.serve.security import ServerSecurity
+    from llama_shard.worker.security import ServerSecurity
 
     def security():
         return ServerSecurity(str(pki["server"].cert), str(pki["server"].key), None, str(pki["tokens"]))
@@ -547,7 +547,7 @@ def test_a_token_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeyp
     table until the next edit)."""
     import pathlib
 
-    from llama_shard.serve.security import TokenTable
+    from llama_shard.worker.security import TokenTable
 
     path = tmp_path / "tokens"
     path.write_text(f"alice:{TOKENS['alice']}\n")
@@ -571,7 +571,7 @@ def test_a_token_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeyp
 @pytest.mark.parametrize("bad", ["", "# only a comment\n", f"alice:{TOKENS['alice']}\nbob:{TOKENS['alice']}\n",
                                  "alice:short\n"])
 def test_a_bad_token_file_keeps_the_last_good_table_and_says_so(tmp_path, capfd, bad):
-    from llama_shard.serve.security import TokenTable
+    from llama_shard.worker.security import TokenTable
 
     path = tmp_path / "tokens"
     path.write_text(f"alice:{TOKENS['alice']}\n")
@@ -584,7 +584,7 @@ def test_a_bad_token_file_keeps_the_last_good_table_and_says_so(tmp_path, capfd,
 
 
 def test_a_deleted_token_file_revokes_every_token(tmp_path, capfd):
-    from llama_shard.serve.security import TokenTable
+    from llama_shard.worker.security import TokenTable
 
     path = tmp_path / "tokens"
     path.write_text(f"alice:{TOKENS['alice']}\n")

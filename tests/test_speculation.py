@@ -1,4 +1,4 @@
-"""Speculative decoding on the route (serve/speculation.py): the head drafts from the session's own
+"""Speculative decoding on the route (head/speculation.py): the head drafts from the session's own
 tokens, one route step verifies, the tail accepts.
 
 What is shown here:
@@ -29,10 +29,7 @@ from llama_shard._native import MAX_LOGIT_ROWS, SamplingParams
 from llama_shard.engine.hot_kv import HotKvStateConfig
 from llama_shard.engine.manager import HotKvStateManager
 from llama_shard.errors import InvalidInputError
-from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto.requests import MAX_DRAFTS
-from llama_shard.proto.requests import sampling_to_wire as params_to_wire
-from llama_shard.serve.speculation import (
+from llama_shard.head.speculation import (
     PRIOR_BETA,
     PROBE_EVERY,
     AheadTiming,
@@ -41,6 +38,9 @@ from llama_shard.serve.speculation import (
     StepCost,
     verify,
 )
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto.requests import MAX_DRAFTS
+from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 
 from support.prompts import REPEAT
 
@@ -473,7 +473,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
         elif fault == "released":
             route.stub(1).Release(pb.SessionRequest(session_id="s"), timeout=10)
         else:
-            from llama_shard.serve.local_workers import stop_worker
+            from llama_shard.testing.local_workers import stop_worker
             stop_worker(route.procs[1])
             route.start(1)
         # the next step, at the position after the accepted drafts, finds the tail lacking them
@@ -491,8 +491,8 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
 @pytest.mark.model
 @pytest.mark.slow
 def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_model, gemma3_model):
-    from llama_shard.serve.draft_model import check_vocabulary
-    from llama_shard.serve.local_workers import start_worker
+    from llama_shard.head.draft_model import check_vocabulary
+    from llama_shard.testing.local_workers import start_worker
 
     check_vocabulary(embedded_model, embedded_model)  # the same tokenizer: fine
     with pytest.raises(InvalidInputError, match="different vocabulary"):
@@ -514,7 +514,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_mode
 def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
     """The route's own model as its draft model: every greedy draft is the route's token (a cheap
     draft model would be a smaller one of the same tokenizer; the rule is the same)."""
-    from llama_shard.serve.local_workers import stop_worker
+    from llama_shard.testing.local_workers import stop_worker
 
     from support.served_route import Route
 
@@ -540,7 +540,7 @@ def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
 DRAFT_PLANNED = """
 import json
 from llama_shard.engine.memory import draft_model_plan
-from llama_shard.serve.draft_model import DraftModel
+from llama_shard.head.draft_model import DraftModel
 from llama_shard.testing.process import resident_bytes as rss
 plan = draft_model_plan({path!r}, 1024, {streams})
 r0 = rss()
@@ -586,8 +586,8 @@ def test_a_step_that_overtakes_the_one_before_it_waits_for_it(monkeypatch):
     import time
 
     from llama_shard.engine.hot_kv import Step
-    from llama_shard.serve import steps
-    from llama_shard.serve.steps import ORDER_GAP_MAX, SessionOrder
+    from llama_shard.worker import steps
+    from llama_shard.worker.steps import ORDER_GAP_MAX, SessionOrder
 
     monkeypatch.setattr(steps, "ORDER_WAIT_S", 30.0)  # the waits below end by the steps queued, not by time
     order = SessionOrder(cap=4, max_waiting=1)
@@ -749,8 +749,8 @@ def _head_loops():
 
     from prometheus_client import CollectorRegistry
 
-    from llama_shard.serve.generation import loops as generation
-    from llama_shard.serve.generation.host import HeadHost
+    from llama_shard.head.generation import loops as generation
+    from llama_shard.head.generation.host import HeadHost
 
     host = HeadHost(info=None, fingerprint="", context_tokens=64, max_sessions=2, warm_bytes=0, detokenize=None,
                     security=None, prefixes=None, session_cap=None, stopping=threading.Event(), max_hop_s=1.0,
@@ -792,7 +792,7 @@ def test_only_generation_steps_measure_windows_ahead():
     ahead and kept (its gain), a step with one sent behind it (its slowdown). A prompt's chunks,
     whose time says nothing of a step's cost by drafts, measure nothing, and nothing counts before
     a one-token step is timed (twice: a size's first may carry the rows' comparison)."""
-    from llama_shard.serve.generation.stream import SentStep, Window
+    from llama_shard.head.generation.stream import SentStep, Window
 
     _, owner = _head_loops()
     with owner.cond:

@@ -424,10 +424,10 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
     samples what a step replaying every token samples (the protocol before), a step naming a state
     the tail does not hold (a new replica, an eviction, another history) is refused with nothing
     sampled, and the head's replay after that refusal goes on with the same tokens."""
+    from llama_shard.head.generation.grammar_sync import GrammarSync
     from llama_shard.proto import shard_pb2 as pb
     from llama_shard.proto.requests import sampling_to_wire
-    from llama_shard.serve.generation.grammar_sync import GrammarSync
-    from llama_shard.serve.sampling import SamplerStateMissing, TailSamplers
+    from llama_shard.worker.sampling import SamplerStateMissing, TailSamplers
 
     n_vocab = vocab.info.n_vocab
     params = SamplingParams(temperature=0.9, seed=5, penalty_repeat=1.1, penalty_last_n=8,
@@ -490,8 +490,8 @@ def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
     """A step used to carry every token generated under a grammar (128 KB at 32,768 tokens, every
     token, every hop); it now carries their 16-byte digest, and the tokens only where the tail must
     replay them."""
+    from llama_shard.head.generation.stream import Stream
     from llama_shard.proto import shard_pb2 as pb
-    from llama_shard.serve.generation.stream import Stream
 
     grammar = 'root ::= [a-z ]*'
     req = pb.GenerateRequest(session_id="s", prompt=[1, 2, 3], max_tokens=20000,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import llama_shard
-from llama_shard.serve.openai.errors import HttpError
-from llama_shard.serve.openai.tool_calls import (
+from llama_shard.head.openai.errors import HttpError
+from llama_shard.head.openai.tool_calls import (
     ToolCallStream,
     ToolRequest,
     parse_calls,
@@ -309,7 +309,7 @@ def test_langchain_structured_output_and_bound_tools(tool_route):
 
 
 def test_history_arguments_nested_past_the_recursion_limit_are_a_400():
-    from llama_shard.serve.openai.tool_calls import history_message
+    from llama_shard.head.openai.tool_calls import history_message
 
     deep = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]}

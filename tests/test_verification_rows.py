@@ -71,7 +71,7 @@ for m in (2, 6, 9):
     mgr.truncate("rows", 0, depth)
 report["verdicts"] = {str(k): v for k, v in mgr.engine.whole_rows_verdicts.items()}
 from prometheus_client import CollectorRegistry, generate_latest
-from llama_shard.serve.metrics import EngineCollector
+from llama_shard.worker.metrics import EngineCollector
 registry = CollectorRegistry()
 registry.register(EngineCollector(mgr, {"shard": "s"}))
 report["metrics"] = sorted(line for line in generate_latest(registry).decode().splitlines()

@@ -20,7 +20,7 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.wire import decode_tensor, encode_tensor
 from llama_shard.route import RemoteStage, RouteClient, RouteError
-from llama_shard.serve.local_workers import start_worker, stop_worker, wait_serving
+from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 from conftest import REPO, varint
 from support.worker import Worker
@@ -510,7 +510,7 @@ def test_a_peer_that_cannot_read_the_heads_wire_dtype_is_refused_naming_it():
     from types import SimpleNamespace
 
     from llama_shard import InvalidInputError
-    from llama_shard.serve.replicas import Replicas
+    from llama_shard.head.replicas import Replicas
     own = SimpleNamespace(n_layer=30, n_embd=576, architecture="llama", first=0, last=14)
     older = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29)  # lists no wire types
     newer = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29,
@@ -698,7 +698,7 @@ def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
     handler returns, raises, or when gRPC drops the call before the handler runs."""
     import gc
 
-    from llama_shard.serve.admission import AdmitRequests
+    from llama_shard.worker.admission import AdmitRequests
 
     parsed = []
 

@@ -31,12 +31,12 @@ from .engine.hot_kv import KV_TYPES, HotKvStateConfig, parse_size
 from .engine.models import compute_balanced_cut, gguf_layer_count, regular_model_file, require_embedded_model
 from .engine.pipeline import LocalPipeline, parse_split
 from .errors import InvalidInputError, LlamaShardError
+from .head.openai.bodies import MAX_BODY_BYTES
+from .head.openai.guard import HttpLimits, raise_open_file_limit
+from .head.speculation import DRAFT_SOURCES, VERIFY_MODES
 from .proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS, SAMPLING_PARAMETERS, sampling_problem
 from .proto.wire import WIRE_DTYPES
-from .serve import DEFAULT_MAX_HOP_S
-from .serve.openai.bodies import MAX_BODY_BYTES
-from .serve.openai.guard import HttpLimits, raise_open_file_limit
-from .serve.speculation import DRAFT_SOURCES, VERIFY_MODES
+from .worker import DEFAULT_MAX_HOP_S
 
 #: the configuration's defaults, as the help texts state them
 _DEFAULTS = HotKvStateConfig()
@@ -73,7 +73,7 @@ def read_chat_template(path: str) -> str:
         raise InvalidInputError("--chat-template-file: not UTF-8") from None
     from jinja2 import TemplateError
 
-    from .serve.openai.template_sandbox import BoundedSandbox
+    from .head.openai.template_sandbox import BoundedSandbox
     try:
         BoundedSandbox(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except TemplateError as e:
@@ -90,7 +90,7 @@ def _model_path(arg: str | None) -> Path:
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
     if chat:  # rendered as the HTTP endpoint and the demo render it (the model's own template)
-        from .serve.openai.chat_template import ModelChat
+        from .head.openai.chat_template import ModelChat
         return ModelChat(model).tokens([{"role": "user", "content": text}])
     return model.tokenize(text)
 
@@ -386,7 +386,7 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
                        warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions),
                        prefix_bytes=prefixes)
     if args.draft_model is not None and first == 0:  # (a worker of later layers refuses a draft model)
-        from .serve.generation import max_generate_streams
+        from .head.generation import max_generate_streams
 
         hot = plan.config()
         plan = dataclasses.replace(plan, draft=draft_model_plan(args.draft_model, context,
@@ -401,7 +401,7 @@ def serve_security(args: argparse.Namespace):
     """The worker's TLS, authentication and peer credentials from its flags; refuses (exit 2) an
     exposed address without TLS and authentication, and peers it could not authenticate."""
     from .proto.credentials import ClientSecurity
-    from .serve.security import ServerSecurity
+    from .worker.security import ServerSecurity
 
     security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
                               tuple(args.admin), args.insecure, tuple(args.forwarder), args.route_key_file)
@@ -420,7 +420,9 @@ def serve_security(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve.worker import ShardWorker, WorkerOptions
+    from .head.options import HeadOptions
+    from .node import ShardWorker
+    from .worker.options import WorkerOptions
 
     if args.device == "list":
         print("devices (serve --device NAME; auto: the first that passes its self-check; cpu):\n" + _devices_text())
@@ -465,13 +467,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
                                        max_sessions_per_principal=args.max_sessions_per_principal,
                                        max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                       max_hop_s=args.max_hop_seconds, http_port=args.http_port,
-                                       http_limits=http_limits, http_split_special_tokens=args.http_split_special_tokens,
-                                       chat_template=chat_template,
-                                       share_prefixes=args.share_prefixes, draft=args.draft,
-                                       max_drafts=args.max_drafts, draft_model=args.draft_model,
-                                       verify=args.draft_verify, replicas=tuple(args.replica),
-                                       wire_dtype=args.wire_dtype))
+                                       max_hop_s=args.max_hop_seconds, share_prefixes=args.share_prefixes,
+                                       replicas=tuple(args.replica), wire_dtype=args.wire_dtype),
+                         HeadOptions(http_port=args.http_port, http_limits=http_limits,
+                                     http_split_special_tokens=args.http_split_special_tokens,
+                                     chat_template=chat_template, draft=args.draft, max_drafts=args.max_drafts,
+                                     draft_model=args.draft_model, verify=args.draft_verify))
     _status(f"device: {_device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()

@@ -22,12 +22,12 @@ import grpc
 
 from ._native import ShardModel
 from .engine.models import gguf_layer_count
+from .head.openai.chat_template import ModelChat
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .route import RemoteStage, RouteClient
-from .serve.local_workers import free_port, start_worker, stop_worker, wait_serving
-from .serve.openai.chat_template import ModelChat
-from .serve.prefixes import PREFIX_BLOCK_TOKENS
+from .testing.local_workers import free_port, start_worker, stop_worker, wait_serving
+from .worker.prefixes import PREFIX_BLOCK_TOKENS
 
 QUESTIONS = [
     "What is the capital of France?",

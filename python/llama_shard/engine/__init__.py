@@ -10,5 +10,5 @@
   (`GgufShape`) and the embedded models; `pipeline`: whole/split runs in one process.
 
 The native module (`llama_shard._native`, described by `_native.pyi`) is below this package; the
-served worker (`llama_shard.serve`) and the route client (`llama_shard.route`) are above it.
+served worker (`llama_shard.worker`) and the route client (`llama_shard.route`) are above it.
 """

@@ -3,7 +3,7 @@
 Used by the route client, `llama-shard generate --route` and a worker forwarding to its peer alike,
 so it lives with the wire, below both the client (`route/`) and the server (`serve/`). The server's
 side of the same set-ups (`ServerSecurity`: certificates served, tokens checked, principals) is in
-`serve/security.py`.
+`worker/security.py`.
 """
 from __future__ import annotations
 

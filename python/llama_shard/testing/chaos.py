@@ -17,7 +17,7 @@ import grpc
 
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
-from ..serve.local_workers import free_port, start_worker, stop_worker, wait_serving
+from .local_workers import free_port, start_worker, stop_worker, wait_serving
 
 
 class Mesh:

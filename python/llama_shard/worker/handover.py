@@ -26,8 +26,14 @@ import time
 from collections import Counter as Tally
 from collections import OrderedDict
 
-from ..engine.hot_kv import CacheMiss
-from ..errors import LlamaShardError
+from ..engine.hot_kv import CacheMiss, Tier
+from ..errors import (
+    IncompatibleCacheRecipeError,
+    InvalidInputError,
+    KvBudgetExceededError,
+    LlamaShardError,
+    StaleRouteEpochError,
+)
 from ..proto import shard_pb2 as pb
 
 #: the longest one session's hand-over may take (its export, the call, the replica's import)
@@ -264,3 +270,117 @@ class Drainer:
                 return target
             errors.append(f"{target}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
         return None
+
+
+class HandoverReceiver:
+    """The receiving side of a hand-over (`Handover`): a sender's stream of chunks gathered within
+    `max_bytes` (two gathered at once at most), its digest, recipe, model and owner checked, then
+    opened as the session, hot, at its epoch. `on_arrived(key, epoch, from_instance)` runs for each
+    session taken over."""
+
+    def __init__(self, manager, security, owners, moves: SessionMoves, fingerprint: str, model_digest: str,
+                 max_bytes: int, on_arrived):
+        self.manager, self.security, self.owners, self.moves = manager, security, owners, moves
+        self.fingerprint, self.model_digest, self.max_bytes = fingerprint, model_digest, max_bytes
+        self.on_arrived = on_arrived
+        self._gathering = threading.BoundedSemaphore(2)
+
+    def receive(self, caller: str, request_iterator, time_left: float | None, stopping: bool) -> pb.SessionReply:
+        """A hand-over's stream from `caller` (a trusted neighbour: the servicer checked), gathered,
+        checked and opened here; every refusal names why and changes nothing."""
+        def refused(outcome: int, detail: str) -> pb.SessionReply:
+            return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
+        request = next(request_iterator, None)
+        if request is None:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "the stream carried no message")
+        if stopping or self.moves.draining:
+            return refused(pb.OUTCOME_UNAVAILABLE, "this worker is draining too")
+        if request.recipe_fingerprint != self.fingerprint:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's KV recipe is not this worker's "
+                           "(another layer range, K/V type or attention kernel)")
+        if request.model_digest != self.model_digest:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's model file is not this worker's")
+        owner = request.owner
+        if self.security.authenticated and (not owner.strip() or owner in self.security.admins):
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal")
+        if not self.security.authenticated and owner:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker has no authentication: every session is anonymous")
+        if (self.security.authenticated and caller not in self.security.admins
+                and not self.security.assertion_valid(owner, request.owner_assertion)):
+            # a forwarder acts for a principal only with the route key's signature, as on a step
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a forwarder's hand-over needs the route key's assertion of "
+                           "its owner (owner_assertion)")
+        if not 0 < request.state_bytes <= self.max_bytes:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, f"state_bytes {request.state_bytes}: a session's state on this "
+                           f"worker takes 1 to {self.max_bytes} bytes")
+        if not self._gathering.acquire(timeout=HANDOVER_TIMEOUT_S if time_left is None else max(0.0, time_left)):
+            return refused(pb.OUTCOME_UNAVAILABLE, "other hand-overs are being received; try another replica")
+        try:
+            state = self._gather_state(request, request_iterator)
+            if state is None:
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, f"the stream's chunks do not add up to state_bytes "
+                               f"{request.state_bytes}")
+            if len(request.state_sha256) != 32 or state_digest(state) != request.state_sha256:
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, "the state's SHA-256 does not match its bytes")
+            return self._take_over(request, state, owner, refused)
+        finally:
+            self._gathering.release()
+
+    @staticmethod
+    def _gather_state(first: pb.HandoverRequest, rest) -> bytes | None:
+        """The whole state of a hand-over's stream, or None when its chunks pass or miss state_bytes
+        (never more than state_bytes is held)."""
+        state = bytearray(first.state)
+        if len(state) > first.state_bytes:
+            return None
+        for message in rest:
+            if len(state) + len(message.state) > first.state_bytes:
+                return None
+            state += message.state
+        return bytes(state) if len(state) == first.state_bytes else None
+
+    def _take_over(self, request: pb.HandoverRequest, state: bytes, owner: str, refused) -> pb.SessionReply:
+        """Handover's last part: the checked state opened here as the session, hot, at its epoch."""
+        try:
+            key = self.security.engine_key(owner, request.session_id)
+            held = self.manager.resolve(key, request.route_epoch)
+            if not isinstance(held, CacheMiss):
+                # it may be a newer copy (the session failed over here): never replaced by the sender's
+                return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker already holds the session at that epoch; "
+                               "it is kept (the sender's copy may be older)")
+            self.owners.name(owner, self.security.tag(owner))
+            cap = self.owners.admit(owner, [key])
+            if cap is not None:
+                return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap)
+            later = self._used_since(request.seq_len, request.idle_seconds)
+            if later is not None:
+                return refused(pb.OUTCOME_BUDGET_EXCEEDED, f"no room here but that of a session used {later:.2f} s ago, "
+                               f"more recently than this one ({request.idle_seconds:.2f} s)")
+            self.manager.import_session(key, request.route_epoch, request.seq_len, state)
+        except StaleRouteEpochError as e:
+            return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=f"hand-over refused: {e}",
+                                   current_epoch=e.current_epoch or 0)
+        except KvBudgetExceededError as e:
+            return refused(pb.OUTCOME_BUDGET_EXCEEDED, str(e))
+        except IncompatibleCacheRecipeError as e:
+            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, str(e))
+        except InvalidInputError as e:
+            return refused(pb.OUTCOME_INVALID_ARGUMENT, str(e))
+        except LlamaShardError as e:
+            return refused(pb.OUTCOME_INTERNAL, str(e))
+        self.on_arrived(key, request.route_epoch, request.from_instance)
+        return pb.SessionReply(outcome=pb.OUTCOME_OK, seq_len=request.seq_len, tier="hot")
+
+    def _used_since(self, seq_len: int, idle_seconds: float) -> float | None:
+        """When opening a handed-over session of `seq_len` tokens would push a hot session out of
+        this worker (no warm tier to keep it) and that one was used more recently than the handed
+        one: how long ago (a stream between two steps must not lose its KV to an idle session)."""
+        config, stats = self.manager.config, self.manager.stats()
+        if config.warm_bytes > 0:  # what is pushed out is spilled, and restored at its next step
+            return None
+        if (stats["live_sessions"] < config.max_sessions
+                and stats["reserved_tokens"] + seq_len <= config.budget_tokens):
+            return None
+        hot = [r for r in self.manager.sessions() if r.tier == Tier.HOT]  # least recently used first
+        since = self.manager.clock() - hot[0].last_used if hot else None
+        return since if since is not None and since < idle_seconds else None

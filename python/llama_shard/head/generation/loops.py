@@ -27,9 +27,9 @@ from ...proto.requests import (
     sampling_from_wire,
 )
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
-from ..admission import SessionCapRefused
+from ...worker.admission import SessionCapRefused
+from ...worker.steps import ORDER_GAP_MAX
 from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
-from ..steps import ORDER_GAP_MAX
 from .host import HeadHost
 from .stream import GENERATE_CHUNK, Stream, Window, common_prefix
 

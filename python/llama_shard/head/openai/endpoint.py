@@ -42,8 +42,8 @@ from ..._native import SamplingParams, json_schema_to_grammar
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_STOP_TOKENS, check_grammar
+from ...worker.security import ANONYMOUS, ServerSecurity, file_mtimes
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
-from ..security import ANONYMOUS, ServerSecurity, file_mtimes
 from .bodies import MAX_BODY_BYTES, BodyReaders
 from .chat_template import ModelChat
 from .errors import HttpError, outcome_status, refusal_error

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ...proto import shard_pb2 as pb
-    from ..prefixes import PrefixNames
+    from ...worker.prefixes import PrefixNames
+    from ...worker.security import ServerSecurity
     from ..replicas import Replicas
-    from ..security import ServerSecurity
 
 
 def max_generate_streams(max_sessions: int, warm_bytes: int) -> int:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ...engine.hot_kv import StepKind
 from ...proto import shard_pb2 as pb
-from ..prefixes import PREFIX_BLOCK_TOKENS
+from ...worker.prefixes import PREFIX_BLOCK_TOKENS
 from ..speculation import NGRAM_LONG, DraftControl, NgramDrafter
 from .grammar_sync import GrammarSync
 

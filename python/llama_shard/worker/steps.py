@@ -35,9 +35,8 @@ from .admission import SessionCapRefused, SessionOwners
 from .handover import NOT_HANDED_OVER, STILL_MOVING, HandedIn, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
-from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of
+from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of, verify
 from .security import ServerSecurity
-from .speculation import verify
 
 
 class PrefixSteps(NamedTuple):

@@ -26,7 +26,6 @@ from ..proto.requests import (
     sampling_from_wire,
     sampling_key,
 )
-from .speculation import verify
 
 
 class StepSamplingChecks:
@@ -135,7 +134,7 @@ class TailSamplers:
 
     def sample_rows(self, key: tuple, params: SamplingParams, state: pb.SamplerState, rows: np.ndarray,
                     drafts: list[int]) -> list[int]:
-        """A verification (speculation.verify) with the session's sampler: row by row, each draw
+        """A verification (`verify`) with the session's sampler: row by row, each draw
         accepted as one step's would be, until a token is not the next draft."""
         pkey, recent, draws = sampling_key(params), tuple(state.recent), state.draws
         replay = params.grammar and len(state.generated) == draws  # every token (else their digest)
@@ -188,3 +187,16 @@ class TailSamplers:
     def forget(self, key: tuple) -> None:
         with self._lock:
             self._kept.pop(key, None)
+
+
+def verify(rows: np.ndarray, drafts: list[int], draw) -> list[int]:
+    """The tail's answer to a step with drafts (the rule and why it is exact: head/speculation.py): `draw(row_logits)` samples (and accepts) one token
+    from a row, as one step would; the accepted drafts, then the first token drawn that was not the
+    next draft (or the token after the last draft)."""
+    out = []
+    for i in range(len(drafts) + 1):
+        token = draw(rows[i])
+        out.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return out

@@ -14,7 +14,7 @@
   is still compared with the token the step gives (`unsent`), so the rates follow the text for free
   (a draft model, whose drafts cost a step of their own, drafts one token every PROBE_EVERY steps
   instead).
-- Verification (the tail, `verify`): row i of the step's logits is the distribution the tail would
+- Verification (the tail, `worker/sampling.py: verify`): row i of the step's logits is the distribution the tail would
   have sampled from had the step ended at its i-th token; it samples row by row with the session's
   sampler state exactly as one token per step would (greedy: the first largest logit), and stops at
   the first token that is not the next draft. Drafts are deterministic (q puts all its mass on the
@@ -24,8 +24,6 @@
   draws with the same seed from the same logits.
 """
 from __future__ import annotations
-
-import numpy as np
 
 from .._native import MAX_LOGIT_ROWS
 
@@ -309,16 +307,3 @@ class DraftControl:
         if run_acc or run_rej:
             run[0] = d * run[0] + run_acc
             run[1] = d * run[1] + run_rej
-
-
-def verify(rows: np.ndarray, drafts: list[int], draw) -> list[int]:
-    """The tail's answer to a step with drafts: `draw(row_logits)` samples (and accepts) one token
-    from a row, as one step would; the accepted drafts, then the first token drawn that was not the
-    next draft (or the token after the last draft)."""
-    out = []
-    for i in range(len(drafts) + 1):
-        token = draw(rows[i])
-        out.append(token)
-        if i == len(drafts) or token != drafts[i]:
-            break
-    return out

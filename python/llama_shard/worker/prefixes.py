@@ -26,8 +26,6 @@ that boundary, so its tokens and logits are the same bytes (tests/test_prefixes.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 
 import numpy as np
 
@@ -35,8 +33,6 @@ from ..errors import InvalidInputError
 
 #: tokens per block of a prefix key (a multiple of the loop's chunk: see the module's docstring)
 PREFIX_BLOCK_TOKENS = 256
-#: prefix keys seen recently, per worker: a prefix is stored the second time it is seen
-SIGHTINGS_CAP = 4096
 SHARE_MODES = ("principal", "all")
 class _SharedScope:
     def __repr__(self) -> str:
@@ -69,18 +65,8 @@ def block_keys(tokens, n_blocks: int | None = None) -> list[int]:
     return keys
 
 
-class PrefixPlan:
-    """What a stream's prefill does with shared prefixes: open from `open_tokens` (0: none), store
-    at `store_tokens` (0: none); `keys` cover the blocks up to the larger of the two."""
-
-    __slots__ = ("keys", "open_tokens", "store_tokens")
-
-    def __init__(self, keys: list[int], open_tokens: int, store_tokens: int):
-        self.keys, self.open_tokens, self.store_tokens = keys, open_tokens, store_tokens
-
-
 class PrefixNames:
-    """One worker's names for prefixes and, on a head, its decisions about them."""
+    """One worker's names for prefixes (a head's decisions about them: head/prefix_plans.py)."""
 
     def __init__(self, manager, fingerprint: str, share: str = "principal", model_path: str | None = None):
         """`model_path`: the model file, whose digest names cover (read here with a prefix store,
@@ -91,8 +77,6 @@ class PrefixNames:
         self._recipe = fingerprint.encode()
         self._model_path = model_path
         self._digest: bytes | None = None  # the model file's digest, read at the first prefix step
-        self._lock = threading.Lock()
-        self._seen: OrderedDict[int, None] = OrderedDict()  # local names seen once, least recent first
         if self.enabled:
             self._model()
 
@@ -131,45 +115,3 @@ class PrefixNames:
     @staticmethod
     def _hash(data: bytes) -> int:
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-    def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True) -> PrefixPlan | None:
-        """The head's decision for a stream whose session holds its first `held` tokens: open from
-        the longest stored prefix longer than that, and store the longest prefix past the opened one
-        that was seen before (or that `keep` covers). Only whole blocks before the prompt's last
-        token count (the tail needs at least one token to compute). `may_open` False (a shard after
-        this one lacked the prefix): nothing is opened, and the prefix that would have been is
-        stored again, for the shards that lost it. None: nothing to do."""
-        if not self.enabled:
-            return None
-        n = (len(tokens) - 1) // PREFIX_BLOCK_TOKENS
-        if n == 0:
-            return None
-        keys = block_keys(tokens, n)
-        scope = self.scope(principal, shared=True)
-        names = [self.local(scope, k) for k in keys]
-        stored = 0  # the longest prefix this worker holds, past what the session holds
-        for i in range(n, 0, -1):
-            if i * PREFIX_BLOCK_TOKENS > held and self.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS:
-                stored = i
-                break
-        opened = stored if may_open else 0
-        start = max(held, opened * PREFIX_BLOCK_TOKENS)
-        store = 0 if may_open else stored
-        # only a prefix computed as a fresh prompt is: not over tokens an earlier stream left (its
-        # generated tokens were computed one by one, and would round otherwise)
-        clean = start == opened * PREFIX_BLOCK_TOKENS
-        with self._lock:
-            for i in range(n, store, -1):
-                if (clean and i * PREFIX_BLOCK_TOKENS > start
-                        and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
-                        and self.manager.prefix_length(names[i - 1]) == 0):
-                    store = i
-                    break
-            for name in names:
-                self._seen[name] = None
-                self._seen.move_to_end(name)
-            while len(self._seen) > SIGHTINGS_CAP:
-                self._seen.popitem(last=False)
-        if not opened and not store:
-            return None
-        return PrefixPlan(keys[:max(opened, store)], opened * PREFIX_BLOCK_TOKENS, store * PREFIX_BLOCK_TOKENS)
