@@ -168,7 +168,7 @@ def stock_server_streams(tool: Path, model: Path, threads: int, npp: int, ntg: i
 
     import numpy as np
 
-    from llama_shard.testing.local_workers import free_port
+    from llama_shard.local_workers import free_port
 
     port = free_port()
     context = npp + ntg + 8
@@ -235,7 +235,7 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
     llama-batched-bench (1 thread) the rest; the halves run one after the other."""
     import socket
 
-    from llama_shard.testing.local_workers import free_port
+    from llama_shard.local_workers import free_port
 
     port = free_port()
     server = subprocess.Popen([str(tools["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],

@@ -20,9 +20,9 @@ import numpy as np
 from common import find_stock_tools, log
 
 from llama_shard.engine.models import gguf_layer_count, require_embedded_model
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 
 def ours(path: Path, threads: int, depths: list[int], new: int) -> dict[int, float]:

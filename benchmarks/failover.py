@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_shard.local_workers import free_port
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.testing.chaos import ChaosMonkey, Mesh
-from llama_shard.testing.local_workers import free_port
 
 SEEDED = pb.Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
 

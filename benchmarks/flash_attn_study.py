@@ -33,9 +33,9 @@ from common import find_stock_tools, log, stock_batched_bench
 from routes import _first_token_seconds, ours_generate_streams
 
 from llama_shard.engine.models import gguf_layer_count, require_embedded_model
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 VOCAB = 49152  # ids drawn for the random prompts (below every certified test model's vocabulary)
 

@@ -19,8 +19,8 @@ import numpy as np
 from delay_proxy import DelayProxy
 
 from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count, require_embedded_model
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.route import RemoteStage, RouteClient
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 
 def run(client: RouteClient, n: int, prompt_len: int, tokens: int, rng, tag: str) -> float:

@@ -19,12 +19,12 @@ from common import cpu_seconds, log
 from llama_shard import HotKvStateConfig, ShardModel, StepKind
 from llama_shard.engine.models import compute_balanced_cut, gguf_layer_count
 from llama_shard.errors import InvalidInputError
+from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
 from llama_shard.proto.requests import DEFAULT_MAX_DRAFTS
 from llama_shard.route import LocalStage, RemoteStage, RouteClient, RouteError
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 # name -> stages served by workers; "chained": the head worker forwards to the tail itself (serve --peer)
 TOPOLOGIES = {"chained": 2, "two workers": 2, "local head": 1, "in process": 0}

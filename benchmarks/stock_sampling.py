@@ -22,10 +22,10 @@ from common import REPO, log
 
 from llama_shard._native import SamplingParams, ShardModel
 from llama_shard.engine.models import gemma3_model_path, require_embedded_model
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 PARAMS = {

@@ -31,8 +31,8 @@ from llama_shard import HotKvConfig, HotKvStateConfig, HotKvStateManager, KvBoun
 from llama_shard.engine.hot_kv import kv_bytes_per_token
 from llama_shard.engine.models import compute_balanced_cut, require_embedded_model
 from llama_shard.errors import InvalidInputError
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.route import LocalStage, RemoteStage, RouteClient
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.testing.process import resident_bytes as rss
 
 _WARM = 256 << 20

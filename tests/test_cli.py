@@ -83,7 +83,7 @@ def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):
 
 
 def test_the_shipped_demo_imports_nothing_from_testing():
-    """The demo is part of the product: it starts workers through llama_shard.testing.local_workers, not the
+    """The demo is part of the product: it starts workers through llama_shard.local_workers, not the
     test helpers."""
     res = subprocess.run([sys.executable, "-c", "import sys, llama_shard.demo; "
                           "print([m for m in sys.modules if m.startswith('llama_shard.testing')])"],

@@ -333,7 +333,7 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
     compared with the whole model's on the CPU, and the agreement printed (other kernels: close, not
     equal, is the promise; docs/devices.md)."""
     openai = pytest.importorskip("openai")
-    from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
+    from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 
     before = os.environ.get(VISIBLE)
     os.environ[VISIBLE] = before or "0"

@@ -33,10 +33,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llama_shard._native import SamplingParams, ShardModel
+from llama_shard.local_workers import free_port, start_worker, stop_worker
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import sampling_to_wire
 from llama_shard.testing.chaos import ChaosMonkey, Mesh
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker
 from llama_shard.worker.handover import handover_messages
 
 pytestmark = pytest.mark.grpc

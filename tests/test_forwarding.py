@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
+from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.wire import encode_tensor
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 pytestmark = pytest.mark.grpc
 

@@ -185,8 +185,8 @@ def test_real_gemma3_half_shard_holds_half_the_kv(gemma3_model):
 @pytest.mark.slow
 def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(gemma3_model):
     from llama_shard.engine.pipeline import LocalPipeline
+    from llama_shard.local_workers import start_worker, stop_worker, wait_serving
     from llama_shard.route import RemoteStage, RouteClient
-    from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
     flags = ("--context-tokens", "1024", "--budget-tokens", "4096", "--max-sessions", "2")
     workers = [start_worker(gemma3_model, 0, 8, 1, extra=flags), start_worker(gemma3_model, 9, 17, 1, extra=flags)]

@@ -25,10 +25,10 @@ import time
 import pytest
 
 from llama_shard._native import SamplingParams, ShardModel
+from llama_shard.local_workers import stop_worker
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 from llama_shard.route import RemoteStage, RouteClient
-from llama_shard.testing.local_workers import stop_worker
 
 from support.served_route import N_TOKENS, Route, whole_model_tokens
 

@@ -35,9 +35,7 @@ import pytest
 
 from llama_shard.head.openai.chat_template import ChatTemplate
 from llama_shard.head.openai.errors import HttpError
-from llama_shard.proto import shard_pb2 as pb
-from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import (
+from llama_shard.local_workers import (
     WORKER_DEFAULTS,
     free_port,
     start_worker,
@@ -45,6 +43,8 @@ from llama_shard.testing.local_workers import (
     wait_for_port,
     wait_serving,
 )
+from llama_shard.proto import shard_pb2 as pb
+from llama_shard.proto import shard_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.grpc
 

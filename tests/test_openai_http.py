@@ -29,9 +29,9 @@ from llama_shard.head.openai.chat_template import ChatTemplate
 from llama_shard.head.openai.errors import HttpError
 from llama_shard.head.openai.requests import sampling_from
 from llama_shard.head.openai.responses import StopTrimmer as _StopTrimmer
+from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_for_port, wait_serving
 
 from support.prompts import REPEAT  # a text to rewrite: its answer repeats the prompt, drafts pay
 

@@ -28,8 +28,8 @@ from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, 
 from llama_shard.engine.hot_kv import CacheMiss, CacheMissReason, ManualClock
 from llama_shard.errors import StaleRouteEpochError
 from llama_shard.head.prefix_plans import PrefixPlanner
+from llama_shard.local_workers import stop_worker
 from llama_shard.proto import shard_pb2 as pb
-from llama_shard.testing.local_workers import stop_worker
 from llama_shard.worker.prefixes import PREFIX_BLOCK_TOKENS, SHARED, PrefixNames, block_keys
 
 SPLITS = {"llama": ((0, 2), (3, 5)), "qwen2": ((0, 2), (3, 5)), "qwen3": ((0, 2), (3, 5)), "gemma3": ((0, 4), (5, 7))}

@@ -47,9 +47,9 @@ def test_a_different_step_at_an_old_position_is_still_a_miss(adapter):
 
 @pytest.mark.grpc
 def test_a_lost_reply_on_the_wire_is_retried_with_no_re_prefill(synthetic_model):
+    from llama_shard.local_workers import start_worker, stop_worker, wait_serving
     from llama_shard.proto import shard_pb2 as pb
     from llama_shard.proto import shard_pb2_grpc as pb_grpc
-    from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
     proc, addr = start_worker(synthetic_model, 0, 5, 1)
     try:
@@ -110,8 +110,8 @@ def test_route_client_retries_lost_decode_replies_with_the_same_tokens_and_no_re
     caller's deadline, the tail its 5th to a dropped connection, both after the step was applied.
     RouteClient retries each once and gets the tokens of an undisturbed route, with no re-prefill
     and no miss on either worker."""
+    from llama_shard.local_workers import start_worker, stop_worker, wait_serving
     from llama_shard.route import RemoteStage, RouteClient
-    from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
     workers = [start_worker(synthetic_model, 0, 2, 1), start_worker(synthetic_model, 3, 5, 1)]
     proxies, client, direct = [], None, None

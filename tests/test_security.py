@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 from support.pki import PKI, TOKENS, assertion, client_as, on_behalf_of, serve_worker, stub_for
 
@@ -446,7 +446,7 @@ def test_a_certificate_without_a_common_name_is_no_principal(synthetic_model, pk
     the old unkeyed one, is untouched."""
     import ssl
 
-    from llama_shard.testing.local_workers import free_port
+    from llama_shard.local_workers import free_port
 
     PKI.update(pki)
     warm = tmp_path / "warm"

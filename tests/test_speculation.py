@@ -473,7 +473,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
         elif fault == "released":
             route.stub(1).Release(pb.SessionRequest(session_id="s"), timeout=10)
         else:
-            from llama_shard.testing.local_workers import stop_worker
+            from llama_shard.local_workers import stop_worker
             stop_worker(route.procs[1])
             route.start(1)
         # the next step, at the position after the accepted drafts, finds the tail lacking them
@@ -492,7 +492,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
 @pytest.mark.slow
 def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_model, gemma3_model):
     from llama_shard.head.draft_model import check_vocabulary
-    from llama_shard.testing.local_workers import start_worker
+    from llama_shard.local_workers import start_worker
 
     check_vocabulary(embedded_model, embedded_model)  # the same tokenizer: fine
     with pytest.raises(InvalidInputError, match="different vocabulary"):
@@ -514,7 +514,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start(embedded_mode
 def test_drafts_from_a_draft_model_give_the_tokens_without(embedded_model):
     """The route's own model as its draft model: every greedy draft is the route's token (a cheap
     draft model would be a smaller one of the same tokenizer; the rule is the same)."""
-    from llama_shard.testing.local_workers import stop_worker
+    from llama_shard.local_workers import stop_worker
 
     from support.served_route import Route
 

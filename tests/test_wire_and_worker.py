@@ -16,11 +16,11 @@ import pytest
 
 from llama_shard import StepKind
 from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.wire import decode_tensor, encode_tensor
 from llama_shard.route import RemoteStage, RouteClient, RouteError
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 
 from conftest import REPO, varint
 from support.worker import Worker

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.testing.process import resident_bytes
 
 from conftest import varint

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.testing.process import resident_bytes
 
 pytestmark = pytest.mark.grpc

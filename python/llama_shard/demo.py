@@ -23,10 +23,10 @@ import grpc
 from ._native import ShardModel
 from .engine.models import gguf_layer_count
 from .head.openai.chat_template import ModelChat
+from .local_workers import free_port, start_worker, stop_worker, wait_serving
 from .proto import shard_pb2 as pb
 from .proto import shard_pb2_grpc as pb_grpc
 from .route import RemoteStage, RouteClient
-from .testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 from .worker.prefixes import PREFIX_BLOCK_TOKENS
 
 QUESTIONS = [

@@ -9,9 +9,9 @@ import time
 import grpc
 import openai
 
+from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 
 class HttpRoute:

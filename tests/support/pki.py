@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llama_shard.local_workers import start_worker, wait_serving
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.credentials import ClientSecurity
 from llama_shard.testing.certs import CertificateAuthority
-from llama_shard.testing.local_workers import start_worker, wait_serving
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
 ZOE_TOKEN = "zoe-token-0123456789abcd"

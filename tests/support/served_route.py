@@ -6,9 +6,9 @@ import grpc
 
 from llama_shard._native import SamplingParams, TokenSampler
 from llama_shard.engine.pipeline import LocalPipeline
+from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
-from llama_shard.testing.local_workers import free_port, start_worker, stop_worker, wait_serving
 
 N_TOKENS = 16
 

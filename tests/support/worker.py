@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from llama_shard.testing.local_workers import free_port, start_worker, wait_serving
+from llama_shard.local_workers import free_port, start_worker, wait_serving
 
 
 class Worker:

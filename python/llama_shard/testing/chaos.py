@@ -15,9 +15,9 @@ import time
 
 import grpc
 
+from ..local_workers import free_port, start_worker, stop_worker, wait_serving
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
-from .local_workers import free_port, start_worker, stop_worker, wait_serving
 
 
 class Mesh:
