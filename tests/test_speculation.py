@@ -36,11 +36,11 @@ from llama_shard.head.speculation import (
     DraftControl,
     NgramDrafter,
     StepCost,
-    verify,
 )
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto.requests import MAX_DRAFTS
 from llama_shard.proto.requests import sampling_to_wire as params_to_wire
+from llama_shard.worker.sampling import verify
 
 from support.prompts import REPEAT
 
@@ -792,7 +792,7 @@ def test_only_generation_steps_measure_windows_ahead():
     ahead and kept (its gain), a step with one sent behind it (its slowdown). A prompt's chunks,
     whose time says nothing of a step's cost by drafts, measure nothing, and nothing counts before
     a one-token step is timed (twice: a size's first may carry the rows' comparison)."""
-    from llama_shard.head.generation.stream import SentStep, Window
+    from llama_shard.head.generation.positions import SentStep, Window
 
     _, owner = _head_loops()
     with owner.cond:
@@ -802,17 +802,17 @@ def test_only_generation_steps_measure_windows_ahead():
     chunk = Window(0, 1, SentStep(200, True, []), 200, ahead=True)  # a long prompt's last chunk
     for n in (1, 3):
         loop.cost.observe(n, 0.010)
-    loop._measure_ahead(guess, None, True, sent_at=0.0, arrived=0.004, arrived_before=0.001)
-    loop._measure_ahead(base, guess, True, sent_at=0.0, arrived=0.013, arrived_before=None)
+    loop.pipeline.measure_ahead(guess, None, True, sent_at=0.0, arrived=0.004, arrived_before=0.001)
+    loop.pipeline.measure_ahead(base, guess, True, sent_at=0.0, arrived=0.013, arrived_before=None)
     assert loop.ahead._gain is None and loop.ahead._slowdown is None  # timed once: not yet
     for n in (1, 3):
         loop.cost.observe(n, 0.010)
-    loop._measure_ahead(chunk, guess, True, sent_at=0.0, arrived=0.300, arrived_before=0.001)
-    loop._measure_ahead(base, chunk, True, sent_at=0.0, arrived=0.300, arrived_before=None)
+    loop.pipeline.measure_ahead(chunk, guess, True, sent_at=0.0, arrived=0.300, arrived_before=0.001)
+    loop.pipeline.measure_ahead(base, chunk, True, sent_at=0.0, arrived=0.300, arrived_before=None)
     assert loop.ahead._gain is None and loop.ahead._slowdown is None
-    loop._measure_ahead(guess, None, True, sent_at=0.002, arrived=0.006, arrived_before=0.001)
+    loop.pipeline.measure_ahead(guess, None, True, sent_at=0.002, arrived=0.006, arrived_before=0.001)
     assert loop.ahead._gain == pytest.approx(0.010 - 0.004)  # from when it was sent, after the reply before
-    loop._measure_ahead(guess, None, False, sent_at=0.0, arrived=0.050, arrived_before=0.001)  # dropped
+    loop.pipeline.measure_ahead(guess, None, False, sent_at=0.0, arrived=0.050, arrived_before=0.001)  # dropped
     assert loop.ahead._gain == pytest.approx(0.006)
-    loop._measure_ahead(base, guess, True, sent_at=0.0, arrived=0.013, arrived_before=None)
+    loop.pipeline.measure_ahead(base, guess, True, sent_at=0.0, arrived=0.013, arrived_before=None)
     assert loop.ahead._slowdown == pytest.approx(0.003)

@@ -500,9 +500,9 @@ def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
     for n in (100, 10000):
         generated = [100 + i % 500 for i in range(n)]
         s = Stream("", "s", req, SamplingParams(temperature=0.0, grammar=grammar), 20000, 0, None, vocab.detokenize)
-        s.tokens, s.generated, s.draws = [1, 2, 3] + generated, generated, n
-        s.computed = s.held = len(s.tokens) - 1
-        s.first_step = False
+        s.pos.tokens, s.pos.generated, s.pos.draws = [1, 2, 3] + generated, generated, n
+        s.pos.computed = s.pos.held = len(s.pos.tokens) - 1
+        s.pos.first_step = False
         _, replayed = s.request(pb.DTYPE_FLOAT32)
         s.grammar.sampled()
         _, older = s.request(pb.DTYPE_FLOAT32)  # a tail of an earlier version gets every token, always

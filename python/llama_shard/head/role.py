@@ -55,7 +55,7 @@ class Head:
         try:
             while True:
                 try:
-                    event = stream.events.get(timeout=0.25)
+                    event = stream.out.events.get(timeout=0.25)
                 except queue.Empty:
                     if not context.is_active():
                         return
@@ -77,8 +77,8 @@ class Head:
 
     def info_fields(self) -> dict:
         g, r = self.generation, self.replicas
-        return {"generate_streams": len(g.streams), "draft_source": g.draft_source, "drafted_tokens": g.drafted_total,
-                "accepted_tokens": g.accepted_total, "replicas": r.info() if r is not None else [],
+        return {"generate_streams": len(g.streams), "draft_source": g.draft_source,
+                "drafted_tokens": g.metrics.drafted_total, "accepted_tokens": g.metrics.accepted_total, "replicas": r.info() if r is not None else [],
                 "failovers": r.failovers_total if r is not None else 0}
 
     # --- the process's ---------------------------------------------------------------------------
