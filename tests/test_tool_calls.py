@@ -26,7 +26,7 @@ from llama_shard.head.openai.tool_calls import (
     template_renders_tools,
 )
 
-TEMPLATE = Path(llama_shard.__file__).parent / "serve" / "openai" / "templates" / "chatml-tools.jinja"
+TEMPLATE = Path(llama_shard.__file__).parent / "head" / "openai" / "templates" / "chatml-tools.jinja"
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

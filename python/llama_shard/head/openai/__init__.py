@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP endpoint of a head worker (`serve --http-port P`).
 
-- `endpoint`: `OpenAIEndpoint`, the aiohttp server: routes, authentication, slots, tokenizing; each
+- `endpoint`: `OpenAIEndpoint`, the serving: routes, chat and completions, tools, tokenizing; each
   request becomes a stream of the head's generation loop through its interface (`GenerationLoops.open`,
   a `Stream` or a typed `Refusal`), never the gRPC servicer;
+- `server`: `HttpServer`, the HTTP plumbing under it: the port and TLS, callers, Host and CORS,
+  bodies and slots (it knows nothing of generation);
 - `requests`: a request's JSON into the wire's `GenerateRequest` (types only: ranges are checked
   once, by the loop); `responses`: OpenAI's chunk, completion, usage and logprob shapes, and the
   text a client reads up to a stop sequence; `errors`: OpenAI's error shape and the status of each

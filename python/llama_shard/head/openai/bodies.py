@@ -1,6 +1,6 @@
 """Request bodies on their way in: who may have how many arriving at once, and in how much memory.
 
-A request's generation slot (`OpenAIEndpoint._slot`) is taken only once its body is whole. Before,
+A request's generation slot (`HttpServer.slot`) is taken only once its body is whole. Before,
 the slot was taken first, so 300 connections that sent their headers and then a byte a second held
 every slot until the body deadline: one client with a few hundred sockets kept an open endpoint
 answering 429 to everyone. Reading a body now holds a place here instead, bounded twice:

@@ -10,7 +10,7 @@ handshake, to close:
 - **headers**: a new connection must complete its TLS handshake and its first request's headers
   within `header_timeout_s`; a kept-alive one may wait `idle_timeout_s` for its next request, whose
   headers must then arrive within `header_timeout_s` of its first byte.
-- **body**: a handler reads its body within `body_timeout_s` (`OpenAIEndpoint._body`), holding a
+- **body**: a handler reads its body within `body_timeout_s` (`HttpServer.read_json`), holding a
   place bounded in memory and per caller (`bodies.BodyReaders`), not a generation slot.
 - **writes**: a connection whose unsent bytes do not shrink for `write_timeout_s` (a client that does
   not read its stream) is aborted; the stream's handler sees the failed write, stops the stream's
