@@ -71,8 +71,8 @@ class ShardWorker:
             print(f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
                   f"verification of each size decides it", file=sys.stderr, flush=True)
         self.health = health.HealthServicer()
-        limit = self.servicer.max_request_bytes
-        self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.max_in_flight_request_bytes)
+        limit = self.servicer.bounds.request
+        self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
         # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs (and the
         # HTTP endpoint 429, counting its requests in flight)
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)

@@ -6,7 +6,7 @@
   per-layer numpy K/V, with the same interface as the native `HotKvEngine`; `HotKvStateManager`
   runs on either, and tests drive both in lockstep.
 """
-from .engine import ReferenceHotKvEngine, StepResult
+from .engine import ReferenceHotKvEngine
 from .model import (
     NATIVE_LOGIT_ATOL,
     REFERENCE_ARCHITECTURES,
@@ -15,6 +15,7 @@ from .model import (
     ReferenceShard,
     ReferenceShardInfo,
 )
+from .results import StepResult
 from .sequences import SequenceKv
 
 __all__ = [

@@ -14,9 +14,6 @@ import bisect
 import collections
 import copy
 import dataclasses
-import functools
-import os
-import struct
 import threading
 import time
 
@@ -24,61 +21,32 @@ import numpy as np
 
 #: RESTORE_BUCKETS: upper bounds of the restore-time buckets (native HOT_KV_RESTORE_BUCKETS); the last is +Inf
 from .._native import (
-    MAX_EPOCH,
-    MAX_SESSION_ID_BYTES,
     RESTORE_BUCKETS,
     HotKvConfig,
     MissReason,
-    Status,
     StepKind,
     Tier,
     model_digest,
 )
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
+from .checks import check_invariants, validate_input, validate_key
+from .locking import serialised
 from .prefix_store import PrefixStore
-from .sequences import KvShard, SequenceKv
+from .results import BUDGET_EXCEEDED, BUSY, CACHE_MISS, INVALID_INPUT, STALE_EPOCH, IdPlacement, StepResult, stale
+from .sequences import PAGE, KvShard, SequenceKv
+from .transfers import SessionTransfers
 from .warm_tier import WarmEntry, WarmTier
 
-# the native enums: one status and miss-reason type for both engines
-OK, CACHE_MISS, STALE_EPOCH, BUDGET_EXCEEDED = Status.OK, Status.CACHE_MISS, Status.STALE_EPOCH, Status.BUDGET_EXCEEDED
-INVALID_INPUT, COMPUTE_ERROR, BUSY = Status.INVALID_INPUT, Status.COMPUTE_ERROR, Status.BUSY
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
-@dataclasses.dataclass
-class _IdPlacement:
-    """As the native id_placement: a step's new sessions take ids together; a single request's, the lowest."""
-    to_place: int = 0
-    last: int = -1
 
 
-@dataclasses.dataclass
-class StepResult:
-    status: Status = OK
-    miss: MissReason = MissReason.NONE
-    seq_len: int = 0
-    seq_id: int = -1
-    current_epoch: int = -1
-    changed: bool = False
-    tier: Tier = Tier.NONE
-    detail: str = ""
 
 
-def _serialised(method):
-    """Runs the method under the engine's lock: like the native engine, the reference serialises
-    every call itself, so the manager and the step loop may call it from any thread."""
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return locked
 
 
-def _stale(epoch: int, current: int, which: str) -> StepResult:
-    return StepResult(status=STALE_EPOCH, current_epoch=current,
-                      detail=f"route epoch {epoch} is older than the session's {which} epoch {current}")
 
 
 @dataclasses.dataclass
@@ -109,7 +77,7 @@ class _Dropped:
     stamp: int
 
 
-class ReferenceHotKvEngine:
+class ReferenceHotKvEngine(SessionTransfers):
     def __init__(self, shard: KvShard, config: HotKvConfig):
         """The native engine's configuration, checked by the same native function; a warm_dir is
         simulated (the same decisions and sizes as the disk tier's files, no files)."""
@@ -155,58 +123,15 @@ class ReferenceHotKvEngine:
 
     # --- validation ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _validate_key(sid: str, epoch: int) -> None:
-        if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise InvalidInputError("a request's key is (str session id, int epoch)")
-        if not sid or len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
-            raise InvalidInputError(f"session id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
-        if epoch < 0 or epoch > MAX_EPOCH:
-            raise InvalidInputError(f"route epoch must be 0 to {MAX_EPOCH}, got {epoch}")
 
     def validate_step(self, step) -> None:
         """The checks the native StepLoop makes before queueing a llama_shard.Step (a prefill may
         exceed n_batch: it is computed in chunks; a decode may not)."""
-        self._validate_key(step.session_id, step.route_epoch)
+        validate_key(step.session_id, step.route_epoch)
         # several rows of logits: computed whole, so within one step's size
         limit = 1 << 30 if step.kind == StepKind.PREFILL and step.logit_rows == 1 else self.n_batch
-        self._validate_input(step.token_ids, step.hidden, limit)
+        validate_input(self.shard.info, self.n_batch, step.token_ids, step.hidden, limit)
 
-    def _validate_input(self, tokens, hidden, limit: int | None = None) -> tuple[list[int] | None, np.ndarray | None, int]:
-        info = self.shard.info
-        limit = self.n_batch if limit is None else limit
-        if (tokens is None) == (hidden is None):
-            raise InvalidInputError("pass exactly one of tokens (head shard) or hidden (non-head shard)")
-        if tokens is not None:
-            arr = np.asarray(tokens)
-            if arr.ndim != 1:
-                raise InvalidInputError("tokens must be one-dimensional")
-            if arr.size and arr.dtype.kind not in "iu":
-                raise InvalidInputError("tokens must be integers")
-            if not info.is_head:
-                raise InvalidInputError("token ids sent to a non-head shard")
-            n = int(arr.size)
-            if n < 1:
-                raise InvalidInputError("empty input: at least one token is required")
-            if n > limit:
-                raise InvalidInputError(f"a step takes 1 to {limit} tokens (the step size), got {n}")
-            if arr.min() < 0 or arr.max() >= info.n_vocab:
-                raise InvalidInputError("token id outside the vocabulary")
-            return [int(t) for t in arr], None, n
-        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
-            raise InvalidInputError("hidden must be a numpy float32 array")
-        if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
-            raise InvalidInputError(f"hidden must have shape (n_tokens, {info.n_embd})")
-        if not hidden.flags.c_contiguous:
-            raise InvalidInputError("hidden must be C-contiguous")
-        if info.is_head:
-            raise InvalidInputError("hidden state sent to the head shard: send token ids")
-        n = int(hidden.shape[0])
-        if n < 1 or n > limit:
-            raise InvalidInputError(f"a step takes 1 to {limit} tokens (the step size), got {n}")
-        if not np.isfinite(hidden).all():
-            raise InvalidInputError("hidden state contains a non-finite value")
-        return None, hidden, n
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -241,7 +166,7 @@ class ReferenceHotKvEngine:
         llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
         count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
         layer, and per cell its position, seq id count and seq id before the K and V rows)."""
-        pages = -(-self._state_bytes(seq_len) // _PAGE) * _PAGE  # the native tier holds each state in whole pages of its own
+        pages = -(-self._state_bytes(seq_len) // PAGE) * PAGE  # the native tier holds each state in whole pages of its own
         return pages + len(session_id.encode("utf-8", "surrogatepass"))
 
     def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
@@ -277,7 +202,7 @@ class ReferenceHotKvEngine:
         self._counters[self._LEAVING.get(reason, "other")] += 1
         self._free_hot(sid)
 
-    def _restore(self, sid: str, now: float, ids: _IdPlacement) -> _Session:
+    def _restore(self, sid: str, now: float, ids: IdPlacement) -> _Session:
         t0 = time.perf_counter()
         w = self._warm.take(sid)
         s = _Session(w.epoch, self._take_free_id(ids), copy.deepcopy(w.kv), now)
@@ -327,7 +252,7 @@ class ReferenceHotKvEngine:
 
     def _begin(self, session_id: str, epoch: int, now: float) -> float:
         """The prelude of every single-session request (the native begin_locked)."""
-        self._validate_key(session_id, epoch)
+        validate_key(session_id, epoch)
         now = self._tick(now)
         self._sweep(now)
         return now
@@ -347,7 +272,7 @@ class ReferenceHotKvEngine:
         s.last_used = now
         self._live.move_to_end(sid)
 
-    def _create(self, sid: str, epoch: int, now: float, ids: _IdPlacement) -> _Session:
+    def _create(self, sid: str, epoch: int, now: float, ids: IdPlacement) -> _Session:
         if not self._free_ids:
             self._evict_lru(sid)
         seq_id = self._take_free_id(ids)
@@ -356,7 +281,7 @@ class ReferenceHotKvEngine:
         self._recent.pop(sid, None)
         return s
 
-    def _take_free_id(self, ids: _IdPlacement) -> int:
+    def _take_free_id(self, ids: IdPlacement) -> int:
         """As the native engine: the id after the one this step created last, else the start of the
         lowest run of free ids long enough for the step's remaining new sessions, else the lowest."""
         free = self._free_ids
@@ -395,7 +320,7 @@ class ReferenceHotKvEngine:
             if epoch == s.epoch:
                 return s, StepResult()
             if epoch < s.epoch:
-                return None, _stale(epoch, s.epoch, "current")
+                return None, stale(epoch, s.epoch, "current")
             if query:
                 return None, self._newer_than_cached(epoch, s.epoch)
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
@@ -406,7 +331,7 @@ class ReferenceHotKvEngine:
             if epoch == w.epoch:  # warm: no session, an OK result saying where it is
                 return None, StepResult(seq_len=w.seq_len, tier=tier)
             if epoch < w.epoch:
-                return None, _stale(epoch, w.epoch, "current")
+                return None, stale(epoch, w.epoch, "current")
             if query:
                 return None, self._newer_than_cached(epoch, w.epoch)
             self._warm.drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
@@ -415,7 +340,7 @@ class ReferenceHotKvEngine:
         d = self._recent.get(sid)
         if d is not None:
             if epoch < d.epoch:
-                return None, _stale(epoch, d.epoch, "last")
+                return None, stale(epoch, d.epoch, "last")
             if epoch == d.epoch:
                 return None, StepResult(status=CACHE_MISS, miss=d.reason,
                                         detail=f"the session's state was dropped: {d.reason.name}")
@@ -429,9 +354,9 @@ class ReferenceHotKvEngine:
         if not room:  # larger than this engine's budget: a guard, as in the native engine
             self._warm.drop(sid, MissReason.EVICTED_LRU)
             return None, self._miss(MissReason.EVICTED_LRU, "the session's warm copy does not fit this shard's budget")
-        return self._restore(sid, now, _IdPlacement()), StepResult()  # outside a step: the lowest free id
+        return self._restore(sid, now, IdPlacement()), StepResult()  # outside a step: the lowest free id
 
-    @_serialised
+    @serialised
     def open(self, session_id: str, epoch: int, now: float) -> StepResult:
         now = self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch)
@@ -441,87 +366,11 @@ class ReferenceHotKvEngine:
             s, restored = self._restore_alone(session_id, res.seq_len, now)
             self._counted(restored)  # a lost warm copy is a miss even though open answers with a new session
         if s is None:  # nothing cached (not a miss: open asks for a session, and gets one)
-            s = self._create(session_id, epoch, now, _IdPlacement())
+            s = self._create(session_id, epoch, now, IdPlacement())
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
-    # --- the prefix store (as the native store_prefix / open_prefix / prefix_length) ----------------
-
-    def prefix_entry_bytes(self, length: int) -> int:
-        """What the native prefix store charges for a prefix: its state's whole pages and the 8-byte key."""
-        return -(-self._state_bytes(length) // _PAGE) * _PAGE + 8
-
-    @_serialised
-    def store_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
-        if not 1 <= length <= self.context_tokens:
-            raise InvalidInputError(f"a prefix holds 1 to {self.context_tokens} tokens (context_tokens), got {length}")
-        now = self._begin(session_id, epoch, now)
-        s, res = self._identify(session_id, epoch, query=True)
-        if s is None:
-            return res
-        if s.seq_len != length:
-            raise InvalidInputError(f"the session holds {s.seq_len} tokens, not the prefix's {length}")
-        res = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
-        if not self._prefixes.enabled or key in self._prefixes:
-            return res
-        res.changed = self._prefixes.insert(key, copy.deepcopy(s.kv), self.prefix_entry_bytes(length), now)
-        return res
-
-    @_serialised
-    def open_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
-        if length < 1:
-            raise InvalidInputError(f"a prefix holds at least 1 token, got {length}")
-        now = self._begin(session_id, epoch, now)
-        entry, res = self._lookup_prefix(session_id, epoch, key, length)
-        if entry is None:
-            return res
-        s, res = self._replace_for_prefix(session_id, epoch, length, now)
-        if s is None:
-            return res
-        # the restore: a copy of the entry (the reference's copies cannot fail, nor hold a sliding window)
-        s.kv = copy.deepcopy(entry.kv)
-        s.last_start, s.last_input = -1, None
-        self._touch(session_id, s, now)
-        self._reserved += length
-        self._prefixes.hit(key, now)
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
-
-    def _lookup_prefix(self, session_id: str, epoch: int, key: int, length: int):
-        """(the entry to open from, None) or (None, the answer: a stale epoch, a counted miss, BUDGET_EXCEEDED)."""
-        _, res = self._identify(session_id, epoch, query=True)  # a stale epoch is that, whatever the store holds
-        if res.status == STALE_EPOCH:
-            return None, res
-        entry = self._prefixes.find(key, length)
-        if entry is None:
-            return None, self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix "
-                                                                             f"of {length} tokens: the head computes it"))
-        if length > self.context_tokens or length > self.budget_tokens:
-            return None, StepResult(status=BUDGET_EXCEEDED,
-                                    detail=f"a prefix of {length} tokens does not fit this shard's context or budget")
-        return entry, res
-
-    def _replace_for_prefix(self, session_id: str, epoch: int, length: int, now: float):
-        """(the session that will hold the prefix, emptied, with room made; or None, the stale answer): a
-        warm copy is dropped, an older epoch superseded (not counted as a miss)."""
-        s, res = self._identify(session_id, epoch)
-        if res.status == STALE_EPOCH:
-            return None, res
-        if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped (a warm drop), not restored
-            self._warm.discard(session_id)
-            s = None
-        held = s.seq_len if s is not None else 0
-        room = self._make_room(max(0, length - held), s is None, [session_id], [])  # never touches the prefix store
-        assert room  # length <= budget: every other session can leave
-        if s is None:
-            s = self._create(session_id, epoch, now, _IdPlacement())
-        self._reserved -= held
-        return s, res
-
-    @_serialised
-    def prefix_length(self, key: int) -> int:
-        return self._prefixes.length(key)
-
-    @_serialised
+    @serialised
     def step(self, requests: list[Step], now: float) -> list[tuple[StepResult, np.ndarray | None]]:
         """A batched step with the native engine's rules (see hot_kv_engine.h, step()); each
         request is a llama_shard.Step of at most n_batch tokens (a chunk, for a long prefill)."""
@@ -531,8 +380,8 @@ class ReferenceHotKvEngine:
         participants: list[str] = []
         for i, req in enumerate(requests):
             try:
-                self._validate_key(req.session_id, req.route_epoch)
-                inputs[i] = self._validate_input(req.token_ids, req.hidden)
+                validate_key(req.session_id, req.route_epoch)
+                inputs[i] = validate_input(self.shard.info, self.n_batch, req.token_ids, req.hidden)
                 if req.session_id in participants:
                     raise InvalidInputError(f"session '{req.session_id}' appears twice in one step")
                 participants.append(req.session_id)
@@ -549,7 +398,7 @@ class ReferenceHotKvEngine:
                 return False
             return req.kind == StepKind.PREFILL or (warm is not None and warm.epoch == req.route_epoch)
 
-        ids = _IdPlacement(to_place=sum(1 for i, req in enumerate(requests) if results[i] is None and takes_id(req)))
+        ids = IdPlacement(to_place=sum(1 for i, req in enumerate(requests) if results[i] is None and takes_id(req)))
         plan = []
         for i, req in enumerate(requests):
             if results[i] is None:
@@ -570,7 +419,7 @@ class ReferenceHotKvEngine:
             results[i] = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
         return list(zip(results, outs))
 
-    def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int, ids: _IdPlacement):
+    def _admit(self, req: Step, n: int, participants: list[str], now: float, plan: list, index: int, ids: IdPlacement):
         sid = req.session_id
         s, res = self._identify(sid, req.route_epoch)
         if res.status == STALE_EPOCH:
@@ -627,7 +476,7 @@ class ReferenceHotKvEngine:
         plan.append((index, s, start, sid))
         return None
 
-    @_serialised
+    @serialised
     def truncate(self, session_id: str, epoch: int, length: int, now: float) -> StepResult:
         if length < 0:
             raise InvalidInputError(f"truncate length must be >= 0, got {length}")
@@ -647,13 +496,13 @@ class ReferenceHotKvEngine:
         self._touch(session_id, s, now)
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
-    @_serialised
+    @serialised
     def release(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
         s = self._live.get(session_id)
         if s is not None:
             if epoch < s.epoch:
-                return _stale(epoch, s.epoch, "current")
+                return stale(epoch, s.epoch, "current")
             if epoch == s.epoch:
                 self._drop(session_id, MissReason.RELEASED)
             else:  # a newer epoch supersedes the cached one, which is released with it
@@ -663,7 +512,7 @@ class ReferenceHotKvEngine:
         w, _ = self._warm.find(session_id)
         if w is not None:
             if epoch < w.epoch:
-                return _stale(epoch, w.epoch, "current")
+                return stale(epoch, w.epoch, "current")
             if epoch == w.epoch:
                 self._warm.drop(session_id, MissReason.RELEASED)
             else:
@@ -673,12 +522,12 @@ class ReferenceHotKvEngine:
         d = self._recent.get(session_id)
         if d is not None:
             if epoch < d.epoch:
-                return _stale(epoch, d.epoch, "last")
+                return stale(epoch, d.epoch, "last")
             if epoch > d.epoch:  # the route moved on: older epochs are stale from now on
                 self._remember(session_id, epoch, MissReason.RELEASED)
         return StepResult()
 
-    @_serialised
+    @serialised
     def resolve(self, session_id: str, epoch: int, now: float) -> StepResult:
         self._begin(session_id, epoch, now)
         s, res = self._identify(session_id, epoch, query=True)
@@ -686,100 +535,13 @@ class ReferenceHotKvEngine:
             return self._counted(res)  # a warm session is reported where it is; a newer epoch supersedes nothing
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
 
-    @_serialised
+    @serialised
     def sweep(self, now: float) -> int:
         return self._sweep(self._tick(now))
 
-    @_serialised
-    def persist(self, now: float) -> int:
-        """As the native persist: with a disk tier, every hot and host-warm session goes to disk;
-        without one, every session is released."""
-        self._tick(now)
-        if self.warm_disk_bytes <= 0:
-            for sid in list(self._live):
-                self._drop(sid, MissReason.RELEASED)
-            self._warm.release_host_all()
-            return 0
-        for sid in list(self._live):
-            if self._live[sid].seq_len == 0:
-                self._drop(sid, MissReason.RELEASED)
-                continue
-            s = self._live[sid]
-            if self._warm.put(sid, WarmEntry(s.epoch, copy.deepcopy(s.kv), s.last_used, 0)):
-                self._counters["spills"] += 1
-                self._free_hot(sid)
-            else:
-                self._drop(sid, MissReason.RELEASED)
-        self._warm.demote_host_all()
-        return len(self._warm.disk)
-
-    # --- hand-over (as the native export_session / import_session; the state is the reference's own:
-    # a header, then per owned layer K and V as little-endian float16, which holds its f16 cache exactly)
-
-    _STATE_HEAD = struct.Struct("<4sIIIIII")  # magic, version, first layer, layers, seq_len, n_head_kv, head_dim
-
-    @_serialised
-    def export_session(self, session_id: str, epoch: int, now: float) -> tuple[StepResult, bytes]:
-        self._begin(session_id, epoch, now)
-        s, res = self._identify(session_id, epoch, query=True)
-        if s is not None:
-            res, kv = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT), s.kv
-        elif res.status == OK:  # warm: copied where it is (the reference's disk tier is simulated: it cannot fail)
-            kv = self._warm.find(session_id)[0].kv
-        else:
-            return self._counted(res), b""
-        if kv.seq_len == 0:
-            return res, b""
-        layers, hp = list(self.shard.owned_layers), self.shard.model.hparams
-        head = self._STATE_HEAD.pack(b"RFKV", 1, layers[0], len(layers), kv.seq_len, hp.n_head_kv, hp.head_dim)
-        return res, head + b"".join(a.astype("<f2").tobytes() for il in layers for a in kv.layers[il])
-
-    def _state_kv(self, state: bytes, seq_len: int) -> tuple[SequenceKv | None, str]:
-        """The K/V a state holds, or (None, why) if it is not this shard's state of seq_len tokens."""
-        layers, hp = list(self.shard.owned_layers), self.shard.model.hparams
-        if len(state) < self._STATE_HEAD.size:
-            return None, "not a sequence state"
-        magic, version, first, n_layers, n, n_head_kv, head_dim = self._STATE_HEAD.unpack_from(state)
-        if (magic, version) != (b"RFKV", 1):
-            return None, "not a sequence state"
-        if (first, n_layers, n_head_kv, head_dim) != (layers[0], len(layers), hp.n_head_kv, hp.head_dim):
-            return None, f"rows of layers {first}..{first + n_layers - 1} ({n_head_kv}x{head_dim}), this shard owns another range"
-        if n != seq_len:
-            return None, f"it holds {n} tokens"
-        if len(state) != self._STATE_HEAD.size + 4 * len(layers) * seq_len * hp.n_head_kv * hp.head_dim:
-            return None, "rows past (or short of) the end of the state"
-        rows = np.frombuffer(state, dtype="<f2", offset=self._STATE_HEAD.size).astype(np.float64)
-        if not np.isfinite(rows).all():
-            return None, "a non-finite K or V value"
-        rows = rows.reshape(len(layers), 2, seq_len, hp.n_head_kv, hp.head_dim)
-        kv = self.shard.new_sequence()
-        kv.layers = {il: (rows[i, 0].copy(), rows[i, 1].copy()) for i, il in enumerate(layers)}
-        return kv, ""
-
-    @_serialised
-    def import_session(self, session_id: str, epoch: int, seq_len: int, state: bytes, now: float) -> StepResult:
-        self._validate_key(session_id, epoch)
-        if seq_len < 1:
-            raise InvalidInputError(f"an imported session holds at least 1 token, got {seq_len}")
-        _, res = self._identify(session_id, epoch, query=True)  # identity first; every check before anything changes
-        if res.status == STALE_EPOCH:
-            return res
-        if seq_len > self.context_tokens or seq_len > self.budget_tokens:
-            return StepResult(status=BUDGET_EXCEEDED, detail=f"a session of {seq_len} tokens does not fit this shard's "
-                              f"context_tokens {self.context_tokens} or budget_tokens {self.budget_tokens}")
-        kv, why = self._state_kv(state, seq_len)
-        if kv is None:
-            return StepResult(status=INVALID_INPUT, detail=f"the state of {seq_len} tokens cannot be restored here: {why}")
-        now = self._begin(session_id, epoch, now)
-        s, _ = self._replace_for_prefix(session_id, epoch, seq_len, now)  # emptied, room made (as open_prefix)
-        s.kv, s.last_start, s.last_input = kv, -1, None
-        self._touch(session_id, s, now)
-        self._reserved += seq_len
-        return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
-
     # --- introspection ---------------------------------------------------------------------------
 
-    @_serialised
+    @serialised
     def stats(self) -> dict:
         bpt = self.shard.info.kv_bytes_per_token
         return {
@@ -808,53 +570,18 @@ class ReferenceHotKvEngine:
             "checkpoints_taken": 0, "checkpoint_restores": 0, "checkpoint_tokens": 0, "checkpoint_bytes": 0,
         }
 
-    @_serialised
+    @serialised
     def sessions(self) -> list[SessionRecord]:
         return ([SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
                 + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.host.items()]
                 + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._warm.disk.items()])
 
-    @_serialised
+    @serialised
+    def check_invariants(self) -> None:
+        check_invariants(self)
+
+    @serialised
     def session_kv(self, session_id: str) -> SequenceKv:
         """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
         return self._live[session_id].kv
 
-    @_serialised
-    def check_invariants(self) -> None:
-        def fail(what: str):
-            raise AssertionError(f"reference engine invariant violated: {what}")
-
-        if len(self._live) > self.max_sessions:
-            fail("more live sessions than max_sessions")
-        ids = [s.seq_id for s in self._live.values()]
-        if self._free_ids != sorted(self._free_ids, reverse=True):
-            fail("free seq ids are not in descending order")
-        if sorted(ids + self._free_ids) != list(range(self.max_sessions)):
-            fail("seq ids leaked or duplicated")
-        owned = set(self.shard.owned_layers)
-        for s in self._live.values():
-            if set(s.kv.layers) != owned:
-                fail("a session holds K/V for layers it does not own")
-            if any(k.shape[0] != s.seq_len or v.shape[0] != s.seq_len for k, v in s.kv.layers.values()):
-                fail("owned layers disagree on the session length")
-            if s.seq_len > self.context_tokens:
-                fail("session longer than context_tokens")
-        if sum(s.seq_len for s in self._live.values()) != self._reserved:
-            fail("reserved tokens != sum of session lengths")
-        if self._reserved > self.budget_tokens:
-            fail("reserved tokens exceed the budget")
-        times = [s.last_used for s in self._live.values()]
-        if times != sorted(times):
-            fail("LRU order disagrees with last_used")
-        if len(self._recent) > self.recent_capacity:
-            fail("the table of dropped keys outgrew its capacity")
-        if any(sid in self._live for sid in self._recent):
-            fail("a live session is also in the dropped table")
-        self._warm.check(fail)
-        if any(sid in self._live or sid in self._recent for sid in [*self._warm.host, *self._warm.disk]):
-            fail("a warm or disk session is also hot or in the dropped table")
-        self._prefixes.check(self.context_tokens, fail)
-        c = self._counters
-        # across the rooms: every spill is restored, dropped, or still warm
-        if c["spills"] != c["restores"] + self._warm.counters["warm_drops"] + len(self._warm):
-            fail("spills != restores + warm drops + warm and disk sessions")

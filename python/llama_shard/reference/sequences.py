@@ -3,6 +3,8 @@ the engine asks of the shard that computes it (`KvShard`). Below the model, the 
 engine alike, so none of them imports another to name these."""
 from __future__ import annotations
 
+import os
+import struct
 from typing import Any, Protocol
 
 import numpy as np
@@ -42,3 +44,39 @@ class KvShard(Protocol):
 
     def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None,
                 n_logits: int = 1) -> np.ndarray: ...
+
+
+#: the native tiers hold each state in whole pages of its own
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: a reference state's header: magic, version, first layer, layers, seq_len, n_head_kv, head_dim
+STATE_HEAD = struct.Struct("<4sIIIIII")
+
+
+def state_of(shard: KvShard, kv: SequenceKv) -> bytes:
+    """A session's K/V as the bytes a hand-over carries (the reference's own format)."""
+    layers, hp = list(shard.owned_layers), shard.model.hparams
+    head = STATE_HEAD.pack(b"RFKV", 1, layers[0], len(layers), kv.seq_len, hp.n_head_kv, hp.head_dim)
+    return head + b"".join(a.astype("<f2").tobytes() for il in layers for a in kv.layers[il])
+
+
+def state_kv(shard: KvShard, state: bytes, seq_len: int) -> tuple[SequenceKv | None, str]:
+    """The K/V a state holds, or (None, why) if it is not this shard's state of seq_len tokens."""
+    layers, hp = list(shard.owned_layers), shard.model.hparams
+    if len(state) < STATE_HEAD.size:
+        return None, "not a sequence state"
+    magic, version, first, n_layers, n, n_head_kv, head_dim = STATE_HEAD.unpack_from(state)
+    if (magic, version) != (b"RFKV", 1):
+        return None, "not a sequence state"
+    if (first, n_layers, n_head_kv, head_dim) != (layers[0], len(layers), hp.n_head_kv, hp.head_dim):
+        return None, f"rows of layers {first}..{first + n_layers - 1} ({n_head_kv}x{head_dim}), this shard owns another range"
+    if n != seq_len:
+        return None, f"it holds {n} tokens"
+    if len(state) != STATE_HEAD.size + 4 * len(layers) * seq_len * hp.n_head_kv * hp.head_dim:
+        return None, "rows past (or short of) the end of the state"
+    rows = np.frombuffer(state, dtype="<f2", offset=STATE_HEAD.size).astype(np.float64)
+    if not np.isfinite(rows).all():
+        return None, "a non-finite K or V value"
+    rows = rows.reshape(len(layers), 2, seq_len, hp.n_head_kv, hp.head_dim)
+    kv = shard.new_sequence()
+    kv.layers = {il: (rows[i, 0].copy(), rows[i, 1].copy()) for i, il in enumerate(layers)}
+    return kv, ""

@@ -11,7 +11,7 @@ import numpy as np
 from .._native import Status, StepKind
 from ..engine.hot_kv import Step
 from ..errors import CapacityError, InvalidInputError
-from .engine import StepResult
+from .results import StepResult
 
 
 class ReferenceTicket:

@@ -5,7 +5,7 @@ or computed: RESOURCE_EXHAUSTED for the caller, nothing changed.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -13,6 +13,26 @@ from google.protobuf.message import DecodeError
 if TYPE_CHECKING:
     from ..engine.manager import HotKvStateManager
     from .security import ServerSecurity
+
+
+class RequestBounds(NamedTuple):
+    """The most bytes a worker takes in: one request (gRPC refuses a larger message before it is
+    parsed), all requests in flight at once, one hand-over's state."""
+    request: int
+    in_flight: int
+    handover: int
+
+    @classmethod
+    def of(cls, config, n_embd: int, kv_bytes_per_token: int, max_message_bytes: int) -> RequestBounds:
+        # no valid request is larger than a full batch of full-context float32 rows
+        # (max_message_bytes stays the ceiling)
+        needed = config.max_sessions * (config.context_tokens * (n_embd * 4 + 8) + 4096) + (1 << 16)
+        request = min(max_message_bytes, needed)
+        # every session's rows at once fit in one such request; twice that may be parsed and handled
+        # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED.
+        # A hand-over comes in chunks (each under that bound); their sum is at most a full session's
+        # KV with its cells' metadata
+        return cls(request, 2 * request, 2 * kv_bytes_per_token * config.context_tokens + (2 << 20))
 
 
 class _Unparsable:

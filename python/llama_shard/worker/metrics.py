@@ -1,8 +1,10 @@
-"""The engine's Prometheus metrics, read at scrape time (serve --metrics-port)."""
+"""A worker's Prometheus metrics (serve --metrics-port): the engine's, read at scrape time, and its step RPCs'."""
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
@@ -69,3 +71,34 @@ class EngineCollector:
             buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
         h.add_metric(values, buckets, st["restore_seconds"])
         yield h
+
+
+class StepMetrics:
+    """The step RPCs' latency and size, and the sessions handed over (Prometheus), every label
+    exported from the start (zero counts), so a scrape before the first step sees the series."""
+
+    def __init__(self, registry, step_kinds):
+        self.seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
+                                 registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+        self.tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
+                                registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
+                                 "from one (received)", ["direction"], registry=registry)
+        self.handover_total = 0  # both directions (Info)
+        self._lock = threading.Lock()
+        for label in ("prefill", "decode", "batch"):
+            self.seconds.labels(label)
+        for kind in step_kinds:
+            self.tokens.labels(kind.lower())
+
+    def step(self, label: str, seconds: float, items: list[tuple]) -> None:
+        """One step RPC of (kind, StepRequest) items (kind None: refused as invalid)."""
+        self.seconds.labels(label).observe(seconds)
+        for kind, req in items:
+            n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
+            self.tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
+
+    def handed(self, direction: str, n: int) -> None:
+        with self._lock:
+            self.handover_total += n
+        self.handovers.labels(direction).inc(n)

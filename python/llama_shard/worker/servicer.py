@@ -14,7 +14,7 @@ import threading
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from .._native import ShardModel
 from ..engine.adapter import KvBoundaryAdapter
@@ -30,9 +30,10 @@ from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.requests import FEATURES, MAX_DRAFTS, MIN_BATCH_TOKENS
 from ..proto.wire import Q8_0_BLOCK, WIRE_DTYPES, tier_name, wire_dtypes_for
-from .admission import SessionCapRefused, SessionOwners
+from .admission import RequestBounds, SessionCapRefused, SessionOwners
 from .handover import HANDOVER_TIMEOUT_S, Drainer, HandedIn, HandoverReceiver, SessionMoves
 from .head_slot import HeadSlot, NoHead
+from .metrics import StepMetrics
 from .options import WorkerOptions
 from .peers import MAX_FORWARD_HOPS, VISITED, Peers
 from .prefixes import PrefixNames
@@ -47,7 +48,6 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.model = model
         self.info = model.info
         self.manager = manager
-        self.adapter = KvBoundaryAdapter(model, manager)
         self.security = options.security
         if manager.config.warm_dir is not None:  # resumed sessions keep their owners' tags
             self.security.key_owner_tags(manager.config.warm_dir)
@@ -57,62 +57,35 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.moves = SessionMoves()  # a drain's sessions: the steps that come for them are told where they went
         self.owners = SessionOwners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
-        self.numerics = manager.config.numerics
         self.backend = backend_text(model)  # reported, not compared: a route may mix devices
         self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
         self.on_draining = None  # ShardWorker: the health service says NOT_SERVING from the drain's start
         self._drain_lock = threading.Lock()
-        self.in_flight = 0
-        self._lock = threading.Lock()
         self.max_hop_s = options.max_hop_s
-        self.worker_id = secrets.token_hex(8)  # this worker in VISITED
         self.instance_id = secrets.token_hex(8)  # this process in Info: a head sees a restart by it
         self.model_digest = manager.model_digest()  # a replica's must match (one read of the file)
-        if options.wire_dtype not in WIRE_DTYPES:
-            raise InvalidInputError(f"wire dtype {options.wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
-        self.wire_dtype = WIRE_DTYPES[options.wire_dtype]
-        if self.wire_dtype not in wire_dtypes_for(self.info.n_embd):  # q8_0 only where a row is whole blocks
-            raise InvalidInputError(f"--wire-dtype {options.wire_dtype} carries rows of whole {Q8_0_BLOCK}-value "
-                                    f"blocks; this model's rows have {self.info.n_embd} values")
+        self.wire_dtype = _wire_dtype(options.wire_dtype, self.info.n_embd)
         self.route = tuple(options.peers)  # in order: a head's later stages (head/role.py's replicas)
-        # no valid request is larger than a full batch of full-context float32 rows: a larger message
-        # is refused by gRPC before it is parsed (options.max_message_bytes stays the ceiling)
         config = manager.config
-        needed = config.max_sessions * (config.context_tokens * (self.info.n_embd * 4 + 8) + 4096) + (1 << 16)
-        self.max_request_bytes = min(options.max_message_bytes, needed)
-        # every session's rows at once fit in one such request; twice that may be parsed and handled
-        # at once (a pipelined route has two micro-batches in flight), more is RESOURCE_EXHAUSTED
-        self.max_in_flight_request_bytes = 2 * self.max_request_bytes
-        # a hand-over comes in chunks (each under that bound); their sum is at most a full session's
-        # KV with its cells' metadata, and two are gathered at once at most
-        self.max_handover_bytes = 2 * manager.stats()["kv_bytes_per_token"] * config.context_tokens + (2 << 20)
+        self.bounds = RequestBounds.of(config, self.info.n_embd, manager.stats()["kv_bytes_per_token"],
+                                       options.max_message_bytes)
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions, model)
         # sessions that arrived by hand-over, untouched since: a head continues them by their sender's id
-        self.handed_in = HandedIn(4 * manager.config.max_sessions)
-        self.steps = StepRunner(model, manager, self.adapter, self.security, self.peers, self.owners, self.prefixes,
-                                self.samplers, self.worker_id, self.moves, self.handed_in)
+        self.handed_in = HandedIn(4 * config.max_sessions)
+        self.steps = StepRunner(model, manager, KvBoundaryAdapter(model, manager), self.security, self.peers,
+                                self.owners, self.prefixes, self.samplers, secrets.token_hex(8),  # this worker in VISITED
+                                self.moves, self.handed_in)
         if options.n_batch < MIN_BATCH_TOKENS:
             raise InvalidInputError(f"batch is {options.n_batch}: a worker computes steps of up to {MIN_BATCH_TOKENS} "
                                     f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MIN_BATCH_TOKENS}")
         self.head: HeadSlot = NoHead()  # head/role.py's Head when this worker runs one (attach_head)
-        self.handover_total = 0
+        self.metrics = StepMetrics(registry, StepKind.__members__)
         self.receiver = HandoverReceiver(manager, self.security, self.owners, self.moves, self.fingerprint,
-                                         self.model_digest, self.max_handover_bytes, self._handed_in)
-        self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
-                                 "from one (received)", ["direction"], registry=registry)
+                                         self.model_digest, self.bounds.handover, self._handed_in)
         self.drainer = Drainer(manager, self.peers, self.moves, self._owner_of, self.fingerprint, self.model_digest,
-                               on_moved=lambda n: self._count_handover("sent", n), sign=self.security.assertion,
+                               on_moved=lambda n: self.metrics.handed("sent", n), sign=self.security.assertion,
                                instance_id=self.instance_id)
-        self.step_seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
-                                      registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
-        self.step_tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
-                                     registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-        # every label exported from the start (zero counts), so a scrape before the first step sees the series
-        for label in ("prefill", "decode", "batch"):
-            self.step_seconds.labels(label)
-        for kind in StepKind.__members__:
-            self.step_tokens.labels(kind.lower())
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -169,18 +142,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # 7.5e9 s left) or with a long one holds this handler, and the next hop, at most that long
         remaining = self.max_hop_s if remaining is None else min(remaining, self.max_hop_s)
         t0 = time.perf_counter()
-        with self._lock:
-            self.in_flight += 1
-        try:
-            replies = self._run_steps(principal, assertion, context, items, forward, time.monotonic() + remaining,
-                                      batch)
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-        self.step_seconds.labels(label).observe(time.perf_counter() - t0)
-        for kind, req in items:
-            n = len(req.token_ids) or (req.hidden.shape[0] if len(req.hidden.shape) == 2 else 0)
-            self.step_tokens.labels(kind.name.lower() if kind is not None else "invalid").observe(n)
+        replies = self._run_steps(principal, assertion, context, items, forward, time.monotonic() + remaining, batch)
+        self.metrics.step(label, time.perf_counter() - t0, items)
         return replies
 
     def _run_steps(self, principal: str, assertion: bytes | None, context, items: list[tuple], forward,
@@ -262,11 +225,6 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # --- drain and hand-over --------------------------------------------------------------------
 
-    def _count_handover(self, direction: str, n: int) -> None:
-        with self._lock:
-            self.handover_total += n
-        self.handovers.labels(direction).inc(n)
-
     def _owner_of(self, key: str) -> tuple[str | None, str]:
         """(the principal owning an engine key, its session id); None when it cannot be named."""
         tag, session_id = self.security.owner_of_key(key)
@@ -294,7 +252,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.head.forget(key)
         self.samplers.forget((key, epoch))
         self.handed_in.arrived(key, epoch, from_instance)
-        self._count_handover("received", 1)
+        self.metrics.handed("received", 1)
 
     def Drain(self, request, context):
         self._trusted_neighbour(context)
@@ -346,14 +304,14 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=self._visible_sessions(principal),
-            kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.numerics,
+            kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.manager.config.numerics,
             backend=self.backend,
             warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
             engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
-            peers=sorted(self.peers.allowed), max_request_bytes=self.max_request_bytes,
-            max_in_flight_request_bytes=self.max_in_flight_request_bytes,
+            peers=sorted(self.peers.allowed), max_request_bytes=self.bounds.request,
+            max_in_flight_request_bytes=self.bounds.in_flight,
             prefix_entries=st["prefix_entries"], prefix_bytes=st["prefix_bytes"], prefix_capacity=st["prefix_capacity"],
             prefix_hits=st["prefix_hits"], prefix_tokens_saved=st["prefix_tokens_saved"],
             prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
@@ -361,5 +319,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             instance_id=self.instance_id, model_digest=self.model_digest,
             wire_dtypes=self.steps.wire_dtypes, wire_dtype=self.wire_dtype,
             forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
-            draining=self.moves.draining, handover_sessions=self.handover_total, features=FEATURES,
+            draining=self.moves.draining, handover_sessions=self.metrics.handover_total, features=FEATURES,
             **self.head.info_fields())
+
+
+def _wire_dtype(name: str, n_embd: int) -> int:
+    """The wire type a head's own route uses when a request names none (serve --wire-dtype)."""
+    if name not in WIRE_DTYPES:
+        raise InvalidInputError(f"wire dtype {name!r}: one of {', '.join(WIRE_DTYPES)}")
+    dtype = WIRE_DTYPES[name]
+    if dtype not in wire_dtypes_for(n_embd):  # q8_0 only where a row is whole blocks
+        raise InvalidInputError(f"--wire-dtype {name} carries rows of whole {Q8_0_BLOCK}-value "
+                                f"blocks; this model's rows have {n_embd} values")
+    return dtype

@@ -144,7 +144,6 @@ class HttpServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
         self.loop = self._thread = None
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- every request ------------------------------------------------------------------------
 

@@ -1,0 +1,4 @@
+"""`python -m llama_shard.cli`: the `llama-shard` command."""
+from . import main
+
+raise SystemExit(main())
