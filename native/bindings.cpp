@@ -343,6 +343,9 @@ void register_backends(py::module_ & m) {
               return shard_gpu_backends();
           },
           "One line per GPU module this build ships: loaded (with its device count) or why not.");
+    m.attr("CPU_DEVICE") = CPU_DEVICE;
+    m.def("is_cpu_device", &is_cpu_device, py::arg("name"),
+          "Whether a device name is the CPU (any case): the one test of it.");
 }
 
 // the limits and defaults Python reads from here (hot_kv_limits.h, step_loop.h, prefix_store.h), the KV types
@@ -424,7 +427,7 @@ void register_model(py::module_ & m) {
                  return std::make_unique<shard_model>(params);
              }),
              py::arg("path"), py::arg("layers") = py::none(), py::arg("n_threads") = py::none(),
-             py::arg("device") = "cpu", py::arg("gpu_layers") = -1, py::arg("cpu_moe_layers") = 0)
+             py::arg("device") = CPU_DEVICE, py::arg("gpu_layers") = -1, py::arg("cpu_moe_layers") = 0)
         .def_property_readonly("info", &shard_model::info, py::return_value_policy::reference_internal)
         .def_property_readonly("path", &shard_model::path)
         .def_property_readonly("n_threads", &shard_model::n_threads)

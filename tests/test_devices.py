@@ -320,6 +320,26 @@ def test_a_node_whose_gpu_modules_may_not_load_runs_on_the_cpu(synthetic_model):
     assert res.stdout.startswith("cpu | no GPU device listed"), res.stdout
 
 
+def test_a_route_is_one_backend_only_where_its_workers_facts_say_so():
+    """route_backends reads InfoReply's device facts, not the backend's text: one device kind and
+    kernels on every stage is one backend; a stage with some layers on the CPU, another CPU
+    variant, or a worker that reports no facts (an older one) makes the route mixed."""
+    from types import SimpleNamespace
+
+    from llama_shard.route.client import StageInfo, route_backends
+
+    def stage(first, last, device, layers, kernels, backend="x"):
+        return SimpleNamespace(info=StageInfo(first, last, 30, 576, "llama", f"s{first}", "", backend, device, layers,
+                                              kernels))
+    cpu = [stage(0, 14, "cpu", 15, "zen4"), stage(15, 29, "cpu", 15, "zen4")]
+    assert "one backend" in route_backends(cpu)
+    gpu = [stage(0, 14, "Vulkan0", 15, "llvmpipe"), stage(15, 29, "Vulkan0", 15, "llvmpipe")]
+    assert "one backend" in route_backends(gpu)
+    for other in (stage(15, 29, "Vulkan0", 10, "llvmpipe"), stage(15, 29, "cpu", 15, "haswell"),
+                  stage(15, 29, "", 0, "", backend="cpu (zen4)")):
+        assert "mixed backends" in route_backends([cpu[0], other]), other.info
+
+
 # --- a route that mixes devices ----------------------------------------------------------------
 
 MIXED_PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "Water boils at"]

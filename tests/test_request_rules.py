@@ -74,26 +74,25 @@ def test_a_sessions_parameters_are_checked_once_and_its_state_at_every_step():
 
 
 def test_a_grammar_verdict_counts_only_for_the_model_it_was_made_for(synthetic_model):
-    """The verdicts are kept by id(model); an id is reused once its model is gone, so a kept verdict
-    whose model is not this one (its weak reference dead) is made again, not trusted."""
-    import weakref
+    """The parser's verdicts are kept per model, weakly: another model's verdict on the same text is
+    not this one's, and a model that is gone takes its verdicts with it (an id reused by a new model
+    finds none)."""
+    import gc
 
     from llama_shard import ShardModel
-    from llama_shard.proto import requests
+    from llama_shard.structured import checks
 
-    model = ShardModel(str(synthetic_model), (0, 0), 1)
     bad = SamplingParams(grammar='root ::= "a" (')
+    model = ShardModel(str(synthetic_model), (0, 0), 1)
     with pytest.raises(InvalidInputError, match="grammar"):
-        requests.check_grammar(bad, model)
-
-    class Gone:
-        pass
-
-    stale = weakref.ref(Gone())  # dead at once: the model a reused id once named
-    requests._GRAMMAR_VERDICTS[(id(model), bad.grammar)] = (stale, None)  # that model accepted it
-    with pytest.raises(InvalidInputError, match="grammar"):
-        requests.check_grammar(bad, model)
-    assert requests._GRAMMAR_VERDICTS[(id(model), bad.grammar)][0]() is model
+        checks.check_grammar(bad, model)
+    assert checks._verdicts[model][bad.grammar] is not None
+    other = ShardModel(str(synthetic_model), (0, 0), 1)
+    assert other not in checks._verdicts  # its own parse, when it is asked
+    before = len(checks._verdicts)
+    del model
+    gc.collect()
+    assert len(checks._verdicts) == before - 1
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -424,9 +424,9 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
     samples what a step replaying every token samples (the protocol before), a step naming a state
     the tail does not hold (a new replica, an eviction, another history) is refused with nothing
     sampled, and the head's replay after that refusal goes on with the same tokens."""
-    from llama_shard.head.generation.grammar_sync import GrammarSync
     from llama_shard.proto import shard_pb2 as pb
     from llama_shard.proto.requests import sampling_to_wire
+    from llama_shard.structured.replay import GrammarSync
     from llama_shard.worker.sampling import SamplerStateMissing, TailSamplers
 
     n_vocab = vocab.info.n_vocab

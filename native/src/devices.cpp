@@ -185,14 +185,18 @@ std::string shard_device_self_check(ggml_backend_dev_t dev, bool * passed) {
     return self_check_locked(dev, passed);
 }
 
+bool is_cpu_device(const std::string & name) {
+    return lower(name) == CPU_DEVICE;
+}
+
 ggml_backend_dev_t shard_choose_device(const std::string & wanted, std::string * why_cpu) {
     if (why_cpu != nullptr) {
         why_cpu->clear();
     }
-    const std::string name = lower(wanted);
-    if (name == "cpu") {
+    if (is_cpu_device(wanted)) {
         return nullptr;
     }
+    const std::string name = lower(wanted);
     std::lock_guard<std::mutex> lock(g_mutex);
     load_gpu_modules_locked();
     const std::vector<ggml_backend_dev_t> devices = gpu_devices();

@@ -228,7 +228,7 @@ shard_memory shard_context::memory() const {
     m.device = model_.info().device;
     ggml_backend_dev_t device = nullptr;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        if (m.device != "cpu" && m.device == ggml_backend_dev_name(ggml_backend_dev_get(i))) {
+        if (!is_cpu_device(m.device) && m.device == ggml_backend_dev_name(ggml_backend_dev_get(i))) {
             device = ggml_backend_dev_get(i);
         }
     }

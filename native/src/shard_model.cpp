@@ -238,7 +238,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
             "] (the owned layers whose experts stay in host memory; -1: all of them)");
     }
 
-    if (params.gpu_layers > 0 && (params.device == "cpu" || params.device == "CPU")) {
+    if (params.gpu_layers > 0 && is_cpu_device(params.device)) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "gpu_layers " + std::to_string(params.gpu_layers) +
                           " puts layers on a device, and the device is the CPU: name one (or auto)");
     }
@@ -313,7 +313,7 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     info_.kv_v_rows = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F32) != info_.kv_bytes_per_token ||
                       info_.n_owned_layers() == 0;
     info_.sliding_window     = llama_model_n_swa(model_);
-    info_.device             = device != nullptr ? ggml_backend_dev_name(device) : "cpu";
+    info_.device             = device != nullptr ? ggml_backend_dev_name(device) : CPU_DEVICE;
     info_.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";
     info_.device_note        = why_cpu;
     if (device == nullptr) {

@@ -1,9 +1,30 @@
 """The llama-shard exception hierarchy: every error the package raises derives from LlamaShardError.
 
 Caller mistakes (invalid input) and failures (an unloadable file, a failed computation) are
-exceptions; expected outcomes of serving (cache misses) are values, not exceptions.
+exceptions; expected outcomes of serving (cache misses, a refusal: `WhyNot`) are values.
 """
 from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class Why(enum.Enum):
+    """The kinds of an expected "no" (`WhyNot`): what a caller may act on."""
+    NO_REPLICA = "no_replica"          # a stage of the head's route has no (other) healthy replica
+    ROUTE_UNSTABLE = "route_unstable"  # the route changed too often in one step
+    CALLER_CAP = "caller_cap"          # the principal holds as many sessions as its cap allows
+    FORWARD = "forward"                # a chained step this worker cannot forward (a loop, too many hops)
+    WIRE_DTYPE = "wire_dtype"          # a replica of the route does not read rows of that type
+
+
+class WhyNot(NamedTuple):
+    """An expected "no" as a value, not an exception: its kind and the text that tells the caller."""
+    kind: Why
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class LlamaShardError(Exception):

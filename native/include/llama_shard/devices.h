@@ -28,6 +28,11 @@ typedef struct ggml_backend_device * ggml_backend_dev_t;
 
 namespace llama_shard {
 
+// where a shard's layers run unless told: every default names it (shard_model_params, the bindings,
+// the flags), and is_cpu_device is the one test of it (any case)
+inline constexpr const char * CPU_DEVICE = "cpu";
+bool is_cpu_device(const std::string & name);
+
 struct device_info {
     std::string name;         // ggml's name: "Vulkan0", "CUDA0"
     std::string description;  // the driver's: "NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)"

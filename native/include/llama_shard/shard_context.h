@@ -75,7 +75,7 @@ struct shard_input {
 // the bytes a context and its model hold, as llama.cpp accounts them (llama_get_memory_breakdown):
 // on the model's device (0 on the CPU) and in host memory
 struct shard_memory {
-    std::string device = "cpu";   // the model's device
+    std::string device = CPU_DEVICE;   // the model's device
     uint64_t    device_free  = 0; // the device's free and total memory now (0 on the CPU)
     uint64_t    device_total = 0;
     uint64_t    device_model = 0, device_context = 0, device_compute = 0;  // weights, KV, compute buffers

@@ -14,6 +14,7 @@
 //  - on the CPU the model is given an empty device list, so no GPU backend takes part even when one
 //    is loaded in the process (llama.cpp would otherwise offload large batches' products to it).
 
+#include "llama_shard/devices.h"
 #include "llama_shard/shard_error.h"
 
 #include <cstdint>
@@ -70,7 +71,7 @@ struct shard_model_params {
     int32_t n_threads = 0;                               // 0 = number of hardware threads
     // where the owned layers run (devices.h): "cpu" (the default: no GPU backend is touched), "auto"
     // (the first GPU that passes its self-check, else the CPU) or a device name ("Vulkan0")
-    std::string device = "cpu";
+    std::string device = CPU_DEVICE;
     // owned layers on the device, the first of the range (patch 0008); -1: all of them, and a tail's
     // output layer with them. 0 runs on the CPU. Without a range (the whole model) llama.cpp's own
     // rule applies: the last N layers, the output layer first.

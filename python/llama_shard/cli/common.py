@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .._native import CPU_DEVICE, is_cpu_device
 from ..engine.hot_kv import HotKvStateConfig
 from ..engine.models import regular_model_file, require_embedded_model
 from ..errors import InvalidInputError
@@ -46,8 +47,8 @@ def devices_text() -> str:
 
 def device_text(info) -> str:
     """Where a loaded shard's layers run, in one line."""
-    if info.device == "cpu":
-        return "cpu" + (f" ({info.device_note})" if info.device_note else "")
+    if is_cpu_device(info.device):
+        return CPU_DEVICE + (f" ({info.device_note})" if info.device_note else "")
     output = "; the output layer too" if info.output_on_device else ""
     experts = (f"; the experts of {info.cpu_moe_layers} of them in host memory (--cpu-moe)"
                if info.cpu_moe_layers else "")
@@ -66,10 +67,10 @@ def device_memory_plan(model: Path, layers: tuple[int, int] | None, device: str,
     numbers when it does not fit. "" on the CPU."""
     from .._native import plan_memory
 
-    if device.lower() == "cpu" or gpu_layers == 0:
+    if is_cpu_device(device) or gpu_layers == 0:
         return ""
     mem = plan_memory(str(model), layers, device, gpu_layers, engine_config, cpu_moe_layers)
-    if mem["device"] == "cpu":
+    if is_cpu_device(mem["device"]):
         return ""
     need = mem["device_model"] + mem["device_context"] + mem["device_compute"]
     parts = (f"weights {_mib(mem['device_model'])}, KV {_mib(mem['device_context'])}, "

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .._native import MAX_CONTEXT_TOKENS
+from .._native import MAX_CONTEXT_TOKENS, is_cpu_device
 from ..engine.models import gguf_layer_count
 from ..engine.pipeline import LocalPipeline, parse_split
 from ..errors import InvalidInputError
@@ -98,7 +98,7 @@ def _sampling(args: argparse.Namespace, announce: bool = True):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.route:
-        if args.device != "cpu":
+        if not is_cpu_device(args.device):
             raise InvalidInputError("--device places an in-process split; a route's devices are its workers' "
                                     "(serve --device)")
         return cmd_generate_route(args)

@@ -10,12 +10,12 @@ from .common import cpu_kernels, device_memory_plan, devices_text, model_path
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .._native import certified_architectures
+    from .._native import certified_architectures, is_cpu_device
     from ..engine.hot_kv import parse_size
     from ..engine.memory import memory_plan
     from ..engine.models import gguf_shape
 
-    if (args.device != "cpu" or args.gpu_layers is not None or args.cpu_moe_layers) and not args.kv_memory:
+    if (not is_cpu_device(args.device) or args.gpu_layers is not None or args.cpu_moe_layers) and not args.kv_memory:
         raise InvalidInputError("--device, --gpu-layers and --cpu-moe size the device's share of a memory plan: give "
                                 "--kv-memory too")
     path = model_path(args.path)
@@ -59,7 +59,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                            warm_bytes=warm)
         print(f"memory plan for layers {first}-{last} with {args.kv_memory} of KV memory:")
         print("  " + plan.describe().replace("\n", "\n  "))
-        if args.device != "cpu":
+        if not is_cpu_device(args.device):
             layers = None if args.layers in (None, "all") else (first, last)
             on_device = device_memory_plan(path, layers, args.device, -1 if args.gpu_layers is None else args.gpu_layers,
                                            plan.config().engine_config(), args.cpu_moe_layers)

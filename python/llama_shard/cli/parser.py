@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_SESSIONS
+from .._native import CPU_DEVICE, DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_SESSIONS
 from ..engine.hot_kv import KV_TYPES
 from ..head.openai.guard import HttpLimits
 from ..head.speculation import DRAFT_SOURCES, VERIFY_MODES
@@ -72,7 +72,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--prompt", default="The three primary colors are")
     g.add_argument("--max-tokens", type=count(0, 1 << 20), default=48)
     g.add_argument("--threads", type=THREADS, default=None)
-    g.add_argument("--device", default="cpu", metavar="cpu|auto|NAME",
+    g.add_argument("--device", default=CPU_DEVICE, metavar="cpu|auto|NAME",
                    help="where an in-process split's layers run (default cpu; serve --device says more)")
     g.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=2048, help="KV cells per shard (serve's name)")
     deprecated_alias(g, "--ctx", "--context-tokens", type=CONTEXT_TOKENS)
@@ -289,7 +289,7 @@ def _inspect_parser(sub) -> None:
     i.add_argument("--context-tokens", type=CONTEXT_TOKENS, default=DEFAULTS.context_tokens)
     i.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     i.add_argument("--warm-memory", type=size, metavar="SIZE", default=None)
-    i.add_argument("--device", default="cpu", metavar="auto|NAME",
+    i.add_argument("--device", default=CPU_DEVICE, metavar="auto|NAME",
                    help="with --kv-memory: also the device's share of the plan (weights, KV, compute buffers) against "
                         "its free memory")
     i.add_argument("--gpu-layers", type=count(0, 1 << 16), default=None, metavar="N",

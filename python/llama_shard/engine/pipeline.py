@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._native import ShardContext, ShardModel
+from .._native import CPU_DEVICE, ShardContext, ShardModel
 from ..errors import InvalidInputError
 
 LayerRange = tuple[int, int]
@@ -54,7 +54,7 @@ class LocalPipeline:
 
     def __init__(self, path: str | Path, split: Sequence[LayerRange] | None = None, *, n_ctx: int = 2048,
                  n_seq_max: int = 4, n_batch: int = 512, n_threads: int | None = None, flash_attn: bool = True,
-                 device: str = "cpu", cpu_moe_layers: int = 0):
+                 device: str = CPU_DEVICE, cpu_moe_layers: int = 0):
         self.path = Path(path)
         self.models: list[ShardModel] = []
         if split is None:

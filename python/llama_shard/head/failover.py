@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..errors import WhyNot
 from ..proto import shard_pb2 as pb
 from ..proto.requests import FEATURE_GRAMMAR_DIGEST
 
@@ -25,7 +26,7 @@ def addresses(route: list[pb.Hop]) -> tuple[str, ...]:
 
 
 def reroute(replicas, route: list[pb.Hop], reply: pb.StepReply, handed: list[str],
-            held_before: bool) -> RouteChange | str:
+            held_before: bool) -> RouteChange | WhyNot:
     """The route after stage `reply.stage`'s replica refused a step, or why there is none.
     `handed`: the checks the step named (handed_from); `held_before`: the step was a stream's first
     on a session the route held (the failed replica may have drained, handing it to another one)."""
@@ -36,7 +37,7 @@ def reroute(replicas, route: list[pb.Hop], reply: pb.StepReply, handed: list[str
         return RouteChange([*route[:k], hop, *route[k + 1:]], [h if i != k else "" for i, h in enumerate(handed)],
                            moved=True, continues=True)
     hop = replicas.failover(failed, reply.detail)
-    if isinstance(hop, str):
+    if isinstance(hop, WhyNot):
         return hop
     new = [*route[:k], hop, *route[k + 1:]]
     # an idle session's head learns of a drain only now: the new replica says whether it took it

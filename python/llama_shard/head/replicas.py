@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Why, WhyNot
 from ..proto import shard_pb2 as pb
 from ..proto.requests import FEATURE_HANDED_FROM
 from ..proto.wire import LEGACY_WIRE_DTYPES, wire_dtype_name
@@ -246,14 +246,14 @@ class Replicas:
                                           f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
         return None, ""
 
-    def unreadable(self, wire_dtype: int) -> str | None:
+    def unreadable(self, wire_dtype: int) -> WhyNot | None:
         """Why the head's own route cannot carry rows of this type (a replica that does not read
         them), or None."""
         with self._lock:
             for r in self.replicas:
                 if r.info is not None and not r.refused and wire_dtype not in (reads := _reads(r.info)):
-                    return (f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} reads hidden rows as "
-                            f"{', '.join(map(wire_dtype_name, reads))}")
+                    return WhyNot(Why.WIRE_DTYPE, f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} "
+                                  f"reads hidden rows as {', '.join(map(wire_dtype_name, reads))}")
         return None
 
     # --- the route ----------------------------------------------------------------------------
@@ -292,7 +292,7 @@ class Replicas:
         others = sum(1 for o in self.replicas if o is not r and o.range == r.range)
         return pb.Hop(address=r.address, recipe_fingerprint=r.info.recipe_fingerprint, fail_fast=others > 0)
 
-    def choose(self, prefer: tuple[str, ...] = ()) -> list[pb.Hop] | str:
+    def choose(self, prefer: tuple[str, ...] = ()) -> list[pb.Hop] | WhyNot:
         """The head's own route for a new session: one usable replica per stage (those of `prefer`,
         the session's last route, while they are up), or why there is none (its text names the stage)."""
         with self._lock:
@@ -301,7 +301,8 @@ class Replicas:
                 waiting = [r.address for r in self.replicas if r.info is None]
                 why = (f"{', '.join(waiting)} not reached yet: {self._by_address[waiting[0]].last_error}"
                        if waiting else "no --peer worker holds them")
-                return f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}) has no replica: {why}"
+                return WhyNot(Why.NO_REPLICA, f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}) "
+                                              f"has no replica: {why}")
             hops = []
             for n, stage in enumerate(self._stages_locked(), start=1):
                 kept = next((self._by_address[a] for a in prefer if a in self._by_address
@@ -310,7 +311,8 @@ class Replicas:
                 r = kept or self._pick_locked(stage)
                 if r is None:
                     errors = "; ".join(f"{x.address}: {x.last_error}" for x in self.replicas if x.range == stage)
-                    return f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy replica ({errors})"
+                    return WhyNot(Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy "
+                                                  f"replica ({errors})")
                 hops.append(self._hop_locked(r))
             return hops
 
@@ -330,13 +332,13 @@ class Replicas:
                 out.append(h)
         return out
 
-    def failover(self, address: str, why: str, avoid: tuple[str, ...] = ()) -> pb.Hop | str:
+    def failover(self, address: str, why: str, avoid: tuple[str, ...] = ()) -> pb.Hop | WhyNot:
         """A step could not reach the replica at `address`: it is marked down and the hop to use
         instead is returned (another replica of its stage), or why there is none."""
         with self._lock:
             r = self._by_address.get(address)
             if r is None or r.range is None:
-                return f"worker {address} is no replica the head knows of (serve --peer): {why}"
+                return WhyNot(Why.NO_REPLICA, f"worker {address} is no replica the head knows of (serve --peer): {why}")
             if r.state in (ReplicaState.UP, ReplicaState.SUSPECT):
                 _log(f"replica {address} is down: {why}")
                 r.state, r.next_probe = ReplicaState.DOWN, time.monotonic() + r.backoff
@@ -359,7 +361,7 @@ class Replicas:
             self.failovers.inc()
         self._publish()
         if hop is None:
-            return f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}"
+            return WhyNot(Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}")
         return hop
 
     def moved(self, address: str, to: str) -> pb.Hop | None:

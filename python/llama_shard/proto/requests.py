@@ -12,14 +12,11 @@ entry point can say which of its own parameters was wrong without reading the me
 """
 from __future__ import annotations
 
-import hashlib
-import threading
-import weakref
-from collections import OrderedDict
 from typing import NamedTuple
 
-from .._native import MAX_GRAMMAR_BYTES, MAX_LOGIT_BIAS, MAX_LOGIT_ROWS, SamplingParams, grammar_problem
+from .._native import MAX_LOGIT_BIAS, MAX_LOGIT_ROWS, SamplingParams
 from ..errors import InvalidInputError
+from ..structured.checks import check_grammar_size
 from . import shard_pb2 as pb
 
 #: the most alternatives a caller may ask for per token (OpenAI's top_logprobs bound)
@@ -83,36 +80,10 @@ def sampling_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> Samplin
     if len(s.logit_bias) > MAX_LOGIT_BIAS:  # counted before a list is built (the native check says the same)
         raise InvalidInputError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}",
                                 param="logit_bias")
-    if len(s.grammar.encode()) > MAX_GRAMMAR_BYTES:
-        raise InvalidInputError(f"grammar: at most {MAX_GRAMMAR_BYTES} bytes", param="grammar")
+    check_grammar_size(s.grammar)
     bias = [(b.token_id, b.bias) for b in s.logit_bias]
     return check_sampling(SamplingParams(seed=s.seed, logit_bias=bias, grammar=s.grammar, **kwargs), n_vocab,
                           max_window)
-
-
-# (id(model), grammar) -> (the model, weakly; why not, or None). An id is reused once its object is
-# gone, so a verdict counts only while its weak reference still gives the same model
-_GRAMMAR_VERDICTS: OrderedDict[tuple, tuple[weakref.ref, str | None]] = OrderedDict()
-_GRAMMAR_VERDICTS_LOCK = threading.Lock()
-
-
-def check_grammar(params: SamplingParams, model) -> None:
-    """llama.cpp's parser on the params' grammar over `model`'s vocabulary (a ShardModel), once a
-    stream or a session's params are new: InvalidInputError naming `grammar` if it refuses it. The
-    last 256 verdicts are kept (the endpoint checks on its pool before the loop checks again)."""
-    if not params.grammar:
-        return
-    key = (id(model), params.grammar)
-    with _GRAMMAR_VERDICTS_LOCK:
-        seen, why = _GRAMMAR_VERDICTS.get(key, (None, None))
-    if seen is None or seen() is not model:
-        why = grammar_problem(model, params.grammar)
-        with _GRAMMAR_VERDICTS_LOCK:
-            _GRAMMAR_VERDICTS[key] = (weakref.ref(model), why)
-            while len(_GRAMMAR_VERDICTS) > 256:
-                _GRAMMAR_VERDICTS.popitem(last=False)
-    if why is not None:
-        raise InvalidInputError(f"grammar: {why}", param="grammar")
 
 
 def sampling_to_wire(p: SamplingParams) -> pb.Sampling:
@@ -131,21 +102,6 @@ FEATURE_GRAMMAR_DIGEST = "grammar_digest"
 FEATURE_HANDED_FROM = "handed_from"
 FEATURES = (FEATURE_GRAMMAR_DIGEST, FEATURE_HANDED_FROM)
 
-#: a grammar's sampled tokens, as SamplerState.generated_digest names them: a chain over the tokens,
-#: so the head and the tail each extend it a token at a time (neither rehashes the whole output)
-GRAMMAR_DIGEST_BYTES = 16
-GRAMMAR_DIGEST_EMPTY = bytes(GRAMMAR_DIGEST_BYTES)
-#: StepReply.miss_reason of a tail that keeps no grammar state matching a step's digest
-SAMPLER_STATE_MISS = "SAMPLER_STATE"
-
-
-def grammar_digest(tokens, after: bytes = GRAMMAR_DIGEST_EMPTY) -> bytes:
-    """The running digest `after` extended by `tokens`, one token at a time."""
-    digest = after
-    for t in tokens:
-        digest = hashlib.blake2b(digest + int(t).to_bytes(4, "little", signed=True),
-                                 digest_size=GRAMMAR_DIGEST_BYTES).digest()
-    return digest
 
 
 def check_top_logprobs(n: int) -> None:

@@ -26,7 +26,7 @@ from .._native import MAX_CONTEXT_TOKENS, SamplingParams, TokenSampler
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import MIXED_NUMERICS, BoundaryBundle, CacheMiss, HotKvStateConfig, Step, StepKind, TailOutput
 from ..engine.manager import HotKvStateManager
-from ..engine.models import backend_text
+from ..engine.models import placement
 from ..engine.pipeline import check_tiling
 from ..errors import InvalidInputError, LlamaShardError
 from ..proto import shard_pb2 as pb
@@ -49,7 +49,14 @@ class StageInfo:
     architecture: str
     name: str
     numerics: str = ""  # route_numerics: K/V type and attention ("": not known)
-    backend: str = ""   # where its layers run ("cpu (haswell)", "Vulkan0 (...)"; "": not known)
+    backend: str = ""   # where its layers run, for people ("cpu (haswell)", "Vulkan0 (...)"; "": not known)
+    device: str = ""    # the facts (InfoReply.device, device_layers, kernels; "": an older worker)
+    device_layers: int = 0
+    kernels: str = ""
+
+    @property
+    def owned_layers(self) -> int:
+        return self.last - self.first + 1
 
 
 @dataclasses.dataclass
@@ -70,8 +77,9 @@ class LocalStage:
         self.manager = HotKvStateManager(model, config, n_batch=n_batch)
         self.adapter = KvBoundaryAdapter(model, self.manager)
         i = model.info
+        where = placement(model)
         self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}",
-                              self.manager.config.numerics, backend_text(model))
+                              self.manager.config.numerics, where.text(i.n_owned_layers), *where)
 
     def step_many(self, steps: Sequence[Step]) -> list:
         """One StepOutcome or RouteError per step."""
@@ -111,7 +119,7 @@ class RemoteStage:
         except grpc.RpcError as e:
             raise RouteError(f"worker {address} is not reachable: {e.code().name}: {e.details()}") from None
         self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})",
-                              r.numerics, r.backend)
+                              r.numerics, r.backend, r.device, r.device_layers, r.kernels)
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
@@ -218,10 +226,9 @@ def route_backends(stages: Sequence) -> str:
     lines = [f"{i.name}: {i.backend or 'backend not reported'}" for i in infos]
     kinds = set()
     for i in infos:
-        where, _, layers = i.backend.partition(": ")
-        done, _, of = layers.partition(" of ")
-        partial = bool(layers) and done != of.split(" ")[0]  # some owned layers on the device, the rest on the CPU
-        kinds.add("partial offload" if partial or not i.backend else where)
+        # some owned layers on the device, the rest on the CPU: two backends in one stage
+        partial = not i.device or i.device_layers != i.owned_layers
+        kinds.add("partial offload" if partial else (i.device, i.kernels))
     promise = ("one backend: split = whole to the bit" if len(kinds) == 1 and "partial offload" not in kinds else
                "mixed backends: close to the whole model, not equal to it (other kernels round differently)")
     return "; ".join(lines) + f" ({promise})"

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
+from ..errors import Why, WhyNot
+
 if TYPE_CHECKING:
     from ..engine.manager import HotKvStateManager
     from .security import ServerSecurity
@@ -180,7 +182,7 @@ class SessionOwners:
         with self._lock:
             return self._over_cap(self._held_by(principal), 1)
 
-    def admit(self, principal: str, keys: list[str]) -> str | None:
+    def admit(self, principal: str, keys: list[str]) -> WhyNot | None:
         """Counts the new keys among `keys` against the principal's cap; the refusal, or None."""
         if self.cap is None:
             return None
@@ -188,8 +190,8 @@ class SessionOwners:
             held = self._held_by(principal)
             new = [k for k in dict.fromkeys(keys) if k not in held]
             if new and self._over_cap(held, len(new)):
-                return (f"this caller holds {len(held)} sessions here and asks for {len(new)} more; "
-                        f"the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
+                return WhyNot(Why.CALLER_CAP, f"this caller holds {len(held)} sessions here and asks for "
+                              f"{len(new)} more; the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
             held.update(new)
         return None
 

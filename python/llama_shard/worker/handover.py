@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter as Tally
 from collections import OrderedDict
+from typing import NamedTuple
 
 from ..engine.hot_kv import CacheMiss, Tier
 from ..errors import (
@@ -40,8 +41,12 @@ from ..proto import shard_pb2 as pb
 HANDOVER_TIMEOUT_S = 30.0
 #: the state travels in chunks of this size (far under any worker's bound on one message)
 HANDOVER_CHUNK_BYTES = 256 * 1024
-#: SessionMoves.enter's answer for a step whose session was still being handed over at its deadline
-STILL_MOVING = ""
+
+
+class Moved(NamedTuple):
+    """SessionMoves.enter's answer for a step whose session left: the replica that holds it now,
+    or None while its hand-over outlasted the step's deadline (it must not run beside the export)."""
+    to: str | None
 
 
 class SessionMoves:
@@ -56,21 +61,20 @@ class SessionMoves:
         self.asked: set[str] = set()             # moved sessions a step has asked for since
         self._in_flight: Tally = Tally()         # engine key -> its steps being computed here
 
-    def enter(self, key: str, deadline: float) -> str | None:
-        """A step for `key` may run here (None; `leave` when computed), or the replica that holds
-        it now (STILL_MOVING: its hand-over outlasted the step's deadline; it must not run beside
-        the export). Waits while it is being handed over."""
+    def enter(self, key: str, deadline: float) -> Moved | None:
+        """A step for `key` may run here (None; `leave` when computed), or where its session went
+        (`Moved`). Waits while it is being handed over."""
         with self.cond:
             while key in self.moving:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return STILL_MOVING
+                    return Moved(None)
                 self.cond.wait(left)
             to = self.moved.get(key)
             if to is not None:
                 self.asked.add(key)
                 self.cond.notify_all()
-                return to
+                return Moved(to)
             self._in_flight[key] += 1
             return None
 
@@ -351,7 +355,7 @@ class HandoverReceiver:
             self.owners.name(owner, self.security.tag(owner))
             cap = self.owners.admit(owner, [key])
             if cap is not None:
-                return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap)
+                return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap.text)
             later = self._used_since(request.seq_len, request.idle_seconds)
             if later is not None:
                 return refused(pb.OUTCOME_BUDGET_EXCEEDED, f"no room here but that of a session used {later:.2f} s ago, "

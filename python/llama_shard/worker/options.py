@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig
+from .._native import CPU_DEVICE, DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig
 from ..proto.credentials import ClientSecurity
 from . import DEFAULT_MAX_HOP_S
 from .security import ServerSecurity
@@ -17,7 +17,7 @@ class WorkerOptions:
     metrics_port: int | None = None    # None: no metrics endpoint
     metrics_host: str = "127.0.0.1"    # plaintext and unauthenticated: loopback unless the operator says --insecure
     threads: int | None = None
-    device: str = "cpu"                # where the owned layers run: cpu, auto or a device name (Vulkan0)
+    device: str = CPU_DEVICE           # where the owned layers run: cpu, auto or a device name (Vulkan0)
     gpu_layers: int = -1               # owned layers on the device, the first of the range (-1: all)
     cpu_moe_layers: int = 0            # of those, the first N keep their experts in host memory (-1: all)
     n_batch: int = HotKvConfig().n_batch

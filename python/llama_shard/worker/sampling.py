@@ -2,7 +2,7 @@
 
 A step that asks the tail to sample carries the sampler's whole state (`SamplerState`: the params,
 the draws made so far, the last penalty_last_n tokens; a grammar's tokens only where the tail must
-replay them, else their digest: generation/grammar_sync.py), so the tail keeps nothing it could lose:
+replay them, else their digest: structured/replay.py), so the tail keeps nothing it could lose:
 a retried step, or a session re-prefilled after a miss, samples exactly the token it would have
 sampled anyway. `TailSamplers` only saves the rebuild: it keeps each session's sampler after a
 step and uses it again when the next step's state is the one it has reached, otherwise it rebuilds
@@ -18,14 +18,9 @@ import numpy as np
 from .._native import SamplingParams, TokenSampler
 from ..errors import InvalidInputError
 from ..proto import shard_pb2 as pb
-from ..proto.requests import (
-    GRAMMAR_DIGEST_BYTES,
-    check_grammar,
-    check_top_logprobs,
-    grammar_digest,
-    sampling_from_wire,
-    sampling_key,
-)
+from ..proto.requests import check_top_logprobs, sampling_from_wire, sampling_key
+from ..structured.checks import check_grammar
+from ..structured.replay import GRAMMAR_DIGEST_BYTES, grammar_digest
 
 
 class StepSamplingChecks:
@@ -114,7 +109,7 @@ class TailSamplers:
     """Each session's sampler, kept between its steps (bounded, least recently used dropped). With a
     grammar, a kept sampler is matched by the running digest of the tokens it sampled: a step that
     carries the digest alone continues it, or gets SamplerStateMissing (nothing is sampled) and
-    comes again with the tokens to replay (grammar_sync.py, the head's side)."""
+    comes again with the tokens to replay (structured/replay.py, the head's side)."""
 
     def __init__(self, n_vocab: int, max_window: int, capacity: int, model=None):
         self.n_vocab = n_vocab

@@ -20,7 +20,7 @@ from .._native import ShardModel
 from ..engine.adapter import KvBoundaryAdapter
 from ..engine.hot_kv import CacheMiss, StepKind
 from ..engine.manager import HotKvStateManager
-from ..engine.models import backend_text
+from ..engine.models import placement
 from ..errors import (
     InvalidInputError,
     LlamaShardError,
@@ -57,7 +57,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.moves = SessionMoves()  # a drain's sessions: the steps that come for them are told where they went
         self.owners = SessionOwners(manager, options.max_sessions_per_principal, options.security)
         self.fingerprint = manager.recipe.fingerprint()
-        self.backend = backend_text(model)  # reported, not compared: a route may mix devices
+        self.placement = placement(model)  # reported, not compared: a route may mix devices
         self.prefixes = PrefixNames(manager, self.fingerprint, options.share_prefixes, model.path)
         self.stopping = threading.Event()
         self.on_draining = None  # ShardWorker: the health service says NOT_SERVING from the drain's start
@@ -305,7 +305,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=self._visible_sessions(principal),
             kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.manager.config.numerics,
-            backend=self.backend,
+            backend=self.placement.text(info.n_owned_layers), device=self.placement.device,
+            device_layers=self.placement.device_layers, kernels=self.placement.kernels,
             warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
             warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
             misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],

@@ -27,12 +27,15 @@ from ..errors import (
     KvBudgetExceededError,
     LlamaShardError,
     StaleRouteEpochError,
+    Why,
+    WhyNot,
 )
 from ..proto import shard_pb2 as pb
-from ..proto.requests import MAX_DRAFTS, SAMPLER_STATE_MISS
+from ..proto.requests import MAX_DRAFTS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for
+from ..structured.replay import SAMPLER_STATE_MISS
 from .admission import SessionCapRefused, SessionOwners
-from .handover import NOT_HANDED_OVER, STILL_MOVING, HandedIn, SessionMoves
+from .handover import NOT_HANDED_OVER, HandedIn, SessionMoves
 from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of, verify
@@ -142,7 +145,7 @@ class StepRunner:
             prefix_scope = self.prefixes.scope(principal, shared=own_loop)
         refusal = self.forward_refusal(forward, visited)
         if refusal is not None:  # before anything is computed, and before the hops are copied
-            return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal) for _ in items]
+            return [pb.StepReply(outcome=pb.OUTCOME_INVALID_ARGUMENT, detail=refusal.text) for _ in items]
         forward = list(forward)
         replies: list = [None] * len(items)
         parsed = []
@@ -170,13 +173,13 @@ class StepRunner:
     def _enter(self, step: Step, deadline: float, entered: list[str]) -> pb.StepReply | None:
         """None: the step may run here (its key added to `entered`); else the answer of a draining
         worker: the replica its session was handed to, or a refusal of a new session."""
-        moved_to = self.moves.enter(step.session_id, deadline)
-        if moved_to == STILL_MOVING:
+        moved = self.moves.enter(step.session_id, deadline)
+        if moved is not None and moved.to is None:
             return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
                                 detail="this worker is draining: the session's hand-over outlasted the step's deadline")
-        if moved_to is not None:
-            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, moved_to=moved_to,
-                                detail=f"this worker is draining: the session was handed to {moved_to}")
+        if moved is not None:
+            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, moved_to=moved.to,
+                                detail=f"this worker is draining: the session was handed to {moved.to}")
         entered.append(step.session_id)
         try:
             new = self.moves.draining and isinstance(self.manager.resolve(step.session_id, step.route_epoch), CacheMiss)
@@ -203,7 +206,7 @@ class StepRunner:
         """run()'s steps once parsed and let in: admitted, computed, forwarded, answered."""
         refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
         if refused is not None:
-            raise SessionCapRefused(refused)
+            raise SessionCapRefused(refused.text)
         ready = []
         for entry in parsed:  # a step from a shared prefix starts from a copy of it
             i, step, _, prefix = entry
@@ -240,10 +243,14 @@ class StepRunner:
                 replies[i] = reply
         return replies
 
-    def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> str | None:
+    def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> WhyNot | None:
         """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
         this worker cannot forward. Checked before anything is computed; `forward` (the request's
         repeated field) is read by length first, so a huge list costs nothing before its refusal."""
+        why = self._forward_problem(forward, visited)
+        return WhyNot(Why.FORWARD, why) if why is not None else None
+
+    def _forward_problem(self, forward, visited: tuple[str, ...]) -> str | None:
         if self.worker_id in visited:
             return "a forwarding loop: this step already passed through this worker"
         if not forward:

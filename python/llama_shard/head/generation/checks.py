@@ -8,13 +8,13 @@ from ...engine.hot_kv import check_key
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
 from ...proto.requests import (
-    check_grammar,
     check_max_drafts,
     check_stops,
     check_top_logprobs,
     sampling_from_wire,
 )
 from ...proto.wire import wire_dtype_name, wire_dtypes_for
+from ...structured.checks import check_grammar
 from .host import HeadHost
 
 
@@ -38,13 +38,13 @@ def _check_route(host: HeadHost, req: pb.GenerateRequest) -> int:
                                 f"rest of the route in forward")
     refusal = host.forward_refusal(req.forward)
     if refusal is not None:
-        raise InvalidInputError(refusal)
+        raise InvalidInputError(refusal.text)
     wire_dtype = req.wire_dtype if req.HasField("wire_dtype") else host.wire_dtype
     if wire_dtype not in wire_dtypes_for(info.n_embd):
         raise InvalidInputError(f"wire_dtype {wire_dtype_name(wire_dtype)}: this model's rows travel as "
                                 f"{', '.join(map(wire_dtype_name, wire_dtypes_for(info.n_embd)))}")
     if not req.forward and host.replicas is not None and (why := host.replicas.unreadable(wire_dtype)):
-        raise InvalidInputError(why)
+        raise InvalidInputError(why.text)
     return wire_dtype
 
 

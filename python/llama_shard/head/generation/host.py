@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ...errors import WhyNot
     from ...proto import shard_pb2 as pb
     from ...worker.prefixes import PrefixNames
     from ...worker.security import ServerSecurity
@@ -37,9 +38,9 @@ class HeadHost:
     stopping: threading.Event         # set when the worker shuts down
     max_hop_s: float                  # the longest one step may take
     #: why a chained step with these hops cannot be served here (None: it can)
-    forward_refusal: Callable[[Sequence["pb.Hop"]], str | None]
-    #: counts new session keys against the principal's cap; the refusal's text, or None
-    admit: Callable[[str, list[str]], str | None]
+    forward_refusal: Callable[[Sequence["pb.Hop"]], "WhyNot | None"]
+    #: counts new session keys against the principal's cap; the refusal, or None
+    admit: Callable[[str, list[str]], "WhyNot | None"]
     #: whether the principal holds as many sessions as its cap allows
     caller_full: Callable[[str], bool]
     #: runs the loop's (kind, StepRequest) steps for a principal down the route until a deadline:

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from typing import NamedTuple
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, WhyNot
 from ...proto import shard_pb2 as pb
 from ..failover import addresses, tail_keeps_grammar
 from .checks import check_request
@@ -96,8 +96,8 @@ class GenerationLoops:
                 return refused(*why)
             record = self.records.get(key)
             route = self._route(req, record)
-            if isinstance(route, str):
-                return refused(RefusalReason.NO_ROUTE, pb.OUTCOME_UNAVAILABLE, route)
+            if isinstance(route, WhyNot):
+                return refused(RefusalReason.NO_ROUTE, pb.OUTCOME_UNAVAILABLE, route.text)
             cached, handed_from = self._reuse(req, record, addresses(route))
             stream = Stream(principal, key, req, checked.params, checked.max_tokens, cached, deadline,
                             self.host.detokenize, events, checked.max_drafts, self.draft_model, self.row_by_row,
@@ -141,7 +141,7 @@ class GenerationLoops:
             return min(common_prefix(record.tokens, list(req.prompt)), len(req.prompt) - 1), handed_from
         return 0, handed_from
 
-    def _route(self, req: pb.GenerateRequest, record: RouteHolds | None) -> list[pb.Hop] | str:
+    def _route(self, req: pb.GenerateRequest, record: RouteHolds | None) -> list[pb.Hop] | WhyNot:
         """The hops a new stream's steps go down: the request's own `forward`, else the head's own
         route (one replica per stage, the session's last ones while they are up), else none (a head
         that holds the whole model); or why there is no route."""

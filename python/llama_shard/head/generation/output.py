@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable
 
 from ...engine.hot_kv import CacheMissReason
+from ...errors import WhyNot
 from ...proto import shard_pb2 as pb
-from ...proto.requests import MAX_REPREFILLS, MAX_STOP_CHARS, SAMPLER_STATE_MISS
+from ...proto.requests import MAX_REPREFILLS, MAX_STOP_CHARS
+from ...structured.replay import SAMPLER_STATE_MISS
 from ..failover import tail_keeps_grammar
 from .host import HeadHost
 from .metrics import GenerationMetrics
@@ -129,8 +131,8 @@ class Outcomes:
         over to another replica of that stage (head/failover.py); a stage with none ends the stream."""
         replicas = self.host.replicas
         change = s.place.reroute(replicas, reply, handed, s.pos.first_step and bool(s.pos.cached))
-        if isinstance(change, str):
-            self.finish(s, "error", outcome=pb.OUTCOME_UNAVAILABLE, stage=reply.stage, detail=change)
+        if isinstance(change, WhyNot):
+            self.finish(s, "error", outcome=pb.OUTCOME_UNAVAILABLE, stage=reply.stage, detail=change.text)
             return
         s.grammar.lost()  # another replica's tail keeps no grammar state of this session
         if change.continues:

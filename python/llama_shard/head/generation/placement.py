@@ -2,6 +2,7 @@
 must check (a hand-over's sender), and how often the route changed (head/failover.py decides how)."""
 from __future__ import annotations
 
+from ...errors import Why, WhyNot
 from ...proto import shard_pb2 as pb
 from ..failover import MAX_ROUTE_CHANGES, RouteChange, addresses, reroute
 
@@ -25,13 +26,13 @@ class Placement:
         handed, self.handed_from = self.handed_from, []
         return handed
 
-    def reroute(self, replicas, reply: pb.StepReply, handed: list[str], held_before: bool) -> RouteChange | str:
+    def reroute(self, replicas, reply: pb.StepReply, handed: list[str], held_before: bool) -> RouteChange | WhyNot:
         """The route after a later stage refused the step (head/failover.py), or why the stream ends."""
         self.changes_in_row += 1
         if self.changes_in_row > MAX_ROUTE_CHANGES:
-            return f"the route changed {MAX_ROUTE_CHANGES} times in one step; last: {reply.detail}"
+            return WhyNot(Why.ROUTE_UNSTABLE, f"the route changed {MAX_ROUTE_CHANGES} times in one step; last: {reply.detail}")
         change = reroute(replicas, self.route, reply, handed, held_before)
-        if isinstance(change, str):
+        if isinstance(change, WhyNot):
             return change
         if change.moved:
             self.moves += 1

@@ -148,7 +148,7 @@ class RouteScheduler:
             elif s.deadline is not None and now >= s.deadline:
                 finish(s, "cancelled", detail="the stream's deadline passed")
             elif s.pos.first_step and (refused := host.admit(self.principal, [s.key])) is not None:
-                finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=refused)
+                finish(s, "error", outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail=refused.text)
             else:
                 live.append(s)
         return live

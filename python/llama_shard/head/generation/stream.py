@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from ...engine.hot_kv import StepKind
 from ...proto import shard_pb2 as pb
+from ...structured.replay import GrammarSync
 from .drafting import Drafting
-from .grammar_sync import GrammarSync
 from .output import StreamOutput
 from .placement import Placement
 from .positions import GENERATE_CHUNK, Positions, SentStep

@@ -31,10 +31,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..._native import SamplingParams, json_schema_to_grammar
+from ..._native import SamplingParams
 from ...errors import InvalidInputError
 from ...proto import shard_pb2 as pb
-from ...proto.requests import MAX_STOP_TOKENS, check_grammar
+from ...proto.requests import MAX_STOP_TOKENS
+from ...structured.checks import check_grammar
+from ...structured.schema import grammar_from_schema
 from ...worker.security import ServerSecurity
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
 from .bodies import MAX_BODY_BYTES
@@ -353,7 +355,7 @@ class OpenAIEndpoint:
         schema = output_schema(body)
         if schema is not None:  # llama.cpp's converter, on the tokenizer pool (a schema may take a while)
             try:
-                req.sampling.grammar = await self._off_loop(json_schema_to_grammar, schema)
+                req.sampling.grammar = await self._off_loop(grammar_from_schema, schema)
             except InvalidInputError as e:
                 raise HttpError(400, f"response_format: {e}", "response_format") from None
             param_names = param_names | {"grammar": "response_format"}
@@ -362,7 +364,7 @@ class OpenAIEndpoint:
                 raise HttpError(400, "tool_choice required (or a named function) takes no grammar or "
                                      "response_format of its own", "tool_choice")
             try:
-                call = await self._off_loop(json_schema_to_grammar, json.dumps(tools.call_schema()))
+                call = await self._off_loop(grammar_from_schema, json.dumps(tools.call_schema()))
             except InvalidInputError as e:
                 raise HttpError(400, f"tools: a tool's parameters: {e}", "tools") from None
             req.sampling.grammar = tools.grammar(call)

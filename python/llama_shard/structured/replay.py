@@ -1,8 +1,8 @@
-"""What a grammar stream's steps tell the tail about the tokens sampled so far.
+"""What a grammar stream's steps tell the tail about the tokens sampled so far (the replay).
 
 The tail's grammar state is the grammar advanced by every token sampled under it. The tail keeps it
 per session between steps (sampling.TailSamplers); a step names the state it expects by a running
-digest of the tokens (proto/requests.py grammar_digest, 16 bytes) instead of carrying them all, so
+digest of the tokens (`grammar_digest`, 16 bytes) instead of carrying them all, so
 a step is the same size at token 100 and at token 10,000. The tokens themselves go only where the
 tail must rebuild the grammar by replaying them: the stream's first sampled step, after the route
 lost or changed the session (a miss, a failover, a hand-over followed), and after the tail said it
@@ -17,8 +17,27 @@ list of tokens is that of each prefix extended, so a window sent ahead on assume
 rolled back, costs no rehash of what was kept."""
 from __future__ import annotations
 
-from ...proto import shard_pb2 as pb
-from ...proto.requests import GRAMMAR_DIGEST_EMPTY, grammar_digest
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..proto import shard_pb2 as pb
+
+#: a grammar's sampled tokens, as SamplerState.generated_digest names them: a chain over the tokens,
+#: so the head and the tail each extend it a token at a time (neither rehashes the whole output)
+GRAMMAR_DIGEST_BYTES = 16
+GRAMMAR_DIGEST_EMPTY = bytes(GRAMMAR_DIGEST_BYTES)
+#: StepReply.miss_reason of a tail that keeps no grammar state matching a step's digest
+SAMPLER_STATE_MISS = "SAMPLER_STATE"
+
+
+def grammar_digest(tokens, after: bytes = GRAMMAR_DIGEST_EMPTY) -> bytes:
+    """The running digest `after` extended by `tokens`, one token at a time."""
+    digest = after
+    for t in tokens:
+        digest = hashlib.blake2b(digest + int(t).to_bytes(4, "little", signed=True),
+                                 digest_size=GRAMMAR_DIGEST_BYTES).digest()
+    return digest
 
 
 class GrammarSync:
@@ -31,7 +50,7 @@ class GrammarSync:
         self._tokens: list[int] = []
         self._digests = [GRAMMAR_DIGEST_EMPTY]  # _digests[i]: the digest of _tokens[:i]
 
-    def fill(self, sampler: pb.SamplerState, generated: list[int]) -> None:
+    def fill(self, sampler: "pb.SamplerState", generated: list[int]) -> None:
         """The state's grammar part for a step after `generated`."""
         if self.replay or not self.by_digest:
             sampler.generated.extend(generated)
