@@ -10,6 +10,7 @@ step. Each setting runs in its own process, since the kernel switch is read once
 (LLAMA_SHARD_FLASH_ATTN_TILED_ROWS: 1 llama-shard's kernel, 0 upstream's); "off" is
 --flash-attn off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,20 @@ def measure(args) -> dict:
     sessions = [int(x) for x in args.sessions.split(",")]
     model = ShardModel(str(require_embedded_model()), None, args.threads)
     n_ctx = max(args.depth + max(rows), args.session_depth + 1)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=max(sessions + [1]), context_tokens=n_ctx,
-                                                    ttl_seconds=0, flash_attn=args.flash_attn), n_threads=args.threads)
+    mgr = HotKvStateManager(
+        model,
+        HotKvStateConfig(
+            max_sessions=max(sessions + [1]), context_tokens=n_ctx, ttl_seconds=0, flash_attn=args.flash_attn
+        ),
+        n_threads=args.threads,
+    )
     rng = np.random.default_rng(1)
     out: dict = {"rows": {}, "sessions": {}}
 
     def fill(sid: str, n: int) -> None:
         tokens = rng.integers(100, 40000, n).tolist()
         for a in range(0, n, 256):
-            mgr.step_batch([Step.prefill(sid, 0, tokens[a:a + 256], start_pos=a)])
+            mgr.step_batch([Step.prefill(sid, 0, tokens[a : a + 256], start_pos=a)])
 
     def best(steps) -> float:
         times = []
@@ -60,8 +66,9 @@ def measure(args) -> dict:
         for s in range(max(sessions)):
             fill(f"s{s}", args.session_depth)
         for n in sessions:
-            out["sessions"][n] = best([Step.prefill(f"s{s}", 0, [1000], start_pos=args.session_depth)
-                                       for s in range(n)])
+            out["sessions"][n] = best(
+                [Step.prefill(f"s{s}", 0, [1000], start_pos=args.session_depth) for s in range(n)]
+            )
     finally:
         mgr.close()
     return out
@@ -87,10 +94,12 @@ def main() -> int:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", "on" if flash_attn else "off"]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         results[name] = json.loads(res.stdout.strip().splitlines()[-1])
-    print_table(f"one step of r new rows on a session holding {args.depth} tokens, ms (best of {args.reps})",
-                "rows", results)
-    print_table(f"\none batched decode step of N sessions holding {args.session_depth} tokens each, ms",
-                "sessions", results)
+    print_table(
+        f"one step of r new rows on a session holding {args.depth} tokens, ms (best of {args.reps})", "rows", results
+    )
+    print_table(
+        f"\none batched decode step of N sessions holding {args.session_depth} tokens each, ms", "sessions", results
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ synthetic nemotron_h (Mamba-2, attention and FFN layers) through the Hot KV engi
 
     python benchmarks/checkpoint_study.py [--history 1024 --back 3 --new 20 --rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
-    spec = MoeSpec(family="nemotron_h", n_layer=16, n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=1536,
-                   n_expert=0, n_expert_used=0, layer_kinds="MMAFMMAFMMAFMMAF", ssm_heads=8, ssm_groups=2,
-                   ssm_state=64, n_vocab=4096, seed=7)
+    spec = MoeSpec(
+        family="nemotron_h",
+        n_layer=16,
+        n_embd=512,
+        n_head=8,
+        n_head_kv=2,
+        head_dim=64,
+        n_ff=1536,
+        n_expert=0,
+        n_expert_used=0,
+        layer_kinds="MMAFMMAFMMAFMMAF",
+        ssm_heads=8,
+        ssm_groups=2,
+        ssm_state=64,
+        n_vocab=4096,
+        seed=7,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = write_moe_gguf(Path(tmp) / "nemotron_h.gguf", spec)
         layout = [(0, 7), (8, 15)]
@@ -43,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         head, tail = (KvBoundaryAdapter(m, mgr) for m, mgr in zip(models, managers))
 
         def prefill(sid, tokens, start):
-            return tail.prefill(sid, 0, boundary=head.prefill(sid, 0, token_ids=tokens, start_pos=start), start_pos=start)
+            return tail.prefill(
+                sid, 0, boundary=head.prefill(sid, 0, token_ids=tokens, start_pos=start), start_pos=start
+            )
 
         def decode(sid, token):
             return tail.decode(sid, 0, boundary=head.decode(sid, 0, token_ids=[token]))
@@ -55,18 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             sid = f"chat-{r}"
             out = prefill(sid, prompt, 0)
             held = list(prompt)
-            for _ in range(64):                          # the last answer
+            for _ in range(64):  # the last answer
                 held.append(out.token_id)
                 out = decode(sid, out.token_id)
             cut = len(held) - a.back
             next_turn = held[:cut] + new
             t0 = time.perf_counter()
-            prefill(sid, next_turn[cut:], cut)           # checkpoints: back to the cut, then the new tokens
+            prefill(sid, next_turn[cut:], cut)  # checkpoints: back to the cut, then the new tokens
             with_cp.append(time.perf_counter() - t0)
             for m in managers:
                 m.release(sid, 0)
             t0 = time.perf_counter()
-            prefill(sid, next_turn, 0)                   # what the head does without them
+            prefill(sid, next_turn, 0)  # what the head does without them
             full.append(time.perf_counter() - t0)
             for m in managers:
                 m.release(sid, 0)
@@ -74,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in managers:
             m.close()
     a_ms, b_ms = statistics.median(with_cp) * 1e3, statistics.median(full) * 1e3
-    print(f"nemotron_h synthetic, 16 layers, n_embd 512, 2 shards, {a.threads} threads; history {a.history} tokens, "
-          f"the next turn re-renders the last {a.back} and adds {a.new}; median of {a.rounds}")
+    print(
+        f"nemotron_h synthetic, 16 layers, n_embd 512, 2 shards, {a.threads} threads; history {a.history} tokens, "
+        f"the next turn re-renders the last {a.back} and adds {a.new}; median of {a.rounds}"
+    )
     print("| next turn | time to first token | |\n| --- | --- | --- |")
     print(f"| with checkpoints | {a_ms:.1f} ms | restores: {restores} |")
     print(f"| full re-prefill ({len(next_turn)} tokens) | {b_ms:.1f} ms | |")

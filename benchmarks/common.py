@@ -6,6 +6,7 @@ this module by name: Python puts the script's folder first on sys.path. They mea
 installed `llama_shard` package (pip install . or an editable install); the stock tools are built
 from the checkout this folder is in.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ def pin_label() -> str:
 # the table
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Row:
     metric: str
@@ -55,9 +57,7 @@ class Row:
 
 
 def format_table(rows: list[Row], header: str) -> str:
-    lines = [header, "",
-             "| metric | llama-shard | peer | ratio | target |",
-             "| --- | ---: | ---: | ---: | --- |"]
+    lines = [header, "", "| metric | llama-shard | peer | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
     for r in rows:
         ours = "n/a" if r.ours is None else f"{r.ours:,.1f} {r.unit}"
         peer = "n/a" if r.peer is None else f"{r.peer:,.1f} {r.unit}"
@@ -95,8 +95,9 @@ def alternate(repeat: int, *measures) -> list[dict]:
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
-def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False,
-                     server: bool = False, gpu: str = "") -> dict[str, Path] | None:
+def find_stock_tools(
+    build: bool = True, rpc: bool = False, no_amx: bool = False, server: bool = False, gpu: str = ""
+) -> dict[str, Path] | None:
     """The stock tools from the pinned source: in LLAMA_SHARD_STOCK_BIN_DIR (or
     LLAMA_SHARD_STOCK_RPC_BIN_DIR) when set, else in build/stock-bench, built there when missing (CMake option
     LLAMA_SHARD_BUILD_STOCK_BENCH; the patches are gated, so without a shard range they behave as
@@ -108,9 +109,15 @@ def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False
     upstream builds them: static, in build/stock-<gpu>; LLAMA_SHARD_STOCK_GPU_BIN_DIR when set)."""
     tools = ("ggml-rpc-server", "llama-batched-bench") if rpc else ("llama-server",) if server else STOCK_TOOLS
     name = "stock-rpc" if rpc else ("stock-noamx" if no_amx else f"stock-{gpu}" if gpu else "stock-bench")
-    env = os.environ.get("LLAMA_SHARD_STOCK_RPC_BIN_DIR" if rpc else
-                         "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR" if no_amx else
-                         "LLAMA_SHARD_STOCK_GPU_BIN_DIR" if gpu else "LLAMA_SHARD_STOCK_BIN_DIR")
+    env = os.environ.get(
+        "LLAMA_SHARD_STOCK_RPC_BIN_DIR"
+        if rpc
+        else "LLAMA_SHARD_STOCK_NOAMX_BIN_DIR"
+        if no_amx
+        else "LLAMA_SHARD_STOCK_GPU_BIN_DIR"
+        if gpu
+        else "LLAMA_SHARD_STOCK_BIN_DIR"
+    )
     if env:  # a directory named explicitly is the only place looked at
         found = {t: Path(env) / t for t in tools}
         return found if all(p.is_file() for p in found.values()) else None
@@ -123,31 +130,91 @@ def find_stock_tools(build: bool = True, rpc: bool = False, no_amx: bool = False
     log(f"building stock {', '.join(tools)} from the pinned llama.cpp in {build_dir} (a few minutes)")
     cmake = shutil.which("cmake") or "cmake"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
-                    "-DLLAMA_SHARD_BUILD_TESTS=OFF", f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
-                    "-DLLAMA_SHARD_OPENMP=ON",  # stock as upstream builds it (the engine uses ggml's own pool)
-                    *([f"-DGGML_{gpu.upper()}=ON"] if gpu else []),
-                    *(["-DCMAKE_CUDA_ARCHITECTURES=native"] if gpu == "cuda" else []),
-                    *([f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []),
-                    f"-DPython_EXECUTABLE={sys.executable}"], check=True, stdout=sys.stderr)
-    subprocess.run([cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],
-                   check=True, stdout=sys.stderr)
+    subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(REPO),
+            "-B",
+            str(build_dir),
+            *gen,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON",
+            "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
+            "-DLLAMA_SHARD_BUILD_TESTS=OFF",
+            f"-DGGML_RPC={'ON' if rpc else 'OFF'}",
+            "-DLLAMA_SHARD_OPENMP=ON",  # stock as upstream builds it (the engine uses ggml's own pool)
+            *([f"-DGGML_{gpu.upper()}=ON"] if gpu else []),
+            *(["-DCMAKE_CUDA_ARCHITECTURES=native"] if gpu == "cuda" else []),
+            *([f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []),
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ],
+        check=True,
+        stdout=sys.stderr,
+    )
+    subprocess.run(
+        [cmake, "--build", str(build_dir), "--target", *tools, "-j", str(os.cpu_count() or 2)],
+        check=True,
+        stdout=sys.stderr,
+    )
     found = {t: build_dir / "bin" / t for t in tools}
     return found if all(p.is_file() for p in found.values()) else None
 
 
 def stock_llama_bench(tool: Path, model: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
-    out = subprocess.run([str(tool), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-                          "-r", str(reps), "-o", "json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            str(tool),
+            "-m",
+            str(model),
+            "-t",
+            str(threads),
+            "-p",
+            str(n_prompt),
+            "-n",
+            str(n_gen),
+            "-r",
+            str(reps),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {"pp" if e["n_prompt"] > 0 else "tg": float(e["avg_ts"]) for e in json.loads(out)}
 
 
-def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: int, npl: list[int],
-                        extra: tuple = ()) -> dict[int, dict]:
-    out = subprocess.run([str(tool), "-m", str(model), "-t", str(threads), "-c", "4096", "-b", "512", "-ub", "512",
-                          "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)),
-                          "--output-format", "jsonl", *extra], capture_output=True, text=True, check=True)
+def stock_batched_bench(
+    tool: Path, model: Path, threads: int, npp: int, ntg: int, npl: list[int], extra: tuple = ()
+) -> dict[int, dict]:
+    out = subprocess.run(
+        [
+            str(tool),
+            "-m",
+            str(model),
+            "-t",
+            str(threads),
+            "-c",
+            "4096",
+            "-b",
+            "512",
+            "-ub",
+            "512",
+            "-npp",
+            str(npp),
+            "-ntg",
+            str(ntg),
+            "-npl",
+            ",".join(map(str, npl)),
+            "--output-format",
+            "jsonl",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     res = {}
     for line in (out.stdout + "\n" + out.stderr).splitlines():
         line = line.strip()
@@ -157,8 +224,9 @@ def stock_batched_bench(tool: Path, model: Path, threads: int, npp: int, ntg: in
     return res
 
 
-def stock_server_streams(tool: Path, model: Path, threads: int, npp: int, ntg: int, n_clients: int,
-                         vocab: int) -> float:
+def stock_server_streams(
+    tool: Path, model: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int
+) -> float:
     """Stock llama-server (-np n_clients -t threads) with n_clients HTTP clients at once, each
     streaming ntg tokens (greedy, ignore_eos) after its own random npp-token prompt: aggregate
     decode tokens/s, timed as ours_generate_streams times Generate streams (from the moment every
@@ -172,9 +240,25 @@ def stock_server_streams(tool: Path, model: Path, threads: int, npp: int, ntg: i
 
     port = free_port()
     context = npp + ntg + 8
-    server = subprocess.Popen([str(tool), "-m", str(model), "-t", str(threads), "-np", str(n_clients), "-c",
-                               str(n_clients * context), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            str(tool),
+            "-m",
+            str(model),
+            "-t",
+            str(threads),
+            "-np",
+            str(n_clients),
+            "-c",
+            str(n_clients * context),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -196,8 +280,16 @@ def stock_server_streams(tool: Path, model: Path, threads: int, npp: int, ntg: i
 
         def client(i: int) -> None:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-            body = json.dumps({"prompt": prompts[i], "n_predict": ntg, "stream": True, "ignore_eos": True,
-                               "temperature": 0.0, "cache_prompt": False})
+            body = json.dumps(
+                {
+                    "prompt": prompts[i],
+                    "n_predict": ntg,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "cache_prompt": False,
+                }
+            )
             ready.wait()
             conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -238,8 +330,11 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
     from llama_shard.local_workers import free_port
 
     port = free_port()
-    server = subprocess.Popen([str(tools["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(tools["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -247,8 +342,15 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
                 if sk.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.1)
-        return stock_batched_bench(tools["llama-batched-bench"], model, 1, npp, ntg, npl,
-                                   ("--rpc", f"127.0.0.1:{port}", "-ngl", str(n_layer - n_layer // 2)))
+        return stock_batched_bench(
+            tools["llama-batched-bench"],
+            model,
+            1,
+            npp,
+            ntg,
+            npl,
+            ("--rpc", f"127.0.0.1:{port}", "-ngl", str(n_layer - n_layer // 2)),
+        )
     finally:
         server.terminate()
         server.wait(10)
@@ -258,16 +360,22 @@ def stock_rpc_split(tools: dict, model: Path, n_layer: int, npp: int, ntg: int, 
 # llama-shard's side
 # ---------------------------------------------------------------------------------------------
 
-def bench_manager(model: ShardModel, sessions: int, context: int, threads: int, n_batch: int = 512) -> HotKvStateManager:
+
+def bench_manager(
+    model: ShardModel, sessions: int, context: int, threads: int, n_batch: int = 512
+) -> HotKvStateManager:
     """A manager sized for a measurement: no TTL, a budget that fits every session."""
-    cfg = HotKvStateConfig(max_sessions=sessions, context_tokens=context, budget_tokens=sessions * context, ttl_seconds=0)
+    cfg = HotKvStateConfig(
+        max_sessions=sessions, context_tokens=context, budget_tokens=sessions * context, ttl_seconds=0
+    )
     return HotKvStateManager(model, cfg, ManualClock(), n_batch=n_batch, n_threads=threads)
 
 
 def user_manager(model: ShardModel, sessions: int, context: int) -> HotKvStateManager:
     """A manager as the README builds one: a config and the model, nothing else."""
-    return HotKvStateManager(model, HotKvStateConfig(max_sessions=sessions, context_tokens=context,
-                                                     budget_tokens=sessions * context))
+    return HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=sessions, context_tokens=context, budget_tokens=sessions * context)
+    )
 
 
 def cpu_seconds(pid: int | None = None) -> float:

@@ -10,6 +10,7 @@ of each phase per round (docs/benchmarks.md, "Compute threads").
 
     python benchmarks/compute_threads_study.py [--rounds 3] [--steps 24] [--draft-steps 4] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ def main() -> int:
     args = ap.parse_args()
     path = args.model or str(require_embedded_model())
     config = HotKvStateConfig(max_sessions=1, context_tokens=512, budget_tokens=512, ttl_seconds=0)
-    route, draft = (HotKvStateManager(ShardModel(path, None, args.threads), config, ManualClock(), n_batch=64,
-                                      n_threads=args.threads) for _ in range(2))
+    route, draft = (
+        HotKvStateManager(
+            ShardModel(path, None, args.threads), config, ManualClock(), n_batch=64, n_threads=args.threads
+        )
+        for _ in range(2)
+    )
     vocab = route.model.info.n_vocab
     rng = np.random.default_rng(0)
 

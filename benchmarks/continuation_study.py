@@ -8,6 +8,7 @@ and decodes at the deepest one (docs/benchmarks.md, "A long chat's next turn").
 
     python benchmarks/continuation_study.py [--depths 100,400,900,1800] [--new 34] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 
 def ours(path: Path, threads: int, depths: list[int], new: int) -> dict[int, float]:
     """Time to first token (s) of a Generate stream adding `new` tokens to a session holding d."""
-    proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads,
-                              extra=("--context-tokens", str(max(depths) + 2 * new + 8), "--max-sessions", "2"))
+    proc, addr = start_worker(
+        path,
+        0,
+        gguf_layer_count(path) - 1,
+        threads,
+        extra=("--context-tokens", str(max(depths) + 2 * new + 8), "--max-sessions", "2"),
+    )
     rng = np.random.default_rng(1)
     out = {}
     try:
@@ -37,11 +43,13 @@ def ours(path: Path, threads: int, depths: list[int], new: int) -> dict[int, flo
             stub = pb_grpc.ShardServiceStub(ch)
             for d in depths:
                 held = rng.integers(100, 10000, d).tolist()
-                first = list(stub.Generate(pb.GenerateRequest(session_id=f"d{d}", prompt=held, max_tokens=1),
-                                           timeout=600))
+                first = list(
+                    stub.Generate(pb.GenerateRequest(session_id=f"d{d}", prompt=held, max_tokens=1), timeout=600)
+                )
                 prompt = held + [first[0].token.token_id] + rng.integers(100, 10000, new - 1).tolist()
-                final = list(stub.Generate(pb.GenerateRequest(session_id=f"d{d}", prompt=prompt, max_tokens=1),
-                                           timeout=600))[-1].final
+                final = list(
+                    stub.Generate(pb.GenerateRequest(session_id=f"d{d}", prompt=prompt, max_tokens=1), timeout=600)
+                )[-1].final
                 assert final.cached_tokens == d, final  # the sampled token was not computed yet
                 out[d] = final.time_to_first_token_s
     finally:
@@ -53,9 +61,30 @@ def stock(tool: Path, path: Path, threads: int, depths: list[int], new: int) -> 
     """llama-bench tok/s: ('pp', fa, d) for a prefill of `new` at depth d, ('tg', fa, d) for 16 decoded there."""
     out = {}
     for fa in (1, 0):
-        res = subprocess.run([str(tool), "-m", str(path), "-t", str(threads), "-p", str(new), "-n", "16", "-r", "2",
-                              "-fa", str(fa), "-d", ",".join(map(str, depths)), "-o", "json"],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [
+                str(tool),
+                "-m",
+                str(path),
+                "-t",
+                str(threads),
+                "-p",
+                str(new),
+                "-n",
+                "16",
+                "-r",
+                "2",
+                "-fa",
+                str(fa),
+                "-d",
+                ",".join(map(str, depths)),
+                "-o",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         for r in json.loads(res.stdout):
             out[("pp" if r["n_prompt"] else "tg", fa, r["n_depth"])] = r["avg_ts"]
     return out
@@ -74,12 +103,16 @@ def main() -> int:
     got = ours(path, args.threads, depths, args.new)
     tools = find_stock_tools()
     peer = stock(tools["llama-bench"], path, args.threads, depths, args.new) if tools else {}
-    print(f"| held tokens | Generate: first token after {args.new} new | stock pp{args.new}, flash attention on | "
-          f"off | stock tg16 there, on | off |")
+    print(
+        f"| held tokens | Generate: first token after {args.new} new | stock pp{args.new}, flash attention on | "
+        f"off | stock tg16 there, on | off |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in depths:
-        cells = [f"{peer[(k, fa, d)]:.1f} tok/s" if (k, fa, d) in peer else "n/a"
-                 for k, fa in (("pp", 1), ("pp", 0), ("tg", 1), ("tg", 0))]
+        cells = [
+            f"{peer[(k, fa, d)]:.1f} tok/s" if (k, fa, d) in peer else "n/a"
+            for k, fa in (("pp", 1), ("pp", 0), ("tg", 1), ("tg", 0))
+        ]
         print(f"| {d} | {got[d] * 1e3:.0f} ms | " + " | ".join(cells) + " |")
     return 0
 

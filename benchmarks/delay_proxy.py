@@ -8,6 +8,7 @@ privileges. For the benchmarks only.
 Each direction keeps its order and is one link: a chunk read at t starts crossing it when the chunks
 before it have crossed (or at t), takes len * 8 / bits_per_s to cross (0 without a limit), and is
 written delay later. The proxy runs an asyncio loop in its own thread."""
+
 from __future__ import annotations
 
 import asyncio

@@ -19,6 +19,7 @@ one, each request starting from the rates the one before it ended with, as a rou
 single acceptance rate for every draft, each request from the priors), and `always k` (every draft
 the lookup has, up to k).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,13 +103,17 @@ def shard_ms(path, layers: tuple[int, int]) -> dict[int, float]:
         verdicts = mgr.engine.whole_rows_verdicts
     finally:
         mgr.close()
-    print(f"  layers {layers[0]}-{layers[1]}: " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in out.items())
-          + f"; verdicts {verdicts}")
+    print(
+        f"  layers {layers[0]}-{layers[1]}: "
+        + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in out.items())
+        + f"; verdicts {verdicts}"
+    )
     return out
 
 
-def replay(data, policy: str, max_drafts: int, cost_ms: list[float], carried: DraftControl | None = None
-           ) -> tuple[int, float]:
+def replay(
+    data, policy: str, max_drafts: int, cost_ms: list[float], carried: DraftControl | None = None
+) -> tuple[int, float]:
     """Steps and milliseconds of the policy's drafting along the greedy tokens (a step of n tokens
     costs cost_ms[n]). `carried`: the route loop's rates before the first request (updated)."""
     cost = [c / cost_ms[1] for c in cost_ms[1:]]  # index k: a step of k + 1 tokens (StepCost.relative)
@@ -159,11 +164,20 @@ def main() -> None:
     data = greedy(path)
     for name, runs in data.items():
         base = len(runs) * TOKENS  # steps without drafts
-        for policy, max_drafts in (("DraftControl", 8), ("per request", 8), ("always k", 8), ("DraftControl", 15),
-                                   ("per request", 15), ("one rate", 15), ("always k", 15)):
+        for policy, max_drafts in (
+            ("DraftControl", 8),
+            ("per request", 8),
+            ("always k", 8),
+            ("DraftControl", 15),
+            ("per request", 15),
+            ("one rate", 15),
+            ("always k", 15),
+        ):
             steps, ms = replay(runs, policy, max_drafts, cost_ms)
-            print(f"{name:10s} {policy:12s} max {max_drafts:2d}: {steps} steps for {base} tokens, "
-                  f"{1e3 * base / ms:.1f} tok/s, {base * cost_ms[1] / ms:.2f}x one token per step")
+            print(
+                f"{name:10s} {policy:12s} max {max_drafts:2d}: {steps} steps for {base} tokens, "
+                f"{1e3 * base / ms:.1f} tok/s, {base * cost_ms[1] / ms:.2f}x one token per step"
+            )
     # open questions right after the rewrites on the same route loop: the rates they start from are
     # the rewrites' (what CARRIED_WEIGHT keeps light)
     carried = DraftControl(0)

@@ -3,6 +3,7 @@ section): the longest pause of a stream whose tail replica is killed, the time a
 takes to hand a session over against the re-prefill it saves, and completions on the OpenAI
 endpoint while replicas are killed and restarted at random. Every stream's tokens are compared with
 the undisturbed route's; the figures say how many differed or failed (0 is the only good answer)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,13 @@ def _stream(mesh: Mesh, sid: str, prompt: list[int], n: int, seed: int | None, o
     for event in mesh.stub().Generate(req, timeout=600):
         now = time.monotonic()
         if event.HasField("final"):
-            return {"tokens": tokens, "final": event.final, "stall": max(gaps, default=0.0), "ttft": event.final.time_to_first_token_s,
-                    "seconds": now - t0}
+            return {
+                "tokens": tokens,
+                "final": event.final,
+                "stall": max(gaps, default=0.0),
+                "ttft": event.final.time_to_first_token_s,
+                "seconds": now - t0,
+            }
         if last is not None:
             gaps.append(now - last)
         last = now
@@ -47,6 +53,7 @@ def _streams(mesh: Mesh, tag: str, prompts: list[list[int]], n: int, on_token=No
 
     def run(i: int) -> None:
         out[i] = _stream(mesh, f"{tag}-{i}", prompts[i], n, None if i % 2 == 0 else 100 + i, on_token)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -65,10 +72,19 @@ def killed_tail(path: Path, n_layer: int, vocab: int, npp: int, ntg: int, n_stre
     undisturbed run's."""
     cut = n_layer // 2
     context = str(npp + ntg + 16)
-    sizing = ("--context-tokens", context, "--max-sessions", str(2 * n_streams),
-              "--budget-tokens", str(2 * n_streams * int(context)))
-    mesh = Mesh(path, [(0, cut - 1), (cut, n_layer - 1), (cut, n_layer - 1)],
-                [("--peer", "{1}", "--peer", "{2}", *sizing), sizing, sizing])
+    sizing = (
+        "--context-tokens",
+        context,
+        "--max-sessions",
+        str(2 * n_streams),
+        "--budget-tokens",
+        str(2 * n_streams * int(context)),
+    )
+    mesh = Mesh(
+        path,
+        [(0, cut - 1), (cut, n_layer - 1), (cut, n_layer - 1)],
+        [("--peer", "{1}", "--peer", "{2}", *sizing), sizing, sizing],
+    )
     try:
         mesh.start(1).start(2).start(0)
         rng = np.random.default_rng(5)
@@ -87,17 +103,23 @@ def killed_tail(path: Path, n_layer: int, vocab: int, npp: int, ntg: int, n_stre
                 victim = next(k for k in (1, 2) if any(x.session_id == sid for x in mesh.info(k).sessions))
                 mesh.procs[victim].send_signal(signal.SIGKILL)
                 killed.append(victim)
+
         hit = _streams(mesh, "kill", prompts, ntg, on_token)
         moved = [i for i, r in enumerate(hit) if r["final"].failovers]
         worst = max(moved, key=lambda i: hit[i]["stall"]) if moved else 0
         # that stream's re-prefill: a fresh session of the tokens it held, to its first token
-        held = prompts[worst] + hit[worst]["tokens"][:max(2, ntg // 4)]
+        held = prompts[worst] + hit[worst]["tokens"][: max(2, ntg // 4)]
         reprefill = _stream(mesh, "reprefill", held, 1, None)["ttft"]
         # (no stream failed over when the replica's streams had all ended: the longest stall of any)
-        return {"stall": hit[worst]["stall"] if moved else max(r["stall"] for r in hit), "reprefill": reprefill,
-                "calm_stall": max(r["stall"] for r in calm), "moved": len(moved), "streams": n_streams,
-                "differed": sum(1 for a, b in zip(calm, hit) if a["tokens"] != b["tokens"]),
-                "failed": sum(1 for r in hit if r["final"].finish_reason != "length")}
+        return {
+            "stall": hit[worst]["stall"] if moved else max(r["stall"] for r in hit),
+            "reprefill": reprefill,
+            "calm_stall": max(r["stall"] for r in calm),
+            "moved": len(moved),
+            "streams": n_streams,
+            "differed": sum(1 for a, b in zip(calm, hit) if a["tokens"] != b["tokens"]),
+            "failed": sum(1 for r in hit if r["final"].finish_reason != "length"),
+        }
     finally:
         mesh.stop()
 
@@ -111,9 +133,11 @@ def handover(path: Path, n_layer: int, vocab: int, tokens: int, ntg: int = 24) -
     cut = n_layer // 2
     context = str(tokens + ntg + 16)
     sizing = ("--context-tokens", context, "--max-sessions", "4", "--budget-tokens", str(4 * int(context)))
-    mesh = Mesh(path, [(0, cut - 1), (cut, n_layer - 1), (cut, n_layer - 1)],
-                [("--peer", "{1}", "--peer", "{2}", *sizing), ("--replica", "{2}", *sizing),
-                 ("--replica", "{1}", *sizing)])
+    mesh = Mesh(
+        path,
+        [(0, cut - 1), (cut, n_layer - 1), (cut, n_layer - 1)],
+        [("--peer", "{1}", "--peer", "{2}", *sizing), ("--replica", "{2}", *sizing), ("--replica", "{1}", *sizing)],
+    )
     try:
         mesh.start(1).start(2).start(0)
         rng = np.random.default_rng(7)
@@ -127,6 +151,7 @@ def handover(path: Path, n_layer: int, vocab: int, tokens: int, ntg: int = 24) -
                 holder = next(k for k in (1, 2) if any(s.session_id == "long" for s in mesh.info(k).sessions))
                 mesh.procs[holder].send_signal(signal.SIGTERM)
                 stopped.append(holder)
+
         moved = _stream(mesh, "long", prompt, ntg, None, on_token)
         code = mesh.reap(stopped[0])
         report = mesh.stderr[stopped[0]][-1]
@@ -134,15 +159,22 @@ def handover(path: Path, n_layer: int, vocab: int, tokens: int, ntg: int = 24) -
         if code != 0 or m is None:
             raise RuntimeError(f"the drained worker exited {code}: {report[-1500:]}")
         handed, seconds = int(m.group(1)), float(m.group(2))
-        return {"per_session": seconds / max(1, handed), "handed": handed, "reprefill": reprefill,
-                "reprefills": moved["final"].reprefills, "moves": moved["final"].moves,
-                "same": moved["tokens"] == twin["tokens"]}
+        return {
+            "per_session": seconds / max(1, handed),
+            "handed": handed,
+            "reprefill": reprefill,
+            "reprefills": moved["final"].reprefills,
+            "moves": moved["final"].moves,
+            "same": moved["tokens"] == twin["tokens"],
+        }
     finally:
         mesh.stop()
 
 
 def _complete(port: int, model: str, prompt: list[int], n: int) -> str:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    ).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         answer = json.loads(resp.read())
@@ -156,14 +188,47 @@ def chaos(path: Path, n_layer: int, vocab: int, seconds: float, n_clients: int =
     from the undisturbed answer."""
     third = n_layer // 3
     http_port = free_port()
-    common = ("--ttl", "5", "--sweep-seconds", "1", "--context-tokens", "256", "--max-sessions", str(n_clients),
-              "--budget-tokens", str(256 * n_clients))
-    mesh = Mesh(path, [(0, third - 1), (third, 2 * third - 1), (third, 2 * third - 1), (2 * third, n_layer - 1),
-                       (2 * third, n_layer - 1)], [
-        ("--peer", "{1}", "--peer", "{2}", "--peer", "{3}", "--peer", "{4}", "--http-port", str(http_port), *common),
-        ("--peer", "{3}", "--peer", "{4}", "--replica", "{2}", *common),
-        ("--peer", "{3}", "--peer", "{4}", "--replica", "{1}", *common),
-        ("--replica", "{4}", *common), ("--replica", "{3}", *common)])
+    common = (
+        "--ttl",
+        "5",
+        "--sweep-seconds",
+        "1",
+        "--context-tokens",
+        "256",
+        "--max-sessions",
+        str(n_clients),
+        "--budget-tokens",
+        str(256 * n_clients),
+    )
+    mesh = Mesh(
+        path,
+        [
+            (0, third - 1),
+            (third, 2 * third - 1),
+            (third, 2 * third - 1),
+            (2 * third, n_layer - 1),
+            (2 * third, n_layer - 1),
+        ],
+        [
+            (
+                "--peer",
+                "{1}",
+                "--peer",
+                "{2}",
+                "--peer",
+                "{3}",
+                "--peer",
+                "{4}",
+                "--http-port",
+                str(http_port),
+                *common,
+            ),
+            ("--peer", "{3}", "--peer", "{4}", "--replica", "{2}", *common),
+            ("--peer", "{3}", "--peer", "{4}", "--replica", "{1}", *common),
+            ("--replica", "{4}", *common),
+            ("--replica", "{3}", *common),
+        ],
+    )
     try:
         for k in (3, 4, 1, 2, 0):
             mesh.start(k)
@@ -186,6 +251,7 @@ def chaos(path: Path, n_layer: int, vocab: int, seconds: float, n_clients: int =
                         continue
                     done[0] += 1
                     differed[0] += got != oracle[j % len(prompts)]
+
             threads = [threading.Thread(target=loop, args=(i,)) for i in range(n_clients)]
             t0 = time.monotonic()
             for t in threads:
@@ -198,13 +264,23 @@ def chaos(path: Path, n_layer: int, vocab: int, seconds: float, n_clients: int =
             stop.set()
             for t in threads:
                 t.join()
-            return {"per_min": 60 * done[0] / (time.monotonic() - t0), "done": done[0], "failed": failed,
-                    "differed": differed[0]}
+            return {
+                "per_min": 60 * done[0] / (time.monotonic() - t0),
+                "done": done[0],
+                "failed": failed,
+                "differed": differed[0],
+            }
+
         calm = phase(max(5.0, seconds / 5), None)
         monkey = ChaosMonkey(mesh, [[1, 2], [3, 4]], period=(2.0, 5.0), down_s=(1.0, 3.0))
         storm = phase(seconds, monkey)
         kills = sum(1 for e in monkey.events if e[2] in ("kill", "term"))
-        return {"calm": calm, "storm": storm, "kills": kills, "errors": monkey.errors,
-                "failovers": mesh.info(0).failovers}
+        return {
+            "calm": calm,
+            "storm": storm,
+            "kills": kills,
+            "errors": monkey.errors,
+            "failovers": mesh.info(0).failovers,
+        }
     finally:
         mesh.stop()

@@ -19,6 +19,7 @@ Every measure runs `--rounds` times, taking turns (docs/benchmarks.md, "Generati
 
     python benchmarks/flash_attn_study.py [--shapes 128x64,512x64,512x256] [--streams 8] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,11 +65,16 @@ def ours_prefill_and_turn(path: Path, n_layer: int, threads: int, fa: str) -> di
     512-token prompt ("prefill"), and a session holding 2,048 tokens sent 32 more ("turn": the
     same session_id, its prompt the cached one plus the token it got plus 31 new ones)."""
     import grpc
+
     rng = np.random.default_rng(47)
     new = lambda n: rng.integers(100, VOCAB, n).tolist()  # noqa: E731
-    proc, addr = start_worker(path, 0, n_layer - 1, threads,
-                              extra=("--flash-attn", fa, "--max-sessions", "2", "--context-tokens", "2304",
-                                     "--budget-tokens", "4608"))
+    proc, addr = start_worker(
+        path,
+        0,
+        n_layer - 1,
+        threads,
+        extra=("--flash-attn", fa, "--max-sessions", "2", "--context-tokens", "2304", "--budget-tokens", "4608"),
+    )
     out = {}
     try:
         wait_serving(proc, addr)
@@ -108,8 +114,10 @@ def main() -> int:
     tools = find_stock_tools()
     bench = tools["llama-batched-bench"] if tools else None
 
-    print("| prompt + generated | streams | Generate, flash attention on | off | on, upstream's kernels | "
-          "nothing set / the better | stock batched-bench decode -fa on | off | stock prefill -fa on | off |")
+    print(
+        "| prompt + generated | streams | Generate, flash attention on | off | on, upstream's kernels | "
+        "nothing set / the better | stock batched-bench decode -fa on | off | stock prefill -fa on | off |"
+    )
     print("| --- | ---: | --- | --- | --- | ---: | --- | --- | --- | --- |")
     for npp, ntg in shapes:
         got: dict[str, list[float]] = {"on": [], "off": [], "upstream": [], "stock on": [], "stock off": []}
@@ -118,8 +126,18 @@ def main() -> int:
             for setting in SETTINGS:
                 fa = "off" if setting == "off" else "on"
                 with worker_kernels(setting):
-                    got[setting].append(ours_generate_streams(path, [(0, n_layer - 1)], args.threads, npp, ntg, n,
-                                                              VOCAB, worker_flags=("--flash-attn", fa)))
+                    got[setting].append(
+                        ours_generate_streams(
+                            path,
+                            [(0, n_layer - 1)],
+                            args.threads,
+                            npp,
+                            ntg,
+                            n,
+                            VOCAB,
+                            worker_flags=("--flash-attn", fa),
+                        )
+                    )
                 if bench and setting != "upstream":
                     context = ("-c", str(max(4096, n * (npp + ntg))))  # later flags win: room for every session
                     r = stock_batched_bench(bench, path, args.threads, npp, ntg, [n], extra=("-fa", fa, *context))[n]
@@ -131,22 +149,30 @@ def main() -> int:
         cells += [" / ".join(f"{v:.0f}" for v in stock_pp[k]) or "n/a" for k in ("on", "off")]
         print(f"| {npp} + {ntg} | {n} | " + " | ".join(cells) + " |", flush=True)
 
-    print("\n| one worker, the whole model | flash attention on (nothing set) | --flash-attn off | "
-          "on, upstream's kernels | nothing set / the better |")
+    print(
+        "\n| one worker, the whole model | flash attention on (nothing set) | --flash-attn off | "
+        "on, upstream's kernels | nothing set / the better |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     timed: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
     for _ in range(args.rounds):  # taking turns, one worker per round and setting
         for setting in SETTINGS:
             with worker_kernels(setting):
-                timed[setting].append(ours_prefill_and_turn(path, n_layer, args.threads,
-                                                            "off" if setting == "off" else "on"))
-    for key, label in (("prefill", "time to first token, a fresh 512-token prompt"),
-                       ("turn", "time to first token, 32 new tokens on 2,048 cached")):
+                timed[setting].append(
+                    ours_prefill_and_turn(path, n_layer, args.threads, "off" if setting == "off" else "on")
+                )
+    for key, label in (
+        ("prefill", "time to first token, a fresh 512-token prompt"),
+        ("turn", "time to first token, 32 new tokens on 2,048 cached"),
+    ):
         on, off, upstream = (min(r[key] for r in timed[s]) for s in SETTINGS)
-        print(f"| {label} | {on * 1e3:.0f} ms | {off * 1e3:.0f} ms | {upstream * 1e3:.0f} ms | "
-              f"{min(on, off) / on:.3f} |", flush=True)
+        print(
+            f"| {label} | {on * 1e3:.0f} ms | {off * 1e3:.0f} ms | {upstream * 1e3:.0f} ms | {min(on, off) / on:.3f} |",
+            flush=True,
+        )
 
     if bench:
+
         def one() -> float:
             return stock_batched_bench(bench, path, 1, 128, 64, [n // 2])[n // 2]["tg"]
 

@@ -8,6 +8,7 @@ per session; the head micro-batches them) and with the loop in this client (`rou
 chained StepBatch per token per micro-batch). Wall time covers the whole request: prefill of a
 random prompt, then the tokens; each session is released after. Prints aggregate tokens/s and the
 ratio; a study, not the table (benchmarks/bench.py is the table)."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--repeat", type=int, default=2, help="keep each side's best of this many")
-    ap.add_argument("--delay-ms", default="", help="also measure one session with every link delayed by each of "
-                                                   "these (ms each way, a loopback proxy), e.g. 2,10")
+    ap.add_argument(
+        "--delay-ms",
+        default="",
+        help="also measure one session with every link delayed by each of "
+        "these (ms each way, a loopback proxy), e.g. 2,10",
+    )
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else require_embedded_model()
     n_layer, cut = gguf_layer_count(path), compute_balanced_cut(path)
@@ -57,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         in_client = RouteClient(stages, route_loop=False)
         rng = np.random.default_rng(5)
         run(in_route, 2, args.prompt, 8, rng, "warm-up")
-        print(f"two chained 1-thread workers (0-{cut - 1} | {cut}-{n_layer - 1}), {args.prompt}-token prompts, "
-              f"{args.tokens} tokens each, whole requests timed")
+        print(
+            f"two chained 1-thread workers (0-{cut - 1} | {cut}-{n_layer - 1}), {args.prompt}-token prompts, "
+            f"{args.tokens} tokens each, whole requests timed"
+        )
         print("| sessions | loop in the route (tok/s) | loop in the client (tok/s) | ratio |")
         print("| ---: | ---: | ---: | ---: |")
         for n in [int(x) for x in args.streams.split(",")]:
@@ -69,15 +76,23 @@ def main(argv: list[str] | None = None) -> int:
             # client -> proxy -> head -> proxy -> tail: the head forwards to the tail's proxy (its peer)
             with DelayProxy(tail_addr, delay / 1000) as to_tail, DelayProxy(head_addr, delay / 1000) as to_head:
                 stop_worker(head)
-                head, head_addr2 = start_worker(path, 0, cut - 1, threads=1, extra=("--peer", to_tail.address),
-                                                port=int(head_addr.rsplit(":", 1)[1]))
+                head, head_addr2 = start_worker(
+                    path,
+                    0,
+                    cut - 1,
+                    threads=1,
+                    extra=("--peer", to_tail.address),
+                    port=int(head_addr.rsplit(":", 1)[1]),
+                )
                 wait_serving(head, head_addr2)
                 stages = [RemoteStage(to_head.address), RemoteStage(to_tail.address)]
                 in_route, in_client = RouteClient(stages), RouteClient(stages, route_loop=False)
                 route = max(run(in_route, 1, args.prompt, args.tokens, rng, "route-d") for _ in range(args.repeat))
                 client = max(run(in_client, 1, args.prompt, args.tokens, rng, "client-d") for _ in range(args.repeat))
-                print(f"| 1, links +{delay:g} ms each way | {route:.1f} | {client:.1f} | {route / client:.2f}x |",
-                      flush=True)
+                print(
+                    f"| 1, links +{delay:g} ms each way | {route:.1f} | {client:.1f} | {route / client:.2f}x |",
+                    flush=True,
+                )
     finally:
         stop_worker(head)
         stop_worker(tail)

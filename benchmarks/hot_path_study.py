@@ -3,6 +3,7 @@ clients, and what does a decode through the adapter and the step loop cost beyon
 
     python benchmarks/hot_path_study.py [ROUNDS] [--threads 2] [--model PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,12 @@ def hot_path_study(path: Path, threads: int, rounds: int, quick: bool = False) -
         after = manager.loop_stats()
         busy = (after["busy_seconds"] - before["busy_seconds"]) / (after["steps"] - before["steps"])
         manager.close()
-    lines.append(f"a lone session on a synthetic model, {n} decodes through KvBoundaryAdapter: {per_step * 1e6:.0f} us "
-                 f"per decode, of which the engine step {busy * 1e6:.0f} us: {(per_step - busy) * 1e6:.0f} us for the "
-                 "adapter, the step loop and the thread hand-offs")
+    lines.append(
+        f"a lone session on a synthetic model, {n} decodes through KvBoundaryAdapter: {per_step * 1e6:.0f} us "
+        f"per decode, of which the engine step {busy * 1e6:.0f} us: {(per_step - busy) * 1e6:.0f} us for the "
+        "adapter, the step loop and the thread hand-offs"
+    )
     return "\n".join(lines)
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ over alternating rounds, in four topologies, with its compute bound and its pipe
 
 docs/benchmarks.md says what the bounds mean and shows the latest output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,21 +80,30 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
     n_layer, vocab = model_and_vocab(path)
     cut = compute_balanced_cut(path)
     ranges = [(0, cut - 1), (cut, n_layer - 1)]
-    lines = [f"{path.name}: pipelining at 8 sessions, 1 thread per worker, cut {cut}, "
-             f"{micro_batches} micro-batches, {rounds} alternating rounds", ""]
+    lines = [
+        f"{path.name}: pipelining at 8 sessions, 1 thread per worker, cut {cut}, "
+        f"{micro_batches} micro-batches, {rounds} alternating rounds",
+        "",
+    ]
     npp, ntg, seconds = (16, 8, 0.3) if quick else (128, 64, 4.0)
     costs = stage_costs(path, ranges, seconds)
     for name, ms in costs.items():
-        lines.append(f"4-session step, {name}: " + ", ".join(f"layers {a}-{b} {m:.1f} ms" for (a, b), m in zip(ranges, ms)))
+        lines.append(
+            f"4-session step, {name}: " + ", ".join(f"layers {a}-{b} {m:.1f} ms" for (a, b), m in zip(ranges, ms))
+        )
     # two micro-batches of 4 keep each stage on one 4-session step at a time: 8 tokens per 2 steps
     bound = 8 / (2 * max(costs["together"]) / 1e3) if micro_batches == 2 else None
     if bound:
-        lines.append(f"compute bound with free transport: 8 tokens per 2 x {max(costs['together']):.1f} ms = {bound:.1f} tok/s")
+        lines.append(
+            f"compute bound with free transport: 8 tokens per 2 x {max(costs['together']):.1f} ms = {bound:.1f} tok/s"
+        )
     ratios: dict[str, list[float]] = {name: [] for name in [*TOPOLOGIES, "ceiling"]}
     peers: list[float] = []
     for k in range(rounds):
-        ours = {name: ours_two_stages(path, n_layer, npp, ntg, [8], vocab, micro_batches, topology=name)[8]
-                for name in TOPOLOGIES}
+        ours = {
+            name: ours_two_stages(path, n_layer, npp, ntg, [8], vocab, micro_batches, topology=name)[8]
+            for name in TOPOLOGIES
+        }
         line = f"round {k + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in ours.items())
         if rpc_tools:
             peer = stock_rpc_split(rpc_tools, path, n_layer, npp, ntg, [8])[8]["tg"]
@@ -103,26 +113,30 @@ def pipeline_study(path: Path, rounds: int, rpc_tools: dict | None, micro_batche
             for name, v in ours.items():
                 ratios[name].append(v / peer)
             ratios["ceiling"].append(2 * whole4 / peer)
-            line += (f"; RPC split {peer:.1f}, stock whole model at 4 sessions {whole4:.1f} (8: {whole[8]['tg']:.1f}) tok/s; ratios "
-                     + ", ".join(f"{r[-1]:.3f}" for r in ratios.values()))
+            line += (
+                f"; RPC split {peer:.1f}, stock whole model at 4 sessions {whole4:.1f} (8: {whole[8]['tg']:.1f}) tok/s; ratios "
+                + ", ".join(f"{r[-1]:.3f}" for r in ratios.values())
+            )
         else:
             line += "; RPC split n/a"
         lines.append(line)
     for name, r in ratios.items():
         if r:
             label = "ceiling (2 x stock whole model at 4 sessions)" if name == "ceiling" else name
-            lines.append(f"{label} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
-                         f"{sum(x >= 1.6 for x in r)} of {len(r)} rounds >= 1.6")
+            lines.append(
+                f"{label} / RPC split: min {min(r):.3f}, median {statistics.median(r):.3f}, max {max(r):.3f}, "
+                f"{sum(x >= 1.6 for x in r)} of {len(r)} rounds >= 1.6"
+            )
     for name in TOPOLOGIES:
         if ratios["ceiling"]:
             of = [a / c for a, c in zip(ratios[name], ratios["ceiling"])]
-            lines.append(f"{name} / ceiling (same round): min {min(of):.3f}, median {statistics.median(of):.3f}, "
-                         f"max {max(of):.3f}, {sum(x >= 0.88 for x in of)} of {len(of)} rounds >= 0.88")
+            lines.append(
+                f"{name} / ceiling (same round): min {min(of):.3f}, median {statistics.median(of):.3f}, "
+                f"max {max(of):.3f}, {sum(x >= 0.88 for x in of)} of {len(of)} rounds >= 0.88"
+            )
     if peers and bound:
         lines.append(f"compute bound / best RPC split: {bound:.1f} / {max(peers):.1f} = {bound / max(peers):.3f}")
     return "\n".join(lines)
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """What users run over gRPC, measured: one worker with many clients, and two-stage routes in
 four topologies. Shared by the table (bench.py) and the studies."""
+
 from __future__ import annotations
 
 import http.client as http_client
@@ -45,10 +46,12 @@ def _environment(env: dict[str, str] | None):
                 os.environ[k] = v
 
 
-def _decode_clients(addr: str, prompts: list[list[int]], ntg: int, ready: threading.Barrier,
-                    failures: list[str]) -> list[threading.Thread]:
+def _decode_clients(
+    addr: str, prompts: list[list[int]], ntg: int, ready: threading.Barrier, failures: list[str]
+) -> list[threading.Thread]:
     """One thread per prompt, each a gRPC client driving its own session: Prefill, wait for
     `ready`, then ntg Decode calls. A client whose step fails adds the outcome to `failures`."""
+
     def client(j: int) -> None:
         with grpc.insecure_channel(addr) as channel:
             stub = pb_grpc.ShardServiceStub(channel)
@@ -63,16 +66,28 @@ def _decode_clients(addr: str, prompts: list[list[int]], ntg: int, ready: thread
     return [threading.Thread(target=client, args=(j,)) for j in range(len(prompts))]
 
 
-def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int,
-                        env: dict[str, str] | None = None) -> float:
+def ours_worker_clients(
+    path: Path, threads: int, npp: int, ntg: int, n_clients: int, vocab: int, env: dict[str, str] | None = None
+) -> float:
     """One `llama-shard serve` worker (the whole model, `threads` threads) and `n_clients` gRPC
     clients in this process, each driving its own session with Prefill and then Decode calls.
     The decode phase is timed. `env`: variables set for the worker process only."""
     context = npp + ntg + 8
     with _environment(env):
-        proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads, extra=(
-            "--max-sessions", str(n_clients), "--context-tokens", str(context),
-            "--budget-tokens", str(n_clients * context)))
+        proc, addr = start_worker(
+            path,
+            0,
+            gguf_layer_count(path) - 1,
+            threads,
+            extra=(
+                "--max-sessions",
+                str(n_clients),
+                "--context-tokens",
+                str(context),
+                "--budget-tokens",
+                str(n_clients * context),
+            ),
+        )
     try:
         wait_serving(proc, addr)
         rng = np.random.default_rng(7)
@@ -95,10 +110,12 @@ def ours_worker_clients(path: Path, threads: int, npp: int, ntg: int, n_clients:
         steps, busy = i1.engine_steps - i0.engine_steps, i1.engine_busy_seconds - i0.engine_busy_seconds
         # where the time goes: the engine's share of the wall time, the requests per step, and the
         # CPU of the worker process (compute threads included) and of the clients
-        log(f"worker profile, {n_clients} gRPC clients: {n_clients * ntg} tokens in {wall:.2f}s; engine busy "
+        log(
+            f"worker profile, {n_clients} gRPC clients: {n_clients * ntg} tokens in {wall:.2f}s; engine busy "
             f"{busy:.2f}s ({busy / wall:.0%} of the wall time) in {steps} steps of "
             f"{(i1.engine_requests - i0.engine_requests) / max(steps, 1):.1f} requests, {busy / max(steps, 1) * 1e3:.1f} ms each; "
-            f"CPU worker {cpu1[0] - cpu0[0]:.2f}s, clients {cpu1[1] - cpu0[1]:.2f}s")
+            f"CPU worker {cpu1[0] - cpu0[0]:.2f}s, clients {cpu1[1] - cpu0[1]:.2f}s"
+        )
         return n_clients * ntg / wall
     finally:
         stop_worker(proc)
@@ -129,15 +146,25 @@ class TlsSetup:
         route_key = directory / "route.key"  # the head signs whom it forwards for; the tail checks it
         route_key.write_bytes(os.urandom(32))
         route_key.chmod(0o600)
-        self.flags = ("--tls-cert", str(server.cert), "--tls-key", str(server.key),
-                      "--auth-token-file", str(directory / "tokens"), "--forwarder", "head",
-                      "--route-key-file", str(route_key))
+        self.flags = (
+            "--tls-cert",
+            str(server.cert),
+            "--tls-key",
+            str(server.key),
+            "--auth-token-file",
+            str(directory / "tokens"),
+            "--forwarder",
+            "head",
+            "--route-key-file",
+            str(route_key),
+        )
         self.peer_flags = ("--peer-tls-ca", str(ca.cert), "--peer-token-file", str(directory / "head.token"))
         self.client = ClientSecurity(tls_ca=str(ca.cert), token_file=str(directory / "client.token"))
 
 
-def _start_stages(path: Path, ranges: list[tuple[int, int]], topology: str,
-                  tls: TlsSetup | None = None) -> list[tuple[subprocess.Popen, str]]:
+def _start_stages(
+    path: Path, ranges: list[tuple[int, int]], topology: str, tls: TlsSetup | None = None
+) -> list[tuple[subprocess.Popen, str]]:
     """The worker processes of a topology (the last TOPOLOGIES[topology] stages), 1 thread each;
     with TLS their addresses name localhost, which the certificate covers."""
     n_local = len(ranges) - TOPOLOGIES[topology]
@@ -219,8 +246,17 @@ class _MicroBatches:
             s.release()
 
 
-def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int], vocab: int,
-                    micro_batches: int = 2, topology: str = "two workers", tls: bool = False) -> dict[int, float]:
+def ours_two_stages(
+    path: Path,
+    n_layer: int,
+    npp: int,
+    ntg: int,
+    npl: list[int],
+    vocab: int,
+    micro_batches: int = 2,
+    topology: str = "two workers",
+    tls: bool = False,
+) -> dict[int, float]:
     """Decode tokens/s of `pl` sessions through two 1-thread stages split where per-token compute
     balances (the tail also runs the LM head). Topologies: "chained", two `serve` processes, the
     head forwarding to the tail; "two workers", the same driven by this process; "local head", the
@@ -240,8 +276,9 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
         _wait_stages(procs, setup)
         config = HotKvStateConfig(max_sessions=8, context_tokens=512, budget_tokens=2048)  # as the workers'
         security = setup.client if setup else ClientSecurity()
-        stages = ([LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]]
-                  + [RemoteStage(addr, security=security) for _, addr in procs])
+        stages = [LocalStage(ShardModel(str(path), r, 1), config) for r in ranges[:n_local]] + [
+            RemoteStage(addr, security=security) for _, addr in procs
+        ]
         client = RouteClient(stages, chained=topology == "chained")
         rng = np.random.default_rng(5)
         for pl in npl:
@@ -264,22 +301,37 @@ def ours_two_stages(path: Path, n_layer: int, npp: int, ntg: int, npl: list[int]
     return res
 
 
-def _log_route_profile(topology: str, n_local: int, pl: int, n_groups: int, ntg: int, wall: float,
-                       cpu: list[float], eng: list[tuple]) -> None:
+def _log_route_profile(
+    topology: str, n_local: int, pl: int, n_groups: int, ntg: int, wall: float, cpu: list[float], eng: list[tuple]
+) -> None:
     """Where the time went: CPU seconds of each process during the decode, and how long each
     stage's engine was busy, in how many steps of how many requests."""
     names = ["head", "tail"][n_local:] + [" + ".join(["client", *["head", "tail"][:n_local]])]
-    log(f"pipeline profile ({topology}), {pl} session(s) in "
+    log(
+        f"pipeline profile ({topology}), {pl} session(s) in "
         f"{n_groups} micro-batch(es), {pl * ntg} tokens in {wall:.2f}s wall ({wall / ntg * 1e3:.1f} ms per round): CPU "
         + ", ".join(f"{n} {c:.2f}s" for n, c in zip(names, cpu))
         + f" ({sum(cpu) / (wall * (os.cpu_count() or 1)):.0%} of {os.cpu_count()} cores); engine busy "
-        + ", ".join(f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
-                    for stage, (b, n, r) in zip(("head", "tail"), eng)))
+        + ", ".join(
+            f"{stage} {b:.2f}s in {n} steps ({r / max(n, 1):.1f} req/step)"
+            for stage, (b, n, r) in zip(("head", "tail"), eng)
+        )
+    )
 
 
-def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: int, npp: int, ntg: int,
-                          n_streams: int, vocab: int, http: bool = False, worker_flags: tuple = (),
-                          sampling: pb.Sampling | None = None, http_extra: dict | None = None) -> float:
+def ours_generate_streams(
+    path: Path,
+    ranges: list[tuple[int, int]],
+    threads: int,
+    npp: int,
+    ntg: int,
+    n_streams: int,
+    vocab: int,
+    http: bool = False,
+    worker_flags: tuple = (),
+    sampling: pb.Sampling | None = None,
+    http_extra: dict | None = None,
+) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
     after a random npp-token prompt, at once, as users call it. Like batched-bench's S_TG, the
@@ -296,9 +348,25 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
         for first, last in reversed(ranges):
             peer = ("--peer", procs[-1][1]) if procs else ()
             head = ("--http-port", str(http_port)) if http and first == 0 else ()
-            procs.append(start_worker(path, first, last, threads, extra=(
-                "--max-sessions", str(n_streams), "--context-tokens", str(context),
-                "--budget-tokens", str(n_streams * context), *peer, *head, *worker_flags)))
+            procs.append(
+                start_worker(
+                    path,
+                    first,
+                    last,
+                    threads,
+                    extra=(
+                        "--max-sessions",
+                        str(n_streams),
+                        "--context-tokens",
+                        str(context),
+                        "--budget-tokens",
+                        str(n_streams * context),
+                        *peer,
+                        *head,
+                        *worker_flags,
+                    ),
+                )
+            )
         procs.reverse()
         for proc, addr in procs:
             wait_serving(proc, addr)
@@ -315,8 +383,9 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
             with grpc.insecure_channel(procs[0][1]) as ch:
                 stub = pb_grpc.ShardServiceStub(ch)
                 ready.wait()
-                req = pb.GenerateRequest(session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward,
-                                         sampling=sampling)
+                req = pb.GenerateRequest(
+                    session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward, sampling=sampling
+                )
                 for event in stub.Generate(req, timeout=600):
                     if event.HasField("token"):
                         arrivals[i].append(time.perf_counter())
@@ -325,8 +394,16 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
 
         def http_stream(i: int) -> None:
             conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
-            body = json.dumps({"prompt": prompts[i], "max_tokens": ntg, "temperature": 0, "stream": True,
-                               "ignore_eos": True, **(http_extra or {})})
+            body = json.dumps(
+                {
+                    "prompt": prompts[i],
+                    "max_tokens": ntg,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                    **(http_extra or {}),
+                }
+            )
             ready.wait()
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -355,43 +432,73 @@ def ours_generate_streams(path: Path, ranges: list[tuple[int, int]], threads: in
         end = max(a[-1] for a in arrivals)
         tokens = sum(1 for a in arrivals for t in a if t > start)
         cpu = [cpu_seconds(proc.pid) - c for (proc, _), c in zip(procs, cpu0)]
-        log(f"Generate profile, {len(ranges)} worker(s), {n_streams} streams: {tokens} tokens decoded in "
+        log(
+            f"Generate profile, {len(ranges)} worker(s), {n_streams} streams: {tokens} tokens decoded in "
             f"{end - start:.2f}s after the last first token; CPU per worker {', '.join(f'{c:.2f}s' for c in cpu)} "
-            f"in {time.perf_counter() - wall0:.2f}s from the first request to the last token")
+            f"in {time.perf_counter() - wall0:.2f}s from the first request to the last token"
+        )
         return tokens / (end - start)
     finally:
         for proc, _ in procs:
             stop_worker(proc)
 
 
-def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: int = 16,
-                    flash_attn: bool = True) -> dict[str, float]:
+def ours_chat_reuse(
+    path: Path, threads: int, turns: int = 20, answer_tokens: int = 16, flash_attn: bool = True
+) -> dict[str, float]:
     """A `turns`-turn greedy chat through one worker's OpenAI-compatible endpoint, every request the
     whole conversation: 1 / time to first token of the last turn (continuing the session that
     holds the conversation), and of the same request cold (a new session: X-Session-Id); the
     worker runs with or without flash attention (`--flash-attn`)."""
     http_port = free_port()
-    proc, addr = start_worker(path, 0, gguf_layer_count(path) - 1, threads, extra=(
-        "--http-port", str(http_port), "--context-tokens", "4096", "--max-sessions", "2",
-        "--flash-attn", "on" if flash_attn else "off"))
+    proc, addr = start_worker(
+        path,
+        0,
+        gguf_layer_count(path) - 1,
+        threads,
+        extra=(
+            "--http-port",
+            str(http_port),
+            "--context-tokens",
+            "4096",
+            "--max-sessions",
+            "2",
+            "--flash-attn",
+            "on" if flash_attn else "off",
+        ),
+    )
     try:
         wait_serving(proc, addr)
 
         def ask(messages: list[dict], session: str | None = None) -> tuple[float, str, dict]:
             conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
-            body = json.dumps({"messages": messages, "max_tokens": answer_tokens, "temperature": 0, "stream": True,
-                               "stream_options": {"include_usage": True}})
+            body = json.dumps(
+                {
+                    "messages": messages,
+                    "max_tokens": answer_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
             t0 = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", body,
-                         {"Content-Type": "application/json", **({"X-Session-Id": session} if session else {})})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                body,
+                {"Content-Type": "application/json", **({"X-Session-Id": session} if session else {})},
+            )
             first, text, usage = None, "", {}
             for line in conn.getresponse():
                 if line.startswith(b"data: {"):
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None \
-                            and chunk["choices"][0]["delta"].get("role") is None:
+                    elif (
+                        chunk["choices"]
+                        and chunk["choices"][0]["delta"].get("content") is not None
+                        and chunk["choices"][0]["delta"].get("role") is None
+                    ):
                         first = first or time.perf_counter()
                         text += chunk["choices"][0]["delta"]["content"]
             conn.close()
@@ -399,22 +506,36 @@ def ours_chat_reuse(path: Path, threads: int, turns: int = 20, answer_tokens: in
 
         messages = [{"role": "system", "content": "You are a patient teacher who answers briefly."}]
         for turn in range(turns):
-            messages.append({"role": "user", "content": f"Question {turn + 1}: tell me one fact about the number "
-                                                       f"{turn * 7 + 3} and why it matters."})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"Question {turn + 1}: tell me one fact about the number "
+                    f"{turn * 7 + 3} and why it matters.",
+                }
+            )
             warm, answer, usage = ask(messages)
             messages.append({"role": "assistant", "content": answer})
         cold, _, cold_usage = ask(messages[:-1], session=f"cold-{time.monotonic_ns()}")
-        log(f"chat reuse: turn {turns} prompt {usage['prompt_tokens']} tokens, {usage['prompt_tokens_details']['cached_tokens']} "
+        log(
+            f"chat reuse: turn {turns} prompt {usage['prompt_tokens']} tokens, {usage['prompt_tokens_details']['cached_tokens']} "
             f"reused, first token after {warm * 1e3:.0f} ms; cold: {cold_usage['prompt_tokens_details']['cached_tokens']} "
-            f"reused, first token after {cold * 1e3:.0f} ms")
+            f"reused, first token after {cold * 1e3:.0f} ms"
+        )
         return {"warm": 1 / warm, "cold": 1 / cold}
     finally:
         stop_worker(proc)
 
 
-def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int = 64, system_tokens: int = 512,
-                       own_tokens: int = 32, answer_tokens: int = 8, prefix_memory: str | None = "64MiB",
-                       worker_flags: tuple = ()) -> dict:
+def ours_shared_prefix(
+    path: Path,
+    ranges: list[tuple[int, int]],
+    sessions: int = 64,
+    system_tokens: int = 512,
+    own_tokens: int = 32,
+    answer_tokens: int = 8,
+    prefix_memory: str | None = "64MiB",
+    worker_flags: tuple = (),
+) -> dict:
     """`sessions` Generate streams on a route of workers (1 thread each), one after another, each
     prompt the same system_tokens-token start (the caller marks it: keep_prefix) and own_tokens of
     its own, answer_tokens generated: what a chat service with one system prompt does. With
@@ -432,9 +553,25 @@ def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int 
     try:
         for first, last in reversed(ranges):
             peer = ("--peer", procs[-1][1]) if procs else ()
-            procs.append(start_worker(path, first, last, 1, extra=(
-                "--max-sessions", "8", "--context-tokens", str(context), "--budget-tokens", str(8 * context),
-                *peer, *store, *worker_flags)))
+            procs.append(
+                start_worker(
+                    path,
+                    first,
+                    last,
+                    1,
+                    extra=(
+                        "--max-sessions",
+                        "8",
+                        "--context-tokens",
+                        str(context),
+                        "--budget-tokens",
+                        str(8 * context),
+                        *peer,
+                        *store,
+                        *worker_flags,
+                    ),
+                )
+            )
         procs.reverse()
         for proc, addr in procs:
             wait_serving(proc, addr)
@@ -444,8 +581,13 @@ def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int 
             stub = pb_grpc.ShardServiceStub(ch)
             t0 = time.perf_counter()
             for i, prompt in enumerate(prompts):
-                req = pb.GenerateRequest(session_id=f"chat-{i}", prompt=prompt, max_tokens=answer_tokens,
-                                         forward=forward, keep_prefix=system_tokens)
+                req = pb.GenerateRequest(
+                    session_id=f"chat-{i}",
+                    prompt=prompt,
+                    max_tokens=answer_tokens,
+                    forward=forward,
+                    keep_prefix=system_tokens,
+                )
                 final = None
                 for event in stub.Generate(req, timeout=600):
                     if event.HasField("final"):
@@ -460,13 +602,20 @@ def ours_shared_prefix(path: Path, ranges: list[tuple[int, int]], sessions: int 
             for _, addr in procs:
                 with grpc.insecure_channel(addr) as c:
                     computed.append(pb_grpc.ShardServiceStub(c).Info(pb.InfoRequest(), timeout=10).tokens_computed)
-        log(f"shared prefix {prefix_memory or 'off'} {' '.join(worker_flags)}: {sessions} sessions in {wall:.1f}s, "
+        log(
+            f"shared prefix {prefix_memory or 'off'} {' '.join(worker_flags)}: {sessions} sessions in {wall:.1f}s, "
             f"first token {ttft[0] * 1e3:.0f} ms then mean {np.mean(ttft[1:]) * 1e3:.0f} ms (max "
-            f"{max(ttft[1:]) * 1e3:.0f}), tokens computed per worker {computed}, {opened} prompt tokens opened")
+            f"{max(ttft[1:]) * 1e3:.0f}), tokens computed per worker {computed}, {opened} prompt tokens opened"
+        )
         # figures where more is better (bench's `best` keeps each one's best over repeats)
-        return {"first_rate": 1 / ttft[0], "others_rate": 1 / float(np.mean(ttft[1:])),
-                "others_max_rate": 1 / max(ttft[1:]), "computed": max(computed), "opened": opened,
-                "tok_s": generated / wall}
+        return {
+            "first_rate": 1 / ttft[0],
+            "others_rate": 1 / float(np.mean(ttft[1:])),
+            "others_max_rate": 1 / max(ttft[1:]),
+            "computed": max(computed),
+            "opened": opened,
+            "tok_s": generated / wall,
+        }
     finally:
         for proc, _ in procs:
             stop_worker(proc)
@@ -488,12 +637,16 @@ REPEAT_TEXTS = [
     "Please bring your project updates, your budget figures for the next quarter, and a list of the risks you "
     "see. Lunch will be served before the meeting.",
 ]
-REPEAT_ASK = ["Rewrite the following text exactly as it is written.\n\nText: {}\n\nRewritten text: ",
-              "Quote the following text word for word.\n\n{}\n\nQuote: "]
-OPEN_QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
-                  "Explain in simple words why the sky is blue during the day and red at sunset.",
-                  "List some ideas for a birthday party for a ten year old who loves dinosaurs.",
-                  "Describe how bread is made, from the wheat field to the bakery shelf."]
+REPEAT_ASK = [
+    "Rewrite the following text exactly as it is written.\n\nText: {}\n\nRewritten text: ",
+    "Quote the following text word for word.\n\n{}\n\nQuote: ",
+]
+OPEN_QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in simple words why the sky is blue during the day and red at sunset.",
+    "List some ideas for a birthday party for a ten year old who loves dinosaurs.",
+    "Describe how bread is made, from the wheat field to the bakery shelf.",
+]
 
 
 def speculation_prompts(vocab_model: ShardModel) -> dict[str, list[list[int]]]:
@@ -501,18 +654,29 @@ def speculation_prompts(vocab_model: ShardModel) -> dict[str, list[list[int]]]:
     for a model without a tokenizer (the tests' synthetic ones), ids: a run repeated, and random ids."""
     repeat = [REPEAT_ASK[i % 2].format(t) for i, t in enumerate(REPEAT_TEXTS)]
     try:
-        return {"repetitive": [vocab_model.tokenize(p) for p in repeat],
-                "open": [vocab_model.tokenize(p) for p in OPEN_QUESTIONS]}
+        return {
+            "repetitive": [vocab_model.tokenize(p) for p in repeat],
+            "open": [vocab_model.tokenize(p) for p in OPEN_QUESTIONS],
+        }
     except InvalidInputError:
         rng = np.random.default_rng(23)
         n_vocab = vocab_model.info.n_vocab
         runs = [rng.integers(1, n_vocab, 24).tolist() for _ in REPEAT_TEXTS]
-        return {"repetitive": [r + r for r in runs],
-                "open": [rng.integers(1, n_vocab, 48).tolist() for _ in OPEN_QUESTIONS]}
+        return {
+            "repetitive": [r + r for r in runs],
+            "open": [rng.integers(1, n_vocab, 48).tolist() for _ in OPEN_QUESTIONS],
+        }
 
 
-def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float, tokens: int = 64,
-                     repeat: int = 1, worker_flags: tuple = (), prompts_per_set: int | None = None) -> dict:
+def ours_speculation(
+    path: Path,
+    ranges: list[tuple[int, int]],
+    delay_ms: float,
+    tokens: int = 64,
+    repeat: int = 1,
+    worker_flags: tuple = (),
+    prompts_per_set: int | None = None,
+) -> dict:
     """One Generate stream at a time on two chained 1-thread workers, greedy, `tokens` each, with
     speculative decoding (the worker's default drafts) and without (max_drafts 0), the two taking
     turns on the same workers (each prompt both ways in a row, which first alternating); with
@@ -525,8 +689,15 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
     vocab = ShardModel(str(path), (0, 0), 1)
     sets = {name: ps[:prompts_per_set] for name, ps in speculation_prompts(vocab).items()}
     context = max(len(p) for ps in sets.values() for p in ps) + tokens + 16
-    common = ("--max-sessions", "4", "--context-tokens", str(context), "--budget-tokens", str(4 * context),
-              *worker_flags)
+    common = (
+        "--max-sessions",
+        "4",
+        "--context-tokens",
+        str(context),
+        "--budget-tokens",
+        str(4 * context),
+        *worker_flags,
+    )
     tail, tail_addr = start_worker(path, *ranges[1], 1, extra=common)
     procs = [tail]
     proxy = DelayProxy(tail_addr, delay_ms / 1000) if delay_ms > 0 else None
@@ -545,8 +716,13 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
 
             def request(prompt, max_drafts, tag):
                 """One greedy Generate stream: (seconds, its final event, its tokens)."""
-                req = pb.GenerateRequest(session_id=f"{tag}-{time.monotonic_ns()}", prompt=prompt, max_tokens=tokens,
-                                         forward=forward, max_drafts=max_drafts)
+                req = pb.GenerateRequest(
+                    session_id=f"{tag}-{time.monotonic_ns()}",
+                    prompt=prompt,
+                    max_tokens=tokens,
+                    forward=forward,
+                    max_drafts=max_drafts,
+                )
                 t0 = time.perf_counter()
                 events = list(stub.Generate(req, timeout=600))
                 seconds = time.perf_counter() - t0
@@ -584,12 +760,22 @@ def ours_speculation(path: Path, ranges: list[tuple[int, int]], delay_ms: float,
                     best_on = max(best_on, generated / seconds[DEFAULT_MAX_DRAFTS])
                     best_off = max(best_off, generated / seconds[0])
                     differed = max(differed, differed_now)
-                out[name] = {"on": best_on, "off": best_off, "rate": accepted / max(drafted, 1),
-                             "drafted": drafted, "accepted": accepted, "differed": differed,
-                             "prompts": len(prompts), "windows": windows, "kept": kept}
-                log(f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
+                out[name] = {
+                    "on": best_on,
+                    "off": best_off,
+                    "rate": accepted / max(drafted, 1),
+                    "drafted": drafted,
+                    "accepted": accepted,
+                    "differed": differed,
+                    "prompts": len(prompts),
+                    "windows": windows,
+                    "kept": kept,
+                }
+                log(
+                    f"speculation {name}, delay {delay_ms:g} ms {' '.join(worker_flags)}: {best_on:.1f} vs "
                     f"{best_off:.1f} tok/s, {accepted}/{drafted} drafts accepted, {differed} of {len(prompts)} "
-                    f"prompts' tokens differed; {windows} windows sent ahead, {kept} kept")
+                    f"prompts' tokens differed; {windows} windows sent ahead, {kept} kept"
+                )
         return out
     finally:
         for proc in procs:
@@ -607,8 +793,9 @@ WIRE_NAMES = {"f32": pb.DTYPE_FLOAT32, "f16": pb.DTYPE_FLOAT16, "q8_0": pb.DTYPE
 
 def _first_token_seconds(stub, prompt: list[int], tag: str, **request) -> float:
     """Client-side time from a Generate call to its first token (the session released after)."""
-    req = pb.GenerateRequest(session_id=f"{tag}-{time.monotonic_ns()}", prompt=prompt, max_tokens=1, max_drafts=0,
-                             **request)
+    req = pb.GenerateRequest(
+        session_id=f"{tag}-{time.monotonic_ns()}", prompt=prompt, max_tokens=1, max_drafts=0, **request
+    )
     t0 = time.perf_counter()
     first = None
     for event in stub.Generate(req, timeout=600):
@@ -620,8 +807,14 @@ def _first_token_seconds(stub, prompt: list[int], tag: str, **request) -> float:
     return first
 
 
-def ours_long_prompt_ttft(path: Path, ranges: list[tuple[int, int]], prompt_tokens: int = 2048,
-                          repeat: int = 1, links=LINKS, wire_types=tuple(WIRE_NAMES)) -> dict:
+def ours_long_prompt_ttft(
+    path: Path,
+    ranges: list[tuple[int, int]],
+    prompt_tokens: int = 2048,
+    repeat: int = 1,
+    links=LINKS,
+    wire_types=tuple(WIRE_NAMES),
+) -> dict:
     """Time to first token of one `prompt_tokens`-token prompt: through two chained 1-thread workers
     over each link (the head reaches the tail through a DelayProxy) for each wire type, and on the
     whole model in one 2-thread worker (the same threads in all). Every run sends new random tokens
@@ -641,7 +834,9 @@ def ours_long_prompt_ttft(path: Path, ranges: list[tuple[int, int]], prompt_toke
             stub = pb_grpc.ShardServiceStub(ch)
             _first_token_seconds(stub, prompt()[:64], "warm-up")
             out["whole"] = min(_first_token_seconds(stub, prompt(), "whole") for _ in range(repeat))
-        log(f"long prompt: {prompt_tokens} tokens on the whole model (2 threads): {out['whole']:.3f} s to the first token")
+        log(
+            f"long prompt: {prompt_tokens} tokens on the whole model (2 threads): {out['whole']:.3f} s to the first token"
+        )
     finally:
         stop_worker(whole)
     tail, tail_addr = start_worker(path, *ranges[1], 1, extra=common)
@@ -657,11 +852,15 @@ def ours_long_prompt_ttft(path: Path, ranges: list[tuple[int, int]], prompt_toke
                     stub = pb_grpc.ShardServiceStub(ch)
                     _first_token_seconds(stub, prompt()[:64], "warm-up")
                     for name in wire_types:
-                        t = min(_first_token_seconds(stub, prompt(), name, wire_dtype=WIRE_NAMES[name])
-                                for _ in range(repeat))
+                        t = min(
+                            _first_token_seconds(stub, prompt(), name, wire_dtype=WIRE_NAMES[name])
+                            for _ in range(repeat)
+                        )
                         out[(label, name)] = t
-                        log(f"long prompt: {prompt_tokens} tokens, 2 workers x 1 thread, {label}, {name} rows: "
-                            f"{t:.3f} s to the first token")
+                        log(
+                            f"long prompt: {prompt_tokens} tokens, 2 workers x 1 thread, {label}, {name} rows: "
+                            f"{t:.3f} s to the first token"
+                        )
             finally:
                 stop_worker(head)
                 if proxy is not None:
@@ -671,8 +870,15 @@ def ours_long_prompt_ttft(path: Path, ranges: list[tuple[int, int]], prompt_toke
     return out
 
 
-def wire_agreement(path: Path, split: list[tuple[int, int]], n_prompts: int = 50, prompt_tokens: int = 64,
-                   generate: int = 32, threads: int = 2, wire_types=("f16", "q8_0")) -> dict:
+def wire_agreement(
+    path: Path,
+    split: list[tuple[int, int]],
+    n_prompts: int = 50,
+    prompt_tokens: int = 64,
+    generate: int = 32,
+    threads: int = 2,
+    wire_types=("f16", "q8_0"),
+) -> dict:
     """What rounding the hidden rows between two shards (as the wire type would) does to the tail's
     output, in process: `n_prompts` windows of `prompt_tokens` tokens of docs/design.md, each
     generating `generate` greedy tokens with exact rows and with each type's. Per type: the prompts
@@ -683,14 +889,15 @@ def wire_agreement(path: Path, split: list[tuple[int, int]], n_prompts: int = 50
     from llama_shard.engine.pipeline import LocalPipeline
     from llama_shard.proto.wire import decode_tensor, encode_tensor
 
-    pipe = LocalPipeline(path, split, n_ctx=prompt_tokens + generate + 8, n_seq_max=1, n_batch=prompt_tokens,
-                         n_threads=threads)
+    pipe = LocalPipeline(
+        path, split, n_ctx=prompt_tokens + generate + 8, n_seq_max=1, n_batch=prompt_tokens, n_threads=threads
+    )
     text = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
     try:
         ids = pipe.head.tokenize(text)
     except InvalidInputError:  # a model without a tokenizer (the tests' synthetic ones): random ids
         ids = np.random.default_rng(31).integers(1, pipe.head.info.n_vocab, n_prompts * prompt_tokens).tolist()
-    prompts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(n_prompts)]
+    prompts = [ids[i * prompt_tokens : (i + 1) * prompt_tokens] for i in range(n_prompts)]
     if len(prompts[-1]) < prompt_tokens:
         raise RuntimeError(f"docs/design.md has fewer than {n_prompts} x {prompt_tokens} tokens")
     n_embd = pipe.head.info.n_embd
@@ -740,15 +947,25 @@ def wire_agreement(path: Path, split: list[tuple[int, int]], n_prompts: int = 50
             kl += float((np.exp(ref) * (ref - lp)).sum(axis=-1).sum())
             same_positions += int((lp.argmax(axis=-1) == ref.argmax(axis=-1)).sum())
             positions += lp.shape[0]
-        out[name] = {"same_prompts": same_prompts, "prompts": n_prompts, "same_positions": same_positions,
-                     "positions": positions, "mean_kl": kl / positions}
-        log(f"wire {name}: {same_prompts}/{n_prompts} prompts' {generate} greedy tokens equal f32's; "
-            f"{same_positions}/{positions} teacher-forced positions agree; mean KL {kl / positions:.3g} nats")
+        out[name] = {
+            "same_prompts": same_prompts,
+            "prompts": n_prompts,
+            "same_positions": same_positions,
+            "positions": positions,
+            "mean_kl": kl / positions,
+        }
+        log(
+            f"wire {name}: {same_prompts}/{n_prompts} prompts' {generate} greedy tokens equal f32's; "
+            f"{same_positions}/{positions} teacher-forced positions agree; mean KL {kl / positions:.3g} nats"
+        )
     for name, wire in WIRE_NAMES.items():
+
         def request_bytes(n: int) -> int:
             rows = np.random.default_rng(0).standard_normal((n, n_embd)).astype(np.float32)
-            req = pb.StepRequest(session_id="s", route_epoch=1, hidden=encode_tensor(rows, wire), reply_dtype=wire,
-                                 position=4096)
+            req = pb.StepRequest(
+                session_id="s", route_epoch=1, hidden=encode_tensor(rows, wire), reply_dtype=wire, position=4096
+            )
             return req.ByteSize()
+
         out.setdefault(name, {}).update(token_bytes=request_bytes(1), prefill_bytes=request_bytes(2048))
     return out

@@ -9,6 +9,7 @@ closing notes quote (about a minute here):
 - a chat's next turn: 33 tokens on top of 899 held, against the 932 tokens cold;
 each with flash attention on and off, on one HotKvStateManager as the README builds one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,18 @@ def best_ms(fn, reps: int) -> float:
 def sampler_us(n_vocab: int) -> dict[str, float]:
     logits = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
     out = {}
-    for name, kw in (("temperature 0", dict(temperature=0.0)), ("whole row", dict(temperature=0.0, min_p=1e-30)),
-                     ("temperature 0.8", dict(temperature=0.8))):
+    for name, kw in (
+        ("temperature 0", dict(temperature=0.0)),
+        ("whole row", dict(temperature=0.0, min_p=1e-30)),
+        ("temperature 0.8", dict(temperature=0.8)),
+    ):
         params = SamplingParams(seed=1, penalty_last_n=64, **kw)
 
         def draws():
             s = TokenSampler(n_vocab, params, 4096, history=list(range(64)), draws=0)
             for _ in range(200):
                 s.accept(s.sample(logits))
+
         out[name] = best_ms(draws, 3) / 200 * 1e3
     return out
 
@@ -48,8 +53,11 @@ def sampler_us(n_vocab: int) -> dict[str, float]:
 def steps_ms(model: ShardModel, threads: int, flash_attn: bool) -> dict[str, float]:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.info.n_vocab, 932).tolist()
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=1024, ttl_seconds=0,
-                                                    flash_attn=flash_attn), n_threads=threads)
+    mgr = HotKvStateManager(
+        model,
+        HotKvStateConfig(max_sessions=2, context_tokens=1024, ttl_seconds=0, flash_attn=flash_attn),
+        n_threads=threads,
+    )
     try:
         out = {}
         mgr.step_batch([Step.prefill("k", 0, tokens[:200], start_pos=0)])
@@ -70,12 +78,16 @@ def main() -> None:
     args = ap.parse_args()
     model = ShardModel(args.model or str(require_embedded_model()), None, args.threads)
     us = sampler_us(model.info.n_vocab)
-    print(f"sampler, {model.info.n_vocab}-token row, us per token (best of 3 x 200 draws): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in us.items()))
+    print(
+        f"sampler, {model.info.n_vocab}-token row, us per token (best of 3 x 200 draws): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in us.items())
+    )
     for flash_attn in (True, False):
         ms = steps_ms(model, args.threads, flash_attn)
-        print(f"flash attention {'on' if flash_attn else 'off'}, {args.threads} threads, ms per step: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
+        print(
+            f"flash attention {'on' if flash_attn else 'off'}, {args.threads} threads, ms per step: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+        )
 
 
 if __name__ == "__main__":

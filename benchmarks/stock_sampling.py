@@ -8,6 +8,7 @@ use). Ours: a `Generate` stream on live workers over loopback, 1 thread each as 
 SmolLM2 whole, in 2 and in 3 shards, Gemma 3 270M in 2 shards (when installed); 3 seeds x 3 prompts
 x 2 parameter sets (one with penalties), plus greedy. Prints one row per layout and exits 1 on any
 difference."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ from llama_shard.proto.requests import sampling_to_wire as params_to_wire
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 PARAMS = {
     "top-k/top-p/min-p": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
-    "penalties": dict(temperature=1.0, top_k=0, top_p=0.9, penalty_last_n=32, penalty_repeat=1.3,
-                      penalty_freq=0.2, penalty_present=0.3),
+    "penalties": dict(
+        temperature=1.0,
+        top_k=0,
+        top_p=0.9,
+        penalty_last_n=32,
+        penalty_repeat=1.3,
+        penalty_freq=0.2,
+        penalty_present=0.3,
+    ),
 }
 SEEDS = [1, 42, 1234]
 TOOL = "llama-shard-stock-sample"
@@ -45,27 +53,56 @@ def stock_tool() -> Path:
     log(f"building {TOOL} from the pinned llama.cpp in {build_dir} (a few minutes)")
     cmake = shutil.which("cmake") or "cmake"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run([cmake, "-S", str(REPO), "-B", str(build_dir), *gen, "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON", "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
-                    "-DLLAMA_SHARD_BUILD_TESTS=OFF", "-DLLAMA_SHARD_OPENMP=ON", f"-DPython_EXECUTABLE={sys.executable}"],
-                   check=True, stdout=sys.stderr)
-    subprocess.run([cmake, "--build", str(build_dir), "--target", TOOL, "-j", str(os.cpu_count() or 2)],
-                   check=True, stdout=sys.stderr)
+    subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(REPO),
+            "-B",
+            str(build_dir),
+            *gen,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_SHARD_BUILD_STOCK_BENCH=ON",
+            "-DLLAMA_SHARD_BUILD_PYTHON=OFF",
+            "-DLLAMA_SHARD_BUILD_TESTS=OFF",
+            "-DLLAMA_SHARD_OPENMP=ON",
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ],
+        check=True,
+        stdout=sys.stderr,
+    )
+    subprocess.run(
+        [cmake, "--build", str(build_dir), "--target", TOOL, "-j", str(os.cpu_count() or 2)],
+        check=True,
+        stdout=sys.stderr,
+    )
     return tool
 
 
 def stock_tokens(tool: Path, model: Path, prompt: list[int], params: SamplingParams | None, n: int) -> list[int]:
     p = params or SamplingParams()
     temp = -1.0 if params is None else p.temperature  # negative: greedy (the argmax, no sampler)
-    args = [n, p.seed, temp, p.top_k, p.top_p, p.min_p, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
-            p.penalty_present, *prompt]
+    args = [
+        n,
+        p.seed,
+        temp,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.penalty_last_n,
+        p.penalty_repeat,
+        p.penalty_freq,
+        p.penalty_present,
+        *prompt,
+    ]
     out = subprocess.run([str(tool), str(model), *map(str, args)], capture_output=True, text=True, check=True)
     return [int(t) for t in out.stdout.split()]
 
 
 def route_tokens(addresses: list[str], sid: str, prompt: list[int], params: SamplingParams | None, n: int) -> list[int]:
-    req = pb.GenerateRequest(session_id=sid, prompt=prompt, max_tokens=n,
-                             forward=[pb.Hop(address=a) for a in addresses[1:]])
+    req = pb.GenerateRequest(
+        session_id=sid, prompt=prompt, max_tokens=n, forward=[pb.Hop(address=a) for a in addresses[1:]]
+    )
     if params is not None:
         req.sampling.CopyFrom(params_to_wire(params))
     with grpc.insecure_channel(addresses[0]) as ch:
@@ -111,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tool = stock_tool()
     smol = require_embedded_model()
-    layouts = [("SmolLM2-135M whole", smol, [(0, 29)]), ("SmolLM2-135M 2 shards", smol, [(0, 14), (15, 29)]),
-               ("SmolLM2-135M 3 shards", smol, [(0, 9), (10, 19), (20, 29)])]
+    layouts = [
+        ("SmolLM2-135M whole", smol, [(0, 29)]),
+        ("SmolLM2-135M 2 shards", smol, [(0, 14), (15, 29)]),
+        ("SmolLM2-135M 3 shards", smol, [(0, 9), (10, 19), (20, 29)]),
+    ]
     gemma = gemma3_model_path()
     if gemma is not None:
         n_layer = ShardModel(str(gemma), (0, 0), 1).info.n_layer
         layouts.append(("Gemma 3 270M 2 shards", gemma, [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)]))
-    print(f"seeded Generate on a route against stock common_sampler on the whole model, {args.tokens} tokens each "
-          f"(3 prompts x (greedy + 2 parameter sets x 3 seeds))")
+    print(
+        f"seeded Generate on a route against stock common_sampler on the whole model, {args.tokens} tokens each "
+        f"(3 prompts x (greedy + 2 parameter sets x 3 seeds))"
+    )
     print("| layout | sequences identical |")
     print("| --- | ---: |")
     ok = True

@@ -10,6 +10,7 @@ The whole model in one engine (1 thread, as the bench's workers), flash attentio
 - exactness: after a 40-token text, k tokens as one step against k one-token steps: how many of
   the k rows of logits are byte-equal, and the largest difference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,11 @@ import numpy as np
 from llama_shard import HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
 from llama_shard.engine.models import gemma3_model_path, require_embedded_model
 
-TEXT = ("Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
-        "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
-        "page and choose a new password.\n\nRewritten text: To reset the router, unplug it from the wall")
+TEXT = (
+    "Rewrite the following text exactly as it is written.\n\nText: To reset the router, unplug it from the "
+    "wall, wait thirty seconds, and plug it back in. When the green light stops blinking, open the settings "
+    "page and choose a new password.\n\nRewritten text: To reset the router, unplug it from the wall"
+)
 ROWS = (1, 2, 4, 6, 8, 16)
 
 
@@ -40,7 +43,7 @@ def study(path, flash_attn: bool, threads: int) -> list[str]:
             times = []
             for _ in range(7):  # each at position 200: the prefill there cuts the last one's rows
                 t = time.perf_counter()
-                ad.prefill("cost", 0, ids[200:200 + k], start_pos=200, logit_rows=k, row_by_row=row_by_row)
+                ad.prefill("cost", 0, ids[200 : 200 + k], start_pos=200, logit_rows=k, row_by_row=row_by_row)
                 times.append(time.perf_counter() - t)
             return statistics.median(times) * 1e3
 
@@ -50,8 +53,8 @@ def study(path, flash_attn: bool, threads: int) -> list[str]:
         for k in ROWS[1:]:
             ad.prefill(f"one{k}", 0, text[:40], start_pos=0)
             ad.prefill(f"rows{k}", 0, text[:40], start_pos=0)
-            singles = [ad.decode(f"one{k}", 0, [t]).logits.copy() for t in text[40:40 + k]]
-            rows = ad.prefill(f"rows{k}", 0, text[40:40 + k], start_pos=40, logit_rows=k).rows
+            singles = [ad.decode(f"one{k}", 0, [t]).logits.copy() for t in text[40 : 40 + k]]
+            rows = ad.prefill(f"rows{k}", 0, text[40 : 40 + k], start_pos=40, logit_rows=k).rows
             same = sum(rows[i].tobytes() == singles[i].tobytes() for i in range(k))
             equal[k] = (same, max(float(np.abs(rows[i] - singles[i]).max()) for i in range(k)))
             mgr.release(f"one{k}", 0)
@@ -74,7 +77,9 @@ def main() -> None:
     args = ap.parse_args()
     paths = [require_embedded_model()] + ([gemma3_model_path()] if args.gemma3 else [])
     print(f"{args.threads} thread(s); a step of k tokens, k rows of logits, after 200 tokens (cost) or 40 (bytes)\n")
-    print("| model | k | batched ms | one at a time ms | batched / one row | batched rows byte-equal to one-token steps |")
+    print(
+        "| model | k | batched ms | one at a time ms | batched / one row | batched rows byte-equal to one-token steps |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for path in paths:
         for flash_attn in (True, False):

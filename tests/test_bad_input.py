@@ -4,6 +4,7 @@ Every case runs in a fresh interpreter (an abort in native code would show as a 
 as a pytest crash) and checks afterwards that the context still holds exactly what it held and
 still computes the same bits.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -53,21 +54,33 @@ CONTEXT_CASES = {
     "2-D tokens": ("hc.forward(0, 4, tokens=[[1, 2]])", "InvalidInputError"),
     "empty tokens": ("hc.forward(0, 4, tokens=[])", "InvalidInputError"),
     "neither tokens nor hidden": ("hc.forward(0, 4)", "InvalidInputError"),
-    "both tokens and hidden": ("hc.forward(0, 4, tokens=[1], hidden=np.zeros((1, n_embd), np.float32))", "InvalidInputError"),
+    "both tokens and hidden": (
+        "hc.forward(0, 4, tokens=[1], hidden=np.zeros((1, n_embd), np.float32))",
+        "InvalidInputError",
+    ),
     "tokens to a non-head shard": ("tc.forward(0, 4, tokens=[1, 2])", "InvalidInputError"),
     "hidden to the head": ("hc.forward(0, 4, hidden=np.zeros((1, n_embd), np.float32))", "InvalidInputError"),
-    "hidden of the wrong width": ("tc.forward(0, 4, hidden=np.zeros((2, n_embd - 1), np.float32))", "InvalidInputError"),
+    "hidden of the wrong width": (
+        "tc.forward(0, 4, hidden=np.zeros((2, n_embd - 1), np.float32))",
+        "InvalidInputError",
+    ),
     "hidden 1-D": ("tc.forward(0, 4, hidden=np.zeros(n_embd, np.float32))", "InvalidInputError"),
     "hidden 3-D": ("tc.forward(0, 4, hidden=np.zeros((1, 1, n_embd), np.float32))", "InvalidInputError"),
     "hidden float64": ("tc.forward(0, 4, hidden=np.zeros((2, n_embd), np.float64))", "InvalidInputError"),
     "hidden float16": ("tc.forward(0, 4, hidden=np.zeros((2, n_embd), np.float16))", "InvalidInputError"),
     "hidden non-contiguous": ("tc.forward(0, 4, hidden=np.zeros((4, n_embd), np.float32)[::2])", "InvalidInputError"),
-    "hidden Fortran order": ("tc.forward(0, 4, hidden=np.asfortranarray(np.zeros((3, n_embd), np.float32)))", "InvalidInputError"),
+    "hidden Fortran order": (
+        "tc.forward(0, 4, hidden=np.asfortranarray(np.zeros((3, n_embd), np.float32)))",
+        "InvalidInputError",
+    ),
     "hidden as a list": ("tc.forward(0, 4, hidden=[[0.0] * n_embd])", "InvalidInputError"),
     "hidden with NaN": ("tc.forward(0, 4, hidden=np.full((1, n_embd), np.nan, np.float32))", "InvalidInputError"),
     "hidden with no rows": ("tc.forward(0, 4, hidden=np.zeros((0, n_embd), np.float32))", "InvalidInputError"),
     "batch longer than n_batch": ("hc.forward(0, 4, tokens=[1] * 17)", "InvalidInputError"),
-    "hidden batch longer than n_batch": ("tc.forward(0, 4, hidden=np.zeros((17, n_embd), np.float32))", "InvalidInputError"),
+    "hidden batch longer than n_batch": (
+        "tc.forward(0, 4, hidden=np.zeros((17, n_embd), np.float32))",
+        "InvalidInputError",
+    ),
     "position gap": ("hc.forward(0, 6, tokens=[1])", "InvalidInputError"),
     "position overlapping the cache": ("hc.forward(0, 2, tokens=[1])", "InvalidInputError"),
     "negative position": ("hc.forward(1, -1, tokens=[1])", "InvalidInputError"),
@@ -103,9 +116,18 @@ data = open(path, 'rb').read()
 LOAD_CASES = {
     "missing file": ("ls.ShardModel(scratch + '/nope.gguf')", "ModelLoadError"),
     "a directory": ("ls.ShardModel(scratch)", "ModelLoadError"),
-    "truncated header": ("open(scratch + '/t.gguf', 'wb').write(data[:48]); ls.ShardModel(scratch + '/t.gguf')", "ModelLoadError"),
-    "truncated data": ("open(scratch + '/t.gguf', 'wb').write(data[:len(data) // 2]); ls.ShardModel(scratch + '/t.gguf', (0, 1))", "ModelLoadError"),
-    "corrupt bytes": ("open(scratch + '/c.gguf', 'wb').write(bytes(range(256)) * 64); ls.ShardModel(scratch + '/c.gguf')", "ModelLoadError"),
+    "truncated header": (
+        "open(scratch + '/t.gguf', 'wb').write(data[:48]); ls.ShardModel(scratch + '/t.gguf')",
+        "ModelLoadError",
+    ),
+    "truncated data": (
+        "open(scratch + '/t.gguf', 'wb').write(data[:len(data) // 2]); ls.ShardModel(scratch + '/t.gguf', (0, 1))",
+        "ModelLoadError",
+    ),
+    "corrupt bytes": (
+        "open(scratch + '/c.gguf', 'wb').write(bytes(range(256)) * 64); ls.ShardModel(scratch + '/c.gguf')",
+        "ModelLoadError",
+    ),
     "empty file": ("open(scratch + '/e.gguf', 'wb').close(); ls.ShardModel(scratch + '/e.gguf')", "ModelLoadError"),
     "range past the last layer": ("ls.ShardModel(path, (0, 6))", "InvalidInputError"),
     "reversed range": ("ls.ShardModel(path, (4, 2))", "InvalidInputError"),
@@ -113,8 +135,12 @@ LOAD_CASES = {
     "negative threads": ("ls.ShardModel(path, None, -2)", "InvalidInputError"),
     "unsupported architecture with a range": (
         "write_synthetic_gguf(scratch + '/g.gguf', SyntheticSpec(n_layer=2, architecture='gpt2')); ls.ShardModel(scratch + '/g.gguf', (0, 0))",
-        "UncertifiedArchitectureError"),
-    "context bigger batch than cells": ("ls.ShardContext(ls.ShardModel(path), n_ctx=16, n_batch=64)", "InvalidInputError"),
+        "UncertifiedArchitectureError",
+    ),
+    "context bigger batch than cells": (
+        "ls.ShardContext(ls.ShardModel(path), n_ctx=16, n_batch=64)",
+        "InvalidInputError",
+    ),
     "context with no sequences": ("ls.ShardContext(ls.ShardModel(path), n_seq_max=0)", "InvalidInputError"),
     "context with too many sequences": ("ls.ShardContext(ls.ShardModel(path), n_seq_max=1000)", "InvalidInputError"),
     "tokenize without a tokenizer": ("ls.ShardModel(path).tokenize('hello')", "InvalidInputError"),
@@ -125,7 +151,9 @@ LOAD_CASES = {
 @pytest.mark.parametrize("case", sorted(LOAD_CASES), ids=lambda c: c.replace(" ", "-"))
 def test_bad_model_or_context_raises_cleanly(synthetic_model, tmp_path, case):
     stmt, exc = LOAD_CASES[case]
-    code = LOAD_SETUP.format(path=str(synthetic_model), scratch=str(tmp_path)) + f"""
+    code = (
+        LOAD_SETUP.format(path=str(synthetic_model), scratch=str(tmp_path))
+        + f"""
 try:
     {stmt}
 except errors.{exc} as e:
@@ -133,6 +161,7 @@ except errors.{exc} as e:
 else:
     raise SystemExit("no exception")
 """
+    )
     res = run_isolated(code)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr[-2000:]}"
     assert f"RAISED {exc}" in res.stdout
@@ -190,10 +219,15 @@ print("STATE OK")
 
 LOOP_CASES = {
     # the first submission is a real step: its session is released before the state is taken
-    "a ticket submitted twice": ("t = loop.ticket(ls.Step.prefill('x', 0, [1]), 0.0); loop.submit([t]); t.wait(); "
-                                 "mgr.release('x', 0); before = state(); loop.submit([t])", "InvalidInputError"),
-    "the same ticket twice in one call": ("t = loop.ticket(ls.Step.prefill('y', 0, [1]), 0.0); loop.submit([t, t])",
-                                          "InvalidInputError"),
+    "a ticket submitted twice": (
+        "t = loop.ticket(ls.Step.prefill('x', 0, [1]), 0.0); loop.submit([t]); t.wait(); "
+        "mgr.release('x', 0); before = state(); loop.submit([t])",
+        "InvalidInputError",
+    ),
+    "the same ticket twice in one call": (
+        "t = loop.ticket(ls.Step.prefill('y', 0, [1]), 0.0); loop.submit([t, t])",
+        "InvalidInputError",
+    ),
     "not a step": ("loop.ticket(object(), 0.0)", "InvalidInputError"),
     "a kind that is not StepKind": ("f = Fake(); f.kind = 'decode'; loop.ticket(f, 0.0)", "InvalidInputError"),
     "an epoch beyond int64": ("f = Fake(); f.route_epoch = 2**70; loop.ticket(f, 0.0)", "InvalidInputError"),
@@ -201,7 +235,10 @@ LOOP_CASES = {
     "a token beyond the vocabulary": ("f = Fake(); f.token_ids = [10**9]; loop.ticket(f, 0.0)", "InvalidInputError"),
     "a decode longer than a step": ("ad.decode('keep', 0, token_ids=[1] * 17)", "InvalidInputError"),
     "hidden to the head": ("ad.decode('keep', 0, boundary=np.zeros((1, 64), np.float32))", "InvalidInputError"),
-    "a blocking notify fd": ("import os; loop.ticket(ls.Step.prefill('z', 0, [1]), 0.0, os.pipe()[1])", "InvalidInputError"),
+    "a blocking notify fd": (
+        "import os; loop.ticket(ls.Step.prefill('z', 0, [1]), 0.0, os.pipe()[1])",
+        "InvalidInputError",
+    ),
     "a closed notify fd": ("loop.ticket(ls.Step.prefill('z', 0, [1]), 0.0, 999)", "InvalidInputError"),
 }
 

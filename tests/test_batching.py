@@ -2,6 +2,7 @@
 one-at-a-time decoding agree; the native step loop coalesces concurrent callers of a plain
 `KvBoundaryAdapter(model, manager)` into fewer engine steps than tokens generated (threads and
 asyncio), chunks long prefills, and keeps a session's steps in order."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,16 @@ from llama_shard import (
 )
 from llama_shard.reference import ReferenceModel, ReferenceShard
 
-PROMPTS = [[5, 12, 3, 41], [200, 7, 7, 19, 88], [1, 2, 3], [310, 45, 99, 150, 6, 27],
-           [17, 17, 4], [63, 8, 250, 1], [99], [12, 34, 56, 78, 90]]
+PROMPTS = [
+    [5, 12, 3, 41],
+    [200, 7, 7, 19, 88],
+    [1, 2, 3],
+    [310, 45, 99, 150, 6, 27],
+    [17, 17, 4],
+    [63, 8, 250, 1],
+    [99],
+    [12, 34, 56, 78, 90],
+]
 
 
 @pytest.fixture(params=["native", "reference"])
@@ -35,25 +44,32 @@ def manager(request, synthetic_model):
         shard = ShardModel(str(synthetic_model), None, 2)
     else:
         shard = ReferenceShard(ReferenceModel.from_gguf(synthetic_model))
-    return HotKvStateManager(shard, HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=256),
-                             ManualClock(), n_batch=32)
+    return HotKvStateManager(
+        shard, HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=256), ManualClock(), n_batch=32
+    )
 
 
 def test_a_batched_step_answers_each_request_on_its_own(manager):
     ad = KvBoundaryAdapter(manager.model, manager)
     ad.prefill("live", 2, token_ids=[1, 2, 3])
-    answers = manager.step_batch([
-        Step.prefill("fresh", 0, [4, 5, 6]),                  # new session
-        Step.decode("live", 2, [7], expected_seq_len=3),      # ok, expected length right
-        Step.decode("ghost", 0, [1]),                         # unknown: a miss
-        Step.decode("live", 1, [1]),                          # the same session again: runs after, stale
-        Step.prefill("bad", 0, [10**6]),                      # invalid token
-        "not a step",
-    ])
+    answers = manager.step_batch(
+        [
+            Step.prefill("fresh", 0, [4, 5, 6]),  # new session
+            Step.decode("live", 2, [7], expected_seq_len=3),  # ok, expected length right
+            Step.decode("ghost", 0, [1]),  # unknown: a miss
+            Step.decode("live", 1, [1]),  # the same session again: runs after, stale
+            Step.prefill("bad", 0, [10**6]),  # invalid token
+            "not a step",
+        ]
+    )
     assert isinstance(answers[4], InvalidInputError) and isinstance(answers[5], InvalidInputError)
     statuses = [(r.status, r.miss) for r, _ in answers[:4]]
-    assert statuses == [(Status.OK, MissReason.NONE), (Status.OK, MissReason.NONE),
-                        (Status.CACHE_MISS, MissReason.UNKNOWN_SESSION), (Status.STALE_EPOCH, MissReason.NONE)]
+    assert statuses == [
+        (Status.OK, MissReason.NONE),
+        (Status.OK, MissReason.NONE),
+        (Status.CACHE_MISS, MissReason.UNKNOWN_SESSION),
+        (Status.STALE_EPOCH, MissReason.NONE),
+    ]
     assert answers[0][1].shape == (320,) and answers[1][0].seq_len == 4
     assert answers[2][1] is None
     with pytest.raises(InvalidInputError):
@@ -69,8 +85,9 @@ def test_a_batched_step_answers_each_request_on_its_own(manager):
 
 
 def test_budget_counts_everything_admitted_in_the_step(manager):
-    small = HotKvStateManager(manager.model, HotKvStateConfig(max_sessions=4, context_tokens=8, budget_tokens=10),
-                              ManualClock(), n_batch=32)
+    small = HotKvStateManager(
+        manager.model, HotKvStateConfig(max_sessions=4, context_tokens=8, budget_tokens=10), ManualClock(), n_batch=32
+    )
     answers = small.step_batch([Step.prefill("a", 0, [1] * 6), Step.prefill("b", 0, [2] * 6)])
     # a is admitted; b would need 12 > 10 and a takes part in the step, so it cannot be evicted
     assert [r.status for r, _ in answers] == [Status.OK, Status.BUDGET_EXCEEDED]
@@ -89,6 +106,7 @@ def test_a_prefill_longer_than_a_step_is_chunked_and_a_refused_one_changes_nothi
     one = KvBoundaryAdapter(big.model, big).prefill("long", 0, token_ids=prompt)
     assert one.token_id == out.token_id and np.abs(one.logits - out.logits).max() < 1e-3
     from llama_shard import KvBudgetExceededError
+
     with pytest.raises(KvBudgetExceededError):
         ad.prefill("long", 0, token_ids=prompt * 2)  # 100 > context_tokens 64
     assert manager.get("long", 0).seq_len == 50
@@ -143,8 +161,9 @@ def test_a_plain_adapter_batches_eight_threads(synthetic_model):
 
 def test_asyncio_callers_are_batched_too(synthetic_model):
     model = ShardModel(str(synthetic_model), None, 2)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=512),
-                            ManualClock(), n_batch=32)
+    mgr = HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=8, context_tokens=64, budget_tokens=512), ManualClock(), n_batch=32
+    )
     adapter = KvBoundaryAdapter(model, mgr)
 
     async def session(i):
@@ -190,8 +209,13 @@ def test_a_release_racing_a_queued_step_is_a_released_miss(synthetic_model):
     session released: the rest of the prefill and the queued steps answer RELEASED (never computed
     into a freed sequence), and every seq id returns to the pool."""
     model = ShardModel(str(synthetic_model), None, 2)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=4096, budget_tokens=8192),
-                            ManualClock(), n_batch=8, prefill_chunk=8)
+    mgr = HotKvStateManager(
+        model,
+        HotKvStateConfig(max_sessions=4, context_tokens=4096, budget_tokens=8192),
+        ManualClock(),
+        n_batch=8,
+        prefill_chunk=8,
+    )
     ad = KvBoundaryAdapter(model, mgr)
     ad.prefill("victim", 0, token_ids=[1, 2, 3])
     long_prompt = [int(t) for t in np.random.default_rng(1).integers(0, 320, 4000)]
@@ -209,12 +233,14 @@ def test_a_release_racing_a_queued_step_is_a_released_miss(synthetic_model):
 
 def test_closing_completes_what_was_queued_then_refuses(synthetic_model):
     model = ShardModel(str(synthetic_model), None, 2)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512),
-                            ManualClock(), n_batch=8)
+    mgr = HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512), ManualClock(), n_batch=8
+    )
     tickets = mgr.submit([Step.prefill(f"c{i}", 0, PROMPTS[i] * 4) for i in range(4)])
     mgr.close()
     assert all(t.done() and t.result.status == Status.OK for t in tickets)
     from llama_shard import CapacityError
+
     with pytest.raises(CapacityError):
         mgr.submit([Step.prefill("late", 0, [1])])
 
@@ -225,8 +251,16 @@ def test_smollm2_batched_and_one_at_a_time_agree(embedded_model):
     change float summation order)."""
     model = ShardModel(str(embedded_model), None, 2)
     cfg = HotKvStateConfig(max_sessions=8, context_tokens=128, budget_tokens=1024)
-    texts = ["The capital of France is", "Once upon a time", "def add(a, b):", "The three primary colors are",
-             "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
+    texts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def add(a, b):",
+        "The three primary colors are",
+        "Water boils at",
+        "My favourite book is",
+        "import numpy as np",
+        "The quick brown fox",
+    ]
     prompts = [model.tokenize(t) for t in texts]
 
     solo_mgr = HotKvStateManager(model, cfg, ManualClock(), n_batch=64)
@@ -263,8 +297,11 @@ def test_a_micro_batch_runs_as_one_step(synthetic_model, manager):
     prefills chunked while others wait, a repeated session refused."""
     small = HotKvStateManager(manager.model, manager.config, ManualClock(), n_batch=32, prefill_chunk=4)
     adapter = KvBoundaryAdapter(small.model, small)
-    batch = [Step.prefill(f"m{i}", 0, PROMPTS[i]) for i in range(4)] + [Step.decode("m-unknown", 0, [1]),
-                                                                        Step.prefill("m0", 0, [1]), "not a step"]
+    batch = [Step.prefill(f"m{i}", 0, PROMPTS[i]) for i in range(4)] + [
+        Step.decode("m-unknown", 0, [1]),
+        Step.prefill("m0", 0, [1]),
+        "not a step",
+    ]
     queued = []
     outs = adapter.step_many(batch, queued.extend)
     assert queued == batch[:5]  # told which were queued: not the repeated session's, not the non-step
@@ -306,10 +343,15 @@ def test_a_context_keeps_its_compute_threads_between_steps(synthetic_model):
     than a 1-thread context's process, every other thread alike), so no step starts a thread."""
     import subprocess
     import sys
+
     counts = {}
     for threads in (1, 2):
-        out = subprocess.run([sys.executable, "-c", _COUNT_THREADS, str(synthetic_model), str(threads)],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", _COUNT_THREADS, str(synthetic_model), str(threads)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         counts[threads] = int(out.stdout.strip().splitlines()[-1])
     assert counts[2] - counts[1] == 1, counts

@@ -2,6 +2,7 @@
 tools are stood in for by scripts that print what llama-bench / llama-batched-bench print (their
 real output is parsed the same way when `python benchmarks/bench.py` runs for real). The benchmarks
 run as scripts from the checkout, against the installed package."""
+
 from __future__ import annotations
 
 import json
@@ -62,21 +63,43 @@ def fake_stock_env(tmp_path) -> dict:
     """An environment whose stock llama.cpp tools are the fakes above."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in [("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_BATCHED_BENCH),
-                       ("ggml-rpc-server", FAKE_RPC_SERVER), ("llama-server", FAKE_LLAMA_SERVER)]:
+    for name, body in [
+        ("llama-bench", FAKE_LLAMA_BENCH),
+        ("llama-batched-bench", FAKE_BATCHED_BENCH),
+        ("ggml-rpc-server", FAKE_RPC_SERVER),
+        ("llama-server", FAKE_LLAMA_SERVER),
+    ]:
         p = bin_dir / name
         p.write_text(textwrap.dedent(body.format(python=sys.executable)))
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
-    return dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir),
-                LLAMA_SHARD_STOCK_NOAMX_BIN_DIR=str(bin_dir))
+    return dict(
+        os.environ,
+        LLAMA_SHARD_STOCK_BIN_DIR=str(bin_dir),
+        LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(bin_dir),
+        LLAMA_SHARD_STOCK_NOAMX_BIN_DIR=str(bin_dir),
+    )
 
 
 @pytest.mark.slow
 def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_stock_env):
     out_json = tmp_path / "rows.json"
     env = fake_stock_env
-    res = subprocess.run([sys.executable, BENCHMARKS / "bench.py", "--model", str(synthetic_model), "--quick",
-                          "--no-build", "--json", str(out_json)], capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            BENCHMARKS / "bench.py",
+            "--model",
+            str(synthetic_model),
+            "--quick",
+            "--no-build",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| metric | llama-shard | peer | ratio | target |" in res.stdout
     rows = {r["metric"]: r for r in json.loads(out_json.read_text())}
@@ -92,6 +115,7 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
     kv = [r for m, r in rows.items() if m.startswith("KV bytes/token")]
     assert kv and all(abs(r["ratio"] - 0.5) < 1e-9 for r in kv)
     from llama_shard import cpu_backend
+
     amx_rows = [m for m in rows if "AMX" in m or "fallback" in m]
     assert len(amx_rows) == (7 if cpu_backend()["amx"] else 0), amx_rows  # AMX vs fallback vs stock without AMX
 
@@ -100,18 +124,45 @@ def test_bench_says_why_the_stock_columns_are_missing_and_can_require_them(synth
     empty = tmp_path / "no-tools"
     empty.mkdir()
     env = dict(os.environ, LLAMA_SHARD_STOCK_BIN_DIR=str(empty), LLAMA_SHARD_STOCK_RPC_BIN_DIR=str(empty))
-    res = subprocess.run([sys.executable, BENCHMARKS / "bench.py", "--model", str(synthetic_model), "--quick",
-                          "--no-build", "--require-stock", "--stock-bin-dir", str(empty)],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [
+            sys.executable,
+            BENCHMARKS / "bench.py",
+            "--model",
+            str(synthetic_model),
+            "--quick",
+            "--no-build",
+            "--require-stock",
+            "--stock-bin-dir",
+            str(empty),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 2 and "| metric |" not in res.stdout
     assert "not found (--stock-bin-dir) and not built" in res.stderr
 
 
 @pytest.mark.slow
 def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model, fake_stock_env):
-    res = subprocess.run([sys.executable, BENCHMARKS / "pipeline_study.py", "2", "--model", str(synthetic_model),
-                          "--quick", "--no-build"], capture_output=True, text=True, timeout=600,
-                         env=fake_stock_env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            BENCHMARKS / "pipeline_study.py",
+            "2",
+            "--model",
+            str(synthetic_model),
+            "--quick",
+            "--no-build",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=fake_stock_env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "4-session step, alone: layers 0-" in out and "4-session step, together: layers 0-" in out
@@ -129,8 +180,12 @@ def test_pipeline_study_prints_rounds_the_spread_and_both_bounds(synthetic_model
 
 
 def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_model):
-    res = subprocess.run([sys.executable, BENCHMARKS / "hot_path_study.py", "1", "--model", str(synthetic_model),
-                          "--quick"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, BENCHMARKS / "hot_path_study.py", "1", "--model", str(synthetic_model), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "GOMP_SPINCOUNT=300000 (libgomp's default): " in res.stdout
     assert "GOMP_SPINCOUNT=30000: " in res.stdout
@@ -138,7 +193,12 @@ def test_hot_path_study_compares_spin_counts_and_prints_the_overhead(synthetic_m
 
 
 def test_warm_study_prints_every_figure(synthetic_model):
-    res = subprocess.run([sys.executable, BENCHMARKS / "warm_study.py", "--model", str(synthetic_model), "--quick"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, BENCHMARKS / "warm_study.py", "--model", str(synthetic_model), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "restore from host memory" in out and "from disk, cold page cache" in out
@@ -149,8 +209,22 @@ def test_warm_study_prints_every_figure(synthetic_model):
 
 
 def test_compare_builds_prints_both_installs_and_their_cpu_kernels(synthetic_model):
-    res = subprocess.run([sys.executable, BENCHMARKS / "compare_builds.py", "--other", sys.executable, "--model",
-                          str(synthetic_model), "--quick", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            BENCHMARKS / "compare_builds.py",
+            "--other",
+            sys.executable,
+            "--model",
+            str(synthetic_model),
+            "--quick",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| decode, 1 session |" in res.stdout and "| aggregate decode, 8 sessions |" in res.stdout
     assert "this: " in res.stdout and "other: " in res.stdout

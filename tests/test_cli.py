@@ -1,4 +1,5 @@
 """The command line: generate through a split and verify against the whole model; inspect."""
+
 from __future__ import annotations
 
 import subprocess
@@ -39,8 +40,18 @@ def test_generate_reports_a_missing_model_clearly(tmp_path):
 
 @pytest.mark.model
 def test_generate_split_matches_whole_model(embedded_model):
-    res = run_cli("generate", "--split", "0-9,10-19,20-29", "--prompt", "The capital of France is",
-                  "--max-tokens", "16", "--compare-whole", "--threads", "2")
+    res = run_cli(
+        "generate",
+        "--split",
+        "0-9,10-19,20-29",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "16",
+        "--compare-whole",
+        "--threads",
+        "2",
+    )
     assert res.returncode == 0, res.stderr
     assert "tokens identical: True; logits bit-identical: True" in res.stderr
     assert res.stdout.strip()  # the text is the model's choice on this CPU's kernels: compared above, not named
@@ -48,6 +59,7 @@ def test_generate_split_matches_whole_model(embedded_model):
 
 def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
     import socket
+
     res = run_cli("serve", "--model", str(synthetic_model), "--layers", "two-five")
     assert res.returncode == 2 and "bad layer range" in res.stderr
     res = run_cli("serve", "--model", str(synthetic_model), "--layers", "0-9")
@@ -58,15 +70,29 @@ def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
         port = s.getsockname()[1]
         res = run_cli("serve", "--model", str(synthetic_model), "--port", str(port))
     assert res.returncode == 2 and "cannot bind" in res.stderr
-    env_res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model)],
-                             capture_output=True, text=True, timeout=120,
-                             env={**__import__("os").environ, "LLAMA_SHARD_MAX_SESSIONS": "lots"})
+    env_res = subprocess.run(
+        [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "LLAMA_SHARD_MAX_SESSIONS": "lots"},
+    )
     assert env_res.returncode == 2 and "LLAMA_SHARD_MAX_SESSIONS" in env_res.stderr
 
 
 def test_inspect_prints_the_memory_plan(synthetic_model):
-    res = run_cli("inspect", str(synthetic_model), "--kv-memory", "1MiB", "--layers", "0-2", "--context-tokens", "300",
-                  "--warm-memory", "2MiB")
+    res = run_cli(
+        "inspect",
+        str(synthetic_model),
+        "--kv-memory",
+        "1MiB",
+        "--layers",
+        "0-2",
+        "--context-tokens",
+        "300",
+        "--warm-memory",
+        "2MiB",
+    )
     assert res.returncode == 0, res.stderr
     # 3 layers x 128 B/token (f16); a slot is padded to 512 cells (192 KiB), so 1 MiB holds 5
     assert "hot KV:   5 slots x 512 cells x 384 B/token (f16)" in res.stdout
@@ -85,9 +111,16 @@ def test_serve_refuses_a_memory_plan_that_does_not_fit(synthetic_model):
 def test_the_shipped_demo_imports_nothing_from_testing():
     """The demo is part of the product: it starts workers through llama_shard.local_workers, not the
     test helpers."""
-    res = subprocess.run([sys.executable, "-c", "import sys, llama_shard.demo; "
-                          "print([m for m in sys.modules if m.startswith('llama_shard.testing')])"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, llama_shard.demo; print([m for m in sys.modules if m.startswith('llama_shard.testing')])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
 
 

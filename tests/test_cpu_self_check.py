@@ -9,6 +9,7 @@ through the fallback (AMX off, the same build's AVX-512 kernels), with prefills 
 decodes and batched steps, and the two agree: identical greedy tokens except where the two best
 logits are nearer than the kernels differ. Measured on an Intel Xeon with AMX (amx_tile amx_int8
 amx_bf16): see AMX_LOGIT_ATOL; the test prints its figures."""
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,21 @@ print(json.dumps({"backend": ls.cpu_backend(), "tokens": tokens, "batched": batc
 """
 
 
-def _run(model, tmp_path, name: str, fail: str | None, steps: int = 16,
-         forced: list[list[int]] | None = None) -> tuple[dict, list[np.ndarray], str]:
+def _run(
+    model, tmp_path, name: str, fail: str | None, steps: int = 16, forced: list[list[int]] | None = None
+) -> tuple[dict, list[np.ndarray], str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SHARD_CPU_PROBE_FAIL", "LLAMA_SHARD_CPU_VARIANT")}
     if fail:
         env["LLAMA_SHARD_CPU_PROBE_FAIL"] = fail
     out = tmp_path / f"{name}.npz"
     forcing = [json.dumps(forced)] if forced else []
-    res = subprocess.run([sys.executable, "-c", RUN, str(model), str(out), str(steps), *forcing], capture_output=True,
-                         text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", RUN, str(model), str(out), str(steps), *forcing],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-3000:]}"
     with np.load(out) as z:
         logits = [z[f"arr_{i}"] for i in range(len(z.files))]
@@ -91,8 +98,11 @@ def test_the_self_check_is_reported():
     c = cpu_backend()
     assert c["self_check"].startswith(("passed", "fell back")), c
     assert c["amx"] == ("AMX_INT8" in c["features"] and not any("AMX" in f for f in c["fallbacks"])), c
-    if os.environ.get("LLAMA_SHARD_CPU_PROBE_FAIL") is None and "amx_tile" in Path("/proc/cpuinfo").read_text() \
-            and "AMX_INT8" in c["features"]:
+    if (
+        os.environ.get("LLAMA_SHARD_CPU_PROBE_FAIL") is None
+        and "amx_tile" in Path("/proc/cpuinfo").read_text()
+        and "AMX_INT8" in c["features"]
+    ):
         assert c["amx"], f"this CPU has AMX and the kernels carry it, but the self-check turned it off: {c}"
 
 
@@ -101,9 +111,26 @@ def test_a_failing_builtin_probe_is_a_clear_error_not_a_crash(embedded_model):
     if cpu_backend()["available"]:
         pytest.skip("a portable build probes variants (test_a_failing_best_variant_picks_the_next)")
     env = dict(os.environ, LLAMA_SHARD_CPU_PROBE_FAIL="built-in")
-    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model),
-                          "--split", "whole", "--prompt", "Hello", "--max-tokens", "2"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "generate",
+            "--model",
+            str(embedded_model),
+            "--split",
+            "whole",
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert "the CPU kernels built into this module fail on this CPU (killed by SIGILL" in res.stderr
     assert "Fatal Python error" not in res.stderr
@@ -116,8 +143,14 @@ def test_a_failing_best_variant_picks_the_next(embedded_model, tmp_path):
         pytest.skip("a source build has one set of kernels built in (the portable wheel ships variants)")
     # the variant a node picks unforced (this process's may be forced: LLAMA_SHARD_CPU_VARIANT)
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_SHARD_CPU_PROBE_FAIL", "LLAMA_SHARD_CPU_VARIANT")}
-    best = subprocess.run([sys.executable, "-c", "import llama_shard as ls; print(ls.cpu_backend()['variant'])"],
-                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout.strip()
+    best = subprocess.run(
+        [sys.executable, "-c", "import llama_shard as ls; print(ls.cpu_backend()['variant'])"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout.strip()
     info, _, err = _run(embedded_model, tmp_path, "next", best, steps=2)
     assert info["backend"]["variant"] != best
     assert err.count(PROBE_LINE) == 1 and f"the {best} kernels failed a probe (killed by SIGILL" in err, err
@@ -130,8 +163,13 @@ def test_a_forced_variant_that_fails_its_probe_is_a_clear_error(embedded_model):
     if not c["available"]:
         pytest.skip("a source build loads no CPU variant")
     env = dict(os.environ, LLAMA_SHARD_CPU_VARIANT="x64", LLAMA_SHARD_CPU_PROBE_FAIL="x64")
-    res = subprocess.run([sys.executable, "-c", "import llama_shard as ls; ls.cpu_backend()"], capture_output=True,
-                         text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", "import llama_shard as ls; ls.cpu_backend()"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode != 0 and "LLAMA_SHARD_CPU_VARIANT=x64: its kernels failed the self-check" in res.stderr
 
 
@@ -142,8 +180,10 @@ def test_a_failing_amx_probe_turns_amx_off_in_one_line(embedded_model, tmp_path)
     info, _, err = _run(embedded_model, tmp_path, "noamx", "amx", steps=2)
     assert not info["backend"]["amx"]
     lines = [line for line in err.splitlines() if line.startswith(PROBE_LINE)]
-    assert lines == [f"{PROBE_LINE} AMX tiles failed a probe (killed by SIGILL (Illegal instruction)); "
-                     "running the same kernels without AMX (AVX-512)"], err
+    assert lines == [
+        f"{PROBE_LINE} AMX tiles failed a probe (killed by SIGILL (Illegal instruction)); "
+        "running the same kernels without AMX (AVX-512)"
+    ], err
     assert info["backend"]["self_check"].startswith("fell back: AMX tiles failed")
 
 
@@ -178,7 +218,9 @@ def test_amx_and_the_fallback_agree(which, embedded_model, gemma3_model, tmp_pat
                 disagreements += 1
                 top2 = np.sort(a)[-2:]
                 assert top2[1] - top2[0] < worst, "the choices part where the kernels' differences cannot explain it"
-    print(f"{which}: worst |AMX - fallback| logit difference {worst:.4f} over {steps} teacher-forced steps; "
-          f"{disagreements} greedy disagreements (near ties)")
+    print(
+        f"{which}: worst |AMX - fallback| logit difference {worst:.4f} over {steps} teacher-forced steps; "
+        f"{disagreements} greedy disagreements (near ties)"
+    )
     assert worst < AMX_LOGIT_ATOL[which]
     assert disagreements <= steps // 10

@@ -8,6 +8,7 @@ Measured on an AMD machine (zen4 chosen): the zen4 variant is bit-identical to a
 logits differing by up to 1.5 (different kernels, other roundings). On an Intel Xeon with AMX
 (sapphirerapids chosen) only 1 of 4 free-running prompts stayed identical for 32 tokens, every
 parting at a near tie: hence teacher forcing, which compares every step."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,13 @@ def _greedy(model, variant: str | None, forced: list[list[int]] | None = None) -
     if variant:
         env["LLAMA_SHARD_CPU_VARIANT"] = variant
     forcing = [json.dumps(forced)] if forced else []
-    res = subprocess.run([sys.executable, "-c", GREEDY, str(model), json.dumps(PROMPTS), *forcing], capture_output=True,
-                         text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", GREEDY, str(model), json.dumps(PROMPTS), *forcing],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -73,8 +79,11 @@ def test_a_forced_baseline_variant_gives_the_same_greedy_tokens(embedded_model):
     best = _greedy(embedded_model, None)
     baseline = _greedy(embedded_model, "x64", forced=[r["tokens"] for r in best["runs"]])
     assert baseline["variant"] == "x64" and best["variant"] != "x64"
-    worst = max(float(np.abs(np.subtract(p, q)).max()) for b, x in zip(best["runs"], baseline["runs"])
-                for p, q in zip(b["logits"], x["logits"]))
+    worst = max(
+        float(np.abs(np.subtract(p, q)).max())
+        for b, x in zip(best["runs"], baseline["runs"])
+        for p, q in zip(b["logits"], x["logits"])
+    )
     steps = disagreements = 0
     for b, x in zip(best["runs"], baseline["runs"]):
         for p, q, logits in zip(b["tokens"], x["tokens"], b["logits"]):
@@ -83,8 +92,10 @@ def test_a_forced_baseline_variant_gives_the_same_greedy_tokens(embedded_model):
                 disagreements += 1
                 top2 = np.sort(logits)[-2:]
                 assert top2[1] - top2[0] < worst, "the choices part where the kernels' differences cannot explain it"
-    print(f"{best['variant']} vs x64: worst logit difference {worst:.4f}; {disagreements} of {steps} teacher-forced "
-          "greedy choices differ (near ties)")
+    print(
+        f"{best['variant']} vs x64: worst logit difference {worst:.4f}; {disagreements} of {steps} teacher-forced "
+        "greedy choices differ (near ties)"
+    )
     assert disagreements <= steps // 10
 
 
@@ -92,6 +103,7 @@ def test_an_unknown_variant_is_a_clear_error(embedded_model):
     if not cpu_backend()["available"]:
         pytest.skip("a source build loads no CPU variant")
     env = dict(os.environ, LLAMA_SHARD_CPU_VARIANT="pentium3")
-    res = subprocess.run([sys.executable, "-c", GREEDY, str(embedded_model), "[]"], capture_output=True, text=True,
-                         env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", GREEDY, str(embedded_model), "[]"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode != 0 and "LLAMA_SHARD_CPU_VARIANT=pentium3: no such CPU variant" in res.stderr

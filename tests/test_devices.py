@@ -11,6 +11,7 @@ module sets it (to 0, unless it is set) before the first GPU module loads in thi
 tests skip, naming why, where no Vulkan driver or no Vulkan backend is there; with
 LLAMA_SHARD_REQUIRE_VULKAN=1 (.ci/run installs lavapipe) that is a failure instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,11 @@ def device():
         yield found[0]["name"]
         return
     modules = gpu_backends()
-    why = ("; ".join(modules) if modules else "this build ships no GPU backend (build it where libvulkan-dev, "
-           "glslc and spirv-headers are installed)") + "; no Vulkan device (install mesa-vulkan-drivers: lavapipe)"
+    why = (
+        "; ".join(modules)
+        if modules
+        else "this build ships no GPU backend (build it where libvulkan-dev, glslc and spirv-headers are installed)"
+    ) + "; no Vulkan device (install mesa-vulkan-drivers: lavapipe)"
     if os.environ.get("LLAMA_SHARD_REQUIRE_VULKAN") == "1":
         pytest.fail(f"a Vulkan device is required (LLAMA_SHARD_REQUIRE_VULKAN=1): {why}")
     pytest.skip(why)
@@ -70,6 +74,7 @@ def _generate(pipe: LocalPipeline, prompt: list[int], n: int) -> list[tuple[int,
 
 # --- split = whole on the device --------------------------------------------------------------
 
+
 @pytest.mark.model
 @pytest.mark.parametrize("model_fixture", ["embedded_model", "gemma3_model"])
 @pytest.mark.slow
@@ -83,8 +88,10 @@ def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, d
     expected = _generate(whole, prompt, 3)
     del whole
     third = n_layer // 3
-    for split in ([(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)],
-                  [(0, third - 1), (third, 2 * third - 1), (2 * third, n_layer - 1)]):
+    for split in (
+        [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)],
+        [(0, third - 1), (third, 2 * third - 1), (2 * third, n_layer - 1)],
+    ):
         pipe = LocalPipeline(path, split, **kw)
         assert [m.info.device for m in pipe.models] == [device] * len(split)
         assert pipe.models[-1].info.output_on_device
@@ -94,8 +101,25 @@ def test_split_matches_whole_bit_for_bit_on_the_device(request, model_fixture, d
 
 @pytest.mark.model
 def test_generate_verifies_a_split_on_the_device_against_the_whole_model(embedded_model, device):
-    res = _cli("generate", "--model", str(embedded_model), "--split", "0-9,10-29", "--device", device,
-               "--max-tokens", "4", "--threads", "2", "--context-tokens", "64", "--batch", "16", "--compare-whole", env=device_env())
+    res = _cli(
+        "generate",
+        "--model",
+        str(embedded_model),
+        "--split",
+        "0-9,10-29",
+        "--device",
+        device,
+        "--max-tokens",
+        "4",
+        "--threads",
+        "2",
+        "--context-tokens",
+        "64",
+        "--batch",
+        "16",
+        "--compare-whole",
+        env=device_env(),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "tokens identical: True; logits bit-identical: True" in res.stderr, res.stderr[-2000:]
 
@@ -128,6 +152,7 @@ def test_a_partial_offload_puts_the_first_owned_layers_on_the_device(synthetic_m
     assert (cpu.info.device, cpu.info.gpu_layers) == ("cpu", 0)
     assert ShardModel(str(synthetic_model), (2, 5), 2, device, 0).info.device == "cpu"
     from llama_shard import ShardContext
+
     rng = np.random.default_rng(3)
     hidden = rng.standard_normal((4, full.info.n_embd)).astype(np.float32)
     outs = []
@@ -139,12 +164,14 @@ def test_a_partial_offload_puts_the_first_owned_layers_on_the_device(synthetic_m
 
 # --- the session store with its state on the device -------------------------------------------
 
+
 def _scenario(model: ShardModel) -> list:
     """The seed's scenario: four sessions, truncate, release, TTL and LRU eviction, a stale epoch and
     a miss; what each step returned, with its logits."""
     clock = ManualClock()
-    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=3, context_tokens=32, ttl_seconds=10.0), clock,
-                                n_batch=8)
+    manager = HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=3, context_tokens=32, ttl_seconds=10.0), clock, n_batch=8
+    )
     ad = KvBoundaryAdapter(model, manager)
     log = []
 
@@ -220,8 +247,9 @@ def test_a_device_session_spilled_to_the_warm_tier_resumes_bit_exact(synthetic_m
 
 def test_a_shared_prefix_opened_on_the_device_equals_a_fresh_prefill(synthetic_model, device):
     model = ShardModel(str(synthetic_model), None, 2, device)
-    manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=4, context_tokens=32, prefix_bytes=8 << 20),
-                                ManualClock(), n_batch=8)
+    manager = HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=4, context_tokens=32, prefix_bytes=8 << 20), ManualClock(), n_batch=8
+    )
     ad = KvBoundaryAdapter(model, manager)
     prefix, rest = [5, 12, 3, 41, 7, 9], [22, 23]
     ad.prefill("fresh", 0, token_ids=prefix)
@@ -259,22 +287,27 @@ def test_a_device_that_fails_its_self_check_is_not_used(synthetic_model, device)
     from llama_shard._native import devices
 
     env = dict(device_env(), LLAMA_SHARD_DEVICE_PROBE_FAIL=",".join(d["name"] for d in devices()))  # every one
-    code = ("from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
-            "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model))
+    code = (
+        "from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
+        "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model)
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"cpu | {device} self-check failed"), res.stdout
     assert f"device self-check: {device} failed" in res.stderr
     res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--device", device, "--port", "0", env=env)
-    assert res.returncode == 2 and f"device {device} (" in res.stderr and "failed its self-check" in res.stderr, \
+    assert res.returncode == 2 and f"device {device} (" in res.stderr and "failed its self-check" in res.stderr, (
         res.stderr[-2000:]
+    )
 
 
 # --- listing and bad input (every machine) ------------------------------------------------------
 
+
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_serve_refuses_a_device_that_does_not_exist_before_loading(synthetic_model):
@@ -292,8 +325,19 @@ def test_gpu_layers_outside_the_owned_range_is_refused(synthetic_model):
     with pytest.raises(InvalidInputError, match="outside"):
         ShardModel(str(synthetic_model), (0, 2), 1, "cpu", 9)
     # accepted and ignored would mislead: layers for a device, with the CPU named
-    res = _cli("serve", "--model", str(synthetic_model), "--layers", "0-2", "--device", "cpu", "--gpu-layers", "2",
-               "--port", "0")
+    res = _cli(
+        "serve",
+        "--model",
+        str(synthetic_model),
+        "--layers",
+        "0-2",
+        "--device",
+        "cpu",
+        "--gpu-layers",
+        "2",
+        "--port",
+        "0",
+    )
     assert res.returncode == 2 and "the device is the CPU" in res.stderr, res.stderr
     res = _cli("inspect", str(synthetic_model), "--device", "auto")
     assert res.returncode == 2 and "give --kv-memory too" in res.stderr, res.stderr
@@ -313,8 +357,10 @@ def test_a_node_whose_gpu_modules_may_not_load_runs_on_the_cpu(synthetic_model):
     res = _cli("serve", "--device", "list", env=env)
     assert res.returncode == 0, res.stderr
     assert "not loaded: LLAMA_SHARD_GPU_BACKENDS=none" in res.stdout or "none in this build" in res.stdout, res.stdout
-    code = ("from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
-            "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model))
+    code = (
+        "from llama_shard import ShardModel; m = ShardModel(%r, (0, 2), 1, 'auto'); "
+        "print(m.info.device, '|', m.info.device_note)" % str(synthetic_model)
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("cpu | no GPU device listed"), res.stdout
@@ -329,14 +375,19 @@ def test_a_route_is_one_backend_only_where_its_workers_facts_say_so():
     from llama_shard.route.client import StageInfo, route_backends
 
     def stage(first, last, device, layers, kernels, backend="x"):
-        return SimpleNamespace(info=StageInfo(first, last, 30, 576, "llama", f"s{first}", "", backend, device, layers,
-                                              kernels))
+        return SimpleNamespace(
+            info=StageInfo(first, last, 30, 576, "llama", f"s{first}", "", backend, device, layers, kernels)
+        )
+
     cpu = [stage(0, 14, "cpu", 15, "zen4"), stage(15, 29, "cpu", 15, "zen4")]
     assert "one backend" in route_backends(cpu)
     gpu = [stage(0, 14, "Vulkan0", 15, "llvmpipe"), stage(15, 29, "Vulkan0", 15, "llvmpipe")]
     assert "one backend" in route_backends(gpu)
-    for other in (stage(15, 29, "Vulkan0", 10, "llvmpipe"), stage(15, 29, "cpu", 15, "haswell"),
-                  stage(15, 29, "", 0, "", backend="cpu (zen4)")):
+    for other in (
+        stage(15, 29, "Vulkan0", 10, "llvmpipe"),
+        stage(15, 29, "cpu", 15, "haswell"),
+        stage(15, 29, "", 0, "", backend="cpu (zen4)"),
+    ):
         assert "mixed backends" in route_backends([cpu[0], other]), other.info
 
 
@@ -363,13 +414,30 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
         if before is None:
             del os.environ[VISIBLE]
     port = free_port()
-    head, head_addr = start_worker(embedded_model, 0, 14, 1, extra=(
-        "--device", "cpu", "--context-tokens", "256", "--peer", tail_addr, "--http-port", str(port), "--draft", "off"))
+    head, head_addr = start_worker(
+        embedded_model,
+        0,
+        14,
+        1,
+        extra=(
+            "--device",
+            "cpu",
+            "--context-tokens",
+            "256",
+            "--peer",
+            tail_addr,
+            "--http-port",
+            str(port),
+            "--draft",
+            "off",
+        ),
+    )
     try:
         wait_serving(tail, tail_addr, timeout_s=300)
         wait_serving(head, head_addr)
         from llama_shard.route import RemoteStage
         from llama_shard.route.client import route_backends
+
         stages = [RemoteStage(head_addr), RemoteStage(tail_addr)]
         assert stages[0].info.backend.startswith("cpu (") and stages[1].info.backend.startswith(f"{device} (")
         described = route_backends(stages)
@@ -378,8 +446,9 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
         whole = LocalPipeline(embedded_model, None, n_ctx=64, n_seq_max=1, n_batch=16, n_threads=1)
         same, agreed, lines = 0, 0, []
         for prompt in MIXED_PROMPTS:
-            r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0,
-                                          logprobs=1)
+            r = client.completions.create(
+                model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=8, temperature=0, logprobs=1
+            )
             got = r.choices[0].logprobs.tokens
             ids = [t for t, _ in whole.generate(whole.head.tokenize(prompt), 8)]
             expected = [whole.head.detokenize([t]) for t in ids]
@@ -387,19 +456,24 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
             lead = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
             same += got == expected
             agreed += lead
-            lines.append(f"  {prompt!r}: {lead} of 8 tokens before the first difference: route {''.join(got)!r}, "
-                         f"whole CPU model {''.join(expected)!r}")
+            lines.append(
+                f"  {prompt!r}: {lead} of 8 tokens before the first difference: route {''.join(got)!r}, "
+                f"whole CPU model {''.join(expected)!r}"
+            )
         client.close()
         with capsys.disabled():
-            print(f"\nmixed route ({described}):\n  greedy completions (8 tokens) equal to the whole CPU model's: "
-                  f"{same} of {len(MIXED_PROMPTS)}; tokens equal before the first difference: {agreed} of "
-                  f"{8 * len(MIXED_PROMPTS)}\n" + "\n".join(lines))
+            print(
+                f"\nmixed route ({described}):\n  greedy completions (8 tokens) equal to the whole CPU model's: "
+                f"{same} of {len(MIXED_PROMPTS)}; tokens equal before the first difference: {agreed} of "
+                f"{8 * len(MIXED_PROMPTS)}\n" + "\n".join(lines)
+            )
     finally:
         stop_worker(head)
         stop_worker(tail)
 
 
 # --- the memory plan in device bytes ------------------------------------------------------------
+
 
 @pytest.mark.model
 def test_the_memory_plan_is_what_llama_cpp_allocates_on_the_device(embedded_model, device):
@@ -429,11 +503,28 @@ def test_a_plan_larger_than_the_device_is_refused_before_loading(embedded_model,
     too_much = min(MAX_CONTEXT_TOKENS, int(1.3 * dev["memory_free"]) // (64 * per_token) + 256)  # KV: 1.3x free
     one_tensor_too_large = MAX_CONTEXT_TOKENS  # one session of 1 Mi cells: 384 MiB per layer's K
     lavapipe = dev["description"].startswith("llvmpipe")
-    for sessions, context, expected in ((64, too_much, f"the plan does not fit {device}: it needs"),
-                                        (1, one_tensor_too_large, f"is larger than {device} takes in one tensor")):
-        res = _cli("serve", "--model", str(embedded_model), "--layers", "0-14", "--device", device, "--max-sessions",
-                   str(sessions), "--context-tokens", str(context), "--budget-tokens", "65536", "--port", "0",
-                   env=device_env())
+    for sessions, context, expected in (
+        (64, too_much, f"the plan does not fit {device}: it needs"),
+        (1, one_tensor_too_large, f"is larger than {device} takes in one tensor"),
+    ):
+        res = _cli(
+            "serve",
+            "--model",
+            str(embedded_model),
+            "--layers",
+            "0-14",
+            "--device",
+            device,
+            "--max-sessions",
+            str(sessions),
+            "--context-tokens",
+            str(context),
+            "--budget-tokens",
+            "65536",
+            "--port",
+            "0",
+            env=device_env(),
+        )
         assert res.returncode == 2, res.stderr[-2000:]  # not a signal
         refused = "the plan does not fit" in res.stderr or "takes in one tensor" in res.stderr
         assert refused and (expected in res.stderr or not lavapipe), res.stderr[-2000:]
@@ -441,6 +532,7 @@ def test_a_plan_larger_than_the_device_is_refused_before_loading(embedded_model,
 
 
 # --- a mixture of experts on one GPU: its experts in host memory (--cpu-moe) ----------------------
+
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
@@ -487,12 +579,16 @@ def test_a_split_with_its_experts_in_host_memory_equals_the_whole_model_so_place
     whole = _generate(LocalPipeline(moe_model, None, **kw), prompt, 8)
     split = _generate(LocalPipeline(moe_model, [(0, 2), (3, 5)], **kw), prompt, 8)
     assert split == whole
-    cpu = _generate(LocalPipeline(moe_model, [(0, 2), (3, 5)], n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2), prompt, 8)
+    cpu = _generate(
+        LocalPipeline(moe_model, [(0, 2), (3, 5)], n_ctx=64, n_seq_max=1, n_batch=16, n_threads=2), prompt, 8
+    )
     assert [t for t, _ in cpu] == [t for t, _ in whole]
 
 
 def test_serve_refuses_n_cpu_moe_outside_the_owned_layers_before_loading(moe_model):
-    res = _cli("serve", "--model", str(moe_model), "--layers", "2-5", "--device", "cpu", "--n-cpu-moe", "9", "--port", "0")
+    res = _cli(
+        "serve", "--model", str(moe_model), "--layers", "2-5", "--device", "cpu", "--n-cpu-moe", "9", "--port", "0"
+    )
     assert res.returncode == 2, res.stderr
     assert "cpu_moe_layers 9 is outside [0, 4]" in res.stderr
     assert "listening" not in res.stderr + res.stdout

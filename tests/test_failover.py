@@ -18,6 +18,7 @@ reference in test_generate.py):
   is the undisturbed route's, and nothing stays reserved once the sessions' TTL passed
   (LLAMA_SHARD_CHAOS_SECONDS, default 20; the benchmark's failover section runs 300).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -41,8 +42,12 @@ from llama_shard.worker.handover import handover_messages
 
 pytestmark = pytest.mark.grpc
 
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-           "The three primary colours are"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colours are",
+]
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
 
 
@@ -63,8 +68,9 @@ def _run_streams(mesh: Mesh, tag: str, prompts, n: int, on_token=None) -> list[d
     results: list[dict] = [{} for _ in range(8)]
 
     def run(i: int) -> None:
-        req = _request(f"{tag}-{i}", prompts[i % len(prompts)], n, None if i % 2 == 0 else 1000 + i,
-                       WORDS if i % 4 == 3 else "")
+        req = _request(
+            f"{tag}-{i}", prompts[i % len(prompts)], n, None if i % 2 == 0 else 1000 + i, WORDS if i % 4 == 3 else ""
+        )
         tokens, gaps, last = [], [], None
         for event in mesh.stub().Generate(req, timeout=180):
             now = time.monotonic()
@@ -115,14 +121,18 @@ def _kill_when(mesh: Mesh, candidates, after_tokens: int, sessions_tag: str):
             victim = mesh_holder(mesh, f"{sessions_tag}{i}", candidates)
             mesh.procs[victim].send_signal(signal.SIGKILL)
             killed.append(victim)
+
     return on_token, killed
 
 
 @pytest.mark.slow
 def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
     # head 0-14, two tail replicas 15-29: the head lists both
-    mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
-                [("--peer", "{1}", "--peer", "{2}", "--max-hop-seconds", "20"), (), ()])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 14), (15, 29), (15, 29)],
+        [("--peer", "{1}", "--peer", "{2}", "--max-hop-seconds", "20"), (), ()],
+    )
     try:
         mesh.start(1).start(2).start(0)
         replicas = mesh.info(0).replicas
@@ -143,8 +153,10 @@ def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
         assert 1 <= len(moved) <= 8 and all(r["final"].reprefilled_tokens > 0 for r in moved)
         stall = max(r["stall"] for r in moved)
         calm_stall = max(r["stall"] for r in reference)
-        print(f"\n  8 streams, a tail replica killed: {len(moved)} failed over, all 8 exact; longest stall "
-              f"{stall:.3f} s (without the kill {calm_stall:.3f} s); {seconds:.1f} s in all")
+        print(
+            f"\n  8 streams, a tail replica killed: {len(moved)} failed over, all 8 exact; longest stall "
+            f"{stall:.3f} s (without the kill {calm_stall:.3f} s); {seconds:.1f} s in all"
+        )
         assert stall < calm_stall + 20.0  # within the hop's bound (--max-hop-seconds 20)
         info = mesh.info(0)
         assert info.failovers == len(moved)
@@ -162,8 +174,11 @@ def test_a_killed_tail_replica_loses_no_token(embedded_model, prompts):
 
 @pytest.mark.slow
 def test_a_killed_middle_replica_of_a_three_worker_route_loses_no_token(embedded_model, prompts):
-    mesh = Mesh(embedded_model, [(0, 9), (10, 19), (10, 19), (20, 29)],
-                [("--peer", "{1}", "--peer", "{2}", "--peer", "{3}"), ("--peer", "{3}"), ("--peer", "{3}"), ()])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 9), (10, 19), (10, 19), (20, 29)],
+        [("--peer", "{1}", "--peer", "{2}", "--peer", "{3}"), ("--peer", "{3}"), ("--peer", "{3}"), ()],
+    )
     try:
         mesh.start(3).start(1).start(2).start(0)
         assert [(r.stage, r.first, r.last) for r in mesh.info(0).replicas] == [(1, 10, 19), (1, 10, 19), (2, 20, 29)]
@@ -205,8 +220,11 @@ def _until(predicate, timeout_s: float = 20.0) -> bool:
 @pytest.mark.slow
 def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
     http_port, metrics_port = free_port(), free_port()
-    mesh = Mesh(embedded_model, [(0, 14), (15, 29)],
-                [("--peer", "{1}", "--http-port", str(http_port), "--metrics-port", str(metrics_port)), ()])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 14), (15, 29)],
+        [("--peer", "{1}", "--http-port", str(http_port), "--metrics-port", str(metrics_port)), ()],
+    )
     try:
         mesh.start(1).start(0)
         assert _http_health(http_port) == (200, {"status": "ok"})
@@ -215,6 +233,7 @@ def test_health_says_which_stage_has_no_replica_and_recovers(embedded_model):
 
         def metric() -> str:
             return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+
         assert _until(lambda: f"{gauge} 1.0" in metric())  # set by the head's first probe of the stage
         mesh.procs[1].send_signal(signal.SIGKILL)
         mesh.procs[1].wait()
@@ -244,8 +263,11 @@ def test_replicas_that_compute_differently_are_refused_at_start_naming_both(embe
 
 @pytest.mark.slow
 def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, prompts):
-    mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
-                [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 14), (15, 29), (15, 29)],
+        [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")],
+    )
     try:
         mesh.start(1).start(2).start(0)
         reference = _run_streams(mesh, "calm", prompts, 24)
@@ -261,6 +283,7 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
                 victim = mesh_holder(mesh, f"drain-{i}", (1, 2))
                 mesh.procs[victim].send_signal(signal.SIGTERM)
                 stopped.append(victim)
+
         results = _run_streams(mesh, "drain", prompts, 24, on_token)
         assert stopped
         code = mesh.reap(stopped[0])
@@ -272,8 +295,13 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
         took = mesh.info(other)
         for i, (calm, hit) in enumerate(zip(reference, results)):
             assert hit["final"].finish_reason == "length" and hit["tokens"] == calm["tokens"], (i, hit["final"])
-            assert hit["final"].reprefills == 0 and hit["final"].failovers == 0, (i, hit["final"], took.misses,
-                                                                                  took.evictions_lru, took.max_sessions)
+            assert hit["final"].reprefills == 0 and hit["final"].failovers == 0, (
+                i,
+                hit["final"],
+                took.misses,
+                took.evictions_lru,
+                took.max_sessions,
+            )
         assert sum(r["final"].moves for r in results) >= 1
         assert took.handover_sessions >= 1
     finally:
@@ -281,15 +309,17 @@ def test_sigterm_hands_every_live_session_to_the_other_replica(embedded_model, p
 
 
 @pytest.mark.slow
-def test_a_drain_hands_idle_sessions_over_and_their_next_turn_computes_only_its_new_tokens(embedded_model,
-                                                                                             prompts):
+def test_a_drain_hands_idle_sessions_over_and_their_next_turn_computes_only_its_new_tokens(embedded_model, prompts):
     """8 sessions (greedy, seeded, two under a grammar) answer a first turn and go idle; the tail
     replica holding some of them is stopped (SIGTERM: a drain) and gone before their next turn. The
     head's record still places them there: it sends each next turn to the other replica, naming
     the drained one (StepRequest.handed_from), and that replica, which received their KV, goes on:
     0 re-prefilled tokens, and each turn's tokens are those of the same two turns undisturbed."""
-    mesh = Mesh(embedded_model, [(0, 14), (15, 29), (15, 29)],
-                [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 14), (15, 29), (15, 29)],
+        [("--peer", "{1}", "--peer", "{2}"), ("--replica", "{2}"), ("--replica", "{1}")],
+    )
     tail = [4, 13]  # each next turn's own new tokens
 
     def two_turns(tag: str, between=lambda: None) -> tuple[list[dict], list[dict]]:
@@ -308,13 +338,16 @@ def test_a_drain_hands_idle_sessions_over_and_their_next_turn_computes_only_its_
             mesh.procs[victim].send_signal(signal.SIGTERM)
             assert mesh.reap(victim) == 0, mesh.stderr[victim][-1][-2000:]
             drained.append(victim)
+
         first, turn = two_turns("idle", drain)
         other = 2 if drained[0] == 1 else 1
         took = mesh.info(other)
-        print(f"\n  a drained replica's idle sessions: {took.handover_sessions} handed over; their next turns "
-              f"re-prefilled {sum(r['final'].reprefilled_tokens for r in turn)} tokens, computed "
-              f"{sum(r['final'].prompt_tokens - r['final'].cached_tokens for r in turn)} new prompt tokens; "
-              f"failovers {sum(r['final'].failovers for r in turn)}")
+        print(
+            f"\n  a drained replica's idle sessions: {took.handover_sessions} handed over; their next turns "
+            f"re-prefilled {sum(r['final'].reprefilled_tokens for r in turn)} tokens, computed "
+            f"{sum(r['final'].prompt_tokens - r['final'].cached_tokens for r in turn)} new prompt tokens; "
+            f"failovers {sum(r['final'].failovers for r in turn)}"
+        )
         assert took.handover_sessions >= 1
         for i, (calm_turn, hit) in enumerate(zip(calm, turn)):
             final = hit["final"]
@@ -331,21 +364,47 @@ def test_chaos_on_the_openai_endpoint_fails_no_request(embedded_model, prompts):
     seconds = float(os.environ.get("LLAMA_SHARD_CHAOS_SECONDS", "20"))
     http_port = free_port()
     common = ("--ttl", "4", "--sweep-seconds", "1", "--max-sessions", "16", "--budget-tokens", "8192")
-    mesh = Mesh(embedded_model, [(0, 9), (10, 19), (10, 19), (20, 29), (20, 29)], [
-        ("--peer", "{1}", "--peer", "{2}", "--peer", "{3}", "--peer", "{4}", "--http-port", str(http_port), *common),
-        ("--peer", "{3}", "--peer", "{4}", "--replica", "{2}", *common),
-        ("--peer", "{3}", "--peer", "{4}", "--replica", "{1}", *common),
-        ("--replica", "{4}", *common), ("--replica", "{3}", *common)])
+    mesh = Mesh(
+        embedded_model,
+        [(0, 9), (10, 19), (10, 19), (20, 29), (20, 29)],
+        [
+            (
+                "--peer",
+                "{1}",
+                "--peer",
+                "{2}",
+                "--peer",
+                "{3}",
+                "--peer",
+                "{4}",
+                "--http-port",
+                str(http_port),
+                *common,
+            ),
+            ("--peer", "{3}", "--peer", "{4}", "--replica", "{2}", *common),
+            ("--peer", "{3}", "--peer", "{4}", "--replica", "{1}", *common),
+            ("--replica", "{4}", *common),
+            ("--replica", "{3}", *common),
+        ],
+    )
     try:
         for k in (3, 4, 1, 2, 0):
             mesh.start(k)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
 
         def complete(text: str) -> str:
-            parts = client.completions.create(model=embedded_model.stem, prompt=text, max_tokens=12, temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True})
+            parts = client.completions.create(
+                model=embedded_model.stem,
+                prompt=text,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return "".join(c.choices[0].text for c in parts if c.choices)
+
         oracle = {p: complete(p) for p in PROMPTS}
         failures: list[str] = []
         done = [0]
@@ -373,15 +432,18 @@ def test_chaos_on_the_openai_endpoint_fails_no_request(embedded_model, prompts):
         for t in clients:
             t.join(180)
         kills = monkey.kills()
-        print(f"\n  chaos for {seconds:g} s or more: {kills} replicas killed or stopped, {done[0]} completions, "
-              f"{len(failures)} failed; head failovers {mesh.info(0).failovers}")
+        print(
+            f"\n  chaos for {seconds:g} s or more: {kills} replicas killed or stopped, {done[0]} completions, "
+            f"{len(failures)} failed; head failovers {mesh.info(0).failovers}"
+        )
         assert not monkey.errors, monkey.errors
         assert kills >= 2 and done[0] >= 16
         assert failures == [], failures[:5]
         assert mesh.info(0).generate_streams == 0
         # once the sessions' TTL has passed, no worker holds a token
-        assert _until(lambda: all(mesh.info(k).reserved_tokens == 0 for k in range(5)), 30), \
-            [mesh.info(k).reserved_tokens for k in range(5)]
+        assert _until(lambda: all(mesh.info(k).reserved_tokens == 0 for k in range(5)), 30), [
+            mesh.info(k).reserved_tokens for k in range(5)
+        ]
     finally:
         mesh.stop()
 
@@ -405,29 +467,45 @@ def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_m
         tail = mesh.stub(0)
         info = mesh.info(0)
         cfg = HotKvStateConfig(max_sessions=2, context_tokens=128, budget_tokens=256, ttl_seconds=0)
-        donors = {r: HotKvStateManager(ShardModel(str(embedded_model), r, 1), cfg, ManualClock(), n_batch=64)
-                  for r in ((15, 29), (0, 14))}
+        donors = {
+            r: HotKvStateManager(ShardModel(str(embedded_model), r, 1), cfg, ManualClock(), n_batch=64)
+            for r in ((15, 29), (0, 14))
+        }
         rows = np.full((20, info.n_embd), 0.01, np.float32)
         KvBoundaryAdapter(donors[(15, 29)].model, donors[(15, 29)]).prefill("s", 0, boundary=rows, start_pos=0)
-        KvBoundaryAdapter(donors[(0, 14)].model, donors[(0, 14)]).prefill("s", 0, token_ids=list(range(1, 21)),
-                                                                          start_pos=0)
+        KvBoundaryAdapter(donors[(0, 14)].model, donors[(0, 14)]).prefill(
+            "s", 0, token_ids=list(range(1, 21)), start_pos=0
+        )
         assert donors[(15, 29)].recipe.fingerprint() == info.recipe_fingerprint
         _, blob = donors[(15, 29)].export_session("s", 0)
         _, other_range = donors[(0, 14)].export_session("s", 0)
 
-        def handover(state: bytes, sid: str = "moved", epoch: int = 0, seq_len: int = 20, *, more: bytes = b"",
-                     **kw) -> pb.SessionReply:
+        def handover(
+            state: bytes, sid: str = "moved", epoch: int = 0, seq_len: int = 20, *, more: bytes = b"", **kw
+        ) -> pb.SessionReply:
             """The stream a drain sends (in 4 KiB chunks, the first with `kw` changed), and `more` after."""
-            messages = handover_messages(pb.HandoverRequest(session_id=sid, route_epoch=epoch, seq_len=seq_len,
-                                                            recipe_fingerprint=info.recipe_fingerprint,
-                                                            model_digest=info.model_digest), state, 4096)
+            messages = handover_messages(
+                pb.HandoverRequest(
+                    session_id=sid,
+                    route_epoch=epoch,
+                    seq_len=seq_len,
+                    recipe_fingerprint=info.recipe_fingerprint,
+                    model_digest=info.model_digest,
+                ),
+                state,
+                4096,
+            )
             for k, v in kw.items():
                 setattr(messages[0], k, v)
             return tail.Handover(iter([*messages, *([pb.HandoverRequest(state=more)] if more else [])]), timeout=30)
 
         def held():
             i = mesh.info(0)
-            return i.live_sessions, i.reserved_tokens, sorted((s.session_id, s.route_epoch, s.seq_len) for s in i.sessions)
+            return (
+                i.live_sessions,
+                i.reserved_tokens,
+                sorted((s.session_id, s.route_epoch, s.seq_len) for s in i.sessions),
+            )
 
         reply = handover(blob, sid="kept", epoch=2)
         assert reply.outcome == pb.OUTCOME_OK and reply.seq_len == 20, reply
@@ -446,12 +524,16 @@ def test_a_forged_or_foreign_hand_over_is_refused_and_changes_nothing(embedded_m
             "cut": (handover(blob[:-7]), pb.OUTCOME_INVALID_ARGUMENT),
             "a position changed": (handover(bytes(moved_position)), pb.OUTCOME_INVALID_ARGUMENT),
             "random": (handover(np.random.default_rng(1).bytes(len(blob))), pb.OUTCOME_INVALID_ARGUMENT),
-            "another range, named": (handover(other_range, recipe_fingerprint=donors[(0, 14)].recipe.fingerprint()),
-                                     pb.OUTCOME_INCOMPATIBLE_RECIPE),
+            "another range, named": (
+                handover(other_range, recipe_fingerprint=donors[(0, 14)].recipe.fingerprint()),
+                pb.OUTCOME_INCOMPATIBLE_RECIPE,
+            ),
             "another range, lied about": (handover(other_range), pb.OUTCOME_INCOMPATIBLE_RECIPE),
             "another model": (handover(blob, model_digest="0" * 40), pb.OUTCOME_INCOMPATIBLE_RECIPE),
-            "an owner on a worker without authentication": (handover(blob, owner="mallory"),
-                                                            pb.OUTCOME_INVALID_ARGUMENT),
+            "an owner on a worker without authentication": (
+                handover(blob, owner="mallory"),
+                pb.OUTCOME_INVALID_ARGUMENT,
+            ),
             "a stale epoch": (handover(blob, sid="kept", epoch=1), pb.OUTCOME_STALE_EPOCH),
             "past the context": (handover(blob, seq_len=100000), pb.OUTCOME_INVALID_ARGUMENT),
             "an id no key is made of": (handover(blob, sid=""), pb.OUTCOME_INVALID_ARGUMENT),

@@ -5,6 +5,7 @@ each kind of layer it has: dense lead layers, sliding-window and full layers, la
 shared expert, an MTP block. Each test compares a split route with the whole model (which runs
 upstream's code path: patch 0001's gate) or a session's later state with a fresh run, byte for byte.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,23 +35,25 @@ FAMILIES = list(CERTIFICATION_SPECS)
 def cuts(spec: MoeSpec) -> list[list[tuple[int, int]]]:
     """2- and 3-shard layouts with a cut at each kind of boundary the family has."""
     L = spec.n_layer
-    layouts = [[(0, L // 2 - 1), (L // 2, L - 1)],            # the middle
-               [(0, 0), (1, L - 2), (L - 1, L - 1)],          # one-layer shards at both ends (the tail next to MTP)
-               [(0, 1), (2, 3), (4, L - 1)]]
+    layouts = [
+        [(0, L // 2 - 1), (L // 2, L - 1)],  # the middle
+        [(0, 0), (1, L - 2), (L - 1, L - 1)],  # one-layer shards at both ends (the tail next to MTP)
+        [(0, 1), (2, 3), (4, L - 1)],
+    ]
     if spec.n_dense_lead:
         layouts.append([(0, spec.n_dense_lead - 1), (spec.n_dense_lead, L - 1)])  # dense lead | MoE
         if spec.n_dense_lead > 1:
-            layouts.append([(0, 0), (1, L - 1)])                                  # inside the dense lead
+            layouts.append([(0, 0), (1, L - 1)])  # inside the dense lead
     if spec.family == "gpt-oss":
-        layouts += [[(0, 2), (3, L - 1)], [(0, 1), (2, L - 1)]]   # after a full layer, after a sliding one
-    if spec.family in ("nemotron_h", "nemotron_h_moe"):           # after a recurrent / an attention layer
+        layouts += [[(0, 2), (3, L - 1)], [(0, 1), (2, L - 1)]]  # after a full layer, after a sliding one
+    if spec.family in ("nemotron_h", "nemotron_h_moe"):  # after a recurrent / an attention layer
         for kinds in ("MA", "AF", "FM"):
             at = spec.layer_kinds.find(kinds)
             layouts.append([(0, at), (at + 1, L - 1)])
-        layouts.append([(0, 0), (1, 1), (2, L - 1)])               # a shard of one recurrent layer only
-    if spec.family in ("qwen35", "qwen35moe", "qwen3next"):        # layers 3 and 7 are attention
+        layouts.append([(0, 0), (1, 1), (2, L - 1)])  # a shard of one recurrent layer only
+    if spec.family in ("qwen35", "qwen35moe", "qwen3next"):  # layers 3 and 7 are attention
         layouts += [[(0, 2), (3, L - 1)], [(0, 3), (4, L - 1)], [(0, 2), (3, 3), (4, L - 1)]]
-    if spec.family == "granitehybrid":                             # MMAMMMAM: after M, after A, A alone
+    if spec.family == "granitehybrid":  # MMAMMMAM: after M, after A, A alone
         layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
     if spec.family == "gemma4":  # layers 2 and 5 are full attention (another head size, K as V), the rest sliding
         layouts += [[(0, 1), (2, L - 1)], [(0, 2), (3, L - 1)], [(0, 1), (2, 2), (3, L - 1)]]
@@ -130,7 +133,7 @@ def test_rejected_drafts_leave_no_trace(family):
         history = PROMPT + tokens[:-1]
         outs = []
         for sid, drafts in (("a", [3, 4, 5, 6]), ("b", [3, 250, 9, 1])):
-            route.prefill(sid, drafts)                                 # the drafts, computed
+            route.prefill(sid, drafts)  # the drafts, computed
             for m in route.managers:
                 assert m.truncate(sid, 0, len(history) + 1).seq_len == len(history) + 1  # one accepted
             outs.append([route.decode(sid, 77)])
@@ -147,7 +150,9 @@ def test_a_prefix_open_continues_as_the_prefix_owner_does(family):
     """A stored prefix opened by another session holds the owner's bytes: both continue alike,
     and with a fresh run's greedy tokens."""
     name, path, spec = family
-    config = HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0, prefix_bytes=16 << 20)
+    config = HotKvStateConfig(
+        max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0, prefix_bytes=16 << 20
+    )
     route = Route(path, halves(spec), config)
     try:
         route.prefill("a", PROMPT[:8])
@@ -170,7 +175,7 @@ def test_a_session_back_from_the_warm_tier_continues_exactly(family):
     r, ref = Route(path, halves(spec), config), Route(path, halves(spec))
     try:
         tokens, _ = r.greedy("a", PROMPT, 6)
-        r.greedy("b", [7, 7, 7], 2)                                # one hot slot: "a" goes warm
+        r.greedy("b", [7, 7, 7], 2)  # one hot slot: "a" goes warm
         assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
         out = r.decode("a", tokens[-1])
         ref_tokens, _ = ref.greedy("a", PROMPT, 6)
@@ -204,8 +209,9 @@ def test_inspect_reads_the_family_and_its_expert_bytes(family):
     assert shape.n_layer == spec.n_layer and shape.n_nextn == spec.n_nextn
     assert shape.n_expert == spec.n_expert and shape.n_expert_used == spec.n_expert_used
     recurrent = recurrent_layers(spec)
-    kind = ([f"hybrid, {len(recurrent)} of {spec.n_layer} layers recurrent"] if recurrent else []) + \
-        ([f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"] if spec.n_expert else [])
+    kind = ([f"hybrid, {len(recurrent)} of {spec.n_layer} layers recurrent"] if recurrent else []) + (
+        [f"MoE, {spec.n_expert} experts, {spec.n_expert_used} active"] if spec.n_expert else []
+    )
     assert shape.kind == ("; ".join(kind) or "dense")
     if recurrent:
         assert list(shape.recurrent_layers) == recurrent
@@ -219,7 +225,11 @@ def test_inspect_reads_the_family_and_its_expert_bytes(family):
     for first, last in halves(spec):
         model = ShardModel(str(path), (first, last), 1)
         planned = shape.range_info(first, last)
-        assert abs(planned.weight_bytes - model.info.weight_bytes) <= 0.1 * model.info.weight_bytes, (first, last, planned)
+        assert abs(planned.weight_bytes - model.info.weight_bytes) <= 0.1 * model.info.weight_bytes, (
+            first,
+            last,
+            planned,
+        )
         # KV and recurrent state per token and per session as llama.cpp allocates them
         assert planned.kv_bytes_per_token == model.info.kv_bytes_per_token
         assert planned.recurrent_bytes == model.info.recurrent_bytes
@@ -241,7 +251,7 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
     reader = gguf.GGUFReader(str(path))
     field = reader.get_field("qwen3moe.expert_count")
     offset = int(field.parts[field.data[0]].__array_interface__["data"][0] - reader.data.__array_interface__["data"][0])
-    data[offset:offset + 4] = (16).to_bytes(4, "little")
+    data[offset : offset + 4] = (16).to_bytes(4, "little")
     bad = tmp_path / "liar16.gguf"
     bad.write_bytes(bytes(data))
     del reader
@@ -249,9 +259,14 @@ def test_an_expert_count_that_disagrees_with_the_tensors_is_refused_at_load(tmp_
         ShardModel(str(bad), (0, 2), 1)
 
 
-@pytest.mark.parametrize("arch, why", [("deepseek4", "hyper-connection residual streams"),
-                                       ("glm5-next", "4 mHC residual streams"),
-                                       ("kimi-k3", "cross-layer residual attention")])
+@pytest.mark.parametrize(
+    "arch, why",
+    [
+        ("deepseek4", "hyper-connection residual streams"),
+        ("glm5-next", "4 mHC residual streams"),
+        ("kimi-k3", "cross-layer residual attention"),
+    ],
+)
 def test_a_family_that_cannot_be_split_exactly_is_refused_naming_why(tmp_path, arch, why):
     """Families whose layers pass more than one residual row on: a range is refused from the header,
     before llama.cpp reads anything, with the reason."""
@@ -271,8 +286,10 @@ def test_a_family_that_cannot_be_split_exactly_is_refused_naming_why(tmp_path, a
         ShardModel(str(tmp_path / f"{arch}.gguf"), (0, 1), 1)
 
 
-@pytest.mark.parametrize("variant, why", [({"n_embd_per_layer": 16}, "per-layer input"),
-                                          ({"n_kv_shared": 3}, "reuse earlier layers' KV cache")])
+@pytest.mark.parametrize(
+    "variant, why",
+    [({"n_embd_per_layer": 16}, "per-layer input"), ({"n_kv_shared": 3}, "reuse earlier layers' KV cache")],
+)
 def test_a_gemma4_file_with_per_layer_inputs_or_shared_kv_is_refused_a_range(tmp_path, variant, why):
     """gemma4 is certified for files like 26B-A4B's; E2B/E4B-style files (per-layer inputs computed
     from the token ids before the loop, KV shared between layers) are refused from the header with
@@ -330,10 +347,14 @@ def test_a_hybrid_whose_conv_kernel_is_not_f32_is_refused_at_load(tmp_path):
     import subprocess
     import sys
 
-    path = write_moe_gguf(tmp_path / "f16-conv.gguf", dataclasses.replace(CERTIFICATION_SPECS["nemotron_h"], ssm_conv_f16=True))
-    code = ("import sys\nfrom llama_shard import ShardModel, ModelLoadError\n"
-            "for layers in (None, (0, 3)):\n"
-            "    try:\n        ShardModel(sys.argv[1], layers, 1)\n    except ModelLoadError as e:\n        print(e)\n")
+    path = write_moe_gguf(
+        tmp_path / "f16-conv.gguf", dataclasses.replace(CERTIFICATION_SPECS["nemotron_h"], ssm_conv_f16=True)
+    )
+    code = (
+        "import sys\nfrom llama_shard import ShardModel, ModelLoadError\n"
+        "for layers in (None, (0, 3)):\n"
+        "    try:\n        ShardModel(sys.argv[1], layers, 1)\n    except ModelLoadError as e:\n        print(e)\n"
+    )
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("conv kernel must be f32") == 2, res.stdout
@@ -346,7 +367,7 @@ def test_the_memory_plan_of_a_hybrid_shard_counts_its_state_not_every_layers_kv(
     from llama_shard.engine.memory import memory_plan
     from llama_shard.engine.models import gguf_shape
 
-    shape = gguf_shape(family_models["nemotron_h"])                 # layers MMAFMMAF
+    shape = gguf_shape(family_models["nemotron_h"])  # layers MMAFMMAF
     recurrent = memory_plan(shape.range_info(0, 1), 64 << 20, 128)
     model = ShardModel(str(family_models["nemotron_h"]), (0, 1), 1)
     assert recurrent.kv_bytes_per_token == 0 == model.info.kv_bytes_per_token

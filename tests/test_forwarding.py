@@ -2,6 +2,7 @@
 than layers after the worker, no worker twice (whatever address spells it), and a hop holds a
 handler at most --max-hop-seconds whatever the caller's deadline; a chained step without a client
 deadline works."""
+
 from __future__ import annotations
 
 import threading
@@ -30,11 +31,32 @@ def mesh(synthetic_model):
     middle, tail = f"127.0.0.1:{ports['middle']}", f"127.0.0.1:{ports['tail']}"
     procs = {
         "tail": start_worker(synthetic_model, 4, 5, port=ports["tail"])[0],
-        "middle": start_worker(synthetic_model, 2, 3, port=ports["middle"],
-                               extra=("--peer", tail, "--peer", head_alias, "--max-hop-seconds", "5"))[0],
-        "head": start_worker(synthetic_model, 0, 1, port=ports["head"],
-                             extra=("--host", "0.0.0.0", "--insecure", "--peer", head_self, "--peer", head_alias,
-                                    "--peer", middle, "--max-hop-seconds", "5"))[0],
+        "middle": start_worker(
+            synthetic_model,
+            2,
+            3,
+            port=ports["middle"],
+            extra=("--peer", tail, "--peer", head_alias, "--max-hop-seconds", "5"),
+        )[0],
+        "head": start_worker(
+            synthetic_model,
+            0,
+            1,
+            port=ports["head"],
+            extra=(
+                "--host",
+                "0.0.0.0",
+                "--insecure",
+                "--peer",
+                head_self,
+                "--peer",
+                head_alias,
+                "--peer",
+                middle,
+                "--max-hop-seconds",
+                "5",
+            ),
+        )[0],
     }
     try:
         for name, proc in procs.items():
@@ -47,8 +69,9 @@ def mesh(synthetic_model):
 
 def _prefill(address: str, forward: list[str], sid: str, timeout: float | None = 30) -> pb.StepReply:
     with grpc.insecure_channel(address) as ch:
-        req = pb.StepRequest(session_id=sid, route_epoch=0, token_ids=[1, 2, 3], position=0,
-                             forward=[pb.Hop(address=a) for a in forward])
+        req = pb.StepRequest(
+            session_id=sid, route_epoch=0, token_ids=[1, 2, 3], position=0, forward=[pb.Hop(address=a) for a in forward]
+        )
         return pb_grpc.ShardServiceStub(ch).Prefill(req, timeout=timeout)
 
 
@@ -66,15 +89,21 @@ def test_a_chained_step_without_a_client_deadline_works(mesh):
 
 @pytest.mark.parametrize("case", ["self", "self-alias-first", "twice", "too-many"])
 def test_a_forward_list_that_would_loop_is_refused_before_anything_is_computed(mesh, case):
-    forward = {"self": [mesh["head"]],
-               "self-alias-first": [mesh["head"], mesh["middle"], mesh["tail"]],
-               "twice": [mesh["middle"], mesh["middle"]],
-               "too-many": [mesh["middle"]] + [f"10.0.0.{i}:1" for i in range(12)]}[case]
+    forward = {
+        "self": [mesh["head"]],
+        "self-alias-first": [mesh["head"], mesh["middle"], mesh["tail"]],
+        "twice": [mesh["middle"], mesh["middle"]],
+        "too-many": [mesh["middle"]] + [f"10.0.0.{i}:1" for i in range(12)],
+    }[case]
     before = _info(mesh["head"]).engine_requests
     r = _prefill(mesh["head"], forward, f"refused-{case}")
     assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and r.stage == 0, r
-    assert {"self": "names this worker", "self-alias-first": "names this worker", "twice": "twice",
-            "too-many": "at most 4 more"}[case] in r.detail
+    assert {
+        "self": "names this worker",
+        "self-alias-first": "names this worker",
+        "twice": "twice",
+        "too-many": "at most 4 more",
+    }[case] in r.detail
     assert _info(mesh["head"]).engine_requests == before  # nothing computed
 
 
@@ -98,8 +127,9 @@ def test_a_slow_hop_holds_the_handler_at_most_max_hop_seconds_and_others_are_ser
     silent.listen(16)
     port = silent.getsockname()[1]
     head_port = free_port()
-    proc, head = start_worker(synthetic_model, 0, 1, port=head_port,
-                              extra=("--peer", f"127.0.0.1:{port}", "--max-hop-seconds", "3"))
+    proc, head = start_worker(
+        synthetic_model, 0, 1, port=head_port, extra=("--peer", f"127.0.0.1:{port}", "--max-hop-seconds", "3")
+    )
     try:
         wait_serving(proc, head, route_up=False)  # its peer never answers Info: NOT_SERVING
         result = {}
@@ -136,13 +166,22 @@ def test_hidden_rows_to_a_middle_are_forwarded_with_the_loop_rules_too(mesh):
     x = encode_tensor(np.zeros((2, 64), np.float32))
     with grpc.insecure_channel(mesh["middle"]) as ch:
         stub = pb_grpc.ShardServiceStub(ch)
-        ok = stub.Prefill(pb.StepRequest(session_id="m", route_epoch=0, hidden=x, position=0,
-                                         forward=[pb.Hop(address=mesh["tail"])]), timeout=30)
+        ok = stub.Prefill(
+            pb.StepRequest(session_id="m", route_epoch=0, hidden=x, position=0, forward=[pb.Hop(address=mesh["tail"])]),
+            timeout=30,
+        )
         assert ok.outcome == pb.OUTCOME_OK and ok.stage == 1, ok
         # to the tail, then on: the tail is the last stage, there is nothing after it
-        r = stub.Prefill(pb.StepRequest(session_id="m2", route_epoch=0, hidden=x, position=0,
-                                        forward=[pb.Hop(address=mesh["tail"]), pb.Hop(address=mesh["head_alias"])]),
-                         timeout=30)
+        r = stub.Prefill(
+            pb.StepRequest(
+                session_id="m2",
+                route_epoch=0,
+                hidden=x,
+                position=0,
+                forward=[pb.Hop(address=mesh["tail"]), pb.Hop(address=mesh["head_alias"])],
+            ),
+            timeout=30,
+        )
         assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT, r
 
 
@@ -170,8 +209,10 @@ def test_a_route_that_mixes_attention_kernels_is_refused_naming_both(synthetic_m
 
     tail_port, head_port = free_port(), free_port()
     tail, head = f"127.0.0.1:{tail_port}", f"127.0.0.1:{head_port}"
-    procs = [start_worker(synthetic_model, 3, 5, port=tail_port, extra=("--flash-attn", "off"))[0],
-             start_worker(synthetic_model, 0, 2, port=head_port, extra=("--peer", tail))[0]]
+    procs = [
+        start_worker(synthetic_model, 3, 5, port=tail_port, extra=("--flash-attn", "off"))[0],
+        start_worker(synthetic_model, 0, 2, port=head_port, extra=("--peer", tail))[0],
+    ]
     try:
         wait_serving(procs[0], tail)
         wait_serving(procs[1], head)
@@ -182,9 +223,14 @@ def test_a_route_that_mixes_attention_kernels_is_refused_naming_both(synthetic_m
         assert reply.outcome == pb.OUTCOME_INCOMPATIBLE_RECIPE and reply.stage == 1, reply
         assert "flash attention off" in reply.detail and "flash attention on" in reply.detail
         with grpc.insecure_channel(head) as ch:
-            events = list(pb_grpc.ShardServiceStub(ch).Generate(
-                pb.GenerateRequest(session_id="mixed-gen", prompt=[1, 2, 3], max_tokens=2,
-                                   forward=[pb.Hop(address=tail)]), timeout=30))
+            events = list(
+                pb_grpc.ShardServiceStub(ch).Generate(
+                    pb.GenerateRequest(
+                        session_id="mixed-gen", prompt=[1, 2, 3], max_tokens=2, forward=[pb.Hop(address=tail)]
+                    ),
+                    timeout=30,
+                )
+            )
         final = events[-1].final
         assert (final.finish_reason, final.outcome, final.stage) == ("error", pb.OUTCOME_INCOMPATIBLE_RECIPE, 1)
         with pytest.raises(InvalidInputError, match="flash attention off.*flash attention on|flash attention on.*off"):

@@ -4,6 +4,7 @@ The synthetic Gemma 3 has a 4-token window, so every test prompt reaches past it
 context keeps every cell of its sliding-window layers (llama.cpp's swa_full), so a truncation to
 any held position, inside or beyond the window, continues exactly as a fresh run of the same tokens.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -50,12 +51,12 @@ def test_a_gemma3_split_gives_the_whole_models_tokens_and_logits(synthetic_gemma
 
 @pytest.mark.parametrize("length", [10, 6, 2], ids=["inside the window", "beyond it", "far beyond it"])
 def test_a_truncation_anywhere_continues_as_a_fresh_run(route, length):
-    tokens, _ = route.greedy("s", PROMPT, 12)            # 12 + 11 tokens held: the window is 4
+    tokens, _ = route.greedy("s", PROMPT, 12)  # 12 + 11 tokens held: the window is 4
     history = PROMPT + tokens[:-1]
     route.truncate("s", length)
-    suffix = history[length:length + 5]
-    got = route.prefill("s", suffix)                        # continue from the truncated state
-    fresh = route.prefill("fresh", history[:length + 5], start_pos=0)
+    suffix = history[length : length + 5]
+    got = route.prefill("s", suffix)  # continue from the truncated state
+    fresh = route.prefill("fresh", history[: length + 5], start_pos=0)
     assert got.seq_len == fresh.seq_len == length + 5
     assert got.logits.tobytes() == fresh.logits.tobytes()
     a, b = route.decode("s", got.token_id), route.decode("fresh", fresh.token_id)
@@ -63,14 +64,13 @@ def test_a_truncation_anywhere_continues_as_a_fresh_run(route, length):
 
 
 def test_a_gemma3_session_through_the_warm_tier_comes_back_bit_exact(synthetic_gemma3):
-    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
-                              warm_bytes=64 << 20)
+    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0, warm_bytes=64 << 20)
     r, ref = Route(synthetic_gemma3, config), Route(synthetic_gemma3)
     try:
         tokens, _ = r.greedy("a", PROMPT, 6)
-        r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" goes to the warm tier
+        r.greedy("b", [7, 7, 7], 2)  # one hot slot: "a" goes to the warm tier
         assert all(m.resolve("a", 0).tier == Tier.WARM for m in r.managers)
-        out = r.decode("a", tokens[-1])                     # restored, no miss
+        out = r.decode("a", tokens[-1])  # restored, no miss
         ref_tokens, _ = ref.greedy("a", PROMPT, 6)
         expected = ref.decode("a", ref_tokens[-1])
         assert out.logits.tobytes() == expected.logits.tobytes()
@@ -87,8 +87,8 @@ def spilled_session(path, tier: Tier, **route_kw):
     r, ref = Route(path, **route_kw), Route(path)
     try:
         tokens, _ = r.greedy("a", PROMPT, 12)
-        assert ref.greedy("a", PROMPT, 12)[0] == tokens     # the same steps, hot all along
-        r.greedy("b", [7, 7, 7], 2)                         # one hot slot: "a" leaves it
+        assert ref.greedy("a", PROMPT, 12)[0] == tokens  # the same steps, hot all along
+        r.greedy("b", [7, 7, 7], 2)  # one hot slot: "a" leaves it
         assert all(m.resolve("a", 0).tier == tier for m in r.managers)
         yield r, ref, tokens
     finally:
@@ -105,11 +105,10 @@ def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly
     at 21 and 20 llama.cpp would still hold cells, and compute wrong logits), and the head's
     re-prefill gives the fresh run's logits. Before the check, such a cut left llama.cpp holding
     nothing while the engine counted the tokens (the next step failed, the invariants broke)."""
-    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
-                              warm_bytes=64 << 20)
+    config = HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0, warm_bytes=64 << 20)
     with spilled_session(synthetic_gemma3, Tier.WARM, config=config) as (r, ref, tokens):
-        history = PROMPT + tokens[:-1] + [5, 6, 7, 8, 9]    # 23 tokens held, then what the next turn says
-        suffix = history[cut:cut + 5]
+        history = PROMPT + tokens[:-1] + [5, 6, 7, 8, 9]  # 23 tokens held, then what the next turn says
+        suffix = history[cut : cut + 5]
         head, tail = r.adapters
         out = head.prefill("a", 0, token_ids=suffix, start_pos=cut)  # what the head sends
         if not isinstance(out, CacheMiss):
@@ -118,9 +117,9 @@ def test_a_gemma3_session_back_from_the_warm_tier_and_cut_back_continues_exactly
         if isinstance(out, CacheMiss):
             assert out.reason == CacheMissReason.EVICTED_LRU and "warm tier" in out.detail
             for m in r.managers:
-                m.release("a", 0)                           # the head starts the session over
-            out = r.prefill("a", history[:cut + 5], start_pos=0)
-            expected = ref.prefill("fresh", history[:cut + 5], start_pos=0)
+                m.release("a", 0)  # the head starts the session over
+            out = r.prefill("a", history[: cut + 5], start_pos=0)
+            expected = ref.prefill("fresh", history[: cut + 5], start_pos=0)
         else:
             expected = ref.prefill("a", suffix, start_pos=cut)  # a hot cut is exact (above)
         assert out.seq_len == expected.seq_len == cut + 5
@@ -133,8 +132,17 @@ def test_a_gemma3_session_longer_than_its_window_comes_back_from_the_disk_tier(s
     """The disk tier's size check counts a sliding-window layer's window, not the whole sequence
     (its state holds only that): a 23-token session (window 4) comes back from a file and continues
     as it would have hot. Before, the file was refused as too short and the session was a miss."""
-    configs = [HotKvStateConfig(max_sessions=1, context_tokens=128, budget_tokens=128, ttl_seconds=0,
-                                warm_dir=str(tmp_path / f"shard{i}"), warm_disk_bytes=64 << 20) for i in range(2)]
+    configs = [
+        HotKvStateConfig(
+            max_sessions=1,
+            context_tokens=128,
+            budget_tokens=128,
+            ttl_seconds=0,
+            warm_dir=str(tmp_path / f"shard{i}"),
+            warm_disk_bytes=64 << 20,
+        )
+        for i in range(2)
+    ]
     with spilled_session(synthetic_gemma3, Tier.DISK, configs=configs) as (r, ref, tokens):  # no host tier
         out, expected = r.decode("a", tokens[-1]), ref.decode("a", tokens[-1])
         assert not isinstance(out, CacheMiss), out
@@ -145,9 +153,11 @@ def test_a_gemma3_session_longer_than_its_window_comes_back_from_the_disk_tier(s
 
 # --- the real Gemma 3 270M (Q4_K_M; 18 layers, a 512-token window, every 6th layer global) ---------
 
-LONG_TEXT = ("The history of the city begins with a small settlement on the river, where traders met to "
-             "exchange grain, salt and cloth. Over the centuries the settlement grew into a market town, "
-             "then a walled city with its own charter, guilds and council. ")
+LONG_TEXT = (
+    "The history of the city begins with a small settlement on the river, where traders met to "
+    "exchange grain, salt and cloth. Over the centuries the settlement grew into a market town, "
+    "then a walled city with its own charter, guilds and council. "
+)
 
 
 def _real_prompts(model) -> list[list[int]]:
@@ -208,8 +218,10 @@ def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model,
     from llama_shard.engine.hot_kv import kv_recipe_for
     from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
-    other = write_synthetic_gguf(model_dir / "gemma3-8L-w8.gguf",
-                                 SyntheticSpec(architecture="gemma3", n_layer=8, sliding_window=8, logit_softcap=30.0, seed=19))
+    other = write_synthetic_gguf(
+        model_dir / "gemma3-8L-w8.gguf",
+        SyntheticSpec(architecture="gemma3", n_layer=8, sliding_window=8, logit_softcap=30.0, seed=19),
+    )
     a, b = (kv_recipe_for(ShardModel(str(p), (0, 4), 1)) for p in (synthetic_gemma3, other))
     assert a.sliding_window == 4 and b.sliding_window == 8
     assert a.fingerprint() != b.fingerprint()  # a cache made under one window is no use under another

@@ -14,6 +14,7 @@ What is shown here, on live workers over loopback:
   released, no KV; SIGTERM ends a running stream with a final event `shutdown`; the per-principal
   cap bounds concurrent streams.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,15 @@ pytestmark = pytest.mark.grpc
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 PARAMS = {
     "top-k-p-min-p": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
-    "penalties": dict(temperature=1.0, top_k=0, top_p=0.9, penalty_last_n=32, penalty_repeat=1.3,
-                      penalty_freq=0.2, penalty_present=0.3),
+    "penalties": dict(
+        temperature=1.0,
+        top_k=0,
+        top_p=0.9,
+        penalty_last_n=32,
+        penalty_repeat=1.3,
+        penalty_freq=0.2,
+        penalty_present=0.3,
+    ),
 }
 SEEDS = [1, 42, 1234]
 
@@ -90,8 +98,9 @@ def test_greedy_generate_gives_todays_tokens_and_the_whole_models(smol_routes, s
 @pytest.mark.parametrize("layout", ["whole", "2 shards", "3 shards"])
 @pytest.mark.parametrize("name", list(PARAMS))
 @pytest.mark.slow
-def test_seeded_sampling_on_the_route_equals_the_chain_on_the_whole_model(smol_routes, smol_prompts, smol_reference,
-                                                                           layout, name):
+def test_seeded_sampling_on_the_route_equals_the_chain_on_the_whole_model(
+    smol_routes, smol_prompts, smol_reference, layout, name
+):
     route = smol_routes[layout]
     for seed in SEEDS:
         wire = params_to_wire(SamplingParams(seed=seed, **PARAMS[name]))
@@ -101,13 +110,15 @@ def test_seeded_sampling_on_the_route_equals_the_chain_on_the_whole_model(smol_r
             assert final.finish_reason == "length"
 
 
-def test_a_miss_mid_stream_is_re_prefilled_by_the_head_and_gives_the_same_tokens(smol_routes, smol_prompts,
-                                                                                   embedded_model):
+def test_a_miss_mid_stream_is_re_prefilled_by_the_head_and_gives_the_same_tokens(
+    smol_routes, smol_prompts, embedded_model
+):
     route = smol_routes["2 shards"]
     params = SamplingParams(seed=7, **PARAMS["penalties"])
     expected = whole_model_tokens(embedded_model, smol_prompts[1], params, 40)
-    call = route.stub().Generate(route.request("miss-mid-stream", smol_prompts[1], 40, params_to_wire(params)),
-                                 timeout=120)
+    call = route.stub().Generate(
+        route.request("miss-mid-stream", smol_prompts[1], 40, params_to_wire(params)), timeout=120
+    )
     tokens, final = [], None
     for event in call:
         if event.HasField("final"):
@@ -166,8 +177,11 @@ def test_bad_parameters_get_invalid_argument_and_change_nothing(smol_routes, cas
     assert final.detail, final
     after = [route.info(k) for k in (0, 1)]
     for b, a in zip(before, after):
-        assert (a.engine_requests, a.live_sessions, a.reserved_tokens) == (b.engine_requests, b.live_sessions,
-                                                                          b.reserved_tokens)
+        assert (a.engine_requests, a.live_sessions, a.reserved_tokens) == (
+            b.engine_requests,
+            b.live_sessions,
+            b.reserved_tokens,
+        )
 
 
 def test_a_cancelled_stream_stops_computing_and_its_session_goes_on(smol_routes, smol_prompts):
@@ -260,8 +274,10 @@ def test_64_streams_opened_and_dropped_at_random_leave_nothing_behind(embedded_m
     route = Route(embedded_model, [(0, 14), (15, 29)])
     try:
         rng = random.Random(5)
-        plans = [(f"churn-{i}", [1 + rng.randrange(500) for _ in range(rng.randrange(1, 40))], rng.randrange(0, 12))
-                 for i in range(64)]
+        plans = [
+            (f"churn-{i}", [1 + rng.randrange(500) for _ in range(rng.randrange(1, 40))], rng.randrange(0, 12))
+            for i in range(64)
+        ]
         outcomes: list[str] = []
         refused: list[str] = []  # attempts refused while every session was streaming (retried, as a client would)
 
@@ -321,7 +337,11 @@ def test_the_per_principal_cap_bounds_concurrent_streams(embedded_model):
         firsts = [next(iter(c)) for c in calls]  # both running
         assert all(f.HasField("token") for f in firsts)
         tokens, final = route.generate("capped-2", [1, 2, 3], 4)
-        assert tokens == [] and final.outcome == pb.OUTCOME_BUDGET_EXCEEDED and "max-sessions-per-principal" in final.detail
+        assert (
+            tokens == []
+            and final.outcome == pb.OUTCOME_BUDGET_EXCEEDED
+            and "max-sessions-per-principal" in final.detail
+        )
         for c in calls:
             c.cancel()
     finally:
@@ -355,19 +375,22 @@ def test_route_client_uses_generate_on_a_chained_route(smol_routes, smol_prompts
     assert s.generate(smol_prompts[0], N_TOKENS, sampling=params) == smol_reference[("top-k-p-min-p", 42, 0)]
     assert s.last_final is not None and s.last_final.finish_reason == "length"
     assert len(s.history) == len(smol_prompts[0]) + N_TOKENS - 1
-    many = chained.generate_many([chained.session(f"many-{i}") for i in range(3)], smol_prompts, N_TOKENS,
-                                 sampling=params)
+    many = chained.generate_many(
+        [chained.session(f"many-{i}") for i in range(3)], smol_prompts, N_TOKENS, sampling=params
+    )
     assert many == [smol_reference[("top-k-p-min-p", 42, i)] for i in range(3)]
     # the client-driven loop samples the tail's logits itself: the same tokens
     stages = [RemoteStage(route.addresses[0]), RemoteStage(route.addresses[1], return_logits=True)]
     unchained = RouteClient(stages, chained=False)
-    assert unchained.session("client-unchained").generate(smol_prompts[0], N_TOKENS, sampling=params) == \
-        smol_reference[("top-k-p-min-p", 42, 0)]
+    assert (
+        unchained.session("client-unchained").generate(smol_prompts[0], N_TOKENS, sampling=params)
+        == smol_reference[("top-k-p-min-p", 42, 0)]
+    )
     # stop strings and logprobs through the client
     # a stop string the sampled text holds on this CPU (its text is the kernels' choice): a character
     # from its second half
     text = "".join(e.piece for e in chained.session("client-plain").events(smol_prompts[0], N_TOKENS))
-    stop = next(c for c in text[len(text) // 2:] if not c.isspace())
+    stop = next(c for c in text[len(text) // 2 :] if not c.isspace())
     s2 = chained.session("client-stop")
     events = list(s2.events(smol_prompts[0], N_TOKENS, stop_strings=[stop], top_logprobs=2))
     assert s2.last_final.finish_reason == "stop" and s2.last_final.stop == stop

@@ -1,5 +1,6 @@
 """Configuration from the environment, and bad input through the manager: a clear exception and no
 state change, on both engines (the native cases run in a subprocess so an abort would fail)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,15 @@ from conftest import run_isolated
 
 
 def test_config_from_env_reads_every_variable():
-    env = {"LLAMA_SHARD_MAX_SESSIONS": "12", "LLAMA_SHARD_CONTEXT_TOKENS": "1024",
-           "LLAMA_SHARD_BUDGET_TOKENS": "4096", "LLAMA_SHARD_TTL_SECONDS": "2.5"}
-    assert HotKvStateConfig.from_env(env) == HotKvStateConfig(max_sessions=12, context_tokens=1024,
-                                                              budget_tokens=4096, ttl_seconds=2.5)
+    env = {
+        "LLAMA_SHARD_MAX_SESSIONS": "12",
+        "LLAMA_SHARD_CONTEXT_TOKENS": "1024",
+        "LLAMA_SHARD_BUDGET_TOKENS": "4096",
+        "LLAMA_SHARD_TTL_SECONDS": "2.5",
+    }
+    assert HotKvStateConfig.from_env(env) == HotKvStateConfig(
+        max_sessions=12, context_tokens=1024, budget_tokens=4096, ttl_seconds=2.5
+    )
     assert HotKvStateConfig.from_env({}) == HotKvStateConfig()
     assert HotKvStateConfig.from_env({"LLAMA_SHARD_FLASH_ATTN": "off"}).flash_attn is False
     assert HotKvStateConfig.from_env({"LLAMA_SHARD_FLASH_ATTN": "On"}).flash_attn is True
@@ -42,18 +48,32 @@ def test_flash_attention_is_a_checked_setting_of_the_cache_recipe(synthetic_mode
         with pytest.raises(InvalidInputError, match="flash_attn"):
             HotKvStateConfig(**bad)
     from llama_shard._native import HotKvConfig, HotKvEngine
+
     with pytest.raises(InvalidInputError, match="needs flash_attn"):  # the engine's own check, not only Python's
         HotKvEngine(model, HotKvConfig(kv_type="q8_0", flash_attn=False))
 
 
-@pytest.mark.parametrize("key,value", [
-    ("LLAMA_SHARD_MAX_SESSIONS", "many"), ("LLAMA_SHARD_MAX_SESSIONS", "0"), ("LLAMA_SHARD_MAX_SESSIONS", "1000"),
-    ("LLAMA_SHARD_CONTEXT_TOKENS", "-5"), ("LLAMA_SHARD_BUDGET_TOKENS", "1.5"), ("LLAMA_SHARD_TTL_SECONDS", "nan"),
-    ("LLAMA_SHARD_TTL_SECONDS", "-1"), ("LLAMA_SHARD_BUDGET_TOKENS", "99999999999"),
-    ("LLAMA_SHARD_CONTEXT_TOKENS", "1048577"), ("LLAMA_SHARD_CONTEXT_TOKENS", "2147483648"),
-    ("LLAMA_SHARD_WARM_BYTES", "-1"), ("LLAMA_SHARD_WARM_BYTES", "lots"), ("LLAMA_SHARD_WARM_DISK_BYTES", "-3"),
-    ("LLAMA_SHARD_WARM_TTL_SECONDS", "inf"), ("LLAMA_SHARD_KV_TYPE", "f64"), ("LLAMA_SHARD_FLASH_ATTN", "maybe"),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("LLAMA_SHARD_MAX_SESSIONS", "many"),
+        ("LLAMA_SHARD_MAX_SESSIONS", "0"),
+        ("LLAMA_SHARD_MAX_SESSIONS", "1000"),
+        ("LLAMA_SHARD_CONTEXT_TOKENS", "-5"),
+        ("LLAMA_SHARD_BUDGET_TOKENS", "1.5"),
+        ("LLAMA_SHARD_TTL_SECONDS", "nan"),
+        ("LLAMA_SHARD_TTL_SECONDS", "-1"),
+        ("LLAMA_SHARD_BUDGET_TOKENS", "99999999999"),
+        ("LLAMA_SHARD_CONTEXT_TOKENS", "1048577"),
+        ("LLAMA_SHARD_CONTEXT_TOKENS", "2147483648"),
+        ("LLAMA_SHARD_WARM_BYTES", "-1"),
+        ("LLAMA_SHARD_WARM_BYTES", "lots"),
+        ("LLAMA_SHARD_WARM_DISK_BYTES", "-3"),
+        ("LLAMA_SHARD_WARM_TTL_SECONDS", "inf"),
+        ("LLAMA_SHARD_KV_TYPE", "f64"),
+        ("LLAMA_SHARD_FLASH_ATTN", "maybe"),
+    ],
+)
 def test_bad_env_value_is_a_clear_startup_error(key, value):
     with pytest.raises(InvalidInputError) as e:
         HotKvStateConfig.from_env({key: value})
@@ -109,8 +129,10 @@ print("ALL", len(cases))
 
 MAKE = {
     "native": "shard = ls.ShardModel({path!r}, None, 1)\ntshard = ls.ShardModel({path!r}, (3, 5), 1)",
-    "reference": ("from llama_shard.reference import ReferenceModel, ReferenceShard\n"
-                  "ref = ReferenceModel.from_gguf({path!r})\nshard = ReferenceShard(ref)\ntshard = ReferenceShard(ref, 3, 5)"),
+    "reference": (
+        "from llama_shard.reference import ReferenceModel, ReferenceShard\n"
+        "ref = ReferenceModel.from_gguf({path!r})\nshard = ReferenceShard(ref)\ntshard = ReferenceShard(ref, 3, 5)"
+    ),
 }
 
 

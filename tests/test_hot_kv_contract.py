@@ -1,5 +1,6 @@
 """The Hot KV State contract, scenario by scenario, on both engines: the native engine (patched
 llama.cpp) and the numpy reference engine, through one parametrised fixture on the synthetic model."""
+
 from __future__ import annotations
 
 import threading
@@ -38,11 +39,13 @@ def reference_model(synthetic_model) -> ReferenceModel:
 @pytest.fixture(params=["native", "reference"])
 def make_shard(request, synthetic_model, reference_model):
     """make_shard(first, last) -> a shard of the synthetic model on the parametrised engine."""
+
     def make(first=None, last=None):
         if request.param == "native":
             layers = None if first is None else (first, last)
             return ShardModel(str(synthetic_model), layers, 2)
         return ReferenceShard(reference_model, first, last)
+
     make.engine = request.param
     return make
 
@@ -73,8 +76,9 @@ def test_recipe_owned_layers_and_fingerprint_aliasing():
     assert recipe.owned_layers == (2, 3)
     assert recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=2, end_layer=3, **base))
     assert not recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=0, end_layer=1, **base))
-    assert not recipe.is_compatible(KvCacheRecipe(architecture_adapter="llama", start_layer=2, end_layer=3,
-                                                  **{**base, "kv_dtype": "q8_0"}))
+    assert not recipe.is_compatible(
+        KvCacheRecipe(architecture_adapter="llama", start_layer=2, end_layer=3, **{**base, "kv_dtype": "q8_0"})
+    )
 
 
 def test_recipe_bytes_per_token_scales_with_owned_layers():
@@ -94,8 +98,15 @@ def test_native_and_reference_shards_have_the_same_recipe(synthetic_model, refer
 
 def test_uncertified_architecture_recipe_fails_closed():
     with pytest.raises(UncertifiedArchitectureError):
-        KvCacheRecipe(architecture_adapter="gpt2", kv_dtype="f16", n_kv_heads=2, head_dim=16, total_layers=6,
-                      start_layer=0, end_layer=5)
+        KvCacheRecipe(
+            architecture_adapter="gpt2",
+            kv_dtype="f16",
+            n_kv_heads=2,
+            head_dim=16,
+            total_layers=6,
+            start_layer=0,
+            end_layer=5,
+        )
 
 
 # --- allocation and growth ------------------------------------------------------------------
@@ -273,8 +284,9 @@ def test_freed_seq_ids_are_reused_lowest_first_and_batches_run_in_any_order(make
     shard = make_shard()
     manager = manager_for(shard, max_sessions=4)
     adapter = KvBoundaryAdapter(shard, manager)
-    seq = {f"s{i}": adapter.prefill(f"s{i}", 0, token_ids=PROMPTS[i]) and manager.get(f"s{i}", 0).seq_id
-           for i in range(3)}
+    seq = {
+        f"s{i}": adapter.prefill(f"s{i}", 0, token_ids=PROMPTS[i]) and manager.get(f"s{i}", 0).seq_id for i in range(3)
+    }
     assert seq == {"s0": 0, "s1": 1, "s2": 2}
     manager.release("s2", 0)
     manager.release("s0", 0)
@@ -301,8 +313,9 @@ def test_sessions_opened_by_one_step_take_consecutive_seq_ids(make_shard):
     assert [manager.get(f"old{i}", 0).seq_id for i in range(8)] == list(range(8))
     for i in (1, 5, 6, 7):
         manager.release(f"old{i}", 0)
-    outs = manager.step_batch([Step.decode("old0", 0, [3])]
-                              + [Step.prefill(f"new{i}", 0, PROMPTS[i], start_pos=0) for i in range(3)])
+    outs = manager.step_batch(
+        [Step.decode("old0", 0, [3])] + [Step.prefill(f"new{i}", 0, PROMPTS[i], start_pos=0) for i in range(3)]
+    )
     assert [r.status for r, _ in outs] == [Status.OK] * 4
     assert [manager.get(f"new{i}", 0).seq_id for i in range(3)] == [5, 6, 7]
     manager.step_batch([Step.prefill("lone", 0, PROMPTS[3], start_pos=0)])
@@ -318,9 +331,14 @@ def test_stale_route_epoch_is_rejected(make_shard):
     manager = manager_for(shard)
     adapter = KvBoundaryAdapter(shard, manager)
     adapter.prefill("s", 3, token_ids=[1, 2])
-    for call in (lambda: manager.open("s", 2), lambda: adapter.decode("s", 2, token_ids=[1]),
-                 lambda: adapter.prefill("s", 1, token_ids=[1]), lambda: manager.truncate("s", 2, 0),
-                 lambda: manager.resolve("s", 0), lambda: manager.release("s", 2)):
+    for call in (
+        lambda: manager.open("s", 2),
+        lambda: adapter.decode("s", 2, token_ids=[1]),
+        lambda: adapter.prefill("s", 1, token_ids=[1]),
+        lambda: manager.truncate("s", 2, 0),
+        lambda: manager.resolve("s", 0),
+        lambda: manager.release("s", 2),
+    ):
         with pytest.raises(StaleRouteEpochError) as e:
             call()
         assert e.value.current_epoch == 3
@@ -347,8 +365,15 @@ def test_incompatible_cache_recipe_is_rejected(make_shard):
     shard = make_shard(0, 2)
     manager = manager_for(shard)
     adapter = KvBoundaryAdapter(shard, manager)
-    other = KvCacheRecipe(architecture_adapter="llama", kv_dtype="f16", n_kv_heads=2, head_dim=16, total_layers=6,
-                          start_layer=3, end_layer=5)
+    other = KvCacheRecipe(
+        architecture_adapter="llama",
+        kv_dtype="f16",
+        n_kv_heads=2,
+        head_dim=16,
+        total_layers=6,
+        start_layer=3,
+        end_layer=5,
+    )
     with pytest.raises(IncompatibleCacheRecipeError):
         manager.open("s", 0, recipe=other)
     with pytest.raises(IncompatibleCacheRecipeError):
@@ -359,6 +384,7 @@ def test_incompatible_cache_recipe_is_rejected(make_shard):
 
 def test_uncertified_architecture_fails_closed_at_load(model_dir):
     from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
+
     path = write_synthetic_gguf(model_dir / "gpt2-2L.gguf", SyntheticSpec(n_layer=2, architecture="gpt2"))
     with pytest.raises(UncertifiedArchitectureError):
         ShardModel(str(path), (0, 0))

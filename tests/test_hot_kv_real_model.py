@@ -1,6 +1,7 @@
 """SmolLM2 split in two shards, each with its own Hot KV manager: 8 sessions decoding concurrently
 from 8 threads produce exactly the tokens each produces alone; releasing one session from another
 thread mid-decode leaves the others' tokens unchanged and returns its reservation."""
+
 from __future__ import annotations
 
 import threading
@@ -114,7 +115,9 @@ def test_eight_threads_get_the_tokens_they_get_alone(embedded_model, alone):
     assert not errors, errors
     loop = route.head_mgr.loop_stats()
     steps, requests = loop["steps"] - steps_before["steps"], loop["requests"] - steps_before["requests"]
-    print(f"8 threads x {N_STEPS} steps through 2 shards: {elapsed:.2f}s; head: {requests} requests in {steps} engine steps")
+    print(
+        f"8 threads x {N_STEPS} steps through 2 shards: {elapsed:.2f}s; head: {requests} requests in {steps} engine steps"
+    )
     assert results == alone
     # plain KvBoundaryAdapter(model, manager): the threads' steps share engine steps by default
     assert steps < requests / 2, (steps, requests)
@@ -137,6 +140,7 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
             if i == victim and step == 4:
                 reached.set()
                 released.wait(60)  # the victim is mid-decode while another thread releases it
+
         results[i], misses[i] = route.generate(f"sess-{i}", PROMPTS[i], N_STEPS, on_step)
 
     def releaser():
@@ -152,7 +156,7 @@ def test_release_from_another_thread_mid_decode(embedded_model, alone):
     rel.join(120)
     assert not errors, errors
     assert isinstance(misses[victim], CacheMiss) and misses[victim].reason is CacheMissReason.RELEASED
-    assert results[victim] == alone[victim][:len(results[victim])]
+    assert results[victim] == alone[victim][: len(results[victim])]
     for i in range(N_SESSIONS):
         if i != victim:
             assert misses[i] is None and results[i] == alone[i]
@@ -171,7 +175,7 @@ def test_stats_and_other_threads_run_while_a_long_step_computes(embedded_model):
     (the step holds no GIL)."""
     model = ShardModel(str(embedded_model), None, 2)
     manager = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=2048), n_batch=2048)
-    ticket, = manager.submit([Step.prefill("long", 0, [1] * 2048)])
+    (ticket,) = manager.submit([Step.prefill("long", 0, [1] * 2048)])
     time.sleep(0.3)  # the step has started
     ticks = []
     ticker = threading.Thread(target=lambda: [ticks.append(time.perf_counter()) or time.sleep(0.01) for _ in range(20)])

@@ -1,5 +1,6 @@
 """Soak: 10,000 open/prefill/release cycles with random session ids leave nothing behind: reserved
 tokens at zero, every seq id back in the pool, the dropped-key table bounded, resident memory flat."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,9 @@ def test_ten_thousand_cycles_leave_nothing_behind(synthetic_model):
     res = run_isolated(SOAK.format(path=str(synthetic_model)), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"10,000 cycles in {r['seconds']:.2f}s; RSS {r['rss_before'] / 2**20:.1f} -> {r['rss_after'] / 2**20:.1f} MiB")
+    print(
+        f"10,000 cycles in {r['seconds']:.2f}s; RSS {r['rss_before'] / 2**20:.1f} -> {r['rss_after'] / 2**20:.1f} MiB"
+    )
     assert r["reserved"] == 0 and r["live"] == 0 and r["free_ids"] == 16
     assert r["releases"] == 10500
     assert r["recent"] <= 1024

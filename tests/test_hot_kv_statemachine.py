@@ -13,6 +13,7 @@ Size: LLAMA_SHARD_LOCKSTEP_STEPS (default 10,000) compared operations over the f
 quarter each (a step through two shards counts once per shard); a machine fails if it ran fewer
 than its quarter, or, at 10,000 or more, if a path it exists for never ran. 100,000 for a long run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,15 @@ SIDS = ["a", "b", "c", "d"]
 # the synthetic model's warm and prefix entries take 2-3 pages (about 0.8 KiB per token): a tier of
 # 20,000 bytes holds one to three
 CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0, prefix_bytes=20_000)
-WARM_CONFIG = HotKvStateConfig(max_sessions=3, context_tokens=12, budget_tokens=24, ttl_seconds=5.0,
-                               warm_bytes=20_000, warm_ttl_seconds=9.0, prefix_bytes=20_000)
+WARM_CONFIG = HotKvStateConfig(
+    max_sessions=3,
+    context_tokens=12,
+    budget_tokens=24,
+    ttl_seconds=5.0,
+    warm_bytes=20_000,
+    warm_ttl_seconds=9.0,
+    prefix_bytes=20_000,
+)
 # host tier for one or two small sessions, then files (the native engine writes them in a fresh
 # directory per program; the reference simulates them)
 DISK_CONFIG = dataclasses.replace(WARM_CONFIG, warm_bytes=9_000, warm_dir="per-program", warm_disk_bytes=20_000)
@@ -88,11 +96,12 @@ def outcome(call):
 class LockstepMachine(RuleBasedStateMachine):
     """Both engines, each a route of `layers` shards; `stage` arguments pick the head (0) or the
     tail (-1) for session operations (the same shard on a whole-model machine)."""
+
     path = None
     config = CONFIG
     layers = WHOLE
-    seen: dict = {}    # counters summed over every program, to show the paths ran
-    compared = 0       # operations run on both engines and compared, over every program
+    seen: dict = {}  # counters summed over every program, to show the paths ran
+    compared = 0  # operations run on both engines and compared, over every program
     _models: dict = {}
 
     @initialize()
@@ -119,8 +128,10 @@ class LockstepMachine(RuleBasedStateMachine):
         key = (str(cls.path), layers)
         if key not in cls._models:
             whole = layers == (0, 5)
-            cls._models[key] = (ShardModel(str(cls.path), None if whole else layers, 1),
-                                ReferenceShard(ReferenceModel.from_gguf(cls.path), *(() if whole else layers)))
+            cls._models[key] = (
+                ShardModel(str(cls.path), None if whole else layers, 1),
+                ReferenceShard(ReferenceModel.from_gguf(cls.path), *(() if whole else layers)),
+            )
         return cls._models[key]
 
     def teardown(self):
@@ -128,9 +139,20 @@ class LockstepMachine(RuleBasedStateMachine):
             return
         for native in self.native:
             stats = native.stats()
-            for key in ("spills", "restores", "warm_drops", "evictions_ttl", "evictions_lru", "releases",
-                        "supersessions", "disk_spills", "disk_restores", "prefix_stores", "prefix_hits",
-                        "prefix_evictions"):
+            for key in (
+                "spills",
+                "restores",
+                "warm_drops",
+                "evictions_ttl",
+                "evictions_lru",
+                "releases",
+                "supersessions",
+                "disk_spills",
+                "disk_restores",
+                "prefix_stores",
+                "prefix_hits",
+                "prefix_evictions",
+            ):
                 self.seen[key] = self.seen.get(key, 0) + stats.get(key, 0)
             if native.config.warm_dir is not None:
                 shutil.rmtree(native.config.warm_dir, ignore_errors=True)
@@ -157,8 +179,10 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def on_stage(self, stage, fn):
         """fn(manager, adapter) on one shard of each engine; returns the (common) summary."""
-        return self.compare(outcome(lambda: fn(self.native[stage], self.native_ad[stage])),
-                            outcome(lambda: fn(self.reference[stage], self.reference_ad[stage])))
+        return self.compare(
+            outcome(lambda: fn(self.native[stage], self.native_ad[stage])),
+            outcome(lambda: fn(self.reference[stage], self.reference_ad[stage])),
+        )
 
     def on_all_stages(self, fn):
         return [self.on_stage(k, fn) for k in range(len(self.native))]
@@ -190,8 +214,11 @@ class LockstepMachine(RuleBasedStateMachine):
     @staticmethod
     def call_one(ad, step):
         call = ad.prefill if step.kind == StepKind.PREFILL else ad.decode
-        position = dict(start_pos=step.start_pos) if step.kind == StepKind.PREFILL else \
-            dict(expected_seq_len=step.expected_seq_len)
+        position = (
+            dict(start_pos=step.start_pos)
+            if step.kind == StepKind.PREFILL
+            else dict(expected_seq_len=step.expected_seq_len)
+        )
         try:
             if step.token_ids is not None:
                 return call(step.session_id, step.route_epoch, token_ids=step.token_ids, **position)
@@ -202,10 +229,12 @@ class LockstepMachine(RuleBasedStateMachine):
     @staticmethod
     def next_step(head_step, bundle):
         if head_step.kind == StepKind.PREFILL:
-            return Step.prefill(head_step.session_id, head_step.route_epoch, hidden=bundle.hidden,
-                                start_pos=bundle.start_pos)
-        return Step.decode(head_step.session_id, head_step.route_epoch, hidden=bundle.hidden,
-                           expected_seq_len=bundle.start_pos)
+            return Step.prefill(
+                head_step.session_id, head_step.route_epoch, hidden=bundle.hidden, start_pos=bundle.start_pos
+            )
+        return Step.decode(
+            head_step.session_id, head_step.route_epoch, hidden=bundle.hidden, expected_seq_len=bundle.start_pos
+        )
 
     def decode_step(self, sid, expected):
         exp = None
@@ -238,12 +267,19 @@ class LockstepMachine(RuleBasedStateMachine):
     def decode(self, sid, expected):
         self.through_route([self.decode_step(sid, expected)])
 
-    @rule(sids=st.lists(sid, min_size=2, max_size=4, unique=True), prefills=st.lists(st.booleans(), min_size=4, max_size=4),
-          seed=st.integers(0, 999))
+    @rule(
+        sids=st.lists(sid, min_size=2, max_size=4, unique=True),
+        prefills=st.lists(st.booleans(), min_size=4, max_size=4),
+        seed=st.integers(0, 999),
+    )
     def micro_batch(self, sids, prefills, seed):
         """Several sessions' steps together: prefills of 1-5 tokens and decodes, one engine step."""
-        steps = [Step.prefill(sid, self.epochs[sid], self.tokens(seed + i, 1 + (seed + i) % 5)) if prefills[i]
-                 else self.decode_step(sid, "right") for i, sid in enumerate(sids)]
+        steps = [
+            Step.prefill(sid, self.epochs[sid], self.tokens(seed + i, 1 + (seed + i) % 5))
+            if prefills[i]
+            else self.decode_step(sid, "right")
+            for i, sid in enumerate(sids)
+        ]
         self.through_route(steps, batched=True)
 
     @rule(sid=sid, length=st.integers(0, 14), stage=stage)
@@ -294,21 +330,31 @@ class LockstepMachine(RuleBasedStateMachine):
 
     # the prefix store: a session's whole state stored under a key, sessions opened from it (through
     # one shard, or every shard as a route does), a wrong length (a miss), a key never stored
-    @rule(sid=sid, key=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, -1, "all"]),
-          length=st.sampled_from(["held", "other"]))
+    @rule(
+        sid=sid,
+        key=st.sampled_from([1, 2, 3]),
+        stage=st.sampled_from([0, -1, "all"]),
+        length=st.sampled_from(["held", "other"]),
+    )
     def store_prefix(self, sid, key, stage, length):
         def store(m, ad):
             held = m.resolve(sid, self.epochs[sid])
             n = held.seq_len if not isinstance(held, CacheMiss) and held.seq_len > 0 else 1
             return m.store_prefix(sid, self.epochs[sid], key, n if length == "held" else n + 1)
+
         self.on_all_stages(store) if stage == "all" else self.on_stage(stage, store)
 
-    @rule(sid=sid, key=st.sampled_from([1, 2, 3, 4]), stage=st.sampled_from([0, -1, "all"]),
-          length=st.sampled_from(["stored", "stored", "other"]))
+    @rule(
+        sid=sid,
+        key=st.sampled_from([1, 2, 3, 4]),
+        stage=st.sampled_from([0, -1, "all"]),
+        length=st.sampled_from(["stored", "stored", "other"]),
+    )
     def open_prefix(self, sid, key, stage, length):
         def open_(m, ad):
             n = m.prefix_length(key) or 3
             return m.open_prefix(sid, self.epochs[sid], key, n if length == "stored" else n + 1)
+
         self.on_all_stages(open_) if stage == "all" else self.on_stage(stage, open_)
 
     @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0, 10.0]))
@@ -327,8 +373,15 @@ class LockstepMachine(RuleBasedStateMachine):
     @rule(sid=sid)
     def recipe_mismatch(self, sid):
         # q8_0 K/V: no machine's recipe (each runs f16), so every machine's head refuses it
-        other = KvCacheRecipe(architecture_adapter="llama", kv_dtype="q8_0", n_kv_heads=2, head_dim=16, total_layers=6,
-                              start_layer=0, end_layer=2)
+        other = KvCacheRecipe(
+            architecture_adapter="llama",
+            kv_dtype="q8_0",
+            n_kv_heads=2,
+            head_dim=16,
+            total_layers=6,
+            start_layer=0,
+            end_layer=2,
+        )
         refused = self.on_stage(0, lambda m, ad: ad.prefill(sid, self.epochs[sid], token_ids=[1], recipe=other))
         assert refused == ("error", "IncompatibleCacheRecipeError"), refused
 
@@ -353,8 +406,9 @@ class LockstepMachine(RuleBasedStateMachine):
             assert native.sessions() == reference.sessions()
             n_stats, r_stats = native.stats(), reference.stats()
             assert sum(n for _, n in n_stats["restore_buckets"]) == n_stats["restores"]
-            assert {k: v for k, v in n_stats.items() if k not in TIMING_KEYS} == \
-                {k: v for k, v in r_stats.items() if k not in TIMING_KEYS}
+            assert {k: v for k, v in n_stats.items() if k not in TIMING_KEYS} == {
+                k: v for k, v in r_stats.items() if k not in TIMING_KEYS
+            }
 
 
 class WarmLockstepMachine(LockstepMachine):
@@ -377,16 +431,21 @@ class SplitLockstepMachine(WarmLockstepMachine):
     seen: dict = {}
 
 
-MACHINES = {"no_warm_tier": LockstepMachine, "warm_tier": WarmLockstepMachine,
-            "warm_and_disk_tiers": DiskLockstepMachine, "two_shards_warm_tier": SplitLockstepMachine}
+MACHINES = {
+    "no_warm_tier": LockstepMachine,
+    "warm_tier": WarmLockstepMachine,
+    "warm_and_disk_tiers": DiskLockstepMachine,
+    "two_shards_warm_tier": SplitLockstepMachine,
+}
 # programs per machine for the default 10,000 operations: 100 programs ran 4,347 to 7,414
 # compared operations per machine (measured), at least 1.7 times a machine's quarter
 PROGRAMS_PER_10K = 100
-MUST_RUN = {"no_warm_tier": ("releases", "evictions_lru", "evictions_ttl", "prefix_stores", "prefix_hits",
-                             "prefix_evictions"),
-            "warm_tier": ("spills", "restores", "warm_drops"),
-            "warm_and_disk_tiers": ("disk_spills", "disk_restores", "warm_drops"),
-            "two_shards_warm_tier": ("spills", "restores", "warm_drops", "supersessions", "prefix_hits")}
+MUST_RUN = {
+    "no_warm_tier": ("releases", "evictions_lru", "evictions_ttl", "prefix_stores", "prefix_hits", "prefix_evictions"),
+    "warm_tier": ("spills", "restores", "warm_drops"),
+    "warm_and_disk_tiers": ("disk_spills", "disk_restores", "warm_drops"),
+    "two_shards_warm_tier": ("spills", "restores", "warm_drops", "supersessions", "prefix_hits"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -398,14 +457,23 @@ def lockstep_model(model_dir):
 @pytest.mark.slow
 def test_native_engine_and_reference_agree_step_for_step(name, lockstep_model):
     from hypothesis.stateful import run_state_machine_as_test
+
     machine = MACHINES[name]
     machine.path, machine.seen, machine.compared = lockstep_model, {}, 0
     programs = math.ceil(PROGRAMS_PER_10K * TARGET_STEPS / 10_000)
     # derandomized: CI replays the same programs every run (explore more by raising
     # LLAMA_SHARD_LOCKSTEP_STEPS)
-    run_state_machine_as_test(machine, settings=settings(max_examples=programs, stateful_step_count=50, deadline=None,
-                                                         derandomize=True, database=None,
-                                                         suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=programs,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     print(f"{name}: {programs} programs, {machine.compared} operations compared, {machine.seen}")
     share = TARGET_STEPS // len(MACHINES)
     assert machine.compared >= share, f"{machine.compared} operations ran, fewer than this machine's {share}"

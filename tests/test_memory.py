@@ -1,5 +1,6 @@
 """Memory scales with owned layers: weight bytes, resident memory (measured in a fresh process),
 and KV bytes per token."""
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,11 @@ def test_smollm2_shard_memory(embedded_model):
     for name, layers in [("head 0-14", (0, 14)), ("tail 15-29", (15, 29)), ("middle 10-19", (10, 19))]:
         rows[name] = measure(embedded_model, layers, n_ctx)
     for name, r in rows.items():
-        print(f"{name:>12}: weights {r['weight_bytes'] / 2**20:6.1f} MiB ({r['weight_bytes'] / whole['weight_bytes']:.3f}), "
-              f"load RSS {r['load_rss'] / 2**20:6.1f} MiB, context RSS {r['ctx_rss'] / 2**20:6.1f} MiB, "
-              f"KV {r['kv_bytes_per_token']} B/token")
+        print(
+            f"{name:>12}: weights {r['weight_bytes'] / 2**20:6.1f} MiB ({r['weight_bytes'] / whole['weight_bytes']:.3f}), "
+            f"load RSS {r['load_rss'] / 2**20:6.1f} MiB, context RSS {r['ctx_rss'] / 2**20:6.1f} MiB, "
+            f"KV {r['kv_bytes_per_token']} B/token"
+        )
     # KV for half the layers is half the KV, measured as resident memory of the context
     for name in ("head 0-14", "tail 15-29"):
         assert rows[name]["kv_bytes_per_token"] * 2 == whole["kv_bytes_per_token"]
@@ -116,8 +119,10 @@ def test_hot_kv_memory_follows_the_plan(embedded_model):
     assert 0.9 * planned <= grown <= 1.1 * planned, runs
 
 
-@pytest.mark.parametrize("context,n_batch,sessions", [(100, 8, 3), (600, 512, 3), (600, 64, 5), (257, 16, 8),
-                                                      (512, 512, 1), (2048, 512, 7), (3000, 4096, 2)])
+@pytest.mark.parametrize(
+    "context,n_batch,sessions",
+    [(100, 8, 3), (600, 512, 3), (600, 64, 5), (257, 16, 8), (512, 512, 1), (2048, 512, 7), (3000, 4096, 2)],
+)
 def test_a_slot_has_the_cells_the_native_plan_says(synthetic_model, context, n_batch, sessions):
     """The memory plan's slot (HotKvConfig.slot_cells, from the native hot_kv_slot_cells) is what
     llama.cpp gives each sequence of a context sized the way the engine sizes it, and what the
@@ -127,9 +132,15 @@ def test_a_slot_has_the_cells_the_native_plan_says(synthetic_model, context, n_b
     cells = HotKvConfig(context_tokens=context, n_batch=n_batch).slot_cells
     assert cells % 256 == 0 and cells >= max(context, n_batch)
     model = ShardModel(str(synthetic_model), None, 1)
-    ctx = ShardContext(model, n_ctx=max(context, n_batch) * sessions, n_seq_max=sessions,
-                       n_batch=min(n_batch, max(context, n_batch) * sessions), kv_unified=False)
+    ctx = ShardContext(
+        model,
+        n_ctx=max(context, n_batch) * sessions,
+        n_seq_max=sessions,
+        n_batch=min(n_batch, max(context, n_batch) * sessions),
+        kv_unified=False,
+    )
     assert ctx.n_ctx_seq == cells
-    engine = HotKvEngine(model, HotKvConfig(max_sessions=sessions, context_tokens=context, budget_tokens=context,
-                                            n_batch=n_batch))
+    engine = HotKvEngine(
+        model, HotKvConfig(max_sessions=sessions, context_tokens=context, budget_tokens=context, n_batch=n_batch)
+    )
     assert engine.stats()["context_tokens"] == context and engine.config.n_batch <= n_batch

@@ -1,6 +1,7 @@
 """The module map in docs/design.md is the package as it is: every module is in it, everything in it
 exists, and every import points down its layers (none up, no circle). The README names the packages
 only, and the same ones."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,8 @@ ROW = re.compile(r"^\| (\d+(?:\.\d+)?) \| (.+?) \| .* \|$")
 def module_map() -> dict[str, tuple[int, int]]:
     """module path (relative to the package, or `_native`) -> (package layer, inner layer)."""
     text = (ROOT / "docs" / "design.md").read_text()
-    section = text[text.index("### Module map"):]
-    section = section[:section.index("\n\n", section.index("| --- |"))]
+    section = text[text.index("### Module map") :]
+    section = section[: section.index("\n\n", section.index("| --- |"))]
     layers = {}
     for line in section.splitlines():
         m = ROW.match(line)
@@ -53,7 +54,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in skipped:
             continue
-        base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+        base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
         targets = [base + node.module.split(".")] if node.module else [base + [a.name] for a in node.names]
         for parts in targets:
             out.append((node.lineno, _resolve(parts)))
@@ -105,6 +106,7 @@ def test_the_import_graph_has_no_circle():
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[nxt_] = 2
+
     for module in graph:
         if module not in state:
             visit(module, [module])
@@ -112,7 +114,7 @@ def test_the_import_graph_has_no_circle():
 
 def test_the_readme_names_the_packages_of_the_map():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Architecture"):readme.index("## Performance")]
+    section = readme[readme.index("## Architecture") : readme.index("## Performance")]
     packages = {m.split("/")[0] for m in module_map() if "/" in m}
     named = set(re.findall(r"^   (\w+)/ ", section, re.M))
     assert named == packages
@@ -128,7 +130,9 @@ def test_a_plain_worker_loads_nothing_of_the_head():
     for module in package_modules():
         if module.startswith("worker/"):
             assert not [t for _, t in _imports(PACKAGE / module) if t.startswith("head/")], module
-    code = ("import sys, llama_shard.worker.servicer; "
-            "print(sorted(m for m in sys.modules if m.startswith('llama_shard.head')))")
+    code = (
+        "import sys, llama_shard.worker.servicer; "
+        "print(sorted(m for m in sys.modules if m.startswith('llama_shard.head')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -2,6 +2,7 @@
 (`reference.NATIVE_LOGIT_ATOL`, set from the worst case measured here), identical greedy tokens,
 whole-model and across a seam. The synthetic models' greedy text varies (most 16-token runs hold
 6 to 8 different tokens), so equal tokens say something."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,12 +36,10 @@ def _reference_greedy(ref_shards, prompt, n_steps):
     return tokens, all_logits
 
 
-@pytest.mark.parametrize("split", [None, [(0, 2), (3, 5)], [(0, 0), (1, 4), (5, 5)]],
-                         ids=["whole", "seam-2", "seam-3"])
+@pytest.mark.parametrize("split", [None, [(0, 2), (3, 5)], [(0, 0), (1, 4), (5, 5)]], ids=["whole", "seam-2", "seam-3"])
 @pytest.mark.parametrize("prompt", [[1, 17, 42, 99, 5], [250, 3, 3, 8]])
 def test_native_matches_numpy_reference(synthetic_model, reference, split, prompt):
-    ref_shards = ([ReferenceShard(reference)] if split is None
-                  else [ReferenceShard(reference, a, b) for a, b in split])
+    ref_shards = [ReferenceShard(reference)] if split is None else [ReferenceShard(reference, a, b) for a, b in split]
     ref_tokens, ref_logits = _reference_greedy(ref_shards, prompt, 16)
 
     pipe = LocalPipeline(synthetic_model, split, n_ctx=256, n_seq_max=1, n_batch=32, n_threads=2)
@@ -52,8 +51,9 @@ def test_native_matches_numpy_reference(synthetic_model, reference, split, promp
     assert worst < NATIVE_LOGIT_ATOL, f"max |native - numpy| = {worst}"
 
 
-@pytest.mark.parametrize("model", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3",
-                                   "synthetic_gemma3"])
+@pytest.mark.parametrize(
+    "model", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3", "synthetic_gemma3"]
+)
 def test_native_vs_numpy_over_many_prompts_teacher_forced(model, request):
     """50 random prompts, 16 steps each, both engines fed the reference's greedy token: the worst
     logit difference (the figure NATIVE_LOGIT_ATOL is set from); tokens that differ only in near
@@ -81,8 +81,10 @@ def test_native_vs_numpy_over_many_prompts_teacher_forced(model, request):
             steps += 1
             ref, pipe_logits, pos = shard.forward(seq, tokens=[token]), pipe.step(0, pos, [token]), pos + 1
         distinct.append(len(set(tokens)))
-    print(f"{model}: worst |native - numpy| logit {worst:.4f} over {steps} steps; {disagreements} greedy "
-          f"disagreements (near ties); distinct tokens per 16: median {np.median(distinct)}")
+    print(
+        f"{model}: worst |native - numpy| logit {worst:.4f} over {steps} steps; {disagreements} greedy "
+        f"disagreements (near ties); distinct tokens per 16: median {np.median(distinct)}"
+    )
     assert worst < NATIVE_LOGIT_ATOL
     assert np.median(distinct) >= 4, distinct
     assert disagreements <= steps // 100  # measured: 1 in 800 (a gap of 0.0003), and 0 in 800
@@ -97,6 +99,7 @@ def test_cached_reference_matches_stateless_recompute(reference):
 
 def test_reference_forward_checks_its_inputs(reference):
     from llama_shard.errors import InvalidInputError
+
     head, tail = ReferenceShard(reference, 0, 2), ReferenceShard(reference, 3, 5)
     with pytest.raises(InvalidInputError):
         tail.forward(tail.new_sequence(), tokens=[1])

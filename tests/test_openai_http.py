@@ -12,6 +12,7 @@ What is shown here:
   401, 429) and the worker still serves; unknown fields are ignored; a closed connection stops the
   stream's compute; 100 concurrent requests past the limit get 429 and leave no stream behind.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -71,12 +72,32 @@ def test_the_endpoint_and_generate_chat_render_a_conversation_the_same(route, em
     import sys
 
     question = "What is the capital of France?"
-    cli = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model),
-                          "--prompt", question, "--chat", "--max-tokens", "12", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "generate",
+            "--model",
+            str(embedded_model),
+            "--prompt",
+            question,
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
-    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
-        {"messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}))
+    got, answer = route.raw(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}),
+    )
     # where the answer ends is the model's choice on this CPU's kernels (8 tokens and EOS on zen4's):
     # both ways must end at the same token, whichever it is
     used, finish = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
@@ -90,26 +111,43 @@ def test_logprobs_carry_each_tokens_own_bytes_and_text_offsets(route, vocab):
     bytes, not U+FFFD's; a completion's text_offset is where each token starts in its text."""
     emoji = vocab.tokenize("🙂", add_special=False)
     partial = next(t for t in emoji if vocab.token_bytes(t) and vocab.detokenize([t]) == "\ufffd")
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "logprobs": True,
-            "logit_bias": {str(partial): 100}}
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": True,
+        "logit_bias": {str(partial): 100},
+    }
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat))
     assert got == 200, answer
     (entry,) = answer["choices"][0]["logprobs"]["content"]
     assert entry["bytes"] == list(vocab.token_bytes(partial)) and entry["bytes"] != list("\ufffd".encode())
-    got, answer = route.raw("POST", "/v1/completions", json.dumps(
-        {"prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0, "logprobs": 1}))
+    got, answer = route.raw(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0, "logprobs": 1}),
+    )
     lp = answer["choices"][0]["logprobs"]
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
     assert "".join(lp["tokens"]) == answer["choices"][0]["text"]
     # through a character split over tokens (the grammar makes the model spell it): each token's offset
     # is the character it belongs to, counted in the completion's text
-    got, answer = route.raw("POST", "/v1/completions", json.dumps(
-        {"prompt": "Smile:", "max_tokens": 12, "temperature": 0, "logprobs": 0, "grammar": 'root ::= "a🙂🙂b"'}))
+    got, answer = route.raw(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {"prompt": "Smile:", "max_tokens": 12, "temperature": 0, "logprobs": 0, "grammar": 'root ::= "a🙂🙂b"'}
+        ),
+    )
     assert got == 200, answer
     text, lp = answer["choices"][0]["text"], answer["choices"][0]["logprobs"]
     assert text == "a🙂🙂b"
-    ids, same, _ = route.generate(vocab.tokenize("Smile:"), max_tokens=12, stop_token_ids=vocab.eog_tokens,
-                                  sampling=pb.Sampling(temperature=0, grammar='root ::= "a🙂🙂b"'))
+    ids, same, _ = route.generate(
+        vocab.tokenize("Smile:"),
+        max_tokens=12,
+        stop_token_ids=vocab.eog_tokens,
+        sampling=pb.Sampling(temperature=0, grammar='root ::= "a🙂🙂b"'),
+    )
     assert same.startswith(text) and len(ids) == len(lp["tokens"])  # the same tokens (the end's too): their bytes
     pieces = [vocab.token_bytes(t) for t in ids]
     expected = [len(b"".join(pieces[:i]).decode("utf-8", errors="ignore")) for i in range(len(pieces))]
@@ -120,13 +158,19 @@ def test_tokenize_and_detokenize_as_llama_server_has_them(route, vocab):
     text = "The capital of France is Paris."
     got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text}))
     assert got == 200 and answer["tokens"] == vocab.tokenize(text, add_special=False)
-    got, answer = route.raw("POST", "/tokenize", json.dumps({"content": text, "add_special": True, "with_pieces": True}))
+    got, answer = route.raw(
+        "POST", "/tokenize", json.dumps({"content": text, "add_special": True, "with_pieces": True})
+    )
     assert got == 200 and [t["id"] for t in answer["tokens"]] == vocab.tokenize(text)
     assert "".join(t["piece"] for t in answer["tokens"] if t["id"] != vocab.token_bos_added) == text
     got, answer = route.raw("POST", "/detokenize", json.dumps({"tokens": vocab.tokenize(text, add_special=False)}))
     assert got == 200 and answer["content"] == text
-    for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/detokenize", {"tokens": [-1]}, "tokens"),
-                              ("/detokenize", {"tokens": "1 2"}, "tokens"), ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+    for path, body, param in (
+        ("/tokenize", {"content": 5}, "content"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ):
         got, answer = route.raw("POST", path, json.dumps(body))
         assert got == 400 and answer["error"]["param"] == param, (path, body, answer)
     got, answer = route.raw("GET", "/tokenize")
@@ -141,8 +185,11 @@ def test_apply_template_props_and_metrics_as_llama_server_has_them(route, vocab)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     got, answer = route.raw("POST", "/apply-template", json.dumps({"messages": messages}))
     assert got == 200 and answer["prompt"] == ModelChat(vocab).text(messages)
-    for body, param in (({"messages": "hi"}, "messages"), ({"messages": messages, "frob": 1}, "frob"),
-                        ({"messages": messages, "tools": 5}, "tools")):
+    for body, param in (
+        ({"messages": "hi"}, "messages"),
+        ({"messages": messages, "frob": 1}, "frob"),
+        ({"messages": messages, "tools": 5}, "tools"),
+    ):
         got, answer = route.raw("POST", "/apply-template", json.dumps(body))
         assert got == 400 and answer["error"]["param"] == param, (body, answer)
     got, props = route.raw("GET", "/props")
@@ -162,8 +209,12 @@ def test_a_seeded_completion_equals_the_generate_stream(route, vocab):
     prompt = vocab.tokenize("Once upon a time, in a small village,")
     params = dict(temperature=0.8, top_p=0.9, seed=42, extra_body={"top_k": 40})  # top_k: llama.cpp's extension
     r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, logprobs=1, **params)
-    ids, text, final = route.generate(prompt, max_tokens=24, stop_token_ids=vocab.eog_tokens,
-                                      sampling=pb.Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=42))
+    ids, text, final = route.generate(
+        prompt,
+        max_tokens=24,
+        stop_token_ids=vocab.eog_tokens,
+        sampling=pb.Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=42),
+    )
     assert r.choices[0].text == text
     assert r.choices[0].logprobs.tokens == [vocab.detokenize([t]) for t in ids]
     assert r.usage.completion_tokens == final.completion_tokens == len(ids)
@@ -181,12 +232,18 @@ def test_chat_renders_the_gguf_template_and_streams_what_it_answers(route, vocab
     r = route.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=40, temperature=0)
     ids, text, final = route.generate(prompt, max_tokens=40, stop_token_ids=vocab.eog_tokens)
     if final.finish_reason == "stop":  # an EOG token: its text is not part of the answer
-        text = text[:len(text) - len(vocab.detokenize([ids[-1]]))]
+        text = text[: len(text) - len(vocab.detokenize([ids[-1]]))]
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ("stop" if final.finish_reason == "stop" else "length")
     assert r.usage.prompt_tokens == len(prompt) and r.id.startswith("chatcmpl-")
-    stream = route.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=40, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True})
+    stream = route.client.chat.completions.create(
+        model=MODEL_ID,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -197,13 +254,15 @@ def test_chat_renders_the_gguf_template_and_streams_what_it_answers(route, vocab
 def test_stop_sequences_are_not_in_the_text(route):
     prompt = "The three primary colors are"
     full = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    cut = full[:full.index(stop)]
-    r = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
-                                        stop=[stop, "zzzz"])
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
+    r = route.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "zzzz"]
+    )
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
-    chunks = route.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
-                                             stream=True)
+    chunks = route.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
 
 
@@ -243,7 +302,7 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
         (json.dumps(ok | {"n": 2}), 400, "n"),
         (json.dumps(ok | {"stop": ["x"] * 17}), 400, "stop"),
         (json.dumps(ok | {"prompt": ""}), 400, "prompt"),
-        (json.dumps(ok | {"prompt": [1, 10 ** 9]}), 400, "prompt"),
+        (json.dumps(ok | {"prompt": [1, 10**9]}), 400, "prompt"),
         (json.dumps(ok | {"logprobs": 21}), 400, "logprobs"),
         (json.dumps(ok | {"max_tokens": 5000}), 400, None),  # beyond the context: the Generate check
         (json.dumps(ok | {"model": "gpt-9"}), 404, "model"),
@@ -272,11 +331,21 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     # naming it (as OpenAI answers an unknown one), on both endpoints
     chat = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for path, base in (("/v1/completions", ok), ("/v1/chat/completions", chat)):
-        for extra in ({"frobnicate": {"a": 1}}, {"response_format": {"type": "json"}},
-                      {"tools": []}, {"tool_choice": "none"}, {"grammar": "root ::= \"a\"{2,1}"},
-                      {"logit_bias": {"one": 1}}, {"logit_bias": {"1": 101}}, {"logit_bias": {"1": "x"}},
-                      {"logit_bias": {str(10 ** 9): 1}}, {"logit_bias": [[1, 1]]}, {"logit_bias": {"-1": 1}},
-                      {"logit_bias": {"--5": 1}}, {"logit_bias": {"1": 10 ** 400}}):
+        for extra in (
+            {"frobnicate": {"a": 1}},
+            {"response_format": {"type": "json"}},
+            {"tools": []},
+            {"tool_choice": "none"},
+            {"grammar": "root ::= \"a\"{2,1}"},
+            {"logit_bias": {"one": 1}},
+            {"logit_bias": {"1": 101}},
+            {"logit_bias": {"1": "x"}},
+            {"logit_bias": {str(10**9): 1}},
+            {"logit_bias": [[1, 1]]},
+            {"logit_bias": {"-1": 1}},
+            {"logit_bias": {"--5": 1}},
+            {"logit_bias": {"1": 10**400}},
+        ):
             got, answer = route.raw("POST", path, json.dumps(base | extra))
             (key,) = extra
             assert got == 400 and answer["error"]["param"] == key, (path, extra, answer)
@@ -284,14 +353,22 @@ def test_bad_requests_get_their_status_and_the_worker_still_serves(route):
     # tools with a template that renders none (SmolLM2's own): a 400, never prose
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for choice in ("auto", "required"):
-        got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat | {"tools": [tool], "tool_choice": choice}))
+        got, answer = route.raw(
+            "POST", "/v1/chat/completions", json.dumps(chat | {"tools": [tool], "tool_choice": choice})
+        )
         assert got == 400 and answer["error"]["param"] == "tools" and "template" in answer["error"]["message"], answer
     for path, base, wrong in (("/v1/completions", ok, "top_logprobs"), ("/v1/chat/completions", chat, "echo")):
         got, answer = route.raw("POST", path, json.dumps(base | {wrong: 0}))  # the other endpoint's key
         assert got == 400 and answer["error"]["param"] == wrong, (path, answer)
     # those accepted without effect by nature; the worker served through all of it
-    quiet = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "temperature": 0,
-             "ignore_eos": True}
+    quiet = {
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     got, answer = route.raw("POST", "/v1/completions", json.dumps(ok | quiet))
     assert got == 200 and answer["usage"]["completion_tokens"] == 2
     got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(chat | quiet))
@@ -320,13 +397,17 @@ def test_drafts_per_request_and_their_counts_in_usage(route):
     details, off = spec.usage.completion_tokens_details, plain.usage.completion_tokens_details
     assert (off.accepted_prediction_tokens, off.rejected_prediction_tokens) == (0, 0)
     assert details.accepted_prediction_tokens > details.rejected_prediction_tokens  # a rewrite: mostly right
-    chunks = list(route.client.completions.create(**ask, stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"max_drafts": 4}))
+    chunks = list(
+        route.client.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}, extra_body={"max_drafts": 4}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
     for bad in (16, -1, 2.5, "4", True):
-        got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2,
-                                                                       "max_drafts": bad}))
+        got, answer = route.raw(
+            "POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "max_drafts": bad})
+        )
         assert got == 400 and answer["error"]["param"] == "max_drafts", (bad, answer)
 
 
@@ -339,15 +420,26 @@ def test_sampling_parameters_are_typed_here_and_ranged_once_by_the_native_check(
         assert e.value.status == 400 and e.value.param == next(iter(body))
     # a range is the native check's alone (SamplingParams.problem), asked once when the stream opens;
     # its refusal names the request's own key (repeat_last_n is the wire's penalty_last_n)
-    for key, bad in (("temperature", -1), ("top_p", 0), ("presence_penalty", 300), ("repeat_last_n", -2),
-                     ("top_k", 1 << 30), ("repeat_penalty", 0)):
+    for key, bad in (
+        ("temperature", -1),
+        ("top_p", 0),
+        ("presence_penalty", 300),
+        ("repeat_last_n", -2),
+        ("top_k", 1 << 30),
+        ("repeat_penalty", 0),
+    ):
         got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, key: bad}))
         assert got == 400 and answer["error"]["param"] == key, (key, answer)
     for body, key in (({"stop": ["x"] * 17}, "stop"), ({"logprobs": 21}, "logprobs")):
         got, answer = route.raw("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, **body}))
         assert got == 400 and answer["error"]["param"] == key, (key, answer)
-    got, answer = route.raw("POST", "/v1/chat/completions", json.dumps(
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 21}))
+    got, answer = route.raw(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
+        ),
+    )
     assert got == 400 and answer["error"]["param"] == "top_logprobs", answer
 
 
@@ -360,8 +452,11 @@ def test_logit_bias_moves_the_sampled_tokens_at_the_tail(route, vocab):
     assert lyon != greedy[0]
 
     def wire(bias: dict[int, float]) -> tuple[list[int], str]:
-        out, text, final = route.generate(ids, max_tokens=1, sampling=pb.Sampling(
-            temperature=0, logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in bias.items()]))
+        out, text, final = route.generate(
+            ids,
+            max_tokens=1,
+            sampling=pb.Sampling(temperature=0, logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in bias.items()]),
+        )
         assert final.finish_reason == "length", final
         return out, text
 
@@ -395,11 +490,21 @@ def test_the_template_sandbox_refuses_reaching_python():
 
 
 def test_a_closed_connection_stops_the_streams_compute(route):
-    body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
-                       "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {
+            "model": MODEL_ID,
+            "prompt": "Count to a thousand:",
+            "max_tokens": 900,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
     sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
     received = b""
     while received.count(b"data: ") < 5:
         received += sock.recv(4096)
@@ -413,11 +518,14 @@ def test_a_closed_connection_stops_the_streams_compute(route):
     time.sleep(0.5)
     assert route.info().engine_steps == steps  # nothing computes for the closed stream
     # the same without streaming: no write fails, the closed connection is seen at the next token
-    body = json.dumps({"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0,
-                       "ignore_eos": True})
+    body = json.dumps(
+        {"model": MODEL_ID, "prompt": "Count to a thousand:", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    )
     sock = socket.create_connection(("127.0.0.1", route.http_port), timeout=60)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
     deadline = time.monotonic() + 10
     while not route.info().generate_streams and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -435,8 +543,13 @@ def test_a_hundred_requests_past_the_limits_get_429_and_leave_nothing(embedded_m
         statuses: list[int] = []
 
         def call(i: int) -> None:
-            statuses.append(r.raw("POST", "/v1/completions", json.dumps(
-                {"model": MODEL_ID, "prompt": f"Story {i}:", "max_tokens": 8, "temperature": 0}))[0])
+            statuses.append(
+                r.raw(
+                    "POST",
+                    "/v1/completions",
+                    json.dumps({"model": MODEL_ID, "prompt": f"Story {i}:", "max_tokens": 8, "temperature": 0}),
+                )[0]
+            )
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(100)]
         for t in threads:
@@ -474,17 +587,35 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("alice:alice-secret-token-123456\nbob:bob-secret-token-1234567890\n")
     port = free_port()
-    proc, addr = start_worker(embedded_model, 0, 29, 1, extra=(
-        "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--auth-token-file", str(tokens),
-        "--http-port", str(port), "--context-tokens", "256", "--max-sessions-per-principal", "2"))
+    proc, addr = start_worker(
+        embedded_model,
+        0,
+        29,
+        1,
+        extra=(
+            "--tls-cert",
+            str(server.cert),
+            "--tls-key",
+            str(server.key),
+            "--auth-token-file",
+            str(tokens),
+            "--http-port",
+            str(port),
+            "--context-tokens",
+            "256",
+            "--max-sessions-per-principal",
+            "2",
+        ),
+    )
     try:
         wait_for_port(proc, port)  # a TLS worker's health check needs credentials: wait for the HTTP port
         base = f"https://localhost:{port}/v1"
         trust = ssl.create_default_context(cafile=str(ca.cert))
 
         def client(key: str):
-            return openai.OpenAI(base_url=base, api_key=key, max_retries=0,
-                                 http_client=openai.DefaultHttpxClient(verify=trust))
+            return openai.OpenAI(
+                base_url=base, api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(verify=trust)
+            )
 
         with client("wrong-token") as wrong, pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
@@ -500,10 +631,13 @@ def test_bearer_tokens_over_tls(embedded_model, tmp_path):
             # at her cap of 2 sessions, alice's new conversations take over her least recently used
             # one (not a 429 until a TTL); bob's session is not hers to take
             for topic in ("mountains", "rivers", "deserts"):
-                other = alice.completions.create(prompt=f"An unrelated question about {topic}, far from the sea.",
-                                                 **fixed)
+                other = alice.completions.create(
+                    prompt=f"An unrelated question about {topic}, far from the sea.", **fixed
+                )
                 assert other.usage.completion_tokens == 2
-            assert bob.completions.create(prompt=prompt + " More", **fixed).usage.prompt_tokens_details.cached_tokens > 10
+            assert (
+                bob.completions.create(prompt=prompt + " More", **fixed).usage.prompt_tokens_details.cached_tokens > 10
+            )
         status, answer = _https_status(port, ca.cert)
         assert status == 401 and answer["error"]["type"] == "authentication_error"
     finally:
@@ -526,9 +660,24 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
     for name, src in (("cert", server.cert), ("key", server.key), ("ca", old.cert)):
         shutil.copy(src, live[name])
     port = free_port()
-    proc, _ = start_worker(embedded_model, 0, 29, 1, extra=(
-        "--tls-cert", str(live["cert"]), "--tls-key", str(live["key"]), "--tls-client-ca", str(live["ca"]),
-        "--http-port", str(port), "--context-tokens", "256"))
+    proc, _ = start_worker(
+        embedded_model,
+        0,
+        29,
+        1,
+        extra=(
+            "--tls-cert",
+            str(live["cert"]),
+            "--tls-key",
+            str(live["key"]),
+            "--tls-client-ca",
+            str(live["ca"]),
+            "--http-port",
+            str(port),
+            "--context-tokens",
+            "256",
+        ),
+    )
     try:
         wait_for_port(proc, port)
 
@@ -536,8 +685,12 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
             trust = ssl.create_default_context(cafile=str(ca.cert))
             if identity is not None:
                 trust.load_cert_chain(identity.cert, identity.key)
-            return openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="unused", max_retries=0,
-                                 http_client=openai.DefaultHttpxClient(verify=trust))
+            return openai.OpenAI(
+                base_url=f"https://localhost:{port}/v1",
+                api_key="unused",
+                max_retries=0,
+                http_client=openai.DefaultHttpxClient(verify=trust),
+            )
 
         def tls12(identity):
             ctx = ssl.create_default_context(cafile=str(old.cert))
@@ -548,8 +701,10 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
         def models_over_tls12(ctx, session=None):
             """GET /v1/models on a TLS 1.2 connection (resuming `session` if given): (status, its
             session, whether it was resumed)."""
-            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
-                    ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls:
+            with (
+                socket.create_connection(("127.0.0.1", port), timeout=30) as raw,
+                ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls,
+            ):
                 tls.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
                 answer = b""
                 while chunk := tls.recv(65536):
@@ -587,8 +742,9 @@ def test_mutual_tls_and_certificates_followed_on_disk(embedded_model, tmp_path):
 
 def _https_status(port: int, ca_cert) -> tuple[int, dict]:
     """A request without credentials over TLS."""
-    conn = http.client.HTTPSConnection("localhost", port, timeout=30,
-                                       context=ssl.create_default_context(cafile=str(ca_cert)))
+    conn = http.client.HTTPSConnection(
+        "localhost", port, timeout=30, context=ssl.create_default_context(cafile=str(ca_cert))
+    )
     try:
         conn.request("GET", "/v1/models")
         resp = conn.getresponse()
@@ -603,13 +759,22 @@ def test_an_unreachable_tail_is_a_503_naming_the_stage(embedded_model):
     # free could be taken meanwhile; once, a worker answered there and /health said ok)
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
-    proc, addr = start_worker(embedded_model, 0, 14, 1, extra=("--peer", f"127.0.0.1:{dead.getsockname()[1]}",
-                                                               "--http-port", str(port), "--max-hop-seconds", "5"))
+    proc, addr = start_worker(
+        embedded_model,
+        0,
+        14,
+        1,
+        extra=("--peer", f"127.0.0.1:{dead.getsockname()[1]}", "--http-port", str(port), "--max-hop-seconds", "5"),
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         wait_serving(proc, addr, route_up=False)  # NOT_SERVING: its only later stage never answered
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "Hi", "max_tokens": 2}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         answer = json.loads(resp.read())
         assert resp.status == 503 and "stage 1" in answer["error"]["message"], answer
@@ -640,8 +805,13 @@ class _HostileTail(pb_grpc.ShardServiceServicer):
     def _reply(self, step: pb.StepRequest) -> pb.StepReply:
         n = step.hidden.shape[0] if step.hidden.shape else 1
         alternatives = [pb.TokenLogprob(token_id=t, logprob=-1.0) for t in (-7, 10**9, 42, 3, 2**31 - 1)]
-        return pb.StepReply(outcome=pb.OUTCOME_OK, token_id=self.token, seq_len=step.position + n, logprob=-0.5,
-                            top_logprobs=alternatives)
+        return pb.StepReply(
+            outcome=pb.OUTCOME_OK,
+            token_id=self.token,
+            seq_len=step.position + n,
+            logprob=-0.5,
+            top_logprobs=alternatives,
+        )
 
     def StepBatch(self, request, context):
         return pb.StepBatchReply(replies=[self._reply(b.step) for b in request.steps])
@@ -667,16 +837,22 @@ def test_a_hostile_tail_cannot_make_the_endpoint_fail_or_lie(embedded_model, voc
     tail_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     http_port = free_port()
-    head, head_addr = start_worker(embedded_model, 0, 14, 1, extra=(
-        "--context-tokens", "256", "--peer", f"127.0.0.1:{tail_port}", "--http-port", str(http_port)))
+    head, head_addr = start_worker(
+        embedded_model,
+        0,
+        14,
+        1,
+        extra=("--context-tokens", "256", "--peer", f"127.0.0.1:{tail_port}", "--http-port", str(http_port)),
+    )
     try:
         wait_serving(head, head_addr)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
         fixed = dict(model=MODEL_ID, prompt="Hello there", max_tokens=3, extra_body={"ignore_eos": True})
         r = client.completions.create(logprobs=5, **fixed)
         assert r.choices[0].logprobs.tokens == [vocab.detokenize([42])] * 3
-        assert all(set(alts) <= {vocab.detokenize([42]), vocab.detokenize([3])}
-                   for alts in r.choices[0].logprobs.top_logprobs)
+        assert all(
+            set(alts) <= {vocab.detokenize([42]), vocab.detokenize([3])} for alts in r.choices[0].logprobs.top_logprobs
+        )
         tail.token = 10**9
         with pytest.raises(openai.InternalServerError, match="outside the vocabulary"):
             client.completions.create(**fixed)

@@ -1,4 +1,5 @@
 """The patch series applies to the pristine pin and reverses cleanly; the build tree carries it."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ from conftest import REPO
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="applying the series needs git (a build machine's tool)")
 def test_series_applies_to_the_pristine_pin_and_reverses_cleanly():
-    res = subprocess.run([sys.executable, str(REPO / "third_party" / "materialize.py"), "--check-series"],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "third_party" / "materialize.py"), "--check-series"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     assert "apply to the pristine pin and reverse cleanly" in res.stdout
 
@@ -44,12 +49,15 @@ def test_the_graph_patch_certifies_the_architectures_the_native_module_lists():
     tree = REPO / "third_party" / "llama.cpp" / "src"
     if not (tree / "llama.cpp").is_file():
         pytest.skip("no materialized llama.cpp tree")
-    table = re.search(r"^static const llm_arch LLAMA_SHARD_CERTIFIED\[\] = \{(.*?)^\};", (tree / "llama.cpp").read_text(),
-                      re.M | re.S)
+    table = re.search(
+        r"^static const llm_arch LLAMA_SHARD_CERTIFIED\[\] = \{(.*?)^\};", (tree / "llama.cpp").read_text(), re.M | re.S
+    )
     assert table, "the series no longer has its certification table"
     printed = (tree / "llama-arch.cpp").read_text()
-    in_table = sorted(re.search(rf"\{{\s*LLM_ARCH_{n},\s*\"([^\"]+)\"", printed).group(1)
-                      for n in re.findall(r"LLM_ARCH_(\w+)", table.group(1)))
+    in_table = sorted(
+        re.search(rf"\{{\s*LLM_ARCH_{n},\s*\"([^\"]+)\"", printed).group(1)
+        for n in re.findall(r"LLM_ARCH_(\w+)", table.group(1))
+    )
     sys.path.insert(0, str(REPO / "third_party"))
     try:
         import shard_boundary
@@ -65,8 +73,12 @@ def test_every_certified_builder_has_the_uniform_boundary_edit():
     tree = REPO / "third_party" / "llama.cpp"
     if not (tree / "src" / "models").is_dir():
         pytest.skip("no materialized llama.cpp tree")
-    res = subprocess.run([sys.executable, str(REPO / "third_party" / "shard_boundary.py"), str(tree), "--check"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "third_party" / "shard_boundary.py"), str(tree), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -81,8 +93,9 @@ def test_the_boundary_edit_refuses_a_builder_that_uses_the_embeddings_before_the
     if not source.is_file():
         pytest.skip("no materialized llama.cpp tree")
     with pytest.raises(shard_boundary.BoundaryError, match="embeddings feed more than the layer loop"):
-        shard_boundary.apply_boundary(source.read_text().replace(shard_boundary.LOOP_SHARD, shard_boundary.LOOP),
-                                      "another-" + builder)
+        shard_boundary.apply_boundary(
+            source.read_text().replace(shard_boundary.LOOP_SHARD, shard_boundary.LOOP), "another-" + builder
+        )
 
 
 def test_the_boundary_check_wants_the_residual_returned_where_the_loop_leaves_it():
@@ -94,11 +107,15 @@ def test_the_boundary_check_wants_the_residual_returned_where_the_loop_leaves_it
         pytest.skip("no materialized llama.cpp tree")
     patched = source.read_text()
     assert shard_boundary.check_boundary(patched, "phi3.cpp") == []
-    assert shard_boundary.check_boundary(patched.replace("build_shard_residual_output(inpL);",
-                                                         "build_shard_residual_output(cur);"), "phi3.cpp")
-    block = patched[patched.index("\n    if (!model.shard_is_tail()) {"):patched.index("return;\n    }\n") + len("return;\n    }\n")]
+    assert shard_boundary.check_boundary(
+        patched.replace("build_shard_residual_output(inpL);", "build_shard_residual_output(cur);"), "phi3.cpp"
+    )
+    block = patched[
+        patched.index("\n    if (!model.shard_is_tail()) {") : patched.index("return;\n    }\n")
+        + len("return;\n    }\n")
+    ]
     end = "    ggml_build_forward_expand(gf, cur);\n}"
-    moved = patched.replace(block, "", 1).replace(end, block.lstrip("\n") + end, 1)   # after the LM head
+    moved = patched.replace(block, "", 1).replace(end, block.lstrip("\n") + end, 1)  # after the LM head
     assert moved.count("build_shard_residual_output(inpL);") == 1
     assert shard_boundary.check_boundary(moved, "phi3.cpp")
 

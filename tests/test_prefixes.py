@@ -15,6 +15,7 @@ What is shown here:
 - memory stays within the plan, the prefix store included, under 10,000 sessions drawn from 20
   prefixes (the native engine, a synthetic model).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ class EngineRoute:
     """A 2-shard split of a synthetic model through two managers, as two workers chain a step."""
 
     def __init__(self, path, split, prefix_bytes=1 << 20):
-        config = HotKvStateConfig(max_sessions=4, context_tokens=64, budget_tokens=256, ttl_seconds=0,
-                                  prefix_bytes=prefix_bytes)
+        config = HotKvStateConfig(
+            max_sessions=4, context_tokens=64, budget_tokens=256, ttl_seconds=0, prefix_bytes=prefix_bytes
+        )
         self.models = [ShardModel(str(path), layers, 1) for layers in split]
         self.managers = [HotKvStateManager(m, config, ManualClock(), n_batch=64) for m in self.models]
         self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
@@ -83,7 +85,12 @@ def test_a_session_opened_from_a_prefix_equals_its_source_and_a_fresh_run_to_the
         assert out_copy.logits.tobytes() == out_src.logits.tobytes() == out_fresh.logits.tobytes()
         for m in shared.managers:
             st = m.stats()
-            assert (st["prefix_stores"], st["prefix_hits"], st["prefix_tokens_saved"], st["prefix_entries"]) == (1, 1, P, 1)
+            assert (st["prefix_stores"], st["prefix_hits"], st["prefix_tokens_saved"], st["prefix_entries"]) == (
+                1,
+                1,
+                P,
+                1,
+            )
             m.check_invariants()
         if arch == "gemma3":
             # the copy holds the sliding layers from P - 4 (window 4): a cut below that is a miss
@@ -133,8 +140,11 @@ def test_a_prefix_evicted_while_sessions_open_from_it_gives_exact_copies_or_miss
     source after a miss: every open is either a whole copy that continues as K's source did (to the
     byte once alone), or a PREFIX_EVICTED miss; never a partial copy, and the invariants hold."""
     model = ShardModel(str(synthetic_model), None, 1)
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=5, context_tokens=32, budget_tokens=160, ttl_seconds=0,
-                                                    prefix_bytes=16_000), n_batch=32)
+    mgr = HotKvStateManager(
+        model,
+        HotKvStateConfig(max_sessions=5, context_tokens=32, budget_tokens=160, ttl_seconds=0, prefix_bytes=16_000),
+        n_batch=32,
+    )
     ad = KvBoundaryAdapter(model, mgr)
     prefix = list(range(10, 18))
     try:
@@ -227,7 +237,7 @@ def test_ten_thousand_sessions_from_twenty_prefixes_stay_within_the_plan(synthet
 def test_block_keys_chain_and_local_names_scope_by_principal_and_recipe():
     tokens = list(range(3 * PREFIX_BLOCK_TOKENS + 5))
     keys = block_keys(tokens)
-    assert len(keys) == 3 and block_keys(tokens[:2 * PREFIX_BLOCK_TOKENS]) == keys[:2]
+    assert len(keys) == 3 and block_keys(tokens[: 2 * PREFIX_BLOCK_TOKENS]) == keys[:2]
     changed = list(tokens)
     changed[3] += 1
     assert all(a != b for a, b in zip(block_keys(changed), keys))  # block k's key covers every token before it
@@ -264,6 +274,7 @@ def test_the_heads_plan_opens_the_longest_stored_prefix_and_stores_only_clean_st
     class _Manager:
         class config:  # noqa: N801 - stands in for the manager's config attribute
             prefix_bytes = 1
+
         stored: dict = {}
 
         @classmethod
@@ -306,6 +317,7 @@ SYSTEM = _prompt(0, 2 * PREFIX_BLOCK_TOKENS)
 @pytest.fixture(scope="module")
 def routes(embedded_model):
     from support.served_route import Route
+
     made = {}
     try:
         made["plain"] = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS)
@@ -317,10 +329,14 @@ def routes(embedded_model):
 
 
 def _run(route, sid, prompt, **kw):
-    events = list(route.stub().Generate(route.request(sid, prompt, 8, logprobs=True, top_logprobs=4, **kw), timeout=120))
+    events = list(
+        route.stub().Generate(route.request(sid, prompt, 8, logprobs=True, top_logprobs=4, **kw), timeout=120)
+    )
     assert events[-1].HasField("final") and events[-1].final.finish_reason == "length", events[-1]
-    tokens = [(e.token.token_id, e.token.logprob, [(a.token_id, a.logprob) for a in e.token.top_logprobs])
-              for e in events[:-1]]
+    tokens = [
+        (e.token.token_id, e.token.logprob, [(a.token_id, a.logprob) for a in e.token.top_logprobs])
+        for e in events[:-1]
+    ]
     return tokens, events[-1].final
 
 
@@ -354,6 +370,7 @@ def test_a_prefix_the_tail_evicted_costs_one_reprefill_and_is_stored_again(embed
     by the tail (PREFIX_EVICTED), re-prefilled in full, and gives the plain route's tokens; the
     re-prefill stores A on the tail again, so the next stream from A opens on both."""
     from support.served_route import Route
+
     first = Route(embedded_model, [(0, 14), (15, 29)], extra=FLAGS + ("--prefix-memory", "64MiB"))
     try:
         # the tail alone with a small store: restart it with 8 MiB
@@ -387,35 +404,56 @@ def test_bad_prefix_plans_are_refused_and_compute_nothing(routes):
     def refused(stub, req, why):
         reply = stub.Prefill(req, timeout=30)
         assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and why in reply.detail, reply
+
     step = lambda n=None, **kw: pb.StepRequest(session_id="bad", token_ids=tokens[:n], position=0, **kw)  # noqa: E731
-    refused(head, step(256, prefix=pb.PrefixPlan(keys=[keys[0] ^ 1], store_tokens=256)), "do not match the step's tokens")
+    refused(
+        head, step(256, prefix=pb.PrefixPlan(keys=[keys[0] ^ 1], store_tokens=256)), "do not match the step's tokens"
+    )
     refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), "must end there")
-    refused(head, pb.StepRequest(session_id="bad", token_ids=tokens[256:], position=256,
-                                 prefix=pb.PrefixPlan(keys=keys, open_tokens=256)), "its own generation loop")
+    refused(
+        head,
+        pb.StepRequest(
+            session_id="bad", token_ids=tokens[256:], position=256, prefix=pb.PrefixPlan(keys=keys, open_tokens=256)
+        ),
+        "its own generation loop",
+    )
     refused(head, step(prefix=pb.PrefixPlan(keys=keys, store_tokens=100)), "multiple of 256")
     refused(head, step(prefix=pb.PrefixPlan(keys=keys * 5, store_tokens=256)), "at most 4 blocks")
     hidden_rows = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 576], data=np.zeros(576, np.float32).tobytes())
-    refused(head, pb.StepRequest(session_id="bad", hidden=hidden_rows, position=0, prefix=pb.PrefixPlan()),
-            "send the tokens from position 0")
+    refused(
+        head,
+        pb.StepRequest(session_id="bad", hidden=hidden_rows, position=0, prefix=pb.PrefixPlan()),
+        "send the tokens from position 0",
+    )
     reply = head.Decode(pb.StepRequest(session_id="bad", token_ids=[1], prefix=pb.PrefixPlan(keys=keys)), timeout=30)
     assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT and "comes with a prefill" in reply.detail
     after = shared.info(0)
     assert after.engine_requests == before.engine_requests and after.prefix_stores == before.prefix_stores
     # keys that match, from position 0, ending where they store: a caller may store a prefix
-    reply = head.Prefill(pb.StepRequest(session_id="good", token_ids=tokens[:256], position=0,
-                                        prefix=pb.PrefixPlan(keys=keys, store_tokens=256)), timeout=30)
+    reply = head.Prefill(
+        pb.StepRequest(
+            session_id="good", token_ids=tokens[:256], position=0, prefix=pb.PrefixPlan(keys=keys, store_tokens=256)
+        ),
+        timeout=30,
+    )
     assert reply.outcome == pb.OUTCOME_OK and shared.info(0).prefix_stores == before.prefix_stores + 1
     # a tail asked to open a prefix it never stored: a miss, nothing changed
     tail_before = shared.info(1)
     hidden = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 576], data=np.zeros(576, np.float32).tobytes())
-    reply = tail.Prefill(pb.StepRequest(session_id="t", hidden=hidden, position=256,
-                                        prefix=pb.PrefixPlan(keys=[12345], open_tokens=256)), timeout=30)
+    reply = tail.Prefill(
+        pb.StepRequest(
+            session_id="t", hidden=hidden, position=256, prefix=pb.PrefixPlan(keys=[12345], open_tokens=256)
+        ),
+        timeout=30,
+    )
     assert reply.outcome == pb.OUTCOME_CACHE_MISS and reply.miss_reason == "PREFIX_EVICTED"
     resolved = tail.Resolve(pb.SessionRequest(session_id="t"), timeout=10)
     assert resolved.outcome == pb.OUTCOME_CACHE_MISS and resolved.miss_reason == "UNKNOWN_SESSION"
     tail_after = shared.info(1)  # the tail still serves, and the refused step left no session or token behind
-    assert (tail_after.live_sessions, tail_after.reserved_tokens) == (tail_before.live_sessions,
-                                                                     tail_before.reserved_tokens)
+    assert (tail_after.live_sessions, tail_after.reserved_tokens) == (
+        tail_before.live_sessions,
+        tail_before.reserved_tokens,
+    )
     assert shared.info(0).n_layer == 30
 
 
@@ -427,6 +465,7 @@ def test_gemma3_streams_sharing_a_start_give_a_plain_routes_tokens(gemma3_model)
     the sliding layers' last 512 positions, all a continuation reads, and the streams opened from
     it give the plain route's tokens and logprobs to the byte."""
     from support.served_route import Route
+
     flags = FLAGS + ("--max-sessions", "2")
     plain = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags)
     shared = Route(gemma3_model, [(0, 8), (9, 17)], extra=flags + ("--prefix-memory", "64MiB"))
@@ -451,9 +490,24 @@ def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_m
     from support.pki import PKI, client_as, on_behalf_of, serve_worker, stub_for
 
     PKI.update(pki)
-    flags = ("--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key), "--auth-token-file",
-             str(pki["tokens"]), "--forwarder", "ops", "--route-key-file", str(pki["route_key"]),
-             "--share-prefixes", "all", "--prefix-memory", "8MiB", "--context-tokens", "512")
+    flags = (
+        "--tls-cert",
+        str(pki["server"].cert),
+        "--tls-key",
+        str(pki["server"].key),
+        "--auth-token-file",
+        str(pki["tokens"]),
+        "--forwarder",
+        "ops",
+        "--route-key-file",
+        str(pki["route_key"]),
+        "--share-prefixes",
+        "all",
+        "--prefix-memory",
+        "8MiB",
+        "--context-tokens",
+        "512",
+    )
     proc, addr = serve_worker(synthetic_model, flags, 3, 5)
     tail = "localhost:" + addr.rsplit(":", 1)[1]
     try:
@@ -467,8 +521,11 @@ def test_shared_prefixes_of_all_callers_are_the_forwarded_steps_only(synthetic_m
 
         def step(stub, sid, n, position, plan, who=None):
             meta = on_behalf_of(pki, who) if who else None  # the head's signed assertion
-            return stub.Prefill(pb.StepRequest(session_id=sid, hidden=rows(n, position + len(sid)), position=position,
-                                               prefix=plan), timeout=30, metadata=meta)
+            return stub.Prefill(
+                pb.StepRequest(session_id=sid, hidden=rows(n, position + len(sid)), position=position, prefix=plan),
+                timeout=30,
+                metadata=meta,
+            )
 
         store = pb.PrefixPlan(keys=[key], store_tokens=PREFIX_BLOCK_TOKENS)
         opening = pb.PrefixPlan(keys=[key], open_tokens=PREFIX_BLOCK_TOKENS)

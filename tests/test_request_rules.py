@@ -1,6 +1,7 @@
 """One rule, one place: the sampling parameters' ranges are the native check's alone, asked once per
 session's parameters on each shard; the CLI's numeric flags are checked as they are parsed; the old
 spellings of renamed flags still work and say so."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,8 +24,16 @@ from llama_shard.worker.sampling import StepSamplingChecks
 
 
 def test_the_native_check_names_each_parameter_it_refuses():
-    bad = {"temperature": -1.0, "top_k": 5000, "top_p": 0.0, "min_p": 2.0, "penalty_last_n": -1,
-           "penalty_repeat": 0.0, "penalty_freq": 500.0, "penalty_present": -500.0}
+    bad = {
+        "temperature": -1.0,
+        "top_k": 5000,
+        "top_p": 0.0,
+        "min_p": 2.0,
+        "penalty_last_n": -1,
+        "penalty_repeat": 0.0,
+        "penalty_freq": 500.0,
+        "penalty_present": -500.0,
+    }
     assert {p.native for p in SAMPLING_PARAMETERS} == set(bad)
     for p in SAMPLING_PARAMETERS:
         params = SamplingParams(seed=1, **{p.native: bad[p.native]})
@@ -38,9 +47,13 @@ def test_the_native_check_names_each_parameter_it_refuses():
 
 
 def test_the_request_bounds_name_their_field():
-    for call, field in ((lambda: check_top_logprobs(21), "top_logprobs"), (lambda: check_max_drafts(-1), "max_drafts"),
-                        (lambda: check_stops(["a"] * 17, [], 10), "stop"), (lambda: check_stops([""], [], 10), "stop"),
-                        (lambda: check_stops([], [10], 10), "stop_token_ids")):
+    for call, field in (
+        (lambda: check_top_logprobs(21), "top_logprobs"),
+        (lambda: check_max_drafts(-1), "max_drafts"),
+        (lambda: check_stops(["a"] * 17, [], 10), "stop"),
+        (lambda: check_stops([""], [], 10), "stop"),
+        (lambda: check_stops([], [10], 10), "stop_token_ids"),
+    ):
         with pytest.raises(InvalidInputError) as e:
             call()
         assert e.value.param == field
@@ -99,19 +112,36 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llama_shard.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
-                                         ("--repeat-last-n", "-3"), ("--top-k", "99999999999"),
-                                         ("--repeat-penalty", "0"), ("--seed", "4294967295")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--temperature", "-1"),
+        ("--temperature", "nan"),
+        ("--top-p", "0"),
+        ("--repeat-last-n", "-3"),
+        ("--top-k", "99999999999"),
+        ("--repeat-penalty", "0"),
+        ("--seed", "4294967295"),
+    ],
+)
 def test_every_sampling_flag_is_checked_as_it_is_parsed(flag, value):
     res = _cli("generate", flag, value, "--model", "/nonexistent.gguf")
     assert res.returncode == 2 and flag in res.stderr, res.stderr
     assert "nonexistent" not in res.stderr  # refused before any model is looked for
 
 
-@pytest.mark.parametrize("args", [("serve", "--warm-memory", "lots"), ("serve", "--kv-memory", "-1"),
-                                  ("serve", "--prefix-memory", "1XB"), ("serve", "--gather-ms", "5000"),
-                                  ("serve", "--max-drafts", "99"), ("inspect", "--kv-memory", "x"),
-                                  ("generate", "--context-tokens", "99999999")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("serve", "--warm-memory", "lots"),
+        ("serve", "--kv-memory", "-1"),
+        ("serve", "--prefix-memory", "1XB"),
+        ("serve", "--gather-ms", "5000"),
+        ("serve", "--max-drafts", "99"),
+        ("inspect", "--kv-memory", "x"),
+        ("generate", "--context-tokens", "99999999"),
+    ],
+)
 def test_size_and_count_flags_are_checked_as_they_are_parsed(args):
     model = ("/nonexistent.gguf",) if args[0] == "inspect" else ("--model", "/nonexistent.gguf")
     res = _cli(*args, *model)

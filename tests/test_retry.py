@@ -1,6 +1,7 @@
 """A retried step is answered again, bit-exact, instead of a miss: when a decode's reply is lost
 (the caller's deadline passed, the connection dropped) and the same decode arrives again, expecting
 the length it expected the first time, the engine recomputes it from that start. Both engines."""
+
 from __future__ import annotations
 
 import collections
@@ -18,10 +19,14 @@ from llama_shard.reference import ReferenceModel, ReferenceShard
 
 @pytest.fixture(params=["native", "reference"])
 def adapter(request, synthetic_model):
-    model = (ShardModel(str(synthetic_model), None, 2) if request.param == "native"
-             else ReferenceShard(ReferenceModel.from_gguf(synthetic_model)))
-    mgr = HotKvStateManager(model, HotKvStateConfig(max_sessions=2, context_tokens=64, budget_tokens=128, ttl_seconds=0),
-                            ManualClock())
+    model = (
+        ShardModel(str(synthetic_model), None, 2)
+        if request.param == "native"
+        else ReferenceShard(ReferenceModel.from_gguf(synthetic_model))
+    )
+    mgr = HotKvStateManager(
+        model, HotKvStateConfig(max_sessions=2, context_tokens=64, budget_tokens=128, ttl_seconds=0), ManualClock()
+    )
     yield KvBoundaryAdapter(model, mgr)
     mgr.close()
 
@@ -97,6 +102,7 @@ class ReplyDroppingProxy(grpc.GenericRpcHandler):
             elif drop == "unavailable":
                 context.abort(grpc.StatusCode.UNAVAILABLE, "connection dropped by the test proxy")
             return reply
+
         return grpc.unary_unary_rpc_method_handler(handle)
 
     def close(self):
@@ -121,8 +127,10 @@ def test_route_client_retries_lost_decode_replies_with_the_same_tokens_and_no_re
         prompt, n_tokens, timeout_s = [1, 17, 42, 99, 7], 12, 2.0
         direct = RouteClient([RemoteStage(addr) for _, addr in workers])
         expected = direct.session("direct").generate(prompt, n_tokens)
-        proxies = [ReplyDroppingProxy(workers[0][1], {("Decode", 3): "deadline"}, hold_s=timeout_s + 0.5),
-                   ReplyDroppingProxy(workers[1][1], {("Decode", 5): "unavailable"}, hold_s=0)]
+        proxies = [
+            ReplyDroppingProxy(workers[0][1], {("Decode", 3): "deadline"}, hold_s=timeout_s + 0.5),
+            ReplyDroppingProxy(workers[1][1], {("Decode", 5): "unavailable"}, hold_s=0),
+        ]
         client = RouteClient([RemoteStage(p.address, timeout_s=timeout_s) for p in proxies])
         session = client.session("through-proxies")
         got = session.generate(prompt, n_tokens)

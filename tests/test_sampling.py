@@ -8,6 +8,7 @@ What is shown here, on rows of logits (no model needed):
 - a seed fixes the tokens; temperature 1 with everything else off samples the softmax;
 - every parameter outside its range, a row of the wrong length or with a NaN, and a token outside
   the vocabulary are InvalidInputError before llama.cpp sees them (risky ones in a subprocess)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -49,8 +50,11 @@ def test_temperature_zero_without_penalties_is_the_greedy_token():
     assert s.draws == 200
 
 
-@pytest.mark.parametrize("penalties", [dict(), dict(penalty_last_n=8, penalty_repeat=1.6, penalty_freq=0.3,
-                                                     penalty_present=0.5)], ids=["plain", "penalised"])
+@pytest.mark.parametrize(
+    "penalties",
+    [dict(), dict(penalty_last_n=8, penalty_repeat=1.6, penalty_freq=0.3, penalty_present=0.5)],
+    ids=["plain", "penalised"],
+)
 def test_temperature_zero_takes_the_argmax_path_and_picks_what_the_whole_chain_picks(penalties):
     """temperature 0 with top_k/top_p/min_p off skips the chain over the whole row (what an OpenAI
     request with temperature 0 asks for: ~100 us instead of ~570 us on a 49,152-token row). The
@@ -75,15 +79,29 @@ def test_a_tie_made_by_the_repeat_penalty_goes_to_the_first_id_on_the_argmax_pat
     row[10] = row[40] = -2.0
     row[in_window] = -1.0  # penalised: -1.0 x 2 = -2.0 exactly, tied with the other
     for min_p in (0.0, 1e-30):  # the argmax path, and the whole row
-        s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, min_p=min_p, penalty_last_n=4, penalty_repeat=2.0,
-                                                 seed=1), 4096, history=[in_window], draws=0)
+        s = TokenSampler(
+            N_VOCAB,
+            SamplingParams(temperature=0.0, min_p=min_p, penalty_last_n=4, penalty_repeat=2.0, seed=1),
+            4096,
+            history=[in_window],
+            draws=0,
+        )
         assert s.sample(row) == 10
 
 
 PARAMS = [
     SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=42),
-    SamplingParams(temperature=1.1, top_k=0, top_p=0.9, min_p=0.0, penalty_last_n=16, penalty_repeat=1.3,
-                   penalty_freq=0.2, penalty_present=0.4, seed=7),
+    SamplingParams(
+        temperature=1.1,
+        top_k=0,
+        top_p=0.9,
+        min_p=0.0,
+        penalty_last_n=16,
+        penalty_repeat=1.3,
+        penalty_freq=0.2,
+        penalty_present=0.4,
+        seed=7,
+    ),
     SamplingParams(temperature=0.0, penalty_last_n=8, penalty_repeat=1.5, seed=3),
 ]
 
@@ -102,7 +120,7 @@ def test_a_sampler_rebuilt_from_its_history_and_draws_samples_the_same_tokens(pa
         assert rebuilt.sample(row) == t, f"step {i}"
         running.accept(t)
         history.append(t)
-    assert run(params, logits, prompt) == history[len(prompt):]
+    assert run(params, logits, prompt) == history[len(prompt) :]
 
 
 def test_a_seed_fixes_the_tokens_and_another_seed_changes_them():
@@ -126,26 +144,38 @@ def test_the_repeat_penalty_sees_the_window_of_accepted_tokens():
     row[5], row[6] = 2.0, 1.5
     s = TokenSampler(N_VOCAB, SamplingParams(temperature=0.0, penalty_last_n=4, penalty_repeat=2.0, seed=1), 4096)
     assert s.sample(row) == 5
-    s.accept(5)                                   # 2.0 / 2 = 1.0 < 1.5
+    s.accept(5)  # 2.0 / 2 = 1.0 < 1.5
     assert s.sample(row) == 6
-    for t in (1, 2, 3, 4):                        # 5 leaves the 4-token window
+    for t in (1, 2, 3, 4):  # 5 leaves the 4-token window
         s.accept(t)
     assert s.sample(row) == 5
 
 
 BAD = [
-    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=1e-6), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(top_k=-1), "top_k"), (dict(top_k=N_VOCAB + 1), "top_k"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"),
-    (dict(min_p=-0.1), "min_p"), (dict(min_p=float("nan")), "min_p"),
-    (dict(penalty_last_n=-1), "penalty_last_n"), (dict(penalty_last_n=1 << 30), "penalty_last_n"),
-    (dict(penalty_repeat=0.0), "repeat penalty"), (dict(penalty_repeat=float("inf")), "repeat penalty"),
-    (dict(penalty_freq=float("nan")), "frequency"), (dict(penalty_present=1e9), "presence"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e-6), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=N_VOCAB + 1), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(penalty_last_n=-1), "penalty_last_n"),
+    (dict(penalty_last_n=1 << 30), "penalty_last_n"),
+    (dict(penalty_repeat=0.0), "repeat penalty"),
+    (dict(penalty_repeat=float("inf")), "repeat penalty"),
+    (dict(penalty_freq=float("nan")), "frequency"),
+    (dict(penalty_present=1e9), "presence"),
     (dict(seed=0xFFFFFFFF), "seed"),
-    (dict(logit_bias=[(512, 1.0)]), "outside the vocabulary"), (dict(logit_bias=[(-1, 1.0)]), "outside the vocabulary"),
-    (dict(logit_bias=[(3, 100.5)]), "bias must be"), (dict(logit_bias=[(3, float("nan"))]), "bias must be"),
-    (dict(logit_bias=[(3, float("-inf"))]), "bias must be"), (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "twice"),
+    (dict(logit_bias=[(512, 1.0)]), "outside the vocabulary"),
+    (dict(logit_bias=[(-1, 1.0)]), "outside the vocabulary"),
+    (dict(logit_bias=[(3, 100.5)]), "bias must be"),
+    (dict(logit_bias=[(3, float("nan"))]), "bias must be"),
+    (dict(logit_bias=[(3, float("-inf"))]), "bias must be"),
+    (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "twice"),
     (dict(logit_bias=[(i % 512, 0.0) for i in range(1025)]), "at most 1024"),
 ]
 
@@ -173,8 +203,9 @@ def test_logit_bias_is_added_first_and_a_rebuilt_sampler_keeps_it():
     expected[greedy[0]] -= 100.0
     assert banned[0] == int(np.argmax(expected))
     assert run(SamplingParams(temperature=0.0, logit_bias=[(3, 0.0)]), logits, [1, 2]) == greedy
-    seeded = SamplingParams(temperature=1.0, top_k=40, seed=9, logit_bias=[(t, -100.0) for t in range(0, 512, 2)]
-                            + [(11, 2.5)])
+    seeded = SamplingParams(
+        temperature=1.0, top_k=40, seed=9, logit_bias=[(t, -100.0) for t in range(0, 512, 2)] + [(11, 2.5)]
+    )
     tokens = run(seeded, logits, [4, 5])
     assert all(t % 2 == 1 for t in tokens)  # no even token in any draw
     assert seeded.logit_bias[-1] == (11, 2.5)

@@ -5,6 +5,7 @@ would have at the source, whatever the receiver's limits (another max_sessions: 
 count) and wherever the session was at the source (hot, warm, on disk). Bytes the receiver must not
 restore are refused before anything changes (its sessions() and stats() are the same after); the
 forged ones run in a subprocess, so an abort in llama.cpp would fail the test instead of pytest."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -79,8 +80,9 @@ def _hand_over(src: Route, dst: Route, sid: str, epoch: int = 0, dst_epoch: int 
         assert (got.seq_len, got.tier) == (info.seq_len, Tier.HOT)
 
 
-@pytest.mark.parametrize("numerics", [dict(), dict(flash_attn=False), dict(kv_type="q8_0")],
-                         ids=["f16", "f16-no-flash-attn", "q8_0"])
+@pytest.mark.parametrize(
+    "numerics", [dict(), dict(flash_attn=False), dict(kv_type="q8_0")], ids=["f16", "f16-no-flash-attn", "q8_0"]
+)
 def test_an_imported_session_continues_bit_for_bit_as_its_source(models, numerics):
     # the receiver has other limits (2 sessions: another stream count) and holds other sessions
     src, dst = Route(models, _config(**numerics)), Route(models, _config(max_sessions=2, **numerics))
@@ -101,7 +103,12 @@ def test_an_imported_session_continues_bit_for_bit_as_its_source(models, numeric
 @pytest.mark.parametrize("tier", ["warm", "disk"])
 def test_a_warm_or_disk_session_is_exported_where_it_is(models, tier, tmp_path):
     def warm(i):  # a directory per shard: a disk tier's directory belongs to one worker
-        return dict(warm_bytes=64 << 20) if tier == "warm" else dict(warm_dir=str(tmp_path / f"warm{i}"), warm_disk_bytes=64 << 20)
+        return (
+            dict(warm_bytes=64 << 20)
+            if tier == "warm"
+            else dict(warm_dir=str(tmp_path / f"warm{i}"), warm_disk_bytes=64 << 20)
+        )
+
     src = Route(models, [_config(max_sessions=1, **warm(i)) for i in range(len(models))])
     dst = Route(models, _config())
     try:

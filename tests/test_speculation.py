@@ -16,6 +16,7 @@ What is shown here:
   between a verification and the next step, gives a miss that the next Generate re-prefills, with
   the tokens a plain route gives.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,14 +50,15 @@ OPEN = "Write a short story about a lighthouse keeper."
 
 # --- the head's and the tail's parts ------------------------------------------------------------
 
+
 def test_prompt_lookup_proposes_what_followed_the_longest_earlier_ngram():
     d = NgramDrafter()
     tokens = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4]
-    assert d.propose(tokens, 3) == ([5, 6, 9], 3)      # [2, 3, 4] occurred before, then 5 6 9
+    assert d.propose(tokens, 3) == ([5, 6, 9], 3)  # [2, 3, 4] occurred before, then 5 6 9
     tokens += [7]
-    assert d.propose(tokens, 3) == ([], 0)             # 7 never occurred before
+    assert d.propose(tokens, 3) == ([], 0)  # 7 never occurred before
     tokens += [4]
-    assert d.propose(tokens, 3) == ([7, 4], 1)         # [7, 4] did not either; 4 alone did (latest: then 7)
+    assert d.propose(tokens, 3) == ([7, 4], 1)  # [7, 4] did not either; 4 alone did (latest: then 7)
     tokens += [1, 2]
     assert d.propose(tokens, 8) == ([3, 4, 5, 6, 9, 9, 2, 3], 2)  # [4, 1, 2] is new, [1, 2] is not
     assert NgramDrafter().propose([5, 5, 5], 4) == ([5], 2)  # [5, 5] was followed by one token
@@ -201,12 +203,13 @@ def test_the_tail_accepts_drafts_while_its_own_draw_equals_them():
         rows[i, best] = 1.0
     argmax = lambda row: int(np.argmax(row))  # noqa: E731
     assert verify(rows, [3, 5, 7], argmax) == [3, 5, 7, 1]  # all accepted, then its own token
-    assert verify(rows, [3, 6, 7], argmax) == [3, 5]        # the second rejected: its own token instead
+    assert verify(rows, [3, 6, 7], argmax) == [3, 5]  # the second rejected: its own token instead
     assert verify(rows, [2, 5, 7], argmax) == [3]
     assert verify(rows[:1], [], argmax) == [3]
 
 
 # --- the engine's rows ----------------------------------------------------------------------------
+
 
 def _manager(path, layers=None, **kw):
     model = ShardModel(str(path), layers, 1)
@@ -259,8 +262,10 @@ def test_the_reference_engine_returns_the_same_rows(synthetic_model):
     try:
         rng = np.random.default_rng(4)
         prompt = rng.integers(0, model.info.n_vocab, 12).tolist()
-        outs = [KvBoundaryAdapter(m, g).prefill("s", 0, prompt, start_pos=0, logit_rows=5)
-                for m, g in ((model, mgr), (shard, ref))]
+        outs = [
+            KvBoundaryAdapter(m, g).prefill("s", 0, prompt, start_pos=0, logit_rows=5)
+            for m, g in ((model, mgr), (shard, ref))
+        ]
         assert outs[0].rows.shape == outs[1].rows.shape == (5, model.info.n_vocab)
         np.testing.assert_allclose(outs[0].rows, outs[1].rows, rtol=0, atol=NATIVE_LOGIT_ATOL)
         assert [int(np.argmax(r)) for r in outs[0].rows] == [int(np.argmax(r)) for r in outs[1].rows]
@@ -270,6 +275,7 @@ def test_the_reference_engine_returns_the_same_rows(synthetic_model):
 
 
 # --- on live workers ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smol_spec_routes(embedded_model):
@@ -307,23 +313,25 @@ def test_greedy_with_drafts_gives_the_tokens_without(smol_spec_routes, embedded_
         assert final0.drafted_tokens == 0 and final.accepted_tokens <= final.drafted_tokens
         if text is REPEAT:  # a rewrite repeats the prompt: drafts are made and most are right
             assert final.drafted_tokens > 0 and final.accepted_tokens > final.drafted_tokens // 2
-        print(f"{layout}, {'repeat' if text is REPEAT else 'open'}: {final.accepted_tokens}/{final.drafted_tokens} "
-              f"drafts accepted, {final.pipelined_windows} windows sent ahead, {final.pipelined_kept} kept")
+        print(
+            f"{layout}, {'repeat' if text is REPEAT else 'open'}: {final.accepted_tokens}/{final.drafted_tokens} "
+            f"drafts accepted, {final.pipelined_windows} windows sent ahead, {final.pipelined_kept} kept"
+        )
     info = route.info()
     assert info.draft_source == "ngram" and info.accepted_tokens <= info.drafted_tokens
 
 
 @pytest.mark.model
 @pytest.mark.grpc
-def test_a_stop_among_accepted_drafts_ends_the_stream_there_and_counts_only_what_was_sent(smol_spec_routes,
-                                                                                           embedded_model):
+def test_a_stop_among_accepted_drafts_ends_the_stream_there_and_counts_only_what_was_sent(
+    smol_spec_routes, embedded_model
+):
     route = smol_spec_routes["2 shards"]
     prompt = ShardModel(str(embedded_model), (0, 0), 1).tokenize(REPEAT)
     plain, _ = _tokens(route, "stop-plain", prompt, 48, max_drafts=0)
     j = next(i for i in range(20, 48) if plain[i] not in plain[:i])  # a token first generated late
-    spec, final = route.generate("stop-spec", prompt, max_tokens=48, max_drafts=MAX_DRAFTS,
-                                 stop_token_ids=[plain[j]])
-    assert spec == plain[:j + 1] and final.finish_reason == "stop"
+    spec, final = route.generate("stop-spec", prompt, max_tokens=48, max_drafts=MAX_DRAFTS, stop_token_ids=[plain[j]])
+    assert spec == plain[: j + 1] and final.finish_reason == "stop"
     assert final.drafted_tokens > 0 and final.accepted_tokens <= final.completion_tokens == j + 1
 
 
@@ -335,8 +343,20 @@ def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_r
 
     route = smol_spec_routes["2 shards"]
     spec = ",".join(f"{a}-{b}@{addr}" for (a, b), addr in zip(route.ranges, route.addresses))
-    cmd = [sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model), "--route", spec,
-           "--prompt", REPEAT, "--max-tokens", "32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_shard.cli",
+        "generate",
+        "--model",
+        str(embedded_model),
+        "--route",
+        spec,
+        "--prompt",
+        REPEAT,
+        "--max-tokens",
+        "32",
+    ]
     runs = {k: subprocess.run([*cmd, "--max-drafts", k], capture_output=True, text=True, timeout=300) for k in "08"}
     for res in runs.values():
         assert res.returncode == 0, res.stderr[-2000:]
@@ -345,8 +365,23 @@ def test_the_generate_command_sets_max_drafts_and_reports_the_drafts(smol_spec_r
     for bad in (["--max-drafts", "16"], ["--max-drafts", "-1"]):
         res = subprocess.run([*cmd, *bad], capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and "--max-drafts" in res.stderr, res.stderr[-500:]
-    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--model", str(embedded_model),
-                          "--max-drafts", "4", "--max-tokens", "2"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "generate",
+            "--model",
+            str(embedded_model),
+            "--max-drafts",
+            "4",
+            "--max-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and "needs --route" in res.stderr, res.stderr[-500:]
 
 
@@ -419,8 +454,14 @@ def test_max_drafts_out_of_range_is_refused_and_computes_nothing(smol_spec_route
 
 
 def _prefill(route, sid, tokens, position, drafts=(), **kw):
-    req = pb.StepRequest(session_id=sid, token_ids=tokens, position=position, draft_tokens=list(drafts),
-                         forward=[pb.Hop(address=a) for a in route.addresses[1:]], **kw)
+    req = pb.StepRequest(
+        session_id=sid,
+        token_ids=tokens,
+        position=position,
+        draft_tokens=list(drafts),
+        forward=[pb.Hop(address=a) for a in route.addresses[1:]],
+        **kw,
+    )
     return route.stub().Prefill(req, timeout=60)
 
 
@@ -430,11 +471,13 @@ def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_s
     route = smol_spec_routes["2 shards"]
     prompt = list(range(100, 140))
     assert _prefill(route, "fit", prompt, 0).outcome == pb.OUTCOME_OK
-    cases = {"too many": (list(range(200, 217)), list(range(201, 217))),
-             "as many as the tokens": ([5, 6], [5, 6]),
-             "more tokens than the last sampled one": ([4, 5, 6], [6]),  # would be a long row-by-row step
-             "not the step's last tokens": ([5, 6, 7], [6, 8]),
-             "outside the vocabulary": ([5, 6], [1 << 30])}
+    cases = {
+        "too many": (list(range(200, 217)), list(range(201, 217))),
+        "as many as the tokens": ([5, 6], [5, 6]),
+        "more tokens than the last sampled one": ([4, 5, 6], [6]),  # would be a long row-by-row step
+        "not the step's last tokens": ([5, 6, 7], [6, 8]),
+        "outside the vocabulary": ([5, 6], [1 << 30]),
+    }
     for name, (tokens, drafts) in cases.items():
         reply = _prefill(route, "fit", tokens, 40, drafts)
         assert reply.outcome == pb.OUTCOME_INVALID_ARGUMENT, name
@@ -442,8 +485,12 @@ def test_steps_with_drafts_that_do_not_fit_are_refused_and_change_nothing(smol_s
         assert _prefill(route, "fit", [5, 6], 40, [6], **asks).outcome == pb.OUTCOME_INVALID_ARGUMENT, asks
     without_drafts = _prefill(route, "fit", [5, 6], 40, row_by_row=True)
     assert without_drafts.outcome == pb.OUTCOME_INVALID_ARGUMENT and "row_by_row" in without_drafts.detail
-    decode = route.stub().Decode(pb.StepRequest(session_id="fit", token_ids=[5, 6], draft_tokens=[6],
-                                                forward=[pb.Hop(address=route.addresses[1])]), timeout=60)
+    decode = route.stub().Decode(
+        pb.StepRequest(
+            session_id="fit", token_ids=[5, 6], draft_tokens=[6], forward=[pb.Hop(address=route.addresses[1])]
+        ),
+        timeout=60,
+    )
     assert decode.outcome == pb.OUTCOME_INVALID_ARGUMENT and "explicit position" in decode.detail
     for k in (0, 1):  # nothing changed on either worker
         assert route.stub(k).Resolve(pb.SessionRequest(session_id="fit"), timeout=10).seq_len == 40
@@ -474,6 +521,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
             route.stub(1).Release(pb.SessionRequest(session_id="s"), timeout=10)
         else:
             from llama_shard.local_workers import stop_worker
+
             stop_worker(route.procs[1])
             route.start(1)
         # the next step, at the position after the accepted drafts, finds the tail lacking them
@@ -487,6 +535,7 @@ def test_a_fault_between_a_verification_and_the_next_step_is_a_miss_and_generati
 
 
 # --- a draft model --------------------------------------------------------------------------------
+
 
 @pytest.mark.model
 @pytest.mark.slow
@@ -578,6 +627,7 @@ def test_a_draft_model_is_in_the_memory_plan_and_its_engine_is_sized_by_it(embed
 
 # --- pipelining -----------------------------------------------------------------------------------
 
+
 def test_a_step_that_overtakes_the_one_before_it_waits_for_it(monkeypatch):
     """SessionOrder: a step starting past the end of its session's last step queued here waits (at
     most ORDER_WAIT_S) until that step is queued; an unknown session, a step at or before that end,
@@ -622,8 +672,9 @@ def test_a_step_that_overtakes_the_one_before_it_waits_for_it(monkeypatch):
     waiter.join(5)
     assert "third" in done
     # one waits; a second, while it does, does not
-    waiter = threading.Thread(target=lambda: (order.wait_turn([Step.prefill("p", 0, [1], None, 800)], far),
-                                              done.append("waited")))
+    waiter = threading.Thread(
+        target=lambda: (order.wait_turn([Step.prefill("p", 0, [1], None, 800)], far), done.append("waited"))
+    )
     waiter.start()
     time.sleep(0.2)
     t0 = time.monotonic()
@@ -678,8 +729,11 @@ def test_a_long_prompts_chunks_are_pipelined_and_give_the_whole_models_tokens(em
     prompt, other = ids[:900], ids[:768] + ids[1000:1100]  # four chunks of 256 at most; the same first three
     whole = LocalPipeline(embedded_model, None, n_ctx=1024, n_seq_max=1, n_batch=256, n_threads=1)
     oracle = {id(p): [t for t, _ in whole.generate(p, 12)] for p in (prompt, other)}
-    route = Route(embedded_model, ranges, extra=("--context-tokens", "1024", "--budget-tokens", "4096",
-                                                 "--prefix-memory", "64MiB"))
+    route = Route(
+        embedded_model,
+        ranges,
+        extra=("--context-tokens", "1024", "--budget-tokens", "4096", "--prefix-memory", "64MiB"),
+    )
     try:
         tokens, final = _tokens(route, "long", prompt, 12, max_drafts=0)
         assert tokens == oracle[id(prompt)]
@@ -729,8 +783,9 @@ def test_windows_sent_ahead_over_a_slow_link_keep_greedy_and_seeded_tokens(embed
                 for i, (prompt, sampling) in enumerate(cases):
                     plain, _ = _tokens(head, f"slow-plain-{i}", prompt, 64, sampling=sampling, max_drafts=0)
                     for again in range(2):  # the second starts from the rates the first ended with
-                        spec, final = _tokens(head, f"slow-spec-{i}-{again}", prompt, 64, sampling=sampling,
-                                              max_drafts=MAX_DRAFTS)
+                        spec, final = _tokens(
+                            head, f"slow-spec-{i}-{again}", prompt, 64, sampling=sampling, max_drafts=MAX_DRAFTS
+                        )
                         assert spec == plain, (i, again)
                         assert final.accepted_tokens > 0
                         windows += final.pipelined_windows
@@ -752,9 +807,24 @@ def _head_loops():
     from llama_shard.head.generation import loops as generation
     from llama_shard.head.generation.host import HeadHost
 
-    host = HeadHost(info=None, fingerprint="", context_tokens=64, max_sessions=2, warm_bytes=0, detokenize=None,
-                    security=None, prefixes=None, session_cap=None, stopping=threading.Event(), max_hop_s=1.0,
-                    forward_refusal=None, admit=None, caller_full=None, run_steps=None, sessions=list)
+    host = HeadHost(
+        info=None,
+        fingerprint="",
+        context_tokens=64,
+        max_sessions=2,
+        warm_bytes=0,
+        detokenize=None,
+        security=None,
+        prefixes=None,
+        session_cap=None,
+        stopping=threading.Event(),
+        max_hop_s=1.0,
+        forward_refusal=None,
+        admit=None,
+        caller_full=None,
+        run_steps=None,
+        sessions=list,
+    )
     return generation, generation.GenerationLoops(host, CollectorRegistry(), max_drafts=15)
 
 

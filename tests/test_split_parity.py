@@ -1,4 +1,5 @@
 """Split vs whole on the patched llama.cpp is bit-exact (synthetic models and SmolLM2)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,11 +12,11 @@ from llama_shard.engine.pipeline import LocalPipeline
 def layouts(n_layer: int) -> list[list[tuple[int, int]]]:
     L = n_layer
     return [
-        [(0, 0), (1, L - 1)],                   # one-layer head
-        [(0, L // 2 - 1), (L // 2, L - 1)],      # half / half
-        [(0, L - 2), (L - 1, L - 1)],            # one-layer tail
-        [(0, 0), (1, L - 2), (L - 1, L - 1)],    # one-layer shards at both ends
-        [(0, 1), (2, 3), (4, L - 1)],            # three even-ish shards
+        [(0, 0), (1, L - 1)],  # one-layer head
+        [(0, L // 2 - 1), (L // 2, L - 1)],  # half / half
+        [(0, L - 2), (L - 1, L - 1)],  # one-layer tail
+        [(0, 0), (1, L - 2), (L - 1, L - 1)],  # one-layer shards at both ends
+        [(0, 1), (2, 3), (4, L - 1)],  # three even-ish shards
     ]
 
 
@@ -26,8 +27,10 @@ def _probe_hidden(path, last, seq_calls):
     return [ctx.forward(seq, pos, tokens=toks) for seq, pos, toks in seq_calls]
 
 
-@pytest.mark.parametrize("model_fixture", ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3",
-                                           "synthetic_gemma3"])
+@pytest.mark.parametrize(
+    "model_fixture",
+    ["synthetic_model", "synthetic_untied_f16", "synthetic_qwen2", "synthetic_qwen3", "synthetic_gemma3"],
+)
 def test_split_matches_whole_bit_for_bit(request, model_fixture):
     path = request.getfixturevalue(model_fixture)
     whole = LocalPipeline(path, None, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=2)
@@ -61,9 +64,11 @@ def test_split_matches_whole_bit_for_bit(request, model_fixture):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("split, flash_attn", [([(0, 14), (15, 29)], True), ([(0, 9), (10, 19), (20, 29)], True),
-                                               ([(0, 14), (15, 29)], False)],
-                         ids=["2-shard", "3-shard", "2-shard-flash-attn-off"])
+@pytest.mark.parametrize(
+    "split, flash_attn",
+    [([(0, 14), (15, 29)], True), ([(0, 9), (10, 19), (20, 29)], True), ([(0, 14), (15, 29)], False)],
+    ids=["2-shard", "3-shard", "2-shard-flash-attn-off"],
+)
 def test_smollm2_split_generates_the_whole_models_tokens(embedded_model, split, flash_attn):
     whole = LocalPipeline(embedded_model, None, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2, flash_attn=flash_attn)
     pipe = LocalPipeline(embedded_model, split, n_ctx=512, n_seq_max=1, n_batch=128, n_threads=2, flash_attn=flash_attn)
@@ -90,8 +95,15 @@ def test_without_flash_attention_split_matches_whole_bit_for_bit(request, model_
     n_layer = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32).head.info.n_layer
     flash = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32, n_threads=2)
     whole = LocalPipeline(path, None, n_ctx=256, n_seq_max=1, n_batch=32, n_threads=2, flash_attn=False)
-    split = LocalPipeline(path, [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)], n_ctx=256, n_seq_max=1,
-                          n_batch=32, n_threads=2, flash_attn=False)
+    split = LocalPipeline(
+        path,
+        [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)],
+        n_ctx=256,
+        n_seq_max=1,
+        n_batch=32,
+        n_threads=2,
+        flash_attn=False,
+    )
     pos, pending, differs = 0, [1, 17, 42, 99, 5, 250, 3, 8, 19, 77], False
     for _ in range(24):
         ref, got, fa = (p.step(0, pos, pending) for p in (whole, split, flash))

@@ -14,6 +14,7 @@ What is shown here:
   own (nested object, enum, array, required fields) all parse and validate (jsonschema), json_object
   parses, streamed equals not streamed at temperature 0, and every refusal names its parameter.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def _sample_text(vocab, params: SamplingParams, n: int, seed: int = 0) -> tuple[
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_only_what_the_grammar_allows_is_sampled_then_the_end(vocab, temperature):
     for seed in range(4):
-        tokens, text = _sample_text(vocab, SamplingParams(temperature=temperature, seed=seed + 1, grammar=YES_NO), 12,
-                                    seed)
+        tokens, text = _sample_text(
+            vocab, SamplingParams(temperature=temperature, seed=seed + 1, grammar=YES_NO), 12, seed
+        )
         assert text in ("yes!", "no!"), (tokens, text)
         assert tokens[-1] in vocab.eog_tokens  # complete: only the end may follow
 
@@ -70,8 +72,9 @@ def test_the_argmax_path_picks_what_the_masked_row_picks(vocab):
 
 def test_a_rebuilt_sampler_replays_the_grammar_and_samples_the_same(vocab):
     n_vocab = vocab.info.n_vocab
-    params = SamplingParams(temperature=0.9, seed=5, penalty_repeat=1.1,
-                            grammar='root ::= "[" [0-9]+ ("," [0-9]+)* "]"')
+    params = SamplingParams(
+        temperature=0.9, seed=5, penalty_repeat=1.1, grammar='root ::= "[" [0-9]+ ("," [0-9]+)* "]"'
+    )
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((16, n_vocab)) * 3).astype(np.float32)
     prompt = [1, 2, 3]
@@ -82,8 +85,9 @@ def test_a_rebuilt_sampler_replays_the_grammar_and_samples_the_same(vocab):
         s.accept_sampled(t)
         tokens.append(t)
     for k in (1, 5, 11):
-        rebuilt = TokenSampler(n_vocab, params, 4096, history=(prompt + tokens[:k])[-64:], draws=k, model=vocab,
-                               generated=tokens[:k])
+        rebuilt = TokenSampler(
+            n_vocab, params, 4096, history=(prompt + tokens[:k])[-64:], draws=k, model=vocab, generated=tokens[:k]
+        )
         assert rebuilt.sample(rows[k]) == tokens[k]
     with pytest.raises(InvalidInputError, match="replays every sampled token"):
         TokenSampler(n_vocab, params, 4096, draws=3, model=vocab, generated=tokens[:2])
@@ -128,8 +132,12 @@ print("refused", refused, "then", vocab.detokenize([first]) in ("y", "ye", "yes"
 
 
 def test_tokens_the_grammar_refuses_are_refused_and_change_nothing(embedded_model):
-    res = subprocess.run([sys.executable, "-c", RISKY_TOKENS.format(path=str(embedded_model))], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", RISKY_TOKENS.format(path=str(embedded_model))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["refused", "6", "then", "True"], res.stdout
 
@@ -176,8 +184,9 @@ print(" ".join("ok" if v else "no" for v in verdicts), converted + refused)
 
 
 def test_hostile_grammars_and_schemas_are_refused_and_the_process_survives(embedded_model):
-    res = subprocess.run([sys.executable, "-c", HOSTILE.format(path=str(embedded_model))], capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", HOSTILE.format(path=str(embedded_model))], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     verdicts, count = res.stdout.split()[:-1], int(res.stdout.split()[-1])
     # only an empty grammar (no constraint) and an open repetition parse; {3,1000000} is refused here
@@ -232,12 +241,27 @@ def test_grammars_that_cost_llama_cpp_exponential_time_are_bounded(embedded_mode
     """Patch 0009: the left-recursion check walks each rule once, no advance keeps more than 4096
     parse stacks, and no mask or accept makes more than 2^20 stack visits (refused at the start,
     or the stream ends with an error), within seconds."""
-    res = subprocess.run([sys.executable, "-c", EXPONENTIAL.format(path=str(embedded_model))], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", EXPONENTIAL.format(path=str(embedded_model))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     words = res.stdout.split()
-    assert words[:-2] == ["walk", "True", "first", "True", "refused", "True", "True", "then", "refused", "mask",
-                          "refused"], res.stdout
+    assert words[:-2] == [
+        "walk",
+        "True",
+        "first",
+        "True",
+        "refused",
+        "True",
+        "True",
+        "then",
+        "refused",
+        "mask",
+        "refused",
+    ], res.stdout
     assert float(words[-1]) < 30, res.stdout
 
 
@@ -247,9 +271,14 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 24},
         "kind": {"enum": ["city", "river", "mountain"]},
         "facts": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 3},
-        "where": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 16},
-                                                   "population": {"type": "integer", "minimum": 0}},
-                  "required": ["country"]},
+        "where": {
+            "type": "object",
+            "properties": {
+                "country": {"type": "string", "maxLength": 16},
+                "population": {"type": "integer", "minimum": 0},
+            },
+            "required": ["country"],
+        },
         "famous": {"type": "boolean"},
     },
     "required": ["name", "kind", "facts", "where"],
@@ -259,24 +288,35 @@ SCHEMA = {
 def test_the_converter_gives_a_grammar_llama_cpp_parses(vocab):
     grammar = json_schema_to_grammar(json.dumps(SCHEMA))
     assert "root ::=" in grammar and grammar_problem(vocab, grammar) is None
-    for bad, why in (("[1]", "object"), ("{", "JSON"), ('{"type": "array", "items": ' * 70 + "{}" + "}" * 70, "deeper"),
-                     ('{"description": "' + "x" * 70000 + '"}', "bytes")):
+    for bad, why in (
+        ("[1]", "object"),
+        ("{", "JSON"),
+        ('{"type": "array", "items": ' * 70 + "{}" + "}" * 70, "deeper"),
+        ('{"description": "' + "x" * 70000 + '"}', "bytes"),
+    ):
         with pytest.raises(InvalidInputError, match=why):
             json_schema_to_grammar(bad)
 
 
 # --- through a route, with the official openai client -----------------------------------------
 
+
 @pytest.fixture(scope="module")
 def http_route(embedded_model):
     from support.http_route import HttpRoute
+
     r = HttpRoute(embedded_model)
     yield r
     r.stop()
 
 
-PROMPTS = ["Describe Paris as JSON.", "Describe the Nile as JSON.", "Describe Mont Blanc as JSON.",
-           "Describe Lyon as JSON.", "Describe the Rhine as JSON."]
+PROMPTS = [
+    "Describe Paris as JSON.",
+    "Describe the Nile as JSON.",
+    "Describe Mont Blanc as JSON.",
+    "Describe Lyon as JSON.",
+    "Describe the Rhine as JSON.",
+]
 
 
 @pytest.mark.grpc
@@ -288,9 +328,14 @@ def test_twenty_answers_under_a_json_schema_parse_and_validate(http_route):
     model = client.models.list().data[0].id
     answers = []
     for i in range(20):
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                           response_format=fmt, max_tokens=160, temperature=0 if i < 5 else 0.8,
-                                           seed=i)
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            response_format=fmt,
+            max_tokens=160,
+            temperature=0 if i < 5 else 0.8,
+            seed=i,
+        )
         choice = r.choices[0]
         if choice.finish_reason == "length" and i >= 5:
             continue  # a sampled answer may ramble inside a string past max_tokens (where depends on the CPU)
@@ -301,9 +346,13 @@ def test_twenty_answers_under_a_json_schema_parse_and_validate(http_route):
     assert len(answers) >= 15, len(answers)
     assert len({json.dumps(a, sort_keys=True) for a in answers}) > 1  # sampled, not one canned answer
     # json_object: any JSON object
-    r = client.chat.completions.create(model=model,
-                                       messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
-                                       response_format={"type": "json_object"}, max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        response_format={"type": "json_object"},
+        max_tokens=120,
+        temperature=0,
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # cut by max_tokens: still a prefix of an object
@@ -316,16 +365,28 @@ def test_streamed_equals_whole_under_a_schema_at_temperature_zero(http_route):
     model = client.models.list().data[0].id
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
     messages = [{"role": "user", "content": "Describe Marseille as JSON."}]
-    whole = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=160,
-                                           temperature=0)
-    parts = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=160,
-                                           temperature=0, stream=True)
+    whole = client.chat.completions.create(
+        model=model, messages=messages, response_format=fmt, max_tokens=160, temperature=0
+    )
+    parts = client.chat.completions.create(
+        model=model, messages=messages, response_format=fmt, max_tokens=160, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
     assert streamed == whole.choices[0].message.content
     json.loads(streamed)
     # completions, with llama-server's grammar key
-    got, answer = http_route.raw("POST", "/v1/completions", json.dumps(
-        {"prompt": "Is the sky blue? Answer:", "max_tokens": 8, "temperature": 0, "grammar": ' root ::= " " ("yes" | "no")'}))
+    got, answer = http_route.raw(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "prompt": "Is the sky blue? Answer:",
+                "max_tokens": 8,
+                "temperature": 0,
+                "grammar": ' root ::= " " ("yes" | "no")',
+            }
+        ),
+    )
     assert got == 200 and answer["choices"][0]["text"] in (" yes", " no"), answer
 
 
@@ -335,11 +396,20 @@ def test_structured_output_refusals_name_their_parameter(http_route):
     cases = [
         ({"response_format": {"type": "nope"}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-         "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            "response_format",
+        ),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "string", "pattern": "(" * 100 + "a" + ")" * 100}}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(" * 100 + "a" + ")" * 100}},
+                }
+            },
+            "response_format",
+        ),
         ({"grammar": 'root ::= "a"{5,2}'}, "grammar"),
         ({"grammar": 'root ::= "a" # c\r' + "(" * 1000 + '"a"' + ")" * 1000}, "grammar"),
         ({"grammar": "root ::= (\"a\""}, "grammar"),
@@ -410,12 +480,15 @@ def test_generated_schemas_never_crash_the_converter_or_the_sampler(embedded_mod
     subprocess: each is converted or refused, each grammar parsed or refused, each sampled for a few
     tokens or refused; an abort anywhere in llama.cpp's converter or grammar fails the test."""
     n = int(os.environ.get("LLAMA_SHARD_FUZZ_SCHEMAS", "400"))  # 3,000 ran clean here in 66 s
-    res = subprocess.run([sys.executable, "-c", FUZZ.format(path=str(embedded_model), n=n)], capture_output=True,
-                         text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-c", FUZZ.format(path=str(embedded_model), n=n)], capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     converted, refused, sampled = map(int, res.stdout.split()[-3:])
-    print(f"\n  {converted + refused} generated schemas: {converted} converted ({sampled} sampled under their "
-          f"grammar), {refused} refused")
+    print(
+        f"\n  {converted + refused} generated schemas: {converted} converted ({sampled} sampled under their "
+        f"grammar), {refused} refused"
+    )
     assert converted and refused and sampled
 
 
@@ -430,8 +503,13 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
     from llama_shard.worker.sampling import SamplerStateMissing, TailSamplers
 
     n_vocab = vocab.info.n_vocab
-    params = SamplingParams(temperature=0.9, seed=5, penalty_repeat=1.1, penalty_last_n=8,
-                            grammar='root ::= "[" [0-9] "," [0-9] "," [0-9] "," [0-9] ("," [0-9]+)* "]"')
+    params = SamplingParams(
+        temperature=0.9,
+        seed=5,
+        penalty_repeat=1.1,
+        penalty_last_n=8,
+        grammar='root ::= "[" [0-9] "," [0-9] "," [0-9] "," [0-9] ("," [0-9]+)* "]"',
+    )
     rows = (np.random.default_rng(3).standard_normal((24, n_vocab)) * 3).astype(np.float32)
     prompt = [1, 2, 3]
 
@@ -441,8 +519,9 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
         for i, row in enumerate(rows):
             if i == lose_at:
                 tail = TailSamplers(n_vocab, 4096, 4, model=vocab)  # a failover to a replica of the tail
-            state = pb.SamplerState(params=sampling_to_wire(params), draws=len(generated),
-                                    recent=(prompt + generated)[-8:])
+            state = pb.SamplerState(
+                params=sampling_to_wire(params), draws=len(generated), recent=(prompt + generated)[-8:]
+            )
             if replay_every_step:
                 sync.lost()
             sync.fill(state, generated)
@@ -451,8 +530,9 @@ def test_the_tail_keeps_a_grammars_state_and_a_step_names_it_by_digest(vocab):
             except SamplerStateMissing:
                 assert not replay_every_step and i == lose_at
                 sync.lost()  # the head sends the step again with the tokens
-                state = pb.SamplerState(params=sampling_to_wire(params), draws=len(generated),
-                                        recent=(prompt + generated)[-8:])
+                state = pb.SamplerState(
+                    params=sampling_to_wire(params), draws=len(generated), recent=(prompt + generated)[-8:]
+                )
                 sync.fill(state, generated)
                 token = tail.sample(("s", 0), params, state, row)
             sync.sampled()
@@ -494,8 +574,9 @@ def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
     from llama_shard.proto import shard_pb2 as pb
 
     grammar = 'root ::= [a-z ]*'
-    req = pb.GenerateRequest(session_id="s", prompt=[1, 2, 3], max_tokens=20000,
-                             sampling=pb.Sampling(temperature=0.0, grammar=grammar))
+    req = pb.GenerateRequest(
+        session_id="s", prompt=[1, 2, 3], max_tokens=20000, sampling=pb.Sampling(temperature=0.0, grammar=grammar)
+    )
     sizes = {}
     for n in (100, 10000):
         generated = [100 + i % 500 for i in range(n)]
@@ -506,12 +587,14 @@ def test_a_grammar_streams_step_is_the_same_size_at_token_100_and_10000(vocab):
         _, replayed = s.request(pb.DTYPE_FLOAT32)
         s.grammar.sampled()
         _, older = s.request(pb.DTYPE_FLOAT32)  # a tail of an earlier version gets every token, always
-        s.grammar.by_digest = True               # one that lists grammar_digest in its Info
+        s.grammar.by_digest = True  # one that lists grammar_digest in its Info
         _, named = s.request(pb.DTYPE_FLOAT32)
         assert list(replayed.sampler.generated) == list(older.sampler.generated) == generated
         assert not named.sampler.generated and len(named.sampler.generated_digest) == 16
         sizes[n] = (replayed.ByteSize(), named.ByteSize())
-    print(f"\n  a grammar step's request: at token 100 {sizes[100][1]} bytes, at token 10,000 {sizes[10000][1]} bytes "
-          f"(replaying every token, as every step did before: {sizes[100][0]} and {sizes[10000][0]} bytes)")
+    print(
+        f"\n  a grammar step's request: at token 100 {sizes[100][1]} bytes, at token 10,000 {sizes[10000][1]} bytes "
+        f"(replaying every token, as every step did before: {sizes[100][0]} and {sizes[10000][0]} bytes)"
+    )
     assert abs(sizes[10000][1] - sizes[100][1]) <= 4  # varints of positions and draws: a byte or two
     assert sizes[10000][0] > 10000

@@ -1,4 +1,5 @@
 """The type stubs of the native module, checked against the built module."""
+
 from __future__ import annotations
 
 
@@ -10,6 +11,10 @@ def test_the_native_stubs_match_the_module():
     from pathlib import Path
 
     allowlist = Path(__file__).with_name("stubtest-allowlist.txt")
-    res = subprocess.run([sys.executable, "-m", "mypy.stubtest", "llama_shard._native", "--allowlist", str(allowlist)],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "llama_shard._native", "--allowlist", str(allowlist)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

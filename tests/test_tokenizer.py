@@ -1,5 +1,6 @@
 """Tokenizer of the embedded model: llama.cpp's defaults (BOS when the vocabulary asks for it,
 special tokens parsed) and a lossless round trip."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ def smol(embedded_model):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("text", ["Hello world", "<|im_start|>user\nHi there<|im_end|>\n", "  leading spaces\tand tabs", "日本語のテキスト"])
+@pytest.mark.parametrize(
+    "text", ["Hello world", "<|im_start|>user\nHi there<|im_end|>\n", "  leading spaces\tand tabs", "日本語のテキスト"]
+)
 def test_round_trip(smol, text):
     assert smol.detokenize(smol.tokenize(text)) == text
 

@@ -9,6 +9,7 @@ the ChatML template that renders tools (`serve --chat-template-file`, shipped in
 - refusals: tools of the wrong shape, an unknown choice, a named function not in tools, and a
   template that renders no tools (SmolLM2's own: a 400 naming `tools`, never prose).
 The parser and the stream's splitting are tested without a model too."""
+
 from __future__ import annotations
 
 import json
@@ -28,26 +29,41 @@ from llama_shard.head.openai.tool_calls import (
 
 TEMPLATE = Path(llama_shard.__file__).parent / "head" / "openai" / "templates" / "chatml-tools.jinja"
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 32}}, "required": ["timezone"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
-                                           "parameters": TIME}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 32}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city now", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": TIME}},
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 # --- without a model ----------------------------------------------------------------------------
 
+
 def test_calls_are_parsed_and_what_is_not_a_call_stays_text():
-    content, calls = parse_calls('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}'
-                                 '\n</tool_call>\n<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    content, calls = parse_calls(
+        'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}'
+        '\n</tool_call>\n<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
     assert content == "Let me look."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_time", {"timezone": "UTC"}), ("x", {"a": 1})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"timezone": "UTC"}),
+        ("x", {"a": 1}),
+    ]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == 2
     text = "<tool_call>not json</tool_call> and <tool_call>[1]</tool_call>"
@@ -58,8 +74,14 @@ def test_calls_are_parsed_and_what_is_not_a_call_stays_text():
 def test_a_stream_sends_content_then_each_call_once_closed():
     s = ToolCallStream()
     out, deltas = [], []
-    for piece in ["Su", "re. <tool", "_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"timezone\": \"UTC\"}}",
-                  "\n</tool_call>", "\n<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"]:
+    for piece in [
+        "Su",
+        "re. <tool",
+        "_call>\n{\"name\": \"get_time\", ",
+        "\"arguments\": {\"timezone\": \"UTC\"}}",
+        "\n</tool_call>",
+        "\n<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>",
+    ]:
         text, d = s.feed(piece)
         out.append(text)
         deltas += d
@@ -86,7 +108,7 @@ def test_a_stream_sends_content_then_each_call_once_closed():
 def _streamed(text: str, progressive: bool, step: int = 1) -> tuple[str, list[tuple[str, dict]]]:
     s = ToolCallStream(progressive)
     content, calls = [], {}
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
     for out in [s.feed(p) for p in pieces] + [s.flush()]:
         content.append(out[0])
         for d in out[1]:
@@ -122,8 +144,10 @@ def test_streamed_and_whole_answers_read_the_same_calls_and_text():
 
 def test_a_rule_is_renamed_only_where_it_is_a_name():
     g = 'root ::= "{" space root-x "root" [root] # root\nroot-x ::= root | "a"'
-    assert rename_rule(g, "root", "tool-call") == \
-        'tool-call ::= "{" space root-x "root" [root] # root\nroot-x ::= tool-call | "a"'
+    assert (
+        rename_rule(g, "root", "tool-call")
+        == 'tool-call ::= "{" space root-x "root" [root] # root\nroot-x ::= tool-call | "a"'
+    )
 
 
 def test_tool_requests_are_checked():
@@ -131,14 +155,17 @@ def test_tool_requests_are_checked():
     assert req.choice == "required" and req.named == "get_time"
     assert req.call_schema()["properties"]["name"] == {"const": "get_time"}
     assert "anyOf" in ToolRequest({"tools": TOOLS, "tool_choice": "required"}).call_schema()
-    for body, param in (({"tools": 5}, "tools"), ({"tools": []}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
-                        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
-                        ({"tools": TOOLS + TOOLS[:1]}, "tools"),
-                        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                         "tool_choice"),
-                        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-                        ({"tool_choice": "auto"}, "tool_choice")):
+    for body, param in (
+        ({"tools": 5}, "tools"),
+        ({"tools": []}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+    ):
         with pytest.raises(HttpError) as e:
             ToolRequest(body)
         assert e.value.status == 400 and e.value.param == param, body
@@ -148,16 +175,24 @@ def test_tool_requests_are_checked():
 
 # --- through a route ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tool_route(embedded_model):
     from support.http_route import HttpRoute
+
     r = HttpRoute(embedded_model, head_extra=("--chat-template-file", str(TEMPLATE)))
     yield r
     r.stop()
 
 
-ASK = ["What is the weather in Paris?", "Is it cold in Oslo right now?", "What time is it in Tokyo?",
-       "Weather in Lyon, in fahrenheit please.", "What's the time in UTC?", "How warm is Rome today?"]
+ASK = [
+    "What is the weather in Paris?",
+    "Is it cold in Oslo right now?",
+    "What time is it in Tokyo?",
+    "Weather in Lyon, in fahrenheit please.",
+    "What's the time in UTC?",
+    "How warm is Rome today?",
+]
 
 
 def _validated(calls) -> list[tuple[str, dict]]:
@@ -178,10 +213,16 @@ def test_required_and_named_choices_answer_with_valid_calls(tool_route):
     model = client.models.list().data[0].id
     names = set()
     for i, question in enumerate(ASK):
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], tools=TOOLS,
-                                           tool_choice="required", max_tokens=120,
-                                           temperature=0 if i < 3 else 0.8, seed=i,
-                                           parallel_tool_calls=i < 3)  # sampled: one call (a small model
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=120,
+            temperature=0 if i < 3 else 0.8,
+            seed=i,
+            parallel_tool_calls=i < 3,
+        )  # sampled: one call (a small model
         # left to call on may fill max_tokens with calls)
         choice = r.choices[0]
         # parallel calls may fill max_tokens on some CPU's numerics: the calls that closed still count
@@ -191,9 +232,14 @@ def test_required_and_named_choices_answer_with_valid_calls(tool_route):
         names |= {n for n, _ in calls}
     assert names <= {"get_weather", "get_time"}
     for name in ("get_time", "get_weather"):
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Paris, please."}],
-                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}},
-                                           max_tokens=120, temperature=0)
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Paris, please."}],
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            max_tokens=120,
+            temperature=0,
+        )
         assert r.choices[0].finish_reason == "tool_calls"
         assert [n for n, _ in _validated(r.choices[0].message.tool_calls)] == [name]
 
@@ -203,16 +249,32 @@ def test_a_tool_result_sent_back_gets_a_text_answer(tool_route):
     client = tool_route.client
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+        temperature=0,
+    )
     call = r.choices[0].message.tool_calls[0]
-    messages += [{"role": "assistant", "content": None,
-                  "tool_calls": [{"id": call.id, "type": "function",
-                                  "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
-    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
-                                       max_tokens=60, temperature=0)
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'},
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=60, temperature=0
+    )
     choice = r.choices[0]
     assert choice.finish_reason in ("stop", "length")
     assert not choice.message.tool_calls and choice.message.content.strip()
@@ -222,8 +284,14 @@ def test_a_tool_result_sent_back_gets_a_text_answer(tool_route):
 def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
     client = tool_route.client
     model = client.models.list().data[0].id
-    kw = dict(model=model, messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
-              tool_choice="required", max_tokens=120, temperature=0)
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
     whole = client.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict] = {}
     finish, pieces, empty = None, 0, 0
@@ -242,19 +310,24 @@ def test_streamed_calls_assemble_into_the_whole_answers_calls(tool_route):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and pieces > 1  # the arguments streamed as they were written
     assert empty == 0, f"{empty} chunks with empty content"
-    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
 
 
 @pytest.mark.grpc
 def test_tool_refusals_name_their_parameter(tool_route, embedded_model):
-    for body, param in (({"tools": 5}, "tools"), ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                         "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-                         "tool_choice")):
-        status, reply = tool_route.raw("POST", "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}))
+    for body, param in (
+        ({"tools": 5}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ):
+        status, reply = tool_route.raw(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}),
+        )
         assert status == 400 and reply["error"]["param"] == param, (body, reply)
         assert reply["error"]["type"] == "invalid_request_error"
 
@@ -265,8 +338,9 @@ def test_auto_answers_with_text_or_with_calls_that_parse(tool_route):
     client = tool_route.client
     model = client.models.list().data[0].id
     for question in ("What is the weather in Paris?", "Say hello."):
-        choice = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                                tools=TOOLS, max_tokens=80, temperature=0).choices[0]
+        choice = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], tools=TOOLS, max_tokens=80, temperature=0
+        ).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             _validated(choice.message.tool_calls)
@@ -279,8 +353,12 @@ def test_a_chat_template_file_is_checked(tmp_path):
     from llama_shard.errors import InvalidInputError
 
     assert "tool_call" in read_chat_template(str(TEMPLATE))
-    cases = {"missing": None, "big": b"x" * (MAX_CHAT_TEMPLATE_BYTES + 1), "latin1": "{{ 'é' }}".encode("latin-1"),
-             "syntax": b"{% for m in messages %}"}
+    cases = {
+        "missing": None,
+        "big": b"x" * (MAX_CHAT_TEMPLATE_BYTES + 1),
+        "latin1": "{{ 'é' }}".encode("latin-1"),
+        "syntax": b"{% for m in messages %}",
+    }
     for name, data in cases.items():
         path = tmp_path / name
         if data is not None:
@@ -296,11 +374,23 @@ def test_langchain_structured_output_and_bound_tools(tool_route):
     langchain_openai = pytest.importorskip("langchain_openai")
     jsonschema = pytest.importorskip("jsonschema")
     model = tool_route.client.models.list().data[0].id
-    llm = langchain_openai.ChatOpenAI(base_url=tool_route.base, api_key="unused", model=model, temperature=0,
-                                      max_tokens=120, max_retries=0, timeout=120)
-    city = {"title": "city", "description": "A city and its country", "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
-            "required": ["name", "country"], "additionalProperties": False}
+    llm = langchain_openai.ChatOpenAI(
+        base_url=tool_route.base,
+        api_key="unused",
+        model=model,
+        temperature=0,
+        max_tokens=120,
+        max_retries=0,
+        timeout=120,
+    )
+    city = {
+        "title": "city",
+        "description": "A city and its country",
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+        "required": ["name", "country"],
+        "additionalProperties": False,
+    }
     answer = llm.with_structured_output(city).invoke("Name the capital of France as JSON.")
     jsonschema.validate(answer, city)
     message = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("What is the weather in Paris?")
@@ -311,8 +401,11 @@ def test_langchain_structured_output_and_bound_tools(tool_route):
 def test_history_arguments_nested_past_the_recursion_limit_are_a_400():
     from llama_shard.head.openai.tool_calls import history_message
 
-    deep = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]}
+    deep = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}],
+    }
     with pytest.raises(HttpError) as e:
         history_message(deep, "assistant", "")
     assert e.value.status == 400 and e.value.param == "messages"

@@ -7,6 +7,7 @@ keeps row by row.
 
 Each case runs in a subprocess: the CPU variant and the attention kernel are chosen once per process.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,13 @@ print(json.dumps(report))
 def _verify_rows(model_path, layers=None, flash_attn: str = "on", **env_extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_SHARD_FLASH_ATTN_TILED_ROWS"}
     env.update(env_extra)
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_VERIFY_ROWS), str(model_path),
-                          json.dumps(layers), flash_attn], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_VERIFY_ROWS), str(model_path), json.dumps(layers), flash_attn],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -104,8 +110,10 @@ def test_a_verifications_rows_are_one_call_where_proven_and_one_token_steps_alwa
             assert got["calls"][m] == [n + 1, 1 if verdict == ONE_CALL else n], (layers, m, got["calls"])
             taken.append(verdict == ONE_CALL)
         # the same verdicts on the worker's metrics page
-        assert got["metrics"] == sorted(f'llama_shard_verification_rows{{shard="s",tokens="{m}",verdict="{v}"}} 1.0'
-                                        for m, v in got["verdicts"].items()), layers
+        assert got["metrics"] == sorted(
+            f'llama_shard_verification_rows{{shard="s",tokens="{m}",verdict="{v}"}} 1.0'
+            for m, v in got["verdicts"].items()
+        ), layers
     # nine rows in one call read the weights once instead of nine times: faster on any CPU measured
     assert any(taken)
 
@@ -114,8 +122,10 @@ def test_a_verifications_rows_are_one_call_where_proven_and_one_token_steps_alwa
 def test_nothing_is_tried_where_attention_rounds_by_depth(embedded_model):
     """Flash attention off, or upstream's kernels: a comparison at one depth would prove nothing for
     another (upstream splits a one-row step of 512 cells or more among threads), so rows stay alone."""
-    for got in (_verify_rows(embedded_model, flash_attn="off"),
-                _verify_rows(embedded_model, LLAMA_SHARD_FLASH_ATTN_TILED_ROWS="0")):
+    for got in (
+        _verify_rows(embedded_model, flash_attn="off"),
+        _verify_rows(embedded_model, LLAMA_SHARD_FLASH_ATTN_TILED_ROWS="0"),
+    ):
         assert got["verdicts"] == {} and got["metrics"] == []
         assert got["equal"] == {m: [True, True] for m in ("2", "6", "9")}
         assert got["calls"] == {m: [int(m), int(m)] for m in ("2", "6", "9")}

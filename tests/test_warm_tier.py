@@ -1,6 +1,7 @@
 """The warm tier and the memory plan: evicted sessions come back bit-exact without a re-prefill,
 resolve reports a warm session without moving it, KV types and sizes agree between Python and the
 native engine, and a plan in bytes sizes the hot set."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,16 @@ from llama_shard.engine.memory import memory_plan
 from llama_shard.errors import InvalidInputError
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
-PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "The three primary colors are",
-           "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time,",
+    "def add(a, b):",
+    "The three primary colors are",
+    "Water boils at",
+    "My favourite book is",
+    "import numpy as np",
+    "The quick brown fox",
+]
 
 
 class Route:
@@ -32,8 +41,10 @@ class Route:
     def __init__(self, path, config: HotKvStateConfig, tail_config: HotKvStateConfig | None = None):
         self.head = ShardModel(str(path), (0, 14), 1)
         self.tail = ShardModel(str(path), (15, 29), 1)
-        self.managers = [HotKvStateManager(self.head, config, n_batch=64),
-                         HotKvStateManager(self.tail, tail_config or config, n_batch=64)]
+        self.managers = [
+            HotKvStateManager(self.head, config, n_batch=64),
+            HotKvStateManager(self.tail, tail_config or config, n_batch=64),
+        ]
         self.head_ad = KvBoundaryAdapter(self.head, self.managers[0])
         self.tail_ad = KvBoundaryAdapter(self.tail, self.managers[1])
 
@@ -75,7 +86,7 @@ def test_evicted_sessions_resume_bit_exact_from_the_warm_tier(embedded_model):
     for m in tight.managers:
         st = m.stats()
         m.check_invariants()
-        assert st["restores"] >= 8 * 6 - 2, st          # almost every decode came back from the warm tier
+        assert st["restores"] >= 8 * 6 - 2, st  # almost every decode came back from the warm tier
         assert st["spills"] == st["restores"] + st["warm_drops"] + st["warm_sessions"]
         assert st["warm_drops"] == 0 and sum(st["misses"].values()) == 0, st  # nothing re-prefilled
         assert st["tokens_computed"] == roomy.managers[0].stats()["tokens_computed"]
@@ -132,8 +143,9 @@ def test_release_and_a_new_epoch_drop_the_warm_copy(synthetic_model):
 
 
 def test_warm_sessions_expire_after_warm_ttl(synthetic_model):
-    _, m, ad, clock = _manager(synthetic_model, max_sessions=2, context_tokens=16, ttl_seconds=10,
-                               warm_bytes=1 << 20, warm_ttl_seconds=100)
+    _, m, ad, clock = _manager(
+        synthetic_model, max_sessions=2, context_tokens=16, ttl_seconds=10, warm_bytes=1 << 20, warm_ttl_seconds=100
+    )
     ad.prefill("a", 0, token_ids=[1, 2, 3])
     clock.advance(11)
     m.sweep()
@@ -167,7 +179,9 @@ def test_a_full_warm_tier_drops_its_least_recently_used_session(synthetic_model)
 @pytest.fixture(scope="module")
 def head_dim_32_model(model_dir):
     """Quantized KV types need heads of a multiple of 32 values."""
-    return write_synthetic_gguf(model_dir / "llama-head32.gguf", SyntheticSpec(n_layer=3, n_embd=64, n_head=2, n_head_kv=1))
+    return write_synthetic_gguf(
+        model_dir / "llama-head32.gguf", SyntheticSpec(n_layer=3, n_embd=64, n_head=2, n_head_kv=1)
+    )
 
 
 @pytest.mark.parametrize("kv_type, ratio", [("f16", 1.0), ("q8_0", 34 / 64), ("q4_0", 18 / 64)])
@@ -192,6 +206,7 @@ def test_kv_types_cost_what_python_and_the_native_engine_say(head_dim_32_model, 
 
 def head_dim_32_model_info():
     import types
+
     return types.SimpleNamespace(n_head_kv=2, head_dim=64, first=0, last=14)
 
 
@@ -235,8 +250,13 @@ def test_a_restarted_route_resumes_its_sessions_from_disk_bit_exact(embedded_mod
     expected = roomy.round_robin(6)
 
     def config(shard):  # 2 hot slots, a host tier of about one session, the rest on disk
-        return HotKvStateConfig(max_sessions=2, context_tokens=256, warm_bytes=300_000,
-                                warm_dir=str(tmp_path / shard), warm_disk_bytes=64 << 20)
+        return HotKvStateConfig(
+            max_sessions=2,
+            context_tokens=256,
+            warm_bytes=300_000,
+            warm_dir=str(tmp_path / shard),
+            warm_disk_bytes=64 << 20,
+        )
 
     first = Route(embedded_model, config("head"), config("tail"))  # one directory per worker
     history = first.round_robin(3)
@@ -262,8 +282,9 @@ def test_a_restarted_route_resumes_its_sessions_from_disk_bit_exact(embedded_mod
 
 def _disk_manager(path, warm_dir, kv_type="f16"):
     model = ShardModel(str(path), None, 1)
-    config = HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20,
-                              kv_type=kv_type)
+    config = HotKvStateConfig(
+        max_sessions=1, context_tokens=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20, kv_type=kv_type
+    )
     manager = HotKvStateManager(model, config, ManualClock(), n_batch=8)
     return manager, KvBoundaryAdapter(model, manager)
 
@@ -311,15 +332,15 @@ class KvFile:
             nonlocal at
             n = take("<I")
             at += n
-            return data[at - n:at]
+            return data[at - n : at]
 
         self.version = take("<I")
         self.fingerprint, self.model = take_str(), take_str()
         self.first, self.last, self.n_layer = take("<i"), take("<i"), take("<i")
         self.kv_type, self.sid = take_str(), take_str()
         self.epoch, self.seq_len, payload_bytes = take("<q"), take("<i"), take("<Q")
-        self.payload_sha, self.mac = data[at:at + 32], data[at + 32:at + 64]
-        self.payload = bytearray(data[at + 64:])
+        self.payload_sha, self.mac = data[at : at + 32], data[at + 32 : at + 64]
+        self.payload = bytearray(data[at + 64 :])
         assert len(self.payload) == payload_bytes
 
     def signed(self, key: bytes) -> bytes:
@@ -330,9 +351,17 @@ class KvFile:
         def s(b):
             return struct.pack("<I", len(b)) + b
 
-        head = (b"LSKV" + struct.pack("<I", self.version) + s(self.fingerprint) + s(self.model)
-                + struct.pack("<iii", self.first, self.last, self.n_layer) + s(self.kv_type) + s(self.sid)
-                + struct.pack("<qiQ", self.epoch, self.seq_len, len(self.payload)) + hashlib.sha256(self.payload).digest())
+        head = (
+            b"LSKV"
+            + struct.pack("<I", self.version)
+            + s(self.fingerprint)
+            + s(self.model)
+            + struct.pack("<iii", self.first, self.last, self.n_layer)
+            + s(self.kv_type)
+            + s(self.sid)
+            + struct.pack("<qiQ", self.epoch, self.seq_len, len(self.payload))
+            + hashlib.sha256(self.payload).digest()
+        )
         return head + hmac.new(key, head, hashlib.sha256).digest() + bytes(self.payload)
 
 
@@ -349,21 +378,21 @@ def test_a_file_not_signed_with_the_directorys_key_is_refused(synthetic_model, t
     del m, ad
 
     kv = KvFile(original)
-    kv.epoch = 7                                       # the same payload under another epoch, re-hashed
-    f.write_bytes(kv.signed(b"\0" * 32))               # ... signed with a key the attacker guessed
+    kv.epoch = 7  # the same payload under another epoch, re-hashed
+    f.write_bytes(kv.signed(b"\0" * 32))  # ... signed with a key the attacker guessed
     m, ad = _disk_manager(synthetic_model, warm_dir)
     assert m.stats()["disk_loaded"] == 0 and not f.exists()
     assert "not signed with this directory's key" in capfd.readouterr().err
 
-    other_dir = tmp_path / "other"                      # another worker's directory, same model and shard
+    other_dir = tmp_path / "other"  # another worker's directory, same model and shard
     m2, ad2, f2 = _one_file_on_disk(synthetic_model, other_dir)
     del m2, ad2
-    f.write_bytes(f2.read_bytes())                      # its file, transplanted
+    f.write_bytes(f2.read_bytes())  # its file, transplanted
     m, ad = _disk_manager(synthetic_model, warm_dir)
     assert m.stats()["disk_loaded"] == 0 and not f.exists()
     assert "not signed with this directory's key" in capfd.readouterr().err
 
-    f.write_bytes(original)                             # this directory's own file comes back
+    f.write_bytes(original)  # this directory's own file comes back
     m, ad = _disk_manager(synthetic_model, warm_dir)
     assert m.stats()["disk_loaded"] == 1
     assert isinstance(ad.decode("a", 0, token_ids=[5]), TailOutput)
@@ -400,8 +429,13 @@ def test_files_written_with_one_sha256_are_read_with_the_other(synthetic_model, 
         env.pop("LLAMA_SHARD_SHA256", None)
         if sha == "vendored":
             env["LLAMA_SHARD_SHA256"] = "vendored"
-        res = subprocess.run([sys.executable, "-c", CROSS_READ, str(warm_dir), str(synthetic_model), mode], env=env,
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", CROSS_READ, str(warm_dir), str(synthetic_model), mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         return res.stdout.split()
 
@@ -437,8 +471,25 @@ def test_a_bad_key_file_is_refused(synthetic_model, tmp_path, trap):
         key.symlink_to(tmp_path / "elsewhere")
     else:
         os.mkfifo(key)
-    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model), "--port", "0",
-                          "--warm-dir", str(warm_dir), "--warm-disk", "1MiB"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "serve",
+            "--model",
+            str(synthetic_model),
+            "--port",
+            "0",
+            "--warm-dir",
+            str(warm_dir),
+            "--warm-disk",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "the warm tier's key" in res.stderr, res.stderr
     with pytest.raises(InvalidInputError, match="the warm tier's key"):
         _disk_manager(synthetic_model, warm_dir)
@@ -457,7 +508,7 @@ def test_a_signed_state_with_wrong_positions_is_refused(synthetic_model, tmp_pat
     assert kv_state_problem(bytes(kv.payload), 3) == ""
     assert "holds 3 cells for 4 tokens" in kv_state_problem(bytes(kv.payload), 4)
     cells = _cell_offsets(kv.payload, 3)
-    kv.payload[cells[0]:cells[0] + 4] = (-1).to_bytes(4, "little", signed=True)
+    kv.payload[cells[0] : cells[0] + 4] = (-1).to_bytes(4, "little", signed=True)
     assert "cell 0 at position -1, expected 0" in kv_state_problem(bytes(kv.payload), 3)
     f.write_bytes(kv.signed(key))
     out = ad.decode("a", 0, token_ids=[5])
@@ -548,20 +599,39 @@ def test_bad_files_are_deleted_at_start_up(synthetic_model, tmp_path, capfd, dam
         f.write_bytes(f.read_bytes()[:-10])
     if damage == "foreign_range":
         model = ShardModel(str(synthetic_model), (0, 2), 1)
-        m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
-                                                      warm_disk_bytes=1 << 20), n_batch=8)
+        m = HotKvStateManager(
+            model,
+            HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20),
+            n_batch=8,
+        )
     elif damage == "foreign_recipe":  # another shard's file: the same range under another recipe
         from llama_shard._native import HotKvConfig, HotKvEngine
-        engine = HotKvEngine(ShardModel(str(synthetic_model), None, 1),
-                             HotKvConfig(max_sessions=1, context_tokens=16, budget_tokens=16, ttl_seconds=0.0, n_batch=8,
-                                         recent_capacity=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20,
-                                         recipe_fingerprint="another-recipe"))
+
+        engine = HotKvEngine(
+            ShardModel(str(synthetic_model), None, 1),
+            HotKvConfig(
+                max_sessions=1,
+                context_tokens=16,
+                budget_tokens=16,
+                ttl_seconds=0.0,
+                n_batch=8,
+                recent_capacity=16,
+                warm_dir=str(warm_dir),
+                warm_disk_bytes=1 << 20,
+                recipe_fingerprint="another-recipe",
+            ),
+        )
         m = None
         assert engine.stats()["disk_loaded"] == 0
     elif damage == "flash_attn_off":  # the same shard restarted with --flash-attn off: V is laid out transposed
         model = ShardModel(str(synthetic_model), None, 1)
-        m = HotKvStateManager(model, HotKvStateConfig(max_sessions=1, context_tokens=16, warm_dir=str(warm_dir),
-                                                      warm_disk_bytes=1 << 20, flash_attn=False), n_batch=8)
+        m = HotKvStateManager(
+            model,
+            HotKvStateConfig(
+                max_sessions=1, context_tokens=16, warm_dir=str(warm_dir), warm_disk_bytes=1 << 20, flash_attn=False
+            ),
+            n_batch=8,
+        )
     elif damage == "foreign_model":  # the same shape and recipe, other weights (a fine-tune, say)
         other = write_synthetic_gguf(tmp_path / "other.gguf", SyntheticSpec(seed=99))
         m, _ = _disk_manager(other, warm_dir)
@@ -588,7 +658,7 @@ def test_a_model_changed_only_in_its_middle_is_another_model(embedded_model, tmp
     del m, ad
     before = model_digest(str(copy))
     data = bytearray(copy.read_bytes())
-    middle = len(data) // 2                              # inside the tensor data, far from either end
+    middle = len(data) // 2  # inside the tensor data, far from either end
     data[middle] ^= 0x01
     copy.write_bytes(bytes(data))
     assert len(data) > 4 << 20 and model_digest(str(copy)) != before
@@ -610,8 +680,9 @@ def test_a_file_that_is_not_ours_is_left_alone_at_start_up(synthetic_model, tmp_
     assert "left alone" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("mode,why", [(0o777, "writable by others"), (0o770, "writable by others"),
-                                      (0o722, "writable by others")])
+@pytest.mark.parametrize(
+    "mode,why", [(0o777, "writable by others"), (0o770, "writable by others"), (0o722, "writable by others")]
+)
 def test_a_warm_directory_others_can_write_is_refused(synthetic_model, tmp_path, mode, why):
     """Whoever can write the directory can plant files the worker loads: the engine refuses it, and
     `serve` exits 2 with the reason."""
@@ -623,8 +694,25 @@ def test_a_warm_directory_others_can_write_is_refused(synthetic_model, tmp_path,
     warm_dir.chmod(mode)
     with pytest.raises(InvalidInputError, match=why):
         _disk_manager(synthetic_model, warm_dir)
-    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model), "--port", "0",
-                          "--warm-dir", str(warm_dir), "--warm-disk", "1MiB"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "serve",
+            "--model",
+            str(synthetic_model),
+            "--port",
+            "0",
+            "--warm-dir",
+            str(warm_dir),
+            "--warm-disk",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and why in res.stderr, res.stderr
     warm_dir.chmod(0o700)
     m, _ = _disk_manager(synthetic_model, warm_dir)  # this user's, not writable by others: fine
@@ -663,8 +751,12 @@ def test_the_warm_directory_does_not_follow_links_or_block_on_fifos(synthetic_mo
     warm_dir, victim = tmp_path / "w", tmp_path / "victim.txt"
     warm_dir.mkdir(mode=0o700)
     victim.write_text("precious\n")
-    res = subprocess.run([sys.executable, "-c", DIRECTORY_TRAPS, str(warm_dir), str(victim), str(synthetic_model)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", DIRECTORY_TRAPS, str(warm_dir), str(victim), str(synthetic_model)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0 and "OK 0" in res.stdout, res.stderr
     assert victim.read_text() == "precious\n"
     assert "left alone" in res.stderr

@@ -1,6 +1,7 @@
 """The shard worker over gRPC, on loopback, with SmolLM2 split in two worker processes: exact
 tokens against the whole model in-process, failure and restart of a worker, epochs on the wire,
 malformed requests, metrics, health, graceful shutdown, and the demo."""
+
 from __future__ import annotations
 
 import signal
@@ -32,8 +33,9 @@ def test_generated_code_matches_the_proto(tmp_path):
 
     generate.generate(tmp_path)
     for name in generate.GENERATED:
-        assert (tmp_path / name).read_text() == (generate.HERE / name).read_text(), \
+        assert (tmp_path / name).read_text() == (generate.HERE / name).read_text(), (
             f"{name} is stale: run python -m llama_shard.proto.generate"
+        )
 
 
 def test_tensor_round_trip_and_float16_cost():
@@ -44,10 +46,15 @@ def test_tensor_round_trip_and_float16_cost():
     rel = float(np.abs(half - x).max() / np.abs(x).max())
     assert rel < 1e-3  # float16 rounding: relative error <= 2^-11 of the largest value
     from llama_shard import InvalidInputError
+
     bad = encode_tensor(x)
     bad.data = bad.data[:-3]
-    for t in (bad, pb.Tensor(shape=[5, 63], data=x.tobytes()), pb.Tensor(shape=[320], data=x.tobytes()),
-              pb.Tensor(shape=[5, 64], dtype=7, data=x.tobytes())):
+    for t in (
+        bad,
+        pb.Tensor(shape=[5, 63], data=x.tobytes()),
+        pb.Tensor(shape=[320], data=x.tobytes()),
+        pb.Tensor(shape=[5, 64], dtype=7, data=x.tobytes()),
+    ):
         with pytest.raises(InvalidInputError):
             decode_tensor(t, 64, 8)
 
@@ -58,12 +65,16 @@ def test_q8_0_rows_are_llama_cpps_blocks():
     from gguf import GGMLQuantizationType, quants
 
     from llama_shard import InvalidInputError
+
     rng = np.random.default_rng(3)
     ties = np.zeros((1, 64), np.float32)
-    ties[0, 0], ties[0, 1:32] = 127, np.arange(31) + 0.5       # scale 1: every value a tie
+    ties[0, 0], ties[0, 1:32] = 127, np.arange(31) + 0.5  # scale 1: every value a tie
     ties[0, 32], ties[0, 33:] = -127, -(np.arange(31) + 0.5)
-    for x in [ties, np.zeros((2, 64), np.float32),
-              *((rng.standard_normal((3, 576)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32) for _ in range(8))]:
+    for x in [
+        ties,
+        np.zeros((2, 64), np.float32),
+        *((rng.standard_normal((3, 576)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32) for _ in range(8)),
+    ]:
         t = encode_tensor(x, pb.DTYPE_Q8_0)
         ref = quants.quantize(x, GGMLQuantizationType.Q8_0)
         assert t.data == ref.tobytes() and len(t.data) == x.shape[0] * x.shape[1] // 32 * 34
@@ -86,8 +97,16 @@ def test_q8_0_rows_are_llama_cpps_blocks():
 
 # --- workers on loopback ------------------------------------------------------------------------
 
-PROMPTS = ["The capital of France is", "Once upon a time,", "def fib(n):", "The three primary colors are",
-           "Water boils at", "My favourite book is", "import numpy as np", "The quick brown fox"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time,",
+    "def fib(n):",
+    "The three primary colors are",
+    "Water boils at",
+    "My favourite book is",
+    "import numpy as np",
+    "The quick brown fox",
+]
 N_TOKENS = 20
 
 pytestmark = [pytest.mark.model, pytest.mark.grpc]
@@ -102,6 +121,7 @@ def whole_tokens(embedded_model):
 @pytest.fixture(scope="module")
 def tokenizer(embedded_model):
     from llama_shard import ShardModel
+
     return ShardModel(str(embedded_model), (0, 0), 1)
 
 
@@ -148,11 +168,18 @@ def test_micro_batched_route_gives_the_whole_models_tokens(workers, whole_tokens
     sessions = [client.session(f"mb-{i}") for i in range(len(PROMPTS))]
     streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     t0 = time.perf_counter()
-    got = client.generate_many(sessions, [tokenizer.tokenize(p) for p in PROMPTS], N_TOKENS, micro_batches=2,
-                               on_token=lambda i, t: streamed[i].append(t))
+    got = client.generate_many(
+        sessions,
+        [tokenizer.tokenize(p) for p in PROMPTS],
+        N_TOKENS,
+        micro_batches=2,
+        on_token=lambda i, t: streamed[i].append(t),
+    )
     dt = time.perf_counter() - t0
-    print(f"8 sessions x {N_TOKENS} tokens in 2 micro-batches through 2 workers on loopback: "
-          f"{8 * N_TOKENS / dt:.1f} tok/s aggregate, prefill included")
+    print(
+        f"8 sessions x {N_TOKENS} tokens in 2 micro-batches through 2 workers on loopback: "
+        f"{8 * N_TOKENS / dt:.1f} tok/s aggregate, prefill included"
+    )
     after = [s.stats() for s in client.stages]
     assert {p: g for p, g in zip(PROMPTS, got)} == whole_tokens
     assert [streamed[i] for i in range(len(PROMPTS))] == got
@@ -174,18 +201,30 @@ def test_step_batch_answers_each_step_on_its_own(workers, tokenizer):
     def step(kind, sid, **kw):
         return pb.BatchedStep(kind=kind, step=pb.StepRequest(session_id=sid, route_epoch=0, **kw))
 
-    r = stub.StepBatch(pb.StepBatchRequest(steps=[
-        step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),
-        step(pb.STEP_KIND_PREFILL, "sb-b", token_ids=[10**6]),            # bad token: only this one fails
-        step(pb.STEP_KIND_UNSPECIFIED, "sb-c", token_ids=ids),            # no kind
-        step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),                # the same session twice
-        step(pb.STEP_KIND_DECODE, "sb-gone", token_ids=[1]),              # unknown session: a miss
-        step(pb.STEP_KIND_PREFILL, "sb-d", token_ids=ids, reply_dtype=5),  # unknown reply dtype
-        step(pb.STEP_KIND_PREFILL, "sb-e", token_ids=ids, reply_dtype=pb.DTYPE_FLOAT16),
-    ]), timeout=30)
+    r = stub.StepBatch(
+        pb.StepBatchRequest(
+            steps=[
+                step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),
+                step(pb.STEP_KIND_PREFILL, "sb-b", token_ids=[10**6]),  # bad token: only this one fails
+                step(pb.STEP_KIND_UNSPECIFIED, "sb-c", token_ids=ids),  # no kind
+                step(pb.STEP_KIND_PREFILL, "sb-a", token_ids=ids),  # the same session twice
+                step(pb.STEP_KIND_DECODE, "sb-gone", token_ids=[1]),  # unknown session: a miss
+                step(pb.STEP_KIND_PREFILL, "sb-d", token_ids=ids, reply_dtype=5),  # unknown reply dtype
+                step(pb.STEP_KIND_PREFILL, "sb-e", token_ids=ids, reply_dtype=pb.DTYPE_FLOAT16),
+            ]
+        ),
+        timeout=30,
+    )
     outcomes = [pb.Outcome.Name(x.outcome) for x in r.replies]
-    assert outcomes == ["OUTCOME_OK", "OUTCOME_INVALID_ARGUMENT", "OUTCOME_INVALID_ARGUMENT",
-                        "OUTCOME_INVALID_ARGUMENT", "OUTCOME_CACHE_MISS", "OUTCOME_INVALID_ARGUMENT", "OUTCOME_OK"]
+    assert outcomes == [
+        "OUTCOME_OK",
+        "OUTCOME_INVALID_ARGUMENT",
+        "OUTCOME_INVALID_ARGUMENT",
+        "OUTCOME_INVALID_ARGUMENT",
+        "OUTCOME_CACHE_MISS",
+        "OUTCOME_INVALID_ARGUMENT",
+        "OUTCOME_OK",
+    ]
     assert r.replies[4].miss_reason == "UNKNOWN_SESSION"
     a, e = decode_tensor(r.replies[0].hidden, 576, 512), decode_tensor(r.replies[6].hidden, 576, 512)
     assert a.shape == e.shape == (len(ids), 576)
@@ -195,11 +234,15 @@ def test_step_batch_answers_each_step_on_its_own(workers, tokenizer):
     assert {"sb-a", "sb-e"} <= live and not live & {"sb-b", "sb-c", "sb-d", "sb-gone"}
     # more steps than the shard has sessions: refused whole with a clean status, nothing changed;
     # a message larger than any valid request (200,000 steps: 4.9 MB) is refused before it is parsed
-    for n, code, why in ((9, grpc.StatusCode.INVALID_ARGUMENT, "at most 8 steps"),
-                         (200_000, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")):
+    for n, code, why in (
+        (9, grpc.StatusCode.INVALID_ARGUMENT, "at most 8 steps"),
+        (200_000, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    ):
         with pytest.raises(grpc.RpcError) as e:
-            stub.StepBatch(pb.StepBatchRequest(steps=[step(pb.STEP_KIND_DECODE, f"sb-many-{i}", token_ids=[1])
-                                                      for i in range(n)]), timeout=60)
+            stub.StepBatch(
+                pb.StepBatchRequest(steps=[step(pb.STEP_KIND_DECODE, f"sb-many-{i}", token_ids=[1]) for i in range(n)]),
+                timeout=60,
+            )
         assert e.value.code() == code and why in e.value.details(), e.value.details()
     assert not stub.StepBatch(pb.StepBatchRequest(), timeout=10).replies
     for sid in ("sb-a", "sb-e"):
@@ -240,7 +283,7 @@ def test_killed_tail_is_a_clear_error_and_a_restart_recovers_by_reprefill(embedd
                 h.append(o.token_id)
         assert [s.reprefills for s in group] == [1, 1, 1]
         for h, p, prompt_ids in zip(history, PROMPTS[1:4], prompts):
-            assert h[len(prompt_ids):] == whole_tokens[p][:5]
+            assert h[len(prompt_ids) :] == whole_tokens[p][:5]
     finally:
         head.stop()
         tail.stop()
@@ -270,18 +313,34 @@ def test_malformed_requests_get_typed_replies_and_the_worker_keeps_serving(worke
     head_stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
     x = np.zeros((2, 576), np.float32)
     cases = {
-        "wrong shape": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 575], data=x.tobytes())),
-        "wrong dtype": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], dtype=9, data=x.tobytes())),
-        "truncated bytes": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], data=x.tobytes()[:-1])),
+        "wrong shape": pb.StepRequest(
+            session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 575], data=x.tobytes())
+        ),
+        "wrong dtype": pb.StepRequest(
+            session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], dtype=9, data=x.tobytes())
+        ),
+        "truncated bytes": pb.StepRequest(
+            session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[2, 576], data=x.tobytes()[:-1])
+        ),
         "tokens to a non-head": pb.StepRequest(session_id="m", route_epoch=0, token_ids=[1, 2]),
         "no input": pb.StepRequest(session_id="m", route_epoch=0),
         "empty session id": pb.StepRequest(session_id="", route_epoch=0, hidden=encode_tensor(x)),
         "negative epoch": pb.StepRequest(session_id="m", route_epoch=-4, hidden=encode_tensor(x)),
-        "NaN rows": pb.StepRequest(session_id="m", route_epoch=0, hidden=encode_tensor(np.full((1, 576), np.nan, np.float32))),
-        "q8_0 rows, a byte short": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(
-            shape=[2, 576], dtype=pb.DTYPE_Q8_0, data=encode_tensor(x, pb.DTYPE_Q8_0).data[:-1])),
-        "q8_0 rows, an infinite scale": pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(
-            shape=[1, 576], dtype=pb.DTYPE_Q8_0, data=(np.float16(np.inf).tobytes() + b"\1" * 32) * 18)),
+        "NaN rows": pb.StepRequest(
+            session_id="m", route_epoch=0, hidden=encode_tensor(np.full((1, 576), np.nan, np.float32))
+        ),
+        "q8_0 rows, a byte short": pb.StepRequest(
+            session_id="m",
+            route_epoch=0,
+            hidden=pb.Tensor(shape=[2, 576], dtype=pb.DTYPE_Q8_0, data=encode_tensor(x, pb.DTYPE_Q8_0).data[:-1]),
+        ),
+        "q8_0 rows, an infinite scale": pb.StepRequest(
+            session_id="m",
+            route_epoch=0,
+            hidden=pb.Tensor(
+                shape=[1, 576], dtype=pb.DTYPE_Q8_0, data=(np.float16(np.inf).tobytes() + b"\1" * 32) * 18
+            ),
+        ),
         "unknown reply dtype": pb.StepRequest(session_id="m", route_epoch=0, hidden=encode_tensor(x), reply_dtype=9),
     }
     for name, req in cases.items():
@@ -290,21 +349,25 @@ def test_malformed_requests_get_typed_replies_and_the_worker_keeps_serving(worke
         assert r.detail, name
     r = head_stub.Prefill(pb.StepRequest(session_id="m", route_epoch=0, token_ids=[10**6]), timeout=10)
     assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT
-    r = head_stub.Prefill(pb.StepRequest(session_id="m", route_epoch=0, token_ids=[1], recipe_fingerprint="0" * 64), timeout=10)
+    r = head_stub.Prefill(
+        pb.StepRequest(session_id="m", route_epoch=0, token_ids=[1], recipe_fingerprint="0" * 64), timeout=10
+    )
     assert r.outcome == pb.OUTCOME_INCOMPATIBLE_RECIPE
     # unknown fields: a newer client's message parses, extra fields are ignored
     raw = pb.StepRequest(session_id="u", route_epoch=0, token_ids=[1, 2]).SerializeToString() + b"\xf8\x07\x01"
     ch = grpc.insecure_channel(head.address)
-    call = ch.unary_unary("/llama_shard.v1.ShardService/Prefill", request_serializer=lambda b: b,
-                          response_deserializer=pb.StepReply.FromString)
+    call = ch.unary_unary(
+        "/llama_shard.v1.ShardService/Prefill",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.StepReply.FromString,
+    )
     assert call(raw, timeout=10).outcome == pb.OUTCOME_OK
     # garbage bytes are a clean gRPC status, not a crash
     with pytest.raises(grpc.RpcError) as e:
         call(b"\xff\xff\xff\xff", timeout=10)
     assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
     # an oversized message is refused by the transport
-    big = pb.StepRequest(session_id="m", route_epoch=0,
-                         hidden=pb.Tensor(shape=[70000, 576], data=b"\0" * (65 * 2**20)))
+    big = pb.StepRequest(session_id="m", route_epoch=0, hidden=pb.Tensor(shape=[70000, 576], data=b"\0" * (65 * 2**20)))
     with pytest.raises(grpc.RpcError) as e:
         tail_stub.Prefill(big, timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -343,12 +406,22 @@ def test_release_racing_decode_is_safe(workers, tokenizer):
 def test_metrics_and_health(workers):
     head, _ = workers
     text = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).read().decode()
-    for name in ("llama_shard_live_sessions", "llama_shard_reserved_tokens", "llama_shard_budget_tokens",
-                 "llama_shard_cache_misses_total", "llama_shard_evictions_total", "llama_shard_step_seconds_bucket",
-                 "llama_shard_warm_sessions", "llama_shard_spills_total", "llama_shard_restores_total",
-                 "llama_shard_restore_seconds_bucket", "llama_shard_disk_bytes"):
+    for name in (
+        "llama_shard_live_sessions",
+        "llama_shard_reserved_tokens",
+        "llama_shard_budget_tokens",
+        "llama_shard_cache_misses_total",
+        "llama_shard_evictions_total",
+        "llama_shard_step_seconds_bucket",
+        "llama_shard_warm_sessions",
+        "llama_shard_spills_total",
+        "llama_shard_restores_total",
+        "llama_shard_restore_seconds_bucket",
+        "llama_shard_disk_bytes",
+    ):
         assert name in text, name
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(head.address))
     r = stub.Check(health_pb2.HealthCheckRequest(service="llama_shard.v1.ShardService"), timeout=10)
     assert r.status == health_pb2.HealthCheckResponse.SERVING
@@ -416,16 +489,35 @@ def test_a_quiet_worker_applies_its_ttl(embedded_model, tokenizer):
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end():
-    res = subprocess.run([sys.executable, "-m", "llama_shard.cli", "demo", "--max-tokens", "16"], capture_output=True,
-                         text=True, timeout=600, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "llama_shard.cli", "demo", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "four concurrent chat sessions through both workers, each a Generate stream" in out and "[chat-1]" in out
     # the demo renders a chat as the endpoint and `generate --chat` do (the model's own template): the
     # same answer to the same question (test_openai_http compares the endpoint with generate --chat)
     first = next(line for line in out.splitlines() if line.startswith("  [chat-1]") and "user:" not in line)
-    cli = subprocess.run([sys.executable, "-m", "llama_shard.cli", "generate", "--prompt", "What is the capital of France?",
-                          "--chat", "--max-tokens", "16"], capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_shard.cli",
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert cli.stdout.strip().startswith(first.removeprefix("  [chat-1] ").strip()[:12]), (first, cli.stdout)
     assert out.count("0 live session(s) [none]; 0 of 2048 budget tokens reserved") == 2
@@ -466,8 +558,9 @@ def test_a_chained_route_gives_the_whole_models_tokens(chain, whole_tokens, toke
 
 
 @pytest.mark.slow
-def test_a_heads_wire_dtype_is_its_routes_default_and_a_request_may_name_another(embedded_model, whole_tokens,
-                                                                                 tokenizer):
+def test_a_heads_wire_dtype_is_its_routes_default_and_a_request_may_name_another(
+    embedded_model, whole_tokens, tokenizer
+):
     """serve --wire-dtype q8_0: the head's own route sends q8_0 rows (34 bytes per 32 values) when a
     Generate request names no type; one naming f32 gets exact rows, and the whole model's tokens."""
     tail = Worker(embedded_model, "15-29")
@@ -479,8 +572,9 @@ def test_a_heads_wire_dtype_is_its_routes_default_and_a_request_may_name_another
         assert list(info.wire_dtypes) == [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_Q8_0]
 
         def generate(sid: str, prompt: list[int], **wire) -> list[int]:
-            req = pb.GenerateRequest(session_id=sid, route_epoch=0, prompt=prompt, max_tokens=N_TOKENS, max_drafts=0,
-                                     **wire)
+            req = pb.GenerateRequest(
+                session_id=sid, route_epoch=0, prompt=prompt, max_tokens=N_TOKENS, max_drafts=0, **wire
+            )
             events = list(stub.Generate(req, timeout=60))
             assert events[-1].final.finish_reason == "length", events[-1]
             return [e.token.token_id for e in events if e.HasField("token")]
@@ -511,14 +605,25 @@ def test_a_peer_that_cannot_read_the_heads_wire_dtype_is_refused_naming_it():
 
     from llama_shard import InvalidInputError
     from llama_shard.head.replicas import Replicas
+
     own = SimpleNamespace(n_layer=30, n_embd=576, architecture="llama", first=0, last=14)
     older = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29)  # lists no wire types
-    newer = pb.InfoReply(n_layer=30, n_embd=576, architecture="llama", first=15, last=29,
-                         wire_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_Q8_0])
+    newer = pb.InfoReply(
+        n_layer=30,
+        n_embd=576,
+        architecture="llama",
+        first=15,
+        last=29,
+        wire_dtypes=[pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_Q8_0],
+    )
     with pytest.raises(InvalidInputError, match="peer old:1 reads hidden rows as f32, f16; this head sends q8_0"):
-        Replicas(own, "", "", "me", ("old:1",), lambda address, timeout: older, wire_dtype=pb.DTYPE_Q8_0).start(wait_s=1)
+        Replicas(own, "", "", "me", ("old:1",), lambda address, timeout: older, wire_dtype=pb.DTYPE_Q8_0).start(
+            wait_s=1
+        )
     for info, wire in ((older, pb.DTYPE_FLOAT16), (newer, pb.DTYPE_Q8_0)):
-        r = Replicas(own, "", "", "me", ("p:1",), lambda address, timeout, info=info: info, wire_dtype=wire).start(wait_s=1)
+        r = Replicas(own, "", "", "me", ("p:1",), lambda address, timeout, info=info: info, wire_dtype=wire).start(
+            wait_s=1
+        )
         assert r.complete()
         r.stop()
 
@@ -531,12 +636,14 @@ def test_a_worker_forwards_only_to_the_peers_its_operator_allows(chain, workers)
         before = stub.Info(pb.InfoRequest(), timeout=10)
         assert list(before.peers) == [tail.address]
         for address in (other_tail.address, "10.0.0.1:50051", "evil.example:443", ""):
-            req = pb.StepRequest(session_id="fwd", route_epoch=0, token_ids=[1, 2, 3],
-                                 forward=[pb.Hop(address=address)])
+            req = pb.StepRequest(
+                session_id="fwd", route_epoch=0, token_ids=[1, 2, 3], forward=[pb.Hop(address=address)]
+            )
             r = stub.Prefill(req, timeout=10)
             assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "does not forward" in r.detail, r
-            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=pb.STEP_KIND_PREFILL, step=req)],
-                                        forward=[pb.Hop(address=address)])
+            batch = pb.StepBatchRequest(
+                steps=[pb.BatchedStep(kind=pb.STEP_KIND_PREFILL, step=req)], forward=[pb.Hop(address=address)]
+            )
             assert stub.StepBatch(batch, timeout=10).replies[0].outcome == pb.OUTCOME_INVALID_ARGUMENT
         after = stub.Info(pb.InfoRequest(), timeout=10)
         assert after.engine_requests == before.engine_requests  # nothing was computed
@@ -544,8 +651,12 @@ def test_a_worker_forwards_only_to_the_peers_its_operator_allows(chain, workers)
         assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "UNKNOWN_SESSION"
     with grpc.insecure_channel(tail.address) as ch:  # the tail has nothing to forward to
         x = np.zeros((1, 576), np.float32)
-        r = pb_grpc.ShardServiceStub(ch).Decode(pb.StepRequest(
-            session_id="fwd", route_epoch=0, hidden=encode_tensor(x), forward=[pb.Hop(address=head.address)]), timeout=10)
+        r = pb_grpc.ShardServiceStub(ch).Decode(
+            pb.StepRequest(
+                session_id="fwd", route_epoch=0, hidden=encode_tensor(x), forward=[pb.Hop(address=head.address)]
+            ),
+            timeout=10,
+        )
         assert r.outcome == pb.OUTCOME_INVALID_ARGUMENT and "tail" in r.detail
 
 
@@ -577,9 +688,16 @@ def test_a_miss_on_the_chain_names_its_stage_and_the_client_reprefills(chain, wh
     with grpc.insecure_channel(tail.address) as ch:  # the tail alone drops the session
         pb_grpc.ShardServiceStub(ch).Release(pb.SessionRequest(session_id="chained-miss", route_epoch=0), timeout=10)
     with grpc.insecure_channel(head.address) as ch:
-        r = pb_grpc.ShardServiceStub(ch).Decode(pb.StepRequest(
-            session_id="chained-miss", route_epoch=0, token_ids=[got[-1]], position=len(tokenizer.tokenize(PROMPTS[2])) + 5,
-            forward=[pb.Hop(address=tail.address)]), timeout=10)
+        r = pb_grpc.ShardServiceStub(ch).Decode(
+            pb.StepRequest(
+                session_id="chained-miss",
+                route_epoch=0,
+                token_ids=[got[-1]],
+                position=len(tokenizer.tokenize(PROMPTS[2])) + 5,
+                forward=[pb.Hop(address=tail.address)],
+            ),
+            timeout=10,
+        )
         assert r.outcome == pb.OUTCOME_CACHE_MISS and r.miss_reason == "RELEASED" and r.stage == 1
     # the head now holds one token more than the route: the client's next step re-prefills
     got += list(stream)
@@ -593,8 +711,9 @@ def test_a_killed_tail_on_a_chained_route_is_a_clear_error_then_a_reprefill(embe
     head = Worker(embedded_model, "0-14", extra=("--peer", tail.address))
     try:
         # the client-driven loop on a chained route (the head's own loop: tests/test_generate.py)
-        client = RouteClient([RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)],
-                             route_loop=False)
+        client = RouteClient(
+            [RemoteStage(head.address, timeout_s=10), RemoteStage(tail.address, timeout_s=10)], route_loop=False
+        )
         assert client.chained
         session = client.session("chained-survivor")
         stream = session.stream(tokenizer.tokenize(PROMPTS[0]), N_TOKENS)
@@ -638,14 +757,20 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
     proc, address = start_worker(embedded_model, 0, 5, 1, extra=("--max-concurrent-rpcs", "16"))
     try:
         wait_serving(proc, address)
-        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * 2**20),
-                                                     ("grpc.max_receive_message_length", 64 * 2**20)]) as ch:
+        with grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", 256 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)],
+        ) as ch:
             stub = pb_grpc.ShardServiceStub(ch)
             info = stub.Info(pb.InfoRequest(), timeout=10)
             limit, in_flight = info.max_request_bytes, info.max_in_flight_request_bytes
             assert limit == 8 * (512 * (576 * 4 + 8) + 4096) + (1 << 16) and in_flight == 2 * limit
-            assert stub.Prefill(pb.StepRequest(session_id="warm-up", route_epoch=0, token_ids=[1, 2, 3]),
-                                timeout=60).outcome == pb.OUTCOME_OK
+            assert (
+                stub.Prefill(
+                    pb.StepRequest(session_id="warm-up", route_epoch=0, token_ids=[1, 2, 3]), timeout=60
+                ).outcome
+                == pb.OUTCOME_OK
+            )
             _, resting = _peak_and_current_rss(proc.pid)
 
             head = pb.StepRequest(session_id="big", route_epoch=0).SerializeToString()
@@ -660,12 +785,22 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
                 raise AssertionError
 
             rows = (limit - 1024) // (576 * 4)
-            hidden = pb.StepRequest(session_id="big", route_epoch=0, hidden=pb.Tensor(
-                shape=[rows, 576], dtype=pb.DTYPE_FLOAT32, data=bytes(rows * 576 * 4))).SerializeToString()
-            waves = {"token ids": packed_ids(limit), "hidden rows": hidden, "one KiB too large": packed_ids(limit + 1024)}
+            hidden = pb.StepRequest(
+                session_id="big",
+                route_epoch=0,
+                hidden=pb.Tensor(shape=[rows, 576], dtype=pb.DTYPE_FLOAT32, data=bytes(rows * 576 * 4)),
+            ).SerializeToString()
+            waves = {
+                "token ids": packed_ids(limit),
+                "hidden rows": hidden,
+                "one KiB too large": packed_ids(limit + 1024),
+            }
             assert len(waves["token ids"]) == limit and len(hidden) <= limit
-            prefill = ch.unary_unary("/llama_shard.v1.ShardService/Prefill", request_serializer=lambda b: b,
-                                     response_deserializer=pb.StepReply.FromString)
+            prefill = ch.unary_unary(
+                "/llama_shard.v1.ShardService/Prefill",
+                request_serializer=lambda b: b,
+                response_deserializer=pb.StepReply.FromString,
+            )
 
             def send(message: bytes) -> str:
                 try:
@@ -679,17 +814,22 @@ def test_maximum_size_messages_under_concurrency_keep_the_workers_memory_bounded
                     seen[name] = sorted(set(pool.map(send, [message] * 16)))
             peak, _ = _peak_and_current_rss(proc.pid)
             assert proc.poll() is None
-            print(f"largest request {limit / 1e6:.1f} MB, in flight {in_flight / 1e6:.1f} MB; resting RSS "
-                  f"{resting / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - resting) / 2**20:.0f}); {seen}")
+            print(
+                f"largest request {limit / 1e6:.1f} MB, in flight {in_flight / 1e6:.1f} MB; resting RSS "
+                f"{resting / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - resting) / 2**20:.0f}); {seen}"
+            )
             assert set(seen["token ids"]) <= {"OUTCOME_BUDGET_EXCEEDED", "RESOURCE_EXHAUSTED"}
-            assert set(seen["hidden rows"]) <= {"OUTCOME_INVALID_ARGUMENT", "OUTCOME_BUDGET_EXCEEDED", "RESOURCE_EXHAUSTED"}
+            assert set(seen["hidden rows"]) <= {
+                "OUTCOME_INVALID_ARGUMENT",
+                "OUTCOME_BUDGET_EXCEEDED",
+                "RESOURCE_EXHAUSTED",
+            }
             assert seen["one KiB too large"] == ["RESOURCE_EXHAUSTED"]
             assert peak - resting <= 2 * 16 * limit + 5 * in_flight, (peak - resting) / 2**20
             r = stub.Prefill(pb.StepRequest(session_id="after", route_epoch=0, token_ids=[1, 2, 3]), timeout=60)
             assert r.outcome == pb.OUTCOME_OK
     finally:
         stop_worker(proc)
-
 
 
 def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
@@ -707,8 +847,9 @@ def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
             raise RuntimeError("handler failed")
         return request.session_id
 
-    handler = grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=lambda b: parsed.append(b) or
-                                                  pb.StepRequest.FromString(b))
+    handler = grpc.unary_unary_rpc_method_handler(
+        behavior, request_deserializer=lambda b: parsed.append(b) or pb.StepRequest.FromString(b)
+    )
     admission = AdmitRequests(max_in_flight_bytes=100)
     wrapped = admission.intercept_service(lambda _details: handler, type("D", (), {"method": "/x/Prefill"})())
 
@@ -721,7 +862,7 @@ def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
 
     a = wrapped.request_deserializer(message("a", 60))
     assert admission.in_flight.held == 60
-    b = wrapped.request_deserializer(message("b", 60))             # 120 > 100: refused, not parsed
+    b = wrapped.request_deserializer(message("b", 60))  # 120 > 100: refused, not parsed
     assert admission.in_flight.held == 60 and len(parsed) == 1
     with pytest.raises(grpc.RpcError) as refused:
         wrapped.unary_unary(b, Context())
@@ -731,12 +872,12 @@ def test_admission_bounds_the_request_bytes_parsed_and_held_at_once():
     with pytest.raises(RuntimeError):
         wrapped.unary_unary(c, Context())
     assert admission.in_flight.held == 0
-    d = wrapped.request_deserializer(message("d", 90))             # a call dropped before its handler
+    d = wrapped.request_deserializer(message("d", 90))  # a call dropped before its handler
     assert admission.in_flight.held == 90
     del d
     gc.collect()
     assert admission.in_flight.held == 0
-    bad = wrapped.request_deserializer(b"\xff\xff\xff")            # does not parse: nothing held
+    bad = wrapped.request_deserializer(b"\xff\xff\xff")  # does not parse: nothing held
     assert admission.in_flight.held == 0
     with pytest.raises(grpc.RpcError) as unparsable:
         wrapped.unary_unary(bad, Context())

@@ -3,6 +3,7 @@
 unknown enum values, unknown fields, chained hops to nowhere), each field at the largest size the
 receive limit lets through and just past it, and raw random bytes. Every call gets an Outcome or a
 clean gRPC status; afterwards the worker still serves the whole model's tokens, its RSS bounded."""
+
 from __future__ import annotations
 
 import collections
@@ -26,11 +27,15 @@ SERVICE = "/llama_shard.v1.ShardService/"
 # what a malformed call may get: a typed reply, or a status saying the call itself was refused
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
 
-i64 = st.integers(-2**63, 2**63 - 1)
-i32 = st.integers(-2**31, 2**31 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+i32 = st.integers(-(2**31), 2**31 - 1)
 ids = st.one_of(st.text(max_size=8), st.text(min_size=250, max_size=300), st.sampled_from(["", "a", "fz-0"]))
-tensors = st.builds(lambda shape, dtype, data: pb.Tensor(shape=shape, dtype=dtype, data=data),
-                    st.lists(st.integers(-3, 1 << 40), max_size=3), st.integers(-1, 3), st.binary(max_size=1024))
+tensors = st.builds(
+    lambda shape, dtype, data: pb.Tensor(shape=shape, dtype=dtype, data=data),
+    st.lists(st.integers(-3, 1 << 40), max_size=3),
+    st.integers(-1, 3),
+    st.binary(max_size=1024),
+)
 
 
 # fields this schema does not have (a newer client's), appended to a message's bytes: a varint
@@ -45,8 +50,13 @@ def with_unknown_fields(message, extra: bytes):
 
 @st.composite
 def step_requests(draw) -> pb.StepRequest:
-    req = pb.StepRequest(session_id=draw(ids), route_epoch=draw(i64), recipe_fingerprint=draw(st.sampled_from(["", "", "", "bogus"])),
-                         reply_dtype=draw(st.integers(-1, 3)), return_logits=draw(st.booleans()))
+    req = pb.StepRequest(
+        session_id=draw(ids),
+        route_epoch=draw(i64),
+        recipe_fingerprint=draw(st.sampled_from(["", "", "", "bogus"])),
+        reply_dtype=draw(st.integers(-1, 3)),
+        return_logits=draw(st.booleans()),
+    )
     choice = draw(st.integers(0, 2))
     if choice == 0:
         req.token_ids.extend(draw(st.lists(i32, max_size=40)))
@@ -94,22 +104,35 @@ def test_generated_messages_get_an_outcome_or_a_clean_status(worker, data):
     if method in ("Prefill", "Decode"):
         _call(getattr(stub, method), data.draw(step_requests()))
     elif method == "StepBatch":
-        steps = data.draw(st.lists(st.builds(lambda k, s: pb.BatchedStep(kind=k, step=s), st.integers(-1, 3),
-                                             step_requests()), max_size=10))
+        steps = data.draw(
+            st.lists(
+                st.builds(lambda k, s: pb.BatchedStep(kind=k, step=s), st.integers(-1, 3), step_requests()), max_size=10
+            )
+        )
         _call(stub.StepBatch, with_unknown_fields(pb.StepBatchRequest(steps=steps), data.draw(unknown_fields)))
     elif method == "Truncate":
-        _call(stub.Truncate, with_unknown_fields(pb.TruncateRequest(session_id=data.draw(ids), route_epoch=data.draw(i64),
-                                                                    length=data.draw(i32)), data.draw(unknown_fields)))
+        _call(
+            stub.Truncate,
+            with_unknown_fields(
+                pb.TruncateRequest(session_id=data.draw(ids), route_epoch=data.draw(i64), length=data.draw(i32)),
+                data.draw(unknown_fields),
+            ),
+        )
     else:
-        _call(getattr(stub, method), with_unknown_fields(pb.SessionRequest(session_id=data.draw(ids),
-                                                                           route_epoch=data.draw(i64)),
-                                                         data.draw(unknown_fields)))
+        _call(
+            getattr(stub, method),
+            with_unknown_fields(
+                pb.SessionRequest(session_id=data.draw(ids), route_epoch=data.draw(i64)), data.draw(unknown_fields)
+            ),
+        )
     assert proc.poll() is None
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(method=st.sampled_from(["Prefill", "Decode", "StepBatch", "Truncate", "Release", "Resolve", "Info"]),
-       payload=st.binary(max_size=2048))
+@given(
+    method=st.sampled_from(["Prefill", "Decode", "StepBatch", "Truncate", "Release", "Resolve", "Info"]),
+    payload=st.binary(max_size=2048),
+)
 def test_raw_bytes_get_a_clean_status(worker, method, payload):
     proc, channel = worker
     call = channel.unary_unary(SERVICE + method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
@@ -137,16 +160,18 @@ def test_maximum_and_oversize_fields_get_an_outcome_or_a_clean_status(worker, da
     field = data.draw(st.sampled_from(["ids1", "ids5", "hidden", "session_id", "fingerprint", "forward"]))
     over = data.draw(st.booleans())
     head = pb.StepRequest(route_epoch=data.draw(i64), position=data.draw(st.integers(-1, 600))).SerializeToString()
-    room = limit - len(head) - 16                   # what one field may take, with its tag and length
+    room = limit - len(head) - 16  # what one field may take, with its tag and length
     size = room + (2048 if over else 0)
     req = pb.StepRequest()
     if field == "ids1":
         req.token_ids.extend([data.draw(st.integers(0, 127))] * size)
     elif field == "ids5":
-        req.token_ids.extend([data.draw(st.sampled_from([-1, -2**31, 2**31 - 1]))] * (size // 10))
+        req.token_ids.extend([data.draw(st.sampled_from([-1, -(2**31), 2**31 - 1]))] * (size // 10))
     elif field == "hidden":
         rows = data.draw(st.integers(1, 4))
-        req.hidden.CopyFrom(pb.Tensor(shape=[rows, max(1, size // (4 * rows))], dtype=pb.DTYPE_FLOAT32, data=bytes(size)))
+        req.hidden.CopyFrom(
+            pb.Tensor(shape=[rows, max(1, size // (4 * rows))], dtype=pb.DTYPE_FLOAT32, data=bytes(size))
+        )
     elif field == "session_id":
         req.session_id = "s" * size
     elif field == "fingerprint":
@@ -157,7 +182,9 @@ def test_maximum_and_oversize_fields_get_an_outcome_or_a_clean_status(worker, da
     message = head + req.SerializeToString()
     method = data.draw(st.sampled_from(["Prefill", "Decode", "StepBatch"]))
     if method == "StepBatch":
-        message = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=1, step=pb.StepRequest.FromString(message))]).SerializeToString()
+        message = pb.StepBatchRequest(
+            steps=[pb.BatchedStep(kind=1, step=pb.StepRequest.FromString(message))]
+        ).SerializeToString()
     call = channel.unary_unary(SERVICE + method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
     try:
         reply = call(message, timeout=60)
@@ -191,4 +218,3 @@ def test_after_the_fuzzing_the_worker_serves_exact_tokens_in_bounded_memory(work
     rss = resident_bytes(proc.pid)
     print(f"fuzz: {sum(COUNTS.values())} calls: {dict(COUNTS)}; worker RSS {rss / 2**20:.0f} MiB")
     assert rss < 512 << 20
-

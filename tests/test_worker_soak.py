@@ -2,6 +2,7 @@
 epoch changes and abandoned sessions left to a short TTL. RSS stays flat after a warm-up and the
 worker ends with nothing live and nothing reserved (so every seq id is free again). CI runs 10,000
 sessions; LLAMA_SHARD_SOAK_SESSIONS sets another count (100000 for a long run)."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,13 @@ RSS_GROWTH_BOUND = 24 << 20  # after the warm-up: allocator pools and gRPC buffe
 
 @pytest.mark.slow
 def test_sessions_through_a_worker_leave_nothing_behind(synthetic_model):
-    proc, addr = start_worker(synthetic_model, 0, 5, 1, extra=("--ttl", "0.2", "--sweep-seconds", "0.1",
-                                                               "--context-tokens", "64", "--budget-tokens", "512"))
+    proc, addr = start_worker(
+        synthetic_model,
+        0,
+        5,
+        1,
+        extra=("--ttl", "0.2", "--sweep-seconds", "0.1", "--context-tokens", "64", "--budget-tokens", "512"),
+    )
     try:
         wait_serving(proc, addr)
         stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(addr))
@@ -37,13 +43,19 @@ def test_sessions_through_a_worker_leave_nothing_behind(synthetic_model):
                 rss_after_warm_up = resident_bytes(proc.pid)
             sid, epoch = f"soak-{rng.getrandbits(48):012x}", rng.randrange(3)
             tokens = [rng.randrange(1, 320) for _ in range(rng.randrange(1, 24))]
-            r = stub.Prefill(pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=tokens, position=0), timeout=30)
+            r = stub.Prefill(
+                pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=tokens, position=0), timeout=30
+            )
             outcomes[pb.Outcome.Name(r.outcome)] = outcomes.get(pb.Outcome.Name(r.outcome), 0) + 1
             for _ in range(rng.randrange(0, 4)):
-                r = stub.Decode(pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=[r.token_id or 1]), timeout=30)
+                r = stub.Decode(
+                    pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=[r.token_id or 1]), timeout=30
+                )
             if rng.random() < 0.1:  # a route change: the session moves to a newer epoch
                 epoch += 1
-                stub.Prefill(pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=tokens, position=0), timeout=30)
+                stub.Prefill(
+                    pb.StepRequest(session_id=sid, route_epoch=epoch, token_ids=tokens, position=0), timeout=30
+                )
             if rng.random() < 0.8:  # the rest are abandoned, left to the TTL
                 stub.Release(pb.SessionRequest(session_id=sid, route_epoch=epoch), timeout=30)
         rss_end = resident_bytes(proc.pid)
@@ -53,8 +65,10 @@ def test_sessions_through_a_worker_leave_nothing_behind(synthetic_model):
             if (info.live_sessions, info.reserved_tokens) == (0, 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        print(f"soak: {SESSIONS} sessions {outcomes}; RSS after warm-up {rss_after_warm_up / 2**20:.1f} MiB, "
-              f"at the end {rss_end / 2**20:.1f} MiB")
+        print(
+            f"soak: {SESSIONS} sessions {outcomes}; RSS after warm-up {rss_after_warm_up / 2**20:.1f} MiB, "
+            f"at the end {rss_end / 2**20:.1f} MiB"
+        )
         assert outcomes == {"OUTCOME_OK": SESSIONS}
         assert (info.live_sessions, info.reserved_tokens) == (0, 0)
         assert rss_end - rss_after_warm_up < RSS_GROWTH_BOUND

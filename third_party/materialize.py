@@ -12,6 +12,7 @@ Steps (each one idempotent):
 Prints the path of the patched tree on the last line of stdout (CMake reads it).
 Only the standard library is used: this runs inside pip's isolated build environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def sha256_file(path: Path) -> str:
 # fetch and verify
 # ---------------------------------------------------------------------------------------------
 
+
 def _pip_command() -> list[str]:
     """pip of this interpreter, else the one on PATH (pip's build isolation may hide its own)."""
     probe = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
@@ -64,8 +66,10 @@ def _pip_command() -> list[str]:
         found = shutil.which(name)
         if found:
             return [found]
-    raise MaterializeError("pip is not available to download the pinned llama.cpp sdist; "
-                           "set LLAMA_SHARD_SDIST or LLAMA_SHARD_LLAMA_CPP_DIR")
+    raise MaterializeError(
+        "pip is not available to download the pinned llama.cpp sdist; "
+        "set LLAMA_SHARD_SDIST or LLAMA_SHARD_LLAMA_CPP_DIR"
+    )
 
 
 def fetch_sdist() -> Path:
@@ -87,6 +91,7 @@ def fetch_sdist() -> Path:
     attempts = []
     try:
         import scikit_build_core  # noqa: F401
+
         attempts.append(base + ["--no-build-isolation", spec])
     except ImportError:
         pass
@@ -95,8 +100,9 @@ def fetch_sdist() -> Path:
         res = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
         if res.returncode == 0 and cached.is_file():
             return cached
-    raise MaterializeError(f"could not download {spec}; check access to the package index, or set "
-                           "LLAMA_SHARD_SDIST to a downloaded copy")
+    raise MaterializeError(
+        f"could not download {spec}; check access to the package index, or set LLAMA_SHARD_SDIST to a downloaded copy"
+    )
 
 
 def verify(sdist: Path) -> None:
@@ -105,11 +111,12 @@ def verify(sdist: Path) -> None:
         raise MaterializeError(
             f"sha256 mismatch for {sdist}: got {digest}, the pin says {PIN['sha256']}. "
             "Delete the file (and third_party/.cache) and build again; if the package was "
-            "re-published, update third_party/llama-cpp-pin.json only after reviewing the source.")
+            "re-published, update third_party/llama-cpp-pin.json only after reviewing the source."
+        )
 
 
 def extract(sdist: Path, dest: Path) -> None:
-    prefix = f"{PIN['sdist'][:-len('.tar.gz')]}/{PIN['subdir']}/"
+    prefix = f"{PIN['sdist'][: -len('.tar.gz')]}/{PIN['subdir']}/"
     tmp = Path(tempfile.mkdtemp(prefix="llama-cpp-", dir=dest.parent))
     try:
         with tarfile.open(sdist, "r:gz") as tar:
@@ -117,7 +124,7 @@ def extract(sdist: Path, dest: Path) -> None:
             for m in tar.getmembers():
                 if not m.name.startswith(prefix):
                     continue
-                rel = m.name[len(prefix):]
+                rel = m.name[len(prefix) :]
                 # the sdist carries a submodule `.git` file pointing nowhere: drop it so git
                 # commands never mistake the tree for a repository
                 if rel in ("", ".git") or rel.startswith(".git/"):
@@ -137,6 +144,7 @@ def extract(sdist: Path, dest: Path) -> None:
 # the patch series
 # ---------------------------------------------------------------------------------------------
 
+
 def series_files(patch_dir: Path = PATCH_DIR) -> list[Path]:
     return sorted(p for p in patch_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
 
@@ -152,8 +160,7 @@ def _git_apply(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProc
     # outside any repository git apply works like patch(1) but without fuzz; the ceiling keeps
     # git from discovering the project's own repository above the tree
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    return subprocess.run(["git", "apply", *flags, str(patch)], cwd=tree, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(["git", "apply", *flags, str(patch)], cwd=tree, env=env, capture_output=True, text=True)
 
 
 def apply_series(tree: Path, patches: list[Path]) -> None:
@@ -168,8 +175,9 @@ def apply_series(tree: Path, patches: list[Path]) -> None:
         for p in reversed(old):
             res = _git_apply(tree, p, "--reverse")
             if res.returncode != 0:
-                raise MaterializeError(f"could not reverse the previously applied {p.name}:\n{res.stderr}"
-                                       f"Delete {tree} and build again.")
+                raise MaterializeError(
+                    f"could not reverse the previously applied {p.name}:\n{res.stderr}Delete {tree} and build again."
+                )
         log(f"reversed the previous series ({len(old)} patches)")
     stamp.unlink(missing_ok=True)
     for p in patches:
@@ -186,7 +194,8 @@ def apply_series(tree: Path, patches: list[Path]) -> None:
                 f"{p.name} does not apply to {tree}:\n{detail}"
                 "The tree is not the pristine pin (or was edited). Delete it (or unset "
                 "LLAMA_SHARD_LLAMA_CPP_DIR) and build again; on a new pin, regenerate the series as "
-                "patches/README.md describes.")
+                "patches/README.md describes."
+            )
     if applied_dir.exists():
         shutil.rmtree(applied_dir)
     applied_dir.mkdir()
@@ -230,6 +239,7 @@ def check_series() -> None:
             _git_apply(tree, p)
         # every certified family's graph builder has exactly the uniform boundary edit
         import shard_boundary
+
         problems = []
         for source in shard_boundary.FAMILY_SOURCES.values():
             text = (tree / "src" / "models" / source).read_text()
@@ -242,16 +252,18 @@ def check_series() -> None:
                 raise MaterializeError(f"{p.name} does not reverse cleanly:\n{res.stderr}")
         after = {p: sha256_file(p) for p in tree.rglob("*") if p.is_file()}
         if before != after:
-            changed = sorted(str(p.relative_to(tree)) for p in set(before) | set(after)
-                             if before.get(p) != after.get(p))
+            changed = sorted(
+                str(p.relative_to(tree)) for p in set(before) | set(after) if before.get(p) != after.get(p)
+            )
             raise MaterializeError(f"apply + reverse did not restore the pristine tree: {changed[:10]}")
     print(f"series OK: {len(patches)} patches apply to the pristine pin and reverse cleanly")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check-series", action="store_true",
-                    help="apply and reverse the series on a scratch pristine copy")
+    ap.add_argument(
+        "--check-series", action="store_true", help="apply and reverse the series on a scratch pristine copy"
+    )
     args = ap.parse_args(argv)
     try:
         if args.check_series:

@@ -29,6 +29,7 @@ has the rest of the series (then export the diff as the patch), and `--check TRE
 patched tree has exactly these edits for every family in FAMILY_SOURCES. materialize.py's
 --check-series runs the check on its scratch tree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,22 +65,31 @@ FAMILY_SOURCES = {
 FAMILY_EDITS = [
     # glm4moe refuses embeddings as input unless its rope is multimodal: a non-head shard's input
     # is the residual, passed as embeddings, so the refusal is for the head only
-    ("glm4-moe.cpp", "    if (ubatch.embd && !use_mrope) {",
-     "    if (ubatch.embd && !use_mrope && model.shard_is_head()) { // [llama-shard] a non-head shard's input is the residual"),
+    (
+        "glm4-moe.cpp",
+        "    if (ubatch.embd && !use_mrope) {",
+        "    if (ubatch.embd && !use_mrope && model.shard_is_head()) { // [llama-shard] a non-head shard's input is the residual",
+    ),
 ]
 
 MAIN_GRAPH = "inpL = build_inp_embd(model.tok_embd);"
 OUT_IDS = "ggml_tensor * inp_out_ids = build_inp_out_ids();"
-OUT_IDS_SHARD = ("// [llama-shard] only the tail selects output rows; a non-tail shard outputs every token\n"
-                 "    ggml_tensor * inp_out_ids = model.shard_is_tail() ? build_inp_out_ids() : nullptr;")
+OUT_IDS_SHARD = (
+    "// [llama-shard] only the tail selects output rows; a non-tail shard outputs every token\n"
+    "    ggml_tensor * inp_out_ids = model.shard_is_tail() ? build_inp_out_ids() : nullptr;"
+)
 LOOP = "for (int il = 0; il < n_layer; ++il) {"
-LOOP_SHARD = "for (int il = model.shard_il_begin(); il < model.shard_il_end(); ++il) { // [llama-shard] owned layers only"
+LOOP_SHARD = (
+    "for (int il = model.shard_il_begin(); il < model.shard_il_end(); ++il) { // [llama-shard] owned layers only"
+)
 LOOP_END = "\n    cur = inpL;\n"
-RESIDUAL_OUT = ("\n    if (!model.shard_is_tail()) {\n"
-                "        // [llama-shard] a non-tail shard stops at the residual: no final norm, no LM head\n"
-                "        build_shard_residual_output(cur);\n"
-                "        return;\n"
-                "    }\n")
+RESIDUAL_OUT = (
+    "\n    if (!model.shard_is_tail()) {\n"
+    "        // [llama-shard] a non-tail shard stops at the residual: no final norm, no LM head\n"
+    "        build_shard_residual_output(cur);\n"
+    "        return;\n"
+    "    }\n"
+)
 
 
 class BoundaryError(Exception):
@@ -108,8 +118,10 @@ TOKEN_INPUT = re.compile(r"build_inp_per_layer\(|ubatch\.token|inp->tokens")
 #: such a file is refused at load (patch 0014 in llama.cpp, and the native header check), so on a
 #: shard the branch is never taken
 PRE_LOOP_FAMILY_OK = {
-    "gemma4.cpp": ("inp_per_layer = build_inp_per_layer();",
-                   "inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);"),
+    "gemma4.cpp": (
+        "inp_per_layer = build_inp_per_layer();",
+        "inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);",
+    ),
 }
 
 
@@ -162,7 +174,7 @@ def _boundary_site(body: str, name: str) -> tuple[int, str]:
     (returns `inpL`). Both need the loop to carry the stream in `inpL`."""
     loop = body.find(LOOP_SHARD)
     close = _close_brace(body, loop)
-    inside = _statements(body[body.index("{", loop) + 1:close])
+    inside = _statements(body[body.index("{", loop) + 1 : close])
     if not inside or inside[-1] != CARRY:
         raise BoundaryError(f"{name}: the layer loop does not end with {CARRY!r}")
     after = _next_line(body, close)
@@ -179,10 +191,13 @@ def _pre_loop_problems(body: str, name: str) -> list[str]:
     loop = body.find(LOOP_SHARD) if LOOP_SHARD in body else body.find(LOOP)
     if loop < 0:
         return [f"{name}: the main graph has no {LOOP!r}"]
-    return [f"{name}: the embeddings feed more than the layer loop ({s!r}): a non-head shard would lack it"
-            for s in _statements(body[len(MAIN_GRAPH):loop])
-            if (re.search(rf"\b{STREAM}\b", s) or TOKEN_INPUT.search(s)) and not any(p.fullmatch(s) for p in PRE_LOOP_OK)
-            and s not in PRE_LOOP_FAMILY_OK.get(name, ())]
+    return [
+        f"{name}: the embeddings feed more than the layer loop ({s!r}): a non-head shard would lack it"
+        for s in _statements(body[len(MAIN_GRAPH) : loop])
+        if (re.search(rf"\b{STREAM}\b", s) or TOKEN_INPUT.search(s))
+        and not any(p.fullmatch(s) for p in PRE_LOOP_OK)
+        and s not in PRE_LOOP_FAMILY_OK.get(name, ())
+    ]
 
 
 def apply_boundary(text: str, name: str = "graph") -> str:
@@ -217,9 +232,11 @@ def check_boundary(text: str, name: str = "graph") -> list[str]:
         problems.append(f"{name}: output rows are selected on every shard")
     # the return must sit exactly where apply_boundary puts it, returning the stream
     close = _close_brace(body, body.find(LOOP_SHARD))
-    tail = body[_next_line(body, close):].lstrip("\n")
-    if not (tail.startswith(LOOP_END.lstrip("\n") + _residual_out("cur"))
-            or tail.startswith(_residual_out(STREAM).lstrip("\n"))):
+    tail = body[_next_line(body, close) :].lstrip("\n")
+    if not (
+        tail.startswith(LOOP_END.lstrip("\n") + _residual_out("cur"))
+        or tail.startswith(_residual_out(STREAM).lstrip("\n"))
+    ):
         problems.append(f"{name}: a non-tail shard does not return its residual right after the layer loop")
     return problems
 
@@ -234,7 +251,9 @@ def apply_family_edits(source: str, text: str) -> str:
 
 
 def check_family_edits(source: str, text: str) -> list[str]:
-    return [f"{source}: lacks {after.strip()!r}" for file, _, after in FAMILY_EDITS if file == source and after not in text]
+    return [
+        f"{source}: lacks {after.strip()!r}" for file, _, after in FAMILY_EDITS if file == source and after not in text
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@
 - `Step` is the one step type from the adapter through the engines to the wire.
 - `llama_shard.reference` is the pure-numpy executable specification (model and Hot KV engine).
 """
+
 from __future__ import annotations
 
 from . import errors

@@ -1,4 +1,5 @@
 """Type stubs for the llama_shard._native extension (native/bindings.cpp)."""
+
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -23,12 +24,20 @@ PREFIX_HIT_CAP: int
 
 def certified_architectures() -> list[str]: ...
 def cpu_backend() -> dict: ...
+
 CPU_DEVICE: str
+
 def is_cpu_device(name: str) -> bool: ...
 def devices() -> list[dict]: ...
 def gpu_backends() -> list[str]: ...
-def plan_memory(path: str, layers: tuple[int, int] | None, device: str, gpu_layers: int, config: HotKvConfig,
-                cpu_moe_layers: int = 0) -> dict: ...
+def plan_memory(
+    path: str,
+    layers: tuple[int, int] | None,
+    device: str,
+    gpu_layers: int,
+    config: HotKvConfig,
+    cpu_moe_layers: int = 0,
+) -> dict: ...
 def kv_types() -> list[str]: ...
 def kv_bytes_per_token(n_head_kv: int, head_dim: int, n_layers: int, kv_type: str = ...) -> int: ...
 
@@ -85,8 +94,15 @@ class ModelInfo:
     def n_owned_layers(self) -> int: ...
 
 class ShardModel:
-    def __init__(self, path: str, layers: tuple[int, int] | None = None, n_threads: int | None = None,
-                 device: str = "cpu", gpu_layers: int = -1, cpu_moe_layers: int = 0) -> None: ...
+    def __init__(
+        self,
+        path: str,
+        layers: tuple[int, int] | None = None,
+        n_threads: int | None = None,
+        device: str = "cpu",
+        gpu_layers: int = -1,
+        cpu_moe_layers: int = 0,
+    ) -> None: ...
     @property
     def info(self) -> ModelInfo: ...
     @property
@@ -129,7 +145,9 @@ class Status(_Enum):
     BUDGET_EXCEEDED: ClassVar[Status]
     INVALID_INPUT: ClassVar[Status]
     COMPUTE_ERROR: ClassVar[Status]
-    BUSY: ClassVar[Status]  # warm tier on: fits alone, not beside the step's admitted sessions (the step loop retries it)
+    BUSY: ClassVar[
+        Status
+    ]  # warm tier on: fits alone, not beside the step's admitted sessions (the step loop retries it)
     __members__: ClassVar[dict[str, Status]]
 
 class Tier(_Enum):
@@ -184,8 +202,14 @@ class StepTicket:
     def output(self) -> npt.NDArray[np.float32] | None: ...
 
 class StepLoop:
-    def __init__(self, engine: HotKvEngine, max_step_tokens: int = 0, max_step_sessions: int = 0,
-                 prefill_chunk: int = ..., gather_s: float = ...) -> None: ...
+    def __init__(
+        self,
+        engine: HotKvEngine,
+        max_step_tokens: int = 0,
+        max_step_sessions: int = 0,
+        prefill_chunk: int = ...,
+        gather_s: float = ...,
+    ) -> None: ...
     @property
     def max_step_tokens(self) -> int: ...
     @property
@@ -214,11 +238,25 @@ class HotKvConfig:
     warm_disk_bytes: int
     recipe_fingerprint: str
     prefix_bytes: int
-    def __init__(self, *, max_sessions: int = ..., context_tokens: int = ..., budget_tokens: int = ...,
-                 ttl_seconds: float = ..., n_batch: int = ..., n_threads: int = ..., recent_capacity: int = ...,
-                 warm_bytes: int = ..., warm_ttl_seconds: float = ..., kv_type: str = ..., flash_attn: bool = ...,
-                 warm_dir: str = ..., warm_disk_bytes: int = ..., recipe_fingerprint: str = ...,
-                 prefix_bytes: int = ...) -> None: ...
+    def __init__(
+        self,
+        *,
+        max_sessions: int = ...,
+        context_tokens: int = ...,
+        budget_tokens: int = ...,
+        ttl_seconds: float = ...,
+        n_batch: int = ...,
+        n_threads: int = ...,
+        recent_capacity: int = ...,
+        warm_bytes: int = ...,
+        warm_ttl_seconds: float = ...,
+        kv_type: str = ...,
+        flash_attn: bool = ...,
+        warm_dir: str = ...,
+        warm_disk_bytes: int = ...,
+        recipe_fingerprint: str = ...,
+        prefix_bytes: int = ...,
+    ) -> None: ...
     def check(self) -> None: ...
     @property
     def slot_cells(self) -> int: ...
@@ -254,9 +292,17 @@ class HotKvEngine:
     def stats(self) -> dict: ...
 
 class ShardContext:
-    def __init__(self, model: ShardModel, n_ctx: int = 4096, n_seq_max: int = 4, n_batch: int = 512,
-                 n_threads: int | None = None, kv_unified: bool = True, swa_full: bool = True,
-                 flash_attn: bool = True) -> None: ...
+    def __init__(
+        self,
+        model: ShardModel,
+        n_ctx: int = 4096,
+        n_seq_max: int = 4,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        kv_unified: bool = True,
+        swa_full: bool = True,
+        flash_attn: bool = True,
+    ) -> None: ...
     @property
     def n_ctx(self) -> int: ...
     @property
@@ -269,8 +315,13 @@ class ShardContext:
     def kv_unified(self) -> bool: ...
     @property
     def n_cells_used(self) -> int: ...
-    def forward(self, seq_id: int, pos: int, tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
-                hidden: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]: ...
+    def forward(
+        self,
+        seq_id: int,
+        pos: int,
+        tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        hidden: npt.NDArray[np.float32] | None = None,
+    ) -> npt.NDArray[np.float32]: ...
     def forward_batch(self, items: Sequence[tuple[int, int, object, object]]) -> list[npt.NDArray[np.float32]]: ...
     @property
     def n_decode_calls(self) -> int: ...
@@ -302,16 +353,36 @@ class SamplingParams:
     def logit_bias(self) -> list[tuple[int, float]]: ...
     @property
     def grammar(self) -> str: ...
-    def __init__(self, *, temperature: float = ..., top_k: int = ..., top_p: float = ..., min_p: float = ...,
-                 penalty_last_n: int = ..., penalty_repeat: float = ..., penalty_freq: float = ...,
-                 penalty_present: float = ..., seed: int = ...,
-                 logit_bias: list[tuple[int, float]] = ..., grammar: str = ...) -> None: ...
+    def __init__(
+        self,
+        *,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        min_p: float = ...,
+        penalty_last_n: int = ...,
+        penalty_repeat: float = ...,
+        penalty_freq: float = ...,
+        penalty_present: float = ...,
+        seed: int = ...,
+        logit_bias: list[tuple[int, float]] = ...,
+        grammar: str = ...,
+    ) -> None: ...
     def check(self, n_vocab: int, max_penalty_last_n: int) -> None: ...
     def problem(self, n_vocab: int, max_penalty_last_n: int) -> tuple[str, str] | None: ...
 
 class TokenSampler:
-    def __init__(self, n_vocab: int, params: SamplingParams, max_penalty_last_n: int, *, history: list[int] = ...,
-                 draws: int = ..., model: ShardModel | None = ..., generated: list[int] = ...) -> None: ...
+    def __init__(
+        self,
+        n_vocab: int,
+        params: SamplingParams,
+        max_penalty_last_n: int,
+        *,
+        history: list[int] = ...,
+        draws: int = ...,
+        model: ShardModel | None = ...,
+        generated: list[int] = ...,
+    ) -> None: ...
     def sample(self, logits: np.ndarray) -> int: ...
     def accept(self, token: int) -> None: ...
     def accept_sampled(self, token: int) -> None: ...

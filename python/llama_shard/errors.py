@@ -3,6 +3,7 @@
 Caller mistakes (invalid input) and failures (an unloadable file, a failed computation) are
 exceptions; expected outcomes of serving (cache misses, a refusal: `WhyNot`) are values.
 """
+
 from __future__ import annotations
 
 import enum
@@ -11,15 +12,17 @@ from typing import NamedTuple
 
 class Why(enum.Enum):
     """The kinds of an expected "no" (`WhyNot`): what a caller may act on."""
-    NO_REPLICA = "no_replica"          # a stage of the head's route has no (other) healthy replica
+
+    NO_REPLICA = "no_replica"  # a stage of the head's route has no (other) healthy replica
     ROUTE_UNSTABLE = "route_unstable"  # the route changed too often in one step
-    CALLER_CAP = "caller_cap"          # the principal holds as many sessions as its cap allows
-    FORWARD = "forward"                # a chained step this worker cannot forward (a loop, too many hops)
-    WIRE_DTYPE = "wire_dtype"          # a replica of the route does not read rows of that type
+    CALLER_CAP = "caller_cap"  # the principal holds as many sessions as its cap allows
+    FORWARD = "forward"  # a chained step this worker cannot forward (a loop, too many hops)
+    WIRE_DTYPE = "wire_dtype"  # a replica of the route does not read rows of that type
 
 
 class WhyNot(NamedTuple):
     """An expected "no" as a value, not an exception: its kind and the text that tells the caller."""
+
     kind: Why
     text: str
 
@@ -56,8 +59,6 @@ class ComputeError(LlamaShardError, RuntimeError):
     """llama.cpp failed a computation; every position the call added was removed again."""
 
 
-
-
 # --- the Hot KV State contract (names kept from the seed contract) ---------------------------
 
 
@@ -81,8 +82,10 @@ class KvCacheMissError(LlamaShardError):
     """Raised by `get()` where a value API would return a CacheMiss; carries it as `.miss`."""
 
     def __init__(self, miss):
-        super().__init__(f"cache miss for ({miss.session_id!r}, {miss.route_epoch}): {miss.reason.value}"
-                         + (f" ({miss.detail})" if miss.detail else ""))
+        super().__init__(
+            f"cache miss for ({miss.session_id!r}, {miss.route_epoch}): {miss.reason.value}"
+            + (f" ({miss.detail})" if miss.detail else "")
+        )
         self.miss = miss
 
 

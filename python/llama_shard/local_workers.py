@@ -9,6 +9,7 @@ A worker is a child process of this one, running `python -m llama_shard.cli serv
 interpreter; its stdout is discarded and its stderr kept (a pipe) for the error a failed start
 reports.
 """
+
 from __future__ import annotations
 
 import signal
@@ -33,13 +34,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(model: str | Path, first: int, last: int, threads: int = 1, extra: tuple[str, ...] = (),
-                 port: int | None = None, defaults: tuple[str, ...] = WORKER_DEFAULTS) -> tuple[subprocess.Popen, str]:
+def start_worker(
+    model: str | Path,
+    first: int,
+    last: int,
+    threads: int = 1,
+    extra: tuple[str, ...] = (),
+    port: int | None = None,
+    defaults: tuple[str, ...] = WORKER_DEFAULTS,
+) -> tuple[subprocess.Popen, str]:
     """Starts a worker for layers first..last; returns the process and its address. `extra` serve
     flags come after `defaults`, so they win (argparse keeps the last)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(model), "--layers", f"{first}-{last}",
-           "--port", str(port), "--threads", str(threads), *defaults, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_shard.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--layers",
+        f"{first}-{last}",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        *defaults,
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"127.0.0.1:{port}"
 

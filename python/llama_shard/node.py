@@ -10,6 +10,7 @@ on it, the health service, metrics and the OpenAI endpoint; it shuts down gracef
 - Binds to loopback unless told otherwise; request size limits; SIGTERM/SIGINT: stop accepting,
   finish in-flight steps, release every session, report, exit 0.
 """
+
 from __future__ import annotations
 
 import signal
@@ -45,16 +46,29 @@ SERVICE_NAME = "llama_shard.v1.ShardService"
 class ShardWorker:
     """Loads a shard, serves it, and shuts down gracefully."""
 
-    def __init__(self, model_path: str, layers: tuple[int, int] | None, config: HotKvStateConfig,
-                 options: WorkerOptions | None = None, head_options: HeadOptions | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        layers: tuple[int, int] | None,
+        config: HotKvStateConfig,
+        options: WorkerOptions | None = None,
+        head_options: HeadOptions | None = None,
+    ):
         options = options or WorkerOptions()  # a fresh one each: the options are mutable
         head_options = head_options or HeadOptions()
         self.options = options
-        self.model = ShardModel(str(model_path), layers, options.threads, options.device, options.gpu_layers,
-                                options.cpu_moe_layers)
-        self.manager = HotKvStateManager(self.model, config, n_batch=options.n_batch, n_threads=options.threads,
-                                         max_step_sessions=options.max_step_sessions,
-                                         prefill_chunk=options.prefill_chunk, gather_s=options.gather_s)
+        self.model = ShardModel(
+            str(model_path), layers, options.threads, options.device, options.gpu_layers, options.cpu_moe_layers
+        )
+        self.manager = HotKvStateManager(
+            self.model,
+            config,
+            n_batch=options.n_batch,
+            n_threads=options.threads,
+            max_step_sessions=options.max_step_sessions,
+            prefill_chunk=options.prefill_chunk,
+            gather_s=options.gather_s,
+        )
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
@@ -65,11 +79,16 @@ class ShardWorker:
         try:
             verdicts, seconds = decide_verification_sizes(self.manager)
             if verdicts:
-                print(f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr, flush=True
+                )
         except LlamaShardError as e:  # the first verification of each size decides it, as before
-            print(f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
-                  f"verification of each size decides it", file=sys.stderr, flush=True)
+            print(
+                f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
+                f"verification of each size decides it",
+                file=sys.stderr,
+                flush=True,
+            )
         self.health = health.HealthServicer()
         limit = self.servicer.bounds.request
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
@@ -78,27 +97,36 @@ class ShardWorker:
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
-            futures.ThreadPoolExecutor(max_workers=max(8, 2 * config.max_sessions)
-                                       + max_generate_streams(config.max_sessions, config.warm_bytes),
-                                       thread_name_prefix="shard-rpc"),
-            options=[("grpc.max_receive_message_length", limit),
-                     ("grpc.max_send_message_length", options.max_message_bytes),  # logits can outweigh any request
-                     *SERVER_KEEPALIVE_OPTIONS],
+            futures.ThreadPoolExecutor(
+                max_workers=max(8, 2 * config.max_sessions)
+                + max_generate_streams(config.max_sessions, config.warm_bytes),
+                thread_name_prefix="shard-rpc",
+            ),
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", options.max_message_bytes),  # logits can outweigh any request
+                *SERVER_KEEPALIVE_OPTIONS,
+            ],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
-            interceptors=[self.admission])
+            interceptors=[self.admission],
+        )
         pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         credentials = options.security.server_credentials()
         try:
             address = f"{options.host}:{options.port}"
-            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
-                         else self.server.add_insecure_port(address))
+            self.port = (
+                self.server.add_secure_port(address, credentials)
+                if credentials is not None
+                else self.server.add_insecure_port(address)
+            )
         except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
             raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
         if self.port == 0:
             raise OSError(f"cannot bind {options.host}:{options.port}")
         self.servicer.steps.own_addresses = frozenset(
-            f"{h}:{self.port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()})
+            f"{h}:{self.port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()}
+        )
         self.metrics_port = None
         if options.metrics_port is not None:
             server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
@@ -107,10 +135,18 @@ class ShardWorker:
         if head_options.http_port is not None:
             from .head.openai.endpoint import OpenAIEndpoint  # aiohttp and jinja2 load only where HTTP is served
 
-            self.http = OpenAIEndpoint(self.head.generation, self.model, options.security, options.host,
-                                       head_options.http_port, self.max_concurrent_rpcs, head_options.http_limits,
-                                       head_options.http_split_special_tokens, head_options.chat_template,
-                                       self.registry)
+            self.http = OpenAIEndpoint(
+                self.head.generation,
+                self.model,
+                options.security,
+                options.host,
+                head_options.http_port,
+                self.max_concurrent_rpcs,
+                head_options.http_limits,
+                head_options.http_split_special_tokens,
+                head_options.chat_template,
+                self.registry,
+            )
         self._stopped = threading.Event()
 
     @property
@@ -159,9 +195,12 @@ class ShardWorker:
         if self.options.replicas and not self.servicer.moves.draining:
             reply = self.servicer.drain(tuple(self.options.replicas))
             handed = reply.handed_over
-            print(f"llama-shard worker: handed {reply.handed_over} session(s) to a replica in {reply.seconds:.2f} s"
-                  + (f", released {reply.released}: {reply.detail}" if reply.released else ""), file=sys.stderr,
-                  flush=True)
+            print(
+                f"llama-shard worker: handed {reply.handed_over} session(s) to a replica in {reply.seconds:.2f} s"
+                + (f", released {reply.released}: {reply.detail}" if reply.released else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         if self.servicer.moves.moved:  # the heads follow a moved session at its next step
             self.servicer.moves.wait_asked(self.options.grace_s)
         self._stopped.set()
@@ -181,8 +220,12 @@ class ShardWorker:
             keys = self.manager.session_keys()
             released = sum(1 for sid, ep in keys if self.manager.release(sid, ep))
         st = self.manager.stats()
-        return {"released_sessions": released, "persisted_sessions": persisted, "handed_over_sessions": handed,
-                "reserved_tokens_after": st["reserved_tokens"]}
+        return {
+            "released_sessions": released,
+            "persisted_sessions": persisted,
+            "handed_over_sessions": handed,
+            "reserved_tokens_after": st["reserved_tokens"],
+        }
 
     def _reload_credentials(self) -> None:
         """SIGHUP: the token file again (certificates are re-read when their files change)."""
@@ -201,18 +244,29 @@ class ShardWorker:
         reload: list[int] = []
         signal.signal(signal.SIGHUP, lambda signum, _frame: reload.append(signum))
         info = self.model.info
-        print(f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
-              f"serving on {self.address}" + (f", metrics on :{self.metrics_port}" if self.metrics_port else "")
-              + (f", OpenAI API on {self.http.scheme}://{self.options.host}:{self.http.port}/v1" if self.http else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"llama-shard worker: layers {info.first}-{info.last} of {info.n_layer} ({info.architecture}) "
+            f"serving on {self.address}"
+            + (f", metrics on :{self.metrics_port}" if self.metrics_port else "")
+            + (f", OpenAI API on {self.http.scheme}://{self.options.host}:{self.http.port}/v1" if self.http else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         while not received:
             time.sleep(0.1)
             if reload:
                 reload.clear()
                 self._reload_credentials()
         report = self.stop()
-        kept = f"wrote {report['persisted_sessions']} session(s) to {self.manager.config.warm_dir}, " \
-            if self.manager.config.warm_dir is not None else ""
-        print(f"llama-shard worker: shut down; {kept}released {report['released_sessions']} session(s), "
-              f"{report['reserved_tokens_after']} tokens still reserved", file=sys.stderr, flush=True)
+        kept = (
+            f"wrote {report['persisted_sessions']} session(s) to {self.manager.config.warm_dir}, "
+            if self.manager.config.warm_dir is not None
+            else ""
+        )
+        print(
+            f"llama-shard worker: shut down; {kept}released {report['released_sessions']} session(s), "
+            f"{report['reserved_tokens_after']} tokens still reserved",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0

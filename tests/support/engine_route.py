@@ -1,5 +1,6 @@
 """A split route through the Hot KV engine in this process (what a worker runs, without the wire),
 and the token prompt the family tests feed it."""
+
 from __future__ import annotations
 
 from llama_shard import CacheMiss, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel
@@ -15,15 +16,20 @@ class Route:
     def __init__(self, path, layout, config: HotKvStateConfig | None = None, configs: list | None = None):
         config = config or HotKvStateConfig(max_sessions=4, context_tokens=128, budget_tokens=512, ttl_seconds=0)
         self.models = [ShardModel(str(path), r, 1) for r in layout]
-        self.managers = [HotKvStateManager(m, c, ManualClock(), n_batch=32)
-                         for m, c in zip(self.models, configs or [config] * len(layout))]
+        self.managers = [
+            HotKvStateManager(m, c, ManualClock(), n_batch=32)
+            for m, c in zip(self.models, configs or [config] * len(layout))
+        ]
         self.adapters = [KvBoundaryAdapter(m, mgr) for m, mgr in zip(self.models, self.managers)]
 
     def prefill(self, sid, tokens, start_pos=None):
         out = None
         for i, a in enumerate(self.adapters):
-            out = a.prefill(sid, 0, token_ids=tokens, start_pos=start_pos) if i == 0 else \
-                a.prefill(sid, 0, boundary=out, start_pos=start_pos)
+            out = (
+                a.prefill(sid, 0, token_ids=tokens, start_pos=start_pos)
+                if i == 0
+                else a.prefill(sid, 0, boundary=out, start_pos=start_pos)
+            )
             if isinstance(out, CacheMiss):
                 return out
         return out

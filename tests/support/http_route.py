@@ -1,5 +1,6 @@
 """A two-worker route whose head serves the OpenAI-compatible HTTP endpoint, reached with the
 official `openai` client or raw HTTP: the helper the HTTP tests share."""
+
 from __future__ import annotations
 
 import http.client
@@ -20,8 +21,21 @@ class HttpRoute:
     def __init__(self, model, head_extra=()):
         self.tail, self.tail_addr = start_worker(model, 15, 29, 1, extra=("--context-tokens", "1024"))
         self.http_port = free_port()
-        self.head, self.head_addr = start_worker(model, 0, 14, 1, extra=(
-            "--context-tokens", "1024", "--peer", self.tail_addr, "--http-port", str(self.http_port), *head_extra))
+        self.head, self.head_addr = start_worker(
+            model,
+            0,
+            14,
+            1,
+            extra=(
+                "--context-tokens",
+                "1024",
+                "--peer",
+                self.tail_addr,
+                "--http-port",
+                str(self.http_port),
+                *head_extra,
+            ),
+        )
         wait_serving(self.tail, self.tail_addr)
         wait_serving(self.head, self.head_addr)
         self.base = f"http://127.0.0.1:{self.http_port}/v1"
@@ -40,8 +54,9 @@ class HttpRoute:
             return pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
 
     def generate(self, prompt: list[int], **kw) -> tuple[list[int], str, pb.GenerateFinal]:
-        req = pb.GenerateRequest(session_id=f"grpc-{time.monotonic_ns()}", prompt=prompt,
-                                 forward=[pb.Hop(address=self.tail_addr)], **kw)
+        req = pb.GenerateRequest(
+            session_id=f"grpc-{time.monotonic_ns()}", prompt=prompt, forward=[pb.Hop(address=self.tail_addr)], **kw
+        )
         with grpc.insecure_channel(self.head_addr) as ch:
             events = list(pb_grpc.ShardServiceStub(ch).Generate(req, timeout=120))
         return ([e.token.token_id for e in events[:-1]], "".join(e.token.piece for e in events[:-1]), events[-1].final)

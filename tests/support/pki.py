@@ -1,5 +1,6 @@
 """Certificates, tokens and a route key made for the tests, and workers started with them: the
 helpers the security tests share (conftest.py's `pki` fixture makes one set per module)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,9 @@ TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "o
 ZOE_TOKEN = "zoe-token-0123456789abcd"
 
 
-def serve_worker(model, flags: tuple, first: int = 0, last: int = 5, ready: bool = True) -> tuple[subprocess.Popen, str]:
+def serve_worker(
+    model, flags: tuple, first: int = 0, last: int = 5, ready: bool = True
+) -> tuple[subprocess.Popen, str]:
     proc, addr = start_worker(model, first, last, 1, extra=("--context-tokens", "256", *flags))
     if ready:
         probe = ("localhost:" + addr.rsplit(":", 1)[1]) if "--tls-cert" in flags else addr
@@ -65,10 +68,10 @@ def assertion(key: bytes, principal: str, issued_at: int | None = None) -> bytes
 
 def on_behalf_of(pki, principal: str, **kw) -> tuple:
     """Metadata a head sends for `principal`, signed with the pki's route key."""
-    return (("llama-shard-on-behalf-of-bin", principal.encode("utf-8")),
-            ("llama-shard-on-behalf-of-sig-bin", assertion(pki["route_key"].read_bytes(), principal, **kw)))
-
-
+    return (
+        ("llama-shard-on-behalf-of-bin", principal.encode("utf-8")),
+        ("llama-shard-on-behalf-of-sig-bin", assertion(pki["route_key"].read_bytes(), principal, **kw)),
+    )
 
 
 def make_pki(d: Path) -> dict:
@@ -77,14 +80,26 @@ def make_pki(d: Path) -> dict:
     ca, other = CertificateAuthority.create(d, "mesh-ca"), CertificateAuthority.create(d, "other-ca")
     tokens = d / "tokens"
     # and a principal whose name is not ASCII (a token file is UTF-8; so is a certificate's CN)
-    tokens.write_text("# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items())
-                      + f"zoë:{ZOE_TOKEN}\n", encoding="utf-8")
+    tokens.write_text(
+        "# principal:token\n" + "".join(f"{p}:{t}\n" for p, t in TOKENS.items()) + f"zoë:{ZOE_TOKEN}\n",
+        encoding="utf-8",
+    )
     for principal, token in TOKENS.items():
         (d / f"{principal}.token").write_text(token + "\n")
     (d / "zoe.token").write_text(ZOE_TOKEN + "\n")
     route_key = d / "route.key"  # the route's shared secret (serve --route-key-file)
     route_key.write_bytes(os.urandom(32))
     route_key.chmod(0o600)
-    return {"dir": d, "ca": ca, "other": other, "server": ca.issue("worker", server=True), "tokens": tokens,
-            "alice": ca.issue("alice"), "bob": ca.issue("bob"), "mallory": other.issue("alice"),
-            "empty_cn": ca.issue(""), "no_cn": ca.issue(None), "route_key": route_key}
+    return {
+        "dir": d,
+        "ca": ca,
+        "other": other,
+        "server": ca.issue("worker", server=True),
+        "tokens": tokens,
+        "alice": ca.issue("alice"),
+        "bob": ca.issue("bob"),
+        "mallory": other.issue("alice"),
+        "empty_cn": ca.issue(""),
+        "no_cn": ca.issue(None),
+        "route_key": route_key,
+    }

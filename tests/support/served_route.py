@@ -1,5 +1,6 @@
 """A route of real workers on loopback (each forwarding to the next), and the whole-model reference
 its tokens are compared with: the helpers the served-route tests share."""
+
 from __future__ import annotations
 
 import grpc
@@ -34,8 +35,13 @@ class Route:
         return pb_grpc.ShardServiceStub(grpc.insecure_channel(self.addresses[k]))
 
     def request(self, sid, prompt, max_tokens=N_TOKENS, sampling=None, **kw):
-        req = pb.GenerateRequest(session_id=sid, prompt=prompt, max_tokens=max_tokens,
-                                 forward=[pb.Hop(address=a) for a in self.addresses[1:]], **kw)
+        req = pb.GenerateRequest(
+            session_id=sid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            forward=[pb.Hop(address=a) for a in self.addresses[1:]],
+            **kw,
+        )
         if sampling is not None:
             req.sampling.CopyFrom(sampling)
         return req

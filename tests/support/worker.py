@@ -1,5 +1,6 @@
 """One worker process on loopback with its metrics port, stopped by a signal: the helper the wire
 tests share."""
+
 from __future__ import annotations
 
 import signal
@@ -15,8 +16,14 @@ class Worker:
         self.port = port or free_port()
         self.metrics_port = free_port()
         first, last = (int(x) for x in layers.split("-"))
-        self.proc, self.address = start_worker(model, first, last, 1, port=self.port, extra=(
-            "--context-tokens", "256", "--metrics-port", str(self.metrics_port), *extra))
+        self.proc, self.address = start_worker(
+            model,
+            first,
+            last,
+            1,
+            port=self.port,
+            extra=("--context-tokens", "256", "--metrics-port", str(self.metrics_port), *extra),
+        )
         wait_serving(self.proc, self.address)
 
     def stop(self, sig=signal.SIGTERM, timeout=30) -> tuple[int, str]:

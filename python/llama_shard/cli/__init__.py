@@ -13,6 +13,7 @@ native check right after parsing, before anything loads). Renamed flags keep the
 one release, with a warning: generate --ctx (--context-tokens), --verify (--compare-whole); serve
 --verify (--draft-verify); inspect --memory (--kv-memory).
 """
+
 from __future__ import annotations
 
 from ..errors import InvalidInputError, LlamaShardError

@@ -1,4 +1,5 @@
 """`python -m llama_shard.cli`: the `llama-shard` command."""
+
 from . import main
 
 raise SystemExit(main())

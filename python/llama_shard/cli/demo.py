@@ -1,4 +1,5 @@
 """`llama-shard demo`: two workers on loopback, four chat sessions."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`llama-shard generate`: in process (whole or split) or down a route of workers."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ from .common import model_path, status
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
     if chat:  # rendered as the HTTP endpoint and the demo render it (the model's own template)
         from ..head.openai.chat_template import ModelChat
+
         return ModelChat(model).tokens([{"role": "user", "content": text}])
     return model.tokenize(text)
 
@@ -53,20 +55,22 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     # the tokenizer runs on the head side, from the same GGUF the workers serve
     path = model_path(args.model)
     from .._native import ShardModel
+
     vocab = ShardModel(str(path), (0, 0), 1)
     prompt = _prompt_ids(vocab, args.prompt, args.chat)
     session = client.session()
     tokens: list[int] = []
     printed = ""
     t0 = time.perf_counter()
-    for token in session.stream(prompt, args.max_tokens, stop=(vocab.token_eos,), sampling=sampling,
-                                max_drafts=args.max_drafts):
+    for token in session.stream(
+        prompt, args.max_tokens, stop=(vocab.token_eos,), sampling=sampling, max_drafts=args.max_drafts
+    ):
         if token == vocab.token_eos:
             break
         tokens.append(token)
         text = vocab.detokenize(tokens)
         if text.startswith(printed):
-            sys.stdout.write(text[len(printed):])
+            sys.stdout.write(text[len(printed) :])
             sys.stdout.flush()
             printed = text
     sys.stdout.write("\n")
@@ -74,10 +78,15 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
     final = session.last_final
     where = "the route's loop (Generate)" if final is not None else "this client's loop"
     ttft = f", first token after {final.time_to_first_token_s * 1000:.0f} ms" if final is not None else ""
-    drafts = (f"; {final.accepted_tokens} of {final.drafted_tokens} drafts accepted"
-              if final is not None and final.drafted_tokens else "")
-    status(f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers, driven by {where}{ttft}; "
-            f"{session.reprefills} re-prefill(s){drafts}")
+    drafts = (
+        f"; {final.accepted_tokens} of {final.drafted_tokens} drafts accepted"
+        if final is not None and final.drafted_tokens
+        else ""
+    )
+    status(
+        f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers, driven by {where}{ttft}; "
+        f"{session.reprefills} re-prefill(s){drafts}"
+    )
     session.release()
     client.close()
     return 0
@@ -90,6 +99,7 @@ def _sampling(args: argparse.Namespace, announce: bool = True):
     if not given and args.seed is None:
         return None
     from .._native import SamplingParams
+
     seed = args.seed if args.seed is not None else secrets.randbelow(0xFFFFFFFF)
     if args.seed is None and announce:
         status(f"sampling with seed {seed} (--seed {seed} repeats this run)")
@@ -99,8 +109,9 @@ def _sampling(args: argparse.Namespace, announce: bool = True):
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.route:
         if not is_cpu_device(args.device):
-            raise InvalidInputError("--device places an in-process split; a route's devices are its workers' "
-                                    "(serve --device)")
+            raise InvalidInputError(
+                "--device places an in-process split; a route's devices are its workers' (serve --device)"
+            )
         return cmd_generate_route(args)
     if args.max_drafts is not None:
         raise InvalidInputError("--max-drafts needs --route: drafts are a route's (its head's speculative decoding)")
@@ -116,11 +127,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         split = None
     else:
         split = parse_split(args.split)
-    pipe = LocalPipeline(path, split, n_ctx=args.context_tokens, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
-                         device=args.device)
+    pipe = LocalPipeline(
+        path,
+        split,
+        n_ctx=args.context_tokens,
+        n_seq_max=1,
+        n_batch=args.batch,
+        n_threads=args.threads,
+        device=args.device,
+    )
     desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
-    status(f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
-            + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models))
+    status(
+        f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
+        + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models)
+    )
 
     prompt = _prompt_ids(pipe.head, args.prompt, args.chat)
     if not prompt:
@@ -135,8 +155,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampler = None
     if sampling is not None:
         from .._native import TokenSampler
+
         window = sampling.penalty_last_n
-        sampler = TokenSampler(pipe.head.info.n_vocab, sampling, args.context_tokens, history=prompt[-window:] if window else [])
+        sampler = TokenSampler(
+            pipe.head.info.n_vocab, sampling, args.context_tokens, history=prompt[-window:] if window else []
+        )
     for token, logits in pipe.generate(prompt, args.max_tokens, stop=(eos,) if eos >= 0 else (), sampler=sampler):
         if token == eos:
             break
@@ -145,16 +168,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             logits_seen.append(logits)
         text = pipe.head.detokenize(tokens)
         if text.startswith(printed):  # print only complete characters
-            sys.stdout.write(text[len(printed):])
+            sys.stdout.write(text[len(printed) :])
             sys.stdout.flush()
             printed = text
     dt = time.perf_counter() - t1
     sys.stdout.write("\n")
-    status(f"{len(tokens)} tokens in {dt:.2f}s ({len(tokens) / dt if dt > 0 else 0:.1f} tokens/s, prompt {len(prompt)} tokens)")
+    status(
+        f"{len(tokens)} tokens in {dt:.2f}s ({len(tokens) / dt if dt > 0 else 0:.1f} tokens/s, prompt {len(prompt)} tokens)"
+    )
 
     if args.compare_whole:
-        whole = LocalPipeline(path, None, n_ctx=args.context_tokens, n_seq_max=1, n_batch=args.batch, n_threads=args.threads,
-                              device=args.device)  # the same backend: split = whole to the bit
+        whole = LocalPipeline(
+            path,
+            None,
+            n_ctx=args.context_tokens,
+            n_seq_max=1,
+            n_batch=args.batch,
+            n_threads=args.threads,
+            device=args.device,
+        )  # the same backend: split = whole to the bit
         ref = list(whole.generate(prompt, len(tokens)))
         same_tokens = [t for t, _ in ref] == tokens
         same_bits = all(a.tobytes() == b.tobytes() for (_, a), b in zip(ref, logits_seen))

@@ -1,4 +1,5 @@
 """`llama-shard inspect`: a model's layers, suggested splits and memory plan."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..engine.models import gguf_shape
 
     if (not is_cpu_device(args.device) or args.gpu_layers is not None or args.cpu_moe_layers) and not args.kv_memory:
-        raise InvalidInputError("--device, --gpu-layers and --cpu-moe size the device's share of a memory plan: give "
-                                "--kv-memory too")
+        raise InvalidInputError(
+            "--device, --gpu-layers and --cpu-moe size the device's share of a memory plan: give --kv-memory too"
+        )
     path = model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
@@ -27,12 +29,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"CPU kernels:   {cpu_kernels()}")
     print("devices:\n" + devices_text())
     certified = arch in certified_architectures()
-    print(f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})")
+    print(
+        f"architecture:  {arch} ({'certified for shard execution' if certified else 'NOT certified: whole-model only'})"
+    )
     print(f"kind:          {shape.kind}")
-    print(f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}"
-          + (f"; then {shape.n_nextn} MTP block(s) ({shape.mtp_bytes / 2**20:.1f} MiB) no shard loads" if shape.n_nextn else ""))
-    print(f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)"
-          + (f"; experts {sum(shape.expert_bytes) / 2**20:.1f} MiB" if shape.n_expert else ""))
+    print(
+        f"layers:        {n_layer}; n_embd {shape.n_embd}; heads {shape.n_head} (kv {shape.n_head_kv}); head_dim {shape.head_dim}"
+        + (
+            f"; then {shape.n_nextn} MTP block(s) ({shape.mtp_bytes / 2**20:.1f} MiB) no shard loads"
+            if shape.n_nextn
+            else ""
+        )
+    )
+    print(
+        f"weights:       {sum(per_layer) / 2**20:.1f} MiB in layers, {shape.other_bytes / 2**20:.1f} MiB outside them (embedding, output)"
+        + (f"; experts {sum(shape.expert_bytes) / 2**20:.1f} MiB" if shape.n_expert else "")
+    )
     if len(set(kv_layer)) == 1:
         print(f"KV bytes/token (f16): {kv_layer[0]} per layer, {sum(kv_layer)} for the whole model")
     else:
@@ -55,13 +67,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             kv_memory, warm = parse_size(args.kv_memory), parse_size(args.warm_memory or 0)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
-        plan = memory_plan(shape.range_info(first, last), kv_memory, args.context_tokens, kv_type=args.kv_type,
-                           warm_bytes=warm)
+        plan = memory_plan(
+            shape.range_info(first, last), kv_memory, args.context_tokens, kv_type=args.kv_type, warm_bytes=warm
+        )
         print(f"memory plan for layers {first}-{last} with {args.kv_memory} of KV memory:")
         print("  " + plan.describe().replace("\n", "\n  "))
         if not is_cpu_device(args.device):
             layers = None if args.layers in (None, "all") else (first, last)
-            on_device = device_memory_plan(path, layers, args.device, -1 if args.gpu_layers is None else args.gpu_layers,
-                                           plan.config().engine_config(), args.cpu_moe_layers)
+            on_device = device_memory_plan(
+                path,
+                layers,
+                args.device,
+                -1 if args.gpu_layers is None else args.gpu_layers,
+                plan.config().engine_config(),
+                args.cpu_moe_layers,
+            )
             print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
     return 0

@@ -1,4 +1,5 @@
 """`llama-shard serve`: a worker's configuration, security and HTTP limits from its flags, then the worker."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ def cors_origin(value: str) -> str:
         return origin
     scheme, sep, rest = origin.partition("://")
     if scheme not in ("http", "https") or not sep or not rest or any(c in rest for c in "/?#@ "):
-        raise InvalidInputError(f"--http-cors-origin {value!r}: an origin is '*' or scheme://host[:port] "
-                                "(http or https, no path)")
+        raise InvalidInputError(
+            f"--http-cors-origin {value!r}: an origin is '*' or scheme://host[:port] (http or https, no path)"
+        )
     return origin
 
 
@@ -44,6 +46,7 @@ def read_chat_template(path: str) -> str:
     from jinja2 import TemplateError
 
     from ..head.openai.template_sandbox import BoundedSandbox
+
     try:
         BoundedSandbox(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except TemplateError as e:
@@ -76,18 +79,33 @@ def serve_config(args: argparse.Namespace, layers: tuple[int, int] | None):
     if kv_memory is not None and args.max_sessions is not None:
         raise InvalidInputError("llama-shard serve: give --kv-memory or --max-sessions, not both")
     warm_dir = pick(args.warm_dir, env.warm_dir)
-    plan = memory_plan(shape.range_info(first, last), kv_memory, context, args.batch, kv_type, warm, budget,
-                       warm_disk_bytes=disk if warm_dir else 0, max_sessions=pick(args.max_sessions, env.max_sessions),
-                       prefix_bytes=prefixes)
+    plan = memory_plan(
+        shape.range_info(first, last),
+        kv_memory,
+        context,
+        args.batch,
+        kv_type,
+        warm,
+        budget,
+        warm_disk_bytes=disk if warm_dir else 0,
+        max_sessions=pick(args.max_sessions, env.max_sessions),
+        prefix_bytes=prefixes,
+    )
     if args.draft_model is not None and first == 0:  # (a worker of later layers refuses a draft model)
         from ..head.generation import max_generate_streams
 
         hot = plan.config()
-        plan = dataclasses.replace(plan, draft=draft_model_plan(args.draft_model, context,
-                                                                max_generate_streams(hot.max_sessions, hot.warm_bytes)))
+        plan = dataclasses.replace(
+            plan,
+            draft=draft_model_plan(args.draft_model, context, max_generate_streams(hot.max_sessions, hot.warm_bytes)),
+        )
     flash_attn = env.flash_attn if args.flash_attn is None else args.flash_attn == "on"
-    config = plan.config(flash_attn=flash_attn, ttl_seconds=pick(args.ttl, env.ttl_seconds),
-                         warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds), warm_dir=warm_dir)
+    config = plan.config(
+        flash_attn=flash_attn,
+        ttl_seconds=pick(args.ttl, env.ttl_seconds),
+        warm_ttl_seconds=pick(args.warm_ttl, env.warm_ttl_seconds),
+        warm_dir=warm_dir,
+    )
     return config, plan
 
 
@@ -97,8 +115,16 @@ def serve_security(args: argparse.Namespace):
     from ..proto.credentials import ClientSecurity
     from ..worker.security import ServerSecurity
 
-    security = ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
-                              tuple(args.admin), args.insecure, tuple(args.forwarder), args.route_key_file)
+    security = ServerSecurity(
+        args.tls_cert,
+        args.tls_key,
+        args.tls_client_ca,
+        args.auth_token_file,
+        tuple(args.admin),
+        args.insecure,
+        tuple(args.forwarder),
+        args.route_key_file,
+    )
     security.check_exposure(args.host)
     if args.metrics_port is not None:
         security.check_metrics_exposure(args.metrics_host)
@@ -108,8 +134,10 @@ def serve_security(args: argparse.Namespace):
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidInputError(f"--peer and --replica take HOST:PORT, got {peer!r}")
     if (args.peer or args.replica) and security.tls_cert and not peer_security.secure and not args.insecure:
-        raise InvalidInputError("this worker uses TLS: it forwards only to peers it can authenticate; give "
-                                "--peer-tls-ca (and --peer-token-file or --peer-tls-cert/--peer-tls-key)")
+        raise InvalidInputError(
+            "this worker uses TLS: it forwards only to peers it can authenticate; give "
+            "--peer-tls-ca (and --peer-token-file or --peer-tls-cert/--peer-tls-key)"
+        )
     return security, peer_security
 
 
@@ -125,48 +153,88 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
     if args.draft_model is not None:
         regular_model_file(args.draft_model, "--draft-model")
-    http_limits = HttpLimits(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout,
-                             args.http_write_timeout, args.http_max_connections, args.http_max_requests_per_principal,
-                             tuple(h.strip().lower() for h in args.http_allowed_host),
-                             tuple(cors_origin(o) for o in args.http_cors_origin),
-                             parse_size(args.http_body_memory) if args.http_body_memory is not None
-                             else HttpLimits.body_memory_bytes, args.http_max_bodies_per_address)
+    http_limits = HttpLimits(
+        args.http_header_timeout,
+        args.http_body_timeout,
+        args.http_idle_timeout,
+        args.http_write_timeout,
+        args.http_max_connections,
+        args.http_max_requests_per_principal,
+        tuple(h.strip().lower() for h in args.http_allowed_host),
+        tuple(cors_origin(o) for o in args.http_cors_origin),
+        parse_size(args.http_body_memory) if args.http_body_memory is not None else HttpLimits.body_memory_bytes,
+        args.http_max_bodies_per_address,
+    )
     if http_limits.body_memory_bytes < 4 * MAX_BODY_BYTES:
-        raise InvalidInputError(f"--http-body-memory {args.http_body_memory}: at least "
-                                f"{4 * MAX_BODY_BYTES // 2**20}MiB (a caller may hold a quarter of it, and a request "
-                                f"body may be up to {MAX_BODY_BYTES // 2**20}MiB)")
+        raise InvalidInputError(
+            f"--http-body-memory {args.http_body_memory}: at least "
+            f"{4 * MAX_BODY_BYTES // 2**20}MiB (a caller may hold a quarter of it, and a request "
+            f"body may be up to {MAX_BODY_BYTES // 2**20}MiB)"
+        )
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
     soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
-    status(f"open files: at most {soft} (hard limit {hard})" + (
-        f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else ""))
+    status(
+        f"open files: at most {soft} (hard limit {hard})"
+        + (f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else "")
+    )
     config, plan = serve_config(args, layers)
     gpu_layers = -1 if args.gpu_layers is None else args.gpu_layers
-    device_plan = device_memory_plan(model_path(args.model), layers, args.device, gpu_layers,
-                                     config.engine_config(n_batch=args.batch),
-                                     args.cpu_moe_layers)  # refuses before loading
+    device_plan = device_memory_plan(
+        model_path(args.model),
+        layers,
+        args.device,
+        gpu_layers,
+        config.engine_config(n_batch=args.batch),
+        args.cpu_moe_layers,
+    )  # refuses before loading
     status(f"loading {model_path(args.model)} layers {args.layers or 'all'} ...")
-    status("memory plan:\n  " + plan.describe().replace("\n", "\n  ") +
-            (f"\n  on the device (llama.cpp's dry run): {device_plan}" if device_plan else ""))
+    status(
+        "memory plan:\n  "
+        + plan.describe().replace("\n", "\n  ")
+        + (f"\n  on the device (llama.cpp's dry run): {device_plan}" if device_plan else "")
+    )
     status(f"CPU kernels: {cpu_kernels()}; flash attention {'on' if config.flash_attn else 'off'}")
-    worker = ShardWorker(str(model_path(args.model)), layers, config,
-                         WorkerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                                       metrics_host=args.metrics_host,
-                                       threads=args.threads, n_batch=args.batch, device=args.device,
-                                       gpu_layers=gpu_layers, cpu_moe_layers=args.cpu_moe_layers,
-                                       gather_s=args.gather_ms / 1000.0,
-                                       max_step_sessions=args.max_step_sessions,
-                                       prefill_chunk=args.prefill_chunk, peers=tuple(args.peer),
-                                       sweep_s=args.sweep_seconds, security=security, peer_security=peer_security,
-                                       max_sessions_per_principal=args.max_sessions_per_principal,
-                                       max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                       max_hop_s=args.max_hop_seconds, share_prefixes=args.share_prefixes,
-                                       replicas=tuple(args.replica), wire_dtype=args.wire_dtype),
-                         HeadOptions(http_port=args.http_port, http_limits=http_limits,
-                                     http_split_special_tokens=args.http_split_special_tokens,
-                                     chat_template=chat_template, draft=args.draft, max_drafts=args.max_drafts,
-                                     draft_model=args.draft_model, verify=args.draft_verify))
+    worker = ShardWorker(
+        str(model_path(args.model)),
+        layers,
+        config,
+        WorkerOptions(
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            threads=args.threads,
+            n_batch=args.batch,
+            device=args.device,
+            gpu_layers=gpu_layers,
+            cpu_moe_layers=args.cpu_moe_layers,
+            gather_s=args.gather_ms / 1000.0,
+            max_step_sessions=args.max_step_sessions,
+            prefill_chunk=args.prefill_chunk,
+            peers=tuple(args.peer),
+            sweep_s=args.sweep_seconds,
+            security=security,
+            peer_security=peer_security,
+            max_sessions_per_principal=args.max_sessions_per_principal,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_hop_s=args.max_hop_seconds,
+            share_prefixes=args.share_prefixes,
+            replicas=tuple(args.replica),
+            wire_dtype=args.wire_dtype,
+        ),
+        HeadOptions(
+            http_port=args.http_port,
+            http_limits=http_limits,
+            http_split_special_tokens=args.http_split_special_tokens,
+            chat_template=chat_template,
+            draft=args.draft,
+            max_drafts=args.max_drafts,
+            draft_model=args.draft_model,
+            verify=args.draft_verify,
+        ),
+    )
     status(f"device: {device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()

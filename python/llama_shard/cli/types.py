@@ -1,4 +1,5 @@
 """The flags' value types: each numeric flag is checked where it is parsed; old spellings warn."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ def port_number(text: str) -> int:
 
 def count(lo: int, hi: int = MAX_BUDGET_TOKENS):
     """An integer in [lo, hi]."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -25,6 +27,7 @@ def count(lo: int, hi: int = MAX_BUDGET_TOKENS):
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
         return value
+
     parse.__name__ = "integer"  # argparse names the type in its message
     return parse
 
@@ -107,5 +110,12 @@ class _DeprecatedAlias(argparse.Action):
 
 
 def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
-    parser.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedAlias, new=new,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+    parser.add_argument(
+        old,
+        dest=new.lstrip("-").replace("-", "_"),
+        action=_DeprecatedAlias,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )

@@ -1,6 +1,7 @@
 """KvBoundaryAdapter: the shard boundary contract (token ids or a boundary bundle in; a bundle,
 the tail's output or a CacheMiss out) over a HotKvStateManager's step loop, for threads and asyncio.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,8 +52,14 @@ class KvBoundaryAdapter:
             if step.logit_rows > 1:
                 rows = out.reshape(step.logit_rows, -1)
                 out = rows[-1]
-            return TailOutput(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, logits=out,
-                              token_id=int(np.argmax(out)), rows=rows)
+            return TailOutput(
+                session_id=sid,
+                route_epoch=epoch,
+                seq_len=r.seq_len,
+                logits=out,
+                token_id=int(np.argmax(out)),
+                rows=rows,
+            )
         return BoundaryBundle(session_id=sid, route_epoch=epoch, start_pos=r.seq_len - out.shape[0], hidden=out)
 
     def _answer(self, step, ticket):
@@ -65,25 +72,42 @@ class KvBoundaryAdapter:
 
     # --- public API -------------------------------------------------------------------------------
 
-    def prefill(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
-                boundary=None, start_pos: int | None = None, recipe: KvCacheRecipe | None = None, logit_rows: int = 1,
-                row_by_row: bool = False):
+    def prefill(
+        self,
+        session_id: str,
+        route_epoch: int,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        boundary=None,
+        start_pos: int | None = None,
+        recipe: KvCacheRecipe | None = None,
+        logit_rows: int = 1,
+        row_by_row: bool = False,
+    ):
         """Appends a prompt chunk at start_pos (default: the cached length; 0 re-prefills from scratch;
         an earlier start cuts what follows first). logit_rows, row_by_row: see Step (TailOutput.rows)."""
         self.manager.check_recipe(recipe)
-        return self._one(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos, logit_rows,
-                                      row_by_row))
+        return self._one(
+            Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos, logit_rows, row_by_row)
+        )
 
-    def decode(self, session_id: str, route_epoch: int, token_ids: Sequence[int] | np.ndarray | None = None,
-               boundary=None, expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None,
-               logit_rows: int = 1):
+    def decode(
+        self,
+        session_id: str,
+        route_epoch: int,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        boundary=None,
+        expected_seq_len: int | None = None,
+        recipe: KvCacheRecipe | None = None,
+        logit_rows: int = 1,
+    ):
         """Appends decode token(s) at the cached length; expected_seq_len must match it when given."""
         self.manager.check_recipe(recipe)
-        return self._one(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len,
-                                     logit_rows))
+        return self._one(
+            Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len, logit_rows)
+        )
 
     def _one(self, step: Step):
-        ticket, = self.manager.submit([step])
+        (ticket,) = self.manager.submit([step])
         if isinstance(ticket, LlamaShardError):
             raise ticket
         ticket.wait()
@@ -131,20 +155,37 @@ class KvBoundaryAdapter:
         return [self._answer(step, t) for step, t in zip(steps, tickets)]
 
     async def _one_async(self, step: Step):
-        out, = await self.step_many_async([step])
+        (out,) = await self.step_many_async([step])
         if isinstance(out, LlamaShardError):
             raise out
         return out
 
-    async def prefill_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
-                            start_pos: int | None = None, recipe: KvCacheRecipe | None = None):
+    async def prefill_async(
+        self,
+        session_id: str,
+        route_epoch: int,
+        token_ids=None,
+        boundary=None,
+        start_pos: int | None = None,
+        recipe: KvCacheRecipe | None = None,
+    ):
         """`prefill` for asyncio callers."""
         self.manager.check_recipe(recipe)
-        return await self._one_async(Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos))
+        return await self._one_async(
+            Step.prefill(session_id, route_epoch, token_ids, self._hidden(boundary), start_pos)
+        )
 
-    async def decode_async(self, session_id: str, route_epoch: int, token_ids=None, boundary=None,
-                           expected_seq_len: int | None = None, recipe: KvCacheRecipe | None = None):
+    async def decode_async(
+        self,
+        session_id: str,
+        route_epoch: int,
+        token_ids=None,
+        boundary=None,
+        expected_seq_len: int | None = None,
+        recipe: KvCacheRecipe | None = None,
+    ):
         """`decode` for asyncio callers."""
         self.manager.check_recipe(recipe)
-        return await self._one_async(Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary),
-                                                 expected_seq_len))
+        return await self._one_async(
+            Step.decode(session_id, route_epoch, token_ids, self._hidden(boundary), expected_seq_len)
+        )

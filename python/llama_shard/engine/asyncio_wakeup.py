@@ -1,6 +1,7 @@
 """How asyncio callers wait for native step tickets without a thread each: the native step loop
 writes a byte to a pipe the event loop watches when a ticket completes.
 """
+
 from __future__ import annotations
 
 import asyncio

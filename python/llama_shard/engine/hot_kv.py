@@ -6,6 +6,7 @@ a reason, and the head re-prefills from token zero. A stale epoch, an incompatib
 step that cannot fit even alone raise (the seed contract's exceptions); caller mistakes raise
 `InvalidInputError`. Both the native engine and the numpy reference engine satisfy this contract.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,12 @@ class CacheMiss:
     detail: str = ""
 
     def to_dict(self) -> dict:
-        return {"session_id": self.session_id, "route_epoch": self.route_epoch, "reason": self.reason.value,
-                "detail": self.detail}
+        return {
+            "session_id": self.session_id,
+            "route_epoch": self.route_epoch,
+            "reason": self.reason.value,
+            "detail": self.detail,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,22 +108,53 @@ class Step:
                 check_count("expected_seq_len", self.expected_seq_len)
         rows = self.logit_rows
         if type(rows) is not int or not 1 <= rows <= min(self.n_tokens, _native.MAX_LOGIT_ROWS):
-            raise InvalidInputError(f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, "
-                                    f"{_native.MAX_LOGIT_ROWS}) tokens")
+            raise InvalidInputError(
+                f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, {_native.MAX_LOGIT_ROWS}) tokens"
+            )
         if type(self.row_by_row) is not bool:
             raise InvalidInputError(f"row_by_row is True or False, not {self.row_by_row!r}")
 
     @classmethod
-    def prefill(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None, start_pos: int | None = None,
-                logit_rows: int = 1, row_by_row: bool = False) -> "Step":
-        return cls(StepKind.PREFILL, session_id, route_epoch, token_ids, hidden, start_pos=start_pos,
-                   logit_rows=logit_rows, row_by_row=row_by_row)
+    def prefill(
+        cls,
+        session_id: str,
+        route_epoch: int,
+        token_ids=None,
+        hidden=None,
+        start_pos: int | None = None,
+        logit_rows: int = 1,
+        row_by_row: bool = False,
+    ) -> "Step":
+        return cls(
+            StepKind.PREFILL,
+            session_id,
+            route_epoch,
+            token_ids,
+            hidden,
+            start_pos=start_pos,
+            logit_rows=logit_rows,
+            row_by_row=row_by_row,
+        )
 
     @classmethod
-    def decode(cls, session_id: str, route_epoch: int, token_ids=None, hidden=None,
-               expected_seq_len: int | None = None, logit_rows: int = 1) -> "Step":
-        return cls(StepKind.DECODE, session_id, route_epoch, token_ids, hidden, expected_seq_len=expected_seq_len,
-                   logit_rows=logit_rows)
+    def decode(
+        cls,
+        session_id: str,
+        route_epoch: int,
+        token_ids=None,
+        hidden=None,
+        expected_seq_len: int | None = None,
+        logit_rows: int = 1,
+    ) -> "Step":
+        return cls(
+            StepKind.DECODE,
+            session_id,
+            route_epoch,
+            token_ids,
+            hidden,
+            expected_seq_len=expected_seq_len,
+            logit_rows=logit_rows,
+        )
 
     @property
     def position(self) -> int:
@@ -216,7 +252,9 @@ def route_numerics(kv_type: str, flash_attn: bool) -> str:
 
 
 #: the end of every refusal of a route whose workers' numerics differ
-MIXED_NUMERICS = "every worker of a route needs the same --kv-type and --flash-attn (a mixed route's logits are neither setting's)"
+MIXED_NUMERICS = (
+    "every worker of a route needs the same --kv-type and --flash-attn (a mixed route's logits are neither setting's)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +293,14 @@ class HotKvStateConfig:
 
     def __post_init__(self):
         # types here (the native struct would raise TypeError); bounds once, in hot_kv_check_config
-        for name in ("max_sessions", "context_tokens", "budget_tokens", "warm_bytes", "warm_disk_bytes", "prefix_bytes"):
+        for name in (
+            "max_sessions",
+            "context_tokens",
+            "budget_tokens",
+            "warm_bytes",
+            "warm_disk_bytes",
+            "prefix_bytes",
+        ):
             v = getattr(self, name)
             if not (v is None and name == "budget_tokens") and (isinstance(v, bool) or not isinstance(v, int)):
                 raise InvalidInputError(f"{name} must be an integer, got {v!r}")
@@ -277,26 +322,45 @@ class HotKvStateConfig:
     def numerics(self) -> str:
         return route_numerics(self.kv_type, self.flash_attn)
 
-    def engine_config(self, *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,
-                      recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,
-                      recipe_fingerprint: str = "") -> "_native.HotKvConfig":
+    def engine_config(
+        self,
+        *,
+        n_batch: int = _ENGINE_DEFAULTS.n_batch,
+        n_threads: int | None = None,
+        recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,
+        recipe_fingerprint: str = "",
+    ) -> "_native.HotKvConfig":
         """The engine's configuration (the one type both engines take), with the manager's step
         options; checked by the engine itself."""
         try:
             return _native.HotKvConfig(
-                max_sessions=self.max_sessions, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
-                ttl_seconds=float(self.ttl_seconds), n_batch=n_batch, n_threads=n_threads or 0,
-                recent_capacity=recent_capacity, warm_bytes=self.warm_bytes,
-                warm_ttl_seconds=float(self.warm_ttl_seconds), kv_type=self.kv_type, flash_attn=self.flash_attn,
+                max_sessions=self.max_sessions,
+                context_tokens=self.context_tokens,
+                budget_tokens=self.budget_tokens,
+                ttl_seconds=float(self.ttl_seconds),
+                n_batch=n_batch,
+                n_threads=n_threads or 0,
+                recent_capacity=recent_capacity,
+                warm_bytes=self.warm_bytes,
+                warm_ttl_seconds=float(self.warm_ttl_seconds),
+                kv_type=self.kv_type,
+                flash_attn=self.flash_attn,
                 warm_dir=self.warm_dir or "",
-                warm_disk_bytes=self.warm_disk_bytes, recipe_fingerprint=recipe_fingerprint,
-                prefix_bytes=self.prefix_bytes)
+                warm_disk_bytes=self.warm_disk_bytes,
+                recipe_fingerprint=recipe_fingerprint,
+                prefix_bytes=self.prefix_bytes,
+            )
         except TypeError:  # an integer beyond its native field's width (int32 or int64)
-            fields = {"max_sessions": (self.max_sessions, 31), "context_tokens": (self.context_tokens, 31),
-                      "budget_tokens": (self.budget_tokens, 63), "warm_bytes": (self.warm_bytes, 63),
-                      "warm_disk_bytes": (self.warm_disk_bytes, 63), "prefix_bytes": (self.prefix_bytes, 63),
-                      "n_batch": (n_batch, 31),
-                      "recent_capacity": (recent_capacity, 31)}
+            fields = {
+                "max_sessions": (self.max_sessions, 31),
+                "context_tokens": (self.context_tokens, 31),
+                "budget_tokens": (self.budget_tokens, 63),
+                "warm_bytes": (self.warm_bytes, 63),
+                "warm_disk_bytes": (self.warm_disk_bytes, 63),
+                "prefix_bytes": (self.prefix_bytes, 63),
+                "n_batch": (n_batch, 31),
+                "recent_capacity": (recent_capacity, 31),
+            }
             for name, (value, bits) in fields.items():
                 if isinstance(value, int) and not -(1 << bits) <= value < (1 << bits):
                     raise InvalidInputError(f"{name} is outside its bounds, got {value}") from None
@@ -351,8 +415,22 @@ class HotKvStateConfig:
         return values
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 def parse_switch(text: str) -> bool:
@@ -442,8 +520,10 @@ def certified_architecture(name: str) -> str:
     key = str(name).strip().lower()
     canonical = ARCHITECTURE_ALIASES.get(key, key)
     if canonical not in certified_architectures():
-        raise UncertifiedArchitectureError(f"architecture {name!r} is not certified for shard KV state (certified: "
-                                           f"{', '.join(certified_architectures())} and their aliases)")
+        raise UncertifiedArchitectureError(
+            f"architecture {name!r} is not certified for shard KV state (certified: "
+            f"{', '.join(certified_architectures())} and their aliases)"
+        )
     return canonical
 
 
@@ -458,15 +538,19 @@ class KvCacheRecipe:
     total_layers: int
     start_layer: int
     end_layer: int
-    sliding_window: int = 0   # sliding-window layers' span (Gemma 3); 0: none
-    swa_pattern: str = ""     # which layers slide, as the GGUF writes it ("": the architecture's default)
-    flash_attn: bool = True   # off: V is stored transposed, another layout (and other rounding)
+    sliding_window: int = 0  # sliding-window layers' span (Gemma 3); 0: none
+    swa_pattern: str = ""  # which layers slide, as the GGUF writes it ("": the architecture's default)
+    flash_attn: bool = True  # off: V is stored transposed, another layout (and other rounding)
 
     def __post_init__(self):
         certified_architecture(self.architecture_adapter)  # fails closed
         if KV_DTYPE_CANONICAL.get(self.kv_dtype, self.kv_dtype) not in KV_TYPES:
             raise InvalidInputError(f"unknown kv dtype {self.kv_dtype!r}")
-        if not (0 <= self.start_layer <= self.end_layer < self.total_layers) or self.n_kv_heads < 1 or self.head_dim < 1:
+        if (
+            not (0 <= self.start_layer <= self.end_layer < self.total_layers)
+            or self.n_kv_heads < 1
+            or self.head_dim < 1
+        ):
             raise InvalidInputError(f"inconsistent KV recipe {self}")
 
     @property
@@ -504,9 +588,18 @@ def kv_recipe_for(shard, kv_type: str | None = None, flash_attn: bool = True) ->
     """The recipe of a native `ShardModel` or a reference shard (anything with the same info)
     whose cache uses `kv_type` (None: the model's default, f16), with or without flash attention."""
     info = shard.info
-    return KvCacheRecipe(architecture_adapter=info.architecture, kv_dtype=kv_type or info.kv_dtype, n_kv_heads=info.n_head_kv,
-                         head_dim=info.head_dim, total_layers=info.n_layer, start_layer=info.first, end_layer=info.last,
-                         sliding_window=info.sliding_window, swa_pattern=info.swa_pattern, flash_attn=flash_attn)
+    return KvCacheRecipe(
+        architecture_adapter=info.architecture,
+        kv_dtype=kv_type or info.kv_dtype,
+        n_kv_heads=info.n_head_kv,
+        head_dim=info.head_dim,
+        total_layers=info.n_layer,
+        start_layer=info.first,
+        end_layer=info.last,
+        sliding_window=info.sliding_window,
+        swa_pattern=info.swa_pattern,
+        flash_attn=flash_attn,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ the GIL); for the numpy `ReferenceShard`, the same rules run synchronously in th
 (`ReferenceShard.hot_kv_engine`: this package never imports the reference).
 All session state lives in the engine, which serialises calls itself; the manager holds none.
 """
+
 from __future__ import annotations
 
 import functools
@@ -92,14 +93,27 @@ class HotKvStateManager:
     one step; None: max_sessions), `prefill_chunk` (most tokens of one prefill per step while other
     sessions wait), `gather_s` (after a step, the longest wait for as many sessions as it had)."""
 
-    def __init__(self, model, config: HotKvStateConfig | None = None, clock: Callable[[], float] | None = None,
-                 *, n_batch: int = _ENGINE_DEFAULTS.n_batch, n_threads: int | None = None,
-                 recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity, max_step_sessions: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = DEFAULT_GATHER_S):
+    def __init__(
+        self,
+        model,
+        config: HotKvStateConfig | None = None,
+        clock: Callable[[], float] | None = None,
+        *,
+        n_batch: int = _ENGINE_DEFAULTS.n_batch,
+        n_threads: int | None = None,
+        recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,
+        max_step_sessions: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        gather_s: float = DEFAULT_GATHER_S,
+    ):
         self.config = config if config is not None else HotKvStateConfig()
         if not isinstance(self.config, HotKvStateConfig):
             raise InvalidInputError("config must be a HotKvStateConfig")
-        for name, value in (("n_batch", n_batch), ("prefill_chunk", prefill_chunk), ("max_step_sessions", max_step_sessions or 1)):
+        for name, value in (
+            ("n_batch", n_batch),
+            ("prefill_chunk", prefill_chunk),
+            ("max_step_sessions", max_step_sessions or 1),
+        ):
             check_count(name, value)
             if value < 1:
                 raise InvalidInputError(f"{name} must be >= 1")
@@ -107,26 +121,40 @@ class HotKvStateManager:
             raise InvalidInputError("gather_s must be in [0, 1] seconds")
         self.clock = clock if clock is not None else monotonic_clock
         self.model = model
-        self.recipe: KvCacheRecipe = kv_recipe_for(model, self.config.kv_type, self.config.flash_attn)  # raises for an uncertified architecture
+        self.recipe: KvCacheRecipe = kv_recipe_for(
+            model, self.config.kv_type, self.config.flash_attn
+        )  # raises for an uncertified architecture
         # the one configuration both engines take
-        engine_config = self.config.engine_config(n_batch=n_batch, n_threads=n_threads, recent_capacity=recent_capacity,
-                                                  recipe_fingerprint=self.recipe.fingerprint())
+        engine_config = self.config.engine_config(
+            n_batch=n_batch,
+            n_threads=n_threads,
+            recent_capacity=recent_capacity,
+            recipe_fingerprint=self.recipe.fingerprint(),
+        )
         if isinstance(model, ShardModel):
             self.engine = HotKvEngine(model, engine_config)
             self._loop = StepLoop(self.engine, 0, max_step_sessions or 0, prefill_chunk, gather_s)
         elif hasattr(model, "hot_kv_engine"):  # another engine comes with its model (the numpy reference's)
             self.engine, self._loop = model.hot_kv_engine(engine_config, max_step_sessions, prefill_chunk)
         else:
-            raise InvalidInputError(f"a HotKvStateManager runs a ShardModel or a model that brings its engine "
-                                    f"(hot_kv_engine), not {type(model).__name__}")
+            raise InvalidInputError(
+                f"a HotKvStateManager runs a ShardModel or a model that brings its engine "
+                f"(hot_kv_engine), not {type(model).__name__}"
+            )
         self.n_batch = int(self.engine.n_batch)
 
     # --- outcome mapping --------------------------------------------------------------------------
 
     def _session(self, sid: str, epoch: int, r) -> SessionInfo:
-        return SessionInfo(session_id=sid, route_epoch=epoch, seq_len=r.seq_len, seq_id=r.seq_id,
-                           owned_layers=self.recipe.owned_layers, bytes_per_token=self.recipe.bytes_per_token(),
-                           tier=r.tier)
+        return SessionInfo(
+            session_id=sid,
+            route_epoch=epoch,
+            seq_len=r.seq_len,
+            seq_id=r.seq_id,
+            owned_layers=self.recipe.owned_layers,
+            bytes_per_token=self.recipe.bytes_per_token(),
+            tier=r.tier,
+        )
 
     @staticmethod
     def outcome(sid: str, epoch: int, r) -> CacheMiss | None:
@@ -153,7 +181,8 @@ class HotKvStateManager:
             raise InvalidInputError("recipe must be a KvCacheRecipe")
         if not self.recipe.is_compatible(recipe):
             raise IncompatibleCacheRecipeError(
-                f"request recipe {recipe.canonical()} does not match this shard's {self.recipe.canonical()}")
+                f"request recipe {recipe.canonical()} does not match this shard's {self.recipe.canonical()}"
+            )
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -257,8 +286,11 @@ class HotKvStateManager:
 
     def _handover_identity(self) -> tuple[int, bytes, bytes]:
         """(engine kind, recipe fingerprint, model digest) a hand-over's header carries."""
-        return ((0 if isinstance(self.model, ShardModel) else 1), self.recipe.fingerprint().encode(),
-                self.model_digest().encode())
+        return (
+            (0 if isinstance(self.model, ShardModel) else 1),
+            self.recipe.fingerprint().encode(),
+            self.model_digest().encode(),
+        )
 
     def _handover_limit(self) -> int:
         """The most state bytes a session of this shard can take: twice its K/V at context_tokens, and 1 MiB."""
@@ -266,15 +298,25 @@ class HotKvStateManager:
 
     def _seal(self, seq_len: int, state: bytes) -> bytes:
         engine, recipe, model = self._handover_identity()
-        return b"".join([_HANDOVER_HEAD.pack(_HANDOVER_MAGIC, _HANDOVER_VERSION, engine),
-                         struct.pack("<H", len(recipe)), recipe, struct.pack("<H", len(model)), model,
-                         _HANDOVER_TAIL.pack(seq_len, len(state)), state])
+        return b"".join(
+            [
+                _HANDOVER_HEAD.pack(_HANDOVER_MAGIC, _HANDOVER_VERSION, engine),
+                struct.pack("<H", len(recipe)),
+                recipe,
+                struct.pack("<H", len(model)),
+                model,
+                _HANDOVER_TAIL.pack(seq_len, len(state)),
+                state,
+            ]
+        )
 
     def _unseal(self, seq_len: int, blob: bytes) -> bytes:
         """The state inside a hand-over's bytes, once its header names this shard and seq_len."""
         if len(blob) > self._handover_limit() + 1024:
-            raise InvalidInputError(f"a hand-over of {len(blob)} bytes is larger than any session of this shard "
-                                    f"({self._handover_limit()} bytes at most)")
+            raise InvalidInputError(
+                f"a hand-over of {len(blob)} bytes is larger than any session of this shard "
+                f"({self._handover_limit()} bytes at most)"
+            )
         engine, recipe, model = self._handover_identity()
         try:
             magic, version, their_engine = _HANDOVER_HEAD.unpack_from(blob, 0)
@@ -282,7 +324,7 @@ class HotKvStateManager:
             fields = []
             for _ in range(2):
                 (n,) = struct.unpack_from("<H", blob, at)
-                fields.append(blob[at + 2:at + 2 + n])
+                fields.append(blob[at + 2 : at + 2 + n])
                 at += 2 + n
             their_len, size = _HANDOVER_TAIL.unpack_from(blob, at)
             at += _HANDOVER_TAIL.size
@@ -293,11 +335,15 @@ class HotKvStateManager:
         if their_engine != engine:
             raise IncompatibleCacheRecipeError("the hand-over is another engine's state (native and reference differ)")
         if fields[0] != recipe:
-            raise IncompatibleCacheRecipeError(f"the hand-over is of another KV recipe (range, geometry or KV type); "
-                                               f"this shard's is {self.recipe.canonical()}")
+            raise IncompatibleCacheRecipeError(
+                f"the hand-over is of another KV recipe (range, geometry or KV type); "
+                f"this shard's is {self.recipe.canonical()}"
+            )
         if fields[1] != model:
-            raise IncompatibleCacheRecipeError(f"the hand-over is of another model file ({fields[1].decode(errors='replace')}, "
-                                               f"this shard runs {model.decode()})")
+            raise IncompatibleCacheRecipeError(
+                f"the hand-over is of another model file ({fields[1].decode(errors='replace')}, "
+                f"this shard runs {model.decode()})"
+            )
         if their_len != seq_len:
             raise InvalidInputError(f"the hand-over holds {their_len} tokens, not {seq_len}")
         if size != len(blob) - at:

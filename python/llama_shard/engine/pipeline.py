@@ -4,6 +4,7 @@
 each boundary passes the unnormalized residual (float32 (n_tokens, n_embd)) to the next shard, the
 tail returns the last token's logits. Every shard keeps its own KV for its own layers, per sequence.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -52,9 +53,19 @@ def check_tiling(ranges: Sequence[LayerRange], n_layer: int) -> None:
 class LocalPipeline:
     """Shards of one GGUF file in this process, each with its own bounded context."""
 
-    def __init__(self, path: str | Path, split: Sequence[LayerRange] | None = None, *, n_ctx: int = 2048,
-                 n_seq_max: int = 4, n_batch: int = 512, n_threads: int | None = None, flash_attn: bool = True,
-                 device: str = CPU_DEVICE, cpu_moe_layers: int = 0):
+    def __init__(
+        self,
+        path: str | Path,
+        split: Sequence[LayerRange] | None = None,
+        *,
+        n_ctx: int = 2048,
+        n_seq_max: int = 4,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        flash_attn: bool = True,
+        device: str = CPU_DEVICE,
+        cpu_moe_layers: int = 0,
+    ):
         self.path = Path(path)
         self.models: list[ShardModel] = []
         if split is None:
@@ -64,15 +75,20 @@ class LocalPipeline:
             for first, last in split:
                 self.models.append(ShardModel(str(self.path), (first, last), n_threads, device, -1, cpu_moe_layers))
             check_tiling(split, self.models[0].info.n_layer)
-        self.contexts = [ShardContext(m, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
-                                      flash_attn=flash_attn) for m in self.models]
+        self.contexts = [
+            ShardContext(
+                m, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn
+            )
+            for m in self.models
+        ]
 
     @property
     def head(self) -> ShardModel:
         return self.models[0]
 
-    def step(self, seq_id: int, pos: int, tokens: Sequence[int],
-             boundaries: list[np.ndarray] | None = None) -> np.ndarray:
+    def step(
+        self, seq_id: int, pos: int, tokens: Sequence[int], boundaries: list[np.ndarray] | None = None
+    ) -> np.ndarray:
         """Runs `tokens` at `pos` through every shard; returns the tail's logits (n_vocab,).
 
         When `boundaries` is a list, the hidden state leaving each non-tail shard is appended to it.
@@ -88,8 +104,9 @@ class LocalPipeline:
         for ctx in self.contexts:
             ctx.seq_rm(seq_id, p0)
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, seq_id: int = 0,
-                 stop: Sequence[int] = (), sampler=None) -> Iterator[tuple[int, np.ndarray]]:
+    def generate(
+        self, prompt: Sequence[int], max_tokens: int, seq_id: int = 0, stop: Sequence[int] = (), sampler=None
+    ) -> Iterator[tuple[int, np.ndarray]]:
         """Decoding from a fresh sequence: yields (token, logits that chose it) per step. Greedy, or
         drawn by `sampler` (a TokenSampler; the caller accepts the prompt into it first, as stock does)."""
         if max_tokens < 0:
@@ -99,7 +116,7 @@ class LocalPipeline:
         pos = 0
         logits = None
         for start in range(0, len(prompt), n_batch):  # prefill in n_batch chunks
-            chunk = list(prompt[start:start + n_batch])
+            chunk = list(prompt[start : start + n_batch])
             logits = self.step(seq_id, pos, chunk)
             pos += len(chunk)
         if logits is None:

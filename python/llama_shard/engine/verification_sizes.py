@@ -9,6 +9,7 @@ more. `decide_verification_sizes` runs those first verifications on a scratch se
 and 19-29, one thread: 0.38 s and 0.45 s). Where the engine never tries one call (no verdict after
 the first size) it stops there.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,9 @@ SCRATCH_SESSION = "llama-shard/verification-sizes"
 DEPTH = 32
 
 
-def decide_verification_sizes(manager: HotKvStateManager, max_rows: int = MAX_LOGIT_ROWS
-                              ) -> tuple[dict[int, str], float]:
+def decide_verification_sizes(
+    manager: HotKvStateManager, max_rows: int = MAX_LOGIT_ROWS
+) -> tuple[dict[int, str], float]:
     """Runs a verification of each size 2..max_rows on a scratch session (released after); returns
     the engine's verdicts and the seconds it took. Nothing is run where the manager has no room for
     the scratch session. A failure raises LlamaShardError (the caller serves on: requests then
@@ -69,6 +71,7 @@ ONE_CALL = "one call"
 
 def describe(verdicts: dict[int, str], seconds: float) -> str:
     """One line for a worker's log: which sizes are one call, which row by row."""
+
     def spans(sizes: list[int]) -> str:  # 3, 4, 5, 7 -> "3-5, 7"
         out, start = [], None
         for i, n in enumerate(sizes):
@@ -77,7 +80,9 @@ def describe(verdicts: dict[int, str], seconds: float) -> str:
                 out.append(f"{start}-{n}" if n > start else str(n))
                 start = None
         return ", ".join(out) or "none"
+
     one_call = sorted(n for n, v in verdicts.items() if v == ONE_CALL)
     alone = sorted(n for n, v in verdicts.items() if v != ONE_CALL)
-    return (f"verifications of {spans(one_call)} tokens in one call, {spans(alone)} row by row "
-            f"(decided in {seconds:.2f} s)")
+    return (
+        f"verifications of {spans(one_call)} tokens in one call, {spans(alone)} row by row (decided in {seconds:.2f} s)"
+    )

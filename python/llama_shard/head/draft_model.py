@@ -10,6 +10,7 @@ are the drafts (speculation.py says how they are verified and how many are asked
   then decodes greedily, one token per draft. A session the engine dropped (evicted) is
   prefilled again from the start; nothing here changes what the route computes.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,14 +34,21 @@ def check_vocabulary(draft_path: str | Path, model_path: str | Path) -> None:
         raise InvalidInputError(
             f"the draft model {Path(draft_path).name} has a different vocabulary from {Path(model_path).name} "
             f"({n_draft} tokens against {n_model}{', the same count but other tokens' if n_draft == n_model else ''}): "
-            f"its token ids would not mean the same text; give a draft model of the same tokenizer")
+            f"its token ids would not mean the same text; give a draft model of the same tokenizer"
+        )
 
 
 class DraftModel:
     """The draft model's engine and each stream's session in it."""
 
-    def __init__(self, path: str | Path, model_path: str | Path, context_tokens: int, max_sessions: int,
-                 threads: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        model_path: str | Path,
+        context_tokens: int,
+        max_sessions: int,
+        threads: int | None = None,
+    ):
         from .._native import ShardModel
 
         check_vocabulary(path, model_path)

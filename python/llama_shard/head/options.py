@@ -1,5 +1,6 @@
 """What a head is told at start: its HTTP endpoint, its drafts and how a route verifies them
 (`serve`'s flags for generation; every worker's are worker/options.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +13,14 @@ from .speculation import DRAFT_SOURCES, VERIFY_MODES
 
 @dataclasses.dataclass
 class HeadOptions:
-    http_port: int | None = None           # the OpenAI-compatible endpoint on the worker's host (None: off)
+    http_port: int | None = None  # the OpenAI-compatible endpoint on the worker's host (None: off)
     http_limits: HttpLimits = HttpLimits()  # its timeouts, connection cap, per-principal slots, allowed Host names
     http_split_special_tokens: bool = False  # messages' text tokenized as plain text (special tokens' text included)
     chat_template: str | None = None  # replaces the GGUF's chat template on the HTTP endpoint
-    draft: str = "ngram"                   # speculative decoding's draft source (DRAFT_SOURCES)
-    max_drafts: int = DEFAULT_MAX_DRAFTS   # drafts per step a request gets unless it says (0: off)
-    draft_model: str | None = None         # a small GGUF of the same vocabulary whose greedy tokens are the drafts
-    verify: str = "exact"                  # how the route computes a verification (VERIFY_MODES)
+    draft: str = "ngram"  # speculative decoding's draft source (DRAFT_SOURCES)
+    max_drafts: int = DEFAULT_MAX_DRAFTS  # drafts per step a request gets unless it says (0: off)
+    draft_model: str | None = None  # a small GGUF of the same vocabulary whose greedy tokens are the drafts
+    verify: str = "exact"  # how the route computes a verification (VERIFY_MODES)
 
     def check(self, first_layer: int, last_layer: int) -> None:
         """Refuses options a head cannot take, before anything of the head is built."""
@@ -31,8 +32,12 @@ class HeadOptions:
         if self.draft_model is not None and self.draft == "off":
             raise InvalidInputError("--draft off and --draft-model: a draft model is a draft source; give one")
         if self.draft_model is not None and first_layer != 0:
-            raise InvalidInputError(f"--draft-model drafts for Generate streams: it needs the head worker (layers "
-                                    f"from 0), not layers {first_layer}-{last_layer}")
+            raise InvalidInputError(
+                f"--draft-model drafts for Generate streams: it needs the head worker (layers "
+                f"from 0), not layers {first_layer}-{last_layer}"
+            )
         if self.http_port is not None and first_layer != 0:
-            raise InvalidInputError(f"--http-port serves generation: it needs the head worker (layers from 0), "
-                                    f"not layers {first_layer}-{last_layer}")
+            raise InvalidInputError(
+                f"--http-port serves generation: it needs the head worker (layers from 0), "
+                f"not layers {first_layer}-{last_layer}"
+            )

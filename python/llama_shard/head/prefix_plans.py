@@ -1,5 +1,6 @@
 """A head's decisions about shared prefixes: which stored prefix a stream opens, which it stores
 (the keys and names are every worker's: worker/prefixes.py, whose docstring says how prefixes work)."""
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,9 @@ class PrefixPlanner:
     def share(self) -> str:
         return self.names.share
 
-    def plan(self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True) -> PrefixPlan | None:
+    def plan(
+        self, principal: str, tokens: list[int], held: int, keep: int = 0, may_open: bool = True
+    ) -> PrefixPlan | None:
         """The head's decision for a stream whose session holds its first `held` tokens: open from
         the longest stored prefix longer than that, and store the longest prefix past the opened one
         that was seen before (or that `keep` covers). Only whole blocks before the prompt's last
@@ -50,7 +53,10 @@ class PrefixPlanner:
         names = [self.names.local(scope, k) for k in keys]
         stored = 0  # the longest prefix this worker holds, past what the session holds
         for i in range(n, 0, -1):
-            if i * PREFIX_BLOCK_TOKENS > held and self.names.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS:
+            if (
+                i * PREFIX_BLOCK_TOKENS > held
+                and self.names.manager.prefix_length(names[i - 1]) == i * PREFIX_BLOCK_TOKENS
+            ):
                 stored = i
                 break
         opened = stored if may_open else 0
@@ -61,9 +67,12 @@ class PrefixPlanner:
         clean = start == opened * PREFIX_BLOCK_TOKENS
         with self._lock:
             for i in range(n, store, -1):
-                if (clean and i * PREFIX_BLOCK_TOKENS > start
-                        and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
-                        and self.names.manager.prefix_length(names[i - 1]) == 0):
+                if (
+                    clean
+                    and i * PREFIX_BLOCK_TOKENS > start
+                    and (names[i - 1] in self._seen or i * PREFIX_BLOCK_TOKENS <= keep)
+                    and self.names.manager.prefix_length(names[i - 1]) == 0
+                ):
                     store = i
                     break
             for name in names:
@@ -73,4 +82,4 @@ class PrefixPlanner:
                 self._seen.popitem(last=False)
         if not opened and not store:
             return None
-        return PrefixPlan(keys[:max(opened, store)], opened * PREFIX_BLOCK_TOKENS, store * PREFIX_BLOCK_TOKENS)
+        return PrefixPlan(keys[: max(opened, store)], opened * PREFIX_BLOCK_TOKENS, store * PREFIX_BLOCK_TOKENS)

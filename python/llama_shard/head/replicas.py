@@ -21,6 +21,7 @@ overlaps another stage's: refused, named); the head's health is SERVING only whi
 knows has a replica up or suspect, and no layer after the head is left unknown while a peer that
 could hold it has not answered.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,9 @@ def _reads(info: pb.InfoReply) -> tuple[int, ...]:
 
 class Refusal(enum.Enum):
     """Why a peer that answered is no replica of a later stage."""
-    NOT_LATER = "not a later stage"    # this worker itself, or layers at or before the head's: never probed again
-    CONFLICT = "conflict"              # a mesh the operator must fix (refused at start-up)
+
+    NOT_LATER = "not a later stage"  # this worker itself, or layers at or before the head's: never probed again
+    CONFLICT = "conflict"  # a mesh the operator must fix (refused at start-up)
 
 
 class ReplicaState(enum.Enum):
@@ -70,19 +72,20 @@ class ReplicaState(enum.Enum):
 @dataclasses.dataclass
 class Replica:
     """One peer of the head, and what its last answer said."""
+
     address: str
-    order: int                          # its place among the --peer flags (ties go to the earlier)
+    order: int  # its place among the --peer flags (ties go to the earlier)
     state: ReplicaState = ReplicaState.DOWN
-    info: pb.InfoReply | None = None    # its last Info (None: it never answered)
-    refused: str = ""                   # why it is no replica of a stage (it answered, a check failed)
-    refusal: Refusal | None = None      # which kind of reason that is
+    info: pb.InfoReply | None = None  # its last Info (None: it never answered)
+    refused: str = ""  # why it is no replica of a stage (it answered, a check failed)
+    refusal: Refusal | None = None  # which kind of reason that is
     last_error: str = "not reached yet"
     failed_probes: int = 0
     next_probe: float = 0.0
     backoff: float = BACKOFF_MIN_S
     sessions: set = dataclasses.field(default_factory=set)  # the head's engine keys placed on it
-    failovers: int = 0                  # sessions moved off it after it failed
-    restarts: int = 0                   # times its instance id changed
+    failovers: int = 0  # sessions moved off it after it failed
+    restarts: int = 0  # times its instance id changed
 
     @property
     def range(self) -> tuple[int, int] | None:
@@ -110,10 +113,18 @@ class Replicas:
     is told each time the route's health changes. Thread-safe: the generation loop's threads, the
     servicer's handlers and the probe thread all call in."""
 
-    def __init__(self, info, numerics: str, model_digest: str, instance_id: str, addresses: tuple[str, ...],
-                 probe: Callable[[str, float], pb.InfoReply], registry=None,
-                 on_health: Callable[[bool, str], None] = lambda ok, detail: None,
-                 wire_dtype: int = pb.DTYPE_FLOAT32):
+    def __init__(
+        self,
+        info,
+        numerics: str,
+        model_digest: str,
+        instance_id: str,
+        addresses: tuple[str, ...],
+        probe: Callable[[str, float], pb.InfoReply],
+        registry=None,
+        on_health: Callable[[bool, str], None] = lambda ok, detail: None,
+        wire_dtype: int = pb.DTYPE_FLOAT32,
+    ):
         self.own = info
         self.wire_dtype = wire_dtype  # the head's route's hidden rows: every replica must read them
         self.numerics, self.model_digest, self.instance_id = numerics, model_digest, instance_id
@@ -128,14 +139,31 @@ class Replicas:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failovers_total = 0
-        self.failovers = Counter("llama_shard_failovers", "Sessions the head moved to another replica after one "
-                                 "failed", registry=registry) if registry is not None else None
-        self.up_gauge = Gauge("llama_shard_replica_up", "1 while the head can use this replica of a stage",
-                              ["stage", "address"], registry=registry) if registry is not None else None
+        self.failovers = (
+            Counter(
+                "llama_shard_failovers",
+                "Sessions the head moved to another replica after one failed",
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+        self.up_gauge = (
+            Gauge(
+                "llama_shard_replica_up",
+                "1 while the head can use this replica of a stage",
+                ["stage", "address"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
 
     # --- probing ---------------------------------------------------------------------------------
 
-    def start(self, on_health: Callable[[bool, str], None] | None = None, wait_s: float = PROBE_TIMEOUT_S) -> "Replicas":
+    def start(
+        self, on_health: Callable[[bool, str], None] | None = None, wait_s: float = PROBE_TIMEOUT_S
+    ) -> "Replicas":
         """Tells `on_health` of every change of the route's health from now on; probes every peer once (at once, waiting at most `wait_s`), refuses a mesh whose answers
         contradict each other (two replicas of one range with other numerics, overlapping ranges:
         InvalidInputError naming both), then keeps probing in the background."""
@@ -220,30 +248,41 @@ class Replicas:
         if info.instance_id and info.instance_id == self.instance_id:
             return Refusal.NOT_LATER, "not a later stage: it is this worker"
         if (info.n_layer, info.n_embd, info.architecture) != (own.n_layer, own.n_embd, own.architecture):
-            return Refusal.CONFLICT, (f"peer {r.address} serves another model ({info.architecture}, "
-                                      f"{info.n_layer} layers) than this head ({own.architecture}, {own.n_layer} layers)")
+            return Refusal.CONFLICT, (
+                f"peer {r.address} serves another model ({info.architecture}, "
+                f"{info.n_layer} layers) than this head ({own.architecture}, {own.n_layer} layers)"
+            )
         if info.first <= own.last:
-            return Refusal.NOT_LATER, (f"not a later stage: it holds layers {info.first}-{info.last}, this head "
-                                       f"{own.first}-{own.last}")
+            return Refusal.NOT_LATER, (
+                f"not a later stage: it holds layers {info.first}-{info.last}, this head {own.first}-{own.last}"
+            )
         reads = _reads(info)
         if self.wire_dtype not in reads:
-            return Refusal.CONFLICT, (f"peer {r.address} reads hidden rows as {', '.join(map(wire_dtype_name, reads))}; "
-                                      f"this head sends {wire_dtype_name(self.wire_dtype)} (serve --wire-dtype)")
+            return Refusal.CONFLICT, (
+                f"peer {r.address} reads hidden rows as {', '.join(map(wire_dtype_name, reads))}; "
+                f"this head sends {wire_dtype_name(self.wire_dtype)} (serve --wire-dtype)"
+            )
         for other in self.replicas:
             o = other.info
             if other is r or o is None or other.refused:
                 continue
             if (o.first, o.last) == (info.first, info.last):
                 if o.numerics != info.numerics or o.recipe_fingerprint != info.recipe_fingerprint:
-                    return Refusal.CONFLICT, (f"peers {other.address} and {r.address} both hold layers "
-                                              f"{info.first}-{info.last} but compute differently ({o.numerics or 'unknown'}; "
-                                              f"{info.numerics or 'unknown'}): replicas of a stage must give the same bits")
+                    return Refusal.CONFLICT, (
+                        f"peers {other.address} and {r.address} both hold layers "
+                        f"{info.first}-{info.last} but compute differently ({o.numerics or 'unknown'}; "
+                        f"{info.numerics or 'unknown'}): replicas of a stage must give the same bits"
+                    )
                 if o.model_digest and info.model_digest and o.model_digest != info.model_digest:
-                    return Refusal.CONFLICT, (f"peers {other.address} and {r.address} both hold layers "
-                                              f"{info.first}-{info.last} of different model files")
+                    return Refusal.CONFLICT, (
+                        f"peers {other.address} and {r.address} both hold layers "
+                        f"{info.first}-{info.last} of different model files"
+                    )
             elif o.first <= info.last and info.first <= o.last:
-                return Refusal.CONFLICT, (f"peer {r.address} holds layers {info.first}-{info.last}, which overlap "
-                                          f"{other.address}'s {o.first}-{o.last}: stages must tile the model")
+                return Refusal.CONFLICT, (
+                    f"peer {r.address} holds layers {info.first}-{info.last}, which overlap "
+                    f"{other.address}'s {o.first}-{o.last}: stages must tile the model"
+                )
         return None, ""
 
     def unreadable(self, wire_dtype: int) -> WhyNot | None:
@@ -252,8 +291,11 @@ class Replicas:
         with self._lock:
             for r in self.replicas:
                 if r.info is not None and not r.refused and wire_dtype not in (reads := _reads(r.info)):
-                    return WhyNot(Why.WIRE_DTYPE, f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} "
-                                  f"reads hidden rows as {', '.join(map(wire_dtype_name, reads))}")
+                    return WhyNot(
+                        Why.WIRE_DTYPE,
+                        f"wire_dtype {wire_dtype_name(wire_dtype)}: peer {r.address} "
+                        f"reads hidden rows as {', '.join(map(wire_dtype_name, reads))}",
+                    )
         return None
 
     # --- the route ----------------------------------------------------------------------------
@@ -299,20 +341,33 @@ class Replicas:
             gap = self._gap_locked()
             if gap is not None:
                 waiting = [r.address for r in self.replicas if r.info is None]
-                why = (f"{', '.join(waiting)} not reached yet: {self._by_address[waiting[0]].last_error}"
-                       if waiting else "no --peer worker holds them")
-                return WhyNot(Why.NO_REPLICA, f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}) "
-                                              f"has no replica: {why}")
+                why = (
+                    f"{', '.join(waiting)} not reached yet: {self._by_address[waiting[0]].last_error}"
+                    if waiting
+                    else "no --peer worker holds them"
+                )
+                return WhyNot(
+                    Why.NO_REPLICA,
+                    f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}) has no replica: {why}",
+                )
             hops = []
             for n, stage in enumerate(self._stages_locked(), start=1):
-                kept = next((self._by_address[a] for a in prefer if a in self._by_address
-                             and self._by_address[a].range == stage
-                             and self._by_address[a].state == ReplicaState.UP), None)
+                kept = next(
+                    (
+                        self._by_address[a]
+                        for a in prefer
+                        if a in self._by_address
+                        and self._by_address[a].range == stage
+                        and self._by_address[a].state == ReplicaState.UP
+                    ),
+                    None,
+                )
                 r = kept or self._pick_locked(stage)
                 if r is None:
                     errors = "; ".join(f"{x.address}: {x.last_error}" for x in self.replicas if x.range == stage)
-                    return WhyNot(Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy "
-                                                  f"replica ({errors})")
+                    return WhyNot(
+                        Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no healthy replica ({errors})"
+                    )
                 hops.append(self._hop_locked(r))
             return hops
 
@@ -347,8 +402,15 @@ class Replicas:
             self.failovers_total += 1
             stage = r.range
             other = self._pick_locked(stage, frozenset((address, *avoid)))
-            resting = [x for x in self.replicas if x.range == stage and x.address != address
-                       and x.address not in avoid and not x.usable] if other is None else []
+            resting = (
+                [
+                    x
+                    for x in self.replicas
+                    if x.range == stage and x.address != address and x.address not in avoid and not x.usable
+                ]
+                if other is None
+                else []
+            )
         # a replica marked down may be back already (restarted since its last probe): asked now
         for x in resting:
             self._probe_one(x, ON_DEMAND_PROBE_S)
@@ -361,7 +423,9 @@ class Replicas:
             self.failovers.inc()
         self._publish()
         if hop is None:
-            return WhyNot(Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}")
+            return WhyNot(
+                Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}"
+            )
         return hop
 
     def moved(self, address: str, to: str) -> pb.Hop | None:
@@ -378,8 +442,10 @@ class Replicas:
     def supports(self, route: tuple[str, ...], feature: str) -> bool:
         """Whether every worker of `route` lists `feature` in its last Info (InfoReply.features)."""
         with self._lock:
-            return all((r := self._by_address.get(a)) is not None and r.info is not None
-                       and feature in r.info.features for a in route)
+            return all(
+                (r := self._by_address.get(a)) is not None and r.info is not None and feature in r.info.features
+                for a in route
+            )
 
     def handed_from(self, held: tuple[str, ...], route: tuple[str, ...]) -> list[str] | None:
         """For a session that `held` (its last route) holds and that goes down `route` now: per stage,
@@ -423,16 +489,23 @@ class Replicas:
             gap = self._gap_locked()
             waiting = [r for r in self.replicas if r.info is None]
             if gap is not None and waiting:
-                return False, (f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}): no replica "
-                               f"answers ({waiting[0].address}: {waiting[0].last_error})")
+                return False, (
+                    f"stage {self._stage_number_locked(gap)} (layers {gap[0]}-{gap[1]}): no replica "
+                    f"answers ({waiting[0].address}: {waiting[0].last_error})"
+                )
             self._seen.update(self._stages_locked())
             for stage in sorted(self._seen):  # a stage whose replicas were all refused since is still one
-                mine = [r for r in self.replicas if r.range == stage or (r.info is not None and r.refused
-                                                                         and (r.info.first, r.info.last) == stage)]
+                mine = [
+                    r
+                    for r in self.replicas
+                    if r.range == stage or (r.info is not None and r.refused and (r.info.first, r.info.last) == stage)
+                ]
                 if not any(r.usable for r in mine):
                     errors = "; ".join(f"{r.address}: {r.refused or r.last_error}" for r in mine)
-                    return False, (f"stage {self._stage_number_locked(stage)} (layers {stage[0]}-{stage[1]}) has no "
-                                   f"healthy replica ({errors})")
+                    return False, (
+                        f"stage {self._stage_number_locked(stage)} (layers {stage[0]}-{stage[1]}) has no "
+                        f"healthy replica ({errors})"
+                    )
         return True, ""
 
     def route_health(self) -> tuple[bool, str]:
@@ -452,8 +525,10 @@ class Replicas:
             with self._lock:
                 changed, self._health = health != self._health, health
                 stages = self._stages_locked()
-                rows = [(str(stages.index(r.range) + 1) if r.range in stages else "0", r.address, float(r.usable))
-                        for r in self.replicas]
+                rows = [
+                    (str(stages.index(r.range) + 1) if r.range in stages else "0", r.address, float(r.usable))
+                    for r in self.replicas
+                ]
             if self.up_gauge is not None:
                 for stage, address, up in rows:
                     self.up_gauge.labels(stage, address).set(up)
@@ -466,8 +541,16 @@ class Replicas:
             out = []
             for r in sorted(self.replicas, key=lambda r: (r.range or (1 << 30, 0), r.order)):
                 first, last = r.range if r.range is not None else ((r.info.first, r.info.last) if r.info else (0, 0))
-                out.append(pb.ReplicaInfo(stage=stages.index(r.range) + 1 if r.range in stages else 0, first=first,
-                                          last=last, address=r.address, state=r.state.value,
-                                          sessions=len(r.sessions), last_error=r.refused or r.last_error,
-                                          failovers=r.failovers))
+                out.append(
+                    pb.ReplicaInfo(
+                        stage=stages.index(r.range) + 1 if r.range in stages else 0,
+                        first=first,
+                        last=last,
+                        address=r.address,
+                        state=r.state.value,
+                        sessions=len(r.sessions),
+                        last_error=r.refused or r.last_error,
+                        failovers=r.failovers,
+                    )
+                )
             return out

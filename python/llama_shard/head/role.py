@@ -4,6 +4,7 @@ attached to it as its `HeadSlot`; the worker package never imports this one.
 
 Holds the head's parts: its later stages' replicas (probed from `start`), its prefix plans, the
 draft model, and the generation loops whose steps the worker runs (`HeadHost`)."""
+
 from __future__ import annotations
 
 import queue
@@ -22,32 +23,63 @@ class Head:
         options.check(info.first, info.last)
         self.options = options
         # the later stages and their replicas (the worker's --peer workers), probed from start
-        self.replicas = (Replicas(info, config.numerics, servicer.model_digest, servicer.instance_id, servicer.route,
-                                  servicer.peers.info, registry, wire_dtype=servicer.wire_dtype)
-                         if info.first == 0 and servicer.route else None)
+        self.replicas = (
+            Replicas(
+                info,
+                config.numerics,
+                servicer.model_digest,
+                servicer.instance_id,
+                servicer.route,
+                servicer.peers.info,
+                registry,
+                wire_dtype=servicer.wire_dtype,
+            )
+            if info.first == 0 and servicer.route
+            else None
+        )
         draft_model = None
         if options.draft_model is not None:
             from .draft_model import DraftModel  # a second model loads only where one is asked for
 
-            draft_model = DraftModel(options.draft_model, servicer.model.path, config.context_tokens,
-                                     max_generate_streams(config.max_sessions, config.warm_bytes), threads)
-        host = HeadHost(info=info, fingerprint=servicer.fingerprint, context_tokens=config.context_tokens,
-                        max_sessions=config.max_sessions, warm_bytes=config.warm_bytes,
-                        detokenize=servicer.model.detokenize, security=servicer.security,
-                        prefixes=PrefixPlanner(servicer.prefixes), session_cap=servicer.owners.cap,
-                        stopping=servicer.stopping, max_hop_s=servicer.max_hop_s,
-                        forward_refusal=servicer.steps.forward_refusal, admit=servicer.owners.admit,
-                        caller_full=servicer.owners.full, run_steps=servicer.run_own_steps,
-                        sessions=servicer.manager.sessions, replicas=self.replicas, vocab_model=servicer.model,
-                        wire_dtype=servicer.wire_dtype)
-        self.generation = GenerationLoops(host, registry, options.draft, options.max_drafts, draft_model,
-                                          row_by_row=options.verify == "exact")
+            draft_model = DraftModel(
+                options.draft_model,
+                servicer.model.path,
+                config.context_tokens,
+                max_generate_streams(config.max_sessions, config.warm_bytes),
+                threads,
+            )
+        host = HeadHost(
+            info=info,
+            fingerprint=servicer.fingerprint,
+            context_tokens=config.context_tokens,
+            max_sessions=config.max_sessions,
+            warm_bytes=config.warm_bytes,
+            detokenize=servicer.model.detokenize,
+            security=servicer.security,
+            prefixes=PrefixPlanner(servicer.prefixes),
+            session_cap=servicer.owners.cap,
+            stopping=servicer.stopping,
+            max_hop_s=servicer.max_hop_s,
+            forward_refusal=servicer.steps.forward_refusal,
+            admit=servicer.owners.admit,
+            caller_full=servicer.owners.full,
+            run_steps=servicer.run_own_steps,
+            sessions=servicer.manager.sessions,
+            replicas=self.replicas,
+            vocab_model=servicer.model,
+            wire_dtype=servicer.wire_dtype,
+        )
+        self.generation = GenerationLoops(
+            host, registry, options.draft, options.max_drafts, draft_model, row_by_row=options.verify == "exact"
+        )
 
     # --- the worker's HeadSlot ------------------------------------------------------------------
 
     def serve_generate(self, principal: str, request: pb.GenerateRequest, context):
         remaining = context.time_remaining()
-        stream = self.generation.open(principal, request, remaining if remaining is not None and remaining < 1e8 else None)
+        stream = self.generation.open(
+            principal, request, remaining if remaining is not None and remaining < 1e8 else None
+        )
         if isinstance(stream, Refusal):  # refused before anything was computed
             yield pb.GenerateEvent(final=stream.final)
             return
@@ -77,9 +109,14 @@ class Head:
 
     def info_fields(self) -> dict:
         g, r = self.generation, self.replicas
-        return {"generate_streams": len(g.streams), "draft_source": g.draft_source,
-                "drafted_tokens": g.metrics.drafted_total, "accepted_tokens": g.metrics.accepted_total, "replicas": r.info() if r is not None else [],
-                "failovers": r.failovers_total if r is not None else 0}
+        return {
+            "generate_streams": len(g.streams),
+            "draft_source": g.draft_source,
+            "drafted_tokens": g.metrics.drafted_total,
+            "accepted_tokens": g.metrics.accepted_total,
+            "replicas": r.info() if r is not None else [],
+            "failovers": r.failovers_total if r is not None else 0,
+        }
 
     # --- the process's ---------------------------------------------------------------------------
 

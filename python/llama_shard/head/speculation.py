@@ -23,6 +23,7 @@
   y ~ p, accept when y == d, else answer y. The tokens are the ones non-speculative generation
   draws with the same seed from the same logits.
 """
+
 from __future__ import annotations
 
 from .._native import MAX_LOGIT_ROWS
@@ -52,7 +53,7 @@ class NgramDrafter:
 
     def __init__(self):
         self._index: dict[tuple, int] = {}  # n-gram -> the position after its latest earlier occurrence
-        self._indexed = 0                     # n-grams ending before this index are in _index
+        self._indexed = 0  # n-grams ending before this index are in _index
 
     def propose(self, tokens: list[int], k: int, index: bool = True) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending the
@@ -65,7 +66,7 @@ class NgramDrafter:
         for end in range(self._indexed, n_tok - 1) if index else ():
             for n in range(NGRAM_MIN, NGRAM_MAX + 1):
                 if end + 1 >= n:
-                    self._index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+                    self._index[tuple(tokens[end + 1 - n : end + 1])] = end + 1
         if index:
             self._indexed = max(self._indexed, n_tok - 1)
         if k <= 0:
@@ -73,9 +74,9 @@ class NgramDrafter:
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             if n_tok < n:
                 continue
-            at = self._index.get(tuple(tokens[n_tok - n:]))
+            at = self._index.get(tuple(tokens[n_tok - n :]))
             if at is not None:
-                return tokens[at:at + k], n
+                return tokens[at : at + k], n
         return [], 0
 
     def reset(self) -> None:
@@ -99,7 +100,7 @@ class StepCost:
 
     def __init__(self):
         self._t = [0.0] * (MAX_LOGIT_ROWS + 1)  # index: tokens per stream's step
-        self._n = [0] * (MAX_LOGIT_ROWS + 1)    # steps of that size timed
+        self._n = [0] * (MAX_LOGIT_ROWS + 1)  # steps of that size timed
 
     def observe(self, tokens_per_stream: int, seconds: float) -> None:
         n = min(max(tokens_per_stream, 1), MAX_LOGIT_ROWS)
@@ -224,9 +225,11 @@ class DraftControl:
         that did) stops drafting after a few misses. Replayed (benchmarks/draft_control_study.py,
         15 drafts at most): the rewrites at +10 ms 2.20x against 2.14x from the priors; open
         questions right after them on loopback 0.99x (live, the rates carried whole: 0.89-0.93x)."""
+
         def scaled(counts: list[float]) -> list[float]:
             total = sum(counts)
             return [c * weight / total for c in counts] if weight is not None and total > weight else list(counts)
+
         self._first = {kind: scaled(counts) for kind, counts in other._first.items()}
         self._run = {kind: scaled(counts) for kind, counts in other._run.items()}
 

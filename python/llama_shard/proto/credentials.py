@@ -5,6 +5,7 @@ so it lives with the wire, below both the client (`route/`) and the server (`ser
 side of the same set-ups (`ServerSecurity`: certificates served, tokens checked, principals) is in
 `worker/security.py`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,11 @@ class ClientSecurity:
             return grpc.insecure_channel(address, options=options)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidInputError("--tls-cert and --tls-key go together")
-        creds = grpc.ssl_channel_credentials(root_certificates=read_bytes(self.tls_ca), private_key=read_bytes(self.tls_key),
-                                             certificate_chain=read_bytes(self.tls_cert))
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=read_bytes(self.tls_ca),
+            private_key=read_bytes(self.tls_key),
+            certificate_chain=read_bytes(self.tls_cert),
+        )
         token = self.token()
         if token is not None:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))

@@ -5,6 +5,7 @@
 Without --out the files beside shard.proto are rewritten; tests generate into a scratch folder and
 require the committed files to be identical.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,13 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PACKAGE_ROOT}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-                str(HERE.relative_to(PACKAGE_ROOT) / "shard.proto")]
+        args = [
+            "protoc",
+            f"-I{PACKAGE_ROOT}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(HERE.relative_to(PACKAGE_ROOT) / "shard.proto"),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@
 Each check raises InvalidInputError with `param` set to the wire's name of what it refuses, so an
 entry point can say which of its own parameters was wrong without reading the message.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -36,9 +37,9 @@ MIN_BATCH_TOKENS = MAX_DRAFTS + 1
 
 
 class SamplingParameter(NamedTuple):
-    wire: str     # the pb.Sampling field, and the OpenAI endpoint's key unless `request` differs
-    native: str   # the SamplingParams attribute (what SamplingParams.problem names)
-    flag: str     # the CLI's flag
+    wire: str  # the pb.Sampling field, and the OpenAI endpoint's key unless `request` differs
+    native: str  # the SamplingParams attribute (what SamplingParams.problem names)
+    flag: str  # the CLI's flag
     request: str  # the OpenAI endpoint's key (llama-server's where OpenAI has none)
     integer: bool
 
@@ -55,7 +56,8 @@ SAMPLING_PARAMETERS = (
     SamplingParameter("presence_penalty", "penalty_present", "--presence-penalty", "presence_penalty", False),
 )
 _BY_NATIVE = {p.native: p for p in SAMPLING_PARAMETERS} | {
-    "seed": SamplingParameter("seed", "seed", "--seed", "seed", True)}
+    "seed": SamplingParameter("seed", "seed", "--seed", "seed", True)
+}
 
 
 def sampling_problem(params: SamplingParams, n_vocab: int, max_window: int) -> tuple[SamplingParameter, str] | None:
@@ -78,17 +80,23 @@ def sampling_from_wire(s: pb.Sampling, n_vocab: int, max_window: int) -> Samplin
     """The checked SamplingParams of a wire Sampling (unset fields: off)."""
     kwargs = {p.native: getattr(s, p.wire) for p in SAMPLING_PARAMETERS if s.HasField(p.wire)}
     if len(s.logit_bias) > MAX_LOGIT_BIAS:  # counted before a list is built (the native check says the same)
-        raise InvalidInputError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}",
-                                param="logit_bias")
+        raise InvalidInputError(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}", param="logit_bias"
+        )
     check_grammar_size(s.grammar)
     bias = [(b.token_id, b.bias) for b in s.logit_bias]
-    return check_sampling(SamplingParams(seed=s.seed, logit_bias=bias, grammar=s.grammar, **kwargs), n_vocab,
-                          max_window)
+    return check_sampling(
+        SamplingParams(seed=s.seed, logit_bias=bias, grammar=s.grammar, **kwargs), n_vocab, max_window
+    )
 
 
 def sampling_to_wire(p: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(seed=p.seed, logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in p.logit_bias],
-                       grammar=p.grammar, **{q.wire: getattr(p, q.native) for q in SAMPLING_PARAMETERS})
+    return pb.Sampling(
+        seed=p.seed,
+        logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in p.logit_bias],
+        grammar=p.grammar,
+        **{q.wire: getattr(p, q.native) for q in SAMPLING_PARAMETERS},
+    )
 
 
 def sampling_key(p: SamplingParams) -> tuple:
@@ -103,7 +111,6 @@ FEATURE_HANDED_FROM = "handed_from"
 FEATURES = (FEATURE_GRAMMAR_DIGEST, FEATURE_HANDED_FROM)
 
 
-
 def check_top_logprobs(n: int) -> None:
     if not 0 <= n <= MAX_TOP_LOGPROBS:
         raise InvalidInputError(f"top_logprobs is {n}; it must be 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
@@ -116,8 +123,11 @@ def check_max_drafts(n: int) -> None:
 
 def check_stops(stop: list[str], stop_token_ids: list[int], n_vocab: int) -> None:
     if len(stop_token_ids) > MAX_STOP_TOKENS or any(not 0 <= t < n_vocab for t in stop_token_ids):
-        raise InvalidInputError(f"stop_token_ids takes at most {MAX_STOP_TOKENS} tokens of the vocabulary",
-                                param="stop_token_ids")
+        raise InvalidInputError(
+            f"stop_token_ids takes at most {MAX_STOP_TOKENS} tokens of the vocabulary", param="stop_token_ids"
+        )
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise InvalidInputError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                f"{MAX_STOP_CHARS} characters", param="stop")
+        raise InvalidInputError(
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+            param="stop",
+        )

@@ -6,6 +6,7 @@ fewer bytes; what each costs in agreement is measured by the benchmark's `wire` 
 (docs/benchmarks.md). A tensor from the wire is checked completely (dtype, rank, width, row count,
 byte length, finite values and scales) before anything reaches an engine.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,8 +60,10 @@ def quantize_q8_0(rows: np.ndarray) -> bytes:
     d = np.abs(x).max(axis=-1) / np.float32(127.0)
     inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d > 0)
     if not np.all(d <= np.finfo(np.float16).max):  # (NaN too) the reader would refuse it: this worker says so
-        raise InvalidInputError("a hidden row holds values beyond what q8_0 carries (a block scale past float16's "
-                                "range, or not finite): send this route's rows as f32")
+        raise InvalidInputError(
+            "a hidden row holds values beyond what q8_0 carries (a block scale past float16's "
+            "range, or not finite): send this route's rows as f32"
+        )
     blocks = np.empty(x.shape[:2], dtype=_Q8_0)
     with np.errstate(over="ignore", invalid="ignore"):
         blocks["d"] = d.astype(np.float16)
@@ -105,8 +108,9 @@ def decode_tensor(t: pb.Tensor, n_cols: int, max_rows: int) -> np.ndarray:
         raise InvalidInputError(f"hidden has {rows} rows; a step takes 1 to {max_rows}")
     need = rows * wire_row_bytes(cols, t.dtype)
     if len(t.data) != need:
-        raise InvalidInputError(f"hidden data is {len(t.data)} bytes; shape {shape} in {wire_dtype_name(t.dtype)} "
-                                f"needs {need}")
+        raise InvalidInputError(
+            f"hidden data is {len(t.data)} bytes; shape {shape} in {wire_dtype_name(t.dtype)} needs {need}"
+        )
     if t.dtype == pb.DTYPE_Q8_0:
         arr = dequantize_q8_0(t.data, rows, cols)
     else:

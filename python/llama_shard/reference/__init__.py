@@ -6,6 +6,7 @@
   per-layer numpy K/V, with the same interface as the native `HotKvEngine`; `HotKvStateManager`
   runs on either, and tests drive both in lockstep.
 """
+
 from .engine import ReferenceHotKvEngine
 from .model import (
     NATIVE_LOGIT_ATOL,

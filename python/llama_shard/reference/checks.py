@@ -1,5 +1,6 @@
 """The reference engine's checks: a request's key and input before anything changes (as the native
 engine's), and its invariants across its rooms (`check_invariants`, the tests' oracle)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,14 +10,17 @@ from ..errors import InvalidInputError
 
 
 def validate_key(sid: str, epoch: int) -> None:
-        if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise InvalidInputError("a request's key is (str session id, int epoch)")
-        if not sid or len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
-            raise InvalidInputError(f"session id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
-        if epoch < 0 or epoch > MAX_EPOCH:
-            raise InvalidInputError(f"route epoch must be 0 to {MAX_EPOCH}, got {epoch}")
+    if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+        raise InvalidInputError("a request's key is (str session id, int epoch)")
+    if not sid or len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+        raise InvalidInputError(f"session id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
+    if epoch < 0 or epoch > MAX_EPOCH:
+        raise InvalidInputError(f"route epoch must be 0 to {MAX_EPOCH}, got {epoch}")
 
-def validate_input(info, n_batch: int, tokens, hidden, limit: int | None = None) -> tuple[list[int] | None, np.ndarray | None, int]:
+
+def validate_input(
+    info, n_batch: int, tokens, hidden, limit: int | None = None
+) -> tuple[list[int] | None, np.ndarray | None, int]:
     """(tokens, hidden, n) of a step's input, checked as the native engine checks it."""
     limit = n_batch if limit is None else limit
     if (tokens is None) == (hidden is None):
@@ -52,8 +56,10 @@ def validate_input(info, n_batch: int, tokens, hidden, limit: int | None = None)
         raise InvalidInputError("hidden state contains a non-finite value")
     return None, hidden, n
 
+
 def check_invariants(engine) -> None:
     """The engine's invariants across its rooms (AssertionError naming the first that fails)."""
+
     def fail(what: str):
         raise AssertionError(f"reference engine invariant violated: {what}")
 

@@ -8,6 +8,7 @@ step; BUSY for a request that fits alone but not beside what its step admitted),
 of recently dropped keys, and seq id assignment from a free pool.
 Each live session holds a `SequenceKv` with K/V for the owned layers only.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -41,21 +42,13 @@ from .warm_tier import WarmEntry, WarmTier
 MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
-
-
-
-
-
-
-
-
 @dataclasses.dataclass
 class _Session:
     epoch: int
     seq_id: int
     kv: SequenceKv
     last_used: float
-    last_start: int = -1             # the last decode applied: its start and its input (a retry repeats both)
+    last_start: int = -1  # the last decode applied: its start and its input (a retry repeats both)
     last_input: bytes | None = None
 
     @property
@@ -86,7 +79,11 @@ class ReferenceHotKvEngine(SessionTransfers):
             raise InvalidInputError("the numpy reference computes an f16 cache only")
         warm_disk_bytes = config.warm_disk_bytes if config.warm_dir else 0
         max_sessions = config.max_sessions
-        warm_bytes, warm_ttl_seconds, recipe_fingerprint = config.warm_bytes, config.warm_ttl_seconds, config.recipe_fingerprint
+        warm_bytes, warm_ttl_seconds, recipe_fingerprint = (
+            config.warm_bytes,
+            config.warm_ttl_seconds,
+            config.recipe_fingerprint,
+        )
         self._lock = threading.RLock()
         self.warm_bytes = warm_bytes
         self.warm_ttl_seconds = warm_ttl_seconds
@@ -117,12 +114,17 @@ class ReferenceHotKvEngine(SessionTransfers):
         self.prefix_bytes = config.prefix_bytes
         # the engine's rooms (as the native engine's): each keeps its own bytes, invariants and counters
         self._prefixes = PrefixStore(config.prefix_bytes)
-        self._warm = WarmTier(warm_bytes, warm_disk_bytes, warm_ttl_seconds, host_entry_bytes=self.warm_entry_bytes,
-                              disk_bound_bytes=lambda sid, n: self._state_bytes(n) + len(sid.encode("utf-8", "surrogatepass")) + 256,
-                              file_bytes=self.disk_file_bytes, on_drop=self._warm_dropped)
+        self._warm = WarmTier(
+            warm_bytes,
+            warm_disk_bytes,
+            warm_ttl_seconds,
+            host_entry_bytes=self.warm_entry_bytes,
+            disk_bound_bytes=lambda sid, n: self._state_bytes(n) + len(sid.encode("utf-8", "surrogatepass")) + 256,
+            file_bytes=self.disk_file_bytes,
+            on_drop=self._warm_dropped,
+        )
 
     # --- validation ----------------------------------------------------------------------------
-
 
     def validate_step(self, step) -> None:
         """The checks the native StepLoop makes before queueing a llama_shard.Step (a prefill may
@@ -131,7 +133,6 @@ class ReferenceHotKvEngine(SessionTransfers):
         # several rows of logits: computed whole, so within one step's size
         limit = 1 << 30 if step.kind == StepKind.PREFILL and step.logit_rows == 1 else self.n_batch
         validate_input(self.shard.info, self.n_batch, step.token_ids, step.hidden, limit)
-
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -147,8 +148,12 @@ class ReferenceHotKvEngine(SessionTransfers):
             if d is not None and d.stamp == old_stamp:
                 del self._recent[old_sid]
 
-    _LEAVING = {MissReason.EVICTED_TTL: "evictions_ttl", MissReason.EVICTED_LRU: "evictions_lru",
-                MissReason.RELEASED: "releases", MissReason.SUPERSEDED_EPOCH: "supersessions"}
+    _LEAVING = {
+        MissReason.EVICTED_TTL: "evictions_ttl",
+        MissReason.EVICTED_LRU: "evictions_lru",
+        MissReason.RELEASED: "releases",
+        MissReason.SUPERSEDED_EPOCH: "supersessions",
+    }
 
     def _free_hot(self, sid: str) -> _Session:
         s = self._live.pop(sid)
@@ -166,7 +171,9 @@ class ReferenceHotKvEngine(SessionTransfers):
         llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
         count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
         layer, and per cell its position, seq id count and seq id before the K and V rows)."""
-        pages = -(-self._state_bytes(seq_len) // PAGE) * PAGE  # the native tier holds each state in whole pages of its own
+        pages = (
+            -(-self._state_bytes(seq_len) // PAGE) * PAGE
+        )  # the native tier holds each state in whole pages of its own
         return pages + len(session_id.encode("utf-8", "surrogatepass"))
 
     def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
@@ -174,8 +181,20 @@ class ReferenceHotKvEngine(SessionTransfers):
         the recipe fingerprint, range and KV type, the key, epoch, length, payload size, the payload's
         SHA-256 and the header's HMAC-SHA256, then llama.cpp's sequence state)."""
         sid = len(session_id.encode("utf-8", "surrogatepass"))
-        header = (4 + 4 + (4 + len(self.recipe_fingerprint)) + (4 + len(self._model_digest)) + 12 + (4 + 3) + (4 + sid)
-                  + 8 + 4 + 8 + 32 + 32)
+        header = (
+            4
+            + 4
+            + (4 + len(self.recipe_fingerprint))
+            + (4 + len(self._model_digest))
+            + 12
+            + (4 + 3)
+            + (4 + sid)
+            + 8
+            + 4
+            + 8
+            + 32
+            + 32
+        )
         return header + self._state_bytes(seq_len)
 
     def _state_bytes(self, seq_len: int) -> int:
@@ -222,7 +241,8 @@ class ReferenceHotKvEngine(SessionTransfers):
         if self._reserved + tokens > self.budget_tokens or (need_id and not self._free_ids):
             others = [o for k, o in self._live.items() if k not in keep]
             if self._reserved + tokens - sum(o.seq_len for o in others) > self.budget_tokens or (
-                    need_id and not self._free_ids and not others):
+                need_id and not self._free_ids and not others
+            ):
                 return False
         while self._reserved + tokens > self.budget_tokens or (need_id and not self._free_ids):
             evicted = self._evict_lru_except(keep, step)
@@ -310,9 +330,12 @@ class ReferenceHotKvEngine(SessionTransfers):
 
     @staticmethod
     def _newer_than_cached(epoch: int, cached: int) -> StepResult:
-        return StepResult(status=CACHE_MISS, miss=MissReason.UNKNOWN_SESSION,
-                          detail=f"nothing is cached for epoch {epoch} (the cached epoch is {cached}; a step at this "
-                                 f"epoch supersedes it)")
+        return StepResult(
+            status=CACHE_MISS,
+            miss=MissReason.UNKNOWN_SESSION,
+            detail=f"nothing is cached for epoch {epoch} (the cached epoch is {cached}; a step at this "
+            f"epoch supersedes it)",
+        )
 
     def _identify(self, sid: str, epoch: int, query: bool = False) -> tuple[_Session | None, StepResult]:
         s = self._live.get(sid)
@@ -324,8 +347,11 @@ class ReferenceHotKvEngine(SessionTransfers):
             if query:
                 return None, self._newer_than_cached(epoch, s.epoch)
             self._drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
-            return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
-                                    detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
+            return None, StepResult(
+                status=CACHE_MISS,
+                miss=MissReason.SUPERSEDED_EPOCH,
+                detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped",
+            )
         w, tier = self._warm.find(sid)
         if w is not None:
             if epoch == w.epoch:  # warm: no session, an OK result saying where it is
@@ -335,16 +361,22 @@ class ReferenceHotKvEngine(SessionTransfers):
             if query:
                 return None, self._newer_than_cached(epoch, w.epoch)
             self._warm.drop(sid, MissReason.SUPERSEDED_EPOCH, epoch)
-            return None, StepResult(status=CACHE_MISS, miss=MissReason.SUPERSEDED_EPOCH,
-                                    detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped")
+            return None, StepResult(
+                status=CACHE_MISS,
+                miss=MissReason.SUPERSEDED_EPOCH,
+                detail=f"epoch {epoch} supersedes the cached epoch, whose state was dropped",
+            )
         d = self._recent.get(sid)
         if d is not None:
             if epoch < d.epoch:
                 return None, stale(epoch, d.epoch, "last")
             if epoch == d.epoch:
-                return None, StepResult(status=CACHE_MISS, miss=d.reason,
-                                        detail=f"the session's state was dropped: {d.reason.name}")
-        return None, StepResult(status=CACHE_MISS, miss=MissReason.UNKNOWN_SESSION, detail="no cached state for this session and epoch")
+                return None, StepResult(
+                    status=CACHE_MISS, miss=d.reason, detail=f"the session's state was dropped: {d.reason.name}"
+                )
+        return None, StepResult(
+            status=CACHE_MISS, miss=MissReason.UNKNOWN_SESSION, detail="no cached state for this session and epoch"
+        )
 
     # --- requests (same signatures as the native HotKvEngine) -------------------------------------
 
@@ -390,6 +422,7 @@ class ReferenceHotKvEngine(SessionTransfers):
         if not participants:  # a step with nothing valid in it changes nothing, not even by time
             return [(r, None) for r in results]
         self._sweep(now)
+
         # a prefill not live under its epoch creates a session, a step of a warm session restores
         # one: their ids are placed together
         def takes_id(req: Step) -> bool:
@@ -432,14 +465,23 @@ class ReferenceHotKvEngine(SessionTransfers):
                 return res
             start = held if req.position < 0 else req.position
             if start > held:
-                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {held}")
+                return self._miss(
+                    MissReason.SEQ_LEN_MISMATCH, f"start position {start} is past the cached length {held}"
+                )
         else:
             if not known:
                 return res
-            retry = (s is not None and req.position >= 0 and req.position == s.last_start
-                     and held == s.last_start + n and s.last_input == _input_bytes(req))
+            retry = (
+                s is not None
+                and req.position >= 0
+                and req.position == s.last_start
+                and held == s.last_start + n
+                and s.last_input == _input_bytes(req)
+            )
             if req.position >= 0 and req.position != held and not retry:
-                return self._miss(MissReason.SEQ_LEN_MISMATCH, f"expected past length {req.position}, cached length is {held}")
+                return self._miss(
+                    MissReason.SEQ_LEN_MISMATCH, f"expected past length {req.position}, cached length is {held}"
+                )
             start = req.position if retry else held  # a retry recomputes the applied step from its start
 
         def refuse(status, detail):
@@ -449,8 +491,11 @@ class ReferenceHotKvEngine(SessionTransfers):
 
         new_len = start + n
         if new_len > self.context_tokens or new_len > self.budget_tokens:
-            return refuse(BUDGET_EXCEEDED, f"the session would hold {new_len} tokens; context_tokens is "
-                                           f"{self.context_tokens} and budget_tokens {self.budget_tokens}")
+            return refuse(
+                BUDGET_EXCEEDED,
+                f"the session would hold {new_len} tokens; context_tokens is "
+                f"{self.context_tokens} and budget_tokens {self.budget_tokens}",
+            )
         # never the requester or what the step admitted; the step's others only when they can go warm
         keep = [sid] + [p[3] for p in plan]
         if not self._warm.enabled:
@@ -460,7 +505,9 @@ class ReferenceHotKvEngine(SessionTransfers):
             room = self._make_room(grow, s is None, keep, participants)
         if not room:
             if self._warm.enabled and plan:  # it fits alone: it goes first in the next step
-                return refuse(BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step")
+                return refuse(
+                    BUSY, "the sessions this step admitted hold the memory this one needs; it runs in a later step"
+                )
             if s is None and not self._free_ids:
                 return refuse(BUDGET_EXCEEDED, f"all {self.max_sessions} sessions take part in this step")
             return refuse(BUDGET_EXCEEDED, f"the step's sessions together exceed budget_tokens {self.budget_tokens}")
@@ -545,36 +592,57 @@ class ReferenceHotKvEngine(SessionTransfers):
     def stats(self) -> dict:
         bpt = self.shard.info.kv_bytes_per_token
         return {
-            "live_sessions": len(self._live), "max_sessions": self.max_sessions,
-            "reserved_tokens": self._reserved, "budget_tokens": self.budget_tokens,
-            "context_tokens": self.context_tokens, "kv_bytes_per_token": bpt,
+            "live_sessions": len(self._live),
+            "max_sessions": self.max_sessions,
+            "reserved_tokens": self._reserved,
+            "budget_tokens": self.budget_tokens,
+            "context_tokens": self.context_tokens,
+            "kv_bytes_per_token": bpt,
             "reserved_bytes": self._reserved * bpt,
-            "evictions_ttl": self._counters["evictions_ttl"], "evictions_lru": self._counters["evictions_lru"],
-            "releases": self._counters["releases"], "supersessions": self._counters["supersessions"],
-            "steps": self._counters["steps"], "tokens_computed": self._counters["tokens_computed"],
+            "evictions_ttl": self._counters["evictions_ttl"],
+            "evictions_lru": self._counters["evictions_lru"],
+            "releases": self._counters["releases"],
+            "supersessions": self._counters["supersessions"],
+            "steps": self._counters["steps"],
+            "tokens_computed": self._counters["tokens_computed"],
             "recent_keys": len(self._recent),
             "misses": {r.name: self._misses[r] for r in MISS_REASONS},
-            "spills": self._counters["spills"], "restores": self._counters["restores"],
-            "warm_drops": self._warm.counters["warm_drops"], "warm_sessions": len(self._warm.host),
-            "warm_bytes": self._warm.host_held, "warm_capacity": self.warm_bytes,
+            "spills": self._counters["spills"],
+            "restores": self._counters["restores"],
+            "warm_drops": self._warm.counters["warm_drops"],
+            "warm_sessions": len(self._warm.host),
+            "warm_bytes": self._warm.host_held,
+            "warm_capacity": self.warm_bytes,
             "restore_seconds": self._counters["restore_seconds"],
             "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
-            "disk_sessions": len(self._warm.disk), "disk_bytes": self._warm.disk_held, "disk_capacity": self.warm_disk_bytes,
-            "disk_spills": self._warm.counters["disk_spills"], "disk_restores": self._warm.counters["disk_restores"],
-            "disk_loaded": 0, "disk_failures": 0,  # no files: nothing to load, nothing to fail
-            "prefix_entries": len(self._prefixes), "prefix_bytes": self._prefixes.held,
-            "prefix_capacity": self.prefix_bytes, "prefix_stores": self._prefixes.counters["stores"],
-            "prefix_hits": self._prefixes.counters["hits"], "prefix_tokens_saved": self._prefixes.counters["tokens_saved"],
+            "disk_sessions": len(self._warm.disk),
+            "disk_bytes": self._warm.disk_held,
+            "disk_capacity": self.warm_disk_bytes,
+            "disk_spills": self._warm.counters["disk_spills"],
+            "disk_restores": self._warm.counters["disk_restores"],
+            "disk_loaded": 0,
+            "disk_failures": 0,  # no files: nothing to load, nothing to fail
+            "prefix_entries": len(self._prefixes),
+            "prefix_bytes": self._prefixes.held,
+            "prefix_capacity": self.prefix_bytes,
+            "prefix_stores": self._prefixes.counters["stores"],
+            "prefix_hits": self._prefixes.counters["hits"],
+            "prefix_tokens_saved": self._prefixes.counters["tokens_saved"],
             "prefix_evictions": self._prefixes.counters["evictions"],
             # the reference's dense models hold no recurrent state: no checkpoints
-            "checkpoints_taken": 0, "checkpoint_restores": 0, "checkpoint_tokens": 0, "checkpoint_bytes": 0,
+            "checkpoints_taken": 0,
+            "checkpoint_restores": 0,
+            "checkpoint_tokens": 0,
+            "checkpoint_bytes": 0,
         }
 
     @serialised
     def sessions(self) -> list[SessionRecord]:
-        return ([SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
-                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.host.items()]
-                + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._warm.disk.items()])
+        return (
+            [SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
+            + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.host.items()]
+            + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._warm.disk.items()]
+        )
 
     @serialised
     def check_invariants(self) -> None:
@@ -584,4 +652,3 @@ class ReferenceHotKvEngine(SessionTransfers):
     def session_kv(self, session_id: str) -> SequenceKv:
         """The per-layer K/V of a live session (reference only: the native cache lives in llama.cpp)."""
         return self._live[session_id].kv
-

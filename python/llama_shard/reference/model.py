@@ -15,6 +15,7 @@ engine's f16 KV cache does. The stated tolerance against llama.cpp is `NATIVE_LO
 (absolute, on logits); greedy tokens are identical wherever the reference's two best logits are
 further apart than twice that (a difference within the tolerance cannot swap them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,7 +84,7 @@ class LayerWeights:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
-    bq: np.ndarray | None = None      # qwen2: projection biases
+    bq: np.ndarray | None = None  # qwen2: projection biases
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # qwen3, gemma3: RMS norm over each head of q and k
@@ -112,17 +113,26 @@ def _gemma3_hparams(reader: GGUFReader, n_layer: int) -> dict:
     else:
         period = int(pattern)
         swa = tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
-    return {"sliding_window": window, "swa_layers": swa if window > 0 else (),
-            "rope_theta_swa": float(_field_value(reader, "gemma3.rope.freq_base_swa", 10000.0)),
-            "logit_softcap": float(_field_value(reader, "gemma3.final_logit_softcapping", 0.0)),
-            "swa_pattern": "" if written is None else _gguf_text(written)}
+    return {
+        "sliding_window": window,
+        "swa_layers": swa if window > 0 else (),
+        "rope_theta_swa": float(_field_value(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+        "logit_softcap": float(_field_value(reader, "gemma3.final_logit_softcapping", 0.0)),
+        "swa_pattern": "" if written is None else _gguf_text(written),
+    }
 
 
 class ReferenceModel:
     """A dense Llama read from a GGUF file; weights as float64 numpy arrays (numpy row-major order)."""
 
-    def __init__(self, hparams: ReferenceHparams, tok_embd: np.ndarray, layers: list[LayerWeights],
-                 output_norm: np.ndarray, output: np.ndarray):
+    def __init__(
+        self,
+        hparams: ReferenceHparams,
+        tok_embd: np.ndarray,
+        layers: list[LayerWeights],
+        output_norm: np.ndarray,
+        output: np.ndarray,
+    ):
         self.hparams = hparams
         self.tok_embd = tok_embd
         self.layers = layers
@@ -138,7 +148,9 @@ class ReferenceModel:
         reader = GGUFReader(str(path))
         arch = _field_value(reader, "general.architecture")
         if arch not in REFERENCE_ARCHITECTURES:
-            raise UncertifiedArchitectureError(f"the numpy reference implements {REFERENCE_ARCHITECTURES}, not {arch!r}")
+            raise UncertifiedArchitectureError(
+                f"the numpy reference implements {REFERENCE_ARCHITECTURES}, not {arch!r}"
+            )
         tensors = {t.name: t for t in reader.tensors}
 
         def get(name: str) -> np.ndarray:
@@ -170,13 +182,26 @@ class ReferenceModel:
         layers = []
         for il in range(n_layer):
             p = f"blk.{il}."
-            layers.append(LayerWeights(
-                attn_norm=get(p + "attn_norm.weight"), wq=get(p + "attn_q.weight"), wk=get(p + "attn_k.weight"),
-                wv=get(p + "attn_v.weight"), wo=get(p + "attn_output.weight"), ffn_norm=get(p + "ffn_norm.weight"),
-                w_gate=get(p + "ffn_gate.weight"), w_up=get(p + "ffn_up.weight"), w_down=get(p + "ffn_down.weight"),
-                bq=maybe(p + "attn_q.bias"), bk=maybe(p + "attn_k.bias"), bv=maybe(p + "attn_v.bias"),
-                q_norm=maybe(p + "attn_q_norm.weight"), k_norm=maybe(p + "attn_k_norm.weight"),
-                post_attn_norm=maybe(p + "post_attention_norm.weight"), post_ffn_norm=maybe(p + "post_ffw_norm.weight")))
+            layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "attn_norm.weight"),
+                    wq=get(p + "attn_q.weight"),
+                    wk=get(p + "attn_k.weight"),
+                    wv=get(p + "attn_v.weight"),
+                    wo=get(p + "attn_output.weight"),
+                    ffn_norm=get(p + "ffn_norm.weight"),
+                    w_gate=get(p + "ffn_gate.weight"),
+                    w_up=get(p + "ffn_up.weight"),
+                    w_down=get(p + "ffn_down.weight"),
+                    bq=maybe(p + "attn_q.bias"),
+                    bk=maybe(p + "attn_k.bias"),
+                    bv=maybe(p + "attn_v.bias"),
+                    q_norm=maybe(p + "attn_q_norm.weight"),
+                    k_norm=maybe(p + "attn_k_norm.weight"),
+                    post_attn_norm=maybe(p + "post_attention_norm.weight"),
+                    post_ffn_norm=maybe(p + "post_ffw_norm.weight"),
+                )
+            )
         output = get("output.weight") if "output.weight" in tensors else tok_embd
         model = cls(hp, tok_embd, layers, get("output_norm.weight"), output)
         model.path = path
@@ -195,8 +220,11 @@ class ReferenceModel:
         angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (n, hd/2)
         cos = np.cos(angles)[:, None, :]
         sin = np.sin(angles)[:, None, :]
-        first, second = (slice(0, hd // 2), slice(hd // 2, hd)) if self.hparams.architecture in NEOX_ROPE \
+        first, second = (
+            (slice(0, hd // 2), slice(hd // 2, hd))
+            if self.hparams.architecture in NEOX_ROPE
             else (slice(0, hd, 2), slice(1, hd, 2))
+        )
         x0, x1 = x[..., first], x[..., second]
         out = np.empty_like(x)
         out[..., first] = x0 * cos - x1 * sin
@@ -211,9 +239,15 @@ class ReferenceModel:
             return self.tok_embd[ids] * np.sqrt(np.float32(self.hparams.n_embd))
         return self.tok_embd[ids]
 
-    def layer(self, il: int, x: np.ndarray, positions: np.ndarray,
-              past_k: np.ndarray | None = None, past_v: np.ndarray | None = None,
-              kv_round=np.float16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def layer(
+        self,
+        il: int,
+        x: np.ndarray,
+        positions: np.ndarray,
+        past_k: np.ndarray | None = None,
+        past_v: np.ndarray | None = None,
+        kv_round=np.float16,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One transformer block over rows `x` at absolute `positions`.
 
         Attends to `past_k`/`past_v` (n_past, n_head_kv, head_dim) followed by the new rows, with a
@@ -247,7 +281,7 @@ class ReferenceModel:
             keys, values, n_past = k, v, 0
         key_pos = np.concatenate([np.arange(n_past), positions])
         group = hp.n_head // hp.n_head_kv
-        keys_h = np.repeat(keys, group, axis=1)      # (n_kv_total, n_head, hd)
+        keys_h = np.repeat(keys, group, axis=1)  # (n_kv_total, n_head, hd)
         values_h = np.repeat(values, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, keys_h) / np.sqrt(hp.head_dim)
         mask = key_pos[None, :] > positions[:, None]  # (n, n_kv_total)
@@ -264,7 +298,7 @@ class ReferenceModel:
         h2 = self.rms_norm(x, w.ffn_norm)
         gate = h2 @ w.w_gate.T
         if hp.architecture == "gemma3":  # GELU (tanh form, as ggml's) instead of SiLU
-            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate**3)))
         else:
             act = gate / (1.0 + np.exp(-gate))
         ffn = (act * (h2 @ w.w_up.T)) @ w.w_down.T
@@ -347,11 +381,22 @@ class ReferenceShard:
         """The same description the native `ShardModel.info` gives (fields used by the contract)."""
         hp = self.model.hparams
         return ReferenceShardInfo(
-            architecture=hp.architecture, n_layer=hp.n_layer, first=self.first, last=self.last,
-            is_head=self.is_head, is_tail=self.is_tail, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
-            n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, kv_dtype="f16",
+            architecture=hp.architecture,
+            n_layer=hp.n_layer,
+            first=self.first,
+            last=self.last,
+            is_head=self.is_head,
+            is_tail=self.is_tail,
+            n_embd=hp.n_embd,
+            n_vocab=hp.n_vocab,
+            n_head=hp.n_head,
+            n_head_kv=hp.n_head_kv,
+            head_dim=hp.head_dim,
+            kv_dtype="f16",
             kv_bytes_per_token=kv_bytes_per_token(hp.n_head_kv, hp.head_dim, self.last - self.first + 1, "f16"),
-            sliding_window=hp.sliding_window, swa_pattern=hp.swa_pattern)
+            sliding_window=hp.sliding_window,
+            swa_pattern=hp.swa_pattern,
+        )
 
     def new_sequence(self) -> SequenceKv:
         hp = self.model.hparams

@@ -6,6 +6,7 @@ sessions; the store only keeps entries, accounts for them and chooses what to ev
 Invariants (`check`): held is the sum of the entries' bytes and <= capacity; each length is in
 [1, context_tokens]; the entry with the least last_used + hits x PREFIX_HIT_SECONDS (hits up to
 PREFIX_HIT_CAP) is evicted first, the oldest stored on a tie."""
+
 from __future__ import annotations
 
 import collections
@@ -60,6 +61,7 @@ class PrefixStore:
     def _evict_one(self) -> None:
         def score(e: PrefixEntry) -> tuple[float, int]:
             return e.last_used + PREFIX_HIT_SECONDS * min(e.hits, PREFIX_HIT_CAP), e.stamp
+
         key = min(self._entries, key=lambda k: score(self._entries[k]))
         self.held -= self._entries.pop(key).nbytes
         self.counters["evictions"] += 1

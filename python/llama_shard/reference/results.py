@@ -1,5 +1,6 @@
 """What the reference engine answers: a step's or an operation's `StepResult`, in the native enums
 (one status and miss-reason type for both engines)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,16 @@ class StepResult:
 
 
 def stale(epoch: int, current: int, which: str) -> StepResult:
-    return StepResult(status=STALE_EPOCH, current_epoch=current,
-                      detail=f"route epoch {epoch} is older than the session's {which} epoch {current}")
+    return StepResult(
+        status=STALE_EPOCH,
+        current_epoch=current,
+        detail=f"route epoch {epoch} is older than the session's {which} epoch {current}",
+    )
 
 
 @dataclasses.dataclass
 class IdPlacement:
     """As the native id_placement: a step's new sessions take ids together; a single request's, the lowest."""
+
     to_place: int = 0
     last: int = -1

@@ -1,6 +1,7 @@
 """What the reference's stores and engine hold of a shard: a sequence's K/V (`SequenceKv`), and what
 the engine asks of the shard that computes it (`KvShard`). Below the model, the stores and the
 engine alike, so none of them imports another to name these."""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ class KvShard(Protocol):
 
     def new_sequence(self) -> SequenceKv: ...
 
-    def forward(self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None,
-                n_logits: int = 1) -> np.ndarray: ...
+    def forward(
+        self, seq: SequenceKv, tokens=None, hidden: np.ndarray | None = None, n_logits: int = 1
+    ) -> np.ndarray: ...
 
 
 #: the native tiers hold each state in whole pages of its own
@@ -68,7 +70,10 @@ def state_kv(shard: KvShard, state: bytes, seq_len: int) -> tuple[SequenceKv | N
     if (magic, version) != (b"RFKV", 1):
         return None, "not a sequence state"
     if (first, n_layers, n_head_kv, head_dim) != (layers[0], len(layers), hp.n_head_kv, hp.head_dim):
-        return None, f"rows of layers {first}..{first + n_layers - 1} ({n_head_kv}x{head_dim}), this shard owns another range"
+        return (
+            None,
+            f"rows of layers {first}..{first + n_layers - 1} ({n_head_kv}x{head_dim}), this shard owns another range",
+        )
     if n != seq_len:
         return None, f"it holds {n} tokens"
     if len(state) != STATE_HEAD.size + 4 * len(layers) * seq_len * hp.n_head_kv * hp.head_dim:

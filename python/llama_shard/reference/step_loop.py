@@ -2,6 +2,7 @@
 either loop the same way): one request per session per step in submission order, the step caps,
 prefills cut into chunks, BUSY requests first in the next step. It runs synchronously at submission.
 """
+
 from __future__ import annotations
 
 import threading
@@ -63,8 +64,13 @@ class ReferenceStepLoop:
         for t in tickets:
             end = max(t.step.position, 0) + t.step.n_tokens
             if t.step.kind == StepKind.PREFILL and (end > e.context_tokens or end > e.budget_tokens):
-                t.finish(StepResult(status=Status.BUDGET_EXCEEDED, detail=f"{t.step.n_tokens} tokens exceed "
-                                    f"context_tokens {e.context_tokens} or budget_tokens {e.budget_tokens}"))
+                t.finish(
+                    StepResult(
+                        status=Status.BUDGET_EXCEEDED,
+                        detail=f"{t.step.n_tokens} tokens exceed "
+                        f"context_tokens {e.context_tokens} or budget_tokens {e.budget_tokens}",
+                    )
+                )
         with self._lock:
             pending = [t for t in tickets if not t.finished]
             while pending:
@@ -102,14 +108,20 @@ class ReferenceStepLoop:
         for t, n in parts:
             step, k = t.step, t.offset
             data = step.token_ids if step.token_ids is not None else step.hidden
-            chunk = data[k:k + n]
+            chunk = data[k : k + n]
             position = step.position if k == 0 else t.start + k
-            requests.append(Step(step.kind, step.session_id, step.route_epoch,
-                                 chunk if step.token_ids is not None else None,
-                                 np.ascontiguousarray(chunk) if step.hidden is not None else None,
-                                 start_pos=position if step.kind == StepKind.PREFILL and position >= 0 else None,
-                                 expected_seq_len=position if step.kind == StepKind.DECODE and position >= 0 else None,
-                                 logit_rows=step.logit_rows if n == step.n_tokens else 1))
+            requests.append(
+                Step(
+                    step.kind,
+                    step.session_id,
+                    step.route_epoch,
+                    chunk if step.token_ids is not None else None,
+                    np.ascontiguousarray(chunk) if step.hidden is not None else None,
+                    start_pos=position if step.kind == StepKind.PREFILL and position >= 0 else None,
+                    expected_seq_len=position if step.kind == StepKind.DECODE and position >= 0 else None,
+                    logit_rows=step.logit_rows if n == step.n_tokens else 1,
+                )
+            )
         answers = self.engine.step(requests, now)
         self._stats["steps"] += 1
         for (t, n), (r, out) in zip(parts, answers):

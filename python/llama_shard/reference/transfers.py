@@ -1,6 +1,7 @@
 """What leaves and enters the reference engine whole (as the native engine's): shared prefixes stored
 and opened, a session exported for a hand-over and imported from one, every session persisted at
 shutdown. A part of `ReferenceHotKvEngine` (its base), on the engine's state and under its lock."""
+
 from __future__ import annotations
 
 import copy
@@ -67,11 +68,17 @@ class SessionTransfers:
             return None, res
         entry = self._prefixes.find(key, length)
         if entry is None:
-            return None, self._counted(self._miss(MissReason.PREFIX_EVICTED, f"this shard does not hold the prefix "
-                                                                             f"of {length} tokens: the head computes it"))
+            return None, self._counted(
+                self._miss(
+                    MissReason.PREFIX_EVICTED,
+                    f"this shard does not hold the prefix of {length} tokens: the head computes it",
+                )
+            )
         if length > self.context_tokens or length > self.budget_tokens:
-            return None, StepResult(status=BUDGET_EXCEEDED,
-                                    detail=f"a prefix of {length} tokens does not fit this shard's context or budget")
+            return None, StepResult(
+                status=BUDGET_EXCEEDED,
+                detail=f"a prefix of {length} tokens does not fit this shard's context or budget",
+            )
         return entry, res
 
     def _replace_for_prefix(self, session_id: str, epoch: int, length: int, now: float):
@@ -80,7 +87,10 @@ class SessionTransfers:
         s, res = self._identify(session_id, epoch)
         if res.status == STALE_EPOCH:
             return None, res
-        if res.tier in (Tier.WARM, Tier.DISK):  # its warm copy is about to be replaced: dropped (a warm drop), not restored
+        if res.tier in (
+            Tier.WARM,
+            Tier.DISK,
+        ):  # its warm copy is about to be replaced: dropped (a warm drop), not restored
             self._warm.discard(session_id)
             s = None
         held = s.seq_len if s is not None else 0
@@ -121,7 +131,6 @@ class SessionTransfers:
     # --- hand-over (as the native export_session / import_session; the state is the reference's own:
     # a header, then per owned layer K and V as little-endian float16, which holds its f16 cache exactly)
 
-
     @serialised
     def export_session(self, session_id: str, epoch: int, now: float) -> tuple[StepResult, bytes]:
         self._begin(session_id, epoch, now)
@@ -136,7 +145,6 @@ class SessionTransfers:
             return res, b""
         return res, state_of(self.shard, kv)
 
-
     @serialised
     def import_session(self, session_id: str, epoch: int, seq_len: int, state: bytes, now: float) -> StepResult:
         validate_key(session_id, epoch)
@@ -146,15 +154,19 @@ class SessionTransfers:
         if res.status == STALE_EPOCH:
             return res
         if seq_len > self.context_tokens or seq_len > self.budget_tokens:
-            return StepResult(status=BUDGET_EXCEEDED, detail=f"a session of {seq_len} tokens does not fit this shard's "
-                              f"context_tokens {self.context_tokens} or budget_tokens {self.budget_tokens}")
+            return StepResult(
+                status=BUDGET_EXCEEDED,
+                detail=f"a session of {seq_len} tokens does not fit this shard's "
+                f"context_tokens {self.context_tokens} or budget_tokens {self.budget_tokens}",
+            )
         kv, why = state_kv(self.shard, state, seq_len)
         if kv is None:
-            return StepResult(status=INVALID_INPUT, detail=f"the state of {seq_len} tokens cannot be restored here: {why}")
+            return StepResult(
+                status=INVALID_INPUT, detail=f"the state of {seq_len} tokens cannot be restored here: {why}"
+            )
         now = self._begin(session_id, epoch, now)
         s, _ = self._replace_for_prefix(session_id, epoch, seq_len, now)  # emptied, room made (as open_prefix)
         s.kv, s.last_start, s.last_input = kv, -1, None
         self._touch(session_id, s, now)
         self._reserved += seq_len
         return StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
-

@@ -6,6 +6,7 @@ and tells the engine of every entry it drops (`on_drop`, for stale-epoch fencing
 
 Invariants (`check`): a key is in one tier; each tier's bytes are the sum of its entries' and within
 its capacity; each tier is ordered by last use; the pinned session is never moved out."""
+
 from __future__ import annotations
 
 import collections
@@ -33,11 +34,23 @@ class WarmEntry:
 
 
 class WarmTier:
-    def __init__(self, host_bytes: int, disk_bytes: int, ttl_seconds: float, *,
-                 host_entry_bytes: Callable[[str, int], int], disk_bound_bytes: Callable[[str, int], int],
-                 file_bytes: Callable[[str, int], int], on_drop: Callable[[str, int, MissReason], None]):
+    def __init__(
+        self,
+        host_bytes: int,
+        disk_bytes: int,
+        ttl_seconds: float,
+        *,
+        host_entry_bytes: Callable[[str, int], int],
+        disk_bound_bytes: Callable[[str, int], int],
+        file_bytes: Callable[[str, int], int],
+        on_drop: Callable[[str, int, MissReason], None],
+    ):
         self.host_bytes, self.disk_bytes, self.ttl_seconds = host_bytes, disk_bytes, ttl_seconds
-        self._host_entry_bytes, self._disk_bound_bytes, self._file_bytes = host_entry_bytes, disk_bound_bytes, file_bytes
+        self._host_entry_bytes, self._disk_bound_bytes, self._file_bytes = (
+            host_entry_bytes,
+            disk_bound_bytes,
+            file_bytes,
+        )
         self._on_drop = on_drop
         self.host: "collections.OrderedDict[str, WarmEntry]" = collections.OrderedDict()  # LRU order
         self.disk: "collections.OrderedDict[str, WarmEntry]" = collections.OrderedDict()  # LRU order

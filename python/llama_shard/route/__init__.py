@@ -1,16 +1,26 @@
 """The route client: drives a session through the shards of a route, local or remote (gRPC),
 re-prefilling after a miss and retrying a lost reply (`client`)."""
+
 from .client import (
-           LocalStage,
-           RemoteStage,
-           RouteClient,
-           RouteError,
-           RouteSession,
-           StageInfo,
-           StepOutcome,
-           can_chain,
-           check_route,
+    LocalStage,
+    RemoteStage,
+    RouteClient,
+    RouteError,
+    RouteSession,
+    StageInfo,
+    StepOutcome,
+    can_chain,
+    check_route,
 )
 
-__all__ = ["LocalStage", "RemoteStage", "RouteClient", "RouteError", "RouteSession", "StageInfo", "StepOutcome",
-           "can_chain", "check_route"]
+__all__ = [
+    "LocalStage",
+    "RemoteStage",
+    "RouteClient",
+    "RouteError",
+    "RouteSession",
+    "StageInfo",
+    "StepOutcome",
+    "can_chain",
+    "check_route",
+]

@@ -12,6 +12,7 @@ for the group (a micro-batch, one batched engine step). `RouteClient.generate_ma
 sessions into one micro-batch per stage, each driven by its own thread, so while the tail computes
 one group the head computes the next: every worker is busy at once (pipelining).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,8 @@ class StageInfo:
     architecture: str
     name: str
     numerics: str = ""  # route_numerics: K/V type and attention ("": not known)
-    backend: str = ""   # where its layers run, for people ("cpu (haswell)", "Vulkan0 (...)"; "": not known)
-    device: str = ""    # the facts (InfoReply.device, device_layers, kernels; "": an older worker)
+    backend: str = ""  # where its layers run, for people ("cpu (haswell)", "Vulkan0 (...)"; "": not known)
+    device: str = ""  # the facts (InfoReply.device, device_layers, kernels; "": an older worker)
     device_layers: int = 0
     kernels: str = ""
 
@@ -78,8 +79,17 @@ class LocalStage:
         self.adapter = KvBoundaryAdapter(model, self.manager)
         i = model.info
         where = placement(model)
-        self.info = StageInfo(i.first, i.last, i.n_layer, i.n_embd, i.architecture, f"local {i.first}-{i.last}",
-                              self.manager.config.numerics, where.text(i.n_owned_layers), *where)
+        self.info = StageInfo(
+            i.first,
+            i.last,
+            i.n_layer,
+            i.n_embd,
+            i.architecture,
+            f"local {i.first}-{i.last}",
+            self.manager.config.numerics,
+            where.text(i.n_owned_layers),
+            *where,
+        )
 
     def step_many(self, steps: Sequence[Step]) -> list:
         """One StepOutcome or RouteError per step."""
@@ -105,21 +115,45 @@ class LocalStage:
 class RemoteStage:
     """A worker reached over gRPC."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, wire_dtype: int = pb.DTYPE_FLOAT32,
-                 return_logits: bool = False, security: ClientSecurity = ClientSecurity()):
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        wire_dtype: int = pb.DTYPE_FLOAT32,
+        return_logits: bool = False,
+        security: ClientSecurity = ClientSecurity(),
+    ):
         self.address = address
         self.return_logits = return_logits
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
-        self.channel = security.channel(address, [("grpc.max_receive_message_length", 64 * 2**20),
-                                                  ("grpc.max_send_message_length", 64 * 2**20), *RECONNECT_OPTIONS])
+        self.channel = security.channel(
+            address,
+            [
+                ("grpc.max_receive_message_length", 64 * 2**20),
+                ("grpc.max_send_message_length", 64 * 2**20),
+                *RECONNECT_OPTIONS,
+            ],
+        )
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         try:
             r = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
             raise RouteError(f"worker {address} is not reachable: {e.code().name}: {e.details()}") from None
-        self.info = StageInfo(r.first, r.last, r.n_layer, r.n_embd, r.architecture, f"{address} ({r.first}-{r.last})",
-                              r.numerics, r.backend, r.device, r.device_layers, r.kernels)
+        self.info = StageInfo(
+            r.first,
+            r.last,
+            r.n_layer,
+            r.n_embd,
+            r.architecture,
+            f"{address} ({r.first}-{r.last})",
+            r.numerics,
+            r.backend,
+            r.device,
+            r.device_layers,
+            r.kernels,
+        )
         self.fingerprint = r.recipe_fingerprint
         self.peers = frozenset(r.peers)  # the workers it forwards chained steps to
 
@@ -131,6 +165,7 @@ class RemoteStage:
         # idempotent, Info only reads. A step without a position is sent once (retry=False)
         def once():
             return method(request, timeout=self.timeout_s)
+
         try:
             if not retry:
                 return once()
@@ -144,9 +179,13 @@ class RemoteStage:
             raise RouteError(f"worker {self.info.name} failed: {e.code().name}: {e.details()}") from None
 
     def _request(self, step: Step, return_logits: bool | None = None) -> pb.StepRequest:
-        req = pb.StepRequest(session_id=step.session_id, route_epoch=step.route_epoch,
-                             recipe_fingerprint=self.fingerprint, reply_dtype=self.wire_dtype,
-                             return_logits=self.return_logits if return_logits is None else return_logits)
+        req = pb.StepRequest(
+            session_id=step.session_id,
+            route_epoch=step.route_epoch,
+            recipe_fingerprint=self.fingerprint,
+            reply_dtype=self.wire_dtype,
+            return_logits=self.return_logits if return_logits is None else return_logits,
+        )
         if step.position >= 0:
             req.position = step.position
         if step.token_ids is not None:
@@ -170,8 +209,10 @@ class RemoteStage:
             replies = [self._call(method, request, retry=step.position >= 0)]
         else:
             kinds = {StepKind.PREFILL: pb.STEP_KIND_PREFILL, StepKind.DECODE: pb.STEP_KIND_DECODE}
-            batch = pb.StepBatchRequest(steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s, logits))
-                                               for s in steps], forward=forward)
+            batch = pb.StepBatchRequest(
+                steps=[pb.BatchedStep(kind=kinds[s.kind], step=self._request(s, logits)) for s in steps],
+                forward=forward,
+            )
             replies = list(self._call(self.stub.StepBatch, batch, retry=all(s.position >= 0 for s in steps)).replies)
             if len(replies) != len(steps):
                 raise RouteError(f"worker {self.info.name} answered {len(replies)} of {len(steps)} steps")
@@ -187,8 +228,9 @@ class RemoteStage:
             where = f" (stage {reply.stage} of the chain)" if len(route) > 1 else ""
             return RouteError(f"worker {stage.info.name}{where}: {pb.Outcome.Name(reply.outcome)}: {reply.detail}")
         if stage.info.last == stage.info.n_layer - 1:  # the tail: the token, and the logits if asked
-            logits = (decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0]
-                      if reply.HasField("logits") else None)
+            logits = (
+                decode_tensor(reply.logits, len(reply.logits.data) // 4, 1)[0] if reply.HasField("logits") else None
+            )
             return StepOutcome(logits=logits, token_id=reply.token_id)
         return StepOutcome(hidden=decode_tensor(reply.hidden, stage.info.n_embd, 1 << 20))
 
@@ -229,8 +271,11 @@ def route_backends(stages: Sequence) -> str:
         # some owned layers on the device, the rest on the CPU: two backends in one stage
         partial = not i.device or i.device_layers != i.owned_layers
         kinds.add("partial offload" if partial else (i.device, i.kernels))
-    promise = ("one backend: split = whole to the bit" if len(kinds) == 1 and "partial offload" not in kinds else
-               "mixed backends: close to the whole model, not equal to it (other kernels round differently)")
+    promise = (
+        "one backend: split = whole to the bit"
+        if len(kinds) == 1 and "partial offload" not in kinds
+        else "mixed backends: close to the whole model, not equal to it (other kernels round differently)"
+    )
     return "; ".join(lines) + f" ({promise})"
 
 
@@ -244,18 +289,24 @@ def check_route(stages: Sequence) -> None:
     ref = infos[0]
     for i in infos[1:]:
         if (i.n_layer, i.n_embd, i.architecture) != (ref.n_layer, ref.n_embd, ref.architecture):
-            raise InvalidInputError(f"stage {i.name} serves a different model ({i.architecture}, {i.n_layer} layers, "
-                                    f"n_embd {i.n_embd}) than {ref.name}")
+            raise InvalidInputError(
+                f"stage {i.name} serves a different model ({i.architecture}, {i.n_layer} layers, "
+                f"n_embd {i.n_embd}) than {ref.name}"
+            )
         if i.numerics and ref.numerics and i.numerics != ref.numerics:
-            raise InvalidInputError(f"stage {i.name} computes with {i.numerics}, {ref.name} with {ref.numerics}: "
-                                    f"{MIXED_NUMERICS}")
+            raise InvalidInputError(
+                f"stage {i.name} computes with {i.numerics}, {ref.name} with {ref.numerics}: {MIXED_NUMERICS}"
+            )
     check_tiling([(i.first, i.last) for i in infos], ref.n_layer)
 
 
 def can_chain(stages: Sequence) -> bool:
     """Every stage is a worker, and each one forwards to the next (the next is among its peers)."""
-    return (len(stages) > 1 and all(isinstance(s, RemoteStage) for s in stages)
-            and all(b.address in a.peers for a, b in zip(stages, stages[1:])))
+    return (
+        len(stages) > 1
+        and all(isinstance(s, RemoteStage) for s in stages)
+        and all(b.address in a.peers for a, b in zip(stages, stages[1:]))
+    )
 
 
 class RouteClient:
@@ -268,8 +319,14 @@ class RouteClient:
     chained route generation runs in the route (`Generate` on the head) unless `route_loop=False`
     (this client then sends every token's step itself, as before)."""
 
-    def __init__(self, stages: Sequence, *, max_reprefills: int = MAX_REPREFILLS, chained: bool | None = None,
-                 route_loop: bool = True):
+    def __init__(
+        self,
+        stages: Sequence,
+        *,
+        max_reprefills: int = MAX_REPREFILLS,
+        chained: bool | None = None,
+        route_loop: bool = True,
+    ):
         self._chain_choice = chained
         self.route_loop = route_loop  # False: a chained route is still driven token by token from here
         self.max_reprefills = max_reprefills
@@ -317,8 +374,10 @@ class RouteClient:
         hidden: dict[int, np.ndarray] = {}
         going = list(range(len(items)))
         for k, stage in enumerate(stages):
-            steps = [self._step(kind, items[i][0], items[i][1], items[i][2] if k == 0 else None,
-                                hidden[i] if k else None) for i in going]
+            steps = [
+                self._step(kind, items[i][0], items[i][1], items[i][2] if k == 0 else None, hidden[i] if k else None)
+                for i in going
+            ]
             try:
                 outs = stage.step_many(steps)
             except RouteError as e:  # the worker is unreachable: every session in the message fails
@@ -334,7 +393,9 @@ class RouteClient:
             going = going_next
         return results
 
-    def step_sessions(self, kind: StepKind, sessions: Sequence["RouteSession"], new_tokens: Sequence[Sequence[int]]) -> list:
+    def step_sessions(
+        self, kind: StepKind, sessions: Sequence["RouteSession"], new_tokens: Sequence[Sequence[int]]
+    ) -> list:
         """One step of several sessions (distinct) through the route, one message per stage.
 
         Prefill appends `new_tokens` at, and decode expects, the length the route already holds.
@@ -367,24 +428,36 @@ class RouteClient:
                         sessions[i].history = sessions[i].history + new[i]
             return misses
 
-        missed += settle(normal, self._through_route(
-            kind, [(sessions[i], len(sessions[i].history), new[i]) for i in normal]))
+        missed += settle(
+            normal, self._through_route(kind, [(sessions[i], len(sessions[i].history), new[i]) for i in normal])
+        )
         for _ in range(self.max_reprefills):
             if not missed:
                 break
             for i in missed:
                 sessions[i].reprefills += 1
-            missed = settle(missed, self._through_route(
-                StepKind.PREFILL, [(sessions[i], 0, sessions[i].history + new[i]) for i in missed]))
+            missed = settle(
+                missed,
+                self._through_route(StepKind.PREFILL, [(sessions[i], 0, sessions[i].history + new[i]) for i in missed]),
+            )
         for i in missed:
-            results[i] = RouteError(f"session {sessions[i].session_id}: still a cache miss ({last_miss[i]}) after "
-                                    f"{self.max_reprefills} re-prefills")
+            results[i] = RouteError(
+                f"session {sessions[i].session_id}: still a cache miss ({last_miss[i]}) after "
+                f"{self.max_reprefills} re-prefills"
+            )
         return results
 
-    def generate_many(self, sessions: Sequence["RouteSession"], prompts: Sequence[Sequence[int]], max_tokens: int,
-                      stop: Sequence[int] = (), micro_batches: int | None = None,
-                      on_token: Callable[[int, int], None] | None = None, *,
-                      sampling: SamplingParams | None = None) -> list[list[int]]:
+    def generate_many(
+        self,
+        sessions: Sequence["RouteSession"],
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        stop: Sequence[int] = (),
+        micro_batches: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+    ) -> list[list[int]]:
         """Generation for several sessions at once (greedy, or each with `sampling`); returns each
         one's tokens.
 
@@ -463,34 +536,58 @@ class RouteSession:
     def __init__(self, client: RouteClient, session_id: str):
         self.client = client
         self.session_id = session_id
-        self.history: list[int] = []      # every token whose KV the route should hold
+        self.history: list[int] = []  # every token whose KV the route should hold
         self.epoch = client.epoch
         self.reprefills = 0
         self.last_final: pb.GenerateFinal | None = None  # the last Generate stream's final event
 
     def _step(self, kind: StepKind, new_tokens: list[int]) -> StepOutcome:
-        out, = self.client.step_sessions(kind, [self], [new_tokens])
+        (out,) = self.client.step_sessions(kind, [self], [new_tokens])
         if isinstance(out, RouteError):
             raise out
         return out
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None, *, sampling: SamplingParams | None = None,
-                 stop_strings: Sequence[str] = (), keep_prefix: int = 0, max_drafts: int | None = None) -> list[int]:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop: Sequence[int] = (),
+        on_token: Callable[[int], None] | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        keep_prefix: int = 0,
+        max_drafts: int | None = None,
+    ) -> list[int]:
         """Generates after the tokens the session holds plus `prompt`: greedy, or with llama.cpp's
         sampler chain (`sampling`). Ends after a stop token (included), a stop string (chained
         routes) or max_tokens. See `stream`."""
         generated = []
-        for token in self.stream(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
-                                 keep_prefix=keep_prefix, max_drafts=max_drafts):
+        for token in self.stream(
+            prompt,
+            max_tokens,
+            stop,
+            sampling=sampling,
+            stop_strings=stop_strings,
+            keep_prefix=keep_prefix,
+            max_drafts=max_drafts,
+        ):
             generated.append(token)
             if on_token:
                 on_token(token)
         return generated
 
-    def stream(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
-               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (),
-               keep_prefix: int = 0, max_drafts: int | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop: Sequence[int] = (),
+        *,
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        keep_prefix: int = 0,
+        max_drafts: int | None = None,
+    ) -> Iterator[int]:
         """`generate` as an iterator of tokens. On a chained route the head runs the loop (one
         `Generate` stream; its final event is kept in `last_final`); otherwise this client drives
         every step, sampling from the tail's logits (a RemoteStage tail needs return_logits=True).
@@ -502,8 +599,15 @@ class RouteSession:
         if max_tokens < 1:
             return
         if self.client.chained and self.client.route_loop:
-            for event in self.events(prompt, max_tokens, stop, sampling=sampling, stop_strings=stop_strings,
-                                     keep_prefix=keep_prefix, max_drafts=max_drafts):
+            for event in self.events(
+                prompt,
+                max_tokens,
+                stop,
+                sampling=sampling,
+                stop_strings=stop_strings,
+                keep_prefix=keep_prefix,
+                max_drafts=max_drafts,
+            ):
                 yield event.token_id
             return
         if stop_strings:
@@ -515,12 +619,15 @@ class RouteSession:
                 token = int(out.token_id)
             else:
                 if out.logits is None:
-                    raise InvalidInputError("sampling on a client-driven route needs the tail's logits: "
-                                            "RemoteStage(..., return_logits=True)")
+                    raise InvalidInputError(
+                        "sampling on a client-driven route needs the tail's logits: "
+                        "RemoteStage(..., return_logits=True)"
+                    )
                 if sampler is None:  # the session's tokens so far are accepted first, as stock does
                     window = sampling.penalty_last_n
-                    sampler = TokenSampler(len(out.logits), sampling, MAX_CONTEXT_TOKENS,
-                                           history=self.history[-window:] if window else [])
+                    sampler = TokenSampler(
+                        len(out.logits), sampling, MAX_CONTEXT_TOKENS, history=self.history[-window:] if window else []
+                    )
                 token = sampler.sample(np.ascontiguousarray(out.logits, dtype=np.float32))
                 sampler.accept(token)
             yield token
@@ -528,10 +635,19 @@ class RouteSession:
                 return
             out = self._step(StepKind.DECODE, [token])
 
-    def events(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = (), *,
-               sampling: SamplingParams | None = None, stop_strings: Sequence[str] = (), logprobs: bool = False,
-               top_logprobs: int = 0, keep_prefix: int = 0,
-               max_drafts: int | None = None) -> Iterator[pb.GeneratedToken]:
+    def events(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop: Sequence[int] = (),
+        *,
+        sampling: SamplingParams | None = None,
+        stop_strings: Sequence[str] = (),
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        keep_prefix: int = 0,
+        max_drafts: int | None = None,
+    ) -> Iterator[pb.GeneratedToken]:
         """The head's `Generate` stream on a chained route: one GeneratedToken per token (id, text
         piece, logprobs when asked). keep_prefix: the first keep_prefix tokens of the whole prompt
         (history + prompt; whole blocks of 256) are stored on first sight by every worker with
@@ -547,11 +663,20 @@ class RouteSession:
             self.epoch = client.epoch  # the head's record is of the old epoch: it re-prefills from zero
         head, rest = client.stages[0], client.stages[1:]
         whole = self.history + list(prompt)
-        req = pb.GenerateRequest(session_id=self.session_id, route_epoch=self.epoch, prompt=whole,
-                                 max_tokens=max_tokens, stop_token_ids=list(stop), stop=list(stop_strings),
-                                 forward=[pb.Hop(address=s.address, recipe_fingerprint=s.fingerprint) for s in rest],
-                                 wire_dtype=head.wire_dtype, recipe_fingerprint=head.fingerprint,
-                                 logprobs=logprobs, top_logprobs=top_logprobs, keep_prefix=keep_prefix)
+        req = pb.GenerateRequest(
+            session_id=self.session_id,
+            route_epoch=self.epoch,
+            prompt=whole,
+            max_tokens=max_tokens,
+            stop_token_ids=list(stop),
+            stop=list(stop_strings),
+            forward=[pb.Hop(address=s.address, recipe_fingerprint=s.fingerprint) for s in rest],
+            wire_dtype=head.wire_dtype,
+            recipe_fingerprint=head.fingerprint,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            keep_prefix=keep_prefix,
+        )
         if sampling is not None:
             req.sampling.CopyFrom(sampling_to_wire(sampling))
         if max_drafts is not None:
@@ -569,14 +694,16 @@ class RouteSession:
                 # the route holds the prompt and all but the last token; a failed or cut-short turn
                 # leaves the history as it was (the head reuses whatever prefix it still holds)
                 if final.finish_reason != "error" and final.seq_len >= len(whole):
-                    self.history = (whole + generated)[:final.seq_len]
+                    self.history = (whole + generated)[: final.seq_len]
                 self.reprefills += final.reprefills
                 if final.finish_reason == "error":
                     if final.outcome == pb.OUTCOME_INVALID_ARGUMENT:
                         raise InvalidInputError(final.detail)
                     stage = route_stage(client.stages, final.stage)
-                    raise RouteError(f"worker {stage.info.name} (stage {final.stage} of the route): "
-                                     f"{pb.Outcome.Name(final.outcome)}: {final.detail}")
+                    raise RouteError(
+                        f"worker {stage.info.name} (stage {final.stage} of the route): "
+                        f"{pb.Outcome.Name(final.outcome)}: {final.detail}"
+                    )
                 return
         except grpc.RpcError as e:
             raise RouteError(f"worker {head.info.name} failed: {e.code().name}: {e.details()}") from None

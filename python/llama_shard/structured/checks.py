@@ -2,6 +2,7 @@
 own constant), then llama.cpp's parser over the model's vocabulary. The parser's verdict is kept per
 model (weakly: a model that is gone takes its verdicts with it), so the endpoint's check on its pool,
 the head loop's and each tail's find it made once."""
+
 from __future__ import annotations
 
 import threading

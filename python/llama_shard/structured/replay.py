@@ -15,6 +15,7 @@ every step, as before.
 Invariants: `replay` is set whenever the tail cannot be known to hold the state; the digest of a
 list of tokens is that of each prefix extended, so a window sent ahead on assumed tokens, then
 rolled back, costs no rehash of what was kept."""
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,9 @@ def grammar_digest(tokens, after: bytes = GRAMMAR_DIGEST_EMPTY) -> bytes:
     """The running digest `after` extended by `tokens`, one token at a time."""
     digest = after
     for t in tokens:
-        digest = hashlib.blake2b(digest + int(t).to_bytes(4, "little", signed=True),
-                                 digest_size=GRAMMAR_DIGEST_BYTES).digest()
+        digest = hashlib.blake2b(
+            digest + int(t).to_bytes(4, "little", signed=True), digest_size=GRAMMAR_DIGEST_BYTES
+        ).digest()
     return digest
 
 
@@ -44,9 +46,9 @@ class GrammarSync:
     """One stream's side of the tail's grammar state."""
 
     def __init__(self):
-        self.replay = True          # the next sampled step carries every generated token
-        self.by_digest = False      # the route's tail keeps the state (InfoReply.features): else always a replay
-        self.replays = 0            # sampled steps that carried them
+        self.replay = True  # the next sampled step carries every generated token
+        self.by_digest = False  # the route's tail keeps the state (InfoReply.features): else always a replay
+        self.replays = 0  # sampled steps that carried them
         self._tokens: list[int] = []
         self._digests = [GRAMMAR_DIGEST_EMPTY]  # _digests[i]: the digest of _tokens[:i]
 
@@ -63,7 +65,7 @@ class GrammarSync:
         n = min(len(kept), len(generated))
         if kept[:n] != generated[:n]:  # rolled back onto other tokens: keep the common prefix
             n = next(i for i in range(n) if kept[i] != generated[i])
-        del kept[n:], self._digests[n + 1:]
+        del kept[n:], self._digests[n + 1 :]
         for t in generated[n:]:
             kept.append(t)
             self._digests.append(grammar_digest((t,), self._digests[-1]))

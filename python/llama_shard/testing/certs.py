@@ -6,6 +6,7 @@ as PEM files (needs the `cryptography` package, a test dependency).
     client = ca.issue("alice")                   # its common name is the principal
     serve --tls-cert server.cert --tls-key server.key --tls-client-ca ca.cert
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +39,11 @@ class CertificateAuthority:
         directory.mkdir(parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, name)])
-        cert = (_builder(subject, subject, key.public_key())
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, _sha256()))
+        cert = (
+            _builder(subject, subject, key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, _sha256())
+        )
         path = directory / f"{name}.cert"
         path.write_bytes(_pem(cert))
         return cls(directory, name, path, key, cert)
@@ -61,17 +64,24 @@ class CertificateAuthority:
                 warnings.simplefilter("ignore", UserWarning)
                 subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, common_name, _validate=False)])
         builder = _builder(subject, self._cert.subject, key.public_key()).add_extension(  # type: ignore[attr-defined]
-            x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            x509.BasicConstraints(ca=False, path_length=None), critical=True
+        )
         if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         cert = builder.sign(self._key, _sha256())
         label = {None: "no-cn", "": "empty-cn"}.get(common_name, common_name)
         stem = self.directory / f"{self.name}-{label}"
         stem.with_suffix(".cert").write_bytes(_pem(cert))
-        stem.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                               serialization.PrivateFormat.PKCS8,
-                                                               serialization.NoEncryption()))
+        stem.with_suffix(".key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         return Issued(stem.with_suffix(".cert"), stem.with_suffix(".key"))
 
 
@@ -79,9 +89,15 @@ def _builder(subject, issuer, public_key):
     from cryptography import x509
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2)))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+    )
 
 
 def _sha256():

@@ -1,11 +1,12 @@
 """Workers that come and go, for the failover tests and the benchmark's failover section.
 
-    mesh = Mesh(model, [(0, 14), (15, 29), (15, 29)], [("--peer", "{1}", "--peer", "{2}"), (), ()])
-    mesh.start(1).start(2).start(0)     # "{k}" in a flag is worker k's address
-    monkey = ChaosMonkey(mesh, [[1, 2]]).start()   # kills and restarts replicas of each stage
-    ...
-    monkey.stop(); mesh.stop()
+mesh = Mesh(model, [(0, 14), (15, 29), (15, 29)], [("--peer", "{1}", "--peer", "{2}"), (), ()])
+mesh.start(1).start(2).start(0)     # "{k}" in a flag is worker k's address
+monkey = ChaosMonkey(mesh, [[1, 2]]).start()   # kills and restarts replicas of each stage
+...
+monkey.stop(); mesh.stop()
 """
+
 from __future__ import annotations
 
 import random
@@ -74,8 +75,15 @@ class ChaosMonkey:
     time: a drain) one worker of a stage whose replicas are all up, and starts it again
     `down_s` seconds later; never two of one stage at once, so each stage keeps a replica."""
 
-    def __init__(self, mesh: Mesh, stages: list[list[int]], period: tuple[float, float] = (2.0, 4.0),
-                 down_s: tuple[float, float] = (1.0, 3.0), sigterm_share: float = 0.3, seed: int = 0):
+    def __init__(
+        self,
+        mesh: Mesh,
+        stages: list[list[int]],
+        period: tuple[float, float] = (2.0, 4.0),
+        down_s: tuple[float, float] = (1.0, 3.0),
+        sigterm_share: float = 0.3,
+        seed: int = 0,
+    ):
         self.mesh, self.stages = mesh, stages
         self.period, self.down_s, self.sigterm_share = period, down_s, sigterm_share
         self.random = random.Random(seed)
@@ -98,8 +106,11 @@ class ChaosMonkey:
         """Lets the monkey work for at least `seconds` and until it has killed or stopped `kills`
         workers (a loaded machine fits fewer restart cycles in a given time), at most `bound_s`."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < bound_s and not self.errors and (
-                time.monotonic() - t0 < seconds or self.kills() < kills):
+        while (
+            time.monotonic() - t0 < bound_s
+            and not self.errors
+            and (time.monotonic() - t0 < seconds or self.kills() < kills)
+        ):
             time.sleep(0.2)
 
     def stop(self) -> None:

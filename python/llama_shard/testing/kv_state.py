@@ -6,6 +6,7 @@ cell count; a stream with cells lists them (pos i32, n_seq_id u32, seq_id i32), 
 transposed" flag and a u32 layer count, then per layer K (type i32, row bytes u64, the rows), then
 per layer V (the same, or when transposed: type i32, element bytes u32, elements per cell u32, the
 elements)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +15,12 @@ import struct
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    kind: str       # "K" or "V"
-    cache: int      # 0: the full cache; 1: a sliding-window cache
-    layer: int      # index among the cache's layers
+    kind: str  # "K" or "V"
+    cache: int  # 0: the full cache; 1: a sliding-window cache
+    layer: int  # index among the cache's layers
     ggml_type: int  # ggml's type id (1: f16, 8: q8_0, 2: q4_0)
-    offset: int     # where the rows begin in the state
-    size: int       # their bytes
+    offset: int  # where the rows begin in the state
+    size: int  # their bytes
 
 
 def state_rows(state: bytes) -> list[Rows]:

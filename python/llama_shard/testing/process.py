@@ -1,4 +1,5 @@
 """What a process holds, for tests and benchmarks that measure memory."""
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ Also runnable as a script (the CTest fixture uses it; it imports nothing from ll
 
     python synthetic.py OUT.gguf [--layers 6 --embd 64 --heads 4 --kv-heads 2 --vocab 320 --f16 --untied]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,20 +25,20 @@ class SyntheticSpec:
     n_layer: int = 6
     n_embd: int = 64
     n_head: int = 4
-    n_head_kv: int = 2          # GQA ratio n_head / n_head_kv
+    n_head_kv: int = 2  # GQA ratio n_head / n_head_kv
     n_ff: int = 128
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
     tied_embeddings: bool = True
-    f16: bool = False           # store matrices as F16 (norms stay F32, as converters do)
+    f16: bool = False  # store matrices as F16 (norms stay F32, as converters do)
     seed: int = 1234
-    embd_scale: float = 0.1     # small next to the layers' contributions, so greedy text is not a copy of its input
+    embd_scale: float = 0.1  # small next to the layers' contributions, so greedy text is not a copy of its input
     architecture: str = "llama"  # qwen2 adds q/k/v biases, qwen3 q/k norms, gemma3 its own block (below);
     #                              another name writes llama's tensors
-    sliding_window: int = 4      # gemma3: the window of its sliding-window layers (every 6th layer is global)
-    logit_softcap: float = 0.0   # gemma3: final logit soft-capping (0: none)
+    sliding_window: int = 4  # gemma3: the window of its sliding-window layers (every 6th layer is global)
+    logit_softcap: float = 0.0  # gemma3: final logit soft-capping (0: none)
 
     @property
     def head_dim(self) -> int:
@@ -132,9 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=SyntheticSpec.seed)
     ap.add_argument("--window", type=int, default=SyntheticSpec.sliding_window, help="gemma3's sliding window")
     a = ap.parse_args(argv)
-    spec = SyntheticSpec(n_layer=a.layers, n_embd=a.embd, n_head=a.heads, n_head_kv=a.kv_heads, n_ff=a.ff,
-                         n_vocab=a.vocab, f16=a.f16, tied_embeddings=not a.untied, architecture=a.arch, seed=a.seed,
-                         sliding_window=a.window)
+    spec = SyntheticSpec(
+        n_layer=a.layers,
+        n_embd=a.embd,
+        n_head=a.heads,
+        n_head_kv=a.kv_heads,
+        n_ff=a.ff,
+        n_vocab=a.vocab,
+        f16=a.f16,
+        tied_embeddings=not a.untied,
+        architecture=a.arch,
+        seed=a.seed,
+        sliding_window=a.window,
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     write_synthetic_gguf(a.out, spec)
     print(a.out)

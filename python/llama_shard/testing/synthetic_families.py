@@ -18,6 +18,7 @@ be refused at load, so loading one is the check that this module is right.
 The MTP (nextn) block is written after the trunk (`block_count` counts it, as converters do) and
 loaded by no shard. Like `synthetic.py`, the tokenizer is `none`: token ids only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,42 +28,59 @@ import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 
 #: family name -> GGUF architecture
-FAMILY_ARCH = {"mixtral": "llama", "qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "deepseek2": "deepseek2",
-               "glm4moe": "glm4moe", "nemotron_h": "nemotron_h", "qwen35": "qwen35", "qwen35moe": "qwen35moe",
-               "granitehybrid": "granitehybrid", "llama4": "llama4", "mistral3": "mistral3", "minimax-m2": "minimax-m2",
-               "phi3": "phi3", "qwen3next": "qwen3next", "nemotron_h_moe": "nemotron_h_moe", "gemma4": "gemma4"}
+FAMILY_ARCH = {
+    "mixtral": "llama",
+    "qwen3moe": "qwen3moe",
+    "gpt-oss": "gpt-oss",
+    "deepseek2": "deepseek2",
+    "glm4moe": "glm4moe",
+    "nemotron_h": "nemotron_h",
+    "qwen35": "qwen35",
+    "qwen35moe": "qwen35moe",
+    "granitehybrid": "granitehybrid",
+    "llama4": "llama4",
+    "mistral3": "mistral3",
+    "minimax-m2": "minimax-m2",
+    "phi3": "phi3",
+    "qwen3next": "qwen3next",
+    "nemotron_h_moe": "nemotron_h_moe",
+    "gemma4": "gemma4",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
     """Shape of a synthetic MoE model. Families ignore what they do not have."""
 
     family: str = "qwen3moe"
-    n_layer: int = 6            # the trunk; an MTP block comes after it when n_nextn > 0
+    n_layer: int = 6  # the trunk; an MTP block comes after it when n_nextn > 0
     n_embd: int = 64
     n_head: int = 4
     n_head_kv: int = 2
     head_dim: int = 16
     n_expert: int = 8
     n_expert_used: int = 2
-    n_ff_exp: int = 32          # one expert's FFN width
-    n_ff: int = 96              # a dense (lead) layer's FFN width
-    n_dense_lead: int = 0       # deepseek2 / glm4moe: leading dense layers
-    n_shared: int = 0           # deepseek2 / glm4moe: shared experts
-    n_nextn: int = 0            # deepseek2 / glm4moe / qwen35moe / qwen3next / nemotron_h_moe: MTP blocks after the trunk
-    sliding_window: int = 4     # gpt-oss: the window of its sliding layers (even layers)
-    kv_lora_rank: int = 32      # deepseek2: the latent K/V width (the cache's row)
-    q_lora_rank: int = 32       # deepseek2
-    rope_dim: int = 8           # deepseek2: the roped part of a head (the rest is the "nope" part)
-    layer_kinds: str = "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F: MoE in nemotron_h_moe); granitehybrid: M or A
-    ssm_heads: int = 4          # nemotron_h: Mamba-2 heads (d_inner = n_embd, split among them)
+    n_ff_exp: int = 32  # one expert's FFN width
+    n_ff: int = 96  # a dense (lead) layer's FFN width
+    n_dense_lead: int = 0  # deepseek2 / glm4moe: leading dense layers
+    n_shared: int = 0  # deepseek2 / glm4moe: shared experts
+    n_nextn: int = 0  # deepseek2 / glm4moe / qwen35moe / qwen3next / nemotron_h_moe: MTP blocks after the trunk
+    sliding_window: int = 4  # gpt-oss: the window of its sliding layers (even layers)
+    kv_lora_rank: int = 32  # deepseek2: the latent K/V width (the cache's row)
+    q_lora_rank: int = 32  # deepseek2
+    rope_dim: int = 8  # deepseek2: the roped part of a head (the rest is the "nope" part)
+    layer_kinds: str = (
+        "MMAFMMAF"  # nemotron_h: Mamba-2 (M), attention (A) or FFN (F: MoE in nemotron_h_moe); granitehybrid: M or A
+    )
+    ssm_heads: int = 4  # nemotron_h: Mamba-2 heads (d_inner = n_embd, split among them)
     ssm_groups: int = 2
     ssm_state: int = 16
     ssm_conv: int = 4
     ssm_conv_f16: bool = False  # a bad file: llama.cpp's conv kernel takes f32 only (the load refuses it)
-    n_ff_shexp: int = 64        # qwen35moe / qwen3next / granitehybrid / nemotron_h_moe: the shared expert's width (granitehybrid: 0 = none)
-    moe_layer_step: int = 2     # llama4: every step-th layer is MoE (routed + a shared expert), the others dense
-    n_embd_per_layer: int = 0   # gemma4: per-layer token-embedding inputs (E2B/E4B); > 0 cannot be split
-    n_kv_shared: int = 0        # gemma4: the last n_kv_shared layers reuse earlier layers' KV; > 0 cannot be split
+    n_ff_shexp: int = 64  # qwen35moe / qwen3next / granitehybrid / nemotron_h_moe: the shared expert's width (granitehybrid: 0 = none)
+    moe_layer_step: int = 2  # llama4: every step-th layer is MoE (routed + a shared expert), the others dense
+    n_embd_per_layer: int = 0  # gemma4: per-layer token-embedding inputs (E2B/E4B); > 0 cannot be split
+    n_kv_shared: int = 0  # gemma4: the last n_kv_shared layers reuse earlier layers' KV; > 0 cannot be split
     n_vocab: int = 320
     n_ctx_train: int = 2048
     rms_eps: float = 1e-5
@@ -126,10 +144,19 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
     if spec.n_nextn and spec.family not in ("deepseek2", "glm4moe", "qwen35moe", "qwen3next", "nemotron_h_moe"):
         raise ValueError(f"{spec.family} has no MTP blocks")
     path = Path(path)
-    own_writer = {"nemotron_h": _write_nemotron_h, "nemotron_h_moe": _write_nemotron_h, "qwen35": _write_qwen35,
-                  "qwen35moe": _write_qwen35moe, "qwen3next": _write_qwen35moe, "granitehybrid": _write_granitehybrid,
-                  "llama4": _write_llama4, "mistral3": _write_mistral3, "minimax-m2": _write_minimax_m2,
-                  "phi3": _write_phi3, "gemma4": _write_gemma4}.get(spec.family)
+    own_writer = {
+        "nemotron_h": _write_nemotron_h,
+        "nemotron_h_moe": _write_nemotron_h,
+        "qwen35": _write_qwen35,
+        "qwen35moe": _write_qwen35moe,
+        "qwen3next": _write_qwen35moe,
+        "granitehybrid": _write_granitehybrid,
+        "llama4": _write_llama4,
+        "mistral3": _write_mistral3,
+        "minimax-m2": _write_minimax_m2,
+        "phi3": _write_phi3,
+        "gemma4": _write_gemma4,
+    }.get(spec.family)
     if own_writer is not None:
         return own_writer(path, spec)
     arch, fam = spec.architecture, spec.family
@@ -152,7 +179,7 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
         w.add_expert_feed_forward_length(spec.n_ff_exp)
     if fam == "deepseek2":
         rank = spec.kv_lora_rank
-        w.add_head_count_kv(1)                         # MLA: one latent "head" cached per token
+        w.add_head_count_kv(1)  # MLA: one latent "head" cached per token
         w.add_key_length(rank + spec.rope_dim)
         w.add_value_length(rank)
         w.add_uint32(f"{arch}.attention.key_length_mla", hd + spec.rope_dim)
@@ -188,8 +215,8 @@ def write_moe_gguf(path: str | Path, spec: MoeSpec = MoeSpec()) -> Path:
             w.add_tensor(p + "attn_q_a.weight", mat(spec.q_lora_rank, E))
             w.add_tensor(p + "attn_q_b.weight", mat(H * qk, spec.q_lora_rank))
             w.add_tensor(p + "attn_kv_a_mqa.weight", mat(rank + rope, E))
-            w.add_tensor(p + "attn_k_b.weight", mat(H, rank, hd))    # ne {nope, rank, n_head}
-            w.add_tensor(p + "attn_v_b.weight", mat(H, hd, rank))    # ne {rank, v_head, n_head}
+            w.add_tensor(p + "attn_k_b.weight", mat(H, rank, hd))  # ne {nope, rank, n_head}
+            w.add_tensor(p + "attn_v_b.weight", mat(H, hd, rank))  # ne {rank, v_head, n_head}
             w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
         else:
             w.add_tensor(p + "attn_q.weight", mat(H * hd, E))
@@ -257,11 +284,13 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
         raise ValueError(f"layer_kinds {kinds!r} must give M, A or F for each of {spec.n_layer} layers")
     moe = spec.family == "nemotron_h_moe"
     if moe and not (spec.n_expert > 0 and 0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_shexp > 0):
-        raise ValueError("nemotron_h_moe: every FFN layer is MoE with a shared expert (n_expert, n_expert_used, n_ff_shexp > 0)")
+        raise ValueError(
+            "nemotron_h_moe: every FFN layer is MoE with a shared expert (n_expert, n_expert_used, n_ff_shexp > 0)"
+        )
     if spec.n_nextn not in (0, 1):
         raise ValueError("nemotron_h_moe: at most one MTP block (graph_mtp asserts n_layer_nextn == 1)")
     X, ff, sh = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
-    blocks = kinds + "A" * spec.n_nextn   # the MTP block: attention (its FFN width 0) and a MoE
+    blocks = kinds + "A" * spec.n_nextn  # the MTP block: attention (its FFN width 0) and a MoE
     E, H, Hkv, hd = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
     d_inner, groups, state, heads = E, spec.ssm_groups, spec.ssm_state, spec.ssm_heads
     conv_dim = d_inner + 2 * groups * state
@@ -297,7 +326,7 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "attn_output.weight", mat(E, H * hd))
 
     def routed_experts(p: str) -> None:  # no gate tensors: squared ReLU on up alone
-        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))  # a router that separates experts
         w.add_tensor(p + "exp_probs_b.bias", vec(X))
         w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
         w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
@@ -310,10 +339,13 @@ def _write_nemotron_h(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
         if kind == "M":
             w.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * groups * state + heads, E))
-            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
+            w.add_tensor(
+                p + "ssm_conv1d.weight",
+                vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32),
+            )
             w.add_tensor(p + "ssm_conv1d.bias", vec(conv_dim))
             w.add_tensor(p + "ssm_dt.bias", vec(heads, scale=0.5))
-            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))   # A = -exp(A_log): decaying
+            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))  # A = -exp(A_log): decaying
             w.add_tensor(p + "ssm_d", vec(heads, 1, scale=0.5, base=1.0))
             w.add_tensor(p + "ssm_norm.weight", vec(groups, d_inner // groups, base=1.0))
             w.add_tensor(p + "ssm_out.weight", mat(E, d_inner))
@@ -383,7 +415,10 @@ def _write_qwen35(path: Path, spec: MoeSpec) -> Path:
         else:  # gated delta-net
             w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))
             w.add_tensor(p + "attn_gate.weight", mat(value_dim, E))
-            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
+            w.add_tensor(
+                p + "ssm_conv1d.weight",
+                vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32),
+            )
             w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
             w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))
             w.add_tensor(p + "ssm_beta.weight", mat(v_heads, E))
@@ -426,20 +461,20 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
     mat, vec = weights.mat, weights.vec
 
     w = _start(path, spec, f"synthetic-{spec.family}-{spec.n_layer}L-{X}x{spec.n_expert_used}")
-    w.add_feed_forward_length(spec.n_ff)             # unused by the graph (experts / shexp have their own)
+    w.add_feed_forward_length(spec.n_ff)  # unused by the graph (experts / shexp have their own)
     w.add_expert_count(X)
     w.add_expert_used_count(spec.n_expert_used)
-    w.add_expert_feed_forward_length(ff)             # absent: n_ff / n_expert_used
-    w.add_expert_shared_feed_forward_length(sh)      # absent: n_ff
+    w.add_expert_feed_forward_length(ff)  # absent: n_ff / n_expert_used
+    w.add_expert_shared_feed_forward_length(sh)  # absent: n_ff
     w.add_head_count_kv(Hkv)
     w.add_key_length(hd)
-    w.add_value_length(hd)                           # the graph asserts key_length == value_length
+    w.add_value_length(hd)  # the graph asserts key_length == value_length
     w.add_rope_dimension_count(hd)
     if not next_:
         w.add_rope_dimension_sections([3, 3, 2, 0])  # required by qwen35moe's loader; text: sections take one position
     w.add_rope_freq_base(10000.0)
     w.add_ssm_conv_kernel(spec.ssm_conv)
-    w.add_ssm_inner_size(value_dim)                  # head_v_dim = inner / time_step_rank must equal state
+    w.add_ssm_inner_size(value_dim)  # head_v_dim = inner / time_step_rank must equal state
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(v_heads)
     w.add_ssm_group_count(k_heads)
@@ -456,7 +491,7 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "attn_k_norm.weight", vec(hd, base=1.0))
 
     def moe(p: str) -> None:
-        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))   # a router that separates experts
+        w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))  # a router that separates experts
         w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))
         w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
         w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
@@ -473,11 +508,16 @@ def _write_qwen35moe(path: Path, spec: MoeSpec) -> Path:
         if il >= spec.n_layer or (il + 1) % interval == 0:  # full attention (the MTP block always is)
             full_attention(p)
         else:  # gated delta-net
-            w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))    # NOT_REQUIRED in the loader, needed by the graph
+            w.add_tensor(p + "attn_qkv.weight", mat(conv_dim, E))  # NOT_REQUIRED in the loader, needed by the graph
             w.add_tensor(p + "attn_gate.weight", mat(value_dim, E))  # likewise (z)
-            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
+            w.add_tensor(
+                p + "ssm_conv1d.weight",
+                vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32),
+            )
             w.add_tensor(p + "ssm_dt.bias", vec(v_heads, scale=0.5))
-            w.add_tensor(p + "ssm_a", -np.exp(vec(v_heads, scale=0.5)))  # ne {dt_rank} (1-D, unlike Mamba-2's {1, heads})
+            w.add_tensor(
+                p + "ssm_a", -np.exp(vec(v_heads, scale=0.5))
+            )  # ne {dt_rank} (1-D, unlike Mamba-2's {1, heads})
             if next_:
                 w.add_tensor(p + "ssm_ba.weight", mat(2 * v_heads, E))
             else:
@@ -550,28 +590,36 @@ def _write_gemma4(path: Path, spec: MoeSpec) -> Path:
     kv_from = L - spec.n_kv_shared
     if spec.n_kv_shared and not (kv_from >= 2 and swa[kv_from - 2] and not swa[kv_from - 1]):
         # create_memory's reuse: a shared sliding layer reads layer kv_from-2, a full one kv_from-1
-        raise ValueError(f"n_kv_shared={spec.n_kv_shared}: layers {kv_from - 2} and {kv_from - 1} must be sliding and full")
+        raise ValueError(
+            f"n_kv_shared={spec.n_kv_shared}: layers {kv_from - 2} and {kv_from - 1} must be sliding and full"
+        )
     weights = _Weights(spec)
     mat, vec = weights.mat, weights.vec
 
     def norm(n: int) -> np.ndarray:
         return vec(n, base=1.0)
 
-    w = _start(path, spec, f"synthetic-gemma4-{L}L" + (f"-ple{npl}" if npl else "") + (f"-kvshared{spec.n_kv_shared}" if spec.n_kv_shared else ""))
+    w = _start(
+        path,
+        spec,
+        f"synthetic-gemma4-{L}L"
+        + (f"-ple{npl}" if npl else "")
+        + (f"-kvshared{spec.n_kv_shared}" if spec.n_kv_shared else ""),
+    )
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count_kv([Hkv if s else Hkv_full for s in swa])
     w.add_key_length(hd_full)
     w.add_value_length(hd_full)
     w.add_key_length_swa(hd)
     w.add_value_length_swa(hd)
-    w.add_rope_dimension_count(hd_full)            # full layers: all dims, rope_freqs leaves 3/4 unrotated
+    w.add_rope_dimension_count(hd_full)  # full layers: all dims, rope_freqs leaves 3/4 unrotated
     w.add_rope_dimension_count_swa(hd)
     w.add_rope_freq_base(1000000.0)
     w.add_rope_freq_base_swa(10000.0)
     w.add_sliding_window(spec.sliding_window)
     w.add_sliding_window_pattern(swa)
     w.add_shared_kv_layers(spec.n_kv_shared)
-    w.add_embedding_length_per_layer_input(npl)    # required key (0: no per-layer inputs)
+    w.add_embedding_length_per_layer_input(npl)  # required key (0: no per-layer inputs)
     w.add_final_logit_softcapping(30.0)
     if spec.n_expert:
         w.add_expert_count(spec.n_expert)
@@ -584,7 +632,9 @@ def _write_gemma4(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor("per_layer_model_proj.weight", mat(npl * L, E))
         w.add_tensor("per_layer_proj_norm.weight", norm(npl))
     n_rot_prop = hd_full // 8  # partial_rotary_factor 0.25 over hd_full/2 frequency pairs
-    w.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot_prop + [1e30] * (hd_full // 2 - n_rot_prop), dtype=np.float32))
+    w.add_tensor(
+        "rope_freqs.weight", np.array([1.0] * n_rot_prop + [1e30] * (hd_full // 2 - n_rot_prop), dtype=np.float32)
+    )
     for il in range(L):
         p, d = f"blk.{il}.", (hd if swa[il] else hd_full)
         kv = Hkv if swa[il] else Hkv_full
@@ -651,7 +701,9 @@ def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
     weights = _Weights(spec)
     mat, vec = weights.mat, weights.vec
 
-    w = _start(path, spec, f"synthetic-granitehybrid-{kinds}" + (f"-{spec.n_expert}x{spec.n_expert_used}" if moe else ""))
+    w = _start(
+        path, spec, f"synthetic-granitehybrid-{kinds}" + (f"-{spec.n_expert}x{spec.n_expert_used}" if moe else "")
+    )
     w.add_feed_forward_length(ff)
     w.add_head_count_kv([Hkv if k == "A" else 0 for k in kinds])  # 0: a recurrent (Mamba-2) layer
     w.add_key_length(hd)
@@ -679,10 +731,15 @@ def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
         w.add_tensor(p + "attn_norm.weight", vec(E, base=1.0))
         if kind == "M":
             w.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * groups * state + heads, E))
-            w.add_tensor(p + "ssm_conv1d.weight", vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32))
-            w.add_tensor(p + "ssm_conv1d.bias", vec(conv_dim))  # NOT_REQUIRED in the loader, but the graph adds it unchecked
+            w.add_tensor(
+                p + "ssm_conv1d.weight",
+                vec(conv_dim, spec.ssm_conv, scale=0.5).astype(np.float16 if spec.ssm_conv_f16 else np.float32),
+            )
+            w.add_tensor(
+                p + "ssm_conv1d.bias", vec(conv_dim)
+            )  # NOT_REQUIRED in the loader, but the graph adds it unchecked
             w.add_tensor(p + "ssm_dt.bias", vec(heads, scale=0.5))
-            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))   # ne {1, heads}; A = -exp(A_log)
+            w.add_tensor(p + "ssm_a", -np.exp(vec(heads, 1, scale=0.5)))  # ne {1, heads}; A = -exp(A_log)
             w.add_tensor(p + "ssm_d", vec(heads, 1, scale=0.5, base=1.0))
             w.add_tensor(p + "ssm_norm.weight", vec(groups, d_inner // groups, base=1.0))
             w.add_tensor(p + "ssm_out.weight", mat(E, d_inner))
@@ -695,7 +752,9 @@ def _write_granitehybrid(path: Path, spec: MoeSpec) -> Path:
         if moe:
             X = spec.n_expert
             w.add_tensor(p + "ffn_gate_inp.weight", mat(X, E, scale=1.0))
-            w.add_tensor(p + "ffn_gate_exps.weight", mat(X, ff, E))  # separate gate/up: granite never looks for gate_up_exps
+            w.add_tensor(
+                p + "ffn_gate_exps.weight", mat(X, ff, E)
+            )  # separate gate/up: granite never looks for gate_up_exps
             w.add_tensor(p + "ffn_up_exps.weight", mat(X, ff, E))
             w.add_tensor(p + "ffn_down_exps.weight", mat(X, E, ff))
             if sh:
@@ -731,15 +790,15 @@ def _write_llama4(path: Path, spec: MoeSpec) -> Path:
     mat, vec = weights.mat, weights.vec
 
     w = _start(path, spec, f"synthetic-llama4-{spec.n_layer}L-{X}x{spec.n_expert_used}")
-    w.add_feed_forward_length(spec.n_ff)              # the dense layers' width
-    w.add_expert_feed_forward_length(spec.n_ff_exp)   # required (routed and shared experts' width)
-    w.add_interleave_moe_layer_step(step)             # required
+    w.add_feed_forward_length(spec.n_ff)  # the dense layers' width
+    w.add_expert_feed_forward_length(spec.n_ff_exp)  # required (routed and shared experts' width)
+    w.add_interleave_moe_layer_step(step)  # required
     w.add_expert_count(X)
     w.add_expert_used_count(spec.n_expert_used)
     w.add_head_count_kv(Hkv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)                    # the graph asserts n_rot == head_dim
+    w.add_rope_dimension_count(hd)  # the graph asserts n_rot == head_dim
     w.add_rope_freq_base(10000.0)
 
     w.add_tensor("token_embd.weight", mat(spec.n_vocab, E, scale=spec.embd_scale))
@@ -787,7 +846,7 @@ def _write_mistral3(path: Path, spec: MoeSpec) -> Path:
     w.add_head_count_kv(Hkv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)                    # the graph asserts n_rot == head_dim
+    w.add_rope_dimension_count(hd)  # the graph asserts n_rot == head_dim
     w.add_rope_freq_base(10000.0)
     if yarn:
         w.add_rope_scaling_type(RopeScalingType.YARN)
@@ -796,7 +855,7 @@ def _write_mistral3(path: Path, spec: MoeSpec) -> Path:
         w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)
         w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)
     if yarn or temp:
-        w.add_rope_scaling_orig_ctx_len(orig)         # n_ctx_orig_yarn (else n_ctx_train)
+        w.add_rope_scaling_orig_ctx_len(orig)  # n_ctx_orig_yarn (else n_ctx_train)
     if temp:
         w.add_attn_temperature_scale(temp)
 
@@ -831,8 +890,8 @@ def _write_minimax_m2(path: Path, spec: MoeSpec) -> Path:
     mat, vec = weights.mat, weights.vec
 
     w = _start(path, spec, f"synthetic-minimax-m2-{spec.n_layer}L-{X}x{spec.n_expert_used}")
-    w.add_feed_forward_length(ff)                     # the experts' shape comes from this key
-    w.add_expert_feed_forward_length(ff)              # required by load_arch_hparams
+    w.add_feed_forward_length(ff)  # the experts' shape comes from this key
+    w.add_expert_feed_forward_length(ff)  # required by load_arch_hparams
     w.add_expert_count(X)
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)  # optional key, but 0 (none) aborts the graph build
@@ -917,11 +976,38 @@ def moe_layers(spec: MoeSpec) -> list[int]:
 #: models for benchmarks (docs/benchmarks.md), not tests: a MoE of 64 experts, top-8, about 1 GB (f16),
 #: and a hybrid of about the same compute per token
 BENCHMARK_SPECS = {
-    "bench-moe": MoeSpec(family="qwen3moe", n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=64,
-                         n_expert_used=8, n_ff_exp=256, n_vocab=32000, f16=True, seed=101),
-    "bench-hybrid": MoeSpec(family="nemotron_h", n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64,
-                            n_ff=4096, n_expert=0, n_expert_used=0, layer_kinds="MMAFMMAFMMAFMMAF", ssm_heads=16,
-                            ssm_groups=4, ssm_state=64, n_vocab=32000, f16=True, seed=102),
+    "bench-moe": MoeSpec(
+        family="qwen3moe",
+        n_layer=8,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_expert=64,
+        n_expert_used=8,
+        n_ff_exp=256,
+        n_vocab=32000,
+        f16=True,
+        seed=101,
+    ),
+    "bench-hybrid": MoeSpec(
+        family="nemotron_h",
+        n_layer=16,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_ff=4096,
+        n_expert=0,
+        n_expert_used=0,
+        layer_kinds="MMAFMMAFMMAFMMAF",
+        ssm_heads=16,
+        ssm_groups=4,
+        ssm_state=64,
+        n_vocab=32000,
+        f16=True,
+        seed=102,
+    ),
 }
 
 

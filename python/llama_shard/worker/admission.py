@@ -2,6 +2,7 @@
 principal's sessions (the per-principal cap). Both refuse before anything is parsed into the engine
 or computed: RESOURCE_EXHAUSTED for the caller, nothing changed.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 class RequestBounds(NamedTuple):
     """The most bytes a worker takes in: one request (gRPC refuses a larger message before it is
     parsed), all requests in flight at once, one hand-over's state."""
+
     request: int
     in_flight: int
     handover: int
@@ -132,11 +134,15 @@ class AdmitRequests(grpc.ServerInterceptor):
 
         def handle(request, context):
             if isinstance(request, _Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}"
+                )
             if isinstance(request, _Overloaded):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{method}: {request.in_flight} request bytes are in flight, {request.size} more would pass "
-                              f"this worker's bound of {request.limit}; retry shortly")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: {request.in_flight} request bytes are in flight, {request.size} more would pass "
+                    f"this worker's bound of {request.limit}; retry shortly",
+                )
             try:
                 return behavior(request.message, context)
             finally:
@@ -164,8 +170,11 @@ class SessionOwners:
         held = self._held.get(principal)
         if held is None:  # what the engine holds for this principal already (a resumed worker's sessions)
             tag = self.security.tag(principal)
-            held = self._held[principal] = {r.session_id for r in self.manager.sessions()
-                                            if tag is not None and self.security.owner_of_key(r.session_id)[0] == tag}
+            held = self._held[principal] = {
+                r.session_id
+                for r in self.manager.sessions()
+                if tag is not None and self.security.owner_of_key(r.session_id)[0] == tag
+            }
         return held
 
     def _over_cap(self, held: set[str], more: int) -> bool:  # under self._lock
@@ -190,8 +199,11 @@ class SessionOwners:
             held = self._held_by(principal)
             new = [k for k in dict.fromkeys(keys) if k not in held]
             if new and self._over_cap(held, len(new)):
-                return WhyNot(Why.CALLER_CAP, f"this caller holds {len(held)} sessions here and asks for "
-                              f"{len(new)} more; the cap is {self.cap} per caller (serve --max-sessions-per-principal)")
+                return WhyNot(
+                    Why.CALLER_CAP,
+                    f"this caller holds {len(held)} sessions here and asks for "
+                    f"{len(new)} more; the cap is {self.cap} per caller (serve --max-sessions-per-principal)",
+                )
             held.update(new)
         return None
 

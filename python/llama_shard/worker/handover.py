@@ -18,6 +18,7 @@ or refuses with a clear outcome and nothing changed.
 Invariants: a session is in at most one of `moving` and `moved`; a step for a session in `moving`
 waits (never computes beside its export); a moved session's KV is on this worker no more.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,6 +47,7 @@ HANDOVER_CHUNK_BYTES = 256 * 1024
 class Moved(NamedTuple):
     """SessionMoves.enter's answer for a step whose session left: the replica that holds it now,
     or None while its hand-over outlasted the step's deadline (it must not run beside the export)."""
+
     to: str | None
 
 
@@ -57,9 +59,9 @@ class SessionMoves:
         self.cond = threading.Condition()
         self.draining = False
         self.moving: set[str] = set()
-        self.moved: dict[str, str] = {}          # engine key -> the replica's address
-        self.asked: set[str] = set()             # moved sessions a step has asked for since
-        self._in_flight: Tally = Tally()         # engine key -> its steps being computed here
+        self.moved: dict[str, str] = {}  # engine key -> the replica's address
+        self.asked: set[str] = set()  # moved sessions a step has asked for since
+        self._in_flight: Tally = Tally()  # engine key -> its steps being computed here
 
     def enter(self, key: str, deadline: float) -> Moved | None:
         """A step for `key` may run here (None; `leave` when computed), or where its session went
@@ -162,22 +164,33 @@ def state_digest(state: bytes) -> bytes:
     return hashlib.sha256(state).digest()
 
 
-def handover_messages(header: pb.HandoverRequest, state: bytes,
-                      chunk: int = HANDOVER_CHUNK_BYTES) -> list[pb.HandoverRequest]:
+def handover_messages(
+    header: pb.HandoverRequest, state: bytes, chunk: int = HANDOVER_CHUNK_BYTES
+) -> list[pb.HandoverRequest]:
     """One hand-over's stream: `header` (every field but the state) with the state's size, its
     SHA-256 and its first chunk, then the other chunks."""
     first = pb.HandoverRequest()
     first.CopyFrom(header)
     first.state, first.state_bytes, first.state_sha256 = state[:chunk], len(state), state_digest(state)
-    return [first, *(pb.HandoverRequest(state=state[i:i + chunk]) for i in range(chunk, len(state), chunk))]
+    return [first, *(pb.HandoverRequest(state=state[i : i + chunk]) for i in range(chunk, len(state), chunk))]
 
 
 class Drainer:
     """The sending side: hands every live session of `manager` to one of `targets` (addresses a
     `Peers` may reach), in turn. `owner_of(key)` gives (the owner's principal, its session id)."""
 
-    def __init__(self, manager, peers, moves: SessionMoves, owner_of, fingerprint: str, digest: str,
-                 on_moved=lambda n: None, sign=lambda owner: None, instance_id: str = ""):
+    def __init__(
+        self,
+        manager,
+        peers,
+        moves: SessionMoves,
+        owner_of,
+        fingerprint: str,
+        digest: str,
+        on_moved=lambda n: None,
+        sign=lambda owner: None,
+        instance_id: str = "",
+    ):
         self.manager, self.peers, self.moves = manager, peers, moves
         self.instance_id = instance_id  # this worker's, in each hand-over (the receiver marks the session)
         self.owner_of = owner_of
@@ -199,8 +212,11 @@ class Drainer:
         for _ in range(3):
             # the most recently used first: where the replica has room for only some, it takes those
             # being streamed, and an idle one there is pushed out before them (see Handover)
-            records = sorted((r for r in self.manager.sessions() if r.session_id not in self.moves.moved),
-                             key=lambda r: r.last_used, reverse=True)
+            records = sorted(
+                (r for r in self.manager.sessions() if r.session_id not in self.moves.moved),
+                key=lambda r: r.last_used,
+                reverse=True,
+            )
             if not records:
                 break
             for r in records:
@@ -217,8 +233,9 @@ class Drainer:
         detail = "; ".join(dict.fromkeys(errors))[:1000]
         return pb.DrainReply(handed_over=handed, released=released, seconds=time.monotonic() - t0, detail=detail)
 
-    def _move(self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float,
-              errors: list[str]) -> str | None:
+    def _move(
+        self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float, errors: list[str]
+    ) -> str | None:
         """One session handed over (the replica's address) or released here (None)."""
         to = None
         try:
@@ -241,8 +258,9 @@ class Drainer:
             pass
         self.moves.done(key, to)
 
-    def _hand_over(self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float,
-                   errors: list[str]) -> str | None:
+    def _hand_over(
+        self, key: str, epoch: int, last_used: float, targets: tuple[str, ...], timeout: float, errors: list[str]
+    ) -> str | None:
         """The replica that took the session, or None (errors says why)."""
         try:
             out = self.manager.export_session(key, epoch)
@@ -257,10 +275,20 @@ class Drainer:
         if owner is None:
             errors.append("a session whose owner this worker cannot name stays here")
             return None
-        messages = handover_messages(pb.HandoverRequest(
-            session_id=session_id, route_epoch=epoch, owner=owner, seq_len=info.seq_len, idle_seconds=idle,
-            recipe_fingerprint=self.fingerprint, model_digest=self.digest, owner_assertion=self.sign(owner) or b"",
-            from_instance=self.instance_id), state)
+        messages = handover_messages(
+            pb.HandoverRequest(
+                session_id=session_id,
+                route_epoch=epoch,
+                owner=owner,
+                seq_len=info.seq_len,
+                idle_seconds=idle,
+                recipe_fingerprint=self.fingerprint,
+                model_digest=self.digest,
+                owner_assertion=self.sign(owner) or b"",
+                from_instance=self.instance_id,
+            ),
+            state,
+        )
         for target in targets:
             if target in self._unreachable:
                 continue
@@ -282,8 +310,17 @@ class HandoverReceiver:
     opened as the session, hot, at its epoch. `on_arrived(key, epoch, from_instance)` runs for each
     session taken over."""
 
-    def __init__(self, manager, security, owners, moves: SessionMoves, fingerprint: str, model_digest: str,
-                 max_bytes: int, on_arrived):
+    def __init__(
+        self,
+        manager,
+        security,
+        owners,
+        moves: SessionMoves,
+        fingerprint: str,
+        model_digest: str,
+        max_bytes: int,
+        on_arrived,
+    ):
         self.manager, self.security, self.owners, self.moves = manager, security, owners, moves
         self.fingerprint, self.model_digest, self.max_bytes = fingerprint, model_digest, max_bytes
         self.on_arrived = on_arrived
@@ -292,38 +329,54 @@ class HandoverReceiver:
     def receive(self, caller: str, request_iterator, time_left: float | None, stopping: bool) -> pb.SessionReply:
         """A hand-over's stream from `caller` (a trusted neighbour: the servicer checked), gathered,
         checked and opened here; every refusal names why and changes nothing."""
+
         def refused(outcome: int, detail: str) -> pb.SessionReply:
             return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
+
         request = next(request_iterator, None)
         if request is None:
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "the stream carried no message")
         if stopping or self.moves.draining:
             return refused(pb.OUTCOME_UNAVAILABLE, "this worker is draining too")
         if request.recipe_fingerprint != self.fingerprint:
-            return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's KV recipe is not this worker's "
-                           "(another layer range, K/V type or attention kernel)")
+            return refused(
+                pb.OUTCOME_INCOMPATIBLE_RECIPE,
+                "the sender's KV recipe is not this worker's (another layer range, K/V type or attention kernel)",
+            )
         if request.model_digest != self.model_digest:
             return refused(pb.OUTCOME_INCOMPATIBLE_RECIPE, "the sender's model file is not this worker's")
         owner = request.owner
         if self.security.authenticated and (not owner.strip() or owner in self.security.admins):
-            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal")
+            return refused(
+                pb.OUTCOME_INVALID_ARGUMENT, "a session on this worker belongs to a named, non-admin principal"
+            )
         if not self.security.authenticated and owner:
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker has no authentication: every session is anonymous")
-        if (self.security.authenticated and caller not in self.security.admins
-                and not self.security.assertion_valid(owner, request.owner_assertion)):
+        if (
+            self.security.authenticated
+            and caller not in self.security.admins
+            and not self.security.assertion_valid(owner, request.owner_assertion)
+        ):
             # a forwarder acts for a principal only with the route key's signature, as on a step
-            return refused(pb.OUTCOME_INVALID_ARGUMENT, "a forwarder's hand-over needs the route key's assertion of "
-                           "its owner (owner_assertion)")
+            return refused(
+                pb.OUTCOME_INVALID_ARGUMENT,
+                "a forwarder's hand-over needs the route key's assertion of its owner (owner_assertion)",
+            )
         if not 0 < request.state_bytes <= self.max_bytes:
-            return refused(pb.OUTCOME_INVALID_ARGUMENT, f"state_bytes {request.state_bytes}: a session's state on this "
-                           f"worker takes 1 to {self.max_bytes} bytes")
+            return refused(
+                pb.OUTCOME_INVALID_ARGUMENT,
+                f"state_bytes {request.state_bytes}: a session's state on this "
+                f"worker takes 1 to {self.max_bytes} bytes",
+            )
         if not self._gathering.acquire(timeout=HANDOVER_TIMEOUT_S if time_left is None else max(0.0, time_left)):
             return refused(pb.OUTCOME_UNAVAILABLE, "other hand-overs are being received; try another replica")
         try:
             state = self._gather_state(request, request_iterator)
             if state is None:
-                return refused(pb.OUTCOME_INVALID_ARGUMENT, f"the stream's chunks do not add up to state_bytes "
-                               f"{request.state_bytes}")
+                return refused(
+                    pb.OUTCOME_INVALID_ARGUMENT,
+                    f"the stream's chunks do not add up to state_bytes {request.state_bytes}",
+                )
             if len(request.state_sha256) != 32 or state_digest(state) != request.state_sha256:
                 return refused(pb.OUTCOME_INVALID_ARGUMENT, "the state's SHA-256 does not match its bytes")
             return self._take_over(request, state, owner, refused)
@@ -350,20 +403,26 @@ class HandoverReceiver:
             held = self.manager.resolve(key, request.route_epoch)
             if not isinstance(held, CacheMiss):
                 # it may be a newer copy (the session failed over here): never replaced by the sender's
-                return refused(pb.OUTCOME_INVALID_ARGUMENT, "this worker already holds the session at that epoch; "
-                               "it is kept (the sender's copy may be older)")
+                return refused(
+                    pb.OUTCOME_INVALID_ARGUMENT,
+                    "this worker already holds the session at that epoch; it is kept (the sender's copy may be older)",
+                )
             self.owners.name(owner, self.security.tag(owner))
             cap = self.owners.admit(owner, [key])
             if cap is not None:
                 return refused(pb.OUTCOME_BUDGET_EXCEEDED, cap.text)
             later = self._used_since(request.seq_len, request.idle_seconds)
             if later is not None:
-                return refused(pb.OUTCOME_BUDGET_EXCEEDED, f"no room here but that of a session used {later:.2f} s ago, "
-                               f"more recently than this one ({request.idle_seconds:.2f} s)")
+                return refused(
+                    pb.OUTCOME_BUDGET_EXCEEDED,
+                    f"no room here but that of a session used {later:.2f} s ago, "
+                    f"more recently than this one ({request.idle_seconds:.2f} s)",
+                )
             self.manager.import_session(key, request.route_epoch, request.seq_len, state)
         except StaleRouteEpochError as e:
-            return pb.SessionReply(outcome=pb.OUTCOME_STALE_EPOCH, detail=f"hand-over refused: {e}",
-                                   current_epoch=e.current_epoch or 0)
+            return pb.SessionReply(
+                outcome=pb.OUTCOME_STALE_EPOCH, detail=f"hand-over refused: {e}", current_epoch=e.current_epoch or 0
+            )
         except KvBudgetExceededError as e:
             return refused(pb.OUTCOME_BUDGET_EXCEEDED, str(e))
         except IncompatibleCacheRecipeError as e:
@@ -382,8 +441,7 @@ class HandoverReceiver:
         config, stats = self.manager.config, self.manager.stats()
         if config.warm_bytes > 0:  # what is pushed out is spilled, and restored at its next step
             return None
-        if (stats["live_sessions"] < config.max_sessions
-                and stats["reserved_tokens"] + seq_len <= config.budget_tokens):
+        if stats["live_sessions"] < config.max_sessions and stats["reserved_tokens"] + seq_len <= config.budget_tokens:
             return None
         hot = [r for r in self.manager.sessions() if r.tier == Tier.HOT]  # least recently used first
         since = self.manager.clock() - hot[0].last_used if hot else None

@@ -1,6 +1,7 @@
 """What a worker asks of the head that may sit on it: the one seam between every worker's code and
 the head's (head/role.py fills it). A worker without a head answers Generate UNIMPLEMENTED; the
 worker package never imports the head's."""
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -1,4 +1,5 @@
 """A worker's Prometheus metrics (serve --metrics-port): the engine's, read at scrape time, and its step RPCs'."""
+
 from __future__ import annotations
 
 import threading
@@ -21,18 +22,20 @@ class EngineCollector:
     def collect(self):
         st = self.manager.stats()
         names, values = list(self.labels), list(self.labels.values())
-        for name, key, doc in [("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
-                               ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
-                               ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
-                               ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)"),
-                               ("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
-                               ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
-                               ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
-                               ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
-                               ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files"),
-                               ("llama_shard_prefix_entries", "prefix_entries", "Shared prefixes held (--prefix-memory)"),
-                               ("llama_shard_prefix_bytes", "prefix_bytes", "Bytes the prefix store holds"),
-                               ("llama_shard_prefix_capacity_bytes", "prefix_capacity", "The prefix store's bound")]:
+        for name, key, doc in [
+            ("llama_shard_live_sessions", "live_sessions", "Live route sessions"),
+            ("llama_shard_reserved_tokens", "reserved_tokens", "Tokens held by live sessions"),
+            ("llama_shard_budget_tokens", "budget_tokens", "Token budget of this shard"),
+            ("llama_shard_reserved_kv_bytes", "reserved_bytes", "KV bytes held (owned layers)"),
+            ("llama_shard_warm_sessions", "warm_sessions", "Sessions whose KV is in the warm tier"),
+            ("llama_shard_warm_bytes", "warm_bytes", "Bytes the warm tier holds"),
+            ("llama_shard_warm_capacity_bytes", "warm_capacity", "The warm tier's bound"),
+            ("llama_shard_disk_sessions", "disk_sessions", "Warm sessions held in files (--warm-dir)"),
+            ("llama_shard_disk_bytes", "disk_bytes", "Bytes of the disk tier's files"),
+            ("llama_shard_prefix_entries", "prefix_entries", "Shared prefixes held (--prefix-memory)"),
+            ("llama_shard_prefix_bytes", "prefix_bytes", "Bytes the prefix store holds"),
+            ("llama_shard_prefix_capacity_bytes", "prefix_capacity", "The prefix store's bound"),
+        ]:
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, st[key])
             yield g
@@ -40,27 +43,33 @@ class EngineCollector:
         ev.add_metric(values + ["ttl"], st["evictions_ttl"])
         ev.add_metric(values + ["lru"], st["evictions_lru"])
         yield ev
-        ms = CounterMetricFamily("llama_shard_cache_misses", "Cache misses returned, by reason", labels=names + ["reason"])
+        ms = CounterMetricFamily(
+            "llama_shard_cache_misses", "Cache misses returned, by reason", labels=names + ["reason"]
+        )
         for reason, n in st["misses"].items():
             ms.add_metric(values + [reason], n)
         yield ms
-        for name, key, doc in [("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
-                               ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
-                               ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
-                               ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
-                               ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)"),
-                               ("llama_shard_prefix_hits", "prefix_hits", "Sessions opened from a stored shared prefix"),
-                               ("llama_shard_prefix_tokens_saved", "prefix_tokens_saved", "Tokens those sessions did not compute"),
-                               ("llama_shard_prefix_stores", "prefix_stores", "Shared prefixes stored"),
-                               ("llama_shard_prefix_evictions", "prefix_evictions", "Shared prefixes dropped to make room")]:
+        for name, key, doc in [
+            ("llama_shard_spills", "spills", "Sessions moved from the hot set to the warm tier"),
+            ("llama_shard_restores", "restores", "Warm sessions brought back hot, without a re-prefill"),
+            ("llama_shard_warm_drops", "warm_drops", "Warm sessions dropped (LRU by bytes, TTL, release, new epoch)"),
+            ("llama_shard_disk_restores", "disk_restores", "Restores read from the disk tier (part of restores)"),
+            ("llama_shard_disk_failures", "disk_failures", "Disk tier writes or reads that failed (logged)"),
+            ("llama_shard_prefix_hits", "prefix_hits", "Sessions opened from a stored shared prefix"),
+            ("llama_shard_prefix_tokens_saved", "prefix_tokens_saved", "Tokens those sessions did not compute"),
+            ("llama_shard_prefix_stores", "prefix_stores", "Shared prefixes stored"),
+            ("llama_shard_prefix_evictions", "prefix_evictions", "Shared prefixes dropped to make room"),
+        ]:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, st[key])
             yield c
         # how this worker computes a verification of n tokens (--draft-verify exact), decided by its first
         # one of that size: one call where that was proven to give one-token steps' bytes and was faster
-        v = GaugeMetricFamily("llama_shard_verification_rows",
-                              "1 per verification size (tokens) decided: one call, or row by row and why",
-                              labels=names + ["tokens", "verdict"])
+        v = GaugeMetricFamily(
+            "llama_shard_verification_rows",
+            "1 per verification size (tokens) decided: one call, or row by row and why",
+            labels=names + ["tokens", "verdict"],
+        )
         for n, verdict in getattr(self.manager.engine, "whole_rows_verdicts", {}).items():
             v.add_metric(values + [str(n), verdict], 1)
         yield v
@@ -78,12 +87,26 @@ class StepMetrics:
     exported from the start (zero counts), so a scrape before the first step sees the series."""
 
     def __init__(self, registry, step_kinds):
-        self.seconds = Histogram("llama_shard_step_seconds", "Latency of a prefill/decode RPC", ["kind"],
-                                 registry=registry, buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
-        self.tokens = Histogram("llama_shard_step_tokens", "Tokens in a prefill/decode RPC", ["kind"],
-                                registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-        self.handovers = Counter("llama_shard_handover_sessions", "Sessions handed to a replica (sent) or taken "
-                                 "from one (received)", ["direction"], registry=registry)
+        self.seconds = Histogram(
+            "llama_shard_step_seconds",
+            "Latency of a prefill/decode RPC",
+            ["kind"],
+            registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+        )
+        self.tokens = Histogram(
+            "llama_shard_step_tokens",
+            "Tokens in a prefill/decode RPC",
+            ["kind"],
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        )
+        self.handovers = Counter(
+            "llama_shard_handover_sessions",
+            "Sessions handed to a replica (sent) or taken from one (received)",
+            ["direction"],
+            registry=registry,
+        )
         self.handover_total = 0  # both directions (Info)
         self._lock = threading.Lock()
         for label in ("prefill", "decode", "batch"):

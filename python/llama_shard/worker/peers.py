@@ -1,5 +1,6 @@
 """The workers a worker forwards chained steps to (serve --peer), and the metadata a forwarded step
 carries (the workers it passed through; the principal it is sent for, with the head's assertion)."""
+
 from __future__ import annotations
 
 import threading
@@ -24,12 +25,18 @@ VISITED = "llama-shard-visited"
 #: KEEPALIVE_TIMEOUT_MS: a peer whose machine vanished (no reset ever comes) fails the step in
 #: seconds, not at its deadline, and the head fails over
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 2000, 2000
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 #: what a worker's server allows its callers' keepalive pings (gRPC's default refuses pings more
 #: often than every 5 minutes, closing the connection); a caller pinging faster still gets strikes
-SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-                            ("grpc.keepalive_permit_without_calls", 1)]
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 class Peers:
@@ -37,15 +44,23 @@ class Peers:
     on first use. Addresses are compared exactly as the operator wrote them. `sign`: this worker's
     assertion of a principal it authenticated itself (ServerSecurity.assertion)."""
 
-    def __init__(self, allowed: tuple[str, ...], max_message_bytes: int, security: ClientSecurity = ClientSecurity(),
-                 sign=lambda principal: None):
+    def __init__(
+        self,
+        allowed: tuple[str, ...],
+        max_message_bytes: int,
+        security: ClientSecurity = ClientSecurity(),
+        sign=lambda principal: None,
+    ):
         self.allowed = frozenset(allowed)
         self.replicas: frozenset[str] = frozenset()  # workers of this one's range it may hand sessions to
         self.security = security
         self.sign = sign
-        self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes), *RECONNECT_OPTIONS,
-                         *KEEPALIVE_OPTIONS]
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            *RECONNECT_OPTIONS,
+            *KEEPALIVE_OPTIONS,
+        ]
         self._stubs: dict[str, pb_grpc.ShardServiceStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -60,8 +75,17 @@ class Peers:
                 stub = self._stubs[address] = pb_grpc.ShardServiceStub(channel)
             return stub
 
-    def call(self, address: str, steps: list[tuple], forward: list, timeout: float, batch: bool,
-             principal: str = ANONYMOUS, visited: tuple[str, ...] = (), assertion: bytes | None = None) -> list:
+    def call(
+        self,
+        address: str,
+        steps: list[tuple],
+        forward: list,
+        timeout: float,
+        batch: bool,
+        principal: str = ANONYMOUS,
+        visited: tuple[str, ...] = (),
+        assertion: bytes | None = None,
+    ) -> list:
         """One RPC to `address` with (kind, StepRequest) steps: Prefill/Decode for a lone step
         that came alone, else StepBatch, for `principal`, through the workers `visited`; raises
         grpc.RpcError when the peer fails. `assertion`: the one a forwarded step came with (passed
@@ -97,9 +121,9 @@ class Peers:
         be reached."""
         stub = self._stub(address)
         deadline = time.monotonic() + timeout
-        return call_reconnecting(lambda: stub.Handover(iter(messages),
-                                                       timeout=max(0.001, deadline - time.monotonic())),
-                                 deadline)
+        return call_reconnecting(
+            lambda: stub.Handover(iter(messages), timeout=max(0.001, deadline - time.monotonic())), deadline
+        )
 
     def close(self) -> None:
         for channel in self._channels:

@@ -23,6 +23,7 @@ at a chunk boundary
 leaves a session opened from it computing exactly the chunks a session without it computes after
 that boundary, so its tokens and logits are the same bytes (tests/test_prefixes.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,6 +35,8 @@ from ..errors import InvalidInputError
 #: tokens per block of a prefix key (a multiple of the loop's chunk: see the module's docstring)
 PREFIX_BLOCK_TOKENS = 256
 SHARE_MODES = ("principal", "all")
+
+
 class _SharedScope:
     def __repr__(self) -> str:
         return "SHARED"
@@ -49,6 +52,8 @@ def _scoped(scope) -> bytes:
         return b"A"
     name = scope.encode("utf-8", "surrogatepass")
     return b"P" + len(name).to_bytes(4, "little") + name
+
+
 _SEED = hashlib.blake2b(b"llama-shard prefix keys v1", digest_size=8).digest()
 
 
@@ -56,11 +61,12 @@ def block_keys(tokens, n_blocks: int | None = None) -> list[int]:
     """The chained keys of the whole blocks of `tokens` (at most n_blocks): key i is the first 8
     bytes of BLAKE2b(key i-1, block i's token ids as little-endian int32), block -1's key a constant."""
     n = len(tokens) // PREFIX_BLOCK_TOKENS if n_blocks is None else min(n_blocks, len(tokens) // PREFIX_BLOCK_TOKENS)
-    ids = np.asarray(tokens[:n * PREFIX_BLOCK_TOKENS], dtype="<i4")
+    ids = np.asarray(tokens[: n * PREFIX_BLOCK_TOKENS], dtype="<i4")
     keys, prev = [], _SEED
     for i in range(n):
-        prev = hashlib.blake2b(prev + ids[i * PREFIX_BLOCK_TOKENS:(i + 1) * PREFIX_BLOCK_TOKENS].tobytes(),
-                               digest_size=8).digest()
+        prev = hashlib.blake2b(
+            prev + ids[i * PREFIX_BLOCK_TOKENS : (i + 1) * PREFIX_BLOCK_TOKENS].tobytes(), digest_size=8
+        ).digest()
         keys.append(int.from_bytes(prev, "little"))
     return keys
 
@@ -89,6 +95,7 @@ class PrefixNames:
         share a recipe), read once; the same function the disk tier names its files' model by."""
         if self._digest is None:
             from .._native import model_digest  # reads the file without the GIL
+
             self._digest = model_digest(self._model_path).encode() if self._model_path else b""
         return self._digest
 

@@ -8,6 +8,7 @@ sampled anyway. `TailSamplers` only saves the rebuild: it keeps each session's s
 step and uses it again when the next step's state is the one it has reached, otherwise it rebuilds
 (`TokenSampler(history=recent, draws=draws)`, a replay of `draws` draws).
 """
+
 from __future__ import annotations
 
 import threading
@@ -60,22 +61,32 @@ class StepSamplingChecks:
                     self._checked.popitem(last=False)
         n_vocab, max_window = self.n_vocab, self.max_window
         if len(state.recent) > params.penalty_last_n:
-            raise InvalidInputError(f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
-                                    f"is {params.penalty_last_n}")
+            raise InvalidInputError(
+                f"the sampler state holds {len(state.recent)} recent tokens; the penalty window "
+                f"is {params.penalty_last_n}"
+            )
         if state.draws > max_window:
-            raise InvalidInputError(f"the sampler state has {state.draws} draws; a session samples at most {max_window}")
+            raise InvalidInputError(
+                f"the sampler state has {state.draws} draws; a session samples at most {max_window}"
+            )
         if any(not 0 <= t < n_vocab for t in state.recent):
             raise InvalidInputError(f"a recent token of the sampler state is outside the vocabulary (0..{n_vocab - 1})")
-        if params.grammar and len(state.generated) != state.draws and not (
-                not state.generated and len(state.generated_digest) == GRAMMAR_DIGEST_BYTES):
-            raise InvalidInputError(f"a sampler state with a grammar carries every sampled token "
-                                    f"({len(state.generated)} for {state.draws} draws), or none and their "
-                                    f"{GRAMMAR_DIGEST_BYTES}-byte digest")
+        if (
+            params.grammar
+            and len(state.generated) != state.draws
+            and not (not state.generated and len(state.generated_digest) == GRAMMAR_DIGEST_BYTES)
+        ):
+            raise InvalidInputError(
+                f"a sampler state with a grammar carries every sampled token "
+                f"({len(state.generated)} for {state.draws} draws), or none and their "
+                f"{GRAMMAR_DIGEST_BYTES}-byte digest"
+            )
         if (state.generated or state.generated_digest) and not params.grammar:
             raise InvalidInputError("a sampler state without a grammar carries no generated tokens or digest")
         if any(not 0 <= t < n_vocab for t in state.generated):
-            raise InvalidInputError(f"a generated token of the sampler state is outside the vocabulary "
-                                    f"(0..{n_vocab - 1})")
+            raise InvalidInputError(
+                f"a generated token of the sampler state is outside the vocabulary (0..{n_vocab - 1})"
+            )
         return params
 
     def forget(self, key: tuple) -> None:
@@ -127,8 +138,9 @@ class TailSamplers:
     def sample(self, key: tuple, params: SamplingParams, state: pb.SamplerState, logits: np.ndarray) -> int:
         return self.sample_rows(key, params, state, logits.reshape(1, -1), [])[0]
 
-    def sample_rows(self, key: tuple, params: SamplingParams, state: pb.SamplerState, rows: np.ndarray,
-                    drafts: list[int]) -> list[int]:
+    def sample_rows(
+        self, key: tuple, params: SamplingParams, state: pb.SamplerState, rows: np.ndarray, drafts: list[int]
+    ) -> list[int]:
         """A verification (`verify`) with the session's sampler: row by row, each draw
         accepted as one step's would be, until a token is not the next draft."""
         pkey, recent, draws = sampling_key(params), tuple(state.recent), state.draws
@@ -157,11 +169,20 @@ class TailSamplers:
             if kept is not None:  # still the session's latest state: a replay of this step may continue it
                 with self._lock:
                     self._kept[key] = kept
-            raise SamplerStateMissing(f"this tail keeps no grammar state of the session after {draws} tokens "
-                                      "with that digest: send the step with its generated tokens")
+            raise SamplerStateMissing(
+                f"this tail keeps no grammar state of the session after {draws} tokens "
+                "with that digest: send the step with its generated tokens"
+            )
         else:
-            sampler = TokenSampler(self.n_vocab, params, self.max_window, history=list(recent), draws=draws,
-                                   model=self.model if params.grammar else None, generated=list(state.generated))
+            sampler = TokenSampler(
+                self.n_vocab,
+                params,
+                self.max_window,
+                history=list(recent),
+                draws=draws,
+                model=self.model if params.grammar else None,
+                generated=list(state.generated),
+            )
             self.rebuilds += 1
             self.grammar_replays += bool(params.grammar)
 
@@ -169,12 +190,18 @@ class TailSamplers:
             token = sampler.sample(np.ascontiguousarray(row))
             sampler.accept_sampled(token)
             return token
+
         tokens = verify(rows, drafts, draw)
         window = params.penalty_last_n
         after = (recent + tuple(tokens))[-window:] if window else ()
         with self._lock:
-            self._kept[key] = (sampler, pkey, draws + len(tokens), after,
-                               grammar_digest(tokens, digest) if params.grammar else b"")
+            self._kept[key] = (
+                sampler,
+                pkey,
+                draws + len(tokens),
+                after,
+                grammar_digest(tokens, digest) if params.grammar else b"",
+            )
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
         return tokens

@@ -22,6 +22,7 @@ keyed by a secret of this worker's, so no id a client sends is another principal
 (`--forwarder`) acts for the principal it names only with the head's signature under the route key
 (`--route-key-file`, the same file on every worker of the route), issued within ASSERTION_MAX_AGE_S.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -187,11 +188,14 @@ def read_private_file(path: str, what: str, min_bytes: int, max_bytes: int) -> b
         if st.st_uid != os.geteuid():
             raise InvalidInputError(f"{what} {path} belongs to another user (uid {st.st_uid}); it must be this user's")
         if st.st_mode & 0o077:
-            raise InvalidInputError(f"{what} {path} is open to group or others (mode {st.st_mode & 0o7777:04o}); "
-                                    "chmod 600 it")
+            raise InvalidInputError(
+                f"{what} {path} is open to group or others (mode {st.st_mode & 0o7777:04o}); chmod 600 it"
+            )
         if not min_bytes <= st.st_size <= max_bytes:
-            raise InvalidInputError(f"{what} {path} holds {st.st_size} bytes; it must hold {min_bytes} to {max_bytes} "
-                                    f"(e.g. head -c {min_bytes} /dev/urandom > FILE)")
+            raise InvalidInputError(
+                f"{what} {path} holds {st.st_size} bytes; it must hold {min_bytes} to {max_bytes} "
+                f"(e.g. head -c {min_bytes} /dev/urandom > FILE)"
+            )
         data = b""
         while len(data) < st.st_size:
             chunk = os.read(fd, st.st_size - len(data))
@@ -214,11 +218,14 @@ class Caller(NamedTuple):
     why: str = ""
 
 
-_NO_CREDENTIALS = ("valid credentials are required (a bearer token or a client certificate this worker trusts, "
-                   "with a common name)")
-_BAD_ASSERTION = ("a forwarder's on-behalf-of name needs the head's signature under this worker's route key, "
-                  f"issued within {ASSERTION_MAX_AGE_S} s (serve --route-key-file, the same file on every worker "
-                  "of the route), for a name that is not blank and not an admin's")
+_NO_CREDENTIALS = (
+    "valid credentials are required (a bearer token or a client certificate this worker trusts, with a common name)"
+)
+_BAD_ASSERTION = (
+    "a forwarder's on-behalf-of name needs the head's signature under this worker's route key, "
+    f"issued within {ASSERTION_MAX_AGE_S} s (serve --route-key-file, the same file on every worker "
+    "of the route), for a name that is not blank and not an admin's"
+)
 
 
 @dataclasses.dataclass
@@ -240,8 +247,10 @@ class ServerSecurity:
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidInputError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.token_file and not self.tls_cert:
-            raise InvalidInputError("--auth-token-file needs TLS (--tls-cert and --tls-key): a bearer token "
-                                    "must not cross the network in clear")
+            raise InvalidInputError(
+                "--auth-token-file needs TLS (--tls-cert and --tls-key): a bearer token "
+                "must not cross the network in clear"
+            )
         try:
             self.tokens = TokenTable(self.token_file) if self.token_file else None
         except (OSError, ValueError) as e:
@@ -251,11 +260,16 @@ class ServerSecurity:
                 read_bytes(path)  # fails now, with the path, rather than at the first handshake
         if self.forwarders and not self.route_key_file:
             # an unsigned on-behalf-of name would let a leaked peer token step anyone's sessions
-            raise InvalidInputError("--forwarder needs --route-key-file: a forwarder acts for a principal only "
-                                    "with the head's signature under the route's key (the same private file, "
-                                    f"{ROUTE_KEY_MIN_BYTES} bytes or more, on every worker of the route)")
-        self._route_key = (read_private_file(self.route_key_file, "--route-key-file", ROUTE_KEY_MIN_BYTES,
-                                             ROUTE_KEY_MAX_BYTES) if self.route_key_file else None)
+            raise InvalidInputError(
+                "--forwarder needs --route-key-file: a forwarder acts for a principal only "
+                "with the head's signature under the route's key (the same private file, "
+                f"{ROUTE_KEY_MIN_BYTES} bytes or more, on every worker of the route)"
+            )
+        self._route_key = (
+            read_private_file(self.route_key_file, "--route-key-file", ROUTE_KEY_MIN_BYTES, ROUTE_KEY_MAX_BYTES)
+            if self.route_key_file
+            else None
+        )
         self._assertions: dict[str, tuple[int, bytes]] = {}  # principal -> (issued at, this head's assertion)
         self._assertions_lock = threading.Lock()
         # owner tags: keyed per process until key_owner_tags() ties them to a warm directory's key
@@ -271,20 +285,23 @@ class ServerSecurity:
         if not is_loopback(host) and not (self.tls_cert and self.authenticated) and not self.insecure:
             raise InvalidInputError(
                 f"refusing to serve on {host} without TLS and authentication: give --tls-cert and --tls-key "
-                "with --auth-token-file or --tls-client-ca (mutual TLS), or --insecure to serve in clear anyway")
+                "with --auth-token-file or --tls-client-ca (mutual TLS), or --insecure to serve in clear anyway"
+            )
 
     def check_metrics_exposure(self, host: str) -> None:
         """The metrics endpoint is plaintext HTTP without authentication: loopback, unless --insecure."""
         if not is_loopback(host) and not self.insecure:
             raise InvalidInputError(
                 f"refusing to serve metrics on {host}: the endpoint is plaintext and unauthenticated; keep the "
-                "default (--metrics-host 127.0.0.1, scraped through a local agent) or give --insecure")
+                "default (--metrics-host 127.0.0.1, scraped through a local agent) or give --insecure"
+            )
 
     # --- the port ---------------------------------------------------------------------------
 
     def _certificate_configuration(self):
-        return grpc.ssl_server_certificate_configuration([(read_bytes(self.tls_key), read_bytes(self.tls_cert))],
-                                                         root_certificates=read_bytes(self.tls_client_ca))
+        return grpc.ssl_server_certificate_configuration(
+            [(read_bytes(self.tls_key), read_bytes(self.tls_cert))], root_certificates=read_bytes(self.tls_client_ca)
+        )
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """None for a plaintext port; else TLS whose certificates are re-read when their files change."""
@@ -304,8 +321,9 @@ class ServerSecurity:
             state["mtimes"] = now
             return config
 
-        return grpc.dynamic_ssl_server_credentials(self._certificate_configuration(), fetch,
-                                                   require_client_authentication=bool(self.tls_client_ca))
+        return grpc.dynamic_ssl_server_credentials(
+            self._certificate_configuration(), fetch, require_client_authentication=bool(self.tls_client_ca)
+        )
 
     def reload(self) -> None:
         """SIGHUP: re-read the token file (certificates are re-read on change by themselves)."""
@@ -340,8 +358,13 @@ class ServerSecurity:
             principal = named.decode("utf-8") if isinstance(named, bytes) else None
         except UnicodeDecodeError:
             principal = None
-        if (principal is None or not principal.strip() or principal in self.admins
-                or not isinstance(assertion, bytes) or not self._assertion_valid(principal, assertion)):
+        if (
+            principal is None
+            or not principal.strip()
+            or principal in self.admins
+            or not isinstance(assertion, bytes)
+            or not self._assertion_valid(principal, assertion)
+        ):
             return Caller(None, why=_BAD_ASSERTION)
         return Caller(principal, assertion)
 
@@ -351,7 +374,7 @@ class ServerSecurity:
         certificate without one is no name: it must never be ANONYMOUS's)."""
         if self.tokens is not None:
             value = metadata.get("authorization", "")
-            return self.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
+            return self.tokens.principal(value[len("Bearer ") :]) if value.startswith("Bearer ") else None
         names = context.auth_context().get("x509_common_name") or []
         name = names[0].decode("utf-8", "replace") if names else ""
         return name if name.strip() else None
@@ -402,11 +425,16 @@ class ServerSecurity:
         now), so that sessions a restarted worker resumes from there keep their owners: the tag key is
         HMAC-SHA256(that key, "llama-shard owner tag v1"). One warm directory per ServerSecurity."""
         path = os.path.join(warm_dir, WARM_KEY_NAME)
-        key = hmac.digest(read_private_file(path, "the warm tier's key", WARM_KEY_BYTES, WARM_KEY_BYTES),
-                          b"llama-shard owner tag v1", "sha256")
+        key = hmac.digest(
+            read_private_file(path, "the warm tier's key", WARM_KEY_BYTES, WARM_KEY_BYTES),
+            b"llama-shard owner tag v1",
+            "sha256",
+        )
         if self._tag_key_from is not None and not hmac.compare_digest(key, self._tag_key):
-            raise InvalidInputError(f"these security settings already key owner tags by {self._tag_key_from}; "
-                                    f"give the worker on {warm_dir} settings of its own")
+            raise InvalidInputError(
+                f"these security settings already key owner tags by {self._tag_key_from}; "
+                f"give the worker on {warm_dir} settings of its own"
+            )
         self._tag_key, self._tag_key_from = key, path
 
     def tag(self, principal: str) -> str | None:
@@ -427,8 +455,10 @@ class ServerSecurity:
         if not principal.strip():  # caller() never lets one through: a bug must not share a key space
             raise InvalidInputError("a session needs an authenticated principal")
         if len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES - len(tag) - 1:
-            raise InvalidInputError(f"route_session_id must be 1 to {MAX_SESSION_ID_BYTES - len(tag) - 1} bytes "
-                                    "on a worker with authentication")
+            raise InvalidInputError(
+                f"route_session_id must be 1 to {MAX_SESSION_ID_BYTES - len(tag) - 1} bytes "
+                "on a worker with authentication"
+            )
         return f"{tag}/{session_id}"
 
     def owner_of_key(self, key: str) -> tuple[str | None, str]:

@@ -7,6 +7,7 @@ deadlines, sessions, drain and hand-over, Info. The process around it is node.py
   concurrent clients' steps into shared engine steps; handler threads wait on it without the GIL.
 - Generate, and the head's part of Info, go to the head that sits on the worker (`HeadSlot`).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -42,8 +43,13 @@ from .steps import StepRunner
 
 
 class ShardServicer(pb_grpc.ShardServiceServicer):
-    def __init__(self, model: ShardModel, manager: HotKvStateManager, registry: CollectorRegistry,
-                 options: WorkerOptions | None = None):
+    def __init__(
+        self,
+        model: ShardModel,
+        manager: HotKvStateManager,
+        registry: CollectorRegistry,
+        options: WorkerOptions | None = None,
+    ):
         options = options or WorkerOptions()  # a fresh one each: WorkerOptions is mutable
         self.model = model
         self.info = model.info
@@ -51,8 +57,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.security = options.security
         if manager.config.warm_dir is not None:  # resumed sessions keep their owners' tags
             self.security.key_owner_tags(manager.config.warm_dir)
-        self.peers = Peers(tuple(options.peers), options.max_message_bytes, options.peer_security,
-                            sign=self.security.assertion)
+        self.peers = Peers(
+            tuple(options.peers), options.max_message_bytes, options.peer_security, sign=self.security.assertion
+        )
         self.peers.replicas = frozenset(options.replicas)
         self.moves = SessionMoves()  # a drain's sessions: the steps that come for them are told where they went
         self.owners = SessionOwners(manager, options.max_sessions_per_principal, options.security)
@@ -68,24 +75,53 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.wire_dtype = _wire_dtype(options.wire_dtype, self.info.n_embd)
         self.route = tuple(options.peers)  # in order: a head's later stages (head/role.py's replicas)
         config = manager.config
-        self.bounds = RequestBounds.of(config, self.info.n_embd, manager.stats()["kv_bytes_per_token"],
-                                       options.max_message_bytes)
+        self.bounds = RequestBounds.of(
+            config, self.info.n_embd, manager.stats()["kv_bytes_per_token"], options.max_message_bytes
+        )
         self.samplers = TailSamplers(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions, model)
         # sessions that arrived by hand-over, untouched since: a head continues them by their sender's id
         self.handed_in = HandedIn(4 * config.max_sessions)
-        self.steps = StepRunner(model, manager, KvBoundaryAdapter(model, manager), self.security, self.peers,
-                                self.owners, self.prefixes, self.samplers, secrets.token_hex(8),  # this worker in VISITED
-                                self.moves, self.handed_in)
+        self.steps = StepRunner(
+            model,
+            manager,
+            KvBoundaryAdapter(model, manager),
+            self.security,
+            self.peers,
+            self.owners,
+            self.prefixes,
+            self.samplers,
+            secrets.token_hex(8),  # this worker in VISITED
+            self.moves,
+            self.handed_in,
+        )
         if options.n_batch < MIN_BATCH_TOKENS:
-            raise InvalidInputError(f"batch is {options.n_batch}: a worker computes steps of up to {MIN_BATCH_TOKENS} "
-                                    f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MIN_BATCH_TOKENS}")
+            raise InvalidInputError(
+                f"batch is {options.n_batch}: a worker computes steps of up to {MIN_BATCH_TOKENS} "
+                f"tokens (a verification of {MAX_DRAFTS} drafts); give at least {MIN_BATCH_TOKENS}"
+            )
         self.head: HeadSlot = NoHead()  # head/role.py's Head when this worker runs one (attach_head)
         self.metrics = StepMetrics(registry, StepKind.__members__)
-        self.receiver = HandoverReceiver(manager, self.security, self.owners, self.moves, self.fingerprint,
-                                         self.model_digest, self.bounds.handover, self._handed_in)
-        self.drainer = Drainer(manager, self.peers, self.moves, self._owner_of, self.fingerprint, self.model_digest,
-                               on_moved=lambda n: self.metrics.handed("sent", n), sign=self.security.assertion,
-                               instance_id=self.instance_id)
+        self.receiver = HandoverReceiver(
+            manager,
+            self.security,
+            self.owners,
+            self.moves,
+            self.fingerprint,
+            self.model_digest,
+            self.bounds.handover,
+            self._handed_in,
+        )
+        self.drainer = Drainer(
+            manager,
+            self.peers,
+            self.moves,
+            self._owner_of,
+            self.fingerprint,
+            self.model_digest,
+            on_moved=lambda n: self.metrics.handed("sent", n),
+            sign=self.security.assertion,
+            instance_id=self.instance_id,
+        )
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -114,12 +150,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         principal, assertion = self._caller(context, step=True)
         limit = self.manager.config.max_sessions
         if len(request.steps) > limit:  # refused whole: a reply per step would amplify a bad request
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a batch takes at most {limit} steps (this shard's max sessions), got {len(request.steps)}",
+            )
         kinds = {pb.STEP_KIND_PREFILL: StepKind.PREFILL, pb.STEP_KIND_DECODE: StepKind.DECODE}
         items = [(kinds.get(s.kind), s.step) for s in request.steps]
-        return pb.StepBatchReply(replies=self._serve(context, "batch", items, request.forward, batch=True,
-                                                     caller=(principal, assertion)))
+        return pb.StepBatchReply(
+            replies=self._serve(context, "batch", items, request.forward, batch=True, caller=(principal, assertion))
+        )
 
     def attach_head(self, head: HeadSlot) -> None:
         self.head = head
@@ -130,8 +169,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         yield from self.head.serve_generate(principal, request, context)
 
-    def _serve(self, context, label: str, items: list[tuple], forward=(), batch: bool = False,
-               caller: tuple[str, bytes | None] | None = None) -> list[pb.StepReply]:
+    def _serve(
+        self,
+        context,
+        label: str,
+        items: list[tuple],
+        forward=(),
+        batch: bool = False,
+        caller: tuple[str, bytes | None] | None = None,
+    ) -> list[pb.StepReply]:
         principal, assertion = self._caller(context, step=True) if caller is None else caller
         if self.stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -146,8 +192,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.metrics.step(label, time.perf_counter() - t0, items)
         return replies
 
-    def _run_steps(self, principal: str, assertion: bytes | None, context, items: list[tuple], forward,
-                   deadline: float, batch: bool) -> list[pb.StepReply]:
+    def _run_steps(
+        self,
+        principal: str,
+        assertion: bytes | None,
+        context,
+        items: list[tuple],
+        forward,
+        deadline: float,
+        batch: bool,
+    ) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own;
         a chained call then sends the computed rows on to forward[0] and answers what it replied.
         Sessions are the principal's own: the engine key carries its tag. `assertion`: the verified
@@ -156,13 +210,21 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         # shares them only with steps a trusted forwarder (or anyone, without authentication) sends
         shared = self.info.first == 0 or not self.security.authenticated or assertion is not None
         try:
-            replies = self.steps.run(principal, self._visited(context), items, forward, deadline, batch,
-                                     prefix_scope=self.prefixes.scope(principal, shared), assertion=assertion)
+            replies = self.steps.run(
+                principal,
+                self._visited(context),
+                items,
+                forward,
+                deadline,
+                batch,
+                prefix_scope=self.prefixes.scope(principal, shared),
+                assertion=assertion,
+            )
         except SessionCapRefused as e:  # nothing computed: the caller holds its share of the sessions
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # a step from outside the head's generation loop: its record is no longer the route's (only a
         # head that ran streams has records: every other step pays one dict check)
-        for (_, req) in items if self.head.has_records() else ():
+        for _, req in items if self.head.has_records() else ():
             try:
                 self.head.forget(self.security.engine_key(principal, req.session_id))
             except LlamaShardError:
@@ -178,7 +240,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """The workers the step passed through before this one (VISITED)."""
         for key, value in context.invocation_metadata():
             if key == VISITED and isinstance(value, str):
-                return tuple(v for v in value.split(",")[:MAX_FORWARD_HOPS + 1] if v)
+                return tuple(v for v in value.split(",")[: MAX_FORWARD_HOPS + 1] if v)
         return ()
 
     # --- sessions --------------------------------------------------------------------------------
@@ -205,14 +267,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.head.forget(self.security.engine_key(self._principal(context), request.session_id))
         except LlamaShardError:
             pass  # answered INVALID_ARGUMENT below
-        return self._session_call(context, self.manager.truncate, request.session_id, request.route_epoch, request.length)
+        return self._session_call(
+            context, self.manager.truncate, request.session_id, request.route_epoch, request.length
+        )
 
     def Release(self, request, context):
         try:  # a stream running on the session ends first (its next step would bring the session back)
             key = self.security.engine_key(self._principal(context), request.session_id)
             remaining = context.time_remaining()
-            self.head.stop_stream(key, "the session was released",
-                                        self.max_hop_s if remaining is None else min(remaining, self.max_hop_s))
+            self.head.stop_stream(
+                key, "the session was released", self.max_hop_s if remaining is None else min(remaining, self.max_hop_s)
+            )
         except LlamaShardError:
             pass  # answered INVALID_ARGUMENT below
         reply = self._session_call(context, self.manager.release, request.session_id, request.route_epoch)
@@ -238,14 +303,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         (--forwarder) or an admin, else PERMISSION_DENIED."""
         principal = self._principal(context)
         if self.security.authenticated and principal not in (*self.security.forwarders, *self.security.admins):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "only a trusted worker (--forwarder) or an admin may hand sessions over or drain a worker")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "only a trusted worker (--forwarder) or an admin may hand sessions over or drain a worker",
+            )
         return principal
 
     def Handover(self, request_iterator, context):
         self._trusted_neighbour(context)
-        return self.receiver.receive(self._principal(context), request_iterator, context.time_remaining(),
-                                     self.stopping.is_set())
+        return self.receiver.receive(
+            self._principal(context), request_iterator, context.time_remaining(), self.stopping.is_set()
+        )
 
     def _handed_in(self, key: str, epoch: int, from_instance: str) -> None:
         """A session arrived by hand-over: the head's record and the kept sampler are not its."""
@@ -260,9 +328,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "only an admin may drain a worker")
         targets = (request.to,) if request.to else tuple(self.peers.replicas)
         if request.to and request.to not in self.peers.replicas:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{request.to!r} is not among this worker's replicas (serve --replica): "
-                          f"{sorted(self.peers.replicas) or 'none'}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.to!r} is not among this worker's replicas (serve --replica): "
+                f"{sorted(self.peers.replicas) or 'none'}",
+            )
         return self.drain(targets)
 
     def drain(self, targets: tuple[str, ...]) -> pb.DrainReply:
@@ -288,8 +358,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         out = []
         for r in self.manager.sessions():
             tag, sid = self.security.owner_of_key(r.session_id)
-            out.append(pb.SessionInfo(session_id=sid, route_epoch=r.route_epoch, seq_len=r.seq_len, tier=tier_name(r.tier),
-                                      owner=self.owners.principal_of(tag)))
+            out.append(
+                pb.SessionInfo(
+                    session_id=sid,
+                    route_epoch=r.route_epoch,
+                    seq_len=r.seq_len,
+                    tier=tier_name(r.tier),
+                    owner=self.owners.principal_of(tag),
+                )
+            )
         return out
 
     def Info(self, request, context):
@@ -298,30 +375,62 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         loop = self.manager.loop_stats()
         info = self.info
         return pb.InfoReply(
-            model_name=self.model.path.rsplit("/", 1)[-1], architecture=info.architecture, n_layer=info.n_layer,
-            first=info.first, last=info.last, n_embd=info.n_embd, n_vocab=info.n_vocab,
-            recipe_fingerprint=self.fingerprint, max_sessions=st["max_sessions"], context_tokens=st["context_tokens"],
-            budget_tokens=st["budget_tokens"], live_sessions=st["live_sessions"], reserved_tokens=st["reserved_tokens"],
+            model_name=self.model.path.rsplit("/", 1)[-1],
+            architecture=info.architecture,
+            n_layer=info.n_layer,
+            first=info.first,
+            last=info.last,
+            n_embd=info.n_embd,
+            n_vocab=info.n_vocab,
+            recipe_fingerprint=self.fingerprint,
+            max_sessions=st["max_sessions"],
+            context_tokens=st["context_tokens"],
+            budget_tokens=st["budget_tokens"],
+            live_sessions=st["live_sessions"],
+            reserved_tokens=st["reserved_tokens"],
             kv_bytes_per_token=st["kv_bytes_per_token"],
             sessions=self._visible_sessions(principal),
-            kv_type=self.manager.config.kv_type, flash_attn=self.manager.config.flash_attn, numerics=self.manager.config.numerics,
-            backend=self.placement.text(info.n_owned_layers), device=self.placement.device,
-            device_layers=self.placement.device_layers, kernels=self.placement.kernels,
-            warm_sessions=st["warm_sessions"], warm_bytes=st["warm_bytes"],
-            warm_capacity=st["warm_capacity"], spills=st["spills"], restores=st["restores"], warm_drops=st["warm_drops"],
-            misses=st["misses"], evictions_lru=st["evictions_lru"], evictions_ttl=st["evictions_ttl"],
-            engine_busy_seconds=loop["busy_seconds"], engine_steps=loop["steps"], engine_requests=loop["requests"],
-            peers=sorted(self.peers.allowed), max_request_bytes=self.bounds.request,
+            kv_type=self.manager.config.kv_type,
+            flash_attn=self.manager.config.flash_attn,
+            numerics=self.manager.config.numerics,
+            backend=self.placement.text(info.n_owned_layers),
+            device=self.placement.device,
+            device_layers=self.placement.device_layers,
+            kernels=self.placement.kernels,
+            warm_sessions=st["warm_sessions"],
+            warm_bytes=st["warm_bytes"],
+            warm_capacity=st["warm_capacity"],
+            spills=st["spills"],
+            restores=st["restores"],
+            warm_drops=st["warm_drops"],
+            misses=st["misses"],
+            evictions_lru=st["evictions_lru"],
+            evictions_ttl=st["evictions_ttl"],
+            engine_busy_seconds=loop["busy_seconds"],
+            engine_steps=loop["steps"],
+            engine_requests=loop["requests"],
+            peers=sorted(self.peers.allowed),
+            max_request_bytes=self.bounds.request,
             max_in_flight_request_bytes=self.bounds.in_flight,
-            prefix_entries=st["prefix_entries"], prefix_bytes=st["prefix_bytes"], prefix_capacity=st["prefix_capacity"],
-            prefix_hits=st["prefix_hits"], prefix_tokens_saved=st["prefix_tokens_saved"],
-            prefix_stores=st["prefix_stores"], prefix_evictions=st["prefix_evictions"],
-            share_prefixes=self.prefixes.share, tokens_computed=st["tokens_computed"],
-            instance_id=self.instance_id, model_digest=self.model_digest,
-            wire_dtypes=self.steps.wire_dtypes, wire_dtype=self.wire_dtype,
+            prefix_entries=st["prefix_entries"],
+            prefix_bytes=st["prefix_bytes"],
+            prefix_capacity=st["prefix_capacity"],
+            prefix_hits=st["prefix_hits"],
+            prefix_tokens_saved=st["prefix_tokens_saved"],
+            prefix_stores=st["prefix_stores"],
+            prefix_evictions=st["prefix_evictions"],
+            share_prefixes=self.prefixes.share,
+            tokens_computed=st["tokens_computed"],
+            instance_id=self.instance_id,
+            model_digest=self.model_digest,
+            wire_dtypes=self.steps.wire_dtypes,
+            wire_dtype=self.wire_dtype,
             forwarded_hidden_bytes=dict(self.steps.forwarded_bytes),
-            draining=self.moves.draining, handover_sessions=self.metrics.handover_total, features=FEATURES,
-            **self.head.info_fields())
+            draining=self.moves.draining,
+            handover_sessions=self.metrics.handover_total,
+            features=FEATURES,
+            **self.head.info_fields(),
+        )
 
 
 def _wire_dtype(name: str, n_embd: int) -> int:
@@ -330,6 +439,8 @@ def _wire_dtype(name: str, n_embd: int) -> int:
         raise InvalidInputError(f"wire dtype {name!r}: one of {', '.join(WIRE_DTYPES)}")
     dtype = WIRE_DTYPES[name]
     if dtype not in wire_dtypes_for(n_embd):  # q8_0 only where a row is whole blocks
-        raise InvalidInputError(f"--wire-dtype {name} carries rows of whole {Q8_0_BLOCK}-value "
-                                f"blocks; this model's rows have {n_embd} values")
+        raise InvalidInputError(
+            f"--wire-dtype {name} carries rows of whole {Q8_0_BLOCK}-value "
+            f"blocks; this model's rows have {n_embd} values"
+        )
     return dtype

@@ -6,6 +6,7 @@ authenticated and the workers a step passed through, and the head's generation l
 steps here too (through `HeadHost.run_steps`). Every check runs before anything is computed, so a
 step refused changes no state.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,6 +46,7 @@ from .security import ServerSecurity
 class PrefixSteps(NamedTuple):
     """What a step does with shared prefixes: open from one (its tokens and this worker's key for
     it; 0: none) and/or store one when it ends."""
+
     open_tokens: int
     open_key: int
     store_tokens: int
@@ -110,9 +112,20 @@ class SessionOrder:
 
 
 class StepRunner:
-    def __init__(self, model, manager: HotKvStateManager, adapter: KvBoundaryAdapter, security: ServerSecurity,
-                 peers: Peers, owners: SessionOwners, prefixes: PrefixNames, samplers: TailSamplers, worker_id: str,
-                 moves: SessionMoves | None = None, handed_in: HandedIn | None = None):
+    def __init__(
+        self,
+        model,
+        manager: HotKvStateManager,
+        adapter: KvBoundaryAdapter,
+        security: ServerSecurity,
+        peers: Peers,
+        owners: SessionOwners,
+        prefixes: PrefixNames,
+        samplers: TailSamplers,
+        worker_id: str,
+        moves: SessionMoves | None = None,
+        handed_in: HandedIn | None = None,
+    ):
         self.info = model.info
         self.manager, self.adapter, self.security = manager, adapter, security
         self.peers, self.owners, self.prefixes, self.samplers = peers, owners, prefixes, samplers
@@ -124,16 +137,26 @@ class StepRunner:
         self.forwarded_bytes: dict[str, int] = {}  # hidden-row bytes the next hop took, by wire type
         self._forwarded_lock = threading.Lock()
         config = manager.config
-        self.sampling_checks = StepSamplingChecks(self.info.n_vocab, config.context_tokens, 2 * config.max_sessions,
-                                                  model)
-        self.worker_id = worker_id           # this worker in the visited list
-        self.own_addresses = frozenset()     # set by ShardWorker once bound: forwards to these are loops
+        self.sampling_checks = StepSamplingChecks(
+            self.info.n_vocab, config.context_tokens, 2 * config.max_sessions, model
+        )
+        self.worker_id = worker_id  # this worker in the visited list
+        self.own_addresses = frozenset()  # set by ShardWorker once bound: forwards to these are loops
         self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)
         self.handed_in = handed_in if handed_in is not None else HandedIn(4 * config.max_sessions)
 
-    def run(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward, deadline: float,
-                  batch: bool, own_loop: bool = False, prefix_scope=None,
-                  assertion: bytes | None = None) -> list[pb.StepReply]:
+    def run(
+        self,
+        principal: str,
+        visited: tuple[str, ...],
+        items: list[tuple],
+        forward,
+        deadline: float,
+        batch: bool,
+        own_loop: bool = False,
+        prefix_scope=None,
+        assertion: bytes | None = None,
+    ) -> list[pb.StepReply]:
         """Parses every (kind, StepRequest), runs the valid ones together, answers each on its own; a
         chained call then sends the computed rows on to forward[0] and answers what it replied. The
         gRPC handlers and the head's generation loop (`own_loop`: its prefix plans are its own) both
@@ -156,16 +179,21 @@ class StepRunner:
                     step = self._parse_step(kind, req, principal)
                     if req.follows:  # before it counts as running here: a drain does not wait for it
                         self.order.wait_turn([step], deadline)
-                    entry = (i, step, self.sampling_checks.params((step.session_id, step.route_epoch), req),
-                             self._parse_prefix(req, step, prefix_scope, own_loop))
+                    entry = (
+                        i,
+                        step,
+                        self.sampling_checks.params((step.session_id, step.route_epoch), req),
+                        self._parse_prefix(req, step, prefix_scope, own_loop),
+                    )
                 except LlamaShardError as e:
                     replies[i] = self._reply(req, e)
                     continue
                 replies[i] = self._enter(step, deadline, entered) or self._handed(step, req)
                 if replies[i] is None:
                     parsed.append(entry)
-            return self._run_parsed(principal, visited, items, forward, deadline, batch, prefix_scope, assertion,
-                                    replies, parsed)
+            return self._run_parsed(
+                principal, visited, items, forward, deadline, batch, prefix_scope, assertion, replies, parsed
+            )
         finally:
             for key in entered:
                 self.moves.leave(key)
@@ -175,19 +203,26 @@ class StepRunner:
         worker: the replica its session was handed to, or a refusal of a new session."""
         moved = self.moves.enter(step.session_id, deadline)
         if moved is not None and moved.to is None:
-            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
-                                detail="this worker is draining: the session's hand-over outlasted the step's deadline")
+            return pb.StepReply(
+                outcome=pb.OUTCOME_UNAVAILABLE,
+                detail="this worker is draining: the session's hand-over outlasted the step's deadline",
+            )
         if moved is not None:
-            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE, moved_to=moved.to,
-                                detail=f"this worker is draining: the session was handed to {moved.to}")
+            return pb.StepReply(
+                outcome=pb.OUTCOME_UNAVAILABLE,
+                moved_to=moved.to,
+                detail=f"this worker is draining: the session was handed to {moved.to}",
+            )
         entered.append(step.session_id)
         try:
             new = self.moves.draining and isinstance(self.manager.resolve(step.session_id, step.route_epoch), CacheMiss)
         except LlamaShardError:  # a stale epoch: the step answers it
             new = False
         if new:
-            return pb.StepReply(outcome=pb.OUTCOME_UNAVAILABLE,
-                                detail="this worker is draining: it takes no new session (a replica of its layers does)")
+            return pb.StepReply(
+                outcome=pb.OUTCOME_UNAVAILABLE,
+                detail="this worker is draining: it takes no new session (a replica of its layers does)",
+            )
         return None
 
     def _handed(self, step: Step, req: pb.StepRequest) -> pb.StepReply | None:
@@ -196,13 +231,25 @@ class StepRunner:
         handed_from = req.handed_from[0] if req.handed_from else ""
         if self.handed_in.step(step.session_id, step.route_epoch, handed_from):
             return None
-        return pb.StepReply(outcome=pb.OUTCOME_CACHE_MISS, miss_reason=NOT_HANDED_OVER,
-                            detail="the session was not handed to this worker by the replica the head last "
-                                   "placed it on")
+        return pb.StepReply(
+            outcome=pb.OUTCOME_CACHE_MISS,
+            miss_reason=NOT_HANDED_OVER,
+            detail="the session was not handed to this worker by the replica the head last placed it on",
+        )
 
-    def _run_parsed(self, principal: str, visited: tuple[str, ...], items: list[tuple], forward: list,
-                    deadline: float, batch: bool, prefix_scope, assertion: bytes | None, replies: list,
-                    parsed: list) -> list[pb.StepReply]:
+    def _run_parsed(
+        self,
+        principal: str,
+        visited: tuple[str, ...],
+        items: list[tuple],
+        forward: list,
+        deadline: float,
+        batch: bool,
+        prefix_scope,
+        assertion: bytes | None,
+        replies: list,
+        parsed: list,
+    ) -> list[pb.StepReply]:
         """run()'s steps once parsed and let in: admitted, computed, forwarded, answered."""
         refused = self.owners.admit(principal, [step.session_id for _, step, _, _ in parsed])
         if refused is not None:
@@ -211,9 +258,11 @@ class StepRunner:
         for entry in parsed:  # a step from a shared prefix starts from a copy of it
             i, step, _, prefix = entry
             try:
-                opened = (self.manager.open_prefix(step.session_id, step.route_epoch, prefix.open_key,
-                                                   prefix.open_tokens)
-                          if prefix is not None and prefix.open_tokens else None)
+                opened = (
+                    self.manager.open_prefix(step.session_id, step.route_epoch, prefix.open_key, prefix.open_tokens)
+                    if prefix is not None and prefix.open_tokens
+                    else None
+                )
             except LlamaShardError as e:  # a stale epoch, a prefix over the budget: this step's answer
                 opened = e
             if isinstance(opened, (CacheMiss, LlamaShardError)):
@@ -237,9 +286,10 @@ class StepRunner:
             else:
                 replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
         if computed:
-            for i, reply in zip([i for i, _, _, _ in computed],
-                                self._forward(principal, items, computed, forward, deadline, batch, visited,
-                                              prefix_scope, assertion)):
+            for i, reply in zip(
+                [i for i, _, _, _ in computed],
+                self._forward(principal, items, computed, forward, deadline, batch, visited, prefix_scope, assertion),
+            ):
                 replies[i] = reply
         return replies
 
@@ -260,31 +310,51 @@ class StepRunner:
         # each later stage owns at least one layer: no more hops than layers after this shard
         hops_left = min(MAX_FORWARD_HOPS, self.info.n_layer - 1 - self.info.last)
         if len(forward) > hops_left:
-            return (f"{len(forward)} hops after this worker (layers {self.info.first}-{self.info.last} of "
-                    f"{self.info.n_layer}): a route has at most {hops_left} more")
+            return (
+                f"{len(forward)} hops after this worker (layers {self.info.first}-{self.info.last} of "
+                f"{self.info.n_layer}): a route has at most {hops_left} more"
+            )
         addresses = [hop.address for hop in forward]
         if len(set(addresses)) != len(addresses):
             return "the forward list names a worker twice: a route visits each worker once"
         if self.own_addresses.intersection(addresses):
             return "the forward list names this worker: a route visits each worker once"
         if forward[0].address not in self.peers.allowed:
-            return (f"this worker does not forward to {forward[0].address!r}; its operator allows "
-                    f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)")
+            return (
+                f"this worker does not forward to {forward[0].address!r}; its operator allows "
+                f"{sorted(self.peers.allowed) or 'no peers'} (serve --peer HOST:PORT)"
+            )
         return None
 
-    def _forward(self, principal: str, items: list[tuple], computed: list[tuple], forward: list, deadline: float,
-                 batch: bool, visited: tuple[str, ...] = (), prefix_scope=None,
-                 assertion: bytes | None = None) -> list[pb.StepReply]:
+    def _forward(
+        self,
+        principal: str,
+        items: list[tuple],
+        computed: list[tuple],
+        forward: list,
+        deadline: float,
+        batch: bool,
+        visited: tuple[str, ...] = (),
+        prefix_scope=None,
+        assertion: bytes | None = None,
+    ) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
         hop, rest = forward[0], forward[1:]
         nexts = []
         for i, kind, out, hidden in computed:
             req = items[i][1]
-            nxt = pb.StepRequest(session_id=req.session_id, route_epoch=req.route_epoch,
-                                 recipe_fingerprint=hop.recipe_fingerprint, reply_dtype=req.reply_dtype,
-                                 return_logits=req.return_logits, hidden=hidden,
-                                 logprobs=req.logprobs, top_logprobs=req.top_logprobs, numerics=self.numerics)
+            nxt = pb.StepRequest(
+                session_id=req.session_id,
+                route_epoch=req.route_epoch,
+                recipe_fingerprint=hop.recipe_fingerprint,
+                reply_dtype=req.reply_dtype,
+                return_logits=req.return_logits,
+                hidden=hidden,
+                logprobs=req.logprobs,
+                top_logprobs=req.top_logprobs,
+                numerics=self.numerics,
+            )
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
             nxt.draft_tokens.extend(req.draft_tokens)
@@ -299,10 +369,13 @@ class StepRunner:
             # rule) or recomputes the same cells (a prefill at its position), never a double append
             nxt.position = out.start_pos
             nexts.append((kind, nxt))
+
         def forward_once():
             timeout = max(deadline - time.monotonic(), 0.001)
-            return self.peers.call(hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,),
-                                   assertion)
+            return self.peers.call(
+                hop.address, nexts, rest, timeout, batch, principal, visited + (self.worker_id,), assertion
+            )
+
         try:
             # as the route client does; a hop the head has another replica of fails at once (it fails over)
             replies = forward_once() if hop.fail_fast else call_reconnecting(forward_once, deadline)
@@ -329,19 +402,26 @@ class StepRunner:
             raise IncompatibleCacheRecipeError("the request's KV recipe fingerprint does not match this shard's")
         if req.numerics and req.numerics != self.numerics:
             raise IncompatibleCacheRecipeError(
-                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: {MIXED_NUMERICS}")
+                f"this worker computes with {self.numerics}, the one before it with {req.numerics[:80]}: {MIXED_NUMERICS}"
+            )
         if len(req.token_ids) and req.HasField("hidden"):
             raise InvalidInputError("send token_ids or hidden, not both")
         if req.reply_dtype not in self.wire_dtypes:
-            raise InvalidInputError(f"reply_dtype {wire_dtype_name(req.reply_dtype)}: this worker's rows travel as "
-                                    f"{', '.join(map(wire_dtype_name, self.wire_dtypes))}")
+            raise InvalidInputError(
+                f"reply_dtype {wire_dtype_name(req.reply_dtype)}: this worker's rows travel as "
+                f"{', '.join(map(wire_dtype_name, self.wire_dtypes))}"
+            )
         n_tokens = len(req.token_ids)  # counted before anything is converted: a huge list costs nothing more
         if n_tokens > self.manager.config.context_tokens:
-            raise KvBudgetExceededError(f"{n_tokens} token ids: a session holds at most "
-                                        f"{self.manager.config.context_tokens} (context_tokens)")
+            raise KvBudgetExceededError(
+                f"{n_tokens} token ids: a session holds at most {self.manager.config.context_tokens} (context_tokens)"
+            )
         tokens = list(req.token_ids) if n_tokens else None
-        hidden = (decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
-                  if req.HasField("hidden") else None)
+        hidden = (
+            decode_tensor(req.hidden, self.info.n_embd, self.manager.config.context_tokens)
+            if req.HasField("hidden")
+            else None
+        )
         position = req.position if req.HasField("position") else None
         key = self.security.engine_key(principal, req.session_id)
         n_drafts = len(req.draft_tokens)
@@ -350,9 +430,15 @@ class StepRunner:
         elif req.row_by_row:
             raise InvalidInputError("row_by_row belongs to a step with drafts (a verification)")
         if kind == StepKind.PREFILL:
-            return Step.prefill(key, req.route_epoch, tokens, hidden, start_pos=position,
-                                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1,
-                                row_by_row=req.row_by_row)
+            return Step.prefill(
+                key,
+                req.route_epoch,
+                tokens,
+                hidden,
+                start_pos=position,
+                logit_rows=n_drafts + 1 if self.info.is_tail and n_drafts else 1,
+                row_by_row=req.row_by_row,
+            )
         return Step.decode(key, req.route_epoch, tokens, hidden, expected_seq_len=position)
 
     def _check_drafts(self, req, kind, tokens, hidden, n_drafts: int) -> None:
@@ -363,15 +449,18 @@ class StepRunner:
             raise InvalidInputError("a step with drafts is a prefill at an explicit position")
         n_rows = len(tokens) if tokens is not None else (hidden.shape[0] if hidden is not None else 0)
         if n_rows != n_drafts + 1:  # every shard refuses before computing: no long row-by-row steps
-            raise InvalidInputError(f"a step with {n_drafts} drafts is {n_drafts + 1} tokens (the last sampled one, "
-                                    f"then the drafts), got {n_rows}")
+            raise InvalidInputError(
+                f"a step with {n_drafts} drafts is {n_drafts + 1} tokens (the last sampled one, "
+                f"then the drafts), got {n_rows}"
+            )
         if any(not 0 <= t < self.info.n_vocab for t in req.draft_tokens):
             raise InvalidInputError(f"a draft token is outside the vocabulary (0..{self.info.n_vocab - 1})")
         if tokens is not None and tokens[-n_drafts:] != list(req.draft_tokens):
             raise InvalidInputError("the drafts must be the step's last token ids")
         if req.logprobs or req.top_logprobs or req.return_logits:
-            raise InvalidInputError("a step with drafts returns its tokens, not logprobs or logits; send it without "
-                                    "drafts")
+            raise InvalidInputError(
+                "a step with drafts returns its tokens, not logprobs or logits; send it without drafts"
+            )
 
     def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> PrefixSteps | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
@@ -381,33 +470,44 @@ class StepRunner:
         plan, B = req.prefix, PREFIX_BLOCK_TOKENS
         n_keys = len(plan.keys)  # counted before anything is converted
         if n_keys > self.manager.config.context_tokens // B:
-            raise InvalidInputError(f"a prefix plan names at most {self.manager.config.context_tokens // B} blocks "
-                                    f"(context_tokens / {B}), got {n_keys}")
+            raise InvalidInputError(
+                f"a prefix plan names at most {self.manager.config.context_tokens // B} blocks "
+                f"(context_tokens / {B}), got {n_keys}"
+            )
         if step.kind != StepKind.PREFILL or not req.HasField("position"):
             raise InvalidInputError("a prefix plan comes with a prefill at an explicit position")
         opening, storing = plan.open_tokens, plan.store_tokens
         for name, n in (("open_tokens", opening), ("store_tokens", storing)):
             if n < 0 or n % B or n > n_keys * B:
-                raise InvalidInputError(f"prefix {name} must be a multiple of {B} covered by the plan's "
-                                        f"{n_keys} keys, got {n}")
+                raise InvalidInputError(
+                    f"prefix {name} must be a multiple of {B} covered by the plan's {n_keys} keys, got {n}"
+                )
         if opening and step.position != opening:
-            raise InvalidInputError(f"a step opened from a prefix of {opening} tokens starts at position {opening}, "
-                                    f"not {step.position}")
+            raise InvalidInputError(
+                f"a step opened from a prefix of {opening} tokens starts at position {opening}, not {step.position}"
+            )
         if storing and storing != step.position + step.n_tokens:
-            raise InvalidInputError(f"a step storing a prefix of {storing} tokens must end there, not at "
-                                    f"{step.position + step.n_tokens}")
+            raise InvalidInputError(
+                f"a step storing a prefix of {storing} tokens must end there, not at {step.position + step.n_tokens}"
+            )
         if self.info.first == 0 and not own_loop:
             # a head checks what it can: the keys of the step's own tokens, from position 0
             if opening or step.position != 0 or step.token_ids is None:
-                raise InvalidInputError("a head opens a shared prefix for its own generation loop only; send the "
-                                        "tokens from position 0 (with keys, to store a prefix)")
+                raise InvalidInputError(
+                    "a head opens a shared prefix for its own generation loop only; send the "
+                    "tokens from position 0 (with keys, to store a prefix)"
+                )
             if list(plan.keys) != block_keys(step.token_ids, n_keys) or n_keys > len(step.token_ids) // B:
                 raise InvalidInputError("the prefix keys do not match the step's tokens")
         if not (opening or storing):
             return None
         local = self.prefixes.local
-        return PrefixSteps(opening, local(scope, plan.keys[opening // B - 1]) if opening else 0,
-                           storing, local(scope, plan.keys[storing // B - 1]) if storing else 0)
+        return PrefixSteps(
+            opening,
+            local(scope, plan.keys[opening // B - 1]) if opening else 0,
+            storing,
+            local(scope, plan.keys[storing // B - 1]) if storing else 0,
+        )
 
     def _reply(self, req, out, params: SamplingParams | None = None, key: tuple | None = None) -> pb.StepReply:
         """The typed reply for a step's outcome, or for the contract error it raised; the tail
@@ -448,6 +548,8 @@ class StepRunner:
                 reply.logits.CopyFrom(encode_tensor(out.logits.reshape(1, -1)))
             return reply
         assert isinstance(out, BoundaryBundle)
-        return pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=out.start_pos + out.hidden.shape[0],
-                            hidden=encode_tensor(out.hidden, req.reply_dtype))
-
+        return pb.StepReply(
+            outcome=pb.OUTCOME_OK,
+            seq_len=out.start_pos + out.hidden.shape[0],
+            hidden=encode_tensor(out.hidden, req.reply_dtype),
+        )

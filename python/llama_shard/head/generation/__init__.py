@@ -30,5 +30,12 @@ from .loops import GenerationLoops, Refusal, RefusalReason
 from .positions import GENERATE_CHUNK
 from .stream import Stream
 
-__all__ = ["GENERATE_CHUNK", "GenerationLoops", "HeadHost", "Refusal", "RefusalReason", "Stream",
-           "max_generate_streams"]
+__all__ = [
+    "GENERATE_CHUNK",
+    "GenerationLoops",
+    "HeadHost",
+    "Refusal",
+    "RefusalReason",
+    "Stream",
+    "max_generate_streams",
+]

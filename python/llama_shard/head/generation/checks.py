@@ -1,5 +1,6 @@
 """Every check of a Generate request, once, before anything is computed (ranges: proto/requests.py
 and the native sampling check; InvalidInputError names the request field in `param`)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -19,10 +20,10 @@ from .host import HeadHost
 
 
 class CheckedRequest(NamedTuple):
-    params: object          # the sampler's parameters (None: greedy without a sampler)
-    max_tokens: int         # the request's, or all the context leaves
-    max_drafts: int         # drafts per step it gets (0: none)
-    wire_dtype: int         # its route's hidden rows
+    params: object  # the sampler's parameters (None: greedy without a sampler)
+    max_tokens: int  # the request's, or all the context leaves
+    max_drafts: int  # drafts per step it gets (0: none)
+    wire_dtype: int  # its route's hidden rows
 
 
 def _check_route(host: HeadHost, req: pb.GenerateRequest) -> int:
@@ -31,18 +32,23 @@ def _check_route(host: HeadHost, req: pb.GenerateRequest) -> int:
     if req.recipe_fingerprint and req.recipe_fingerprint != host.fingerprint:
         raise InvalidInputError("the request's KV recipe fingerprint does not match this worker's")
     if info.first != 0:
-        raise InvalidInputError(f"Generate runs on the head of a route; this worker holds layers "
-                                f"{info.first}-{info.last}")
+        raise InvalidInputError(
+            f"Generate runs on the head of a route; this worker holds layers {info.first}-{info.last}"
+        )
     if not req.forward and not info.is_tail and host.replicas is None:
-        raise InvalidInputError(f"this worker holds layers {info.first}-{info.last} of {info.n_layer}: name the "
-                                f"rest of the route in forward")
+        raise InvalidInputError(
+            f"this worker holds layers {info.first}-{info.last} of {info.n_layer}: name the "
+            f"rest of the route in forward"
+        )
     refusal = host.forward_refusal(req.forward)
     if refusal is not None:
         raise InvalidInputError(refusal.text)
     wire_dtype = req.wire_dtype if req.HasField("wire_dtype") else host.wire_dtype
     if wire_dtype not in wire_dtypes_for(info.n_embd):
-        raise InvalidInputError(f"wire_dtype {wire_dtype_name(wire_dtype)}: this model's rows travel as "
-                                f"{', '.join(map(wire_dtype_name, wire_dtypes_for(info.n_embd)))}")
+        raise InvalidInputError(
+            f"wire_dtype {wire_dtype_name(wire_dtype)}: this model's rows travel as "
+            f"{', '.join(map(wire_dtype_name, wire_dtypes_for(info.n_embd)))}"
+        )
     if not req.forward and host.replicas is not None and (why := host.replicas.unreadable(wire_dtype)):
         raise InvalidInputError(why.text)
     return wire_dtype
@@ -54,18 +60,25 @@ def _check_prompt(host: HeadHost, req: pb.GenerateRequest) -> int:
     if n == 0:
         raise InvalidInputError("the prompt is empty", param="prompt")
     if n >= context:
-        raise InvalidInputError(f"the prompt has {n} tokens; a session holds at most {context} (context_tokens), "
-                                f"the prompt and at least one generated token", param="prompt")
+        raise InvalidInputError(
+            f"the prompt has {n} tokens; a session holds at most {context} (context_tokens), "
+            f"the prompt and at least one generated token",
+            param="prompt",
+        )
     if any(not 0 <= t < n_vocab for t in req.prompt):
         raise InvalidInputError(f"a prompt token is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
     room = context - n
     if req.max_tokens < 0 or req.max_tokens > room:
-        raise InvalidInputError(f"max_tokens is {req.max_tokens}; with a {n}-token prompt the context "
-                                f"({context} tokens) leaves room for 1..{room} (0: all of it)", param="max_tokens")
+        raise InvalidInputError(
+            f"max_tokens is {req.max_tokens}; with a {n}-token prompt the context "
+            f"({context} tokens) leaves room for 1..{room} (0: all of it)",
+            param="max_tokens",
+        )
     check_stops(list(req.stop), list(req.stop_token_ids), n_vocab)
     if not 0 <= req.keep_prefix <= n:
-        raise InvalidInputError(f"keep_prefix is {req.keep_prefix}; it counts prompt tokens (0..{n})",
-                                param="keep_prefix")
+        raise InvalidInputError(
+            f"keep_prefix is {req.keep_prefix}; it counts prompt tokens (0..{n})", param="keep_prefix"
+        )
     return room
 
 

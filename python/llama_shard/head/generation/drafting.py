@@ -1,5 +1,6 @@
 """A stream's speculative decoding: where its drafts come from, how many a step carries
 (`DraftControl`, head/speculation.py), and what its windows sent ahead counted."""
+
 from __future__ import annotations
 
 from ..speculation import NGRAM_LONG, DraftControl, NgramDrafter
@@ -7,19 +8,28 @@ from .positions import Positions
 
 
 class Drafting:
-    __slots__ = ("control", "draft_model", "drafter", "long_match", "row_by_row", "unsent", "unsent_accepted",
-                 "windows_sent", "windows_kept")
+    __slots__ = (
+        "control",
+        "draft_model",
+        "drafter",
+        "long_match",
+        "row_by_row",
+        "unsent",
+        "unsent_accepted",
+        "windows_sent",
+        "windows_kept",
+    )
 
     def __init__(self, max_drafts: int, draft_model=None, row_by_row: bool = True):
-        self.control = DraftControl(max_drafts)     # drafts per step, counters
+        self.control = DraftControl(max_drafts)  # drafts per step, counters
         self.draft_model = draft_model if max_drafts else None  # draft_model.DraftModel, or prompt lookup:
         self.drafter = NgramDrafter() if max_drafts and draft_model is None else None
-        self.long_match = True                # the kind of match the step's drafts came from
-        self.row_by_row = row_by_row          # how the route computes its verifications
-        self.unsent: int | None = None        # a draft not sent (k was 0), to learn from
-        self.unsent_accepted = 0              # of the last verification's accepted drafts, those not yet sent
-        self.windows_sent = 0                 # steps sent while an earlier one was in flight (pipelining)
-        self.windows_kept = 0                 # of those, the ones whose replies counted
+        self.long_match = True  # the kind of match the step's drafts came from
+        self.row_by_row = row_by_row  # how the route computes its verifications
+        self.unsent: int | None = None  # a draft not sent (k was 0), to learn from
+        self.unsent_accepted = 0  # of the last verification's accepted drafts, those not yet sent
+        self.windows_sent = 0  # steps sent while an earlier one was in flight (pipelining)
+        self.windows_kept = 0  # of those, the ones whose replies counted
 
     @property
     def on(self) -> bool:

@@ -1,6 +1,7 @@
 """What the head's generation loop may use of its worker: the narrow, named interface between the
 loop (`GenerationLoops`) and the gRPC servicer that runs its steps. The servicer builds one; the
 loop reads nothing else of it (no private attribute, no manager, no gRPC context)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,17 +27,17 @@ def max_generate_streams(max_sessions: int, warm_bytes: int) -> int:
 class HeadHost:
     """The head worker, as its generation loop sees it."""
 
-    info: object                      # the shard's ModelInfo (first, last, n_layer, n_vocab, is_tail)
-    fingerprint: str                  # its KV recipe's
-    context_tokens: int               # a session's most tokens
-    max_sessions: int                 # hot sessions
-    warm_bytes: int                   # the warm tier's bound (0: none)
+    info: object  # the shard's ModelInfo (first, last, n_layer, n_vocab, is_tail)
+    fingerprint: str  # its KV recipe's
+    context_tokens: int  # a session's most tokens
+    max_sessions: int  # hot sessions
+    warm_bytes: int  # the warm tier's bound (0: none)
     detokenize: Callable[[list[int]], str]
-    security: "ServerSecurity"        # engine keys and their owners, admins
-    prefixes: "PrefixNames"           # the head's shared prefixes (plans, whose they are)
-    session_cap: int | None           # sessions (and streams) per principal (None: no cap)
-    stopping: threading.Event         # set when the worker shuts down
-    max_hop_s: float                  # the longest one step may take
+    security: "ServerSecurity"  # engine keys and their owners, admins
+    prefixes: "PrefixNames"  # the head's shared prefixes (plans, whose they are)
+    session_cap: int | None  # sessions (and streams) per principal (None: no cap)
+    stopping: threading.Event  # set when the worker shuts down
+    max_hop_s: float  # the longest one step may take
     #: why a chained step with these hops cannot be served here (None: it can)
     forward_refusal: Callable[[Sequence["pb.Hop"]], "WhyNot | None"]
     #: counts new session keys against the principal's cap; the refusal, or None

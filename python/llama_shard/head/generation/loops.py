@@ -1,6 +1,7 @@
 """The head's generation loop: its streams, their routes' schedulers, and the record of what each
 session holds (the package's docstring says how it works). `open` gives a `Stream` or a typed
 `Refusal`; a stream's steps are its route's scheduler's, what replies mean is `Outcomes`'."""
+
 from __future__ import annotations
 
 import enum
@@ -27,18 +28,20 @@ MEASURES_KEPT = 256
 
 class RefusalReason(enum.Enum):
     """Why a stream was refused before anything was computed (what a caller may act on)."""
-    INVALID = "invalid"                # the request is wrong (Refusal.param names what, where it can)
-    SESSION_BUSY = "session_busy"      # the session already has a stream running
+
+    INVALID = "invalid"  # the request is wrong (Refusal.param names what, where it can)
+    SESSION_BUSY = "session_busy"  # the session already has a stream running
     CALLER_STREAMS = "caller_streams"  # the principal runs as many streams as its cap allows
     WORKER_STREAMS = "worker_streams"  # the worker runs as many streams as it can
-    NO_ROUTE = "no_route"              # a later stage of the head's own route has no healthy replica
+    NO_ROUTE = "no_route"  # a later stage of the head's own route has no healthy replica
 
 
 class Refusal(NamedTuple):
     """A stream refused before anything was computed: its reason, and its final event for the caller."""
+
     reason: RefusalReason
     final: pb.GenerateFinal
-    param: str | None = None          # the wire's name of the parameter refused (INVALID)
+    param: str | None = None  # the wire's name of the parameter refused (INVALID)
 
 
 class GenerationLoops:
@@ -49,19 +52,27 @@ class GenerationLoops:
     sessions a new conversation's prompt continues); `stop_stream` and `forget` (a session changed
     from outside a stream). It reaches its worker only through `HeadHost`."""
 
-    def __init__(self, host: HeadHost, registry, draft_source: str = "ngram", max_drafts: int = 0, draft_model=None,
-                 row_by_row: bool = True):
+    def __init__(
+        self,
+        host: HeadHost,
+        registry,
+        draft_source: str = "ngram",
+        max_drafts: int = 0,
+        draft_model=None,
+        row_by_row: bool = True,
+    ):
         self.host = host
-        self.row_by_row = row_by_row       # verifications computed row by row on every shard (serve --verify exact)
-        self.draft_model = draft_model     # draft_model.DraftModel (serve --draft-model), or None
-        self.draft_source = (f"model {draft_model.path.name}" if draft_model is not None
-                             else draft_source)  # speculative decoding: where drafts come from ("off": none)
+        self.row_by_row = row_by_row  # verifications computed row by row on every shard (serve --verify exact)
+        self.draft_model = draft_model  # draft_model.DraftModel (serve --draft-model), or None
+        self.draft_source = (
+            f"model {draft_model.path.name}" if draft_model is not None else draft_source
+        )  # speculative decoding: where drafts come from ("off": none)
         self.max_drafts = max_drafts if draft_source != "off" else 0  # a request's default
         self.cond = threading.Condition()
         self.loops: dict[tuple, RouteScheduler] = {}
         self._measures: OrderedDict[tuple, RouteMeasures] = OrderedDict()  # by loop key, MEASURES_KEPT at most
-        self.streams: dict[str, Stream] = {}           # engine key -> its running stream
-        self.busy = 0                                   # group steps in progress
+        self.streams: dict[str, Stream] = {}  # engine key -> its running stream
+        self.busy = 0  # group steps in progress
         self.records = SessionRecords(2 * host.max_sessions, host.security, host.sessions)
         self.max_streams = host.max_streams
         self.metrics = GenerationMetrics(registry, lambda: len(self.streams))
@@ -77,13 +88,19 @@ class GenerationLoops:
 
     # --- opening ---------------------------------------------------------------------------------
 
-    def open(self, principal: str, req: pb.GenerateRequest, time_remaining: float | None,
-             events=None) -> Stream | Refusal:
+    def open(
+        self, principal: str, req: pb.GenerateRequest, time_remaining: float | None, events=None
+    ) -> Stream | Refusal:
         """A running stream, or the refusal of one refused before anything was computed. Its events
         go to `events.put` (default: a SimpleQueue the gRPC handler reads)."""
+
         def refused(reason: RefusalReason, outcome: int, detail: str, param: str | None = None) -> Refusal:
-            return Refusal(reason, pb.GenerateFinal(finish_reason="error", outcome=outcome, detail=detail,
-                                                    prompt_tokens=len(req.prompt)), param)
+            return Refusal(
+                reason,
+                pb.GenerateFinal(finish_reason="error", outcome=outcome, detail=detail, prompt_tokens=len(req.prompt)),
+                param,
+            )
+
         try:
             checked = check_request(self.host, req, self.max_drafts, self.draft_source != "off")
             key = self.host.security.engine_key(principal, req.session_id)
@@ -99,9 +116,22 @@ class GenerationLoops:
             if isinstance(route, WhyNot):
                 return refused(RefusalReason.NO_ROUTE, pb.OUTCOME_UNAVAILABLE, route.text)
             cached, handed_from = self._reuse(req, record, addresses(route))
-            stream = Stream(principal, key, req, checked.params, checked.max_tokens, cached, deadline,
-                            self.host.detokenize, events, checked.max_drafts, self.draft_model, self.row_by_row,
-                            route, handed_from)
+            stream = Stream(
+                principal,
+                key,
+                req,
+                checked.params,
+                checked.max_tokens,
+                cached,
+                deadline,
+                self.host.detokenize,
+                events,
+                checked.max_drafts,
+                self.draft_model,
+                self.row_by_row,
+                route,
+                handed_from,
+            )
             stream.grammar.by_digest = tail_keeps_grammar(self.host.replicas, route)
             if self.host.replicas is not None:
                 self.host.replicas.place(key, addresses(route))
@@ -112,23 +142,33 @@ class GenerationLoops:
     def _full(self, principal: str, req: pb.GenerateRequest, key: str) -> tuple | None:  # under self.cond
         """Why no stream may start for this session now (a refusal's reason, outcome and detail)."""
         if key in self.streams:
-            return (RefusalReason.SESSION_BUSY, pb.OUTCOME_INVALID_ARGUMENT,
-                    f"session {req.session_id!r} already has a Generate stream running")
+            return (
+                RefusalReason.SESSION_BUSY,
+                pb.OUTCOME_INVALID_ARGUMENT,
+                f"session {req.session_id!r} already has a Generate stream running",
+            )
         cap = self.host.session_cap
         mine = sum(1 for s in self.streams.values() if s.principal == principal)
         if cap is not None and mine >= cap:
-            return (RefusalReason.CALLER_STREAMS, pb.OUTCOME_BUDGET_EXCEEDED,
-                    f"this caller has {mine} streams running; the cap is {cap} per caller "
-                    f"(serve --max-sessions-per-principal)")
+            return (
+                RefusalReason.CALLER_STREAMS,
+                pb.OUTCOME_BUDGET_EXCEEDED,
+                f"this caller has {mine} streams running; the cap is {cap} per caller "
+                f"(serve --max-sessions-per-principal)",
+            )
         limit = self.max_streams
         if len(self.streams) >= limit:
             warm = ", twice over with its warm tier" if limit > 1 and self.host.warm_bytes else ""
-            return (RefusalReason.WORKER_STREAMS, pb.OUTCOME_BUDGET_EXCEEDED,
-                    f"this worker runs at most {limit} Generate streams at once (its hot sessions{warm})")
+            return (
+                RefusalReason.WORKER_STREAMS,
+                pb.OUTCOME_BUDGET_EXCEEDED,
+                f"this worker runs at most {limit} Generate streams at once (its hot sessions{warm})",
+            )
         return None
 
-    def _reuse(self, req: pb.GenerateRequest, record: RouteHolds | None,
-               route: tuple[str, ...]) -> tuple[int, list[str] | None]:
+    def _reuse(
+        self, req: pb.GenerateRequest, record: RouteHolds | None, route: tuple[str, ...]
+    ) -> tuple[int, list[str] | None]:
         """(prompt tokens the route holds, the hand-overs its first step must check). What the session
         holds is reused on the replicas that hold it, and on those a drained one handed it to (each
         continues it only if it did: StepRequest.handed_from); else a re-prefill."""
@@ -147,8 +187,11 @@ class GenerationLoops:
         that holds the whole model); or why there is no route."""
         replicas = self.host.replicas
         if req.forward:
-            return (replicas.hops(req.forward) if replicas is not None else
-                    [pb.Hop(address=h.address, recipe_fingerprint=h.recipe_fingerprint) for h in req.forward])
+            return (
+                replicas.hops(req.forward)
+                if replicas is not None
+                else [pb.Hop(address=h.address, recipe_fingerprint=h.recipe_fingerprint) for h in req.forward]
+            )
         if replicas is None:
             return []
         return replicas.choose(prefer=record.route if record is not None else ())
@@ -180,8 +223,9 @@ class GenerationLoops:
                 if replicas is not None:
                     replicas.unplace(s.key)
             else:  # (drafts past `computed`: cut by the next prefill)
-                pushed_out = self.records.keep(s.key, RouteHolds(s.req.route_epoch, s.pos.tokens[:s.pos.computed],
-                                                                 s.place.addresses()))
+                pushed_out = self.records.keep(
+                    s.key, RouteHolds(s.req.route_epoch, s.pos.tokens[: s.pos.computed], s.place.addresses())
+                )
                 for old in pushed_out if replicas is not None else ():
                     replicas.unplace(old)
             self.cond.notify_all()  # a Release waiting for this stream to end (stop_stream)

@@ -1,6 +1,7 @@
 """What steps' replies mean for their streams, and what a stream's reader gets: `settle` (one reply),
 `emit` (one token, detokenized, stops checked), `finish` (the final event, always the last). Beside
 the detokenizer; the loop's bookkeeping of a finished stream is its `closed` hook."""
+
 from __future__ import annotations
 
 import queue
@@ -55,8 +56,11 @@ class Outcomes:
         if reply.outcome == pb.OUTCOME_CACHE_MISS:
             self._missed(s, reply)
             return
-        if (reply.outcome == pb.OUTCOME_UNAVAILABLE and self.host.replicas is not None
-                and 1 <= reply.stage <= len(s.place.route)):
+        if (
+            reply.outcome == pb.OUTCOME_UNAVAILABLE
+            and self.host.replicas is not None
+            and 1 <= reply.stage <= len(s.place.route)
+        ):
             self._reroute(s, reply, handed)
             return
         if reply.outcome != pb.OUTCOME_OK:
@@ -81,10 +85,19 @@ class Outcomes:
         if not grammar:
             pos.reprefills += 1
         if pos.misses_in_row > MAX_REPREFILLS:
-            why = (f"the tail refused the grammar's state {MAX_REPREFILLS} times" if grammar
-                   else f"still a cache miss after {MAX_REPREFILLS} re-prefills")
-            self.finish(s, "error", outcome=reply.outcome, stage=reply.stage, miss_reason=reply.miss_reason,
-                        detail=f"{why}: {reply.detail}")
+            why = (
+                f"the tail refused the grammar's state {MAX_REPREFILLS} times"
+                if grammar
+                else f"still a cache miss after {MAX_REPREFILLS} re-prefills"
+            )
+            self.finish(
+                s,
+                "error",
+                outcome=reply.outcome,
+                stage=reply.stage,
+                miss_reason=reply.miss_reason,
+                detail=f"{why}: {reply.detail}",
+            )
         elif grammar:
             # the tail keeps no grammar state this step named: the same step again with the tokens
             # (the stages before it applied it: a prefill at the same position cuts there)
@@ -100,13 +113,23 @@ class Outcomes:
         pos, drafts = s.pos, s.pos.sent.drafts
         tokens = list(reply.tokens) if drafts else [reply.token_id]
         # a tail must not make the head crash: its answer is checked against what was asked
-        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[:len(tokens) - 1]:
-            self.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, stage=reply.stage,
-                        detail=f"the tail answered {len(tokens)} tokens that do not verify the {len(drafts)} drafts sent")
+        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
+            self.finish(
+                s,
+                "error",
+                outcome=pb.OUTCOME_INTERNAL,
+                stage=reply.stage,
+                detail=f"the tail answered {len(tokens)} tokens that do not verify the {len(drafts)} drafts sent",
+            )
             return
         if not 0 <= tokens[-1] < self.host.info.n_vocab:
-            self.finish(s, "error", outcome=pb.OUTCOME_INTERNAL, stage=reply.stage,
-                        detail=f"the tail answered token {tokens[-1]}, outside the vocabulary")
+            self.finish(
+                s,
+                "error",
+                outcome=pb.OUTCOME_INTERNAL,
+                stage=reply.stage,
+                detail=f"the tail answered token {tokens[-1]}, outside the vocabulary",
+            )
             return
         accepted = s.drafting.verified(drafts, tokens, pos.sent.in_run)
         pos.held = pos.computed + pos.sent.n_tokens  # the rejected drafts' positions too, until the next step cuts them
@@ -155,14 +178,14 @@ class Outcomes:
             self.metrics.itl.observe(now - out.t_last)
         out.t_last = now
         text = out.detokenize(s.pos.generated).rstrip("\ufffd")  # an incomplete character comes with a later token
-        piece = text[len(out.text):] if text.startswith(out.text) else ""
+        piece = text[len(out.text) :] if text.startswith(out.text) else ""
         start = max(0, len(out.text) - MAX_STOP_CHARS)
         out.text = text
         event = pb.GeneratedToken(token_id=token, piece=piece)
         if s.req.logprobs or s.req.top_logprobs:
             event.logprob = reply.logprob
             n_vocab = self.host.info.n_vocab  # no more than asked, and only tokens, whatever the tail sent
-            event.top_logprobs.extend(a for a in reply.top_logprobs[:s.req.top_logprobs] if 0 <= a.token_id < n_vocab)
+            event.top_logprobs.extend(a for a in reply.top_logprobs[: s.req.top_logprobs] if 0 <= a.token_id < n_vocab)
         out.events.put(pb.GenerateEvent(token=event))
         if token in s.req.stop_token_ids:
             self.finish(s, "stop", stop=f"token {token}")
@@ -174,8 +197,17 @@ class Outcomes:
             self.finish(s, "length")
         return not s.done
 
-    def finish(self, s, reason: str, *, outcome: int = pb.OUTCOME_OK, stage: int = 0, detail: str = "",
-               miss_reason: str = "", stop: str = "") -> None:
+    def finish(
+        self,
+        s,
+        reason: str,
+        *,
+        outcome: int = pb.OUTCOME_OK,
+        stage: int = 0,
+        detail: str = "",
+        miss_reason: str = "",
+        stop: str = "",
+    ) -> None:
         if s.out.done:
             return
         s.out.done = True
@@ -183,8 +215,9 @@ class Outcomes:
         self.closed(s, reason == "error")
         s.out.events.put(pb.GenerateEvent(final=final))
 
-    def _final(self, s, reason: str, outcome: int, stage: int, detail: str, miss_reason: str,
-               stop: str) -> pb.GenerateFinal:
+    def _final(
+        self, s, reason: str, outcome: int, stage: int, detail: str, miss_reason: str, stop: str
+    ) -> pb.GenerateFinal:
         pos, out, drafting, place = s.pos, s.out, s.drafting, s.place
         host = self.host
         # a prefix shared among principals (--share-prefixes all) is someone else's start: how much of
@@ -192,12 +225,25 @@ class Outcomes:
         told = s.prefix.opened_tokens if host.prefixes.share != "all" or s.principal in host.security.admins else 0
         n = len(pos.generated)
         return pb.GenerateFinal(
-            finish_reason=reason, outcome=outcome, stage=stage, detail=detail, miss_reason=miss_reason,
-            prompt_tokens=len(s.req.prompt), cached_tokens=pos.cached, completion_tokens=n,
+            finish_reason=reason,
+            outcome=outcome,
+            stage=stage,
+            detail=detail,
+            miss_reason=miss_reason,
+            prompt_tokens=len(s.req.prompt),
+            cached_tokens=pos.cached,
+            completion_tokens=n,
             reprefills=pos.reprefills,
             time_to_first_token_s=(out.t_first - out.t_start) if out.t_first is not None else 0.0,
-            tokens_per_s=out.rate(n), seq_len=min(pos.computed, len(pos.tokens)), stop=stop, prefix_tokens=told,
+            tokens_per_s=out.rate(n),
+            seq_len=min(pos.computed, len(pos.tokens)),
+            stop=stop,
+            prefix_tokens=told,
             drafted_tokens=drafting.control.drafted,
             accepted_tokens=drafting.control.accepted - drafting.unsent_accepted,
-            failovers=place.failovers, reprefilled_tokens=pos.reprefilled_tokens, moves=place.moves,
-            pipelined_windows=drafting.windows_sent, pipelined_kept=drafting.windows_kept)
+            failovers=place.failovers,
+            reprefilled_tokens=pos.reprefilled_tokens,
+            moves=place.moves,
+            pipelined_windows=drafting.windows_sent,
+            pipelined_kept=drafting.windows_kept,
+        )

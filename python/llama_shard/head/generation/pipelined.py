@@ -2,6 +2,7 @@
 verification windows likely to be kept), each reply settled in order as if its step had been sent
 alone (docs/design.md#pipelining-a-stream-stepping-alone). Takes a stream and a step function; it
 knows nothing of the loop that runs it."""
+
 from __future__ import annotations
 
 import threading
@@ -39,8 +40,14 @@ class PipelinedStepper:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 
-    def run(self, s: Stream, step: Callable[[object, pb.StepRequest], pb.StepReply], outcomes: Outcomes,
-            alone: Callable[[], bool], stopping: threading.Event) -> bool:
+    def run(
+        self,
+        s: Stream,
+        step: Callable[[object, pb.StepRequest], pb.StepReply],
+        outcomes: Outcomes,
+        alone: Callable[[], bool],
+        stopping: threading.Event,
+    ) -> bool:
         """Runs the stream's steps (`step(kind, request)`: its reply; raises SessionCapRefused) with
         several in flight where that pays; False if the stream has no step for this (its first, which
         opens the session on the route). A reply that does not continue the stream (a draft rejected,
@@ -55,8 +62,14 @@ class PipelinedStepper:
         flight = _Flight(self, s, step)
 
         def ending() -> bool:
-            return (s.done or s.place.rerouted or s.out.stop_reason is not None or stopping.is_set()
-                    or (s.deadline is not None and time.monotonic() >= s.deadline))
+            return (
+                s.done
+                or s.place.rerouted
+                or s.out.stop_reason is not None
+                or stopping.is_set()
+                or (s.deadline is not None and time.monotonic() >= s.deadline)
+            )
+
         try:
             flight.send(*first, t0=t_first)
             while flight.inflight:
@@ -83,8 +96,17 @@ class PipelinedStepper:
             if pos.first_step:
                 return None
             kind, req = s.request(self.wire_dtype, cost)
-            return Window(pos.computed, pos.tokens[pos.computed], pos.sent, pos.computed + pos.sent.n_tokens,
-                          stores=req.prefix.store_tokens > 0), kind, req
+            return (
+                Window(
+                    pos.computed,
+                    pos.tokens[pos.computed],
+                    pos.sent,
+                    pos.computed + pos.sent.n_tokens,
+                    stores=req.prefix.store_tokens > 0,
+                ),
+                kind,
+                req,
+            )
         last, end = ahead[-1], ahead[-1].end
         if last.stores:  # each worker stores the prefix after that step: a later one must not run first
             return None
@@ -93,8 +115,11 @@ class PipelinedStepper:
                 return None
             with pos.assuming([], end, s.params is not None):
                 kind, req = s.request(self.wire_dtype)
-                return Window(end, pos.tokens[end], pos.sent, end + pos.sent.n_tokens,
-                              stores=req.prefix.store_tokens > 0), kind, req
+                return (
+                    Window(end, pos.tokens[end], pos.sent, end + pos.sent.n_tokens, stores=req.prefix.store_tokens > 0),
+                    kind,
+                    req,
+                )
         if not s.drafting.on or len(ahead) >= MAX_WINDOWS or not all(w.sent.samples for w in ahead):
             return None
         return self._verification_window(s, ahead, cost)
@@ -132,8 +157,15 @@ class PipelinedStepper:
             sent = pos.sent._replace(in_run=True)
             return Window(end, guess[0], sent, end + sent.n_tokens, guess=True), kind, req
 
-    def measure_ahead(self, window: Window, behind: Window | None, keep: bool, sent_at: float, arrived: float,
-                      arrived_before: float | None) -> None:
+    def measure_ahead(
+        self,
+        window: Window,
+        behind: Window | None,
+        keep: bool,
+        sent_at: float,
+        arrived: float,
+        arrived_before: float | None,
+    ) -> None:
         """What a pipelined generation step's reply (OK) tells of windows ahead (AheadTiming): a
         verification window sent ahead and kept, how much sooner it came than sent after the reply
         before it; a step with one sent behind it, how much longer it took. Prompt chunks tell
@@ -183,8 +215,8 @@ class _Flight:
     def __init__(self, stepper: PipelinedStepper, s: Stream, step):
         self.stepper, self.s, self.step = stepper, s, step
         self.inflight: deque = deque()
-        self.solo: list = []             # [window, sent at]: the one step in flight, while no other was sent with it
-        self.arrived_before = None       # when the reply popped before this one came back
+        self.solo: list = []  # [window, sent at]: the one step in flight, while no other was sent with it
+        self.arrived_before = None  # when the reply popped before this one came back
 
     def windows(self) -> list[Window]:
         return [w for w, _, _ in self.inflight]
@@ -220,8 +252,9 @@ class _Flight:
         ok = reply.outcome == pb.OUTCOME_OK
         keep = window.continues(s.pos) and not s.done and not (window.ahead and reply.outcome == pb.OUTCOME_CACHE_MISS)
         if ok:
-            stepper.measure_ahead(window, self.inflight[0][0] if self.inflight else None, keep, sent_at, arrived,
-                                  self.arrived_before)
+            stepper.measure_ahead(
+                window, self.inflight[0][0] if self.inflight else None, keep, sent_at, arrived, self.arrived_before
+            )
         self.arrived_before = arrived
         if not keep or not ok:
             s.pos.held = max(s.pos.held, window.end)

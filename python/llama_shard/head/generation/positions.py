@@ -1,5 +1,6 @@
 """A stream's tokens on the head and what the route holds of them: the positions part of a `Stream`,
 the step it has in flight (`SentStep`), and a step sent ahead of others (`Window`)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -15,9 +16,10 @@ assert PREFIX_BLOCK_TOKENS % GENERATE_CHUNK == 0
 
 class SentStep(NamedTuple):
     """The step a stream has in flight."""
-    n_tokens: int        # tokens sent (the chunk, drafts included)
-    samples: bool        # whether the tail samples at its end (the prompt's last chunk, or a decode)
-    drafts: list[int]    # the drafts it carries after the last sampled token
+
+    n_tokens: int  # tokens sent (the chunk, drafts included)
+    samples: bool  # whether the tail samples at its end (the prompt's last chunk, or a decode)
+    drafts: list[int]  # the drafts it carries after the last sampled token
     in_run: bool = False  # its first token was a guess (a window sent ahead): its drafts follow accepted ones
 
     @property
@@ -32,13 +34,14 @@ class Window(NamedTuple):
     they had all come back as hoped: a prompt's next chunk, or a verification window whose first
     token guesses the token the window before it samples. Its reply counts only if, once those are
     settled, the stream is where the window assumed (`continues`)."""
-    start: int            # the position of its first token
-    first_token: int      # that token (a guess, for a verification window after another)
-    sent: SentStep        # what Positions.sent is while its reply is settled
-    end: int              # the position after its last token (what the route may hold past `computed`)
-    guess: bool = False   # its first token guesses the token the window before it samples
+
+    start: int  # the position of its first token
+    first_token: int  # that token (a guess, for a verification window after another)
+    sent: SentStep  # what Positions.sent is while its reply is settled
+    end: int  # the position after its last token (what the route may hold past `computed`)
+    guess: bool = False  # its first token guesses the token the window before it samples
     stores: bool = False  # it stores a shared prefix: nothing is sent past it until it is back
-    ahead: bool = False   # sent while another step was in flight (counted in pipelined_windows)
+    ahead: bool = False  # sent while another step was in flight (counted in pipelined_windows)
 
     def continues(self, pos: "Positions") -> bool:
         if pos.computed != self.start:
@@ -59,19 +62,30 @@ class Positions:
     """Every token of the session (the prompt, then each sampled one); the route holds the first
     `computed`, and up to `held` after rejected drafts (the next prefill at `computed` cuts them)."""
 
-    __slots__ = ("tokens", "generated", "computed", "held", "cached", "first_step", "draws", "sent",
-                 "reprefills", "misses_in_row", "reprefilled_tokens")
+    __slots__ = (
+        "tokens",
+        "generated",
+        "computed",
+        "held",
+        "cached",
+        "first_step",
+        "draws",
+        "sent",
+        "reprefills",
+        "misses_in_row",
+        "reprefilled_tokens",
+    )
 
     def __init__(self, prompt, cached: int):
         self.tokens = list(prompt)
         self.generated: list[int] = []
         self.computed = self.held = self.cached = cached  # `cached`: what the stream found held
-        self.first_step = True               # a prefill (at `computed`: truncating what follows)
-        self.draws = 0                       # the sampler's draws so far (a re-prefill replays them)
-        self.sent = SentStep(0, False, [])   # the step in flight
+        self.first_step = True  # a prefill (at `computed`: truncating what follows)
+        self.draws = 0  # the sampler's draws so far (a re-prefill replays them)
+        self.sent = SentStep(0, False, [])  # the step in flight
         self.reprefills = 0
         self.misses_in_row = 0
-        self.reprefilled_tokens = 0          # tokens computed again (misses, failovers)
+        self.reprefilled_tokens = 0  # tokens computed again (misses, failovers)
 
     def sampled(self, token: int, draws: bool) -> None:
         """A token the tail sampled (`draws`: a sampler drew it; greedy without params draws none)."""

@@ -1,5 +1,6 @@
 """A stream's use of shared prefixes: the head's plan for its (re-)prefill (head/prefix_plans.py),
 and how many prompt tokens a stored prefix covered."""
+
 from __future__ import annotations
 
 from .positions import Positions
@@ -9,10 +10,10 @@ class PrefixUse:
     __slots__ = ("plan", "planned", "may_open", "opened_tokens")
 
     def __init__(self):
-        self.plan = None          # its PrefixPlan, made at its first step
+        self.plan = None  # its PrefixPlan, made at its first step
         self.planned = False
-        self.may_open = True      # False after a shard lacked the prefix: the re-prefill computes it
-        self.opened_tokens = 0    # prompt tokens opened from a shared prefix
+        self.may_open = True  # False after a shard lacked the prefix: the re-prefill computes it
+        self.opened_tokens = 0  # prompt tokens opened from a shared prefix
 
     def make(self, planner, principal: str, pos: Positions, keep: int) -> None:
         """At a (re-)prefill's first step: open from the longest shared prefix the head holds, and

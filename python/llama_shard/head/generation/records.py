@@ -1,6 +1,7 @@
 """What the route holds of each session after its last stream: what the session's next stream may
 reuse, and which of a caller's sessions a new conversation continues. Bounded (least recently
 finished first out); its own lock, taken inside the loop's (never the other way round)."""
+
 from __future__ import annotations
 
 import threading
@@ -13,9 +14,10 @@ from .positions import common_prefix
 
 class RouteHolds(NamedTuple):
     """What the route holds of a session after its last stream: what its next stream may reuse."""
+
     epoch: int
     tokens: list[int]
-    route: tuple[str, ...] = ()   # the replicas that hold it (the addresses of its last route)
+    route: tuple[str, ...] = ()  # the replicas that hold it (the addresses of its last route)
 
 
 class SessionRecords:
@@ -53,8 +55,11 @@ class SessionRecords:
         system prompt with another does not cut that one's tail (it gets a session of its own)."""
         tag = self.security.tag(principal)
         with self._lock:  # the candidates only
-            mine = [(key, record.epoch, record.tokens) for key, record in self._records.items()
-                    if key not in running and self.security.owner_of_key(key)[0] == tag]
+            mine = [
+                (key, record.epoch, record.tokens)
+                for key, record in self._records.items()
+                if key not in running and self.security.owner_of_key(key)[0] == tag
+            ]
         best, best_n = None, 0
         for key, epoch, held in mine:  # a record's list is replaced, never changed: safe to read here
             n = common_prefix(held, tokens)

@@ -1,6 +1,7 @@
 """The streams of one principal on one route: grouped, and stepped a group at a time (a thread per
 group). It only groups and steps: what a reply means is output.py's, pipelining a lone stream is
 pipelined.py's, and the loop that owns it (loops.py) keeps the streams, records and routes."""
+
 from __future__ import annotations
 
 import threading
@@ -24,9 +25,10 @@ class RouteMeasures(NamedTuple):
     """What a route's scheduler learns of its route as its streams step: kept by `GenerationLoops`
     after the scheduler ends (IDLE_S after its last stream), so that the principal's next request
     down the same route starts from them, not from the priors, however long after it comes."""
-    cost: StepCost          # the route's step time by tokens per step (what a draft costs)
-    ahead: AheadTiming      # what a verification window sent ahead gains and costs on it
-    rates: DraftControl     # the acceptance rates the last stream ended with: the next starts there
+
+    cost: StepCost  # the route's step time by tokens per step (what a draft costs)
+    ahead: AheadTiming  # what a verification window sent ahead gains and costs on it
+    rates: DraftControl  # the acceptance rates the last stream ended with: the next starts there
 
     @classmethod
     def new(cls) -> RouteMeasures:
@@ -40,8 +42,14 @@ class RouteScheduler:
     its step in flight is back (never in two steps at once). Its state is changed under the loop's
     lock (`owner.cond`)."""
 
-    def __init__(self, owner: GenerationLoops, principal: str, forward: tuple, wire_dtype: int,
-                 measures: RouteMeasures | None = None):
+    def __init__(
+        self,
+        owner: GenerationLoops,
+        principal: str,
+        forward: tuple,
+        wire_dtype: int,
+        measures: RouteMeasures | None = None,
+    ):
         self.owner, self.principal, self.wire_dtype = owner, principal, wire_dtype
         self.forward = [pb.Hop(address=a, recipe_fingerprint=f, fail_fast=ff) for a, f, ff in forward]
         self.n_groups = 1 + len(forward)
@@ -71,11 +79,12 @@ class RouteScheduler:
         if not self._dirty:
             return
         ids = self.owner.seq_ids()
-        order = sorted(range(len(self.streams)),
-                       key=lambda i: (ids.get(self.streams[i].key, 1 << 30), i))  # new ones: after, in arrival order
+        order = sorted(
+            range(len(self.streams)), key=lambda i: (ids.get(self.streams[i].key, 1 << 30), i)
+        )  # new ones: after, in arrival order
         n, k = len(order), self.n_groups
         for g in range(k):
-            for i in order[g * n // k:(g + 1) * n // k]:
+            for i in order[g * n // k : (g + 1) * n // k]:
                 self._group[self.streams[i]] = g
         self._dirty = False
 
@@ -166,8 +175,13 @@ class RouteScheduler:
                 s.prefix.make(owner.host.prefixes, self.principal, s.pos, s.req.keep_prefix)
         if not live:
             return
-        if len(live) == 1 and self.forward and self.pipeline.run(
-                live[0], self._one_step, owner.outcomes, lambda: len(self.streams) == 1, owner.host.stopping):
+        if (
+            len(live) == 1
+            and self.forward
+            and self.pipeline.run(
+                live[0], self._one_step, owner.outcomes, lambda: len(self.streams) == 1, owner.host.stopping
+            )
+        ):
             return
         # drafts only for a stream stepping alone: streams sharing a step already share its compute,
         # which a verification's extra rows would take from them

@@ -5,6 +5,7 @@ the scheduler's thread that steps it (and `cancel`, from any thread, which only 
 
 A new feature of a stream is a part of its own (or a field of the part it belongs to), not a field
 of `Stream`."""
+
 from __future__ import annotations
 
 from ...engine.hot_kv import StepKind
@@ -20,15 +21,40 @@ from .prefix_use import PrefixUse
 class Stream:
     """One Generate call: the request, its bounds, and its parts."""
 
-    __slots__ = ("principal", "key", "req", "params", "max_tokens", "deadline",
-                 "pos", "drafting", "place", "prefix", "out", "grammar")
+    __slots__ = (
+        "principal",
+        "key",
+        "req",
+        "params",
+        "max_tokens",
+        "deadline",
+        "pos",
+        "drafting",
+        "place",
+        "prefix",
+        "out",
+        "grammar",
+    )
 
-    def __init__(self, principal: str, key: str, req: pb.GenerateRequest, params, max_tokens: int,
-                 cached: int, deadline: float | None, detokenize, events=None, max_drafts: int = 0,
-                 draft_model=None, row_by_row: bool = True, route: list[pb.Hop] | None = None,
-                 handed_from: list[str] | None = None):
+    def __init__(
+        self,
+        principal: str,
+        key: str,
+        req: pb.GenerateRequest,
+        params,
+        max_tokens: int,
+        cached: int,
+        deadline: float | None,
+        detokenize,
+        events=None,
+        max_drafts: int = 0,
+        draft_model=None,
+        row_by_row: bool = True,
+        route: list[pb.Hop] | None = None,
+        handed_from: list[str] | None = None,
+    ):
         self.principal, self.key, self.req = principal, key, req
-        self.params = params                  # the sampler's (None: greedy without a sampler)
+        self.params = params  # the sampler's (None: greedy without a sampler)
         self.max_tokens = max_tokens
         self.deadline = deadline
         self.pos = Positions(req.prompt, cached)
@@ -36,7 +62,7 @@ class Stream:
         self.place = Placement(route or [], handed_from)
         self.prefix = PrefixUse()
         self.out = StreamOutput(detokenize, events)
-        self.grammar = GrammarSync()          # with a grammar: whether the tail holds its state (else a replay)
+        self.grammar = GrammarSync()  # with a grammar: whether the tail holds its state (else a replay)
 
     @property
     def done(self) -> bool:
@@ -45,8 +71,9 @@ class Stream:
     def cancel(self, reason: str) -> None:
         self.out.cancel(reason)
 
-    def request(self, wire_dtype: int, cost: list[float] | None = None,
-                drafts: list[int] | None = None) -> tuple[StepKind, pb.StepRequest]:
+    def request(
+        self, wire_dtype: int, cost: list[float] | None = None, drafts: list[int] | None = None
+    ) -> tuple[StepKind, pb.StepRequest]:
         """The stream's next step (its SentStep in `pos.sent`): a prompt chunk, or a token with drafts
         (from the drafter at the route's step cost `cost`, or the `drafts` given; none without either)."""
         pos = self.pos
@@ -59,11 +86,20 @@ class Stream:
         opening = self.prefix.opening(start, pos.first_step)
         storing = self.prefix.storing(start + len(chunk), bool(drafts))
         # a prefill at `start` also cuts positions the route holds past it (rejected drafts)
-        kind = (StepKind.PREFILL if pos.first_step or len(chunk) > 1 or opening or storing or pos.held > start
-                else StepKind.DECODE)
-        req = pb.StepRequest(session_id=self.req.session_id, route_epoch=self.req.route_epoch, token_ids=chunk,
-                             reply_dtype=wire_dtype, position=start, draft_tokens=drafts,
-                             row_by_row=bool(drafts) and self.drafting.row_by_row)
+        kind = (
+            StepKind.PREFILL
+            if pos.first_step or len(chunk) > 1 or opening or storing or pos.held > start
+            else StepKind.DECODE
+        )
+        req = pb.StepRequest(
+            session_id=self.req.session_id,
+            route_epoch=self.req.route_epoch,
+            token_ids=chunk,
+            reply_dtype=wire_dtype,
+            position=start,
+            draft_tokens=drafts,
+            row_by_row=bool(drafts) and self.drafting.row_by_row,
+        )
         if self.place.handed_from:
             req.handed_from.extend(["", *self.place.handed_from])  # the head's own stage never changes
         if opening or storing:

@@ -22,6 +22,7 @@ the time a body may take the endpoint's body timeout.
 Invariants: `reserved` is the sum of the places held and never exceeds `body_memory_bytes`, and a
 caller's share never exceeds a quarter of it; a place is
 given back on every way out of `reading` (answer, error, cancellation); a refusal changes nothing."""
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,7 @@ class BodyReaders:
         self.limits, self.max_body_bytes = limits, max_body_bytes
         self.per_principal, self.authenticated = per_principal, authenticated
         self.reserved = 0
-        self.by_caller: dict[str, int] = {}        # bodies arriving per caller
+        self.by_caller: dict[str, int] = {}  # bodies arriving per caller
         self.bytes_by_caller: dict[str, int] = {}  # and the bytes they reserve
 
     def _caller(self, address: str | None, principal: str) -> tuple[str, int, str]:
@@ -76,18 +77,24 @@ class BodyReaders:
         mine = self.by_caller.get(key, 0)
         who = "this address" if not self.authenticated else "this caller"
         if mine >= cap:
-            return HttpError(429, f"{who} has {mine} request bodies arriving here, its most (serve {flag})",
-                             close=True)
+            return HttpError(429, f"{who} has {mine} request bodies arriving here, its most (serve {flag})", close=True)
         need = self._reservation(content_length)
         share = self.limits.body_memory_bytes // 4
         if self.bytes_by_caller.get(key, 0) + need > share:
-            return HttpError(429, f"{who} has {self.bytes_by_caller.get(key, 0)} bytes of request bodies arriving "
-                                  f"here; a caller's most is {share} (a quarter of serve --http-body-memory)",
-                             close=True)
+            return HttpError(
+                429,
+                f"{who} has {self.bytes_by_caller.get(key, 0)} bytes of request bodies arriving "
+                f"here; a caller's most is {share} (a quarter of serve --http-body-memory)",
+                close=True,
+            )
         if self.reserved + need > self.limits.body_memory_bytes:
-            return HttpError(503, "request bodies arriving fill this worker's "
-                                  f"{self.limits.body_memory_bytes} bytes for them (serve --http-body-memory); "
-                                  "try again shortly", close=True)
+            return HttpError(
+                503,
+                "request bodies arriving fill this worker's "
+                f"{self.limits.body_memory_bytes} bytes for them (serve --http-body-memory); "
+                "try again shortly",
+                close=True,
+            )
         return None
 
     @contextlib.contextmanager

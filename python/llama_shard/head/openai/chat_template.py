@@ -1,5 +1,6 @@
 """The GGUF's chat template, rendered in the bounded sandbox (`template_sandbox`), and a model's
 conversations as prompts, one way for every entry point (`ModelChat`)."""
+
 from __future__ import annotations
 
 import json
@@ -32,11 +33,18 @@ class ChatTemplate:
     with its values, output and time bounded (`chat_template`: a template is the model file's
     code; a hostile GGUF, or messages that drive a careless template, cost a 400, not the worker)."""
 
-    def __init__(self, source: str, bos_token: str, eos_token: str, max_chars: int = MAX_RENDERED_CHARS,
-                 max_seconds: float = MAX_RENDER_SECONDS):
+    def __init__(
+        self,
+        source: str,
+        bos_token: str,
+        eos_token: str,
+        max_chars: int = MAX_RENDERED_CHARS,
+        max_seconds: float = MAX_RENDER_SECONDS,
+    ):
         self.max_seconds = max_seconds
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                             max_chars=max_chars)
+        env = BoundedSandbox(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], max_chars=max_chars
+        )
         env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: time.strftime(fmt))
         env.filters["tojson"] = env._bounded(_tojson)
         self.template = env.from_string(source)
@@ -45,9 +53,16 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         extra = {"tools": tools} if tools else {}  # as transformers passes them: absent when none
         try:
-            return render_bounded(self.template, self.max_chars, self.max_seconds, messages=messages,
-                                  add_generation_prompt=add_generation_prompt,
-                                  bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            return render_bounded(
+                self.template,
+                self.max_chars,
+                self.max_seconds,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
         except TemplateRefused as e:
             raise HttpError(400, f"the model's chat template refused the messages: {e}", "messages") from None
 
@@ -64,8 +79,9 @@ class ModelChat:
         self.bos_text = model.detokenize([bos]) if bos >= 0 else ""
         source = template_source or model.chat_template
         self.source = source
-        self.template = (ChatTemplate(source, self.bos_text, model.detokenize([eos]) if eos >= 0 else "")
-                         if source else None)
+        self.template = (
+            ChatTemplate(source, self.bos_text, model.detokenize([eos]) if eos >= 0 else "") if source else None
+        )
 
     def text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         """The rendered conversation (HttpError 400 when the template refuses it; InvalidInputError
@@ -74,7 +90,7 @@ class ModelChat:
             raise InvalidInputError("this model has no chat template (tokenizer.chat_template)", param="messages")
         text = self.template.render(messages, add_generation_prompt, tools)
         if self.bos_text and text.startswith(self.bos_text):
-            text = text[len(self.bos_text):]  # the tokenizer adds BOS itself
+            text = text[len(self.bos_text) :]  # the tokenizer adds BOS itself
         return text
 
     def tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -17,6 +17,7 @@ connection cancels its stream before the next step (the session's KV stays for t
 The port, TLS, callers, browsers' rules, bodies and slots are `HttpServer`'s (server.py); a body
 longer than the context could hold as tokens is refused by its length before it is read; rendering and
 tokenizing run on a bounded pool off the event loop, their output bounded."""
+
 from __future__ import annotations
 
 import asyncio
@@ -73,12 +74,23 @@ class _LoopEvents:
 
 # --- the endpoint -----------------------------------------------------------------------------------
 
+
 class OpenAIEndpoint:
     """The HTTP server of one head worker, on its own event loop thread."""
 
-    def __init__(self, generation: GenerationLoops, model, security: ServerSecurity, host: str, port: int,
-                 max_in_flight: int, limits: HttpLimits = HttpLimits(),
-                 split_special_tokens: bool = False, chat_template: str | None = None, registry=None):
+    def __init__(
+        self,
+        generation: GenerationLoops,
+        model,
+        security: ServerSecurity,
+        host: str,
+        port: int,
+        max_in_flight: int,
+        limits: HttpLimits = HttpLimits(),
+        split_special_tokens: bool = False,
+        chat_template: str | None = None,
+        registry=None,
+    ):
         # what the endpoint uses of its worker: the head's generation loop (its whole interface to the
         # route), the model (tokenizer, template, vocabulary) and the worker's security (TLS, principals)
         self.generation, self.model = generation, model
@@ -90,9 +102,16 @@ class OpenAIEndpoint:
         # the vocabulary's longest token's bytes
         self.max_token_bytes = _longest_token_bytes(model)
         max_body_bytes = min(MAX_BODY_BYTES, generation.context_tokens * self.max_token_bytes + BODY_OVERHEAD_BYTES)
-        self.http = HttpServer(security, host, port, limits, max_in_flight, max_body_bytes,
-                               f"more than this worker's context ({generation.context_tokens} tokens) can hold",
-                               lambda: generation.stopping)
+        self.http = HttpServer(
+            security,
+            host,
+            port,
+            limits,
+            max_in_flight,
+            max_body_bytes,
+            f"more than this worker's context ({generation.context_tokens} tokens) can hold",
+            lambda: generation.stopping,
+        )
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="http-tokenize")
         self.model_id = Path(model.path).name.removesuffix(".gguf")
         self.created = int(time.time())
@@ -142,8 +161,12 @@ class OpenAIEndpoint:
         if model is not None and not isinstance(model, str):
             raise HttpError(400, "model must be a string", "model")
         if model and model not in (self.model_id, Path(self.model.path).name):
-            raise HttpError(404, f"the model {model!r} does not exist here; this route serves {self.model_id!r}",
-                            "model", "model_not_found")
+            raise HttpError(
+                404,
+                f"the model {model!r} does not exist here; this route serves {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
         n = number(body, "n", 1, 1 << 20, integer=True)
         if n is not None and n != 1:
             raise HttpError(400, "n must be 1: a route generates one choice per request", "n")
@@ -155,22 +178,9 @@ class OpenAIEndpoint:
 
     # --- life ---------------------------------------------------------------------------------
 
-
-
-
-
     # --- every request ------------------------------------------------------------------------
 
-
-
-
-
     # --- CORS (off unless --http-cors-origin names the page's origin) ---------------------------
-
-
-
-
-
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.generation.stopping:
@@ -183,17 +193,26 @@ class OpenAIEndpoint:
 
     async def _models(self, request: web.Request) -> web.Response:
         self.http.principal(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}],
+            }
+        )
 
     async def _model(self, request: web.Request) -> web.Response:
         self.http.principal(request)
         name = request.match_info["model_id"]
         if name not in (self.model_id, Path(self.model.path).name):
-            raise HttpError(404, f"the model {name[:80]!r} does not exist here; this route serves {self.model_id!r}",
-                            "model", "model_not_found")
-        return web.json_response({"id": self.model_id, "object": "model", "created": self.created,
-                                  "owned_by": "llama-shard"})
+            raise HttpError(
+                404,
+                f"the model {name[:80]!r} does not exist here; this route serves {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
+        return web.json_response(
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "llama-shard"}
+        )
 
     async def _tokenize_route(self, request: web.Request) -> web.Response:
         """llama-server's /tokenize: {"content", "add_special" (false), "with_pieces" (false)} ->
@@ -218,18 +237,13 @@ class OpenAIEndpoint:
         with self.http.slot(principal):
             tokens = body.get("tokens")
             n_vocab = self.model.info.n_vocab
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
-                                                       0 <= t < n_vocab for t in tokens):
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in tokens
+            ):
                 raise HttpError(400, f"tokens must be a list of token ids (0..{n_vocab - 1})", "tokens")
             return web.json_response({"content": await self._off_loop(self.model.detokenize, tokens)})
 
-
-
-
-
     # --- the two generation endpoints ---------------------------------------------------------
-
-
 
     async def _apply_template(self, request: web.Request) -> web.Response:
         """llama-server's /apply-template: {"messages", "tools"?} -> {"prompt"}: the text a chat request
@@ -249,13 +263,19 @@ class OpenAIEndpoint:
         slots, the special tokens)."""
         self.http.principal(request)
         model = self.model
-        return web.json_response({
-            "model_alias": self.model_id, "model_path": Path(model.path).name,
-            "n_ctx": self.generation.context_tokens, "total_slots": self.http.max_in_flight,
-            "chat_template": self.chat.source or "",
-            "bos_token": self.chat.bos_text, "eos_token": model.detokenize([model.token_eos]) if model.token_eos >= 0 else "",
-            "default_generation_settings": {"n_ctx": self.generation.context_tokens, "params": _default_params()},
-            "build_info": f"llama-shard {_version()}"})
+        return web.json_response(
+            {
+                "model_alias": self.model_id,
+                "model_path": Path(model.path).name,
+                "n_ctx": self.generation.context_tokens,
+                "total_slots": self.http.max_in_flight,
+                "chat_template": self.chat.source or "",
+                "bos_token": self.chat.bos_text,
+                "eos_token": model.detokenize([model.token_eos]) if model.token_eos >= 0 else "",
+                "default_generation_settings": {"n_ctx": self.generation.context_tokens, "params": _default_params()},
+                "build_info": f"llama-shard {_version()}",
+            }
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """The worker's Prometheus metrics (as --metrics-port serves them), behind the port's auth."""
@@ -282,8 +302,9 @@ class OpenAIEndpoint:
         tools = self.prompts.tools(body)
 
         tokens = await self._off_loop(self.prompts.chat_tokens, rendered, tools)
-        return await self._generate(request, principal, body, tokens, chat=True, logprobs=logprobs, top=top,
-                                    param_names={}, tools=tools)
+        return await self._generate(
+            request, principal, body, tokens, chat=True, logprobs=logprobs, top=top, param_names={}, tools=tools
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         principal = self.http.principal(request)
@@ -298,7 +319,9 @@ class OpenAIEndpoint:
             prompt = prompt[0]  # one prompt in a list
         if isinstance(prompt, str):
             tokens = await self._off_loop(self.prompts.tokenize, prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             tokens = self.prompts.token_ids(prompt)
         else:
             raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
@@ -309,11 +332,16 @@ class OpenAIEndpoint:
         if best_of not in (None, 1):
             raise HttpError(400, "best_of must be 1", "best_of")
         top = number(body, "logprobs", 0, INT32_MAX, integer=True)
-        return await self._generate(request, principal, body, tokens, chat=False, logprobs=top is not None,
-                                    top=top or 0, param_names={"top_logprobs": "logprobs"})
-
-
-
+        return await self._generate(
+            request,
+            principal,
+            body,
+            tokens,
+            chat=False,
+            logprobs=top is not None,
+            top=top or 0,
+            param_names={"top_logprobs": "logprobs"},
+        )
 
     def _piece(self, token: int) -> str:
         """One token's own text (for logprobs), remembered."""
@@ -338,9 +366,19 @@ class OpenAIEndpoint:
         found = self.generation.session_to_continue(principal, tokens, NEW_SESSION_PREFIX)
         return found if found is not None else (f"{NEW_SESSION_PREFIX}{uuid.uuid4().hex}", 0)
 
-    async def _generate(self, request: web.Request, principal: str, body: dict, tokens: list[int], *, chat: bool,
-                        logprobs: bool, top: int, param_names: dict[str, str],
-                        tools: ToolRequest | None = None) -> web.StreamResponse:
+    async def _generate(
+        self,
+        request: web.Request,
+        principal: str,
+        body: dict,
+        tokens: list[int],
+        *,
+        chat: bool,
+        logprobs: bool,
+        top: int,
+        param_names: dict[str, str],
+        tools: ToolRequest | None = None,
+    ) -> web.StreamResponse:
         """Runs the request as a stream of the head's loop and answers it, streamed or whole."""
         stream_it = flag(body, "stream")
         options = body.get("stream_options") or {}
@@ -350,8 +388,9 @@ class OpenAIEndpoint:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise HttpError(400, "user must be a string", "user")
-        req = generate_request(body, tokens, self.generation.context_tokens, self.eog[:MAX_STOP_TOKENS],
-                               logprobs=logprobs, top=top)
+        req = generate_request(
+            body, tokens, self.generation.context_tokens, self.eog[:MAX_STOP_TOKENS], logprobs=logprobs, top=top
+        )
         schema = output_schema(body)
         if schema is not None:  # llama.cpp's converter, on the tokenizer pool (a schema may take a while)
             try:
@@ -361,8 +400,11 @@ class OpenAIEndpoint:
             param_names = param_names | {"grammar": "response_format"}
         if tools is not None and tools.choice == "required":  # every answer a call: a grammar of the calls
             if req.sampling.grammar:
-                raise HttpError(400, "tool_choice required (or a named function) takes no grammar or "
-                                     "response_format of its own", "tool_choice")
+                raise HttpError(
+                    400,
+                    "tool_choice required (or a named function) takes no grammar or response_format of its own",
+                    "tool_choice",
+                )
             try:
                 call = await self._off_loop(grammar_from_schema, json.dumps(tools.call_schema()))
             except InvalidInputError as e:
@@ -378,8 +420,14 @@ class OpenAIEndpoint:
         req.session_id, req.route_epoch = self._session(request, principal, tokens)
         events = _LoopEvents(asyncio.get_running_loop())
         stream = self._open(request, principal, req, events, param_names)
-        fmt = CompletionFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                               self.model_id, chat, self._piece, self.model.token_bytes)
+        fmt = CompletionFormat(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            int(time.time()),
+            self.model_id,
+            chat,
+            self._piece,
+            self.model.token_bytes,
+        )
         started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:
@@ -394,12 +442,16 @@ class OpenAIEndpoint:
         finally:
             stream.cancel("the request ended")  # a no-op once the stream is done
 
-    def _open(self, request: web.Request, principal: str, req: pb.GenerateRequest, events,
-              param_names: dict[str, str]) -> Stream:
+    def _open(
+        self, request: web.Request, principal: str, req: pb.GenerateRequest, events, param_names: dict[str, str]
+    ) -> Stream:
         """The request's running stream; the refusal's HttpError otherwise."""
         stream = self.generation.open(principal, req, None, events=events)
-        if isinstance(stream, Refusal) and stream.reason is RefusalReason.SESSION_BUSY \
-                and request.headers.get("X-Session-Id") is None:
+        if (
+            isinstance(stream, Refusal)
+            and stream.reason is RefusalReason.SESSION_BUSY
+            and request.headers.get("X-Session-Id") is None
+        ):
             # another request took it first: choose again (that one is now running, so not it)
             req.session_id, req.route_epoch = self._session(request, principal, list(req.prompt))
             stream = self.generation.open(principal, req, None, events=events)
@@ -418,6 +470,7 @@ class OpenAIEndpoint:
         def read(tok: pb.GeneratedToken) -> tuple[str, list | None]:
             text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
             return text, ([(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None)
+
         return trimmer, read
 
     @staticmethod
@@ -430,18 +483,28 @@ class OpenAIEndpoint:
             return HttpError(outcome_status(final.outcome), f"generation failed{where}: {final.detail}")
         return "length"  # cancelled or shutdown while streaming: ended as OpenAI ends a cut stream
 
-    async def _streamed(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
-                        fmt: CompletionFormat, include_usage: bool, started: list,
-                        tools: ToolRequest | None = None) -> web.StreamResponse:
+    async def _streamed(
+        self,
+        request: web.Request,
+        req: pb.GenerateRequest,
+        stream: Stream,
+        events,
+        fmt: CompletionFormat,
+        include_usage: bool,
+        started: list,
+        tools: ToolRequest | None = None,
+    ) -> web.StreamResponse:
         """Server-sent events: a chunk per token (its text empty while held back), the final chunk,
         usage when asked, [DONE]; an error after the first byte is an error event."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Session-Id": req.session_id})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Session-Id": req.session_id}
+        )
         await response.prepare(request)
         started.append(response)
 
         async def send(obj: dict) -> None:
             await self._write(request, response, b"data: " + json.dumps(obj).encode() + b"\n\n")
+
         if fmt.chat:
             await send(fmt.first_chunk())
         trimmer, read = self._client_text(req)
@@ -483,8 +546,15 @@ class OpenAIEndpoint:
         await response.write_eof()
         return response
 
-    async def _whole(self, request: web.Request, req: pb.GenerateRequest, stream: Stream, events,
-                     fmt: CompletionFormat, with_tools: bool = False) -> web.Response:
+    async def _whole(
+        self,
+        request: web.Request,
+        req: pb.GenerateRequest,
+        stream: Stream,
+        events,
+        fmt: CompletionFormat,
+        with_tools: bool = False,
+    ) -> web.Response:
         """One JSON answer once the stream has ended (a closed connection is seen at the next token)."""
         trimmer, read = self._client_text(req)
         texts: list[str] = []
@@ -509,8 +579,9 @@ class OpenAIEndpoint:
             content, calls = parse_calls(content)
             if calls and finish == "stop":
                 finish = "tool_calls"
-        return web.json_response(fmt.whole(content, finish, lp_items, fmt.usage(final), calls),
-                                 headers={"X-Session-Id": req.session_id})
+        return web.json_response(
+            fmt.whole(content, finish, lp_items, fmt.usage(final), calls), headers={"X-Session-Id": req.session_id}
+        )
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
         """A stream's write. A client that stops reading is dropped by the guard's sweep once its unsent
@@ -523,8 +594,14 @@ def _default_params() -> dict:
     """What a request that sets no sampling parameter gets (the native sampler's defaults), in
     llama-server's names."""
     p = SamplingParams()
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-            "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.penalty_repeat}
+    return {
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.penalty_last_n,
+        "repeat_penalty": p.penalty_repeat,
+    }
 
 
 def _version() -> str:

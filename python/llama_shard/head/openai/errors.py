@@ -1,4 +1,5 @@
 """Errors in OpenAI's shape, and the status each outcome of the route gets."""
+
 from __future__ import annotations
 
 from aiohttp import web
@@ -13,20 +14,28 @@ OUTCOME_STATUS = {pb.OUTCOME_INVALID_ARGUMENT: 400, pb.OUTCOME_BUDGET_EXCEEDED: 
 class HttpError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
-             404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
-             415: "invalid_request_error", 417: "invalid_request_error", 429: "rate_limit_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "invalid_request_error",
+        404: "not_found_error",
+        408: "invalid_request_error",
+        413: "invalid_request_error",
+        415: "invalid_request_error",
+        417: "invalid_request_error",
+        429: "rate_limit_error",
+    }
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 close: bool = False):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, close: bool = False
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.close = close  # the connection ends after this answer (what the client still sends is not read)
 
     def response(self) -> web.Response:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        body = {"error": {"message": self.message, "type": kind,
-                          "param": self.param, "code": self.code}}
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return web.json_response(body, status=self.status)
 
 

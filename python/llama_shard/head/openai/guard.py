@@ -23,6 +23,7 @@ handshake, to close:
 Invariants: every accepted socket is in `connections` until it is closed, so the cap counts file
 descriptors the port holds (a TLS handshake in progress included); nothing here reads or writes
 application data; every deadline is checked by one sweep on the event loop (no timer per byte)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,15 +49,15 @@ SEND_BUFFER_BYTES = 256 * 2**10
 class HttpLimits:
     """`serve --http-*` limits; None for the connection cap: derived from the file limit."""
 
-    header_timeout_s: float = 10.0       # TLS handshake + request line + headers
-    body_timeout_s: float = 30.0         # the whole body, once the headers are in
-    idle_timeout_s: float = 15.0         # a kept-alive connection between requests
-    write_timeout_s: float = 30.0        # unsent bytes that do not shrink
-    max_connections: int | None = None   # None: min(512, a quarter of the open-file limit)
+    header_timeout_s: float = 10.0  # TLS handshake + request line + headers
+    body_timeout_s: float = 30.0  # the whole body, once the headers are in
+    idle_timeout_s: float = 15.0  # a kept-alive connection between requests
+    write_timeout_s: float = 30.0  # unsent bytes that do not shrink
+    max_connections: int | None = None  # None: min(512, a quarter of the open-file limit)
     max_in_flight_per_principal: int | None = None  # None: the global cap without authentication, half of it with
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted on a plaintext port beside IP literals and localhost
-    cors_origins: tuple[str, ...] = ()   # Origins a browser page may call from (CORS; "*": any); none by default
-    body_memory_bytes: int = BODY_MEMORY_BYTES       # bodies being read at once, together (bodies.py)
+    cors_origins: tuple[str, ...] = ()  # Origins a browser page may call from (CORS; "*": any); none by default
+    body_memory_bytes: int = BODY_MEMORY_BYTES  # bodies being read at once, together (bodies.py)
     max_bodies_per_address: int = BODIES_PER_ADDRESS  # bodies arriving at once from one address, without authentication
 
     def connection_cap(self) -> int:
@@ -79,16 +80,26 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 class _Connection:
-    __slots__ = ("raw", "transport", "opened", "free_since", "first_byte", "busy", "served", "stall_since",
-                 "unsent", "protocol")
+    __slots__ = (
+        "raw",
+        "transport",
+        "opened",
+        "free_since",
+        "first_byte",
+        "busy",
+        "served",
+        "stall_since",
+        "unsent",
+        "protocol",
+    )
 
     def __init__(self, raw: asyncio.Transport, now: float):
-        self.raw = raw                    # the socket's transport (the TLS one wraps it)
-        self.transport = None             # what aiohttp writes to, once a handshake (if any) is done
+        self.raw = raw  # the socket's transport (the TLS one wraps it)
+        self.transport = None  # what aiohttp writes to, once a handshake (if any) is done
         self.opened = self.free_since = now
         self.first_byte: float | None = None  # first byte of a request not yet in a handler
-        self.busy = 0                     # requests of this connection in a handler
-        self.served = False               # a request has been answered (the connection is kept alive)
+        self.busy = 0  # requests of this connection in a handler
+        self.served = False  # a request has been answered (the connection is kept alive)
         self.stall_since: float | None = None  # since when the unsent bytes have not shrunk
         self.unsent = 0
         self.protocol = None
@@ -122,8 +133,13 @@ class _GuardedProtocol(asyncio.Protocol):
 
     async def _handshake(self, raw) -> None:
         try:
-            tls = await self.guard.loop.start_tls(raw, self, self.guard.ssl_context, server_side=True,
-                                                  ssl_handshake_timeout=self.guard.limits.header_timeout_s)
+            tls = await self.guard.loop.start_tls(
+                raw,
+                self,
+                self.guard.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=self.guard.limits.header_timeout_s,
+            )
         except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
             raw.abort()
             self.guard._closed(self.conn)
@@ -172,8 +188,9 @@ class _GuardedProtocol(asyncio.Protocol):
 class ConnectionGuard:
     """The listening socket's protocol factory and the sweep over every open connection."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, protocol_factory, limits: HttpLimits,
-                 ssl_context: ssl.SSLContext | None):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, protocol_factory, limits: HttpLimits, ssl_context: ssl.SSLContext | None
+    ):
         self.loop, self.protocol_factory, self.limits, self.ssl_context = loop, protocol_factory, limits, ssl_context
         self.cap = limits.connection_cap()
         self.connections: OrderedDict[_Connection, None] = OrderedDict()  # oldest first

@@ -1,6 +1,7 @@
 """A request's prompt as tokens: its messages checked and rendered with the model's chat template
 (tools too), tokenized (special-token text in messages as plain text where the operator asks), and
 held to the context. Runs on the endpoint's tokenizer pool, off the event loop."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ class Prompts:
     def messages(self, body: dict) -> list[dict]:
         """The request's messages as the template reads them (a 400 naming `messages` otherwise)."""
         if self.template is None:
-            raise HttpError(400, "this model has no chat template (tokenizer.chat_template): use /v1/completions",
-                            "messages")
+            raise HttpError(
+                400, "this model has no chat template (tokenizer.chat_template): use /v1/completions", "messages"
+            )
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages must be a non-empty list", "messages")
@@ -51,12 +53,14 @@ class Prompts:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise HttpError(400, "each message must be an object with a string role", "messages")
             if not ROLE.fullmatch(m["role"]):  # a role is the template's word, never a turn marker of its own
-                raise HttpError(400, "a message's role must be a name (a letter, then up to 31 letters, digits, _ or -)",
-                                "messages")
+                raise HttpError(
+                    400, "a message's role must be a name (a letter, then up to 31 letters, digits, _ or -)", "messages"
+                )
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
                     raise HttpError(400, "only text content parts are supported", "messages")
                 content = "".join(p["text"] for p in content)
             if content is None:
@@ -73,8 +77,12 @@ class Prompts:
         if tools is not None and tools.choice == "none":
             return None  # as OpenAI: the model answers in text (the tools are not rendered)
         if tools is not None and not template_renders_tools(self.chat.source):
-            raise HttpError(400, "this model's chat template does not render tools as <tool_call> blocks; start "
-                                 "the worker with --chat-template-file holding one that does", "tools")
+            raise HttpError(
+                400,
+                "this model's chat template does not render tools as <tool_call> blocks; start "
+                "the worker with --chat-template-file holding one that does",
+                "tools",
+            )
         return tools
 
     def tokenize(self, text: str) -> list[int]:
@@ -85,8 +93,13 @@ class Prompts:
                 # for the cut: the start's tokens are the whole text's but for the last few)
                 n = len(self.model.tokenize(text[:probe]))
                 if n > context + 8:
-                    raise HttpError(400, f"the prompt is over {n - 8} tokens from its first {probe} characters; a "
-                                         f"session here holds {context}", "prompt", "context_length_exceeded")
+                    raise HttpError(
+                        400,
+                        f"the prompt is over {n - 8} tokens from its first {probe} characters; a "
+                        f"session here holds {context}",
+                        "prompt",
+                        "context_length_exceeded",
+                    )
             tokens = self.model.tokenize(text)
         except InvalidInputError as e:
             raise HttpError(400, str(e), "prompt") from None
@@ -105,30 +118,47 @@ class Prompts:
         model = self.model
         # what the template renders besides the messages' text (tools, calls, a tool's name) is not cut
         # out as plain text: it may not hold special-token text at all
-        for param, values in (("tools", [json.dumps(t, ensure_ascii=False) for t in tools or []]),
-                              ("messages", [json.dumps([m.get("tool_calls"), m.get("name")], ensure_ascii=False)
-                                            for m in messages if "tool_calls" in m or "name" in m])):
+        for param, values in (
+            ("tools", [json.dumps(t, ensure_ascii=False) for t in tools or []]),
+            (
+                "messages",
+                [
+                    json.dumps([m.get("tool_calls"), m.get("name")], ensure_ascii=False)
+                    for m in messages
+                    if "tool_calls" in m or "name" in m
+                ],
+            ),
+        ):
             for value in values:
-                if model.tokenize(value, add_special=False, parse_special=True) != \
-                        model.tokenize(value, add_special=False, parse_special=False):
-                    raise HttpError(400, "with --http-split-special-tokens, tools and tool calls may not hold "
-                                         "special-token text", param)
+                if model.tokenize(value, add_special=False, parse_special=True) != model.tokenize(
+                    value, add_special=False, parse_special=False
+                ):
+                    raise HttpError(
+                        400,
+                        "with --http-split-special-tokens, tools and tool calls may not hold special-token text",
+                        param,
+                    )
         text = self.template.render(messages, tools=tools)
         if self.bos_text and text.startswith(self.bos_text):
-            text = text[len(self.bos_text):]
+            text = text[len(self.bos_text) :]
         plain = []  # (start, end) of each message text that holds special-token text
         at = 0
         try:
             for m in messages:
                 content = m["content"]
-                if not content or model.tokenize(content, add_special=False, parse_special=True) == \
-                        model.tokenize(content, add_special=False, parse_special=False):
+                if not content or model.tokenize(content, add_special=False, parse_special=True) == model.tokenize(
+                    content, add_special=False, parse_special=False
+                ):
                     continue
                 found = text.find(content, at)
                 if found < 0:
-                    raise HttpError(400, "with --http-split-special-tokens a message's text that holds special-token "
-                                         "text must appear in the rendered prompt as it was sent; this template "
-                                         "changes it", "messages")
+                    raise HttpError(
+                        400,
+                        "with --http-split-special-tokens a message's text that holds special-token "
+                        "text must appear in the rendered prompt as it was sent; this template "
+                        "changes it",
+                        "messages",
+                    )
                 plain.append((found, found + len(content)))
                 at = found + len(content)
             if not plain:
@@ -148,6 +178,11 @@ class Prompts:
     def fits_context(self, tokens: list[int]) -> list[int]:
         context = self.context_tokens
         if len(tokens) >= context:
-            raise HttpError(400, f"the prompt is {len(tokens)} tokens; a session here holds {context}, the prompt "
-                                 "and at least one generated token", "prompt", "context_length_exceeded")
+            raise HttpError(
+                400,
+                f"the prompt is {len(tokens)} tokens; a session here holds {context}, the prompt "
+                "and at least one generated token",
+                "prompt",
+                "context_length_exceeded",
+            )
         return tokens

@@ -5,6 +5,7 @@ is checked once, by the head's generation loop when the stream opens (`Generatio
 for the sampling parameters the native `SamplingParams.problem`), whose refusal names the wire's
 field, mapped back to the request's key by `PARAM_NAMES`.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,21 +59,40 @@ PARAMETERS = (
     Parameter("suffix", ("completions",), "empty only"),
     Parameter("best_of", ("completions",), "1 only"),
     Parameter("ignore_eos", BOTH, "llama.cpp's: generate past the end-of-generation tokens"),
-    Parameter("logit_bias", BOTH, "token id (a string) to a bias in [-100, 100] added to its logit first, as "
-              "llama.cpp's logit-bias sampler does (-100: practically never); at most 1024 tokens"),
-    Parameter("response_format", BOTH, "`{\"type\": \"text\"}`, `{\"type\": \"json_object\"}` (any JSON object) or "
-              "`{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}`: the answer is "
-              "sampled under llama.cpp's grammar of that schema (its own converter), so a complete answer parses "
-              "and validates (one cut by max_tokens ends with finish_reason length)"),
-    Parameter("grammar", BOTH, "llama-server's: GBNF with a `root` rule; only what it allows is sampled "
-              "(not with response_format)"),
-    Parameter("tools", ("chat",), "functions the model may call (`{\"type\": \"function\", \"function\": {name, "
-              "description, parameters}}`, at most 128), rendered by the model's template; its calls come back as "
-              "`tool_calls` with finish_reason `tool_calls`. Needs a template that writes `<tool_call>` blocks "
-              "(Hermes, Qwen 2.5/3; `serve --chat-template-file`); another is a 400"),
-    Parameter("tool_choice", ("chat",), "`auto` (default: the model decides; its output is parsed), `none`, "
-              "`required` or `{\"type\": \"function\", \"function\": {\"name\": ...}}`: these two sample under "
-              "a grammar of the calls (llama.cpp's converter of each tool's parameters), so every answer is a call"),
+    Parameter(
+        "logit_bias",
+        BOTH,
+        "token id (a string) to a bias in [-100, 100] added to its logit first, as "
+        "llama.cpp's logit-bias sampler does (-100: practically never); at most 1024 tokens",
+    ),
+    Parameter(
+        "response_format",
+        BOTH,
+        "`{\"type\": \"text\"}`, `{\"type\": \"json_object\"}` (any JSON object) or "
+        "`{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}`: the answer is "
+        "sampled under llama.cpp's grammar of that schema (its own converter), so a complete answer parses "
+        "and validates (one cut by max_tokens ends with finish_reason length)",
+    ),
+    Parameter(
+        "grammar",
+        BOTH,
+        "llama-server's: GBNF with a `root` rule; only what it allows is sampled (not with response_format)",
+    ),
+    Parameter(
+        "tools",
+        ("chat",),
+        "functions the model may call (`{\"type\": \"function\", \"function\": {name, "
+        "description, parameters}}`, at most 128), rendered by the model's template; its calls come back as "
+        "`tool_calls` with finish_reason `tool_calls`. Needs a template that writes `<tool_call>` blocks "
+        "(Hermes, Qwen 2.5/3; `serve --chat-template-file`); another is a 400",
+    ),
+    Parameter(
+        "tool_choice",
+        ("chat",),
+        "`auto` (default: the model decides; its output is parsed), `none`, "
+        "`required` or `{\"type\": \"function\", \"function\": {\"name\": ...}}`: these two sample under "
+        "a grammar of the calls (llama.cpp's converter of each tool's parameters), so every answer is a call",
+    ),
     Parameter("parallel_tool_calls", ("chat",), "with `required`: one call or several (default true)"),
     Parameter("max_drafts", BOTH, "speculative decoding: the most drafted tokens per step (0: off; up to 15)"),
     # accepted, and without effect by their nature here
@@ -83,9 +103,18 @@ PARAMETERS = (
 )
 _ALLOWED = {e: {p.name for p in PARAMETERS if e in p.endpoints} for e in BOTH}
 #: keys OpenAI or llama-server know that this endpoint does not do (yet): a 400 that says so
-NOT_SUPPORTED = ("functions", "function_call", "json_schema",
-                 "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "n_probs",
-                 "cache_prompt")
+NOT_SUPPORTED = (
+    "functions",
+    "function_call",
+    "json_schema",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "n_probs",
+    "cache_prompt",
+)
 
 
 def check_keys(body: dict, endpoint: str) -> None:
@@ -96,15 +125,22 @@ def check_keys(body: dict, endpoint: str) -> None:
             continue
         if key in NOT_SUPPORTED:
             raise HttpError(400, f"{key} is not supported by this endpoint", key)
-        raise HttpError(400, f"unrecognized request argument: {str(key)[:64]!r} (see the README's table of "
-                        "parameters)", str(key)[:64])
-    for key, kind, name in (("metadata", dict, "an object"), ("store", bool, "a boolean"),
-                            ("service_tier", str, "a string")):  # without effect, but of their type
+        raise HttpError(
+            400,
+            f"unrecognized request argument: {str(key)[:64]!r} (see the README's table of parameters)",
+            str(key)[:64],
+        )
+    for key, kind, name in (
+        ("metadata", dict, "an object"),
+        ("store", bool, "a boolean"),
+        ("service_tier", str, "a string"),
+    ):  # without effect, but of their type
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise HttpError(400, f"{key} must be {name}", key)
+
+
 #: the wire's field -> the request's key, where they differ (a refusal names the request's)
-PARAM_NAMES = {p.wire: p.request for p in SAMPLING_PARAMETERS if p.wire != p.request} | {
-    "stop_token_ids": "stop"}
+PARAM_NAMES = {p.wire: p.request for p in SAMPLING_PARAMETERS if p.wire != p.request} | {"stop_token_ids": "stop"}
 
 
 def _bound(value: float) -> str:
@@ -119,8 +155,9 @@ def number(body: dict, name: str, lo: float = -math.inf, hi: float = math.inf, *
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise HttpError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}",
-                        name)
+        raise HttpError(
+            400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:40]}", name
+        )
     if isinstance(value, float) and not math.isfinite(value):
         raise HttpError(400, f"{name} must be a finite number", name)
     if not lo <= value <= hi:
@@ -162,8 +199,12 @@ def logit_bias(body: dict) -> list[pb.TokenBias]:
     for key, value in bias.items():
         if not TOKEN_ID.fullmatch(key) or not -INT32_MAX <= int(key) <= INT32_MAX:
             raise HttpError(400, f"logit_bias: {key[:24]!r} is not a token id", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 1e30 \
-                or not math.isfinite(value):  # (an int's size first: a huge one does not convert to float)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or abs(value) > 1e30
+            or not math.isfinite(value)
+        ):  # (an int's size first: a huge one does not convert to float)
             raise HttpError(400, f"logit_bias: token {key}'s bias must be a number", "logit_bias")
         out.append(pb.TokenBias(token_id=int(key), bias=float(value)))
     return out
@@ -206,16 +247,21 @@ def output_schema(body: dict) -> str | None:
     if kind == "json_object":
         return ANY_OBJECT
     if kind != "json_schema":
-        raise HttpError(400, f"response_format type must be text, json_object or json_schema, not {kind[:40]!r}",
-                        "response_format")
+        raise HttpError(
+            400, f"response_format type must be text, json_object or json_schema, not {kind[:40]!r}", "response_format"
+        )
     wrapper = fmt.get("json_schema")
     if not isinstance(wrapper, dict) or not isinstance(wrapper.get("schema", {}), dict):
-        raise HttpError(400, "response_format json_schema must be an object whose schema is an object",
-                        "response_format")
+        raise HttpError(
+            400, "response_format json_schema must be an object whose schema is an object", "response_format"
+        )
     schema = wrapper.get("schema") or {}
     if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
-        raise HttpError(400, f"response_format: the schema (or a pattern's groups) nests deeper than "
-                             f"{MAX_SCHEMA_DEPTH} levels", "response_format")
+        raise HttpError(
+            400,
+            f"response_format: the schema (or a pattern's groups) nests deeper than {MAX_SCHEMA_DEPTH} levels",
+            "response_format",
+        )
     return json.dumps(schema) if schema else ANY_OBJECT
 
 
@@ -252,16 +298,23 @@ def sampling_from(body: dict, context_tokens: int) -> pb.Sampling:
     return s
 
 
-def generate_request(body: dict, tokens: list[int], context_tokens: int, stop_token_ids: list[int], *,
-                     logprobs: bool, top: int) -> pb.GenerateRequest:
+def generate_request(
+    body: dict, tokens: list[int], context_tokens: int, stop_token_ids: list[int], *, logprobs: bool, top: int
+) -> pb.GenerateRequest:
     """The GenerateRequest of a body (its session and route are the endpoint's to fill in)."""
     max_tokens = number(body, "max_completion_tokens", 1, INT32_MAX, integer=True)
     if max_tokens is None:
         max_tokens = number(body, "max_tokens", 1, INT32_MAX, integer=True)
     ignore_eos = flag(body, "ignore_eos")  # llama.cpp's extension
-    req = pb.GenerateRequest(prompt=tokens, sampling=sampling_from(body, context_tokens), max_tokens=max_tokens or 0,
-                             stop_token_ids=[] if ignore_eos else stop_token_ids, stop=stops(body),
-                             logprobs=logprobs, top_logprobs=top)
+    req = pb.GenerateRequest(
+        prompt=tokens,
+        sampling=sampling_from(body, context_tokens),
+        max_tokens=max_tokens or 0,
+        stop_token_ids=[] if ignore_eos else stop_token_ids,
+        stop=stops(body),
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
     max_drafts = number(body, "max_drafts", 0, INT32_MAX, integer=True)  # speculation: 0 off, else up to k
     if max_drafts is not None:
         req.max_drafts = max_drafts

@@ -1,5 +1,6 @@
 """What a client reads: the text up to a stop sequence, and OpenAI's chunk, completion and logprob
 shapes."""
+
 from __future__ import annotations
 
 import codecs
@@ -22,12 +23,12 @@ class StopTrimmer:
         hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
         end = min(hits) if hits else len(self.text) - self.hold
         self.stopped = bool(hits)
-        out = self.text[self.sent:end] if end > self.sent else ""
+        out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
 
     def flush(self) -> str:
-        out = "" if self.stopped else self.text[self.sent:]
+        out = "" if self.stopped else self.text[self.sent :]
         self.sent = len(self.text)
         return out
 
@@ -60,10 +61,19 @@ class CompletionFormat:
             if lp is not None:
                 choice["logprobs"] = self.chat_logprobs(lp)
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish,
-                      "logprobs": self.completion_logprobs(lp) if lp is not None else None}
-        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
-                "choices": [choice]}
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "finish_reason": finish,
+                "logprobs": self.completion_logprobs(lp) if lp is not None else None,
+            }
+        return {
+            "id": self.rid,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": [choice],
+        }
 
     def tool_chunk(self, delta: dict) -> dict:
         """A chat stream's chunk of one tool call's delta (tool_calls.ToolCallStream)."""
@@ -72,42 +82,72 @@ class CompletionFormat:
         return out
 
     def usage_chunk(self, usage: dict) -> dict:
-        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model_id,
-                "choices": [], "usage": usage}
+        return {
+            "id": self.rid,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": [],
+            "usage": usage,
+        }
 
-    def whole(self, content: str | None, finish: str, lp_items: list | None, usage: dict,
-              tool_calls: list | None = None) -> dict:
+    def whole(
+        self, content: str | None, finish: str, lp_items: list | None, usage: dict, tool_calls: list | None = None
+    ) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": content}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "finish_reason": finish,
-                      "logprobs": self.chat_logprobs(lp_items) if lp_items is not None else None}
+            choice = {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": self.chat_logprobs(lp_items) if lp_items is not None else None,
+            }
         else:
-            choice = {"index": 0, "text": content, "finish_reason": finish,
-                      "logprobs": self.completion_logprobs(lp_items) if lp_items is not None else None}
-        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model_id,
-                "choices": [choice], "usage": usage}
+            choice = {
+                "index": 0,
+                "text": content,
+                "finish_reason": finish,
+                "logprobs": self.completion_logprobs(lp_items) if lp_items is not None else None,
+            }
+        return {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": [choice],
+            "usage": usage,
+        }
 
     @staticmethod
     def usage(final) -> dict:
         """A GenerateFinal's counts in OpenAI's usage object."""
-        return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-                "total_tokens": final.prompt_tokens + final.completion_tokens,
-                # reused from the caller's conversation, or opened from a shared prefix (not computed)
-                "prompt_tokens_details": {"cached_tokens": min(final.prompt_tokens,
-                                                               final.cached_tokens + final.prefix_tokens)},
-                # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
-                # tail accepted (part of the completion) and those it rejected (computed, not sent)
-                "completion_tokens_details": {
-                    "accepted_prediction_tokens": final.accepted_tokens,
-                    "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens}}
+        return {
+            "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            # reused from the caller's conversation, or opened from a shared prefix (not computed)
+            "prompt_tokens_details": {
+                "cached_tokens": min(final.prompt_tokens, final.cached_tokens + final.prefix_tokens)
+            },
+            # speculative decoding's drafts, in OpenAI's fields for predicted tokens: those the
+            # tail accepted (part of the completion) and those it rejected (computed, not sent)
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": final.accepted_tokens,
+                "rejected_prediction_tokens": final.drafted_tokens - final.accepted_tokens,
+            },
+        }
 
     def chat_logprobs(self, items: list) -> dict:
         def entry(token: int, logprob: float) -> dict:  # bytes: the token's own (part of a character too)
             return {"token": self.piece(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]}
-                            for t, lp, alts in items]}
+
+        return {
+            "content": [
+                entry(t, lp) | {"top_logprobs": [entry(a.token_id, a.logprob) for a in alts]} for t, lp, alts in items
+            ]
+        }
 
     def completion_logprobs(self, items: list) -> dict:
         tokens = [self.piece(t) for t, _, _ in items]
@@ -115,5 +155,9 @@ class CompletionFormat:
         for t, _, _ in items:
             offsets.append(self.text_at)
             self.text_at += len(self.decoder.decode(bytes(self.token_bytes(t))))
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in items], "text_offset": offsets,
-                "top_logprobs": [{self.piece(a.token_id): a.logprob for a in alts} for _, _, alts in items]}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in items],
+            "text_offset": offsets,
+            "top_logprobs": [{self.piece(a.token_id): a.logprob for a in alts} for _, _, alts in items],
+        }

@@ -7,6 +7,7 @@ Invariants: a request is refused by what it costs before it costs it: its connec
 timed from accept (`guard`); its body is read holding a place bounded in memory and per caller
 (`bodies`), and its slot (global and per principal) is taken once the body is whole; a body longer
 than `max_body_bytes` is refused by its length before it is read. Every error is OpenAI's JSON shape."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,17 @@ _HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'
 class HttpServer:
     """One port on its own event loop thread (`start`), answering with the handlers it is given."""
 
-    def __init__(self, security: ServerSecurity, host: str, port: int, limits: HttpLimits, max_in_flight: int,
-                 max_body_bytes: int, too_large_why: str, stopping: Callable[[], bool]):
+    def __init__(
+        self,
+        security: ServerSecurity,
+        host: str,
+        port: int,
+        limits: HttpLimits,
+        max_in_flight: int,
+        max_body_bytes: int,
+        too_large_why: str,
+        stopping: Callable[[], bool],
+    ):
         """`too_large_why`: what a body over `max_body_bytes` would be (the 413's reason);
         `stopping`: whether the worker shuts down (a new body is refused 503)."""
         self.security, self.host, self.port, self.limits = security, host, port, limits
@@ -42,7 +52,8 @@ class HttpServer:
         # one principal may hold all slots of a node it has to itself (no authentication: one principal),
         # half of them where tenants share it
         self.max_in_flight_per_principal = limits.max_in_flight_per_principal or (
-            max(1, max_in_flight // 2) if security.authenticated else max_in_flight)
+            max(1, max_in_flight // 2) if security.authenticated else max_in_flight
+        )
         self.in_flight_by_principal: dict[str, int] = {}
         # bodies on their way in: bounded in memory and per caller (an address without authentication)
         self.bodies = BodyReaders(limits, max_body_bytes, self.max_in_flight_per_principal, security.authenticated)
@@ -86,7 +97,9 @@ class HttpServer:
                     state["ctx"], state["mtimes"] = load(), now
                     self._tls_reloads += 1
                 except (OSError, ssl.SSLError, ValueError):
-                    state["failed"] = now  # a half-written file: keep the last good context, read it again once it changes
+                    state["failed"] = (
+                        now  # a half-written file: keep the last good context, read it again once it changes
+                    )
             if conn.context is not state["ctx"]:
                 conn.context = state["ctx"]
 
@@ -104,16 +117,19 @@ class HttpServer:
         app.on_response_prepare.append(self._cors_headers)
         add_routes(app)
         # aiohttp's own keep-alive timer covers a connection that sends nothing; the guard the rest
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                                     keepalive_timeout=self.limits.idle_timeout_s)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, keepalive_timeout=self.limits.idle_timeout_s
+        )
 
         async def setup() -> int:
             await self._runner.setup()
             # the guard, not aiohttp's site, accepts: it counts a connection before its TLS handshake
-            self.guard = ConnectionGuard(asyncio.get_running_loop(), self._runner.server, self.limits,
-                                         self._ssl_context())
+            self.guard = ConnectionGuard(
+                asyncio.get_running_loop(), self._runner.server, self.limits, self._ssl_context()
+            )
             self._listener = await asyncio.get_running_loop().create_server(
-                self.guard, self.host, self.port, backlog=128, reuse_address=True)
+                self.guard, self.host, self.port, backlog=128, reuse_address=True
+            )
             self.guard.start()
             return self._listener.sockets[0].getsockname()[1]  # the port bound (0 asked for any free one)
 
@@ -195,8 +211,9 @@ class HttpServer:
             principal = self.principal(request)
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 raise self.too_large()
-            refusal = (self.bodies.refusal(request.remote, principal, request.content_length)
-                       or self._slot_refusal(principal))
+            refusal = self.bodies.refusal(request.remote, principal, request.content_length) or self._slot_refusal(
+                principal
+            )
             if refusal is not None:
                 raise refusal
         except HttpError as e:
@@ -208,8 +225,11 @@ class HttpServer:
         return None
 
     def too_large(self) -> HttpError:
-        return HttpError(413, f"the request body is over {self.max_body_bytes} bytes: {self.too_large_why}",
-                         code="context_length_exceeded")
+        return HttpError(
+            413,
+            f"the request body is over {self.max_body_bytes} bytes: {self.too_large_why}",
+            code="context_length_exceeded",
+        )
 
     def _check_browser(self, request: web.Request) -> None:
         """A web page must not drive a worker it can reach (a loopback one above all). A cross-site
@@ -225,8 +245,12 @@ class HttpServer:
             return
         host = request.headers.get("Host")
         if host is None or not self._host_allowed(host):
-            raise HttpError(403, f"the Host header {str(host)[:64]!r} does not name this worker; an operator can allow "
-                                 "a name with serve --http-allowed-host", code="host_not_allowed")
+            raise HttpError(
+                403,
+                f"the Host header {str(host)[:64]!r} does not name this worker; an operator can allow "
+                "a name with serve --http-allowed-host",
+                code="host_not_allowed",
+            )
 
     # --- CORS (off unless --http-cors-origin names the page's origin) ---------------------------
 
@@ -242,12 +266,19 @@ class HttpServer:
         """A browser's OPTIONS before a JSON POST or an authorized GET from an allowed origin."""
         asked = request.headers.get("Access-Control-Request-Headers", "")
         # the headers the page's client asked for (openai-node adds X-Stainless-*), when they are names
-        allowed = (asked if len(asked) <= 1024 and _HEADER_NAMES.fullmatch(asked)
-                   else "Authorization, Content-Type, X-Session-Id")
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": allowed or "Authorization, Content-Type, X-Session-Id",
-            "Access-Control-Max-Age": "600"})
+        allowed = (
+            asked
+            if len(asked) <= 1024 and _HEADER_NAMES.fullmatch(asked)
+            else "Authorization, Content-Type, X-Session-Id"
+        )
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": allowed or "Authorization, Content-Type, X-Session-Id",
+                "Access-Control-Max-Age": "600",
+            },
+        )
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """Every answer to an allowed origin says so (errors too: a page reads why it was refused)."""
@@ -280,22 +311,26 @@ class HttpServer:
         principal = None
         if sec.tokens is not None:
             value = request.headers.get("Authorization", "")
-            principal = sec.tokens.principal(value[len("Bearer "):]) if value.startswith("Bearer ") else None
+            principal = sec.tokens.principal(value[len("Bearer ") :]) if value.startswith("Bearer ") else None
         else:
             tls = request.transport.get_extra_info("ssl_object") if request.transport else None
             if tls is not None and tls.session_reused and self._tls_reloads:
                 # a TLS 1.2 session resumed from before a certificate change was not checked against
                 # the current client CA: a new handshake is
-                raise HttpError(401, "a resumed TLS session from before a certificate change: reconnect",
-                                code="invalid_api_key")
+                raise HttpError(
+                    401, "a resumed TLS session from before a certificate change: reconnect", code="invalid_api_key"
+                )
             cert = request.transport.get_extra_info("peercert") if request.transport else None
             for rdn in (cert or {}).get("subject", ()):
                 for key, value in rdn:
                     if key == "commonName" and principal is None:  # the first, as gRPC's x509_common_name
                         principal = value
         if principal is None or not principal.strip():  # a certificate without a name is no credential
-            raise HttpError(401, "no valid credentials: send Authorization: Bearer <token>, or a client "
-                                 "certificate with a common name", code="invalid_api_key")
+            raise HttpError(
+                401,
+                "no valid credentials: send Authorization: Bearer <token>, or a client certificate with a common name",
+                code="invalid_api_key",
+            )
         return principal
 
     @contextlib.contextmanager
@@ -321,12 +356,15 @@ class HttpServer:
     def _slot_refusal(self, principal: str) -> HttpError | None:
         """The 429 a new request of `principal` gets now, or None when a slot is free for it."""
         if self.in_flight >= self.max_in_flight:
-            return HttpError(429, f"this worker serves at most {self.max_in_flight} requests at once "
-                                  "(serve --max-concurrent-rpcs)")
+            return HttpError(
+                429, f"this worker serves at most {self.max_in_flight} requests at once (serve --max-concurrent-rpcs)"
+            )
         mine = self.in_flight_by_principal.get(principal, 0)
         if mine >= self.max_in_flight_per_principal:
-            return HttpError(429, f"this caller has {mine} requests in flight here, its most "
-                                  "(serve --http-max-requests-per-principal)")
+            return HttpError(
+                429,
+                f"this caller has {mine} requests in flight here, its most (serve --http-max-requests-per-principal)",
+            )
         return None
 
     async def read_json(self, request: web.Request, principal: str) -> dict:
@@ -341,8 +379,11 @@ class HttpServer:
             with self.bodies.reading(request.remote, principal, request.content_length):
                 raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
-                                 "(serve --http-body-timeout)", close=True) from None
+            raise HttpError(
+                408,
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s (serve --http-body-timeout)",
+                close=True,
+            ) from None
         except ConnectionError:  # the client went away mid-body: nothing to answer, nothing to log
             raise HttpError(400, "the connection closed before the body arrived", close=True) from None
         try:

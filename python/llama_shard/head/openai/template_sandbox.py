@@ -20,6 +20,7 @@ Invariant: a render returns at most `max_chars` characters within about `max_sec
 `TemplateRefused`; the bounds are per value, so memory stays within a small multiple of
 `max_chars` except through a chain of calls on values each under it (documented in
 docs/security.md: load GGUFs you trust)."""
+
 from __future__ import annotations
 
 import functools
@@ -119,6 +120,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             if printf and len(args) >= skip:
                 _check_format(args[skip - 1], braces=False)
             return _check_value(fn(*args, **kwargs), self.max_chars)
+
         return bounded
 
     def call_binop(self, context, op: str, left, right):
@@ -130,7 +132,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             n = right if _size(left) else left if _size(right) else None
             if isinstance(n, int) and max(_size(left), _size(right)) * n > limit:
                 raise SecurityError("a repeated value too long for a chat template")
-            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > MAX_INT_BITS
+            ):
                 raise SecurityError(f"a product over {MAX_INT_BITS} bits in a chat template")
         elif op == "+" and _size(left) + _size(right) > limit:
             raise SecurityError("a concatenation too long for a chat template")
@@ -166,8 +172,18 @@ def render_bounded(template, max_chars: int = MAX_CHARS, max_seconds: float = MA
                 raise SecurityError(f"the rendered prompt is over {max_chars} characters")
             parts.append(part)
         return "".join(parts)
-    except (TemplateError, OverflowError, RecursionError, MemoryError, TypeError, ValueError, AttributeError,
-            KeyError, IndexError, ZeroDivisionError) as e:
+    except (
+        TemplateError,
+        OverflowError,
+        RecursionError,
+        MemoryError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        ZeroDivisionError,
+    ) as e:
         # jinja2 raises OverflowError for a range over its bound; Python's own errors are the
         # template failing on these messages: each is a refusal of the request, not the worker's fault
         raise TemplateRefused(f"{type(e).__name__}: {e}") from None

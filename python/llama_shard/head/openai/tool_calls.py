@@ -13,6 +13,7 @@ Jinja engine renders the GGUF's template without the sandbox's bounds on size an
 30 more translation units in each of CI's four native builds (docs/design.md, "Tool calls").
 The format here is the one open models share most; a template that renders no tools is refused
 (400), never answered with prose."""
+
 from __future__ import annotations
 
 import json
@@ -61,21 +62,24 @@ class ToolRequest:
             if not isinstance(description, str):
                 raise HttpError(400, f"tool {name!r}: description must be a string", "tools")
             self.parameters[name] = params
-            self.tools.append({"type": "function", "function": {"name": name, "description": description,
-                                                                "parameters": params}})
+            self.tools.append(
+                {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+            )
         choice = body.get("tool_choice", "auto")
         self.named: str | None = None
         if isinstance(choice, dict):
             fn = choice.get("function")
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise HttpError(400, "tool_choice must be none, auto, required or {type: function, "
-                                     "function: {name}}", "tool_choice")
+                raise HttpError(
+                    400, "tool_choice must be none, auto, required or {type: function, function: {name}}", "tool_choice"
+                )
             if fn["name"] not in self.parameters:
                 raise HttpError(400, f"tool_choice names {fn['name']!r}, which is not in tools", "tool_choice")
             self.named, choice = fn["name"], "required"
         if choice not in ("none", "auto", "required"):
-            raise HttpError(400, "tool_choice must be none, auto, required or {type: function, function: {name}}",
-                            "tool_choice")
+            raise HttpError(
+                400, "tool_choice must be none, auto, required or {type: function, function: {name}}", "tool_choice"
+            )
         self.choice = choice
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
@@ -84,9 +88,15 @@ class ToolRequest:
 
     def call_schema(self) -> dict:
         """The JSON Schema of one call the choice allows: {"name": <a tool>, "arguments": <its parameters>}."""
+
         def one(name: str) -> dict:
-            return {"type": "object", "properties": {"name": {"const": name}, "arguments": self.parameters[name]},
-                    "required": ["name", "arguments"], "additionalProperties": False}
+            return {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": self.parameters[name]},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+
         names = [self.named] if self.named else list(self.parameters)
         return one(names[0]) if len(names) == 1 else {"anyOf": [one(n) for n in names]}
 
@@ -95,8 +105,7 @@ class ToolRequest:
         parallel calls), each holding a call as `call_grammar` (the converter's, its `root` renamed)."""
         call = rename_rule(call_grammar, "root", "tool-call")
         blocks = 'block ("\\n" block)*' if self.parallel and not self.named else "block"
-        return (f"root ::= {blocks}\n"
-                f'block ::= "{OPEN}\\n" tool-call "\\n{CLOSE}"\n' + call)
+        return f"root ::= {blocks}\nblock ::= \"{OPEN}\\n\" tool-call \"\\n{CLOSE}\"\n" + call
 
 
 def rename_rule(grammar: str, old: str, new: str) -> str:
@@ -110,7 +119,7 @@ def rename_rule(grammar: str, old: str, new: str) -> str:
             j = i + 1
             while j < n and grammar[j] != end:
                 j += 2 if grammar[j] == "\\" else 1
-            out.append(grammar[i:j + 1])
+            out.append(grammar[i : j + 1])
             i = j + 1
         elif c == "#":
             j = grammar.find("\n", i)
@@ -141,16 +150,23 @@ def history_message(m: dict, role: str, content: str) -> dict:
         rendered = []
         for call in calls:
             fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-                    not isinstance(fn.get("arguments", "{}"), str):
-                raise HttpError(400, "each tool call must be {id, type: function, function: {name, arguments: "
-                                     "a JSON string}}", "messages")
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", "{}"), str)
+            ):
+                raise HttpError(
+                    400,
+                    "each tool call must be {id, type: function, function: {name, arguments: a JSON string}}",
+                    "messages",
+                )
             try:
                 arguments = json.loads(fn.get("arguments", "{}"))
             except (ValueError, RecursionError):  # RecursionError: "[" * 100000, not JSON we take
                 raise HttpError(400, f"the arguments of a call to {fn['name']!r} are not JSON", "messages") from None
-            rendered.append({"id": call.get("id", ""), "type": "function",
-                             "function": {"name": fn["name"], "arguments": arguments}})
+            rendered.append(
+                {"id": call.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+            )
         out["tool_calls"] = rendered
     if role == "tool":
         call_id = m.get("tool_call_id")
@@ -219,8 +235,11 @@ def _call_of(obj) -> dict | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 #: the start of a call as the grammar of `required` writes it: its name, then its arguments
@@ -255,10 +274,10 @@ class ToolCallStream:
                     if OPEN.startswith(self.text[-k:]):
                         safe = len(self.text) - k
                         break
-                content.append(self.text[self.sent:safe])
+                content.append(self.text[self.sent : safe])
                 self.sent = safe
                 break
-            content.append(self.text[self.sent:begin])
+            content.append(self.text[self.sent : begin])
             self.sent = begin
             kind, end, call = _block(self.text, begin, final=False)
             if self.progressive:
@@ -300,12 +319,18 @@ class ToolCallStream:
             except ValueError:
                 return out
             self.args_at = self.args_sent = head.end()
-            out.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": {"name": name, "arguments": ""}})
+            out.append(
+                {
+                    "index": self.calls,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            )
         if end < 0:  # held back: whitespace and braces that may close the call, and a part of the end marker
             stop = len(self.text)
             for k in range(min(len(CLOSE), stop - self.args_sent), 0, -1):
-                if CLOSE.startswith(self.text[stop - k:]):
+                if CLOSE.startswith(self.text[stop - k :]):
                     stop -= k
                     break
             while stop > self.args_sent and self.text[stop - 1] in " \t\r\n}":
@@ -315,7 +340,7 @@ class ToolCallStream:
             stop = self.text.rindex("}", self.args_at, close)
             stop = len(self.text[:stop].rstrip())
         if stop > self.args_sent:
-            out.append({"index": self.calls, "function": {"arguments": self.text[self.args_sent:stop]}})
+            out.append({"index": self.calls, "function": {"arguments": self.text[self.args_sent : stop]}})
             self.args_sent = stop
         if end >= 0:
             self.calls += 1
@@ -324,14 +349,20 @@ class ToolCallStream:
     def _deltas(self, call: dict) -> list[dict]:
         i = self.calls
         self.calls += 1
-        return [{"index": i, "id": call["id"], "type": "function",
-                 "function": {"name": call["function"]["name"], "arguments": ""}},
-                {"index": i, "function": {"arguments": call["function"]["arguments"]}}]
+        return [
+            {
+                "index": i,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            },
+            {"index": i, "function": {"arguments": call["function"]["arguments"]}},
+        ]
 
     def flush(self) -> tuple[str, list[dict]]:
         """At the end: what is left, read as the whole text is (a block still open is text; a call cut
         short while its arguments streamed: nothing more)."""
-        rest, self.sent = self.text[self.sent:], len(self.text)
+        rest, self.sent = self.text[self.sent :], len(self.text)
         if self.args_at >= 0:
             return "", []
         content, calls = parse_calls(rest)
