@@ -29,8 +29,8 @@ import numpy as np
 from common import log
 
 from llama_shard import HotKvConfig, HotKvStateConfig, HotKvStateManager, KvBoundaryAdapter, ShardModel, Step
-from llama_shard.engine.hot_kv import kv_bytes_per_token
 from llama_shard.engine.models import compute_balanced_cut, require_embedded_model
+from llama_shard.engine.recipe import kv_bytes_per_token
 from llama_shard.errors import InvalidInputError
 from llama_shard.local_workers import start_worker, stop_worker, wait_serving
 from llama_shard.route import LocalStage, RemoteStage, RouteClient

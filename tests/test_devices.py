@@ -372,7 +372,7 @@ def test_a_route_is_one_backend_only_where_its_workers_facts_say_so():
     variant, or a worker that reports no facts (an older one) makes the route mixed."""
     from types import SimpleNamespace
 
-    from llama_shard.route.client import StageInfo, route_backends
+    from llama_shard.route.stages import StageInfo, route_backends
 
     def stage(first, last, device, layers, kernels, backend="x"):
         return SimpleNamespace(
@@ -436,7 +436,7 @@ def test_a_cpu_head_and_a_device_tail_serve_the_openai_endpoint(embedded_model, 
         wait_serving(tail, tail_addr, timeout_s=300)
         wait_serving(head, head_addr)
         from llama_shard.route import RemoteStage
-        from llama_shard.route.client import route_backends
+        from llama_shard.route.stages import route_backends
 
         stages = [RemoteStage(head_addr), RemoteStage(tail_addr)]
         assert stages[0].info.backend.startswith("cpu (") and stages[1].info.backend.startswith(f"{device} (")

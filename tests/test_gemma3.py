@@ -215,7 +215,7 @@ def test_two_workers_serving_a_real_gemma3_split_give_the_whole_models_tokens(ge
 
 
 def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model, model_dir):
-    from llama_shard.engine.hot_kv import kv_recipe_for
+    from llama_shard.engine.recipe import kv_recipe_for
     from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 
     other = write_synthetic_gguf(
@@ -232,7 +232,7 @@ def test_the_recipe_covers_the_sliding_window(synthetic_gemma3, synthetic_model,
 def test_the_reference_gives_the_same_recipe_as_the_native_engine(synthetic_gemma3):
     """The numpy reference's shard describes the same sliding window, so a cache recipe (and its
     fingerprint) made by one is the other's."""
-    from llama_shard.engine.hot_kv import kv_recipe_for
+    from llama_shard.engine.recipe import kv_recipe_for
     from llama_shard.reference import ReferenceModel, ReferenceShard
 
     native = kv_recipe_for(ShardModel(str(synthetic_gemma3), (0, 2), 1))

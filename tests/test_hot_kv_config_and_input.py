@@ -38,7 +38,7 @@ def test_flash_attention_is_a_checked_setting_of_the_cache_recipe(synthetic_mode
     fingerprint (warm files and hops check it); the default keeps the fingerprints it always had;
     a quantized cache needs flash attention and is refused without it (not llama.cpp's abort)."""
     from llama_shard import ShardModel
-    from llama_shard.engine.hot_kv import kv_recipe_for
+    from llama_shard.engine.recipe import kv_recipe_for
 
     model = ShardModel(str(synthetic_model), None, 1)
     on, off = kv_recipe_for(model), kv_recipe_for(model, flash_attn=False)

@@ -18,8 +18,9 @@ from llama_shard import (
     TailOutput,
     Tier,
 )
-from llama_shard.engine.hot_kv import kv_bytes_per_token, parse_size
+from llama_shard.engine.hot_kv import parse_size
 from llama_shard.engine.memory import memory_plan
+from llama_shard.engine.recipe import kv_bytes_per_token
 from llama_shard.errors import InvalidInputError
 from llama_shard.testing.synthetic import SyntheticSpec, write_synthetic_gguf
 

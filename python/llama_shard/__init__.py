@@ -41,17 +41,15 @@ from .engine.hot_kv import (
     CacheMiss,
     CacheMissReason,
     HotKvStateConfig,
-    KvCacheRecipe,
     ManualClock,
     SessionInfo,
     SessionRecord,
     Step,
     TailOutput,
-    certified_architecture,
-    kv_recipe_for,
 )
 from .engine.manager import HotKvStateManager
 from .engine.models import embedded_model_path
+from .engine.recipe import KvCacheRecipe, certified_architecture, kv_recipe_for
 from .errors import (
     CapacityError,
     ComputeError,

@@ -75,27 +75,24 @@ class ShardWorker:
         self.servicer = ShardServicer(self.model, self.manager, self.registry, options)  # checks the options first
         self.head = Head(self.servicer, head_options, self.registry, options.threads)
         self.servicer.attach_head(self.head)
-        # each verification size's one-time comparison (one call against row by row) now, not in a request
-        try:
-            verdicts, seconds = decide_verification_sizes(self.manager)
-            if verdicts:
-                print(
-                    f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr, flush=True
-                )
-        except LlamaShardError as e:  # the first verification of each size decides it, as before
-            print(
-                f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
-                f"verification of each size decides it",
-                file=sys.stderr,
-                flush=True,
-            )
+        _decide_verification_sizes(self.manager)
         self.health = health.HealthServicer()
-        limit = self.servicer.bounds.request
-        self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
         # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs (and the
         # HTTP endpoint 429, counting its requests in flight)
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
-        self.server = grpc.server(
+        self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
+        self.server = self._grpc_server(config)
+        self.port = self._bind()
+        self.metrics_port = None
+        if options.metrics_port is not None:
+            server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
+            self.metrics_port = server.server_port
+        self.http = self._http_endpoint(head_options)
+        self._stopped = threading.Event()
+
+    def _grpc_server(self, config: HotKvStateConfig) -> grpc.Server:
+        """The gRPC server with the shard service and the health service, not bound yet."""
+        server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
             futures.ThreadPoolExecutor(
                 max_workers=max(8, 2 * config.max_sessions)
@@ -103,51 +100,55 @@ class ShardWorker:
                 thread_name_prefix="shard-rpc",
             ),
             options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", options.max_message_bytes),  # logits can outweigh any request
+                ("grpc.max_receive_message_length", self.servicer.bounds.request),
+                ("grpc.max_send_message_length", self.options.max_message_bytes),  # logits can outweigh any request
                 *SERVER_KEEPALIVE_OPTIONS,
             ],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             interceptors=[self.admission],
         )
-        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        return server
+
+    def _bind(self) -> int:
+        """The port bound (OSError when it cannot be); a step forwarded to it is a loop."""
+        options = self.options
         credentials = options.security.server_credentials()
         try:
             address = f"{options.host}:{options.port}"
-            self.port = (
+            port = (
                 self.server.add_secure_port(address, credentials)
                 if credentials is not None
                 else self.server.add_insecure_port(address)
             )
         except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
             raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
-        if self.port == 0:
+        if port == 0:
             raise OSError(f"cannot bind {options.host}:{options.port}")
         self.servicer.steps.own_addresses = frozenset(
-            f"{h}:{self.port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()}
+            f"{h}:{port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()}
         )
-        self.metrics_port = None
-        if options.metrics_port is not None:
-            server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
-            self.metrics_port = server.server_port
-        self.http = None
-        if head_options.http_port is not None:
-            from .head.openai.endpoint import OpenAIEndpoint  # aiohttp and jinja2 load only where HTTP is served
+        return port
 
-            self.http = OpenAIEndpoint(
-                self.head.generation,
-                self.model,
-                options.security,
-                options.host,
-                head_options.http_port,
-                self.max_concurrent_rpcs,
-                head_options.http_limits,
-                head_options.http_split_special_tokens,
-                head_options.chat_template,
-                self.registry,
-            )
-        self._stopped = threading.Event()
+    def _http_endpoint(self, head_options: HeadOptions):
+        """The OpenAI-compatible endpoint when --http-port asks for one (not started yet)."""
+        if head_options.http_port is None:
+            return None
+        from .head.openai.endpoint import OpenAIEndpoint  # aiohttp and jinja2 load only where HTTP is served
+
+        return OpenAIEndpoint(
+            self.head.generation,
+            self.model,
+            self.options.security,
+            self.options.host,
+            head_options.http_port,
+            self.max_concurrent_rpcs,
+            head_options.http_limits,
+            head_options.http_split_special_tokens,
+            head_options.chat_template,
+            self.registry,
+        )
 
     @property
     def address(self) -> str:
@@ -270,3 +271,18 @@ class ShardWorker:
             flush=True,
         )
         return 0
+
+
+def _decide_verification_sizes(manager: HotKvStateManager) -> None:
+    """Each verification size's one-time comparison (one call against row by row) now, not in a request."""
+    try:
+        verdicts, seconds = decide_verification_sizes(manager)
+        if verdicts:
+            print(f"llama-shard worker: {describe_verification_sizes(verdicts, seconds)}", file=sys.stderr, flush=True)
+    except LlamaShardError as e:  # the first verification of each size decides it, as before
+        print(
+            f"llama-shard worker: verification sizes not decided at start-up ({e}); the first "
+            f"verification of each size decides it",
+            file=sys.stderr,
+            flush=True,
+        )

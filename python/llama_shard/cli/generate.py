@@ -116,31 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_drafts is not None:
         raise InvalidInputError("--max-drafts needs --route: drafts are a route's (its head's speculative decoding)")
     path = model_path(args.model)
-    status(f"model: {path}")
-    t0 = time.perf_counter()
-    whole_layers = None
-    if args.split == "half":
-        n_layer = gguf_layer_count(path)
-        whole_layers = n_layer
-        split = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)] if n_layer > 1 else None
-    elif args.split in ("none", "whole"):
-        split = None
-    else:
-        split = parse_split(args.split)
-    pipe = LocalPipeline(
-        path,
-        split,
-        n_ctx=args.context_tokens,
-        n_seq_max=1,
-        n_batch=args.batch,
-        n_threads=args.threads,
-        device=args.device,
-    )
-    desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
-    status(
-        f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
-        + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models)
-    )
+    pipe = _load_pipeline(args, path)
 
     prompt = _prompt_ids(pipe.head, args.prompt, args.chat)
     if not prompt:
@@ -178,21 +154,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
 
     if args.compare_whole:
-        whole = LocalPipeline(
-            path,
-            None,
-            n_ctx=args.context_tokens,
-            n_seq_max=1,
-            n_batch=args.batch,
-            n_threads=args.threads,
-            device=args.device,
-        )  # the same backend: split = whole to the bit
-        ref = list(whole.generate(prompt, len(tokens)))
-        same_tokens = [t for t, _ in ref] == tokens
-        same_bits = all(a.tobytes() == b.tobytes() for (_, a), b in zip(ref, logits_seen))
-        status(f"verify against the whole model: tokens identical: {same_tokens}; logits bit-identical: {same_bits}")
-        return 0 if same_tokens and same_bits else 1
+        return _compare_whole(args, path, prompt, tokens, logits_seen)
     return 0
+
+
+def _load_pipeline(args: argparse.Namespace, path) -> LocalPipeline:
+    """The model, whole or split in process (--split), as the flags say."""
+    status(f"model: {path}")
+    t0 = time.perf_counter()
+    whole_layers = None
+    if args.split == "half":
+        n_layer = gguf_layer_count(path)
+        whole_layers = n_layer
+        split = [(0, n_layer // 2 - 1), (n_layer // 2, n_layer - 1)] if n_layer > 1 else None
+    elif args.split in ("none", "whole"):
+        split = None
+    else:
+        split = parse_split(args.split)
+    pipe = LocalPipeline(
+        path,
+        split,
+        n_ctx=args.context_tokens,
+        n_seq_max=1,
+        n_batch=args.batch,
+        n_threads=args.threads,
+        device=args.device,
+    )
+    desc = ",".join(f"{m.info.first}-{m.info.last}" for m in pipe.models)
+    status(
+        f"shards: {desc} of {whole_layers or pipe.head.info.n_layer} layers, loaded in {time.perf_counter() - t0:.2f}s; "
+        + ", ".join(f"{m.info.first}-{m.info.last}: {m.info.weight_bytes / 2**20:.1f} MiB" for m in pipe.models)
+    )
+
+    return pipe
+
+
+def _compare_whole(args: argparse.Namespace, path, prompt: list[int], tokens: list[int], logits_seen: list) -> int:
+    """The split's tokens and logits against the whole model's on the same backend (exit 0: equal to the bit)."""
+    whole = LocalPipeline(
+        path,
+        None,
+        n_ctx=args.context_tokens,
+        n_seq_max=1,
+        n_batch=args.batch,
+        n_threads=args.threads,
+        device=args.device,
+    )  # the same backend: split = whole to the bit
+    ref = list(whole.generate(prompt, len(tokens)))
+    same_tokens = [t for t, _ in ref] == tokens
+    same_bits = all(a.tobytes() == b.tobytes() for (_, a), b in zip(ref, logits_seen))
+    status(f"verify against the whole model: tokens identical: {same_tokens}; logits bit-identical: {same_bits}")
+    return 0 if same_tokens and same_bits else 1
 
 
 def _flag_value(args: argparse.Namespace, flag: str):

@@ -141,18 +141,8 @@ def serve_security(args: argparse.Namespace):
     return security, peer_security
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from ..head.options import HeadOptions
-    from ..node import ShardWorker
-    from ..worker.options import WorkerOptions
-
-    if args.device == "list":
-        print("devices (serve --device NAME; auto: the first that passes its self-check; cpu):\n" + devices_text())
-        return 0
-    layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
-    security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
-    if args.draft_model is not None:
-        regular_model_file(args.draft_model, "--draft-model")
+def http_limits_of(args: argparse.Namespace) -> HttpLimits:
+    """The HTTP port's limits from its flags (refused: a flag for an endpoint not asked for)."""
     http_limits = HttpLimits(
         args.http_header_timeout,
         args.http_body_timeout,
@@ -171,21 +161,86 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{4 * MAX_BODY_BYTES // 2**20}MiB (a caller may hold a quarter of it, and a request "
             f"body may be up to {MAX_BODY_BYTES // 2**20}MiB)"
         )
+    return http_limits
+
+
+def head_options_of(args: argparse.Namespace):
+    """A head's options from the flags: its HTTP endpoint, drafts and verification."""
+    from ..head.options import HeadOptions
+
+    if args.draft_model is not None:
+        regular_model_file(args.draft_model, "--draft-model")
+    http_limits = http_limits_of(args)
     chat_template = read_chat_template(args.chat_template_file) if args.chat_template_file else None
     if args.http_port is None and (http_limits != HttpLimits() or args.http_split_special_tokens or chat_template):
         raise InvalidInputError("the --http-* flags set the OpenAI-compatible endpoint: give --http-port too")
+    return HeadOptions(
+        http_port=args.http_port,
+        http_limits=http_limits,
+        http_split_special_tokens=args.http_split_special_tokens,
+        chat_template=chat_template,
+        draft=args.draft,
+        max_drafts=args.max_drafts,
+        draft_model=args.draft_model,
+        verify=args.draft_verify,
+    )
+
+
+def worker_options_of(args: argparse.Namespace, security, peer_security):
+    """A worker's options from the flags."""
+    from ..worker.options import WorkerOptions
+
+    return WorkerOptions(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        threads=args.threads,
+        n_batch=args.batch,
+        device=args.device,
+        gpu_layers=-1 if args.gpu_layers is None else args.gpu_layers,
+        cpu_moe_layers=args.cpu_moe_layers,
+        gather_s=args.gather_ms / 1000.0,
+        max_step_sessions=args.max_step_sessions,
+        prefill_chunk=args.prefill_chunk,
+        peers=tuple(args.peer),
+        sweep_s=args.sweep_seconds,
+        security=security,
+        peer_security=peer_security,
+        max_sessions_per_principal=args.max_sessions_per_principal,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_hop_s=args.max_hop_seconds,
+        share_prefixes=args.share_prefixes,
+        replicas=tuple(args.replica),
+        wire_dtype=args.wire_dtype,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..node import ShardWorker
+
+    if args.device == "list":
+        print("devices (serve --device NAME; auto: the first that passes its self-check; cpu):\n" + devices_text())
+        return 0
+    layers = None if args.layers in (None, "all") else parse_split(args.layers)[0]
+    security, peer_security = serve_security(args)  # before the model loads: a refusal costs nothing
+    head_options = head_options_of(args)
     soft, hard = raise_open_file_limit()  # every connection on either port costs a descriptor
     status(
         f"open files: at most {soft} (hard limit {hard})"
-        + (f"; HTTP connections: at most {http_limits.connection_cap()}" if args.http_port is not None else "")
+        + (
+            f"; HTTP connections: at most {head_options.http_limits.connection_cap()}"
+            if args.http_port is not None
+            else ""
+        )
     )
     config, plan = serve_config(args, layers)
-    gpu_layers = -1 if args.gpu_layers is None else args.gpu_layers
+    options = worker_options_of(args, security, peer_security)
     device_plan = device_memory_plan(
         model_path(args.model),
         layers,
         args.device,
-        gpu_layers,
+        options.gpu_layers,
         config.engine_config(n_batch=args.batch),
         args.cpu_moe_layers,
     )  # refuses before loading
@@ -196,45 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         + (f"\n  on the device (llama.cpp's dry run): {device_plan}" if device_plan else "")
     )
     status(f"CPU kernels: {cpu_kernels()}; flash attention {'on' if config.flash_attn else 'off'}")
-    worker = ShardWorker(
-        str(model_path(args.model)),
-        layers,
-        config,
-        WorkerOptions(
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            threads=args.threads,
-            n_batch=args.batch,
-            device=args.device,
-            gpu_layers=gpu_layers,
-            cpu_moe_layers=args.cpu_moe_layers,
-            gather_s=args.gather_ms / 1000.0,
-            max_step_sessions=args.max_step_sessions,
-            prefill_chunk=args.prefill_chunk,
-            peers=tuple(args.peer),
-            sweep_s=args.sweep_seconds,
-            security=security,
-            peer_security=peer_security,
-            max_sessions_per_principal=args.max_sessions_per_principal,
-            max_concurrent_rpcs=args.max_concurrent_rpcs,
-            max_hop_s=args.max_hop_seconds,
-            share_prefixes=args.share_prefixes,
-            replicas=tuple(args.replica),
-            wire_dtype=args.wire_dtype,
-        ),
-        HeadOptions(
-            http_port=args.http_port,
-            http_limits=http_limits,
-            http_split_special_tokens=args.http_split_special_tokens,
-            chat_template=chat_template,
-            draft=args.draft,
-            max_drafts=args.max_drafts,
-            draft_model=args.draft_model,
-            verify=args.draft_verify,
-        ),
-    )
+    worker = ShardWorker(str(model_path(args.model)), layers, config, options, head_options)
     status(f"device: {device_text(worker.model.info)}")
     worker.start()
     return worker.serve_until_signal()

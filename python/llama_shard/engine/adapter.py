@@ -10,8 +10,9 @@ import numpy as np
 
 from ..errors import InvalidInputError, LlamaShardError
 from .asyncio_wakeup import ticket_waiter
-from .hot_kv import BoundaryBundle, KvCacheRecipe, Step, TailOutput
+from .hot_kv import BoundaryBundle, Step, TailOutput
 from .manager import HotKvStateManager
+from .recipe import KvCacheRecipe
 
 
 class KvBoundaryAdapter:

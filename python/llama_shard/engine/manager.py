@@ -45,15 +45,14 @@ from .hot_kv import (
     CacheMiss,
     CacheMissReason,
     HotKvStateConfig,
-    KvCacheRecipe,
     SessionInfo,
     SessionRecord,
     Step,
     check_count,
     check_key,
-    kv_recipe_for,
     monotonic_clock,
 )
+from .recipe import KvCacheRecipe, kv_recipe_for
 
 _REASONS = {MissReason.__members__[r.name]: r for r in CacheMissReason}
 _ENGINE_DEFAULTS = HotKvConfig()

@@ -18,7 +18,8 @@ import dataclasses
 
 from .._native import CHECKPOINT_INPUT_ROWS, CHECKPOINTS_PER_SESSION, MAX_SESSIONS, HotKvConfig
 from ..errors import InvalidInputError
-from .hot_kv import HotKvStateConfig, format_size, kv_bytes_per_token
+from .hot_kv import HotKvStateConfig, format_size
+from .recipe import kv_bytes_per_token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -210,6 +210,28 @@ def _per_layer(value, n: int) -> list[int]:
     return [int(value)] * n
 
 
+def _tensor_table(reader, n_blocks: int) -> tuple:
+    """Per layer: bytes, elements, expert bytes; the recurrent layers; bytes outside the layers and
+    each such tensor's elements."""
+    per_layer, elements, experts = [0] * n_blocks, [0] * n_blocks, [0] * n_blocks
+    recurrent: set[int] = set()
+    other = 0
+    outside: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            il = int(t.name.split(".")[1])
+            per_layer[il] += int(t.n_bytes)
+            elements[il] += int(t.n_elements)
+            if any(part in t.name for part in _EXPERT_PARTS):
+                experts[il] += int(t.n_bytes)
+            if ".ssm_" in t.name:
+                recurrent.add(il)
+        else:
+            other += int(t.n_bytes)
+            outside[t.name] = int(t.n_elements)
+    return per_layer, elements, experts, recurrent, other, outside
+
+
 def gguf_shape(path: str | Path) -> GgufShape:
     """The file's shape, from one read of its header and tensor table."""
     from gguf import GGUFReader
@@ -234,22 +256,7 @@ def gguf_shape(path: str | Path) -> GgufShape:
         head_dim = field("attention.key_length", n_embd // n_head)
         k_len, v_len = head_dim, field("attention.value_length", head_dim)
         mla = raw("attention.kv_lora_rank") is not None and raw("attention.key_length_mla") is not None
-        per_layer, elements, experts = [0] * n_blocks, [0] * n_blocks, [0] * n_blocks
-        recurrent: set[int] = set()
-        other = 0
-        outside: dict[str, int] = {}
-        for t in reader.tensors:
-            if t.name.startswith("blk."):
-                il = int(t.name.split(".")[1])
-                per_layer[il] += int(t.n_bytes)
-                elements[il] += int(t.n_elements)
-                if any(part in t.name for part in _EXPERT_PARTS):
-                    experts[il] += int(t.n_bytes)
-                if ".ssm_" in t.name:
-                    recurrent.add(il)
-            else:
-                other += int(t.n_bytes)
-                outside[t.name] = int(t.n_elements)
+        per_layer, elements, experts, recurrent, other, outside = _tensor_table(reader, n_blocks)
         embd = sum(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
         tied = "output.weight" not in outside
         # Mamba's per-session state (llama_hparams::n_embd_r / n_embd_s): the conv window, the SSM state

@@ -35,11 +35,10 @@ from .checks import check_invariants, validate_input, validate_key
 from .locking import serialised
 from .prefix_store import PrefixStore
 from .results import BUDGET_EXCEEDED, BUSY, CACHE_MISS, INVALID_INPUT, STALE_EPOCH, IdPlacement, StepResult, stale
-from .sequences import PAGE, KvShard, SequenceKv
+from .sequences import KvShard, SequenceKv, StateSizes
+from .stats import engine_stats
 from .transfers import SessionTransfers
 from .warm_tier import WarmEntry, WarmTier
-
-MISS_REASONS = tuple(r for r in MissReason.__members__.values() if r != MissReason.NONE)
 
 
 @dataclasses.dataclass
@@ -114,13 +113,16 @@ class ReferenceHotKvEngine(SessionTransfers):
         self.prefix_bytes = config.prefix_bytes
         # the engine's rooms (as the native engine's): each keeps its own bytes, invariants and counters
         self._prefixes = PrefixStore(config.prefix_bytes)
+        self.sizes = StateSizes(shard, max_sessions, recipe_fingerprint, self._model_digest)
         self._warm = WarmTier(
             warm_bytes,
             warm_disk_bytes,
             warm_ttl_seconds,
-            host_entry_bytes=self.warm_entry_bytes,
-            disk_bound_bytes=lambda sid, n: self._state_bytes(n) + len(sid.encode("utf-8", "surrogatepass")) + 256,
-            file_bytes=self.disk_file_bytes,
+            host_entry_bytes=self.sizes.warm_entry_bytes,
+            disk_bound_bytes=lambda sid, n: (
+                self.sizes._state_bytes(n) + len(sid.encode("utf-8", "surrogatepass")) + 256
+            ),
+            file_bytes=self.sizes.disk_file_bytes,
             on_drop=self._warm_dropped,
         )
 
@@ -165,42 +167,6 @@ class ReferenceHotKvEngine(SessionTransfers):
         s = self._free_hot(sid)
         self._remember(sid, remembered_epoch if remembered_epoch >= 0 else s.epoch, reason)
         self._counters[self._LEAVING.get(reason, "other")] += 1
-
-    def warm_entry_bytes(self, session_id: str, seq_len: int) -> int:
-        """What the native warm tier charges for a session: the key's bytes and the pages holding
-        llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
-        count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
-        layer, and per cell its position, seq id count and seq id before the K and V rows)."""
-        pages = (
-            -(-self._state_bytes(seq_len) // PAGE) * PAGE
-        )  # the native tier holds each state in whole pages of its own
-        return pages + len(session_id.encode("utf-8", "surrogatepass"))
-
-    def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
-        """The size of the native disk tier's file for a session (kv_file_store.cpp: magic, version,
-        the recipe fingerprint, range and KV type, the key, epoch, length, payload size, the payload's
-        SHA-256 and the header's HMAC-SHA256, then llama.cpp's sequence state)."""
-        sid = len(session_id.encode("utf-8", "surrogatepass"))
-        header = (
-            4
-            + 4
-            + (4 + len(self.recipe_fingerprint))
-            + (4 + len(self._model_digest))
-            + 12
-            + (4 + 3)
-            + (4 + sid)
-            + 8
-            + 4
-            + 8
-            + 32
-            + 32
-        )
-        return header + self._state_bytes(seq_len)
-
-    def _state_bytes(self, seq_len: int) -> int:
-        """llama.cpp's sequence state of seq_len tokens (see warm_entry_bytes)."""
-        n_layers = len(self.shard.owned_layers)
-        return 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
 
     def _warm_dropped(self, sid: str, epoch: int, reason: MissReason) -> None:
         """The warm tier dropped a session: remembered (stale-epoch fencing); a release or a new epoch counted."""
@@ -590,51 +556,7 @@ class ReferenceHotKvEngine(SessionTransfers):
 
     @serialised
     def stats(self) -> dict:
-        bpt = self.shard.info.kv_bytes_per_token
-        return {
-            "live_sessions": len(self._live),
-            "max_sessions": self.max_sessions,
-            "reserved_tokens": self._reserved,
-            "budget_tokens": self.budget_tokens,
-            "context_tokens": self.context_tokens,
-            "kv_bytes_per_token": bpt,
-            "reserved_bytes": self._reserved * bpt,
-            "evictions_ttl": self._counters["evictions_ttl"],
-            "evictions_lru": self._counters["evictions_lru"],
-            "releases": self._counters["releases"],
-            "supersessions": self._counters["supersessions"],
-            "steps": self._counters["steps"],
-            "tokens_computed": self._counters["tokens_computed"],
-            "recent_keys": len(self._recent),
-            "misses": {r.name: self._misses[r] for r in MISS_REASONS},
-            "spills": self._counters["spills"],
-            "restores": self._counters["restores"],
-            "warm_drops": self._warm.counters["warm_drops"],
-            "warm_sessions": len(self._warm.host),
-            "warm_bytes": self._warm.host_held,
-            "warm_capacity": self.warm_bytes,
-            "restore_seconds": self._counters["restore_seconds"],
-            "restore_buckets": list(zip(RESTORE_BUCKETS, self._restore_buckets)),
-            "disk_sessions": len(self._warm.disk),
-            "disk_bytes": self._warm.disk_held,
-            "disk_capacity": self.warm_disk_bytes,
-            "disk_spills": self._warm.counters["disk_spills"],
-            "disk_restores": self._warm.counters["disk_restores"],
-            "disk_loaded": 0,
-            "disk_failures": 0,  # no files: nothing to load, nothing to fail
-            "prefix_entries": len(self._prefixes),
-            "prefix_bytes": self._prefixes.held,
-            "prefix_capacity": self.prefix_bytes,
-            "prefix_stores": self._prefixes.counters["stores"],
-            "prefix_hits": self._prefixes.counters["hits"],
-            "prefix_tokens_saved": self._prefixes.counters["tokens_saved"],
-            "prefix_evictions": self._prefixes.counters["evictions"],
-            # the reference's dense models hold no recurrent state: no checkpoints
-            "checkpoints_taken": 0,
-            "checkpoint_restores": 0,
-            "checkpoint_tokens": 0,
-            "checkpoint_bytes": 0,
-        }
+        return engine_stats(self)
 
     @serialised
     def sessions(self) -> list[SessionRecord]:

@@ -85,3 +85,51 @@ def state_kv(shard: KvShard, state: bytes, seq_len: int) -> tuple[SequenceKv | N
     kv = shard.new_sequence()
     kv.layers = {il: (rows[i, 0].copy(), rows[i, 1].copy()) for i, il in enumerate(layers)}
     return kv, ""
+
+
+class StateSizes:
+    """What the native tiers charge for a session's state, as the reference simulates them (no files)."""
+
+    def __init__(self, shard: KvShard, max_sessions: int, recipe_fingerprint: str, model_digest: str):
+        self.shard, self.max_sessions = shard, max_sessions
+        self.recipe_fingerprint, self._model_digest = recipe_fingerprint, model_digest
+
+    def warm_entry_bytes(self, session_id: str, seq_len: int) -> int:
+        """What the native warm tier charges for a session: the key's bytes and the pages holding
+        llama.cpp's sequence state of seq_len tokens (src/llama-kv-cache.cpp state_write: an 8-byte header, the stream
+        count and a cell count per stream, v_trans and the layer count, 24 bytes of row headers per
+        layer, and per cell its position, seq id count and seq id before the K and V rows)."""
+        pages = (
+            -(-self._state_bytes(seq_len) // PAGE) * PAGE
+        )  # the native tier holds each state in whole pages of its own
+        return pages + len(session_id.encode("utf-8", "surrogatepass"))
+
+    def disk_file_bytes(self, session_id: str, seq_len: int) -> int:
+        """The size of the native disk tier's file for a session (kv_file_store.cpp: magic, version,
+        the recipe fingerprint, range and KV type, the key, epoch, length, payload size, the payload's
+        SHA-256 and the header's HMAC-SHA256, then llama.cpp's sequence state)."""
+        sid = len(session_id.encode("utf-8", "surrogatepass"))
+        header = (
+            4
+            + 4
+            + (4 + len(self.recipe_fingerprint))
+            + (4 + len(self._model_digest))
+            + 12
+            + (4 + 3)
+            + (4 + sid)
+            + 8
+            + 4
+            + 8
+            + 32
+            + 32
+        )
+        return header + self._state_bytes(seq_len)
+
+    def _state_bytes(self, seq_len: int) -> int:
+        """llama.cpp's sequence state of seq_len tokens (see warm_entry_bytes)."""
+        n_layers = len(self.shard.owned_layers)
+        return 8 + 4 + 4 * self.max_sessions + 8 + 24 * n_layers + seq_len * (12 + self.shard.info.kv_bytes_per_token)
+
+    def prefix_entry_bytes(self, length: int) -> int:
+        """What the native prefix store charges for a prefix: its state's whole pages and the 8-byte key."""
+        return -(-self._state_bytes(length) // PAGE) * PAGE + 8

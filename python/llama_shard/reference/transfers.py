@@ -15,16 +15,12 @@ from ..errors import InvalidInputError
 from .checks import validate_key
 from .locking import serialised
 from .results import BUDGET_EXCEEDED, INVALID_INPUT, OK, STALE_EPOCH, IdPlacement, StepResult
-from .sequences import PAGE, state_kv, state_of
+from .sequences import state_kv, state_of
 from .warm_tier import WarmEntry
 
 
 class SessionTransfers:
     # --- the prefix store (as the native store_prefix / open_prefix / prefix_length) ----------------
-
-    def prefix_entry_bytes(self, length: int) -> int:
-        """What the native prefix store charges for a prefix: its state's whole pages and the 8-byte key."""
-        return -(-self._state_bytes(length) // PAGE) * PAGE + 8
 
     @serialised
     def store_prefix(self, session_id: str, epoch: int, key: int, length: int, now: float) -> StepResult:
@@ -39,7 +35,7 @@ class SessionTransfers:
         res = StepResult(seq_len=s.seq_len, seq_id=s.seq_id, tier=Tier.HOT)
         if not self._prefixes.enabled or key in self._prefixes:
             return res
-        res.changed = self._prefixes.insert(key, copy.deepcopy(s.kv), self.prefix_entry_bytes(length), now)
+        res.changed = self._prefixes.insert(key, copy.deepcopy(s.kv), self.sizes.prefix_entry_bytes(length), now)
         return res
 
     @serialised

@@ -40,15 +40,16 @@ from ...structured.checks import check_grammar
 from ...structured.schema import grammar_from_schema
 from ...worker.security import ServerSecurity
 from ..generation import GenerationLoops, Refusal, RefusalReason, Stream
+from .answers import streamed, whole
 from .bodies import MAX_BODY_BYTES
 from .chat_template import ModelChat
-from .errors import HttpError, outcome_status, refusal_error
+from .errors import HttpError, refusal_error
 from .guard import HttpLimits
 from .prompts import Prompts
 from .requests import INT32_MAX, PARAM_NAMES, check_keys, flag, generate_request, number, output_schema
-from .responses import CompletionFormat, StopTrimmer
+from .responses import CompletionFormat
 from .server import HttpServer
-from .tool_calls import ToolCallStream, ToolRequest, parse_calls
+from .tool_calls import ToolRequest
 
 #: room in a body for what is not prompt text (parameters, JSON syntax, the template's own text)
 BODY_OVERHEAD_BYTES = 64 * 2**10
@@ -431,8 +432,8 @@ class OpenAIEndpoint:
         started: list[web.StreamResponse] = []  # a streamed answer once its headers are sent
         try:
             if stream_it:
-                return await self._streamed(request, req, stream, events, fmt, include_usage, started, tools)
-            return await self._whole(request, req, stream, events, fmt, tools is not None)
+                return await streamed(request, req, stream, events, fmt, include_usage, started, tools)
+            return await whole(request, req, stream, events, fmt, tools is not None)
         except ConnectionError:  # the client went away mid-stream: its stream stops at the next step
             stream.cancel("the client closed the connection")
             return started[0] if started else None
@@ -458,136 +459,6 @@ class OpenAIEndpoint:
         if isinstance(stream, Refusal):
             raise refusal_error(stream, PARAM_NAMES | param_names)
         return stream
-
-    @staticmethod
-    def _client_text(req: pb.GenerateRequest):
-        """What a client reads of each token event: (text, logprob items or None), text held back
-        where a stop sequence may begin and never including one."""
-        trimmer = StopTrimmer(list(req.stop))
-        stop_ids = set(req.stop_token_ids)
-        want_logprobs = req.logprobs or req.top_logprobs
-
-        def read(tok: pb.GeneratedToken) -> tuple[str, list | None]:
-            text = "" if tok.token_id in stop_ids else trimmer.feed(tok.piece)
-            return text, ([(tok.token_id, tok.logprob, list(tok.top_logprobs))] if want_logprobs else None)
-
-        return trimmer, read
-
-    @staticmethod
-    def _finish_reason(final: pb.GenerateFinal, streamed: bool) -> str | HttpError:
-        """OpenAI's finish_reason for a stream's end, or the error to answer instead."""
-        if final.finish_reason in ("stop", "length"):
-            return final.finish_reason
-        if final.finish_reason == "error" or not streamed:
-            where = f" (stage {final.stage})" if final.stage else ""
-            return HttpError(outcome_status(final.outcome), f"generation failed{where}: {final.detail}")
-        return "length"  # cancelled or shutdown while streaming: ended as OpenAI ends a cut stream
-
-    async def _streamed(
-        self,
-        request: web.Request,
-        req: pb.GenerateRequest,
-        stream: Stream,
-        events,
-        fmt: CompletionFormat,
-        include_usage: bool,
-        started: list,
-        tools: ToolRequest | None = None,
-    ) -> web.StreamResponse:
-        """Server-sent events: a chunk per token (its text empty while held back), the final chunk,
-        usage when asked, [DONE]; an error after the first byte is an error event."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Session-Id": req.session_id}
-        )
-        await response.prepare(request)
-        started.append(response)
-
-        async def send(obj: dict) -> None:
-            await self._write(request, response, b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-        if fmt.chat:
-            await send(fmt.first_chunk())
-        trimmer, read = self._client_text(req)
-        # under the grammar of the calls (required, a named function) arguments stream as written
-        calls = ToolCallStream(progressive=tools.choice == "required") if tools is not None else None
-        while True:
-            event = await events.queue.get()
-            if event.HasField("final"):
-                break
-            if request.transport is None or request.transport.is_closing():
-                stream.cancel("the client closed the connection")  # also without a write to fail
-            text, lp = read(event.token)
-            if calls is None:
-                await send(fmt.chunk(text, None, lp))
-                continue
-            text, deltas = calls.feed(text)
-            if text or lp is not None:  # no empty content between calls' deltas (a token's logprobs go out)
-                await send(fmt.chunk(text or None, None, lp))
-            for delta in deltas:
-                await send(fmt.tool_chunk(delta))
-        final = event.final
-        finish = self._finish_reason(final, streamed=True)
-        if isinstance(finish, HttpError):
-            await send(json.loads(finish.response().body))
-            return response
-        tail = trimmer.flush() if final.finish_reason != "stop" else ""
-        if calls is not None:
-            tail, deltas = calls.feed(tail)
-            rest, more = calls.flush()
-            tail += rest
-            for delta in deltas + more:
-                await send(fmt.tool_chunk(delta))
-            if calls.calls and finish == "stop":
-                finish = "tool_calls"
-        await send(fmt.chunk(tail or None, finish, None))
-        if include_usage:
-            await send(fmt.usage_chunk(fmt.usage(final)))
-        await self._write(request, response, b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    async def _whole(
-        self,
-        request: web.Request,
-        req: pb.GenerateRequest,
-        stream: Stream,
-        events,
-        fmt: CompletionFormat,
-        with_tools: bool = False,
-    ) -> web.Response:
-        """One JSON answer once the stream has ended (a closed connection is seen at the next token)."""
-        trimmer, read = self._client_text(req)
-        texts: list[str] = []
-        lp_items: list | None = [] if req.logprobs or req.top_logprobs else None
-        while True:
-            event = await events.queue.get()
-            if event.HasField("final"):
-                break
-            if request.transport is None or request.transport.is_closing():
-                stream.cancel("the client closed the connection")
-            text, lp = read(event.token)
-            texts.append(text)
-            if lp:
-                lp_items.extend(lp)
-        final = event.final
-        finish = self._finish_reason(final, streamed=False)
-        if isinstance(finish, HttpError):
-            raise finish
-        tail = trimmer.flush() if final.finish_reason != "stop" else ""
-        content, calls = "".join(texts) + tail, []
-        if with_tools:
-            content, calls = parse_calls(content)
-            if calls and finish == "stop":
-                finish = "tool_calls"
-        return web.json_response(
-            fmt.whole(content, finish, lp_items, fmt.usage(final), calls), headers={"X-Session-Id": req.session_id}
-        )
-
-    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """A stream's write. A client that stops reading is dropped by the guard's sweep once its unsent
-        bytes have not shrunk for the write timeout (a slow reader that makes progress is not): the
-        pending write then fails (ConnectionError) and the stream stops at the next step."""
-        await response.write(data)
 
 
 def _default_params() -> dict:
