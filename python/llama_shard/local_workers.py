@@ -22,9 +22,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ._native import CPU_DEVICE
+
 #: what start_worker passes unless told otherwise: 8 hot slots of 512 tokens, 2,048 tokens budgeted,
 #: on the CPU (serve's default is auto: a GPU where there is one; `extra` may name a device)
-WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048", "--device", "cpu")
+WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048", "--device", CPU_DEVICE)
 
 
 def free_port() -> int:

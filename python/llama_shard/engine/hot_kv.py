@@ -21,8 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _native
-from .._native import StepKind, Tier
+from .._native import MAX_EPOCH, MAX_LOGIT_ROWS, MAX_SESSION_ID_BYTES, HotKvConfig, StepKind, Tier, cpu_backend
 from ..errors import InvalidInputError
 from .recipe import (  # the contract's names, re-exported
     KV_TYPES,
@@ -108,9 +107,9 @@ class Step:
             if self.expected_seq_len is not None:
                 check_count("expected_seq_len", self.expected_seq_len)
         rows = self.logit_rows
-        if type(rows) is not int or not 1 <= rows <= min(self.n_tokens, _native.MAX_LOGIT_ROWS):
+        if type(rows) is not int or not 1 <= rows <= min(self.n_tokens, MAX_LOGIT_ROWS):
             raise InvalidInputError(
-                f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, {_native.MAX_LOGIT_ROWS}) tokens"
+                f"logit_rows is {rows!r}; a step returns logits of 1 to min(n_tokens, {MAX_LOGIT_ROWS}) tokens"
             )
         if type(self.row_by_row) is not bool:
             raise InvalidInputError(f"row_by_row is True or False, not {self.row_by_row!r}")
@@ -234,7 +233,7 @@ class TailOutput:
 ENV_PREFIX = "LLAMA_SHARD_"
 #: the names before (read where the new one is unset, with a warning naming the new one; to be dropped)
 LEGACY_ENV_PREFIX = "MESHNET_HOT_KV_"
-_ENGINE_DEFAULTS = _native.HotKvConfig()
+_ENGINE_DEFAULTS = HotKvConfig()
 
 
 def route_numerics(kv_type: str, flash_attn: bool) -> str:
@@ -247,7 +246,7 @@ def route_numerics(kv_type: str, flash_attn: bool) -> str:
         return f"K/V {kv_type}, flash attention off"
     if kv_type not in ("f16", "f32"):  # ggml tiles only a float cache
         return f"K/V {kv_type}, flash attention on"
-    rows = _native.cpu_backend()["flash_attn_tiled_rows"]
+    rows = cpu_backend()["flash_attn_tiled_rows"]
     kernel = "upstream's kernels" if rows == 0 else "llama-shard's kernel" + (f" from {rows} rows" if rows > 1 else "")
     return f"K/V {kv_type}, flash attention on ({kernel})"
 
@@ -330,11 +329,11 @@ class HotKvStateConfig:
         n_threads: int | None = None,
         recent_capacity: int = _ENGINE_DEFAULTS.recent_capacity,
         recipe_fingerprint: str = "",
-    ) -> "_native.HotKvConfig":
+    ) -> "HotKvConfig":
         """The engine's configuration (the one type both engines take), with the manager's step
         options; checked by the engine itself."""
         try:
-            return _native.HotKvConfig(
+            return HotKvConfig(
                 max_sessions=self.max_sessions,
                 context_tokens=self.context_tokens,
                 budget_tokens=self.budget_tokens,
@@ -488,9 +487,9 @@ def monotonic_clock() -> float:
 def check_key(session_id, route_epoch) -> None:
     if not isinstance(session_id, str):
         raise InvalidInputError(f"route_session_id must be a str, got {type(session_id).__name__}")
-    if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > _native.MAX_SESSION_ID_BYTES:
-        raise InvalidInputError(f"route_session_id must be 1 to {_native.MAX_SESSION_ID_BYTES} bytes")
-    check_count("route_epoch", route_epoch, upper=_native.MAX_EPOCH)
+    if not session_id or len(session_id.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+        raise InvalidInputError(f"route_session_id must be 1 to {MAX_SESSION_ID_BYTES} bytes")
+    check_count("route_epoch", route_epoch, upper=MAX_EPOCH)
 
 
 def check_count(name: str, value, upper: int = 2**31 - 1) -> None:

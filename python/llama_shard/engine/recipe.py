@@ -9,8 +9,8 @@ import dataclasses
 import hashlib
 import json
 
-from .. import _native
-from .._native import certified_architectures
+from .._native import certified_architectures, kv_types
+from .._native import kv_bytes_per_token as native_kv_bytes_per_token
 from ..errors import InvalidInputError, UncertifiedArchitectureError
 
 # ---------------------------------------------------------------------------------------------
@@ -29,7 +29,7 @@ ARCHITECTURE_ALIASES = {
 
 #: the K/V element types a shard's cache may use (llama.cpp's type_k/type_v; the quantized ones
 #: run flash attention): the native module's list
-KV_TYPES: tuple[str, ...] = tuple(_native.kv_types())
+KV_TYPES: tuple[str, ...] = tuple(kv_types())
 KV_DTYPE_CANONICAL = {"float16": "f16"}
 
 
@@ -39,7 +39,7 @@ def kv_bytes_per_token(n_kv_heads: int, head_dim: int, n_layers: int, kv_type: s
     kv_type = KV_DTYPE_CANONICAL.get(kv_type, kv_type)
     if kv_type not in KV_TYPES:
         raise InvalidInputError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-    return _native.kv_bytes_per_token(int(n_kv_heads), int(head_dim), int(n_layers), kv_type)
+    return native_kv_bytes_per_token(int(n_kv_heads), int(head_dim), int(n_layers), kv_type)
 
 
 def certified_architecture(name: str) -> str:

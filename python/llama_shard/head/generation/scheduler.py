@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from ...proto import shard_pb2 as pb
 from ...worker.admission import SessionCapRefused
 from ..speculation import CARRIED_WEIGHT, AheadTiming, DraftControl, StepCost
+from .host import HeadHost
+from .output import Outcomes
 from .pipelined import PipelinedStepper
 from .stream import Stream
-
-if TYPE_CHECKING:
-    from .loops import GenerationLoops
 
 #: a group's thread waits this long for a new stream before it ends
 IDLE_S = 2.0
@@ -35,6 +34,21 @@ class RouteMeasures(NamedTuple):
         return cls(StepCost(), AheadTiming(), DraftControl(0))
 
 
+class SchedulerOwner(Protocol):
+    """What a scheduler uses of the loop that owns it (`GenerationLoops`), under its lock `cond`."""
+
+    cond: threading.Condition
+    host: HeadHost
+    outcomes: Outcomes
+    busy: int  # group steps in progress (the owner waits for none at shutdown)
+
+    def seq_ids(self) -> dict[str, int]: ...
+
+    def loop_for(self, principal: str, route: list, wire_dtype: int) -> RouteScheduler: ...
+
+    def drop_if_idle(self, loop: RouteScheduler) -> None: ...
+
+
 class RouteScheduler:
     """Groups are contiguous runs of the head's seq ids (llama.cpp computes consecutive ids in one
     ubatch: one pass over the weights per group step, not one per session). The partition is
@@ -44,7 +58,7 @@ class RouteScheduler:
 
     def __init__(
         self,
-        owner: GenerationLoops,
+        owner: SchedulerOwner,
         principal: str,
         forward: tuple,
         wire_dtype: int,
