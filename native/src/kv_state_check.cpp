@@ -176,8 +176,6 @@ bool skip_rows(cursor & c, uint32_t cells, const kv_state_layout * layout, bool 
     return true;
 }
 
-// the one reader: positions, the rows against `layout` when given and their values when
-// `check_values`; each cache's span of the sequence appended to `spans` when given
 // a hybrid memory's recurrent block (llama-memory-recurrent.cpp state_write): one cell at the
 // sequence's last position, then r rows per recurrent layer, then s rows per recurrent layer (f32)
 bool read_recurrent(cursor & c, int32_t seq_len, const kv_state_format & format, const kv_state_layout * layout,
@@ -229,6 +227,88 @@ bool read_recurrent(cursor & c, int32_t seq_len, const kv_state_format & format,
     return true;
 }
 
+// what read_state reads a state against, the same for each of its caches
+struct read_inputs {
+    size_t                  size;          // the state's bytes: a span's offsets are into them
+    int32_t                 seq_len;
+    const kv_state_layout * layout;        // each row header checked against it when given
+    bool                    check_values;  // every K/V value finite
+    const kv_state_format & format;
+};
+
+// the cells of one stream of cache `cache` that holds the sequence: cache 0 exactly positions
+// 0..seq_len-1, a later (sliding-window) cache consecutive ones that end at seq_len-1, in order,
+// each cell of one sequence
+bool read_cells(cursor & c, int cache, uint32_t cells, const read_inputs & in, std::string & why) {
+    const uint32_t want = (uint32_t) in.seq_len;
+    if (cells > want || (cache == 0 && cells != want)) {
+        why = "cache " + std::to_string(cache) + " holds " + std::to_string(cells) + " cells for " +
+              std::to_string(in.seq_len) + " tokens";
+        return false;
+    }
+    const int32_t first = (int32_t) (want - cells);  // cache 0: 0; a sliding window: its start
+    for (uint32_t i = 0; i < cells; ++i) {
+        int32_t pos = 0, seq = 0;
+        uint32_t n_seq = 0;
+        if (!c.get(pos) || !c.get(n_seq) || n_seq != 1 || !c.skip(1, in.format.cell_ext_bytes) || !c.get(seq)) {
+            why = "a cell that is not of one sequence";
+            return false;
+        }
+        if (pos != first + (int32_t) i) {
+            why = "cache " + std::to_string(cache) + " cell " + std::to_string(i) + " at position " +
+                  std::to_string(pos) + ", expected " + std::to_string(first + (int32_t) i);
+            return false;
+        }
+    }
+    return true;
+}
+
+// one cache's record: its stream count (as many as the first cache's, `streams`), then per stream
+// a cell count, the cells and their rows; the sequence in exactly one stream, whose span is
+// appended to `spans` when given; the rows' layers added to `layers`
+bool read_cache(cursor & c, int cache, uint32_t & streams, const read_inputs & in, uint64_t & layers,
+                std::vector<stream_span> * spans, std::string & why) {
+    uint32_t n_stream = 0;
+    if (!c.get(n_stream) || n_stream == 0 || n_stream > MAX_STREAMS || (cache > 0 && n_stream != streams)) {
+        why = "a bad stream count";
+        return false;
+    }
+    streams = n_stream;
+    uint32_t streams_used = 0;
+    stream_span span;
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        const size_t at = in.size - c.left;
+        uint32_t cells = 0;
+        if (!c.get(cells)) {
+            why = "truncated cell count";
+            return false;
+        }
+        if (cells == 0) {
+            continue;
+        }
+        if (++streams_used > 1) {
+            why = "the sequence's cells are in two streams";
+            return false;
+        }
+        if (!read_cells(c, cache, cells, in, why) ||
+            !skip_rows(c, cells, in.layout, in.check_values, in.format.v_rows, layers, why)) {
+            return false;
+        }
+        span = stream_span{at, in.size - c.left};
+    }
+    if (streams_used == 0) {
+        why = "cache " + std::to_string(cache) + " holds no cell of the sequence";
+        return false;
+    }
+    if (spans != nullptr) {
+        spans->push_back(span);
+    }
+    return true;
+}
+
+// the one reader: positions, the rows against `layout` when given and their values when
+// `check_values`; each cache's span of the sequence appended to `spans` when given, and where a
+// recurrent block starts in `recurrent_begin`
 bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_state_layout * layout, bool check_values,
                 const kv_state_format & format, std::vector<stream_span> * spans, std::string & why,
                 size_t * recurrent_begin = nullptr) {
@@ -239,64 +319,14 @@ bool read_state(const uint8_t * data, size_t size, int32_t seq_len, const kv_sta
         why = "not a sequence state";
         return false;
     }
+    const read_inputs in{size, seq_len, layout, check_values, format};
     uint64_t layers = 0;
     uint32_t streams = 0;  // the first cache's count: every cache of a context has as many
     int cache = 0;
     const bool recurrent = format.recurrent_layers >= 0;
     for (; c.left > 0 && !(recurrent && cache == 1); ++cache) {
-        uint32_t n_stream = 0;
-        if (!c.get(n_stream) || n_stream == 0 || n_stream > MAX_STREAMS || (cache > 0 && n_stream != streams)) {
-            why = "a bad stream count";
+        if (!read_cache(c, cache, streams, in, layers, spans, why)) {
             return false;
-        }
-        streams = n_stream;
-        uint32_t streams_used = 0;
-        stream_span span;
-        for (uint32_t s = 0; s < n_stream; ++s) {
-            const size_t at = size - c.left;
-            uint32_t cells = 0;
-            if (!c.get(cells)) {
-                why = "truncated cell count";
-                return false;
-            }
-            if (cells == 0) {
-                continue;
-            }
-            if (++streams_used > 1) {
-                why = "the sequence's cells are in two streams";
-                return false;
-            }
-            const uint32_t want = (uint32_t) seq_len;
-            if (cells > want || (cache == 0 && cells != want)) {
-                why = "cache " + std::to_string(cache) + " holds " + std::to_string(cells) + " cells for " +
-                      std::to_string(seq_len) + " tokens";
-                return false;
-            }
-            const int32_t first = (int32_t) (want - cells);  // cache 0: 0; a sliding window: its start
-            for (uint32_t i = 0; i < cells; ++i) {
-                int32_t pos = 0, seq = 0;
-                uint32_t n_seq = 0;
-                if (!c.get(pos) || !c.get(n_seq) || n_seq != 1 || !c.skip(1, format.cell_ext_bytes) || !c.get(seq)) {
-                    why = "a cell that is not of one sequence";
-                    return false;
-                }
-                if (pos != first + (int32_t) i) {
-                    why = "cache " + std::to_string(cache) + " cell " + std::to_string(i) + " at position " +
-                          std::to_string(pos) + ", expected " + std::to_string(first + (int32_t) i);
-                    return false;
-                }
-            }
-            if (!skip_rows(c, cells, layout, check_values, format.v_rows, layers, why)) {
-                return false;
-            }
-            span = stream_span{at, size - c.left};
-        }
-        if (streams_used == 0) {
-            why = "cache " + std::to_string(cache) + " holds no cell of the sequence";
-            return false;
-        }
-        if (spans != nullptr) {
-            spans->push_back(span);
         }
         if (cache >= 1 && c.left > 0 && !recurrent) {
             why = "more than two caches";

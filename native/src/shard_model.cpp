@@ -183,49 +183,56 @@ std::string unsplittable_reason(const gguf_header & h) {
     return "";
 }
 
-} // namespace
-
 //
-// shard_model
+// the constructor's steps, in order: the request checked against the file's header, the device
+// chosen, the weights loaded, the info read back (nothing is loaded until every check passed)
 //
 
-shard_model::shard_model(const shard_model_params & params) : path_(params.path) {
-    if (params.n_threads < 0) {
+// n_threads as given, 0: every hardware thread
+int32_t thread_count(int32_t n_threads) {
+    if (n_threads < 0) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "n_threads must be >= 0 (0 = all hardware threads)");
     }
-    n_threads_ = params.n_threads > 0 ? params.n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    return n_threads > 0 ? n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+}
 
-    const gguf_header header = read_gguf_header(params.path);
-
-    if (params.layers) {
-        const auto [first, last] = *params.layers;
-        if (const std::string why = unsplittable_reason(header); !why.empty()) {
-            throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
-                "architecture '" + header.arch + "' cannot be split exactly: " + why +
-                "; a shard boundary passes one residual row per token (run it whole, without a layer range)");
-        }
-        if (!shard_arch_is_certified(header.arch)) {
-            throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
-                "architecture '" + header.arch + "' is not certified for shard execution (supported: " + certified_list() + ")");
-        }
-        if (header.n_layer <= 0) {
-            throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no " + header.arch + ".block_count");
-        }
-        const int64_t n_trunk = header.n_layer - std::max<int64_t>(0, header.n_layer_nextn);
-        if (n_trunk <= 0) {
-            throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has " + std::to_string(header.n_layer_nextn) +
-                              " MTP layers of " + std::to_string(header.n_layer) + " blocks: no trunk to split");
-        }
-        if (first < 0 || last < first || last >= n_trunk) {
-            throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
-                "layer range [" + std::to_string(first) + ", " + std::to_string(last) + "] is not inside [0, " +
-                std::to_string(n_trunk - 1) + "] with first <= last" +
-                (header.n_layer_nextn > 0 ? " (layers " + std::to_string(n_trunk) + "-" + std::to_string(header.n_layer - 1) +
-                                            " are MTP blocks, which no shard owns)" : std::string()));
-        }
+// a layer range [first, last]: an architecture that can be split exactly and is certified, a range
+// inside the trunk (the MTP blocks after it are no shard's)
+void check_layer_range(const gguf_header & header, int32_t first, int32_t last) {
+    if (const std::string why = unsplittable_reason(header); !why.empty()) {
+        throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
+            "architecture '" + header.arch + "' cannot be split exactly: " + why +
+            "; a shard boundary passes one residual row per token (run it whole, without a layer range)");
     }
+    if (!shard_arch_is_certified(header.arch)) {
+        throw shard_error(SHARD_ERRC_UNSUPPORTED_ARCHITECTURE,
+            "architecture '" + header.arch + "' is not certified for shard execution (supported: " + certified_list() + ")");
+    }
+    if (header.n_layer <= 0) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has no " + header.arch + ".block_count");
+    }
+    const int64_t n_trunk = header.n_layer - std::max<int64_t>(0, header.n_layer_nextn);
+    if (n_trunk <= 0) {
+        throw shard_error(SHARD_ERRC_MODEL_LOAD, "GGUF file has " + std::to_string(header.n_layer_nextn) +
+                          " MTP layers of " + std::to_string(header.n_layer) + " blocks: no trunk to split");
+    }
+    if (first < 0 || last < first || last >= n_trunk) {
+        throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
+            "layer range [" + std::to_string(first) + ", " + std::to_string(last) + "] is not inside [0, " +
+            std::to_string(n_trunk - 1) + "] with first <= last" +
+            (header.n_layer_nextn > 0 ? " (layers " + std::to_string(n_trunk) + "-" + std::to_string(header.n_layer - 1) +
+                                        " are MTP blocks, which no shard owns)" : std::string()));
+    }
+}
 
-    const int32_t n_owned = params.layers ? params.layers->second - params.layers->first + 1 : (int32_t) (header.n_layer - std::max<int64_t>(0, header.n_layer_nextn));
+// the layers this shard owns: its range, or the whole trunk
+int32_t owned_layers(const shard_model_params & params, const gguf_header & header) {
+    return params.layers ? params.layers->second - params.layers->first + 1
+                         : (int32_t) (header.n_layer - std::max<int64_t>(0, header.n_layer_nextn));
+}
+
+// gpu_layers and cpu_moe_layers within the owned layers, and layers on a device only with a device named
+void check_placement(const shard_model_params & params, int32_t n_owned) {
     if (params.gpu_layers < -1 || (n_owned > 0 && params.gpu_layers > n_owned)) {
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT,
             "gpu_layers " + std::to_string(params.gpu_layers) + " is outside [0, " + std::to_string(n_owned) +
@@ -242,16 +249,10 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         throw shard_error(SHARD_ERRC_INVALID_ARGUMENT, "gpu_layers " + std::to_string(params.gpu_layers) +
                           " puts layers on a device, and the device is the CPU: name one (or auto)");
     }
+}
 
-    shard_backend_init();
-    shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
-
-    std::string why_cpu;
-    ggml_backend_dev_t device = shard_choose_device(params.device, &why_cpu);  // a bad name throws, whatever gpu_layers says
-    if (params.gpu_layers == 0) {
-        device = nullptr;
-        why_cpu.clear();
-    }
+// llama.cpp's load of the file onto `device` (nullptr: the CPU only), n_cpu_moe owned layers' experts in host memory
+llama_model * load_llama_model(const shard_model_params & params, ggml_backend_dev_t device, int32_t n_cpu_moe) {
     ggml_backend_dev_t device_list[2] = {device, nullptr};  // {nullptr, ...}: an empty list, the CPU only
 
     llama_model_params mparams = llama_model_default_params();
@@ -260,7 +261,6 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
     mparams.no_alloc     = params.no_alloc;
     // --cpu-moe: the expert tensors of the chosen owned layers in host memory (llama.cpp's own
     // override, common.h's LLM_FFN_EXPS_REGEX); the patterns outlive the load, which reads them
-    const int32_t n_cpu_moe = device == nullptr ? 0 : (params.cpu_moe_layers < 0 ? n_owned : params.cpu_moe_layers);
     std::vector<std::string> moe_patterns;
     std::vector<llama_model_tensor_buft_override> overrides;
     if (n_cpu_moe > 0) {
@@ -283,56 +283,102 @@ shard_model::shard_model(const shard_model_params & params) : path_(params.path)
         mparams.shard_layer_last  = params.layers->second;
     }
     shard_clear_llama_error();
-    model_ = llama_model_load_from_file(params.path.c_str(), mparams);
-    if (model_ == nullptr) {
+    llama_model * model = llama_model_load_from_file(params.path.c_str(), mparams);
+    if (model == nullptr) {
         const std::string why = shard_last_llama_error();
         throw shard_error(SHARD_ERRC_MODEL_LOAD,
             "llama.cpp could not load " + params.path + (why.empty() ? std::string() : ": " + why));
     }
+    return model;
+}
+
+// what the loaded model is: its architecture, range, shape and the bytes its weights and KV take
+void read_model_info(shard_model_info & info, const llama_model * model, const llama_vocab * vocab,
+                     const gguf_header & header, const shard_model_params & params) {
+    info.architecture = header.arch;
+    info.n_layer      = llama_model_n_layer(model);
+    info.first        = params.layers ? params.layers->first  : 0;
+    info.last         = params.layers ? params.layers->second : info.n_layer - 1;
+    info.is_head      = info.first == 0;
+    info.is_tail      = info.last == info.n_layer - 1;
+    info.n_embd       = llama_model_n_embd(model);
+    info.n_vocab      = llama_vocab_n_tokens(vocab);
+    info.n_head       = llama_model_n_head(model);
+    // layer 0's, or the largest of a per-layer array (a hybrid's recurrent layers have none)
+    info.n_head_kv    = header.n_head_kv_max > 0 ? (int32_t) header.n_head_kv_max : llama_model_n_head_kv(model);
+    info.head_dim     = header.key_length > 0 ? (int32_t) header.key_length : info.n_embd / std::max(1, info.n_head);
+    info.n_ctx_train  = llama_model_n_ctx_train(model);
+    info.kv_dtype     = "f16";
+    info.weight_bytes = llama_model_weight_bytes(model);
+    info.kv_bytes_per_token = llama_model_kv_bytes_per_token(model, GGML_TYPE_F16, GGML_TYPE_F16);  // at the default KV type
+    // a cache with V rows costs more when they are wider: one without (latent attention) does not
+    info.recurrent_bytes = llama_model_recurrent_state_bytes(model);
+    info.kv_v_rows = llama_model_kv_bytes_per_token(model, GGML_TYPE_F16, GGML_TYPE_F32) != info.kv_bytes_per_token ||
+                     info.n_owned_layers() == 0;
+    info.sliding_window     = llama_model_n_swa(model);
+}
+
+// where the loaded model's layers run: the device (or why the CPU), the layers on it, their experts' home
+void read_placement(shard_model_info & info, const shard_model_params & params, ggml_backend_dev_t device,
+                    const std::string & why_cpu, int32_t n_owned, int32_t n_cpu_moe) {
+    info.device             = device != nullptr ? ggml_backend_dev_name(device) : CPU_DEVICE;
+    info.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";
+    info.device_note        = why_cpu;
+    if (device == nullptr) {
+        info.gpu_layers = 0;
+    } else if (params.layers) {  // patch 0008: the first N owned layers, the output layer only with all of them
+        info.gpu_layers       = params.gpu_layers < 0 ? n_owned : params.gpu_layers;
+        info.output_on_device = info.is_tail && info.gpu_layers == n_owned;
+    } else {  // the whole model, upstream's rule: the output layer first, then the last N - 1 layers
+        info.gpu_layers       = params.gpu_layers < 0 ? n_owned : std::max(0, std::min(params.gpu_layers, n_owned + 1) - 1);
+        info.output_on_device = true;
+    }
+    info.cpu_moe_layers = std::min(n_cpu_moe, info.gpu_layers);  // of the layers on the device (the others are on the host whole)
+}
+
+// <arch>.attention.sliding_window_pattern as the GGUF writes it ("" when it has none)
+std::string read_swa_pattern(const llama_model * model, const std::string & architecture) {
+    char buf[512] = {0};
+    const std::string key = architecture + ".attention.sliding_window_pattern";
+    if (llama_model_meta_val_str(model, key.c_str(), buf, sizeof(buf)) >= 0) {
+        return buf;
+    }
+    return std::string();
+}
+
+} // namespace
+
+//
+// shard_model
+//
+
+shard_model::shard_model(const shard_model_params & params) : path_(params.path) {
+    n_threads_ = thread_count(params.n_threads);
+
+    const gguf_header header = read_gguf_header(params.path);
+    if (params.layers) {
+        check_layer_range(header, params.layers->first, params.layers->second);
+    }
+    const int32_t n_owned = owned_layers(params, header);
+    check_placement(params, n_owned);
+
+    shard_backend_init();
+    shard_load_cpu_backend();  // a portable build picks its CPU variant here, before the first model
+
+    std::string why_cpu;
+    ggml_backend_dev_t device = shard_choose_device(params.device, &why_cpu);  // a bad name throws, whatever gpu_layers says
+    if (params.gpu_layers == 0) {
+        device = nullptr;
+        why_cpu.clear();
+    }
+    const int32_t n_cpu_moe = device == nullptr ? 0 : (params.cpu_moe_layers < 0 ? n_owned : params.cpu_moe_layers);
+    model_ = load_llama_model(params, device, n_cpu_moe);
     vocab_ = llama_model_get_vocab(model_);
     device_ = device;
 
-    info_.architecture = header.arch;
-    info_.n_layer      = llama_model_n_layer(model_);
-    info_.first        = params.layers ? params.layers->first  : 0;
-    info_.last         = params.layers ? params.layers->second : info_.n_layer - 1;
-    info_.is_head      = info_.first == 0;
-    info_.is_tail      = info_.last == info_.n_layer - 1;
-    info_.n_embd       = llama_model_n_embd(model_);
-    info_.n_vocab      = llama_vocab_n_tokens(vocab_);
-    info_.n_head       = llama_model_n_head(model_);
-    // layer 0's, or the largest of a per-layer array (a hybrid's recurrent layers have none)
-    info_.n_head_kv    = header.n_head_kv_max > 0 ? (int32_t) header.n_head_kv_max : llama_model_n_head_kv(model_);
-    info_.head_dim     = header.key_length > 0 ? (int32_t) header.key_length : info_.n_embd / std::max(1, info_.n_head);
-    info_.n_ctx_train  = llama_model_n_ctx_train(model_);
-    info_.kv_dtype     = "f16";
-    info_.weight_bytes = llama_model_weight_bytes(model_);
-    info_.kv_bytes_per_token = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F16);  // at the default KV type
-    // a cache with V rows costs more when they are wider: one without (latent attention) does not
-    info_.recurrent_bytes = llama_model_recurrent_state_bytes(model_);
-    info_.kv_v_rows = llama_model_kv_bytes_per_token(model_, GGML_TYPE_F16, GGML_TYPE_F32) != info_.kv_bytes_per_token ||
-                      info_.n_owned_layers() == 0;
-    info_.sliding_window     = llama_model_n_swa(model_);
-    info_.device             = device != nullptr ? ggml_backend_dev_name(device) : CPU_DEVICE;
-    info_.device_description = device != nullptr ? ggml_backend_dev_description(device) : "";
-    info_.device_note        = why_cpu;
-    if (device == nullptr) {
-        info_.gpu_layers = 0;
-    } else if (params.layers) {  // patch 0008: the first N owned layers, the output layer only with all of them
-        info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : params.gpu_layers;
-        info_.output_on_device = info_.is_tail && info_.gpu_layers == n_owned;
-    } else {  // the whole model, upstream's rule: the output layer first, then the last N - 1 layers
-        info_.gpu_layers       = params.gpu_layers < 0 ? n_owned : std::max(0, std::min(params.gpu_layers, n_owned + 1) - 1);
-        info_.output_on_device = true;
-    }
-    info_.cpu_moe_layers = std::min(n_cpu_moe, info_.gpu_layers);  // of the layers on the device (the others are on the host whole)
-    {
-        char buf[512] = {0};
-        const std::string key = info_.architecture + ".attention.sliding_window_pattern";
-        if (llama_model_meta_val_str(model_, key.c_str(), buf, sizeof(buf)) >= 0) {
-            info_.swa_pattern = buf;
-        }
-    }
+    read_model_info(info_, model_, vocab_, header, params);
+    read_placement(info_, params, device, why_cpu, n_owned, n_cpu_moe);
+    info_.swa_pattern = read_swa_pattern(model_, info_.architecture);
 }
 
 shard_model::~shard_model() {

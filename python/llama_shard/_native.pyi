@@ -1,4 +1,4 @@
-"""Type stubs for the llama_shard._native extension (native/bindings.cpp)."""
+"""Type stubs for the llama_shard._native extension (native/bindings/)."""
 
 from collections.abc import Sequence
 from typing import ClassVar

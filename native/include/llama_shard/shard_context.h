@@ -210,6 +210,8 @@ private:
     bool                computing_ = false;  // between take_compute_turn and end_compute_turn (their mutex)
     void take_compute_turn();
     void end_compute_turn();
+    // the constructor's step for a context of several compute threads: the pool above, attached to ctx_
+    void attach_threadpool(int32_t n_threads);
     int32_t             n_ctx_ = 0;
     int32_t             n_seq_max_ = 0;
     int32_t             n_batch_ = 0;
