@@ -136,3 +136,44 @@ def test_a_plain_worker_loads_nothing_of_the_head():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[str]:
+    return {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and isinstance(node.ctx, ast.Store)
+    }
+
+
+def test_the_rooms_keep_their_bounds():
+    """A part that grows past its bounds is split by what it does (docs/design.md, Habits): no
+    function over 80 lines, no file over 600 (generated code and the tests' support in testing/
+    aside), no class over 30 attributes (options dataclasses aside), `Stream` at most 12 fields of
+    its own; the native sources too (their functions: lizard, in the review)."""
+    over = []
+    for module in package_modules():
+        if module.startswith("testing/") or module.endswith("_pb2.py") or module.endswith("_pb2_grpc.py"):
+            continue
+        text = (PACKAGE / module).read_text()
+        if text.count("\n") > 600:
+            over.append(f"{module}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                over.append(f"{module}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+            dataclass = isinstance(node, ast.ClassDef) and any(
+                "dataclass" in ast.unparse(d) for d in node.decorator_list
+            )
+            if isinstance(node, ast.ClassDef) and not dataclass and len(_self_attributes(node)) > 30:
+                over.append(f"{module}:{node.lineno} {node.name}: {len(_self_attributes(node))} attributes")
+    for path in [*ROOT.glob("native/src/*"), *ROOT.glob("native/bindings/*"), *ROOT.glob("native/include/*/*.h")]:
+        if path.read_text().count("\n") > 600:
+            over.append(f"{path.relative_to(ROOT)}: {path.read_text().count(chr(10))} lines")
+    assert over == [], "past the house's bounds:\n" + "\n".join(over)
+    stream = ast.parse((PACKAGE / "head" / "generation" / "stream.py").read_text())
+    cls = next(n for n in stream.body if isinstance(n, ast.ClassDef) and n.name == "Stream")
+    slots = next(n for n in cls.body if isinstance(n, ast.Assign) and n.targets[0].id == "__slots__")
+    assert len(ast.literal_eval(slots.value)) <= 12
