@@ -72,6 +72,7 @@ class ShardWorker:
         self.registry = CollectorRegistry()
         info = self.model.info
         self.registry.register(EngineCollector(self.manager, {"layers": f"{info.first}-{info.last}"}))
+        head_options.check(info.first, info.last)  # before anything binds or serves
         self.servicer = ShardServicer(self.model, self.manager, self.registry, options)  # checks the options first
         self.head = Head(self.servicer, head_options, self.registry, options.threads)
         self.servicer.attach_head(self.head)

@@ -326,9 +326,11 @@ class HandoverReceiver:
         self.on_arrived = on_arrived
         self._gathering = threading.BoundedSemaphore(2)
 
-    def receive(self, caller: str, request_iterator, time_left: float | None, stopping: bool) -> pb.SessionReply:
+    def receive(self, caller: str, request_iterator, time_left, stopping: threading.Event) -> pb.SessionReply:
         """A hand-over's stream from `caller` (a trusted neighbour: the servicer checked), gathered,
-        checked and opened here; every refusal names why and changes nothing."""
+        checked and opened here; every refusal names why and changes nothing. `time_left()`: the
+        caller's seconds left (None: no deadline); `stopping`: set when the worker shuts down (both
+        read once the first message is in)."""
 
         def refused(outcome: int, detail: str) -> pb.SessionReply:
             return pb.SessionReply(outcome=outcome, detail=f"hand-over refused: {detail}")
@@ -336,7 +338,7 @@ class HandoverReceiver:
         request = next(request_iterator, None)
         if request is None:
             return refused(pb.OUTCOME_INVALID_ARGUMENT, "the stream carried no message")
-        if stopping or self.moves.draining:
+        if stopping.is_set() or self.moves.draining:
             return refused(pb.OUTCOME_UNAVAILABLE, "this worker is draining too")
         if request.recipe_fingerprint != self.fingerprint:
             return refused(
@@ -368,7 +370,8 @@ class HandoverReceiver:
                 f"state_bytes {request.state_bytes}: a session's state on this "
                 f"worker takes 1 to {self.max_bytes} bytes",
             )
-        if not self._gathering.acquire(timeout=HANDOVER_TIMEOUT_S if time_left is None else max(0.0, time_left)):
+        left = time_left()
+        if not self._gathering.acquire(timeout=HANDOVER_TIMEOUT_S if left is None else max(0.0, left)):
             return refused(pb.OUTCOME_UNAVAILABLE, "other hand-overs are being received; try another replica")
         try:
             state = self._gather_state(request, request_iterator)

@@ -310,10 +310,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return principal
 
     def Handover(self, request_iterator, context):
-        self._trusted_neighbour(context)
-        return self.receiver.receive(
-            self._principal(context), request_iterator, context.time_remaining(), self.stopping.is_set()
-        )
+        caller = self._trusted_neighbour(context)
+        return self.receiver.receive(caller, request_iterator, context.time_remaining, self.stopping)
 
     def _handed_in(self, key: str, epoch: int, from_instance: str) -> None:
         """A session arrived by hand-over: the head's record and the kept sampler are not its."""

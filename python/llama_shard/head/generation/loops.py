@@ -73,7 +73,7 @@ class GenerationLoops:
         self._measures: OrderedDict[tuple, RouteMeasures] = OrderedDict()  # by loop key, MEASURES_KEPT at most
         self.streams: dict[str, Stream] = {}  # engine key -> its running stream
         self.busy = 0  # group steps in progress
-        self.records = SessionRecords(2 * host.max_sessions, host.security, host.sessions)
+        self.records = SessionRecords(2 * host.max_sessions, host.security, host.sessions, self.cond)
         self.max_streams = host.max_streams
         self.metrics = GenerationMetrics(registry, lambda: len(self.streams))
         self.outcomes = Outcomes(host, self.metrics, self._closed)

@@ -43,12 +43,14 @@ class PipelinedStepper:
     def run(
         self,
         s: Stream,
-        step: Callable[[object, pb.StepRequest], pb.StepReply],
+        step: Callable[[object, pb.StepRequest, float], pb.StepReply],
         outcomes: Outcomes,
         alone: Callable[[], bool],
         stopping: threading.Event,
+        max_hop_s: float,
     ) -> bool:
-        """Runs the stream's steps (`step(kind, request)`: its reply; raises SessionCapRefused) with
+        """Runs the stream's steps (`step(kind, request, deadline)`: its reply, the deadline `max_hop_s`
+        from when it is sent; raises SessionCapRefused) with
         several in flight where that pays; False if the stream has no step for this (its first, which
         opens the session on the route). A reply that does not continue the stream (a draft rejected,
         a guess wrong, an error) drops the steps after it: the stream waits for their replies, so that
@@ -59,7 +61,7 @@ class PipelinedStepper:
         first = self.next_window(s, [], cost)
         if first is None:
             return False
-        flight = _Flight(self, s, step)
+        flight = _Flight(self, s, step, max_hop_s)
 
         def ending() -> bool:
             return (
@@ -212,8 +214,8 @@ class PipelinedStepper:
 class _Flight:
     """One run's steps in flight, in order: (window, future of (reply, arrived at), sent at)."""
 
-    def __init__(self, stepper: PipelinedStepper, s: Stream, step):
-        self.stepper, self.s, self.step = stepper, s, step
+    def __init__(self, stepper: PipelinedStepper, s: Stream, step, max_hop_s: float):
+        self.stepper, self.s, self.step, self.max_hop_s = stepper, s, step, max_hop_s
         self.inflight: deque = deque()
         self.solo: list = []  # [window, sent at]: the one step in flight, while no other was sent with it
         self.arrived_before = None  # when the reply popped before this one came back
@@ -228,7 +230,10 @@ class _Flight:
             self.s.drafting.windows_sent += 1
         sent_at = time.perf_counter()
         self.solo[:] = [window, t0 or sent_at] if not self.inflight else []
-        self.inflight.append((window, self.stepper.pool().submit(_arrival_timed, self.step, kind, req), sent_at))
+        deadline = time.monotonic() + self.max_hop_s
+        self.inflight.append(
+            (window, self.stepper.pool().submit(_arrival_timed, self.step, kind, req, deadline), sent_at)
+        )
 
     def drop(self, record: bool) -> None:
         """The windows in flight, built on what did not happen."""

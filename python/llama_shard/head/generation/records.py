@@ -1,6 +1,6 @@
 """What the route holds of each session after its last stream: what the session's next stream may
 reuse, and which of a caller's sessions a new conversation continues. Bounded (least recently
-finished first out); its own lock, taken inside the loop's (never the other way round)."""
+finished first out); under the loop's lock, with the streams it says are running."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ class RouteHolds(NamedTuple):
 
 
 class SessionRecords:
-    def __init__(self, cap: int, security, sessions: Callable[[], list]):
+    def __init__(self, cap: int, security, sessions: Callable[[], list], lock: threading.Condition):
+        """`lock`: the loop's (the running streams are read with the records, as one view)."""
         self.cap, self.security, self.sessions = cap, security, sessions
         self._records: OrderedDict[str, RouteHolds] = OrderedDict()  # engine key -> holds, oldest first
-        self._lock = threading.Lock()
+        self._lock = lock
 
     def __bool__(self) -> bool:
         return bool(self._records)

@@ -157,11 +157,10 @@ class RouteScheduler:
         self._group.pop(s, None)
         self._dirty = True
 
-    def _live(self, streams: list[Stream]) -> list[Stream]:
+    def _live(self, streams: list[Stream], now: float) -> list[Stream]:
         """The streams that go on to this step: those stopped, cancelled, past their deadline or
         over their principal's session cap (a new session is admitted on its own) end here."""
         host, finish = self.owner.host, self.owner.outcomes.finish
-        now = time.monotonic()
         live = []
         for s in streams:
             if host.stopping.is_set():
@@ -176,14 +175,15 @@ class RouteScheduler:
                 live.append(s)
         return live
 
-    def _one_step(self, kind, req: pb.StepRequest) -> pb.StepReply:
+    def _one_step(self, kind, req: pb.StepRequest, deadline: float) -> pb.StepReply:
         """A lone stream's step down the route (the pipelined stepper's step function)."""
         host = self.owner.host
-        return host.run_steps(self.principal, [(kind, req)], self.forward, time.monotonic() + host.max_hop_s)[0]
+        return host.run_steps(self.principal, [(kind, req)], self.forward, deadline)[0]
 
     def _step(self, streams: list[Stream]) -> None:
         owner = self.owner
-        live = self._live(streams)
+        now = time.monotonic()  # the hop's deadline counts from here (admission and drafts included)
+        live = self._live(streams, now)
         for s in live:
             if s.pos.first_step and not s.prefix.planned:
                 s.prefix.make(owner.host.prefixes, self.principal, s.pos, s.req.keep_prefix)
@@ -193,7 +193,12 @@ class RouteScheduler:
             len(live) == 1
             and self.forward
             and self.pipeline.run(
-                live[0], self._one_step, owner.outcomes, lambda: len(self.streams) == 1, owner.host.stopping
+                live[0],
+                self._one_step,
+                owner.outcomes,
+                lambda: len(self.streams) == 1,
+                owner.host.stopping,
+                owner.host.max_hop_s,
             )
         ):
             return
@@ -204,7 +209,7 @@ class RouteScheduler:
         items = [s.request(self.wire_dtype, cost) for s in live]
         generating = all(not s.pos.first_step and s.pos.sent.decodes for s in live)  # steps past the prompt: timed
         try:
-            replies = owner.host.run_steps(self.principal, items, self.forward, time.monotonic() + owner.host.max_hop_s)
+            replies = owner.host.run_steps(self.principal, items, self.forward, now + owner.host.max_hop_s)
             if generating:  # timed by the largest stream's step (what the batch's size follows)
                 self.cost.observe(max(s.pos.sent.n_tokens for s in live), time.perf_counter() - t0)
         except SessionCapRefused as e:
