@@ -18,6 +18,8 @@ class Why(enum.Enum):
     CALLER_CAP = "caller_cap"  # the principal holds as many sessions as its cap allows
     FORWARD = "forward"  # a chained step this worker cannot forward (a loop, too many hops)
     WIRE_DTYPE = "wire_dtype"  # a replica of the route does not read rows of that type
+    BAD_REPORT = "bad_report"  # a member's report is out of its bounds (the mesh's planner)
+    NO_PLAN = "no_plan"  # no split of the model fits the members' memory
 
 
 class WhyNot(NamedTuple):
