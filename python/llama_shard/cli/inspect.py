@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..engine.models import compute_balanced_cut
 from ..engine.pipeline import parse_split
@@ -83,4 +84,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 args.cpu_moe_layers,
             )
             print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
+    if args.plan:
+        print_plan(shape, args.plan, args.sessions, args.context_tokens)
     return 0
+
+
+def print_plan(shape, path: str, sessions: int, context_tokens: int) -> None:
+    """The head's plan over the members a file describes (a dry run: nothing joins, nothing loads)."""
+    import json
+
+    from ..errors import WhyNot
+    from ..head import planner
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"--plan {path}: {e}") from None
+    members = planner.members_from_json(data)
+    if isinstance(members, WhyNot):
+        raise InvalidInputError(f"--plan {path}: {members.text}")
+    costs = planner.ModelCosts.of(shape, sessions, context_tokens)
+    plan = planner.plan_route(costs, members, members[0].name)
+    print(
+        f"plan over {len(members)} members ({sessions} sessions of {context_tokens} tokens a stage, "
+        f"{planner.HEADROOM:.0%} headroom; head {members[0].name}):"
+    )
+    if isinstance(plan, WhyNot):
+        raise InvalidInputError(plan.text)
+    print(plan.describe())
+    naive = planner.equal_layers(costs, members, members[0].name)
+    print(
+        "  equal layers over every member, as listed: "
+        + (f"{naive.tokens_per_s:.1f} tok/s" if naive else "does not fit their memory")
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._native import CPU_DEVICE
+from .._native import CPU_DEVICE, MAX_SESSIONS
 from ..engine.hot_kv import KV_TYPES
 from ..proto.requests import MAX_DRAFTS, SAMPLING_PARAMETERS
 from .common import DEFAULTS
@@ -220,6 +220,15 @@ def _inspect_parser(sub) -> None:
         help="with --device: owned layers on the device (default: all)",
     )
     cpu_moe_flags(i)
+    i.add_argument(
+        "--plan",
+        metavar="FILE",
+        default=None,
+        help="a dry run of the head's planner over members described in a JSON file (a list of {name, memory, "
+        "layer_ms, rtt_ms}; the first is the head): the route, its replicas and one stream's tokens per "
+        "second, beside the equal-layers split",
+    )
+    i.add_argument("--sessions", type=count(1, MAX_SESSIONS), default=8, help="with --plan: sessions each stage holds")
     i.set_defaults(func=cmd_inspect)
 
 

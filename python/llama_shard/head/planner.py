@@ -278,21 +278,16 @@ def plan_route(
             return why
     deadline = time.monotonic() + time_bound_s
     others = sorted(set(members) - {head})
-    chosen: frozenset[str] = frozenset()
-    current = _for_set(costs, members, head, chosen)
-    while time.monotonic() < deadline:  # grow: the member that lowers the time most
-        left = [c for c in others if c not in chosen]
-        pool = _pool(costs, members, head, chosen, left)
-        options = [(p, c) for c in pool if (p := _for_set(costs, members, head, chosen | {c})) is not None]
-        better = [(p, c) for p, c in options if current is None or p.time_per_token_s < current.time_per_token_s]
-        if better:
-            current, add = min(better, key=lambda o: o[0].time_per_token_s)
-        elif current is None and left:  # nothing fits yet: the most memory first, until something does
-            add = max(left, key=lambda c: (members[c].memory_bytes, -members[c].layer_s, c))
-        else:
+    best = None
+    # several starts (the head alone, then each promising member beside it): a greedy growth can
+    # settle where no single swap helps
+    for start in [frozenset(), *(frozenset({c}) for c in _pool(costs, members, head, frozenset(), others))]:
+        if best is not None and time.monotonic() > deadline:
             break
-        chosen = chosen | {add}
-    if current is None:
+        found = _search(costs, members, head, others, start, deadline)
+        if found is not None and (best is None or found.time_per_token_s < best.time_per_token_s):
+            best = found
+    if best is None:
         need = costs.stage_bytes(0, costs.n_layer - 1)
         have = sum(m.memory_bytes for m in reports)
         return WhyNot(
@@ -300,8 +295,36 @@ def plan_route(
             f"no split fits the members' memory (the whole model needs about {need} bytes "
             f"with its KV and headroom; they offer {have})",
         )
+    return with_replicas(costs, members, best)
+
+
+def _search(
+    costs: ModelCosts,
+    members: Mapping[str, Member],
+    head: str,
+    others: list[str],
+    chosen: frozenset[str],
+    deadline: float,
+) -> Plan | None:
+    """From `chosen`: grow by the member that lowers the time most (the most memory first while
+    nothing fits), then swap one member in or out while that pays."""
+    current = _for_set(costs, members, head, chosen)
+    while time.monotonic() < deadline:
+        left = [c for c in others if c not in chosen]
+        pool = _pool(costs, members, head, chosen, left)
+        options = [(p, c) for c in pool if (p := _for_set(costs, members, head, chosen | {c})) is not None]
+        better = [(p, c) for p, c in options if current is None or p.time_per_token_s < current.time_per_token_s]
+        if better:
+            current, add = min(better, key=lambda o: o[0].time_per_token_s)
+        elif current is None and left:
+            add = max(left, key=lambda c: (members[c].memory_bytes, -members[c].layer_s, c))
+        else:
+            break
+        chosen = chosen | {add}
+    if current is None:
+        return None
     improved = True
-    while improved and time.monotonic() < deadline:  # swap one in or out while that pays
+    while improved and time.monotonic() < deadline:
         improved = False
         pool = _pool(costs, members, head, chosen, [c for c in others if c not in chosen])
         moves = [chosen - {c} for c in chosen] + [chosen | {c} for c in pool]
@@ -313,7 +336,7 @@ def plan_route(
             if p is not None and p.time_per_token_s < current.time_per_token_s - 1e-12:
                 current, chosen, improved = p, frozenset(candidate), True
                 break
-    return with_replicas(costs, members, current)
+    return current
 
 
 def _pool(
@@ -380,3 +403,38 @@ def equal_layers(costs: ModelCosts, reports: Sequence[Member], head: str) -> Pla
         return None
     compute = sum((s.last - s.first + 1) * members[s.member].layer_s for s in stages)
     return Plan(stages, compute + _path_time(members, order))
+
+
+def members_from_json(data) -> list[Member] | WhyNot:
+    """Members described by hand (a dry run: `llama-shard inspect --plan FILE`): a JSON list of
+    {"name", "memory" (bytes, or "8GiB"), "layer_ms", "prefill_layer_ms"?, "rtt_ms": {name: ms}?,
+    "backend"?}; the first is the head unless one says "head": true."""
+    from ..engine.hot_kv import parse_size
+
+    if not isinstance(data, list) or not data or len(data) > MAX_MEMBERS:
+        return WhyNot(Why.BAD_REPORT, f"a plan's members are a JSON list of 1 to {MAX_MEMBERS} objects")
+    out = []
+    try:
+        for item in data:
+            rtt = {str(k): float(v) / 1e3 for k, v in (item.get("rtt_ms") or {}).items()}
+            memory = item["memory"]
+            out.append(
+                Member(
+                    str(item["name"]),
+                    parse_size(memory) if isinstance(memory, str) else int(memory),
+                    float(item["layer_ms"]) / 1e3,
+                    float(item.get("prefill_layer_ms", 0.0)) / 1e3,
+                    rtt,
+                    str(item.get("backend", "cpu")),
+                )
+            )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return WhyNot(Why.BAD_REPORT, f"a member is {{name, memory, layer_ms, rtt_ms?}}: {e!r}")
+    heads = [i for i, item in enumerate(data) if item.get("head")]
+    if len(heads) > 1:
+        return WhyNot(Why.BAD_REPORT, "one member at most says it is the head")
+    if heads:
+        out.insert(0, out.pop(heads[0]))
+    if len({m.name for m in out}) != len(out):
+        return WhyNot(Why.BAD_REPORT, "two members have one name")
+    return out
