@@ -357,6 +357,20 @@ class LockstepMachine(RuleBasedStateMachine):
 
         self.on_all_stages(open_) if stage == "all" else self.on_stage(stage, open_)
 
+    @rule(sid=sid, other=sid, key=st.sampled_from([5, 6, 7, 8]))
+    def store_and_open_prefix(self, sid, other, key):
+        """A route's shared prefix: stored from one session and opened into another at once, on
+        every shard (the hit path each program reaches, whatever else it draws); keys of its own, so
+        the store fills and evicts beside store_prefix's."""
+
+        def store(m, ad):
+            held = m.resolve(sid, self.epochs[sid])
+            n = held.seq_len if not isinstance(held, CacheMiss) and held.seq_len > 0 else 1
+            return m.store_prefix(sid, self.epochs[sid], key, n)
+
+        self.on_all_stages(store)
+        self.on_all_stages(lambda m, ad: m.open_prefix(other, self.epochs[other], key, m.prefix_length(key) or 3))
+
     @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 6.0, 10.0]))
     def advance_clock(self, seconds):
         self.clock.advance(seconds)

@@ -152,7 +152,7 @@ def test_inspect_plans_members_described_in_a_file(tmp_path, embedded_model):
     import sys
 
     members = [
-        {"name": "head:1", "memory": "60MiB", "layer_ms": 1.0, "rtt_ms": {"b:2": 0.2, "c:3": 50}},
+        {"name": "head:1", "memory": "120MiB", "layer_ms": 1.0, "rtt_ms": {"b:2": 0.2, "c:3": 50}},
         {"name": "b:2", "memory": "200MiB", "layer_ms": 0.5, "rtt_ms": {"c:3": 50}},
         {"name": "c:3", "memory": 500 * MiB, "layer_ms": 2.0},
     ]

@@ -4,8 +4,9 @@
                       --budget-tokens --ttl --metrics-port]
     llama-shard generate (--route A-B@host:port,C-D@host:port | [--model PATH] [--split 0-14,15-29])
                          --prompt TEXT [--chat] [--max-tokens N] [--compare-whole]
-    llama-shard inspect [PATH] [--kv-memory SIZE]
+    llama-shard inspect [PATH] [--kv-memory SIZE] [--plan MEMBERS.json]
     llama-shard demo [--model PATH]
+    llama-shard extract [--model PATH] --layers A-B --out FILE
 
 Generated text goes to stdout as it is produced; status and figures go to stderr.
 Every numeric flag is checked where it is parsed (its argparse type; the sampling flags by the

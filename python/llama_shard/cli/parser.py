@@ -9,6 +9,7 @@ from ..engine.hot_kv import KV_TYPES
 from ..proto.requests import MAX_DRAFTS, SAMPLING_PARAMETERS
 from .common import DEFAULTS
 from .demo import cmd_demo
+from .extract import cmd_extract
 from .generate import check_sampling_flags, cmd_generate
 from .inspect import cmd_inspect
 from .serve import cmd_serve
@@ -232,11 +233,19 @@ def _inspect_parser(sub) -> None:
     i.set_defaults(func=cmd_inspect)
 
 
+def _extract_parser(sub) -> None:
+    x = sub.add_parser("extract", help="write a layer range of a GGUF as a file of its own (what its worker loads)")
+    x.add_argument("--model", help="the whole model's GGUF file (default: the embedded model)")
+    x.add_argument("--layers", required=True, help="the range FIRST-LAST")
+    x.add_argument("--out", required=True, metavar="FILE", help="the range's file (a GGUF)")
+    x.set_defaults(func=cmd_extract)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp."
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_generate_parser, _serve_parser, _demo_parser, _inspect_parser):
+    for add in (_generate_parser, _serve_parser, _demo_parser, _inspect_parser, _extract_parser):
         add(sub)
     return ap

@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
+from .._native import MAX_LOGIT_ROWS
 from ..engine.hot_kv import HotKvConfig
 from ..errors import Why, WhyNot
 
@@ -96,10 +97,11 @@ class ModelCosts:
             for il in range(shape.n_layer)
         )
         n_vocab = shape.lm_head_elements // max(shape.n_embd, 1)
+        # a step's activations (a few rows of n_embd floats per token of a batch) and ggml's fixed
+        # share; the tail's logits are computed for the rows asked for only (at most MAX_LOGIT_ROWS)
         compute = 4 * n_batch * 8 * shape.n_embd + (32 << 20)
-        return cls(
-            shape.layer_bytes, kv, shape.input_bytes, shape.output_bytes, compute, compute + 4 * n_batch * n_vocab
-        )
+        tail = compute + 4 * MAX_LOGIT_ROWS * n_vocab
+        return cls(shape.layer_bytes, kv, shape.input_bytes, shape.output_bytes, compute, tail)
 
     @property
     def n_layer(self) -> int:

@@ -1,0 +1,96 @@
+"""A layer range of a GGUF file as a file of its own (`llama-shard extract`): what a worker of that range
+loads and nothing else, so a node that serves a tenth of a model stores a tenth of it.
+
+The file keeps every metadata key of the source (the architecture's `block_count` included: a worker
+loads it with the same `--layers` as the whole file) and adds where it came from:
+`llama_shard.range.first` / `.last` and `llama_shard.source.digest` (the source's size and
+XXH3-128, as `model_digest` names a file). It holds the range's layers' tensors and, of the rest,
+what the range uses: the token embeddings on the head's range, the output norm and head on the
+tail's (the embeddings again where the head is tied to them), and every other tensor outside the
+layers (rope factors and the like). The tensors are copied byte for byte, in their own types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._native import model_digest
+from ..errors import InvalidInputError, ModelLoadError
+
+RANGE_FIRST = "llama_shard.range.first"
+RANGE_LAST = "llama_shard.range.last"
+SOURCE_DIGEST = "llama_shard.source.digest"
+
+#: tensors only the head's range uses, and only the tail's
+_HEAD_ONLY = ("token_embd.",)
+_TAIL_ONLY = ("output.", "output_norm.")
+
+
+def range_tensor_names(names: list[str], n_layer: int, first: int, last: int) -> list[str]:
+    """Which of a file's tensors a range of layers first..last holds (see the module's docstring)."""
+    head, tail = first == 0, last == n_layer - 1
+    tied = not any(n.startswith("output.") for n in names)
+    keep = []
+    for name in names:
+        if name.startswith("blk."):
+            if first <= int(name.split(".")[1]) <= last:
+                keep.append(name)
+        elif name.startswith(_HEAD_ONLY):
+            if head or (tail and tied):
+                keep.append(name)
+        elif name.startswith(_TAIL_ONLY):
+            if tail:
+                keep.append(name)
+        else:
+            keep.append(name)
+    return keep
+
+
+def write_range_file(source: str | Path, first: int, last: int, out: str | Path) -> Path:
+    """Writes layers first..last of `source` (and what they use) to `out`; returns `out`."""
+    import gguf
+
+    from .models import gguf_shape
+
+    source, out = Path(source), Path(out)
+    shape = gguf_shape(source)
+    if not 0 <= first <= last < shape.n_layer:
+        raise InvalidInputError(f"layers {first}-{last} are not within 0-{shape.n_layer - 1} of {source.name}")
+    if out.resolve() == source.resolve():
+        raise InvalidInputError("the range's file must not be its source")
+    try:
+        reader = gguf.GGUFReader(str(source))
+        arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+        writer = gguf.GGUFWriter(str(out), arch, endianess=reader.endianess)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "llama_shard.")):
+                continue
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        writer.add_uint32(RANGE_FIRST, first)
+        writer.add_uint32(RANGE_LAST, last)
+        writer.add_string(SOURCE_DIGEST, model_digest(str(source)))
+        keep = set(range_tensor_names([t.name for t in reader.tensors], shape.n_layer, first, last))
+        tensors = [t for t in reader.tensors if t.name in keep]
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        out.unlink(missing_ok=True)
+        raise ModelLoadError(f"cannot write layers {first}-{last} of {source} to {out}: {e}") from e
+    return out
+
+
+def range_of(path: str | Path) -> tuple[int, int] | None:
+    """The layer range a file written by `write_range_file` holds (None: a whole model's file)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    first, last = reader.get_field(RANGE_FIRST), reader.get_field(RANGE_LAST)
+    return (int(first.contents()), int(last.contents())) if first is not None and last is not None else None
