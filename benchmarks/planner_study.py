@@ -47,7 +47,7 @@ def scenario(
     rng = random.Random(seed)
     where = {f"m{i}": (0 if i == 0 else rng.randrange(sites)) for i in range(n)}
     members = []
-    for i, name_ in enumerate(where):
+    for name_ in where:
         threads = rng.choice(list(per_layer))
         rtt = {
             o: (0.0002 if where[o] == where[name_] else delay_s * abs(where[o] - where[name_]))
