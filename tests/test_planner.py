@@ -171,3 +171,10 @@ def test_inspect_plans_members_described_in_a_file(tmp_path, embedded_model):
     spec.write_text(json.dumps(members))
     res = inspect()
     assert res.returncode == 2 and "b:2" in res.stderr and "memory" in res.stderr
+    alone = subprocess.run(
+        [sys.executable, "-m", "llama_shard.cli", "inspect", str(embedded_model), "--sessions", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 2 and "--plan" in alone.stderr  # not silently ignored

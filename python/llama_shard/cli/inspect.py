@@ -21,6 +21,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--device, --gpu-layers and --cpu-moe size the device's share of a memory plan: give --kv-memory too"
         )
+    if args.sessions is not None and not args.plan:
+        raise InvalidInputError("--sessions sizes a --plan's stages: give --plan too")
     path = model_path(args.path)
     shape = gguf_shape(path)
     n_layer, per_layer = shape.n_layer, shape.layer_bytes
@@ -85,7 +87,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             )
             print(f"  on the device (llama.cpp's dry run): {on_device or 'none: the CPU'}")
     if args.plan:
-        print_plan(shape, args.plan, args.sessions, args.context_tokens)
+        print_plan(shape, args.plan, args.sessions or 8, args.context_tokens)
     return 0
 
 

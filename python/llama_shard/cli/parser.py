@@ -229,7 +229,12 @@ def _inspect_parser(sub) -> None:
         "layer_ms, rtt_ms}; the first is the head): the route, its replicas and one stream's tokens per "
         "second, beside the equal-layers split",
     )
-    i.add_argument("--sessions", type=count(1, MAX_SESSIONS), default=8, help="with --plan: sessions each stage holds")
+    i.add_argument(
+        "--sessions",
+        type=count(1, MAX_SESSIONS),
+        default=None,
+        help="with --plan: sessions each stage holds (default 8)",
+    )
     i.set_defaults(func=cmd_inspect)
 
 

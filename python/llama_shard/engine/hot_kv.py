@@ -23,9 +23,7 @@ import numpy as np
 
 from .._native import MAX_EPOCH, MAX_LOGIT_ROWS, MAX_SESSION_ID_BYTES, HotKvConfig, StepKind, Tier, cpu_backend
 from ..errors import InvalidInputError
-from .recipe import (  # the contract's names, re-exported
-    KV_TYPES,
-)
+from .recipe import KV_TYPES
 
 # ---------------------------------------------------------------------------------------------
 # misses

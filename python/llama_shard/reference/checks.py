@@ -7,6 +7,7 @@ import numpy as np
 
 from .._native import MAX_EPOCH, MAX_SESSION_ID_BYTES
 from ..errors import InvalidInputError
+from .locking import serialised
 
 
 def validate_key(sid: str, epoch: int) -> None:
@@ -57,43 +58,47 @@ def validate_input(
     return None, hidden, n
 
 
-def check_invariants(engine) -> None:
-    """The engine's invariants across its rooms (AssertionError naming the first that fails)."""
+class EngineInvariants:
+    """A part of `ReferenceHotKvEngine` (its base): the tests' oracle, on its state, under its lock."""
 
-    def fail(what: str):
-        raise AssertionError(f"reference engine invariant violated: {what}")
+    @serialised
+    def check_invariants(self) -> None:
+        """The engine's invariants across its rooms (AssertionError naming the first that fails)."""
 
-    if len(engine._live) > engine.max_sessions:
-        fail("more live sessions than max_sessions")
-    ids = [s.seq_id for s in engine._live.values()]
-    if engine._free_ids != sorted(engine._free_ids, reverse=True):
-        fail("free seq ids are not in descending order")
-    if sorted(ids + engine._free_ids) != list(range(engine.max_sessions)):
-        fail("seq ids leaked or duplicated")
-    owned = set(engine.shard.owned_layers)
-    for s in engine._live.values():
-        if set(s.kv.layers) != owned:
-            fail("a session holds K/V for layers it does not own")
-        if any(k.shape[0] != s.seq_len or v.shape[0] != s.seq_len for k, v in s.kv.layers.values()):
-            fail("owned layers disagree on the session length")
-        if s.seq_len > engine.context_tokens:
-            fail("session longer than context_tokens")
-    if sum(s.seq_len for s in engine._live.values()) != engine._reserved:
-        fail("reserved tokens != sum of session lengths")
-    if engine._reserved > engine.budget_tokens:
-        fail("reserved tokens exceed the budget")
-    times = [s.last_used for s in engine._live.values()]
-    if times != sorted(times):
-        fail("LRU order disagrees with last_used")
-    if len(engine._recent) > engine.recent_capacity:
-        fail("the table of dropped keys outgrew its capacity")
-    if any(sid in engine._live for sid in engine._recent):
-        fail("a live session is also in the dropped table")
-    engine._warm.check(fail)
-    if any(sid in engine._live or sid in engine._recent for sid in [*engine._warm.host, *engine._warm.disk]):
-        fail("a warm or disk session is also hot or in the dropped table")
-    engine._prefixes.check(engine.context_tokens, fail)
-    c = engine._counters
-    # across the rooms: every spill is restored, dropped, or still warm
-    if c["spills"] != c["restores"] + engine._warm.counters["warm_drops"] + len(engine._warm):
-        fail("spills != restores + warm drops + warm and disk sessions")
+        def fail(what: str):
+            raise AssertionError(f"reference engine invariant violated: {what}")
+
+        if len(self._live) > self.max_sessions:
+            fail("more live sessions than max_sessions")
+        ids = [s.seq_id for s in self._live.values()]
+        if self._free_ids != sorted(self._free_ids, reverse=True):
+            fail("free seq ids are not in descending order")
+        if sorted(ids + self._free_ids) != list(range(self.max_sessions)):
+            fail("seq ids leaked or duplicated")
+        owned = set(self.shard.owned_layers)
+        for s in self._live.values():
+            if set(s.kv.layers) != owned:
+                fail("a session holds K/V for layers it does not own")
+            if any(k.shape[0] != s.seq_len or v.shape[0] != s.seq_len for k, v in s.kv.layers.values()):
+                fail("owned layers disagree on the session length")
+            if s.seq_len > self.context_tokens:
+                fail("session longer than context_tokens")
+        if sum(s.seq_len for s in self._live.values()) != self._reserved:
+            fail("reserved tokens != sum of session lengths")
+        if self._reserved > self.budget_tokens:
+            fail("reserved tokens exceed the budget")
+        times = [s.last_used for s in self._live.values()]
+        if times != sorted(times):
+            fail("LRU order disagrees with last_used")
+        if len(self._recent) > self.recent_capacity:
+            fail("the table of dropped keys outgrew its capacity")
+        if any(sid in self._live for sid in self._recent):
+            fail("a live session is also in the dropped table")
+        self._warm.check(fail)
+        if any(sid in self._live or sid in self._recent for sid in [*self._warm.host, *self._warm.disk]):
+            fail("a warm or disk session is also hot or in the dropped table")
+        self._prefixes.check(self.context_tokens, fail)
+        c = self._counters
+        # across the rooms: every spill is restored, dropped, or still warm
+        if c["spills"] != c["restores"] + self._warm.counters["warm_drops"] + len(self._warm):
+            fail("spills != restores + warm drops + warm and disk sessions")

@@ -31,12 +31,12 @@ from .._native import (
 )
 from ..engine.hot_kv import SessionRecord, Step
 from ..errors import InvalidInputError
-from .checks import check_invariants, validate_input, validate_key
+from .checks import EngineInvariants, validate_input, validate_key
 from .locking import serialised
 from .prefix_store import PrefixStore
 from .results import BUDGET_EXCEEDED, BUSY, CACHE_MISS, INVALID_INPUT, STALE_EPOCH, IdPlacement, StepResult, stale
 from .sequences import KvShard, SequenceKv, StateSizes
-from .stats import engine_stats
+from .stats import EngineStats
 from .transfers import SessionTransfers
 from .warm_tier import WarmEntry, WarmTier
 
@@ -69,7 +69,7 @@ class _Dropped:
     stamp: int
 
 
-class ReferenceHotKvEngine(SessionTransfers):
+class ReferenceHotKvEngine(SessionTransfers, EngineStats, EngineInvariants):
     def __init__(self, shard: KvShard, config: HotKvConfig):
         """The native engine's configuration, checked by the same native function; a warm_dir is
         simulated (the same decisions and sizes as the disk tier's files, no files)."""
@@ -555,20 +555,12 @@ class ReferenceHotKvEngine(SessionTransfers):
     # --- introspection ---------------------------------------------------------------------------
 
     @serialised
-    def stats(self) -> dict:
-        return engine_stats(self)
-
-    @serialised
     def sessions(self) -> list[SessionRecord]:
         return (
             [SessionRecord(sid, s.epoch, s.seq_id, s.seq_len, s.last_used, Tier.HOT) for sid, s in self._live.items()]
             + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.WARM) for sid, w in self._warm.host.items()]
             + [SessionRecord(sid, w.epoch, -1, w.seq_len, w.last_used, Tier.DISK) for sid, w in self._warm.disk.items()]
         )
-
-    @serialised
-    def check_invariants(self) -> None:
-        check_invariants(self)
 
     @serialised
     def session_kv(self, session_id: str) -> SequenceKv:
