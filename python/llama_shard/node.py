@@ -53,7 +53,9 @@ class ShardWorker:
         config: HotKvStateConfig,
         options: WorkerOptions | None = None,
         head_options: HeadOptions | None = None,
+        services: tuple = (),
     ):
+        """`services`: functions that add a gRPC service beside ShardService (a mesh head's MeshService)."""
         options = options or WorkerOptions()  # a fresh one each: the options are mutable
         head_options = head_options or HeadOptions()
         self.options = options
@@ -83,6 +85,8 @@ class ShardWorker:
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
         self.server = self._grpc_server(config)
+        for add_service in services:
+            add_service(self.server)
         self.port = self._bind()
         self.metrics_port = None
         if options.metrics_port is not None:

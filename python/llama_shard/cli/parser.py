@@ -12,8 +12,8 @@ from .demo import cmd_demo
 from .extract import cmd_extract
 from .generate import check_sampling_flags, cmd_generate
 from .inspect import cmd_inspect
-from .serve import cmd_serve
 from .serve_flags import add_serve_flags, cpu_moe_flags
+from .serve_mesh import cmd_serve_or_mesh
 from .types import (
     CONTEXT_TOKENS,
     THREADS,
@@ -181,7 +181,7 @@ def _serve_parser(sub) -> None:
     )
     _server_security_flags(sv)
     _client_security_flags(sv, "peer-")
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=cmd_serve_or_mesh)
 
 
 def _demo_parser(sub) -> None:

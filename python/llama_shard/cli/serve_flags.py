@@ -7,6 +7,7 @@ import os
 
 from .._native import DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, MAX_SESSIONS
 from ..head.openai.guard import HttpLimits
+from ..head.planner import MAX_MEMBERS
 from ..head.speculation import DRAFT_SOURCES, VERIFY_MODES
 from ..proto.requests import DEFAULT_MAX_DRAFTS, MAX_DRAFTS, MIN_BATCH_TOKENS
 from ..proto.wire import WIRE_DTYPES
@@ -35,6 +36,7 @@ def add_serve_flags(sv: argparse.ArgumentParser) -> None:
         _metrics_flags,
         _device_flags,
         _route_flags,
+        _mesh_flags,
         _step_flags,
         _kv_flags,
         _tier_flags,
@@ -224,6 +226,46 @@ def _route_flags(sv: argparse.ArgumentParser) -> None:
         metavar="S",
         help="the longest a chained step may hold this worker, whatever the caller's deadline "
         f"(default {DEFAULT_MAX_HOP_S:g})",
+    )
+
+
+def _mesh_flags(sv: argparse.ArgumentParser) -> None:
+    """A mesh: a head that plans (--mesh-members), a node that joins it (--join), what each may use."""
+    g = sv.add_argument_group("a mesh (the head plans the layers; members join it)")
+    g.add_argument(
+        "--mesh-members",
+        type=count(1, MAX_MEMBERS - 1),
+        metavar="N",
+        help="be a mesh's head: wait for N members to join (--mesh-wait at most), plan every range "
+        "(this worker's included: no --layers), then serve; later members become replicas, and a stage "
+        "whose member dies is given to another one",
+    )
+    g.add_argument(
+        "--mesh-wait",
+        type=positive_seconds,
+        default=120.0,
+        metavar="S",
+        help="how long a mesh's head waits for its members before it plans with those it has (default 120)",
+    )
+    g.add_argument(
+        "--join",
+        metavar="HOST:PORT",
+        help="join the mesh whose head serves there: report, take the range the head gives (no --layers), "
+        "fetching only its tensors where --model is not given (peer credentials: --peer-token-file or "
+        "--peer-tls-cert; the head lists this node's principal in --forwarder)",
+    )
+    g.add_argument(
+        "--mesh-memory",
+        type=size,
+        metavar="SIZE",
+        help="a mesh member's (or head's) memory for this model: weights, KV, buffers (default: what the "
+        "machine has available now)",
+    )
+    g.add_argument(
+        "--mesh-cache",
+        metavar="DIR",
+        help="where a joining node keeps the range files it fetched (a restart loads them; default "
+        "~/.cache/llama-shard/ranges)",
     )
 
 

@@ -30,7 +30,6 @@ from .._native import (
     ShardModel,
     Status,
     StepLoop,
-    model_digest,
 )
 from ..errors import (
     ComputeError,
@@ -73,8 +72,11 @@ _HANDOVER_TAIL = struct.Struct("<IQ")
 
 @functools.lru_cache(maxsize=16)
 def _model_identity(path: str, size: int, mtime_ns: int) -> str:
-    """The model digest a hand-over names (one read of the file, once per file version)."""
-    return model_digest(path)
+    """The model digest a hand-over names (one read of the file, once per file version; a range
+    file's is its source's)."""
+    from .range_file import content_digest
+
+    return content_digest(path)
 
 
 def _check_prefix(key, length) -> None:
@@ -275,8 +277,8 @@ class HotKvStateManager:
         return self._session(session_id, route_epoch, r)
 
     def model_digest(self) -> str:
-        """The model file's size and XXH3-128 ('' for a model without a file): what replicas of a
-        shard must share (one read of the file, once per file version)."""
+        """The model file's size and XXH3-128 ('' for a model without a file; a range file names its
+        source's): what replicas of a shard must share (one read of the file, once per file version)."""
         path = getattr(self.model, "path", None) or getattr(getattr(self.model, "model", None), "path", None)
         if path is None:
             return ""

@@ -12,6 +12,7 @@ layers (rope factors and the like). The tensors are copied byte for byte, in the
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .._native import model_digest
@@ -46,45 +47,108 @@ def range_tensor_names(names: list[str], n_layer: int, first: int, last: int) ->
     return keep
 
 
-def write_range_file(source: str | Path, first: int, last: int, out: str | Path) -> Path:
-    """Writes layers first..last of `source` (and what they use) to `out`; returns `out`."""
+@dataclasses.dataclass(frozen=True)
+class RangeTensor:
+    name: str
+    offset: int  # in the range's file
+    data: object  # the source's bytes (a numpy view of its memory map)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeLayout:
+    """The file `write_range_file` writes for a range, before it is written: its header (metadata
+    and tensor infos, padded to where the data starts), each tensor's place, the file's size."""
+
+    first: int
+    last: int
+    header: bytes
+    tensors: tuple[RangeTensor, ...]
+    file_bytes: int
+
+
+def range_layout(source: str | Path, first: int, last: int) -> RangeLayout:
+    """Where each byte of the range's file comes from (InvalidInputError: a range outside the model)."""
+    import tempfile
+
     import gguf
 
     from .models import gguf_shape
 
-    source, out = Path(source), Path(out)
+    source = Path(source)
     shape = gguf_shape(source)
     if not 0 <= first <= last < shape.n_layer:
         raise InvalidInputError(f"layers {first}-{last} are not within 0-{shape.n_layer - 1} of {source.name}")
-    if out.resolve() == source.resolve():
-        raise InvalidInputError("the range's file must not be its source")
     try:
         reader = gguf.GGUFReader(str(source))
         arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-        writer = gguf.GGUFWriter(str(out), arch, endianess=reader.endianess)
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "llama_shard.")):
-                continue
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-        writer.add_uint32(RANGE_FIRST, first)
-        writer.add_uint32(RANGE_LAST, last)
-        writer.add_string(SOURCE_DIGEST, model_digest(str(source)))
-        keep = set(range_tensor_names([t.name for t in reader.tensors], shape.n_layer, first, last))
-        tensors = [t for t in reader.tensors if t.name in keep]
-        for t in tensors:
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.close()
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "header.gguf"
+            writer = gguf.GGUFWriter(str(out), arch, endianess=reader.endianess)
+            for field in reader.fields.values():
+                if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "llama_shard.")):
+                    continue
+                kind = field.types[0]
+                sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+                if field.name == gguf.Keys.General.ALIGNMENT:  # the data's alignment is the file's own
+                    writer.data_alignment = int(field.contents())
+            writer.add_uint32(RANGE_FIRST, first)
+            writer.add_uint32(RANGE_LAST, last)
+            writer.add_string(SOURCE_DIGEST, model_digest(str(source)))
+            keep = set(range_tensor_names([t.name for t in reader.tensors], shape.n_layer, first, last))
+            kept = [t for t in reader.tensors if t.name in keep]
+            for t in kept:
+                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            writer.close()
+            header = out.read_bytes()
     except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise ModelLoadError(f"cannot lay out layers {first}-{last} of {source}: {e}") from e
+    align = writer.data_alignment
+    pad = lambda n: (n + align - 1) // align * align  # noqa: E731
+    header += bytes(pad(len(header)) - len(header))
+    offset, tensors = len(header), []
+    for t in kept:
+        tensors.append(RangeTensor(t.name, offset, t.data))
+        offset += pad(int(t.data.nbytes))
+    return RangeLayout(first, last, header, tuple(tensors), offset)
+
+
+def write_range_file(source: str | Path, first: int, last: int, out: str | Path) -> Path:
+    """Writes layers first..last of `source` (and what they use) to `out`; returns `out`."""
+    source, out = Path(source), Path(out)
+    if out.exists() and out.resolve() == source.resolve():
+        raise InvalidInputError("the range's file must not be its source")
+    layout = range_layout(source, first, last)
+    try:
+        with open(out, "wb") as f:
+            f.write(layout.header)
+            for t in layout.tensors:
+                f.seek(t.offset)
+                f.write(memoryview(t.data).cast("B"))
+            f.truncate(layout.file_bytes)
+    except OSError as e:
         out.unlink(missing_ok=True)
         raise ModelLoadError(f"cannot write layers {first}-{last} of {source} to {out}: {e}") from e
     return out
+
+
+def content_digest(path: str | Path) -> str:
+    """What a model file holds, as replicas and hand-overs compare it: a range file names its
+    source's digest (its tensors are the source's bytes), any other file its own size and XXH3-128."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).get_field(SOURCE_DIGEST)
+    except (OSError, ValueError, KeyError):
+        field = None
+    return str(field.contents()) if field is not None else model_digest(str(path))
 
 
 def range_of(path: str | Path) -> tuple[int, int] | None:

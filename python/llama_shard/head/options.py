@@ -4,11 +4,22 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 from ..errors import InvalidInputError
 from ..proto.requests import DEFAULT_MAX_DRAFTS, check_max_drafts
 from .openai.guard import HttpLimits
 from .speculation import DRAFT_SOURCES, VERIFY_MODES
+
+
+class MeshView(Protocol):
+    """What a head asks of the mesh it plans (mesh/coordinator.py's `Mesh`)."""
+
+    def restoring(self, stage: tuple[int, int]) -> float: ...  # how long a stream may wait for the stage
+
+    def describe(self) -> str: ...
+
+    def members(self) -> list: ...  # MeshMember messages
 
 
 @dataclasses.dataclass
@@ -21,6 +32,7 @@ class HeadOptions:
     max_drafts: int = DEFAULT_MAX_DRAFTS  # drafts per step a request gets unless it says (0: off)
     draft_model: str | None = None  # a small GGUF of the same vocabulary whose greedy tokens are the drafts
     verify: str = "exact"  # how the route computes a verification (VERIFY_MODES)
+    mesh: MeshView | None = None  # the mesh this head plans (serve --mesh-members): members join its route
 
     def check(self, first_layer: int, last_layer: int) -> None:
         """Refuses options a head cannot take, before anything of the head is built."""

@@ -133,6 +133,8 @@ class Replicas:
         self._lock = threading.Lock()
         self.replicas = [Replica(a, i) for i, a in enumerate(dict.fromkeys(addresses))]
         self._by_address = {r.address: r for r in self.replicas}
+        # a mesh's head (head/role.py sets it): how long a failover may wait for a stage it restores
+        self.restoring: Callable[[tuple[int, int]], float] = lambda stage: 0.0
         self._health: tuple[bool, str] | None = None
         self._publish_lock = threading.Lock()  # health computed and told in one order
         self._seen: set[tuple[int, int]] = set()  # every stage a replica ever held: each needs one
@@ -185,6 +187,16 @@ class Replicas:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def add(self, address: str) -> None:
+        """A peer that came to serve after the start (a mesh's member): probed from now on."""
+        with self._lock:
+            if address in self._by_address:
+                self._by_address[address].next_probe = 0.0  # asked at once (it may hold a new range)
+                return
+            r = Replica(address, len(self.replicas))
+            self.replicas.append(r)
+            self._by_address[address] = r
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
@@ -419,6 +431,8 @@ class Replicas:
                 other = self._pick_locked(stage, frozenset((address, *avoid)))
             n = self._stage_number_locked(stage)
             hop = self._hop_locked(other) if other is not None else None
+        if hop is None:
+            hop = self._await_restored(stage, frozenset((address, *avoid)))
         if self.failovers is not None:
             self.failovers.inc()
         self._publish()
@@ -427,6 +441,22 @@ class Replicas:
                 Why.NO_REPLICA, f"stage {n} (layers {stage[0]}-{stage[1]}) has no other healthy replica: {why}"
             )
         return hop
+
+    def _await_restored(self, stage: tuple[int, int], avoid: frozenset) -> pb.Hop | None:
+        """A stage a mesh restores (another member loads its layers): its new replica's hop once it
+        is up, waiting while `restoring` says the stage may still come (None: it did not)."""
+        deadline = time.monotonic() + self.restoring(stage)
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self._lock:
+                other = self._pick_locked(stage, avoid)
+                if other is not None:
+                    return self._hop_locked(other)
+                resting = [x for x in self.replicas if x.address not in avoid and not x.usable]
+            for x in resting:
+                self._probe_one(x, ON_DEMAND_PROBE_S)
+            time.sleep(0.25)
+            deadline = min(deadline, time.monotonic() + self.restoring(stage))
+        return None
 
     def moved(self, address: str, to: str) -> pb.Hop | None:
         """A draining replica handed a session to `to`: its hop, if `to` is a replica of the same

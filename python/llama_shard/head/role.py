@@ -22,6 +22,7 @@ class Head:
         info, config = servicer.info, servicer.manager.config
         options.check(info.first, info.last)
         self.options = options
+        self.peers = servicer.peers
         # the later stages and their replicas (the worker's --peer workers), probed from start
         self.replicas = (
             Replicas(
@@ -34,9 +35,11 @@ class Head:
                 registry,
                 wire_dtype=servicer.wire_dtype,
             )
-            if info.first == 0 and servicer.route
+            if info.first == 0 and (servicer.route or options.mesh is not None)
             else None
         )
+        if self.replicas is not None and options.mesh is not None:
+            self.replicas.restoring = options.mesh.restoring
         draft_model = None
         if options.draft_model is not None:
             from .draft_model import DraftModel  # a second model loads only where one is asked for
@@ -107,9 +110,16 @@ class Head:
     def stop_stream(self, key: str, why: str, timeout: float) -> None:
         self.generation.stop_stream(key, why, timeout)
 
+    def admit_member(self, address: str) -> None:
+        """A mesh's member serves its range at `address`: the route may use it, and forward to it."""
+        self.peers.allow([address])
+        if self.replicas is not None:
+            self.replicas.add(address)
+
     def info_fields(self) -> dict:
-        g, r = self.generation, self.replicas
+        g, r, mesh = self.generation, self.replicas, self.options.mesh
         return {
+            **({"mesh_plan": mesh.describe(), "mesh_members": mesh.members()} if mesh is not None else {}),
             "generate_streams": len(g.streams),
             "draft_source": g.draft_source,
             "drafted_tokens": g.metrics.drafted_total,

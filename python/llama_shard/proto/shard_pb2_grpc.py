@@ -501,3 +501,134 @@ class ShardService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MeshServiceStub:
+    """A mesh (serve --join): members join a head with a report of what they have; the head plans the
+    layers and answers each member's next report with its range; a member without the model fetches
+    only its range's bytes. Served by a head started with --mesh-members. A member's credentials are
+    a peer's (a token, or a client certificate); each call is checked against what the head assigned.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/llama_shard.v1.MeshService/Join',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.JoinRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/llama_shard.v1.MeshService/Fetch',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.FetchRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.FetchChunk.FromString,
+                _registered_method=True)
+
+
+class MeshServiceServicer:
+    """A mesh (serve --join): members join a head with a report of what they have; the head plans the
+    layers and answers each member's next report with its range; a member without the model fetches
+    only its range's bytes. Served by a head started with --mesh-members. A member's credentials are
+    a peer's (a token, or a client certificate); each call is checked against what the head assigned.
+    """
+
+    def Join(self, request, context):
+        """A member's report, repeated every `heartbeat_s` as its heartbeat: admitted or refused (`refused`
+        says why), and once planned its range, the members it may forward to, and the plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """The bytes of one tensor of a range the member was given (its probe layer or its assignment),
+        in chunks, from `offset`; each tensor is checked against the manifest's SHA-256 by the member.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MeshServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.JoinRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.JoinReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.FetchRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.FetchChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'llama_shard.v1.MeshService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('llama_shard.v1.MeshService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MeshService:
+    """A mesh (serve --join): members join a head with a report of what they have; the head plans the
+    layers and answers each member's next report with its range; a member without the model fetches
+    only its range's bytes. Served by a head started with --mesh-members. A member's credentials are
+    a peer's (a token, or a client certificate); each call is checked against what the head assigned.
+    """
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_shard.v1.MeshService/Join',
+            llama__shard_dot_proto_dot_shard__pb2.JoinRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llama_shard.v1.MeshService/Fetch',
+            llama__shard_dot_proto_dot_shard__pb2.FetchRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -65,6 +65,11 @@ class Peers:
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
+    def allow(self, addresses) -> None:
+        """Adds workers this one may forward to (a mesh's members, as they come to serve)."""
+        with self._lock:
+            self.allowed = self.allowed | frozenset(addresses)
+
     def _stub(self, address: str) -> pb_grpc.ShardServiceStub:
         assert address in self.allowed or address in self.replicas
         with self._lock:

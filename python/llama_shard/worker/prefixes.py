@@ -92,11 +92,11 @@ class PrefixNames:
 
     def _model(self) -> bytes:
         """The model file's digest (the weights the recipe does not name: a fine-tune and its base
-        share a recipe), read once; the same function the disk tier names its files' model by."""
+        share a recipe), read once: what a replica's must match (a range file names its source's)."""
         if self._digest is None:
-            from .._native import model_digest  # reads the file without the GIL
+            from ..engine.range_file import content_digest  # reads the file without the GIL
 
-            self._digest = model_digest(self._model_path).encode() if self._model_path else b""
+            self._digest = content_digest(self._model_path).encode() if self._model_path else b""
         return self._digest
 
     def scope(self, principal: str, shared: bool):

@@ -1,0 +1,179 @@
+"""`llama-shard serve --mesh-members N` (a mesh's head) and `serve --join HEAD` (a member): the mesh's
+parts (mesh/) put together with a worker's (node.py), from the same flags as any worker."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import threading
+from pathlib import Path
+
+from ..engine.hot_kv import parse_size
+from ..errors import InvalidInputError, WhyNot
+from .common import model_path, status
+from .serve import cmd_serve, head_options_of, serve_config, serve_security, worker_options_of
+
+#: where a joining node keeps its range files unless told (--mesh-cache)
+DEFAULT_CACHE = Path.home() / ".cache" / "llama-shard" / "ranges"
+
+
+def cmd_serve_or_mesh(args: argparse.Namespace) -> int:
+    """`serve`: a mesh's head, a member, or a worker of the range its flags give."""
+    check_mesh_flags(args)
+    if args.join is not None:
+        return serve_joined(args)
+    if args.mesh_members is not None:
+        return serve_mesh_head(args)
+    return cmd_serve(args)
+
+
+def check_mesh_flags(args: argparse.Namespace) -> None:
+    """Refuses mesh flags that contradict each other or the worker's (nothing has started)."""
+    head, member = args.mesh_members is not None, args.join is not None
+    if head and member:
+        raise InvalidInputError("--mesh-members (a mesh's head) and --join (a member): one or the other")
+    if (head or member) and args.layers not in (None, "all"):
+        raise InvalidInputError("a mesh's head plans every range: --layers goes without --mesh-members and --join")
+    if (head or member) and args.kv_memory is not None:
+        raise InvalidInputError("a mesh plans its members' memory (--mesh-memory): --kv-memory goes without it")
+    if member and (args.peer or args.replica or args.http_port is not None or args.draft_model is not None):
+        raise InvalidInputError(
+            "a member takes its peers and replicas from the head, and serves no generation: "
+            "--peer, --replica, --http-port and --draft-model go without --join"
+        )
+    if not member and args.mesh_cache is not None:
+        raise InvalidInputError("--mesh-cache is where a joining node keeps its ranges: give --join too")
+    if not (head or member) and args.mesh_memory is not None:
+        raise InvalidInputError("--mesh-memory is what a mesh's member or head offers: give --join or --mesh-members")
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from ..mesh.measure import available_memory
+
+    return parse_size(args.mesh_memory) if args.mesh_memory is not None else available_memory()
+
+
+def serve_mesh_head(args: argparse.Namespace) -> int:
+    """Waits for the members, plans, serves its own range with the members as its route."""
+    from ..engine.models import gguf_shape
+    from ..engine.range_file import content_digest
+    from ..head.planner import Member, ModelCosts
+    from ..mesh.coordinator import HEAD, HEARTBEAT_S, Mesh
+    from ..mesh.manifest import RangeSource
+    from ..mesh.measure import time_one_layer
+    from ..mesh.service import MeshServicer, mesh_server
+    from ..node import ShardWorker
+    from ..proto import shard_pb2_grpc as pb_grpc
+
+    security, peer_security = serve_security(args)
+    head_options = head_options_of(args)
+    path = str(model_path(args.model))
+    whole, _ = serve_config(args, None)  # the sessions and context every stage holds
+    costs = ModelCosts.of(gguf_shape(path), whole.max_sessions, whole.context_tokens, args.batch)
+    mesh = Mesh(RangeSource(path), content_digest(path), costs, whole.max_sessions, whole.context_tokens)
+    servicer = MeshServicer(mesh, security)
+    server, port = mesh_server(servicer, security, args.host, args.port)
+    status(f"mesh head on {args.host}:{port}: waiting for {args.mesh_members} member(s), {args.mesh_wait:g} s at most")
+    decode_s, prefill_s = time_one_layer(path, mesh.probe_layer, args.threads)
+    plan = mesh.wait_planned(Member(HEAD, _memory(args), decode_s, prefill_s), args.mesh_members, args.mesh_wait)
+    if isinstance(plan, WhyNot):
+        server.stop(None)
+        raise InvalidInputError(f"no plan: {plan.text}")
+    status("plan:\n" + mesh.describe())
+    serving = mesh.wait_serving(args.mesh_wait)
+    stopped = threading.Event()
+
+    def tick():
+        while not stopped.wait(HEARTBEAT_S):
+            mesh.tick()
+
+    threading.Thread(target=tick, name="mesh-tick", daemon=True).start()
+    config, _ = serve_config(args, mesh.head_range)
+    options = dataclasses.replace(worker_options_of(args, security, peer_security), port=port, peers=tuple(serving))
+    head_options.mesh = mesh
+    # the head worker binds the same port beside the mesh's server (gRPC sets SO_REUSEPORT) and serves
+    # MeshService too; the mesh's server stops once it serves: members never find the port closed
+    worker = ShardWorker(
+        path,
+        mesh.head_range,
+        config,
+        options,
+        head_options,
+        services=(lambda s: pb_grpc.add_MeshServiceServicer_to_server(servicer, s),),
+    )
+    mesh.attach(worker.head.admit_member)
+    worker.start()
+    server.stop(None).wait()
+    try:
+        return worker.serve_until_signal()
+    finally:
+        stopped.set()
+
+
+class _ServingWorker:
+    """A member's ShardWorker as mesh/member.py drives it."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.address = worker.address
+
+    def allow_peers(self, addresses: list[str]) -> None:
+        self.worker.servicer.peers.allow(addresses)
+
+    def stop(self, hand_to: tuple[str, ...]) -> None:
+        self.worker.options.replicas = tuple(hand_to)
+        self.worker.servicer.peers.replicas = frozenset(hand_to)
+        self.worker.stop()
+
+
+def serve_joined(args: argparse.Namespace) -> int:
+    """Joins the head at --join and serves what it is given until SIGTERM/SIGINT."""
+    from ..engine.hot_kv import HotKvStateConfig
+    from ..engine.range_file import content_digest
+    from ..head.options import HeadOptions
+    from ..mesh.manifest import RangeCache
+    from ..mesh.member import JoinedNode, MeshRefused
+    from ..node import ShardWorker
+
+    security, peer_security = serve_security(args)
+    model = str(model_path(args.model)) if args.model is not None else None
+
+    def start_worker(path: str, layers: tuple[int, int], max_sessions: int, context_tokens: int):
+        config = HotKvStateConfig(max_sessions=max_sessions, context_tokens=context_tokens)
+        worker = ShardWorker(path, layers, config, worker_options_of(args, security, peer_security), HeadOptions())
+        return _ServingWorker(worker.start())
+
+    node = JoinedNode(
+        args.join,
+        peer_security,
+        start_worker,
+        RangeCache(args.mesh_cache or DEFAULT_CACHE),
+        _memory(args),
+        args.threads,
+        model,
+        content_digest(model) if model is not None else "",
+    )
+    # the handler only records the signal (an Event set from it can deadlock the thread it interrupts)
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    stop, outcome = threading.Event(), []
+
+    def run():
+        try:
+            outcome.append(node.run(stop))
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="mesh-member", daemon=True)
+    thread.start()
+    while thread.is_alive() and not received:
+        thread.join(0.1)
+    stop.set()
+    thread.join()
+    if isinstance(outcome[0], MeshRefused):
+        raise InvalidInputError(f"--join {args.join}: {outcome[0]}")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]

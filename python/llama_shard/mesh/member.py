@@ -1,0 +1,180 @@
+"""A node that joins a mesh (serve --join HEAD): it reports what it has, times itself on the head's
+probe layer, and serves the range the head gives it, loaded from its own copy of the head's model
+when it has one, else fetched tensor by tensor into its cache (mesh/manifest.py), where a restart
+finds it. It reports every heartbeat; a new range (the head restored a stage with it) is served
+after its sessions are handed to the other members of its old stage.
+
+The worker itself is made by the caller (`start_worker`: cli/serve.py builds a ShardWorker), so this
+module knows the mesh's wire and nothing of how a worker is put together."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from ..errors import LlamaShardError
+from ..proto import shard_pb2 as pb
+from ..proto import shard_pb2_grpc as pb_grpc
+from ..proto.credentials import ClientSecurity
+from .manifest import RangeCache
+from .measure import time_one_layer
+
+#: how long a member keeps trying to reach its head before it gives up (a head that restarts its
+#: port for its own range is away for well under a second)
+HEAD_AWAY_S = 30.0
+JOIN_TIMEOUT_S = 10.0
+#: the longest a fetch of one tensor may take
+FETCH_TIMEOUT_S = 600.0
+
+
+class MeshRefused(LlamaShardError):
+    """The head refused this member (its reason is the message)."""
+
+
+class Serving(Protocol):
+    """A worker serving a range, as the member drives it."""
+
+    address: str
+
+    def allow_peers(self, addresses: list[str]) -> None: ...
+
+    def stop(self, hand_to: tuple[str, ...]) -> None: ...
+
+
+def _log(message: str) -> None:
+    print(f"llama-shard member: {message}", file=sys.stderr, flush=True)
+
+
+class JoinedNode:
+    def __init__(
+        self,
+        head: str,
+        security: ClientSecurity,
+        start_worker: Callable[[str, tuple[int, int], int, int], Serving],
+        cache: RangeCache,
+        memory_bytes: int,
+        threads: int | None,
+        model_path: str | None = None,
+        model_digest: str = "",
+    ):
+        self.head, self.start_worker, self.cache = head, start_worker, cache
+        self.memory_bytes, self.threads = memory_bytes, threads
+        self.model_path, self.model_digest = model_path, model_digest
+        self.channel = security.channel(head, [("grpc.max_receive_message_length", 256 << 20)])
+        self.stub = pb_grpc.MeshServiceStub(self.channel)
+        self.member_id = ""
+        self.report = pb.MemberReport(memory_bytes=memory_bytes, backend="cpu")
+        self.worker: Serving | None = None
+        self.serving: tuple[int, int] | None = None
+        self.started = time.monotonic()
+
+    # --- the head's answers ----------------------------------------------------------------------
+
+    def _join(self, want_manifest: bool = False) -> pb.JoinReply:
+        request = pb.JoinRequest(
+            member_id=self.member_id,
+            report=self.report,
+            model_digest=self.model_digest,
+            has_model=self.model_path is not None,
+            want_manifest=want_manifest,
+        )
+        if self.worker is not None and self.serving is not None:
+            request.address, request.serving = self.worker.address, True
+            request.serving_first, request.serving_last = self.serving
+        deadline = time.monotonic() + HEAD_AWAY_S
+        while True:
+            t0 = time.perf_counter()
+            try:
+                reply = self.stub.Join(request, timeout=JOIN_TIMEOUT_S)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise MeshRefused(f"the head refused this member: {e.details()}") from None
+                if time.monotonic() > deadline:
+                    raise MeshRefused(
+                        f"the head {self.head} did not answer for {HEAD_AWAY_S:g} s: {e.details()}"
+                    ) from None
+                time.sleep(0.2)
+                continue
+            if not want_manifest:  # (a reply with a manifest times its bytes, not the link)
+                rtt = time.perf_counter() - t0
+                self.report.rtt_s["head"] = min(self.report.rtt_s.get("head", rtt), rtt)
+            if not reply.admitted:
+                raise MeshRefused(reply.refused)
+            self.member_id = reply.member_id
+            return reply
+
+    def _fetch(self, manifest: pb.RangeManifest) -> Callable:
+        def fetch(name: str, offset: int):
+            request = pb.FetchRequest(
+                member_id=self.member_id, first=manifest.first, last=manifest.last, tensor=name, offset=offset
+            )
+            try:
+                for chunk in self.stub.Fetch(request, timeout=FETCH_TIMEOUT_S):
+                    yield chunk.data
+            except grpc.RpcError as e:
+                from .manifest import FetchRefused
+
+                raise FetchRefused(f"fetching {name}: {e.details()}") from None
+
+        return fetch
+
+    def _file_for(self, reply: pb.JoinReply) -> str:
+        """The file to load the reply's manifest's range from: this node's own copy of the head's
+        model, else the range's file in the cache (fetched where it is missing or does not match)."""
+        if self.model_path is not None:
+            return self.model_path
+        return str(self.cache.obtain(reply.model_digest, reply.manifest, reply.n_layer, self._fetch(reply.manifest)))
+
+    # --- the node's life -------------------------------------------------------------------------
+
+    def measure(self) -> pb.JoinReply:
+        """Joins, times one layer (the head's probe layer), and reports it."""
+        reply = self._join(want_manifest=True)
+        path = self._file_for(reply)
+        decode_s, prefill_s = time_one_layer(path, reply.probe_layer, self.threads)
+        self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
+        _log(
+            f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
+            f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
+        )
+        return self._join()
+
+    def run(self, stop: threading.Event) -> int:
+        reply = self.measure()
+        while not stop.is_set():
+            if reply.assigned and (reply.first, reply.last) != self.serving:
+                self._serve((reply.first, reply.last), reply.replicas)
+                reply = self._join()
+            if self.worker is not None:
+                self.worker.allow_peers(list(reply.peers))
+            stop.wait(reply.heartbeat_s or 1.0)
+            if not stop.is_set():
+                reply = self._join()
+        if self.worker is not None:
+            self.worker.stop(tuple(reply.replicas))
+        return 0
+
+    def _serve(self, stage: tuple[int, int], hand_to) -> None:
+        """Serves `stage` (stopping the range served before, its sessions handed to `hand_to`)."""
+        if self.worker is not None:
+            _log(f"moving to layers {stage[0]}-{stage[1]}: handing sessions to {', '.join(hand_to) or 'nobody'}")
+            self.worker.stop(tuple(hand_to))
+            self.worker, self.serving = None, None
+        reply = self._join(want_manifest=True)  # the manifest of the new range
+        t0, fetched = time.monotonic(), self.cache.fetched_bytes
+        path = self._file_for(reply)
+        self.worker = self.start_worker(path, stage, reply.max_sessions, reply.context_tokens)
+        self.serving = stage
+        size = Path(path).stat().st_size
+        _log(
+            f"serving layers {stage[0]}-{stage[1]} on {self.worker.address}, "
+            f"{time.monotonic() - self.started:.1f} s after start; fetched "
+            f"{(self.cache.fetched_bytes - fetched) / 2**20:.1f} MiB in {time.monotonic() - t0:.1f} s "
+            f"(its file {size / 2**20:.1f} MiB)"
+        )
