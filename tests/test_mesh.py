@@ -14,7 +14,7 @@ from llama_shard._native import model_digest
 from llama_shard.engine.models import gguf_shape
 from llama_shard.engine.range_file import content_digest, write_range_file
 from llama_shard.head.planner import MAX_MEMBERS, Member, ModelCosts
-from llama_shard.mesh.coordinator import HEAD, MemberState, Mesh
+from llama_shard.mesh.coordinator import DEAD_AFTER_S, HEAD, MemberState, Mesh
 from llama_shard.mesh.manifest import FetchRefused, RangeCache, RangeSource
 from llama_shard.proto import shard_pb2 as pb
 
@@ -140,7 +140,7 @@ def test_a_join_flood_is_bounded_and_ages_out(embedded_model, source):
         ids.append(reply.member_id)
     full = _join(mesh)
     assert not full.admitted and "full" in full.refused
-    clock.now += 5.0  # they stop reporting: dead, and their places free
+    clock.now += DEAD_AFTER_S + 1  # they stop reporting: dead, and their places free
     assert _join(mesh).admitted
 
 
@@ -181,11 +181,11 @@ def test_the_plan_assigns_ranges_a_death_is_restored_and_a_newcomer_becomes_a_re
     victim = alone[0]
     stage = (victim.first, victim.last)
     assert mesh.restoring(stage) > 0
-    clock.now += 2.0
+    clock.now += DEAD_AFTER_S / 2
     for m in members:
         if m.member_id != victim.member_id:
             _join(mesh, member_id=m.member_id)
-    clock.now += 3.0
+    clock.now += DEAD_AFTER_S / 2 + 1
     mesh.tick()
     after = {m.member_id: m for m in mesh.members()}
     assert after[victim.member_id].state == MemberState.DEAD.value

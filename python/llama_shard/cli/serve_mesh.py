@@ -72,10 +72,12 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
     whole, _ = serve_config(args, None)  # the sessions and context every stage holds
     costs = ModelCosts.of(gguf_shape(path), whole.max_sessions, whole.context_tokens, args.batch)
     mesh = Mesh(RangeSource(path), content_digest(path), costs, whole.max_sessions, whole.context_tokens)
+    mesh.source.manifest(mesh.probe_layer, mesh.probe_layer)  # what every member asks for first, made now
     servicer = MeshServicer(mesh, security)
     server, port = mesh_server(servicer, security, args.host, args.port)
     status(f"mesh head on {args.host}:{port}: waiting for {args.mesh_members} member(s), {args.mesh_wait:g} s at most")
     decode_s, prefill_s = time_one_layer(path, mesh.probe_layer, args.threads)
+    status(f"this head: {decode_s * 1e3:.3f} ms a token per layer (prefill {prefill_s * 1e3:.3f} ms)")
     plan = mesh.wait_planned(Member(HEAD, _memory(args), decode_s, prefill_s), args.mesh_members, args.mesh_wait)
     if isinstance(plan, WhyNot):
         server.stop(None)

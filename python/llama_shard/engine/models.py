@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 from pathlib import Path
@@ -233,7 +234,14 @@ def _tensor_table(reader, n_blocks: int) -> tuple:
 
 
 def gguf_shape(path: str | Path) -> GgufShape:
-    """The file's shape, from one read of its header and tensor table."""
+    """The file's shape, from one read of its header and tensor table (once per version of the file:
+    a large tokenizer takes seconds to parse)."""
+    st = os.stat(path)
+    return _gguf_shape(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_shape(path: str, size: int, mtime_ns: int) -> GgufShape:
     from gguf import GGUFReader
 
     try:

@@ -70,8 +70,10 @@ class RangeLayout:
     file_bytes: int
 
 
-def range_layout(source: str | Path, first: int, last: int) -> RangeLayout:
-    """Where each byte of the range's file comes from (InvalidInputError: a range outside the model)."""
+def range_layout(source: str | Path, first: int, last: int, reader=None, digest: str | None = None) -> RangeLayout:
+    """Where each byte of the range's file comes from (InvalidInputError: a range outside the model).
+    `reader` (a gguf.GGUFReader of `source`) and `digest` (its model_digest): what a caller that lays
+    out many ranges read once."""
     import tempfile
 
     import gguf
@@ -83,7 +85,7 @@ def range_layout(source: str | Path, first: int, last: int) -> RangeLayout:
     if not 0 <= first <= last < shape.n_layer:
         raise InvalidInputError(f"layers {first}-{last} are not within 0-{shape.n_layer - 1} of {source.name}")
     try:
-        reader = gguf.GGUFReader(str(source))
+        reader = reader or gguf.GGUFReader(str(source))
         arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "header.gguf"
@@ -98,7 +100,7 @@ def range_layout(source: str | Path, first: int, last: int) -> RangeLayout:
                     writer.data_alignment = int(field.contents())
             writer.add_uint32(RANGE_FIRST, first)
             writer.add_uint32(RANGE_LAST, last)
-            writer.add_string(SOURCE_DIGEST, model_digest(str(source)))
+            writer.add_string(SOURCE_DIGEST, digest or model_digest(str(source)))
             keep = set(range_tensor_names([t.name for t in reader.tensors], shape.n_layer, first, last))
             kept = [t for t in reader.tensors if t.name in keep]
             for t in kept:

@@ -46,6 +46,11 @@ def reroute(
     if isinstance(hop, WhyNot):
         return hop
     new = [*route[:k], hop, *route[k + 1 :]]
+    if len(set(addresses(new))) != len(new):
+        # the replica that took the failed stage served another stage of this route before (a mesh
+        # moved it there): the route is chosen again, keeping what still holds, and re-prefilled
+        fresh = replicas.choose(prefer=addresses(new))
+        return fresh if isinstance(fresh, WhyNot) else RouteChange(fresh, [], moved=False, continues=False)
     # an idle session's head learns of a drain only now: the new replica says whether it took it
     named = replicas.handed_from(addresses(route), addresses(new)) if held_before else None
     if named:

@@ -32,7 +32,7 @@ from .manifest import RangeSource
 
 #: how often a member reports, and how long without a report makes it dead
 HEARTBEAT_S = 1.0
-DEAD_AFTER_S = 4.0
+DEAD_AFTER_S = 6.0
 #: how long a member that joined but never measured itself is kept (a join flood ages out)
 UNMEASURED_S = 120.0
 #: how long a stream waits for a stage the mesh is restoring (a member loading the layers)
@@ -60,6 +60,8 @@ class Joined:
     assignment: tuple[int, int] | None = None
     has_model: bool = False
     fetched_bytes: int = 0
+    told: frozenset = frozenset()  # the peers its last reply listed (it forwards to those only)
+    announced: bool = False  # the head's route knows it serves (once every serving member was told)
 
     @property
     def live(self) -> bool:
@@ -93,14 +95,24 @@ class Mesh:
         """The head's route learns of each member that serves, from now on and those that do already."""
         with self._lock:
             self.on_serving = on_serving
-            serving = [m.address for m in self._members.values() if m.state == MemberState.SERVING]
+            serving = [m.address for m in self._members.values() if m.announced]
         for address in serving:
             on_serving(address)
+
+    def _announce_locked(self) -> list[str]:
+        """Members that serve and that every other serving member forwards to by now: the head's
+        route may use them (before, a step forwarded to one would be refused)."""
+        serving = [m for m in self._members.values() if m.state == MemberState.SERVING]
+        out = []
+        for m in serving:
+            if not m.announced and all(m.address in o.told for o in serving if o is not m):
+                m.announced = True
+                out.append(m.address)
+        return out
 
     # --- a member's report ----------------------------------------------------------------------
 
     def join(self, principal: str, request: pb.JoinRequest) -> pb.JoinReply:
-        serving = None
         with self._lock:
             self._expire_locked()
             refused = self._refusal_locked(principal, request)
@@ -125,11 +137,16 @@ class Mesh:
                 and m.state != MemberState.SERVING
                 and m.address
             ):
-                m.state, serving = MemberState.SERVING, m.address
+                m.state = MemberState.SERVING
+            reply = self._reply_locked(m)
+            m.told = frozenset(reply.peers)
+            announced = self._announce_locked()
             self._lock.notify_all()
-            reply = self._reply_locked(m, request.want_manifest)
-        if serving:
-            self.on_serving(serving)
+            manifest_of = m.assignment or (self.probe_layer, self.probe_layer)
+        if request.want_manifest:  # (laid out once per range, outside the lock: it reads the file)
+            reply.manifest.CopyFrom(self.source.manifest(*manifest_of))
+        for address in announced:
+            self.on_serving(address)
         return reply
 
     def _refusal_locked(self, principal: str, request: pb.JoinRequest) -> str | None:
@@ -168,7 +185,7 @@ class Mesh:
         rtt = {by_address.get(a, a): s for a, s in r.rtt_s.items()}
         return Member(member_id, r.memory_bytes, r.layer_s, r.prefill_layer_s, rtt, r.backend or "cpu")
 
-    def _reply_locked(self, m: Joined, want_manifest: bool) -> pb.JoinReply:
+    def _reply_locked(self, m: Joined) -> pb.JoinReply:
         reply = pb.JoinReply(
             admitted=True,
             member_id=m.member_id,
@@ -188,9 +205,6 @@ class Mesh:
             reply.replicas.extend(
                 sorted(o.address for o in others if o.state == MemberState.SERVING and o.assignment == m.assignment)
             )
-        if want_manifest:
-            first, last = m.assignment or (self.probe_layer, self.probe_layer)
-            reply.manifest.CopyFrom(self.source.manifest(first, last))
         return reply
 
     # --- tensors ---------------------------------------------------------------------------------

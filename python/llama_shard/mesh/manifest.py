@@ -43,13 +43,22 @@ class RangeSource:
     manifest is made once (its tensors hashed once) and kept."""
 
     def __init__(self, model_path: str):
+        import gguf
+
+        from .._native import model_digest
+
         self.path = str(model_path)
+        self._reader = gguf.GGUFReader(self.path)  # parsed once (a large tokenizer takes seconds)
+        self._digest = model_digest(self.path)
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
+        self._layout_lock = threading.Lock()  # one layout at a time: members asking at once wait for it
+        self._manifests: dict[tuple[int, int], pb.RangeManifest] = {}
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one source per head, kept for its life
     def layout(self, first: int, last: int) -> RangeLayout:
-        return range_layout(self.path, first, last)
+        with self._layout_lock:
+            return range_layout(self.path, first, last, self._reader, self._digest)
 
     def _sha256(self, name: str, data) -> bytes:
         with self._lock:
@@ -61,8 +70,13 @@ class RangeSource:
         return known
 
     def manifest(self, first: int, last: int) -> pb.RangeManifest:
+        """The range's manifest (made once: its layout and every tensor's SHA-256)."""
+        with self._layout_lock:
+            known = self._manifests.get((first, last))
+        if known is not None:
+            return known
         layout = self.layout(first, last)
-        return pb.RangeManifest(
+        made = pb.RangeManifest(
             first=first,
             last=last,
             header=layout.header,
@@ -72,6 +86,9 @@ class RangeSource:
                 for t in layout.tensors
             ],
         )
+        with self._layout_lock:
+            self._manifests[(first, last)] = made
+        return made
 
     def chunks(self, first: int, last: int, name: str, offset: int) -> Iterator[bytes] | None:
         """One tensor's bytes of the range first..last from `offset`, in chunks (None: the range

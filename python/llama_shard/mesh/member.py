@@ -27,8 +27,8 @@ from .measure import time_one_layer
 
 #: how long a member keeps trying to reach its head before it gives up (a head that restarts its
 #: port for its own range is away for well under a second)
-HEAD_AWAY_S = 30.0
-JOIN_TIMEOUT_S = 10.0
+HEAD_AWAY_S = 60.0
+JOIN_TIMEOUT_S = 30.0
 #: the longest a fetch of one tensor may take
 FETCH_TIMEOUT_S = 600.0
 
@@ -73,20 +73,25 @@ class JoinedNode:
         self.worker: Serving | None = None
         self.serving: tuple[int, int] | None = None
         self.started = time.monotonic()
+        # the heartbeat's thread reports while this one measures, fetches and loads (a node busy for
+        # longer than the head's DEAD_AFTER_S is not dead); its latest answer, or why it stopped
+        self._state = threading.Condition()
+        self._latest: pb.JoinReply | Exception | None = None
 
     # --- the head's answers ----------------------------------------------------------------------
 
     def _join(self, want_manifest: bool = False) -> pb.JoinReply:
-        request = pb.JoinRequest(
-            member_id=self.member_id,
-            report=self.report,
-            model_digest=self.model_digest,
-            has_model=self.model_path is not None,
-            want_manifest=want_manifest,
-        )
-        if self.worker is not None and self.serving is not None:
-            request.address, request.serving = self.worker.address, True
-            request.serving_first, request.serving_last = self.serving
+        with self._state:
+            request = pb.JoinRequest(
+                member_id=self.member_id,
+                report=self.report,
+                model_digest=self.model_digest,
+                has_model=self.model_path is not None,
+                want_manifest=want_manifest,
+            )
+            if self.worker is not None and self.serving is not None:
+                request.address, request.serving = self.worker.address, True
+                request.serving_first, request.serving_last = self.serving
         deadline = time.monotonic() + HEAD_AWAY_S
         while True:
             t0 = time.perf_counter()
@@ -101,12 +106,13 @@ class JoinedNode:
                     ) from None
                 time.sleep(0.2)
                 continue
-            if not want_manifest:  # (a reply with a manifest times its bytes, not the link)
-                rtt = time.perf_counter() - t0
-                self.report.rtt_s["head"] = min(self.report.rtt_s.get("head", rtt), rtt)
             if not reply.admitted:
                 raise MeshRefused(reply.refused)
-            self.member_id = reply.member_id
+            with self._state:
+                if not want_manifest:  # (a reply with a manifest times its bytes, not the link)
+                    rtt = time.perf_counter() - t0
+                    self.report.rtt_s["head"] = min(self.report.rtt_s.get("head", rtt), rtt)
+                self.member_id = reply.member_id
             return reply
 
     def _fetch(self, manifest: pb.RangeManifest) -> Callable:
@@ -133,44 +139,69 @@ class JoinedNode:
 
     # --- the node's life -------------------------------------------------------------------------
 
-    def measure(self) -> pb.JoinReply:
-        """Joins, times one layer (the head's probe layer), and reports it."""
-        reply = self._join(want_manifest=True)
-        path = self._file_for(reply)
-        decode_s, prefill_s = time_one_layer(path, reply.probe_layer, self.threads)
-        self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
-        _log(
-            f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
-            f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
-        )
-        return self._join()
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                reply = self._join()
+            except MeshRefused as e:
+                reply = e
+            with self._state:
+                self._latest = reply
+                self._state.notify_all()
+            if isinstance(reply, Exception):
+                return
+            stop.wait(reply.heartbeat_s or 1.0)
+
+    def _next(self, stop: threading.Event) -> pb.JoinReply | None:
+        """The heartbeat's next answer (None: stopped; MeshRefused: the head refused this member)."""
+        with self._state:
+            self._latest = None
+            while self._latest is None and not stop.is_set():
+                self._state.wait(0.5)
+            latest = self._latest
+        if isinstance(latest, Exception):
+            raise latest
+        return latest
 
     def run(self, stop: threading.Event) -> int:
-        reply = self.measure()
-        while not stop.is_set():
-            if reply.assigned and (reply.first, reply.last) != self.serving:
-                self._serve((reply.first, reply.last), reply.replicas)
-                reply = self._join()
+        """Joins, times one layer (the head's probe layer) and reports it, then serves what the head
+        says until `stop`."""
+        reply = self._join(want_manifest=True)
+        beats = threading.Event()
+        threading.Thread(target=self._beat, args=(beats,), name="mesh-heartbeat", daemon=True).start()
+        try:
+            decode_s, prefill_s = time_one_layer(self._file_for(reply), reply.probe_layer, self.threads)
+            with self._state:
+                self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
+            _log(
+                f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
+                f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
+            )
+            while (reply := self._next(stop)) is not None:
+                if reply.assigned and (reply.first, reply.last) != self.serving:
+                    self._serve((reply.first, reply.last), reply.replicas)
+                if self.worker is not None:
+                    self.worker.allow_peers(list(reply.peers))
+        finally:
+            beats.set()
             if self.worker is not None:
-                self.worker.allow_peers(list(reply.peers))
-            stop.wait(reply.heartbeat_s or 1.0)
-            if not stop.is_set():
-                reply = self._join()
-        if self.worker is not None:
-            self.worker.stop(tuple(reply.replicas))
+                self.worker.stop(tuple(self._latest.replicas) if isinstance(self._latest, pb.JoinReply) else ())
         return 0
 
     def _serve(self, stage: tuple[int, int], hand_to) -> None:
         """Serves `stage` (stopping the range served before, its sessions handed to `hand_to`)."""
         if self.worker is not None:
             _log(f"moving to layers {stage[0]}-{stage[1]}: handing sessions to {', '.join(hand_to) or 'nobody'}")
-            self.worker.stop(tuple(hand_to))
-            self.worker, self.serving = None, None
+            worker = self.worker
+            with self._state:
+                self.worker, self.serving = None, None
+            worker.stop(tuple(hand_to))
         reply = self._join(want_manifest=True)  # the manifest of the new range
         t0, fetched = time.monotonic(), self.cache.fetched_bytes
         path = self._file_for(reply)
-        self.worker = self.start_worker(path, stage, reply.max_sessions, reply.context_tokens)
-        self.serving = stage
+        worker = self.start_worker(path, stage, reply.max_sessions, reply.context_tokens)
+        with self._state:
+            self.worker, self.serving = worker, stage
         size = Path(path).stat().st_size
         _log(
             f"serving layers {stage[0]}-{stage[1]} on {self.worker.address}, "
