@@ -18,6 +18,8 @@ from llama_shard.mesh.coordinator import DEAD_AFTER_S, HEAD, MemberState, Mesh
 from llama_shard.mesh.manifest import FetchRefused, RangeCache, RangeSource
 from llama_shard.proto import shard_pb2 as pb
 
+pytestmark = pytest.mark.model
+
 MiB = 1 << 20
 
 

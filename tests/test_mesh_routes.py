@@ -24,7 +24,7 @@ from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.requests import sampling_to_wire
 
-pytestmark = [pytest.mark.grpc, pytest.mark.slow]
+pytestmark = [pytest.mark.grpc, pytest.mark.slow, pytest.mark.model]
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The three primary colours are"]
 SEEDED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05)
