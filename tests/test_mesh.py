@@ -1,8 +1,10 @@
 """A mesh that places itself (serve --mesh-members / --join; mesh/): the coordinator's admissions,
 plan, deaths and restorations on a clock of its own; a range fetched tensor by tensor is the file
-`extract` writes, byte for byte, and a tampered tensor leaves nothing behind; the flags that
-contradict each other are refused before anything starts. The routes of real processes are in
-test_mesh_routes.py."""
+`extract` writes, byte for byte, and a tampered tensor leaves nothing behind; bad input over the
+wire (a wrong key, a principal that is no trusted worker, another model's file, a tensor outside the
+assignment, a join flood, a report of 10^18 bytes) is refused with its reason and changes nothing;
+the flags that contradict each other are refused before anything starts. The routes of real
+processes are in test_mesh_routes.py."""
 
 from __future__ import annotations
 
@@ -219,3 +221,97 @@ def test_mesh_flags_that_contradict_are_refused(tmp_path):
             [sys.executable, "-m", "llama_shard.cli", "serve", *flags], capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and why in r.stderr, (flags, r.stderr[-500:])
+
+
+def _head(embedded_model, source, security):
+    """A mesh's MeshService alone on a free loopback port (a head before its plan)."""
+    from llama_shard.mesh.service import MeshServicer, mesh_server
+
+    mesh = _mesh(embedded_model, source)
+    server, port = mesh_server(MeshServicer(mesh, security), security, "127.0.0.1", 0)
+    return mesh, server, port
+
+
+def test_only_a_trusted_worker_joins_a_head_with_authentication(embedded_model, source, pki):
+    import grpc
+
+    from llama_shard.proto import shard_pb2_grpc as pb_grpc
+    from llama_shard.proto.credentials import ClientSecurity
+    from llama_shard.worker.security import ServerSecurity
+
+    security = ServerSecurity(
+        str(pki["server"].cert), str(pki["server"].key), None, str(pki["tokens"]), forwarders=("ops",),
+        route_key_file=str(pki["route_key"]),
+    )  # fmt: skip
+    mesh, server, port = _head(embedded_model, source, security)
+    wrong = pki["dir"] / "wrong.token"
+    wrong.write_text("not-a-token-of-this-mesh-0123\n")
+    try:
+        report = pb.MemberReport(memory_bytes=200 * MiB)
+        for token, code in (
+            (wrong, grpc.StatusCode.UNAUTHENTICATED),
+            (pki["dir"] / "alice.token", grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            client = ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(token))
+            stub = pb_grpc.MeshServiceStub(client.channel(f"localhost:{port}", []))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Join(pb.JoinRequest(report=report), timeout=10)
+            assert refused.value.code() == code, refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Fetch(pb.FetchRequest(first=15, last=15, tensor="blk.15.attn_q.weight"), timeout=10))
+            assert refused.value.code() == code
+        assert mesh.members() == []
+        ops = ClientSecurity(tls_ca=str(pki["ca"].cert), token_file=str(pki["dir"] / "ops.token"))
+        stub = pb_grpc.MeshServiceStub(ops.channel(f"localhost:{port}", []))
+        reply = stub.Join(pb.JoinRequest(report=report), timeout=10)
+        assert reply.admitted and len(mesh.members()) == 1
+        # a tensor outside what it was given is refused, naming why
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Fetch(pb.FetchRequest(member_id=reply.member_id, first=0, last=29, tensor="output_norm.weight")))
+        assert (
+            refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not this member's" in refused.value.details()
+        )
+    finally:
+        server.stop(None)
+
+
+def test_a_member_with_another_model_or_a_tampered_fetch_is_refused_and_keeps_nothing(
+    embedded_model, gemma3_model, tmp_path
+):
+    import shutil
+    import threading
+
+    from llama_shard.mesh.member import JoinedNode, MeshRefused
+    from llama_shard.proto.credentials import ClientSecurity
+    from llama_shard.worker.security import ServerSecurity
+
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(embedded_model, copy)
+    source = RangeSource(str(copy))
+    mesh, server, port = _head(copy, source, ServerSecurity())
+    never = lambda *a: pytest.fail("a refused member serves nothing")  # noqa: E731
+    try:
+        other = JoinedNode(
+            f"127.0.0.1:{port}", ClientSecurity(), never, RangeCache(tmp_path / "a"), 200 * MiB, 1,
+            str(gemma3_model), content_digest(gemma3_model),
+        )  # fmt: skip
+        with pytest.raises(MeshRefused, match="serves the model"):
+            other.run(threading.Event())
+        assert mesh.members() == []
+        # the head's file changes under it after the manifest was made: the bytes it serves no longer
+        # match, and the member keeps nothing
+        manifest = source.manifest(mesh.probe_layer, mesh.probe_layer)
+        victim = next(t for t in manifest.tensors if t.name.startswith(f"blk.{mesh.probe_layer}."))
+        at = next(t for t in source.layout(mesh.probe_layer, mesh.probe_layer).tensors if t.name == victim.name)
+        offset = int(at.data.ctypes.data - source._reader.data.ctypes.data)
+        with open(copy, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        node = JoinedNode(f"127.0.0.1:{port}", ClientSecurity(), never, RangeCache(tmp_path / "b"), 200 * MiB, 1)
+        with pytest.raises(FetchRefused, match="does not match"):
+            node.run(threading.Event())
+        assert not (tmp_path / "b").exists() or list((tmp_path / "b").iterdir()) == []
+    finally:
+        server.stop(None)

@@ -93,6 +93,8 @@ class ShardWorker:
             server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
             self.metrics_port = server.server_port
         self.http = self._http_endpoint(head_options)
+        if self.http is not None:
+            self.http.mesh = head_options.mesh
         self._stopped = threading.Event()
 
     def _grpc_server(self, config: HotKvStateConfig) -> grpc.Server:

@@ -98,6 +98,7 @@ class OpenAIEndpoint:
         # the route's health (replicas.Replicas.health: SERVING, or the stage with no healthy replica);
         # None: this head holds the whole model. Requests go down the head's own route (forward empty).
         self.route_health = None
+        self.mesh = None  # the mesh this head plans (head/options.py MeshView): its plan in /props
         # a body that could not fit the context as tokens is refused by its length: text bytes never
         # exceed the body's (JSON escapes are longer than what they stand for), a token covers at most
         # the vocabulary's longest token's bytes
@@ -275,8 +276,25 @@ class OpenAIEndpoint:
                 "eos_token": model.detokenize([model.token_eos]) if model.token_eos >= 0 else "",
                 "default_generation_settings": {"n_ctx": self.generation.context_tokens, "params": _default_params()},
                 "build_info": f"llama-shard {_version()}",
+                **({"mesh": self._mesh_props()} if self.mesh is not None else {}),
             }
         )
+
+    def _mesh_props(self) -> dict:
+        """A mesh's plan as people read it, and each member (serve --mesh-members)."""
+        members = [
+            {
+                "member_id": m.member_id,
+                "address": m.address,
+                "state": m.state,
+                "layers": [m.first, m.last] if m.first >= 0 else None,
+                "memory_bytes": m.memory_bytes,
+                "layer_ms": round(m.layer_s * 1e3, 4),
+                "fetched_bytes": m.fetched_bytes,
+            }
+            for m in self.mesh.members()
+        ]
+        return {"plan": self.mesh.describe(), "members": members}
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """The worker's Prometheus metrics (as --metrics-port serves them), behind the port's auth."""
