@@ -315,3 +315,14 @@ def test_a_member_with_another_model_or_a_tampered_fetch_is_refused_and_keeps_no
         assert not (tmp_path / "b").exists() or list((tmp_path / "b").iterdir()) == []
     finally:
         server.stop(None)
+
+
+def test_a_head_announced_by_mdns_is_found_by_its_model():
+    from llama_shard.mesh.discovery import Announcement, discover
+
+    announcement = Announcement("127.0.0.1", 5999, "1234-abcdef0123456789")
+    try:
+        assert discover("1234-abcdef0123456789", timeout_s=10) == "127.0.0.1:5999"
+        assert discover("9999-another-model", timeout_s=1) is None
+    finally:
+        announcement.close()

@@ -231,3 +231,23 @@ def test_a_late_member_is_placed_without_disturbing_and_a_killed_sole_holder_is_
 def _port_of(proc: subprocess.Popen) -> str:
     args = proc.args
     return ":" + args[args.index("--port") + 1]
+
+
+def test_bad_joins_leave_the_running_route_unaffected(mesh, prompts, whole_tokens):
+    stub = pb_grpc.MeshServiceStub(mesh.channel)
+    before = len(mesh.info().mesh_members)
+    digest = mesh.info().model_digest
+    for request, why in (
+        (pb.JoinRequest(report=pb.MemberReport(memory_bytes=10**18, layer_s=0.001)), "memory"),
+        (pb.JoinRequest(report=pb.MemberReport(memory_bytes=1 << 30), model_digest="1-other"), "serves the model"),
+        (pb.JoinRequest(member_id="not-a-member", report=pb.MemberReport(memory_bytes=1 << 30)), "no member"),
+    ):
+        reply = stub.Join(request, timeout=10)
+        assert not reply.admitted and why in reply.refused, reply.refused
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Fetch(pb.FetchRequest(member_id="not-a-member", first=0, last=29, tensor="output_norm.weight")))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    info = mesh.info()
+    assert len(info.mesh_members) == before and info.model_digest == digest
+    for i, r in enumerate(_streams(mesh.stub, "after-bad", prompts, 24)):
+        assert r["tokens"] == whole_tokens[i] and r["final"].failovers == 0, (i, r["final"])

@@ -248,11 +248,18 @@ def _mesh_flags(sv: argparse.ArgumentParser) -> None:
         help="how long a mesh's head waits for its members before it plans with those it has (default 120)",
     )
     g.add_argument(
+        "--mesh-announce",
+        action="store_true",
+        help="a mesh's head: announce it on the local network by mDNS, so that `--join auto` finds it "
+        "(needs zeroconf: pip install 'llama-shard[mdns]')",
+    )
+    g.add_argument(
         "--join",
-        metavar="HOST:PORT",
-        help="join the mesh whose head serves there: report, take the range the head gives (no --layers), "
-        "fetching only its tensors where --model is not given (peer credentials: --peer-token-file or "
-        "--peer-tls-cert; the head lists this node's principal in --forwarder)",
+        metavar="HOST:PORT|auto",
+        help="join the mesh whose head serves there (auto: the first head announced on the local network "
+        "by mDNS, of this node's model when --model is given): report, take the range the head gives (no "
+        "--layers), fetching only its tensors where --model is not given (peer credentials: "
+        "--peer-token-file or --peer-tls-cert; the head lists this node's principal in --forwarder)",
     )
     g.add_argument(
         "--mesh-memory",

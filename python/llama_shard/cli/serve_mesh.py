@@ -44,6 +44,8 @@ def check_mesh_flags(args: argparse.Namespace) -> None:
         )
     if not member and args.mesh_cache is not None:
         raise InvalidInputError("--mesh-cache is where a joining node keeps its ranges: give --join too")
+    if args.mesh_announce and not head:
+        raise InvalidInputError("--mesh-announce announces a mesh's head: give --mesh-members too")
     if not (head or member) and args.mesh_memory is not None:
         raise InvalidInputError("--mesh-memory is what a mesh's member or head offers: give --join or --mesh-members")
 
@@ -76,6 +78,7 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
     servicer = MeshServicer(mesh, security)
     server, port = mesh_server(servicer, security, args.host, args.port)
     status(f"mesh head on {args.host}:{port}: waiting for {args.mesh_members} member(s), {args.mesh_wait:g} s at most")
+    announcement = _announce(args, port, mesh.model_digest) if args.mesh_announce else None
     decode_s, prefill_s = time_one_layer(path, mesh.probe_layer, args.threads)
     status(f"this head: {decode_s * 1e3:.3f} ms a token per layer (prefill {prefill_s * 1e3:.3f} ms)")
     plan = mesh.wait_planned(Member(HEAD, _memory(args), decode_s, prefill_s), args.mesh_members, args.mesh_wait)
@@ -111,6 +114,36 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
         return worker.serve_until_signal()
     finally:
         stopped.set()
+        if announcement is not None:
+            announcement.close()
+
+
+def _announce(args: argparse.Namespace, port: int, model_digest: str):
+    try:
+        from ..mesh.discovery import Announcement
+    except ImportError:
+        raise InvalidInputError("--mesh-announce needs zeroconf: pip install 'llama-shard[mdns]'") from None
+    announcement = Announcement(args.host, port, model_digest)
+    status(f"announced on the local network as {announcement.info.name}")
+    return announcement
+
+
+def _head_address(args: argparse.Namespace, model_digest: str) -> str:
+    """--join's head: as given, or (auto) the first one announced on the local network."""
+    if args.join != "auto":
+        return args.join
+    try:
+        from ..mesh.discovery import DISCOVER_S, discover
+    except ImportError:
+        raise InvalidInputError("--join auto needs zeroconf: pip install 'llama-shard[mdns]'") from None
+    found = discover(model_digest)
+    if found is None:
+        raise InvalidInputError(
+            f"--join auto: no mesh head announced itself on the local network within {DISCOVER_S:g} s "
+            "(the head needs --mesh-announce; across networks give its HOST:PORT)"
+        )
+    status(f"found the mesh head {found} by mDNS")
+    return found
 
 
 class _ServingWorker:
@@ -146,15 +179,16 @@ def serve_joined(args: argparse.Namespace) -> int:
         worker = ShardWorker(path, layers, config, worker_options_of(args, security, peer_security), HeadOptions())
         return _ServingWorker(worker.start())
 
+    digest = content_digest(model) if model is not None else ""
     node = JoinedNode(
-        args.join,
+        _head_address(args, digest),
         peer_security,
         start_worker,
         RangeCache(args.mesh_cache or DEFAULT_CACHE),
         _memory(args),
         args.threads,
         model,
-        content_digest(model) if model is not None else "",
+        digest,
     )
     # the handler only records the signal (an Event set from it can deadlock the thread it interrupts)
     received: list[int] = []

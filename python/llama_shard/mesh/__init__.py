@@ -8,4 +8,5 @@ range's tensors, each checked before use.
 - `coordinator.py`: the head's side: admissions, the plan, heartbeats, deaths and restorations.
 - `service.py`: `MeshService` over gRPC on the head.
 - `member.py`: a joining node's side.
+- `discovery.py`: the head announced and found by mDNS on a local network, where asked.
 """

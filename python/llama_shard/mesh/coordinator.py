@@ -138,7 +138,8 @@ class Mesh:
                 and m.address
             ):
                 m.state = MemberState.SERVING
-            reply = self._reply_locked(m)
+            current = (request.serving_first, request.serving_last) if request.serving else m.assignment
+            reply = self._reply_locked(m, current)
             m.told = frozenset(reply.peers)
             announced = self._announce_locked()
             self._lock.notify_all()
@@ -185,7 +186,9 @@ class Mesh:
         rtt = {by_address.get(a, a): s for a, s in r.rtt_s.items()}
         return Member(member_id, r.memory_bytes, r.layer_s, r.prefill_layer_s, rtt, r.backend or "cpu")
 
-    def _reply_locked(self, m: Joined) -> pb.JoinReply:
+    def _reply_locked(self, m: Joined, current: tuple[int, int] | None) -> pb.JoinReply:
+        """The answer to m's report; `current`: the range it serves now (its sessions' hand-over
+        goes to the other members serving that one, when it moves)."""
         reply = pb.JoinReply(
             admitted=True,
             member_id=m.member_id,
@@ -202,8 +205,9 @@ class Mesh:
         reply.peers.extend(sorted(o.address for o in others if o.state == MemberState.SERVING))
         if m.assignment is not None:
             reply.assigned, (reply.first, reply.last) = True, m.assignment
+        if current is not None:
             reply.replicas.extend(
-                sorted(o.address for o in others if o.state == MemberState.SERVING and o.assignment == m.assignment)
+                sorted(o.address for o in others if o.state == MemberState.SERVING and o.assignment == current)
             )
         return reply
 
