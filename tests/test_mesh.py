@@ -16,7 +16,7 @@ from llama_shard._native import model_digest
 from llama_shard.engine.models import gguf_shape
 from llama_shard.engine.range_file import content_digest, write_range_file
 from llama_shard.head.planner import MAX_MEMBERS, Member, ModelCosts
-from llama_shard.mesh.coordinator import DEAD_AFTER_S, HEAD, MemberState, Mesh
+from llama_shard.mesh.coordinator import DEAD_AFTER_S, FORGET_DEAD_S, HEAD, MemberState, Mesh
 from llama_shard.mesh.manifest import FetchRefused, RangeCache, RangeSource
 from llama_shard.proto import shard_pb2 as pb
 
@@ -120,6 +120,8 @@ def test_joins_out_of_bounds_are_refused_and_change_nothing(embedded_model, sour
         (dict(layer_s=-1.0), "layer time"),
         (dict(model_digest="1234:other"), "serves the model"),
         (dict(member_id="forged"), "no member"),
+        (dict(address="x" * 300 + ":1"), "over 255 bytes"),
+        (dict(address="no port here"), "not HOST:PORT"),
     ):
         reply = _join(mesh, **fields)
         assert not reply.admitted and why in reply.refused, (fields, reply.refused)
@@ -146,6 +148,10 @@ def test_a_join_flood_is_bounded_and_ages_out(embedded_model, source):
     assert not full.admitted and "full" in full.refused
     clock.now += DEAD_AFTER_S + 1  # they stop reporting: dead, and their places free
     assert _join(mesh).admitted
+    # the dead are forgotten: the table stays bounded however often the flood comes back
+    clock.now += FORGET_DEAD_S + 1
+    mesh.tick()
+    assert len(mesh.members()) == 1
 
 
 def test_the_plan_assigns_ranges_a_death_is_restored_and_a_newcomer_becomes_a_replica(embedded_model, source):

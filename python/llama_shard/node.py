@@ -88,10 +88,10 @@ class ShardWorker:
         for add_service in services:
             add_service(self.server)
         self.port = self._bind()
-        self.metrics_port = None
+        self.metrics_port, self._metrics_server = None, None
         if options.metrics_port is not None:
             server, _ = start_http_server(options.metrics_port, addr=options.metrics_host, registry=self.registry)
-            self.metrics_port = server.server_port
+            self.metrics_port, self._metrics_server = server.server_port, server
         self.http = self._http_endpoint(head_options)
         if self.http is not None:
             self.http.mesh = head_options.mesh
@@ -218,6 +218,9 @@ class ShardWorker:
         if self.http is not None:
             self.http.stop(self.options.grace_s)
         self.server.stop(self.options.grace_s).wait()
+        if self._metrics_server is not None:  # (a mesh's member that moves serves its port again)
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.manager.close()
         self.head.close()
         self.servicer.peers.close()

@@ -37,6 +37,8 @@ def check_mesh_flags(args: argparse.Namespace) -> None:
         raise InvalidInputError("a mesh's head plans every range: --layers goes without --mesh-members and --join")
     if (head or member) and args.kv_memory is not None:
         raise InvalidInputError("a mesh plans its members' memory (--mesh-memory): --kv-memory goes without it")
+    if head and (args.peer or args.replica):
+        raise InvalidInputError("a mesh's head takes its route from its members: --peer and --replica go without it")
     if member and (args.peer or args.replica or args.http_port is not None or args.draft_model is not None):
         raise InvalidInputError(
             "a member takes its peers and replicas from the head, and serves no generation: "
@@ -109,7 +111,7 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
     )
     mesh.attach(worker.head.admit_member)
     worker.start()
-    server.stop(None).wait()
+    server.stop(60)  # new calls go to the worker's server; fetches in flight may finish
     try:
         return worker.serve_until_signal()
     finally:
@@ -149,9 +151,9 @@ def _head_address(args: argparse.Namespace, model_digest: str) -> str:
 class _ServingWorker:
     """A member's ShardWorker as mesh/member.py drives it."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, advertised_host: str):
         self.worker = worker
-        self.address = worker.address
+        self.address = f"{advertised_host}:{worker.port}"
 
     def allow_peers(self, addresses: list[str]) -> None:
         self.worker.servicer.peers.allow(addresses)
@@ -160,6 +162,16 @@ class _ServingWorker:
         self.worker.options.replicas = tuple(hand_to)
         self.worker.servicer.peers.replicas = frozenset(hand_to)
         self.worker.stop()
+
+
+def _advertised(host: str) -> str:
+    """The host others reach this member at: its --host, or this machine's name's address where it
+    binds every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def serve_joined(args: argparse.Namespace) -> int:
@@ -177,7 +189,7 @@ def serve_joined(args: argparse.Namespace) -> int:
     def start_worker(path: str, layers: tuple[int, int], max_sessions: int, context_tokens: int):
         config = HotKvStateConfig(max_sessions=max_sessions, context_tokens=context_tokens)
         worker = ShardWorker(path, layers, config, worker_options_of(args, security, peer_security), HeadOptions())
-        return _ServingWorker(worker.start())
+        return _ServingWorker(worker.start(), _advertised(args.host))
 
     digest = content_digest(model) if model is not None else ""
     node = JoinedNode(
@@ -207,7 +219,9 @@ def serve_joined(args: argparse.Namespace) -> int:
     while thread.is_alive() and not received:
         thread.join(0.1)
     stop.set()
-    thread.join()
+    thread.join(60)  # (a fetch or a measurement in progress is not waited for longer)
+    if not outcome:
+        return 0
     if isinstance(outcome[0], MeshRefused):
         raise InvalidInputError(f"--join {args.join}: {outcome[0]}")
     if isinstance(outcome[0], Exception):

@@ -13,6 +13,8 @@ layers (rope factors and the like). The tensors are copied byte for byte, in the
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from pathlib import Path
 
 from .._native import model_digest
@@ -100,7 +102,7 @@ def range_layout(source: str | Path, first: int, last: int, reader=None, digest:
                     writer.data_alignment = int(field.contents())
             writer.add_uint32(RANGE_FIRST, first)
             writer.add_uint32(RANGE_LAST, last)
-            writer.add_string(SOURCE_DIGEST, digest or model_digest(str(source)))
+            writer.add_string(SOURCE_DIGEST, digest or content_digest(source))
             keep = set(range_tensor_names([t.name for t in reader.tensors], shape.n_layer, first, last))
             kept = [t for t in reader.tensors if t.name in keep]
             for t in kept:
@@ -143,14 +145,22 @@ def write_range_file(source: str | Path, first: int, last: int, out: str | Path)
 
 def content_digest(path: str | Path) -> str:
     """What a model file holds, as replicas and hand-overs compare it: a range file names its
-    source's digest (its tensors are the source's bytes), any other file its own size and XXH3-128."""
+    source's digest (its tensors are the source's bytes; the file is its operator's, or was checked
+    tensor by tensor when a mesh's member fetched it), any other file its own size and XXH3-128.
+    Read once per version of the file."""
+    st = os.stat(path)
+    return _content_digest(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
     import gguf
 
     try:
-        field = gguf.GGUFReader(str(path)).get_field(SOURCE_DIGEST)
+        field = gguf.GGUFReader(path).get_field(SOURCE_DIGEST)
     except (OSError, ValueError, KeyError):
         field = None
-    return str(field.contents()) if field is not None else model_digest(str(path))
+    return str(field.contents()) if field is not None else model_digest(path)
 
 
 def range_of(path: str | Path) -> tuple[int, int] | None:

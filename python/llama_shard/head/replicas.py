@@ -431,8 +431,8 @@ class Replicas:
                 other = self._pick_locked(stage, frozenset((address, *avoid)))
             n = self._stage_number_locked(stage)
             hop = self._hop_locked(other) if other is not None else None
-        if hop is None:
-            hop = self._await_restored(stage, frozenset((address, *avoid)))
+        if hop is None:  # (the failed replica itself may answer again: a brief fault, not a death)
+            hop = self._await_restored(stage, frozenset(avoid))
         if self.failovers is not None:
             self.failovers.inc()
         self._publish()
@@ -443,8 +443,9 @@ class Replicas:
         return hop
 
     def _await_restored(self, stage: tuple[int, int], avoid: frozenset) -> pb.Hop | None:
-        """A stage a mesh restores (another member loads its layers): its new replica's hop once it
-        is up, waiting while `restoring` says the stage may still come (None: it did not)."""
+        """A stage a mesh restores (another member loads its layers, or the one that failed answers
+        again): the hop of the first replica of it that is up, waiting while `restoring` says the
+        stage may still come (None: it did not)."""
         deadline = time.monotonic() + self.restoring(stage)
         while time.monotonic() < deadline and not self._stop.is_set():
             with self._lock:

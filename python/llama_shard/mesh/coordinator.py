@@ -34,11 +34,20 @@ from .manifest import RangeSource
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 6.0
 #: how long a member that joined but never measured itself is kept (a join flood ages out)
-UNMEASURED_S = 120.0
+UNMEASURED_S = 600.0
+#: how long a dead member is kept (shown in Info) before it is forgotten: the table stays bounded
+FORGET_DEAD_S = 60.0
+#: the longest address or round-trip key a report may carry
+MAX_ADDRESS_BYTES = 255
 #: how long a stream waits for a stage the mesh is restoring (a member loading the layers)
 RESTORE_S = 120.0
 #: the planner's name for the head (members report their round trip to it under this name)
 HEAD = "head"
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and address.isprintable() and " " not in address
 
 
 class MemberState(enum.Enum):
@@ -58,7 +67,6 @@ class Joined:
     address: str = ""
     state: MemberState = MemberState.REPORTING
     assignment: tuple[int, int] | None = None
-    has_model: bool = False
     fetched_bytes: int = 0
     told: frozenset = frozenset()  # the peers its last reply listed (it forwards to those only)
     announced: bool = False  # the head's route knows it serves (once every serving member was told)
@@ -124,7 +132,7 @@ class Mesh:
                 m = Joined(secrets.token_hex(8), principal, now, now)
                 self._members[m.member_id] = m
             report = self._report(m.member_id, request)
-            m.last_seen, m.has_model = now, request.has_model
+            m.last_seen = now
             if report is not None:
                 m.report = report
             if request.address:
@@ -165,6 +173,10 @@ class Mesh:
         elif sum(1 for m in self._members.values() if m.live) >= MAX_MEMBERS - 1:
             return f"the mesh is full: {MAX_MEMBERS} members with the head"
         report = request.report
+        if len(request.address) > MAX_ADDRESS_BYTES or any(len(k) > MAX_ADDRESS_BYTES for k in report.rtt_s):
+            return f"report refused: an address over {MAX_ADDRESS_BYTES} bytes"
+        if request.address and not _host_port(request.address):
+            return f"report refused: its address {request.address[:64]!r} is not HOST:PORT"
         probe = Member(
             request.member_id or "a new member",
             report.memory_bytes,
@@ -260,16 +272,25 @@ class Mesh:
                 for name in (stage.member, *stage.replicas):
                     self._assign_locked(self._members[name], (stage.first, stage.last))
             self._lock.notify_all()
-            return plan
+        # every stage's manifest made now, once, not inside a member's Join (it hashes the range)
+        stages = [(s.first, s.last) for s in plan.stages[1:]]
+        threading.Thread(
+            target=lambda: [self.source.manifest(*s) for s in stages], name="mesh-manifests", daemon=True
+        ).start()
+        return plan
 
     def wait_serving(self, wait_s: float) -> list[str]:
-        """Waits until every assigned member serves (at most `wait_s`); their addresses, stage order."""
+        """Waits until every assigned member serves and every serving member was told of the others
+        (at most `wait_s`); the addresses the head's route may use, in stage order."""
         deadline = time.monotonic() + wait_s
         with self._lock:
-            while time.monotonic() < deadline and any(m.state == MemberState.ASSIGNED for m in self._members.values()):
+            while time.monotonic() < deadline and any(
+                m.state == MemberState.ASSIGNED or (m.state == MemberState.SERVING and not m.announced)
+                for m in self._members.values()
+            ):
                 self._lock.wait(0.25)
                 self._expire_locked()
-            serving = [m for m in self._members.values() if m.state == MemberState.SERVING]
+            serving = [m for m in self._members.values() if m.announced and m.live]
             return [m.address for m in sorted(serving, key=lambda m: m.assignment)]
 
     def _measured_locked(self) -> list[Member]:
@@ -286,7 +307,7 @@ class Mesh:
 
     def _place_locked(self, m: Joined) -> None:
         """A member measured after the plan: the stage it can hold with the fewest live holders (an
-        empty one first), the slowest of those first; else it stands by."""
+        empty one first), the one of most layers among those; else it stands by."""
         fits = [s for s in self._stages_locked() if self.costs.stage_bytes(*s) <= m.report.memory_bytes]
         if not fits:
             return
@@ -308,13 +329,15 @@ class Mesh:
                 m.state = MemberState.DEAD
             elif m.live and m.report is None and now - m.joined_at > UNMEASURED_S:
                 del self._members[m.member_id]  # joined, never measured: a flood ages out
+            elif not m.live and now - m.last_seen > self.dead_after_s + FORGET_DEAD_S:
+                del self._members[m.member_id]
         for stage in self._stages_locked():
             if not self._holders_locked(stage):
                 self._restore_locked(stage)
 
     def _restore_locked(self, stage: tuple[int, int]) -> None:
-        """A live member takes `stage`: one with no range first, else a replica of a stage that has
-        others, the fastest first; it must fit the stage's memory."""
+        """A live member takes `stage`: one with no range first, else a serving replica of a stage that
+        another member serves too, the fastest first; it must fit the stage's memory."""
         need = self.costs.stage_bytes(*stage)
         spare, replicas = [], []
         for m in self._members.values():
@@ -322,7 +345,10 @@ class Mesh:
                 continue
             if m.assignment is None:
                 spare.append(m)
-            elif len(self._holders_locked(m.assignment)) > 1:
+            elif (
+                m.state == MemberState.SERVING
+                and sum(o.state == MemberState.SERVING for o in self._holders_locked(m.assignment)) > 1
+            ):  # (a stage keeps a serving copy: one still loading counts for nothing yet)
                 replicas.append(m)
         pick = min(spare or replicas, key=lambda m: m.report.layer_s, default=None)
         if pick is not None:

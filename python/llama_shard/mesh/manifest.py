@@ -45,14 +45,14 @@ class RangeSource:
     def __init__(self, model_path: str):
         import gguf
 
-        from .._native import model_digest
+        from ..engine.range_file import content_digest
 
         self.path = str(model_path)
         self._reader = gguf.GGUFReader(self.path)  # parsed once (a large tokenizer takes seconds)
-        self._digest = model_digest(self.path)
+        self._digest = content_digest(self.path)
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
-        self._layout_lock = threading.Lock()  # one layout at a time: members asking at once wait for it
+        self._layout_lock = threading.RLock()  # one manifest at a time: members asking at once wait for it
         self._manifests: dict[tuple[int, int], pb.RangeManifest] = {}
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one source per head, kept for its life
@@ -70,13 +70,16 @@ class RangeSource:
         return known
 
     def manifest(self, first: int, last: int) -> pb.RangeManifest:
-        """The range's manifest (made once: its layout and every tensor's SHA-256)."""
+        """The range's manifest (made once, by whoever asks first: its layout and every tensor's SHA-256)."""
         with self._layout_lock:
             known = self._manifests.get((first, last))
-        if known is not None:
+            if known is None:
+                known = self._manifests[(first, last)] = self._make(first, last)
             return known
+
+    def _make(self, first: int, last: int) -> pb.RangeManifest:
         layout = self.layout(first, last)
-        made = pb.RangeManifest(
+        return pb.RangeManifest(
             first=first,
             last=last,
             header=layout.header,
@@ -86,9 +89,6 @@ class RangeSource:
                 for t in layout.tensors
             ],
         )
-        with self._layout_lock:
-            self._manifests[(first, last)] = made
-        return made
 
     def chunks(self, first: int, last: int, name: str, offset: int) -> Iterator[bytes] | None:
         """One tensor's bytes of the range first..last from `offset`, in chunks (None: the range

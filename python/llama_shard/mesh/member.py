@@ -4,7 +4,7 @@ when it has one, else fetched tensor by tensor into its cache (mesh/manifest.py)
 finds it. It reports every heartbeat; a new range (the head restored a stage with it) is served
 after its sessions are handed to the other members of its old stage.
 
-The worker itself is made by the caller (`start_worker`: cli/serve.py builds a ShardWorker), so this
+The worker itself is made by the caller (`start_worker`: cli/serve_mesh.py builds a ShardWorker), so this
 module knows the mesh's wire and nothing of how a worker is put together."""
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from ..errors import LlamaShardError
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.credentials import ClientSecurity
-from .manifest import RangeCache
+from .manifest import FetchRefused, RangeCache
 from .measure import time_one_layer
 
 #: how long a member keeps trying to reach its head before it gives up (a head that restarts its
 #: port for its own range is away for well under a second)
 HEAD_AWAY_S = 60.0
-JOIN_TIMEOUT_S = 30.0
+#: a report's deadline (well under the head's DEAD_AFTER_S: a lost one is sent again), and one that
+#: asks for a manifest (the head may still be hashing the range)
+BEAT_TIMEOUT_S, MANIFEST_TIMEOUT_S = 2.0, 30.0
+#: fetches of a range tried before the member gives up (a connection lost mid-fetch is tried again)
+FETCH_TRIES = 3
 #: the longest a fetch of one tensor may take
 FETCH_TIMEOUT_S = 600.0
 
@@ -77,6 +81,7 @@ class JoinedNode:
         # longer than the head's DEAD_AFTER_S is not dead); its latest answer, or why it stopped
         self._state = threading.Condition()
         self._latest: pb.JoinReply | Exception | None = None
+        self._last_reply: pb.JoinReply | None = None  # the last answer (never cleared): whom to hand over to
 
     # --- the head's answers ----------------------------------------------------------------------
 
@@ -96,7 +101,7 @@ class JoinedNode:
         while True:
             t0 = time.perf_counter()
             try:
-                reply = self.stub.Join(request, timeout=JOIN_TIMEOUT_S)
+                reply = self.stub.Join(request, timeout=MANIFEST_TIMEOUT_S if want_manifest else BEAT_TIMEOUT_S)
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise MeshRefused(f"the head refused this member: {e.details()}") from None
@@ -113,6 +118,7 @@ class JoinedNode:
                     rtt = time.perf_counter() - t0
                     self.report.rtt_s["head"] = min(self.report.rtt_s.get("head", rtt), rtt)
                 self.member_id = reply.member_id
+                self._last_reply = reply
             return reply
 
     def _fetch(self, manifest: pb.RangeManifest) -> Callable:
@@ -124,8 +130,6 @@ class JoinedNode:
                 for chunk in self.stub.Fetch(request, timeout=FETCH_TIMEOUT_S):
                     yield chunk.data
             except grpc.RpcError as e:
-                from .manifest import FetchRefused
-
                 raise FetchRefused(f"fetching {name}: {e.details()}") from None
 
         return fetch
@@ -135,7 +139,16 @@ class JoinedNode:
         model, else the range's file in the cache (fetched where it is missing or does not match)."""
         if self.model_path is not None:
             return self.model_path
-        return str(self.cache.obtain(reply.model_digest, reply.manifest, reply.n_layer, self._fetch(reply.manifest)))
+        for attempt in range(FETCH_TRIES):
+            try:
+                fetch = self._fetch(reply.manifest)
+                return str(self.cache.obtain(reply.model_digest, reply.manifest, reply.n_layer, fetch))
+            except FetchRefused as e:
+                if not str(e).startswith("fetching") or attempt == FETCH_TRIES - 1:
+                    raise  # a tensor that does not match is not tried again
+                _log(f"{e}: trying again")
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
 
     # --- the node's life -------------------------------------------------------------------------
 
@@ -143,7 +156,7 @@ class JoinedNode:
         while not stop.is_set():
             try:
                 reply = self._join()
-            except MeshRefused as e:
+            except Exception as e:  # noqa: BLE001 - the main thread raises it (a refusal, or a bug)
                 reply = e
             with self._state:
                 self._latest = reply
@@ -166,7 +179,7 @@ class JoinedNode:
     def run(self, stop: threading.Event) -> int:
         """Joins, times one layer (the head's probe layer) and reports it, then serves what the head
         says until `stop`."""
-        reply = self._join(want_manifest=True)
+        reply = self._join(want_manifest=self.model_path is None)
         beats = threading.Event()
         threading.Thread(target=self._beat, args=(beats,), name="mesh-heartbeat", daemon=True).start()
         try:
@@ -179,27 +192,32 @@ class JoinedNode:
             )
             while (reply := self._next(stop)) is not None:
                 if reply.assigned and (reply.first, reply.last) != self.serving:
-                    self._serve((reply.first, reply.last), reply.replicas)
+                    self._serve(reply.replicas)
                 if self.worker is not None:
                     self.worker.allow_peers(list(reply.peers))
         finally:
             beats.set()
             if self.worker is not None:
-                self.worker.stop(tuple(self._latest.replicas) if isinstance(self._latest, pb.JoinReply) else ())
+                self.worker.stop(tuple(self._last_reply.replicas) if self._last_reply is not None else ())
         return 0
 
-    def _serve(self, stage: tuple[int, int], hand_to) -> None:
-        """Serves `stage` (stopping the range served before, its sessions handed to `hand_to`)."""
+    def _serve(self, hand_to) -> None:
+        """Serves the range the head assigns now (stopping the range served before, its sessions
+        handed to `hand_to`, the other members that serve it)."""
         if self.worker is not None:
-            _log(f"moving to layers {stage[0]}-{stage[1]}: handing sessions to {', '.join(hand_to) or 'nobody'}")
+            _log(f"moving to another range: handing sessions to {', '.join(hand_to) or 'nobody'}")
             worker = self.worker
             with self._state:
                 self.worker, self.serving = None, None
             worker.stop(tuple(hand_to))
-        reply = self._join(want_manifest=True)  # the manifest of the new range
+        reply = self._join(want_manifest=self.model_path is None)  # the new range, and its manifest
+        if not reply.assigned:
+            return
+        stage = (reply.first, reply.last)
         t0, fetched = time.monotonic(), self.cache.fetched_bytes
         path = self._file_for(reply)
         worker = self.start_worker(path, stage, reply.max_sessions, reply.context_tokens)
+        worker.allow_peers(list(reply.peers))  # before the head may send it a step to forward
         with self._state:
             self.worker, self.serving = worker, stage
         size = Path(path).stat().st_size

@@ -94,7 +94,9 @@ class PrefixNames:
         """The model file's digest (the weights the recipe does not name: a fine-tune and its base
         share a recipe), read once: what a replica's must match (a range file names its source's)."""
         if self._digest is None:
-            from ..engine.range_file import content_digest  # reads the file without the GIL
+            from ..engine.range_file import (
+                content_digest,  # (read once per file: its header, then its bytes without the GIL)
+            )
 
             self._digest = content_digest(self._model_path).encode() if self._model_path else b""
         return self._digest
