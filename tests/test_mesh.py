@@ -332,3 +332,39 @@ def test_a_head_announced_by_mdns_is_found_by_its_model():
         assert discover("9999-another-model", timeout_s=1) is None
     finally:
         announcement.close()
+
+
+def test_a_member_declared_dead_joins_again_as_a_new_one(embedded_model, source, tmp_path):
+    import threading
+    import time
+
+    from llama_shard.mesh.member import JoinedNode
+    from llama_shard.proto.credentials import ClientSecurity
+    from llama_shard.worker.security import ServerSecurity
+
+    mesh, server, port = _head(embedded_model, source, ServerSecurity())
+    mesh.clock = time.monotonic  # (a real clock: the member reports every second)
+    node = JoinedNode(
+        f"127.0.0.1:{port}", ClientSecurity(), lambda *a: pytest.fail("nothing is planned"), RangeCache(tmp_path),
+        200 * MiB, 1, str(embedded_model), model_digest(str(embedded_model)),
+    )  # fmt: skip
+    stop, outcome = threading.Event(), []
+    thread = threading.Thread(target=lambda: outcome.append(node.run(stop)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not [m for m in mesh.members() if m.layer_s > 0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (first,) = mesh.members()
+        with mesh._lock:  # its reports stopped for longer than DEAD_AFTER_S, as after a long pause
+            mesh._members[first.member_id].state = MemberState.DEAD
+        while len(mesh.members()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        states = {m.member_id: m.state for m in mesh.members()}
+        assert states.pop(first.member_id) == "dead" and list(states.values()) == ["reporting"], states
+        assert thread.is_alive()  # it did not exit, and did not measure itself again
+    finally:
+        stop.set()
+        thread.join(30)
+        server.stop(None)
+    assert outcome == [0]

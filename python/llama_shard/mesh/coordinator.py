@@ -6,7 +6,7 @@ it (fetching its tensors); a member that joins a planned mesh becomes a replica 
 A member's states:
 
     reporting ──(the plan, or a placement)──> assigned ──(it serves its range)──> serving
-    any ──(no report for DEAD_AFTER_S)──> dead
+    any ──(no report for DEAD_AFTER_S)──> dead ──(FORGET_DEAD_S)──> forgotten
     assigned, serving ──(its stage's last holder died: it takes that stage)──> assigned
 
 Invariants: at most MAX_MEMBERS members are known (a join beyond is refused); every report is
@@ -125,7 +125,9 @@ class Mesh:
             self._expire_locked()
             refused = self._refusal_locked(principal, request)
             if refused is not None:
-                return pb.JoinReply(admitted=False, refused=refused)
+                m = self._members.get(request.member_id)
+                gone = bool(request.member_id) and (m is None or (m.principal == principal and not m.live))
+                return pb.JoinReply(admitted=False, refused=refused, rejoin=gone)
             now = self.clock()
             m = self._members.get(request.member_id)
             if m is None:

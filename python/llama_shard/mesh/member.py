@@ -38,7 +38,12 @@ FETCH_TIMEOUT_S = 600.0
 
 
 class MeshRefused(LlamaShardError):
-    """The head refused this member (its reason is the message)."""
+    """The head refused this member (its reason is the message; `rejoin`: it may join again as a
+    new member)."""
+
+    def __init__(self, message: str, rejoin: bool = False):
+        super().__init__(message)
+        self.rejoin = rejoin
 
 
 class Serving(Protocol):
@@ -112,7 +117,7 @@ class JoinedNode:
                 time.sleep(0.2)
                 continue
             if not reply.admitted:
-                raise MeshRefused(reply.refused)
+                raise MeshRefused(reply.refused, reply.rejoin)
             with self._state:
                 if not want_manifest:  # (a reply with a manifest times its bytes, not the link)
                     rtt = time.perf_counter() - t0
@@ -178,18 +183,35 @@ class JoinedNode:
 
     def run(self, stop: threading.Event) -> int:
         """Joins, times one layer (the head's probe layer) and reports it, then serves what the head
-        says until `stop`."""
-        reply = self._join(want_manifest=self.model_path is None)
+        says until `stop`. A member the head declared dead (a report lost for longer than its
+        DEAD_AFTER_S) joins again as a new one, serving what it served meanwhile."""
+        try:
+            while True:
+                try:
+                    return self._life(stop)
+                except MeshRefused as e:
+                    if not e.rejoin or stop.is_set():
+                        raise
+                    _log(f"{e}: joining again")
+                    with self._state:
+                        self.member_id = ""
+        finally:
+            if self.worker is not None:
+                self.worker.stop(tuple(self._last_reply.replicas) if self._last_reply is not None else ())
+
+    def _life(self, stop: threading.Event) -> int:
+        reply = self._join(want_manifest=self.model_path is None and self.report.layer_s == 0)
         beats = threading.Event()
         threading.Thread(target=self._beat, args=(beats,), name="mesh-heartbeat", daemon=True).start()
         try:
-            decode_s, prefill_s = time_one_layer(self._file_for(reply), reply.probe_layer, self.threads)
-            with self._state:
-                self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
-            _log(
-                f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
-                f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
-            )
+            if self.report.layer_s == 0:
+                decode_s, prefill_s = time_one_layer(self._file_for(reply), reply.probe_layer, self.threads)
+                with self._state:
+                    self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
+                _log(
+                    f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
+                    f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
+                )
             while (reply := self._next(stop)) is not None:
                 if reply.assigned and (reply.first, reply.last) != self.serving:
                     self._serve(reply.replicas)
@@ -197,8 +219,6 @@ class JoinedNode:
                     self.worker.allow_peers(list(reply.peers))
         finally:
             beats.set()
-            if self.worker is not None:
-                self.worker.stop(tuple(self._last_reply.replicas) if self._last_reply is not None else ())
         return 0
 
     def _serve(self, hand_to) -> None:
