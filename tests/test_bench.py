@@ -91,6 +91,8 @@ def test_bench_quick_prints_a_table_with_ratios(synthetic_model, tmp_path, fake_
             "--model",
             str(synthetic_model),
             "--quick",
+            "--repeat",
+            "1",  # (the table's shape is what is tested: each pair measured once)
             "--no-build",
             "--json",
             str(out_json),
