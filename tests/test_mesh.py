@@ -222,6 +222,7 @@ def test_mesh_flags_that_contradict_are_refused(tmp_path):
         (["--mesh-cache", str(tmp_path)], "give --join too"),
         (["--mesh-memory", "1GiB"], "give --join or --mesh-members"),
         (["--mesh-members", "0"], "--mesh-members"),
+        (["--join", "127.0.0.1:1", "--mesh-wait", "5"], "give --mesh-members too"),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "llama_shard.cli", "serve", *flags], capture_output=True, text=True, timeout=60

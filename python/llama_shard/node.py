@@ -192,16 +192,24 @@ class ShardWorker:
         while not self._stopped.wait(self.options.sweep_s):
             self.manager.sweep()
 
-    def stop(self) -> dict:
-        """With --replica workers: first hands every live session to one of them (the steps that come
-        for a session afterwards are told where it went, for up to grace_s). Then stops accepting,
-        finishes in-flight steps, writes every session left to the disk tier (with --warm-dir: a
-        restarted worker resumes them) or releases it; returns a report."""
+    def allow_peers(self, addresses) -> None:
+        """Workers this one may forward to from now on, beside its --peer ones (a mesh's members)."""
+        self.servicer.peers.allow(addresses)
+
+    def stop(self, hand_to: tuple[str, ...] | None = None) -> dict:
+        """With --replica workers (or `hand_to`, a mesh's replicas of this range): first hands every
+        live session to one of them (the steps that come for a session afterwards are told where it
+        went, for up to grace_s). Then stops accepting, finishes in-flight steps, writes every session
+        left to the disk tier (with --warm-dir: a restarted worker resumes them) or releases it;
+        returns a report."""
         if self._stopped.is_set():
             return {}
         handed = 0
-        if self.options.replicas and not self.servicer.moves.draining:
-            reply = self.servicer.drain(tuple(self.options.replicas))
+        replicas = tuple(self.options.replicas if hand_to is None else hand_to)
+        if hand_to is not None:
+            self.servicer.peers.replicas = frozenset(hand_to)
+        if replicas and not self.servicer.moves.draining:
+            reply = self.servicer.drain(replicas)
             handed = reply.handed_over
             print(
                 f"llama-shard worker: handed {reply.handed_over} session(s) to a replica in {reply.seconds:.2f} s"

@@ -243,7 +243,7 @@ def _mesh_flags(sv: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mesh-wait",
         type=positive_seconds,
-        default=120.0,
+        default=None,
         metavar="S",
         help="how long a mesh's head waits for its members before it plans with those it has (default 120)",
     )

@@ -14,6 +14,8 @@ from ..errors import InvalidInputError, WhyNot
 from .common import model_path, status
 from .serve import cmd_serve, head_options_of, serve_config, serve_security, worker_options_of
 
+#: how long a mesh's head waits for its members unless told (--mesh-wait)
+DEFAULT_MESH_WAIT_S = 120.0
 #: where a joining node keeps its range files unless told (--mesh-cache)
 DEFAULT_CACHE = Path.home() / ".cache" / "llama-shard" / "ranges"
 
@@ -48,6 +50,9 @@ def check_mesh_flags(args: argparse.Namespace) -> None:
         raise InvalidInputError("--mesh-cache is where a joining node keeps its ranges: give --join too")
     if args.mesh_announce and not head:
         raise InvalidInputError("--mesh-announce announces a mesh's head: give --mesh-members too")
+    if args.mesh_wait is not None and not head:
+        raise InvalidInputError("--mesh-wait is how long a mesh's head waits for its members: give --mesh-members too")
+    args.mesh_wait = DEFAULT_MESH_WAIT_S if args.mesh_wait is None else args.mesh_wait
     if not (head or member) and args.mesh_memory is not None:
         raise InvalidInputError("--mesh-memory is what a mesh's member or head offers: give --join or --mesh-members")
 
@@ -81,9 +86,10 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
     server, port = mesh_server(servicer, security, args.host, args.port)
     status(f"mesh head on {args.host}:{port}: waiting for {args.mesh_members} member(s), {args.mesh_wait:g} s at most")
     announcement = _announce(args, port, mesh.model_digest) if args.mesh_announce else None
-    decode_s, prefill_s = time_one_layer(path, mesh.probe_layer, args.threads)
-    status(f"this head: {decode_s * 1e3:.3f} ms a token per layer (prefill {prefill_s * 1e3:.3f} ms)")
-    plan = mesh.wait_planned(Member(HEAD, _memory(args), decode_s, prefill_s), args.mesh_members, args.mesh_wait)
+    decode_s, prefill_s, backend = time_one_layer(path, mesh.probe_layer, args.threads, args.device)
+    status(f"this head: {decode_s * 1e3:.3f} ms a token per layer on {backend} (prefill {prefill_s * 1e3:.3f} ms)")
+    head = Member(HEAD, _memory(args), decode_s, prefill_s, backend=backend)
+    plan = mesh.wait_planned(head, args.mesh_members, args.mesh_wait)
     if isinstance(plan, WhyNot):
         server.stop(None)
         raise InvalidInputError(f"no plan: {plan.text}")
@@ -156,12 +162,10 @@ class _ServingWorker:
         self.address = f"{advertised_host}:{worker.port}"
 
     def allow_peers(self, addresses: list[str]) -> None:
-        self.worker.servicer.peers.allow(addresses)
+        self.worker.allow_peers(addresses)
 
     def stop(self, hand_to: tuple[str, ...]) -> None:
-        self.worker.options.replicas = tuple(hand_to)
-        self.worker.servicer.peers.replicas = frozenset(hand_to)
-        self.worker.stop()
+        self.worker.stop(hand_to)
 
 
 def _advertised(host: str) -> str:
@@ -201,6 +205,7 @@ def serve_joined(args: argparse.Namespace) -> int:
         args.threads,
         model,
         digest,
+        args.device,
     )
     # the handler only records the signal (an Event set from it can deadlock the thread it interrupts)
     received: list[int] = []

@@ -35,7 +35,11 @@ MAX_HEADER_BYTES = 64 << 20
 
 class FetchRefused(LlamaShardError):
     """A fetch that cannot be used: a tensor whose bytes do not match the manifest, a manifest out of
-    bounds, a connection that ended early. Nothing was cached."""
+    bounds, a connection that ended early (`transport`: worth trying again). Nothing was cached."""
+
+    def __init__(self, message: str, transport: bool = False):
+        super().__init__(message)
+        self.transport = transport
 
 
 class RangeSource:

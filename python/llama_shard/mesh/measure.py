@@ -27,9 +27,10 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def time_one_layer(path: str, layer: int, threads: int | None, device: str = "cpu") -> tuple[float, float]:
+def time_one_layer(path: str, layer: int, threads: int | None, device: str = "cpu") -> tuple[float, float, str]:
     """(decode, prefill) seconds per token through layer `layer` of the model at `path` (a whole file
-    or a range file that holds it), measured on one session of hidden rows."""
+    or a range file that holds it), measured on one session of hidden rows on `device` (serve's
+    --device: auto, cpu or a name), and the device it ran on."""
     from .._native import ShardModel
     from ..engine.hot_kv import HotKvStateConfig, Step
     from ..engine.manager import HotKvStateManager
@@ -54,6 +55,6 @@ def time_one_layer(path: str, layer: int, threads: int | None, device: str = "cp
             manager.step_batch([Step.decode("probe", 0, expected_seq_len=PREFILL_TOKENS + i, **one(i))])
             times.append(time.perf_counter() - t0)
         times.sort()
-        return times[len(times) // 2], prefill_s
+        return times[len(times) // 2], prefill_s, model.info.device
     finally:
         manager.close()

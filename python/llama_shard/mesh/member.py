@@ -71,9 +71,10 @@ class JoinedNode:
         threads: int | None,
         model_path: str | None = None,
         model_digest: str = "",
+        device: str = "cpu",
     ):
         self.head, self.start_worker, self.cache = head, start_worker, cache
-        self.memory_bytes, self.threads = memory_bytes, threads
+        self.memory_bytes, self.threads, self.device = memory_bytes, threads, device
         self.model_path, self.model_digest = model_path, model_digest
         self.channel = security.channel(head, [("grpc.max_receive_message_length", 256 << 20)])
         self.stub = pb_grpc.MeshServiceStub(self.channel)
@@ -135,7 +136,7 @@ class JoinedNode:
                 for chunk in self.stub.Fetch(request, timeout=FETCH_TIMEOUT_S):
                     yield chunk.data
             except grpc.RpcError as e:
-                raise FetchRefused(f"fetching {name}: {e.details()}") from None
+                raise FetchRefused(f"fetching {name}: {e.details()}", transport=True) from None
 
         return fetch
 
@@ -149,7 +150,7 @@ class JoinedNode:
                 fetch = self._fetch(reply.manifest)
                 return str(self.cache.obtain(reply.model_digest, reply.manifest, reply.n_layer, fetch))
             except FetchRefused as e:
-                if not str(e).startswith("fetching") or attempt == FETCH_TRIES - 1:
+                if not e.transport or attempt == FETCH_TRIES - 1:
                     raise  # a tensor that does not match is not tried again
                 _log(f"{e}: trying again")
                 time.sleep(1.0)
@@ -205,9 +206,11 @@ class JoinedNode:
         threading.Thread(target=self._beat, args=(beats,), name="mesh-heartbeat", daemon=True).start()
         try:
             if self.report.layer_s == 0:
-                decode_s, prefill_s = time_one_layer(self._file_for(reply), reply.probe_layer, self.threads)
+                decode_s, prefill_s, backend = time_one_layer(
+                    self._file_for(reply), reply.probe_layer, self.threads, self.device
+                )
                 with self._state:
-                    self.report.layer_s, self.report.prefill_layer_s = decode_s, prefill_s
+                    self.report.layer_s, self.report.prefill_layer_s, self.report.backend = decode_s, prefill_s, backend
                 _log(
                     f"joined {self.head} as {self.member_id}: {decode_s * 1e3:.3f} ms a token per layer "
                     f"(prefill {prefill_s * 1e3:.3f} ms), {self.memory_bytes / 2**30:.2f} GiB to use"
