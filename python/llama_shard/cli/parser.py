@@ -24,6 +24,7 @@ from .types import (
     port_number,
     size,
 )
+from .verify_receipt import cmd_verify_receipt
 
 
 def _server_security_flags(sv: argparse.ArgumentParser) -> None:
@@ -246,11 +247,31 @@ def _extract_parser(sub) -> None:
     x.set_defaults(func=cmd_extract)
 
 
+def _verify_receipt_parser(sub) -> None:
+    v = sub.add_parser("verify-receipt", help="check a route's signed receipt (GenerateFinal.receipt) offline")
+    v.add_argument("file", metavar="FILE", help="the receipt: protobuf bytes, base64, or a saved JSON response")
+    v.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="the public key expected of each stage in order (InfoReply.receipt_key; '-': any), repeated",
+    )
+    v.set_defaults(func=cmd_verify_receipt)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="llama-shard", description="Run layer ranges of a GGUF model on a patched llama.cpp."
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_generate_parser, _serve_parser, _demo_parser, _inspect_parser, _extract_parser):
+    for add in (
+        _generate_parser,
+        _serve_parser,
+        _demo_parser,
+        _inspect_parser,
+        _extract_parser,
+        _verify_receipt_parser,
+    ):
         add(sub)
     return ap

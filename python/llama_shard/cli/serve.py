@@ -183,6 +183,7 @@ def head_options_of(args: argparse.Namespace):
         max_drafts=args.max_drafts,
         draft_model=args.draft_model,
         verify=args.draft_verify,
+        spot_check_rate=args.spot_check_rate,
     )
 
 
@@ -213,6 +214,7 @@ def worker_options_of(args: argparse.Namespace, security, peer_security):
         share_prefixes=args.share_prefixes,
         replicas=tuple(args.replica),
         wire_dtype=args.wire_dtype,
+        receipt_key=args.receipt_key,
     )
 
 

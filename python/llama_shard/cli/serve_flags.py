@@ -23,6 +23,7 @@ from .types import (
     port_number,
     positive_seconds,
     seconds,
+    share,
     size,
 )
 
@@ -41,6 +42,7 @@ def add_serve_flags(sv: argparse.ArgumentParser) -> None:
         _kv_flags,
         _tier_flags,
         _speculation_flags,
+        _proof_flags,
     ):
         flags(sv)
 
@@ -428,6 +430,25 @@ def _speculation_flags(sv: argparse.ArgumentParser) -> None:
         metavar="K",
         help=f"the most drafts per step a request gets unless it sets max_drafts (0..{MAX_DRAFTS}, "
         f"default {DEFAULT_MAX_DRAFTS}); the head uses fewer, or none, where they do not pay",
+    )
+
+
+def _proof_flags(sv: argparse.ArgumentParser) -> None:
+    g = sv.add_argument_group("receipts and spot checks (docs/security.md)")
+    g.add_argument(
+        "--receipt-key",
+        metavar="FILE",
+        default=None,
+        help="the Ed25519 key (PEM) this worker signs its receipts with, made there on first use "
+        "(mode 0600); default: a new key per process (shown in Info as receipt_key)",
+    )
+    g.add_argument(
+        "--spot-check-rate",
+        type=share,
+        default=0.0,
+        metavar="R",
+        help="a head: replay this share of requests (0..1, default 0) on other replicas of each stage "
+        "that compute the same bytes, and take a worker whose bytes differ out of routes",
     )
 
 

@@ -59,6 +59,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A share in [0, 1]."""
+    value = finite(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 THREADS = count(1, 1024)
 
 

@@ -33,6 +33,7 @@ class HeadOptions:
     draft_model: str | None = None  # a small GGUF of the same vocabulary whose greedy tokens are the drafts
     verify: str = "exact"  # how the route computes a verification (VERIFY_MODES)
     mesh: MeshView | None = None  # the mesh this head plans (serve --mesh-members): members join its route
+    spot_check_rate: float = 0.0  # the share of requests replayed on other replicas, demanding equal bytes
 
     def check(self, first_layer: int, last_layer: int) -> None:
         """Refuses options a head cannot take, before anything of the head is built."""
@@ -41,12 +42,19 @@ class HeadOptions:
         if self.draft not in DRAFT_SOURCES:
             raise InvalidInputError(f"draft source {self.draft!r}: one of {', '.join(DRAFT_SOURCES)}")
         check_max_drafts(self.max_drafts)
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise InvalidInputError(f"--spot-check-rate is a share of requests in [0, 1], not {self.spot_check_rate}")
         if self.draft_model is not None and self.draft == "off":
             raise InvalidInputError("--draft off and --draft-model: a draft model is a draft source; give one")
         if self.draft_model is not None and first_layer != 0:
             raise InvalidInputError(
                 f"--draft-model drafts for Generate streams: it needs the head worker (layers "
                 f"from 0), not layers {first_layer}-{last_layer}"
+            )
+        if self.spot_check_rate and first_layer != 0:
+            raise InvalidInputError(
+                f"--spot-check-rate replays a head's requests: it needs the head worker (layers from 0), "
+                f"not layers {first_layer}-{last_layer}"
             )
         if self.http_port is not None and first_layer != 0:
             raise InvalidInputError(

@@ -67,6 +67,7 @@ class ReplicaState(enum.Enum):
     SUSPECT = "suspect"
     DOWN = "down"
     PROBING = "probing"
+    FAILED_CHECK = "failed-check"  # its bytes differed in a spot check (head/proofs.py): never used again
 
 
 @dataclasses.dataclass
@@ -220,6 +221,9 @@ class Replicas:
             self._failed_probe(r, f"Info: {why}")
             return
         with self._lock:
+            if r.state == ReplicaState.FAILED_CHECK:  # answering again proves nothing of its bytes
+                r.info = info
+                return
             was = r.info
             r.refusal, refusal = self._refusal_locked(r, info)
             r.info, r.refused = info, refusal
@@ -241,6 +245,8 @@ class Replicas:
 
     def _failed_probe(self, r: Replica, why: str) -> None:
         with self._lock:
+            if r.state == ReplicaState.FAILED_CHECK:
+                return
             r.failed_probes += 1
             r.last_error = why
             if r.state in (ReplicaState.UP, ReplicaState.SUSPECT) and r.failed_probes < DOWN_AFTER_PROBES:
@@ -296,6 +302,44 @@ class Replicas:
                     f"{other.address}'s {o.first}-{o.last}: stages must tile the model"
                 )
         return None, ""
+
+    # --- proofs (head/proofs.py) ----------------------------------------------------------------
+
+    def receipt_key(self, address: str) -> bytes | None:
+        """The receipt key the replica at `address` showed in its last Info (None: not known)."""
+        with self._lock:
+            r = self._by_address.get(address)
+            return r.info.receipt_key if r is not None and r.info is not None and r.info.receipt_key else None
+
+    def check_partner(self, address: str) -> pb.Hop | None:
+        """A usable replica of the same layers that computes the same bytes as `address` (numerics,
+        backend and kernels, model file), to replay its steps on; None: there is none."""
+        with self._lock:
+            r = self._by_address.get(address)
+            if r is None or r.range is None or r.info is None:
+                return None
+            same = [
+                o
+                for o in self.replicas
+                if o is not r
+                and o.usable
+                and o.range == r.range
+                and (o.info.numerics, o.info.backend, o.info.kernels, o.info.model_digest)
+                == (r.info.numerics, r.info.backend, r.info.kernels, r.info.model_digest)
+            ]
+            if not same:
+                return None
+            return self._hop_locked(min(same, key=lambda o: (o.load(), o.order)))
+
+    def fail_check(self, address: str, why: str) -> None:
+        """The replica at `address` gave other bytes than a replica in a spot check: no new route
+        takes it (its running sessions fail over at their next error), whatever it answers later."""
+        with self._lock:
+            r = self._by_address.get(address)
+            if r is None:
+                return
+            r.state, r.last_error = ReplicaState.FAILED_CHECK, why
+        self._publish()
 
     def unreadable(self, wire_dtype: int) -> WhyNot | None:
         """Why the head's own route cannot carry rows of this type (a replica that does not read

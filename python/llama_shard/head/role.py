@@ -14,6 +14,7 @@ from ..worker.servicer import ShardServicer
 from .generation import GenerationLoops, HeadHost, Refusal, max_generate_streams
 from .options import HeadOptions
 from .prefix_plans import PrefixPlanner
+from .proofs import RouteProofs
 from .replicas import Replicas
 
 
@@ -51,6 +52,15 @@ class Head:
                 max_generate_streams(config.max_sessions, config.warm_bytes),
                 threads,
             )
+        self.proofs = RouteProofs(
+            servicer.own_receipts,
+            servicer.steps.receipts,
+            servicer.steps.node_key.public,
+            self.replicas,
+            servicer.peers,
+            options.spot_check_rate,
+            registry,
+        )
         host = HeadHost(
             info=info,
             fingerprint=servicer.fingerprint,
@@ -71,6 +81,7 @@ class Head:
             replicas=self.replicas,
             vocab_model=servicer.model,
             wire_dtype=servicer.wire_dtype,
+            proofs=self.proofs,
         )
         self.generation = GenerationLoops(
             host, registry, options.draft, options.max_drafts, draft_model, row_by_row=options.verify == "exact"
@@ -126,6 +137,7 @@ class Head:
             "accepted_tokens": g.metrics.accepted_total,
             "replicas": r.info() if r is not None else [],
             "failovers": r.failovers_total if r is not None else 0,
+            **self.proofs.info_fields(),
         }
 
     # --- the process's ---------------------------------------------------------------------------
@@ -146,3 +158,4 @@ class Head:
             self.generation.draft_model.close()
         if self.replicas is not None:
             self.replicas.stop()
+        self.proofs.close()

@@ -84,6 +84,11 @@ class ShardServiceStub:
                 request_serializer=llama__shard_dot_proto_dot_shard__pb2.DrainRequest.SerializeToString,
                 response_deserializer=llama__shard_dot_proto_dot_shard__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Receipt = channel.unary_unary(
+                '/llama_shard.v1.ShardService/Receipt',
+                request_serializer=llama__shard_dot_proto_dot_shard__pb2.ReceiptRequest.SerializeToString,
+                response_deserializer=llama__shard_dot_proto_dot_shard__pb2.ReceiptReply.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -168,6 +173,15 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Receipt(self, request, context):
+        """A signed receipt of what this worker computed for one request of a session (the steps that
+        carried `nonce` as StepRequest.receipt_nonce), then, chained like a step, the receipts of the
+        workers in `forward`: one per stage, this worker's first. Reading a receipt changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +234,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=llama__shard_dot_proto_dot_shard__pb2.DrainRequest.FromString,
                     response_serializer=llama__shard_dot_proto_dot_shard__pb2.DrainReply.SerializeToString,
+            ),
+            'Receipt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Receipt,
+                    request_deserializer=llama__shard_dot_proto_dot_shard__pb2.ReceiptRequest.FromString,
+                    response_serializer=llama__shard_dot_proto_dot_shard__pb2.ReceiptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +511,33 @@ class ShardService:
             '/llama_shard.v1.ShardService/Drain',
             llama__shard_dot_proto_dot_shard__pb2.DrainRequest.SerializeToString,
             llama__shard_dot_proto_dot_shard__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receipt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llama_shard.v1.ShardService/Receipt',
+            llama__shard_dot_proto_dot_shard__pb2.ReceiptRequest.SerializeToString,
+            llama__shard_dot_proto_dot_shard__pb2.ReceiptReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,3 +37,4 @@ class WorkerOptions:
     share_prefixes: str = "principal"  # whose sessions share prefixes: each principal's own, or "all"
     replicas: tuple[str, ...] = ()  # workers of this one's range it hands its sessions to when drained
     wire_dtype: str = "f32"  # a head: its own route's hidden rows (WIRE_DTYPES) when a request names none
+    receipt_key: str | None = None  # a file with the Ed25519 key receipts are signed with (None: one per process)

@@ -96,12 +96,7 @@ class Peers:
         grpc.RpcError when the peer fails. `assertion`: the one a forwarded step came with (passed
         on unchanged); None: this worker is the head and signs for the principal itself."""
         stub = self._stub(address)
-        metadata = [(VISITED, ",".join(visited))]
-        if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
-            metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
-            signed = assertion if assertion is not None else self.sign(principal)
-            if signed is not None:
-                metadata.append((ON_BEHALF_OF_SIG, signed))
+        metadata = self._metadata(principal, visited, assertion)
         if not batch and len(steps) == 1:
             kind, req = steps[0]
             del req.forward[:]  # a retry sends the same hops once
@@ -115,6 +110,37 @@ class Peers:
             detail = f"worker {address} answered {len(replies)} of {len(steps)} steps"
             return [pb.StepReply(outcome=pb.OUTCOME_INTERNAL, detail=detail) for _ in steps]
         return replies
+
+    def _metadata(self, principal: str, visited: tuple[str, ...], assertion: bytes | None) -> list[tuple]:
+        """A forwarded call's: the workers it passed through, the principal it is for (and the
+        head's assertion of it)."""
+        metadata = [(VISITED, ",".join(visited))]
+        if principal != ANONYMOUS:  # -bin: a principal is any text (a certificate's CN), metadata is ASCII
+            metadata.append((ON_BEHALF_OF, principal.encode("utf-8")))
+            signed = assertion if assertion is not None else self.sign(principal)
+            if signed is not None:
+                metadata.append((ON_BEHALF_OF_SIG, signed))
+        return metadata
+
+    def receipt(
+        self,
+        address: str,
+        request: pb.ReceiptRequest,
+        timeout: float,
+        principal: str = ANONYMOUS,
+        visited: tuple[str, ...] = (),
+        assertion: bytes | None = None,
+    ) -> pb.ReceiptReply:
+        """The receipts of `address` and the hops after it for one request (chained as steps are);
+        raises grpc.RpcError when the peer fails."""
+        return self._stub(address).Receipt(
+            request, timeout=timeout, metadata=self._metadata(principal, visited, assertion)
+        )
+
+    def release(self, address: str, session_id: str, epoch: int, timeout: float) -> pb.SessionReply:
+        """Releases a session this worker opened on `address` as itself (a head's spot check);
+        raises grpc.RpcError when the peer fails."""
+        return self._stub(address).Release(pb.SessionRequest(session_id=session_id, route_epoch=epoch), timeout=timeout)
 
     def info(self, address: str, timeout: float) -> pb.InfoReply:
         """The peer's Info (a probe); raises grpc.RpcError when it does not answer in time."""

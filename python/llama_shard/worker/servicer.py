@@ -31,6 +31,8 @@ from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
 from ..proto.requests import FEATURES, MAX_DRAFTS, MIN_BATCH_TOKENS
 from ..proto.wire import Q8_0_BLOCK, WIRE_DTYPES, tier_name, wire_dtypes_for
+from ..receipts.keys import NodeKey
+from ..receipts.verify import VERSION as RECEIPT_VERSION
 from .admission import RequestBounds, SessionCapRefused, SessionOwners
 from .handover import HANDOVER_TIMEOUT_S, Drainer, HandedIn, HandoverReceiver, SessionMoves
 from .head_slot import HeadSlot, NoHead
@@ -93,6 +95,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             secrets.token_hex(8),  # this worker in VISITED
             self.moves,
             self.handed_in,
+        )
+        if options.receipt_key is not None:
+            self.steps.node_key = NodeKey.load_or_create(options.receipt_key)
+        self.steps.receipt_template = pb.ReceiptBody(
+            version=RECEIPT_VERSION,
+            model_digest=self.model_digest,
+            n_layer=self.info.n_layer,
+            first=self.info.first,
+            last=self.info.last,
+            numerics=manager.config.numerics,
+            backend=f"{self.placement.text(self.info.n_owned_layers)}; {self.placement.kernels}",
+            instance_id=self.instance_id,
         )
         if options.n_batch < MIN_BATCH_TOKENS:
             raise InvalidInputError(
@@ -159,6 +173,16 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         return pb.StepBatchReply(
             replies=self._serve(context, "batch", items, request.forward, batch=True, caller=(principal, assertion))
         )
+
+    def Receipt(self, request, context):
+        principal, assertion = self._caller(context, step=True)
+        remaining = context.time_remaining()
+        remaining = self.max_hop_s if remaining is None else min(remaining, self.max_hop_s)
+        return self.steps.receipt(principal, self._visited(context), request, time.monotonic() + remaining, assertion)
+
+    def own_receipts(self, principal: str, request: pb.ReceiptRequest, deadline: float) -> pb.ReceiptReply:
+        """The head's generation loop's receipts (HeadHost.receipts): its own stage's, then its route's."""
+        return self.steps.receipt(principal, (), request, deadline)
 
     def attach_head(self, head: HeadSlot) -> None:
         self.head = head
@@ -427,6 +451,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             draining=self.moves.draining,
             handover_sessions=self.metrics.handover_total,
             features=FEATURES,
+            receipt_key=self.steps.node_key.public,
             **self.head.info_fields(),
         )
 

@@ -9,6 +9,7 @@ step refused changes no state.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +35,16 @@ from ..errors import (
 from ..proto import shard_pb2 as pb
 from ..proto.requests import MAX_DRAFTS
 from ..proto.wire import call_reconnecting, decode_tensor, encode_tensor, wire_dtype_name, wire_dtypes_for
+from ..receipts.chain import (
+    NONCE_BYTES,
+    CommittedStep,
+    ReceiptChains,
+    answer_of,
+    logits_digest,
+    rows_digest,
+    tokens_digest,
+)
+from ..receipts.keys import NodeKey
 from ..structured.replay import SAMPLER_STATE_MISS
 from .admission import SessionCapRefused, SessionOwners
 from .handover import NOT_HANDED_OVER, HandedIn, SessionMoves
@@ -144,6 +155,11 @@ class StepRunner:
         self.own_addresses = frozenset()  # set by ShardWorker once bound: forwards to these are loops
         self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)
         self.handed_in = handed_in if handed_in is not None else HandedIn(4 * config.max_sessions)
+        # each request's commitments (receipt_nonce), signed by Receipt; a step is at least one token
+        self.receipts = ReceiptChains(4 * config.max_sessions, 4 * config.context_tokens)
+        self.node_key = NodeKey.generate()  # ShardServicer sets the operator's (serve --receipt-key)
+        self.receipt_template = pb.ReceiptBody()  # what this worker is (ShardServicer fills it)
+        self._queued = itertools.count()  # the engine's order of the steps a head records
 
     def run(
         self,
@@ -270,28 +286,110 @@ class StepRunner:
             else:
                 ready.append(entry)
         steps = [step for _, step, _, _ in ready]
-        outs = self.adapter.step_many(steps, self.order.queued) if steps else []
+        queued_at: dict[int, int] = {}  # id(step) -> its place in this worker's engine order
+
+        def queued(qsteps) -> None:
+            for st in qsteps:  # before order.queued lets a session's next step in
+                queued_at[id(st)] = next(self._queued)
+            self.order.queued(qsteps)
+
+        outs = self.adapter.step_many(steps, queued) if steps else []
         computed = []
+        commits: dict[int, CommittedStep] = {}  # steps of a request with a nonce: committed once answered OK
+        orders = {i: queued_at.get(id(step), 0) for i, step, _, _ in ready}
         for (i, step, params, prefix), out in zip(ready, outs):
             if prefix is not None and prefix.store_tokens and isinstance(out, (BoundaryBundle, TailOutput)):
                 try:
                     self.manager.store_prefix(step.session_id, step.route_epoch, prefix.store_key, prefix.store_tokens)
                 except LlamaShardError:
                     pass  # the session moved on since (a newer epoch, another step): nothing is stored
+            req = items[i][1]
             if forward and isinstance(out, BoundaryBundle):
                 try:  # its rows as the wire type asked (q8_0 refuses values beyond its range)
-                    computed.append((i, step.kind, out, encode_tensor(out.hidden, items[i][1].reply_dtype)))
+                    computed.append((i, step.kind, out, encode_tensor(out.hidden, req.reply_dtype)))
                 except LlamaShardError as e:
-                    replies[i] = self._reply(items[i][1], e)
+                    replies[i] = self._reply(req, e)
+                    continue
+                out_digest = rows_digest(computed[-1][3]) if req.receipt_nonce else b""
             else:
-                replies[i] = self._reply(items[i][1], out, params, (step.session_id, step.route_epoch))
+                replies[i] = self._reply(req, out, params, (step.session_id, step.route_epoch))
+                out_digest = (
+                    (rows_digest(replies[i].hidden) if replies[i].HasField("hidden") else _tail_digest(out))
+                    if req.receipt_nonce and isinstance(out, (BoundaryBundle, TailOutput))
+                    else b""
+                )
+            if out_digest:
+                commits[i] = self._committed(step, req, out, out_digest)
         if computed:
             for i, reply in zip(
                 [i for i, _, _, _ in computed],
-                self._forward(principal, items, computed, forward, deadline, batch, visited, prefix_scope, assertion),
+                self._forward(
+                    principal, items, computed, forward, deadline, batch, visited, prefix_scope, assertion, orders
+                ),
             ):
                 replies[i] = reply
+        for i, commit in commits.items():  # only what the whole route answered OK: every stage commits alike
+            if replies[i].outcome == pb.OUTCOME_OK:
+                self.receipts.commit(commit, [] if replies[i].HasField("hidden") else answer_of(replies[i]))
         return replies
+
+    def _committed(self, step: Step, req, out, out_digest: bytes) -> CommittedStep:
+        n = step.n_tokens
+        pos = out.start_pos if isinstance(out, BoundaryBundle) else out.seq_len - n
+        in_digest = rows_digest(req.hidden) if req.HasField("hidden") else tokens_digest(req.token_ids)
+        return CommittedStep((step.session_id, step.route_epoch, req.receipt_nonce), pos, n, in_digest, out_digest)
+
+    def receipt(
+        self, principal: str, visited: tuple[str, ...], request: pb.ReceiptRequest, deadline: float, assertion=None
+    ) -> pb.ReceiptReply:
+        """This worker's signed receipt for a request's committed steps, then (chained like a step)
+        the later stages' in `request.forward`; a stage that has none stops the list (`detail`)."""
+        refusal = self.forward_refusal(request.forward, visited)
+        if refusal is not None:
+            return pb.ReceiptReply(detail=refusal.text)
+        if len(request.nonce) != NONCE_BYTES:
+            return pb.ReceiptReply(detail=f"a receipt's nonce is {NONCE_BYTES} bytes, got {len(request.nonce)}")
+        try:
+            key = self.security.engine_key(principal, request.session_id)
+        except LlamaShardError as e:
+            return pb.ReceiptReply(detail=str(e))
+        commitment = self.receipts.get((key, request.route_epoch, request.nonce))
+        if commitment is None or commitment.overflowed:
+            why = "committed more steps than a receipt holds" if commitment else "committed no step of this request"
+            return pb.ReceiptReply(detail=f"this worker {why} (or forgot it: it keeps the latest requests only)")
+        body = pb.ReceiptBody()
+        body.CopyFrom(self.receipt_template)
+        body.session_id, body.route_epoch, body.nonce = request.session_id, request.route_epoch, request.nonce
+        commitment.fill(body)
+        reply = pb.ReceiptReply(receipts=[self.node_key.sign(body)])
+        if not request.forward:
+            return reply
+        hop = request.forward[0]
+        nxt = pb.ReceiptRequest(
+            session_id=request.session_id,
+            route_epoch=request.route_epoch,
+            nonce=request.nonce,
+            forward=request.forward[1:],
+        )
+        try:
+            later = call_reconnecting(
+                lambda: self.peers.receipt(
+                    hop.address,
+                    nxt,
+                    max(deadline - time.monotonic(), 0.001),
+                    principal,
+                    visited + (self.worker_id,),
+                    assertion,
+                ),
+                deadline,
+            )
+        except grpc.RpcError as e:
+            return pb.ReceiptReply(
+                receipts=reply.receipts, detail=f"worker {hop.address} could not be reached: {e.code().name}", stage=1
+            )
+        reply.receipts.extend(later.receipts)
+        reply.detail, reply.stage = later.detail, later.stage + 1 if later.detail else 0
+        return reply
 
     def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> WhyNot | None:
         """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call
@@ -337,6 +435,7 @@ class StepRunner:
         visited: tuple[str, ...] = (),
         prefix_scope=None,
         assertion: bytes | None = None,
+        orders: dict[int, int] | None = None,
     ) -> list[pb.StepReply]:
         """Sends each computed step's rows to forward[0] (one call: the same RPC, or a StepBatch)
         within the caller's deadline and returns its replies, their stage counted from this worker."""
@@ -354,6 +453,7 @@ class StepRunner:
                 logprobs=req.logprobs,
                 top_logprobs=req.top_logprobs,
                 numerics=self.numerics,
+                receipt_nonce=req.receipt_nonce,
             )
             if req.HasField("sampler"):
                 nxt.sampler.CopyFrom(req.sampler)
@@ -391,6 +491,9 @@ class StepRunner:
                 self.forwarded_bytes[name] = self.forwarded_bytes.get(name, 0) + len(nxt.hidden.data)
         for r in replies:
             r.stage += 1
+        for (i, kind, _, _), (_, nxt), r in zip(computed, nexts, replies):  # a head's spot checks replay these
+            if r.outcome == pb.OUTCOME_OK and self.receipts.recording(nxt.receipt_nonce):
+                self.receipts.keep_sent(nxt.receipt_nonce, (orders or {}).get(i, 0), kind, nxt)
         return replies
 
     def _parse_step(self, kind: StepKind | None, req, principal: str) -> Step:
@@ -406,6 +509,8 @@ class StepRunner:
             )
         if len(req.token_ids) and req.HasField("hidden"):
             raise InvalidInputError("send token_ids or hidden, not both")
+        if req.receipt_nonce and len(req.receipt_nonce) != NONCE_BYTES:
+            raise InvalidInputError(f"a receipt nonce is {NONCE_BYTES} bytes, got {len(req.receipt_nonce)}")
         if req.reply_dtype not in self.wire_dtypes:
             raise InvalidInputError(
                 f"reply_dtype {wire_dtype_name(req.reply_dtype)}: this worker's rows travel as "
@@ -553,3 +658,8 @@ class StepRunner:
             seq_len=out.start_pos + out.hidden.shape[0],
             hidden=encode_tensor(out.hidden, req.reply_dtype),
         )
+
+
+def _tail_digest(out: TailOutput) -> bytes:
+    """A tail step's output: every logit row it computed (a verification's, or the last token's)."""
+    return logits_digest(out.rows if out.rows is not None else out.logits.reshape(1, -1))

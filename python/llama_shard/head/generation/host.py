@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ...proto import shard_pb2 as pb
     from ...worker.prefixes import PrefixNames
     from ...worker.security import ServerSecurity
+    from ..proofs import RouteProofs
     from ..replicas import Replicas
 
 
@@ -56,6 +57,8 @@ class HeadHost:
     vocab_model: object = None
     #: the hidden rows' type on its own route when a Generate request names none (serve --wire-dtype)
     wire_dtype: int = 0
+    #: each request's receipts collected, checked and spot-checked (head/proofs.py; None: no receipts)
+    proofs: "RouteProofs | None" = None
 
     @property
     def max_streams(self) -> int:

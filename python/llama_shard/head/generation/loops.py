@@ -131,6 +131,7 @@ class GenerationLoops:
                 self.row_by_row,
                 route,
                 handed_from,
+                self.host.proofs.open(req) if self.host.proofs is not None else None,
             )
             stream.grammar.by_digest = tail_keeps_grammar(self.host.replicas, route)
             if self.host.replicas is not None:

@@ -213,7 +213,11 @@ class Outcomes:
         s.out.done = True
         final = self._final(s, reason, outcome, stage, detail, miss_reason, stop)
         self.closed(s, reason == "error")
-        s.out.events.put(pb.GenerateEvent(final=final))
+        events = s.out.events
+        if self.host.proofs is not None and s.proof.nonce:  # the final event comes once its receipt is checked
+            self.host.proofs.settle(s, final, lambda f: events.put(pb.GenerateEvent(final=f)))
+        else:
+            events.put(pb.GenerateEvent(final=final))
 
     def _final(
         self, s, reason: str, outcome: int, stage: int, detail: str, miss_reason: str, stop: str

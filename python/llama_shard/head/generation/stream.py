@@ -1,6 +1,7 @@
 """One Generate stream of the head's loop, in parts: its tokens and positions (`Positions`), its
 drafts (`Drafting`), where its steps go (`Placement`), its use of shared prefixes (`PrefixUse`), what
-its reader gets (`StreamOutput`) and its grammar's state at the tail (`GrammarSync`). Changed only by
+its reader gets (`StreamOutput`), its grammar's state at the tail (`GrammarSync`) and its request's
+proof (`RequestProof`: the nonce its receipts are under). Changed only by
 the scheduler's thread that steps it (and `cancel`, from any thread, which only sets a reason).
 
 A new feature of a stream is a part of its own (or a field of the part it belongs to), not a field
@@ -11,6 +12,7 @@ from __future__ import annotations
 from ...engine.hot_kv import StepKind
 from ...proto import shard_pb2 as pb
 from ...structured.replay import GrammarSync
+from ..proofs import RequestProof
 from .drafting import Drafting
 from .output import StreamOutput
 from .placement import Placement
@@ -34,6 +36,7 @@ class Stream:
         "prefix",
         "out",
         "grammar",
+        "proof",
     )
 
     def __init__(
@@ -52,6 +55,7 @@ class Stream:
         row_by_row: bool = True,
         route: list[pb.Hop] | None = None,
         handed_from: list[str] | None = None,
+        proof: RequestProof | None = None,
     ):
         self.principal, self.key, self.req = principal, key, req
         self.params = params  # the sampler's (None: greedy without a sampler)
@@ -63,6 +67,7 @@ class Stream:
         self.prefix = PrefixUse()
         self.out = StreamOutput(detokenize, events)
         self.grammar = GrammarSync()  # with a grammar: whether the tail holds its state (else a replay)
+        self.proof = proof if proof is not None else RequestProof(b"", False, False)  # its receipt's nonce
 
     @property
     def done(self) -> bool:
@@ -99,6 +104,7 @@ class Stream:
             position=start,
             draft_tokens=drafts,
             row_by_row=bool(drafts) and self.drafting.row_by_row,
+            receipt_nonce=self.proof.nonce,
         )
         if self.place.handed_from:
             req.handed_from.extend(["", *self.place.handed_from])  # the head's own stage never changes

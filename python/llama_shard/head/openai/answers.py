@@ -94,7 +94,7 @@ async def streamed(
             await send(fmt.tool_chunk(delta))
         if calls.calls and finish == "stop":
             finish = "tool_calls"
-    await send(fmt.chunk(tail or None, finish, None))
+    await send({**fmt.chunk(tail or None, finish, None), **fmt.proof(final)})
     if include_usage:
         await send(fmt.usage_chunk(fmt.usage(final)))
     await write(request, response, b"data: [DONE]\n\n")
@@ -135,7 +135,8 @@ async def whole(
         if calls and finish == "stop":
             finish = "tool_calls"
     return web.json_response(
-        fmt.whole(content, finish, lp_items, fmt.usage(final), calls), headers={"X-Session-Id": req.session_id}
+        {**fmt.whole(content, finish, lp_items, fmt.usage(final), calls), **fmt.proof(final)},
+        headers={"X-Session-Id": req.session_id},
     )
 
 

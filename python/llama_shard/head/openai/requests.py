@@ -53,6 +53,7 @@ PARAMETERS = (
     Parameter("seed", BOTH, "the same seed and request give the same tokens, on any route and after a failover"),
     Parameter("stop", BOTH, "up to 16 strings (at most 256 characters each); never part of the answer"),
     Parameter("n", BOTH, "1 only (one choice per request)"),
+    Parameter("receipt", BOTH, "llama-shard's: true adds the route's signed receipt (base64, `receipt`) to the answer"),
     Parameter("logprobs", BOTH, "chat: true for each token's log-probability; completions: how many alternatives"),
     Parameter("top_logprobs", ("chat",), "0 to 20 alternatives per token (needs logprobs)"),
     Parameter("echo", ("completions",), "false only"),
@@ -315,6 +316,7 @@ def generate_request(
         logprobs=logprobs,
         top_logprobs=top,
     )
+    req.receipt = flag(body, "receipt")
     max_drafts = number(body, "max_drafts", 0, INT32_MAX, integer=True)  # speculation: 0 off, else up to k
     if max_drafts is not None:
         req.max_drafts = max_drafts

@@ -3,6 +3,7 @@ shapes."""
 
 from __future__ import annotations
 
+import base64
 import codecs
 
 
@@ -119,6 +120,16 @@ class CompletionFormat:
             "choices": [choice],
             "usage": usage,
         }
+
+    @staticmethod
+    def proof(final) -> dict:
+        """llama-shard's fields of a final answer: the receipt's verdict, and the receipt (base64) when
+        the request asked for it (`llama-shard verify-receipt` reads the saved answer)."""
+        shown = final.receipt or (final.receipt_verdict and final.receipt_verdict != "verified")
+        out = {"receipt_verdict": final.receipt_verdict} if shown else {}
+        if final.receipt:
+            out["receipt"] = base64.b64encode(final.receipt).decode("ascii")
+        return out
 
     @staticmethod
     def usage(final) -> dict:

@@ -1,0 +1,278 @@
+"""A head's proofs of its route's work, per Generate request (docs/security.md, "Receipts and spot
+checks"):
+
+- every request carries a fresh nonce (`RequestProof`); every worker commits to the bytes its steps
+  took in and sent out under it (receipts/chain.py). When the request ends, the head collects the
+  route's signed receipts (one chained call), checks them against each other and against the keys
+  its workers showed it (receipts/verify.py), and answers with its verdict (and the receipt when
+  asked) in the final event;
+- at `spot_check_rate`, it also keeps the steps it sent to its first later stage and replays them,
+  as they were, on a route of other replicas of the same layers, numerics and backend, then demands
+  that each replica's commitments equal the route's: equal bytes, not a tolerance. A worker whose
+  bytes differ is out of routes (Replicas.fail_check) and counted.
+
+The work runs on a small pool of its own, after the stream's last token: a stream's scheduler never
+waits for a receipt, and a reader gets its final event once its receipt is checked."""
+
+from __future__ import annotations
+
+import random
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from prometheus_client import Counter
+
+from ..proto import shard_pb2 as pb
+from ..receipts.chain import NONCE_BYTES, ReceiptChains
+from ..receipts.verify import check_route, stage_bodies
+
+#: how long collecting a route's receipts, or one replayed step, may take
+RECEIPT_TIMEOUT_S = 10.0
+#: requests whose proofs are checked at once (the rest wait their turn in the pool's queue)
+PROOF_THREADS = 2
+VERIFIED = "verified"
+
+
+class RequestProof:
+    """A stream's part: its request's nonce, whether its caller wants the receipt, whether its
+    steps are kept for a spot check."""
+
+    __slots__ = ("nonce", "wanted", "spot_check")
+
+    def __init__(self, nonce: bytes, wanted: bool, spot_check: bool):
+        self.nonce, self.wanted, self.spot_check = nonce, wanted, spot_check
+
+
+def _log(message: str) -> None:
+    print(f"llama-shard head: {message}", file=sys.stderr, flush=True)
+
+
+class RouteProofs:
+    """Collects, checks and spot-checks the receipts of a head's requests.
+
+    `receipts(principal, request, deadline)`: the head's own stage's receipt, then its route's
+    (ShardServicer.own_receipts); `recorder`: the head's StepRunner's ReceiptChains (the steps it
+    sent on); `own_key`: the head's receipt key; `replicas`: the later stages (None: a head alone);
+    `peers`: how the head reaches them."""
+
+    def __init__(
+        self,
+        receipts: Callable[[str, pb.ReceiptRequest, float], pb.ReceiptReply],
+        recorder: ReceiptChains,
+        own_key: bytes,
+        replicas,
+        peers,
+        spot_check_rate: float = 0.0,
+        registry=None,
+    ):
+        self.receipts, self.recorder, self.own_key = receipts, recorder, own_key
+        self.replicas, self.peers = replicas, peers
+        self.spot_check_rate = spot_check_rate
+        self._pool = ThreadPoolExecutor(PROOF_THREADS, thread_name_prefix="proofs")
+        self._lock = threading.Lock()
+        self.spot_checks = self.spot_check_failures = self.receipt_failures = 0
+        self._outcomes = (
+            Counter(
+                "llama_shard_spot_checks",
+                "Requests the head replayed on other replicas, by outcome (equal, mismatch, unchecked)",
+                ["outcome"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+        self._receipts = (
+            Counter(
+                "llama_shard_receipts", "Route receipts the head checked, by verdict", ["verdict"], registry=registry
+            )
+            if registry is not None
+            else None
+        )
+
+    def open(self, req: pb.GenerateRequest) -> RequestProof:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        spot = self.spot_check_rate > 0 and random.random() < self.spot_check_rate
+        if spot:
+            self.recorder.record(nonce)
+        return RequestProof(nonce, req.receipt, spot)
+
+    def settle(self, s, final: pb.GenerateFinal, put: Callable[[pb.GenerateFinal], None]) -> None:
+        """Checks a finished stream's receipts (and spot-checks it when chosen) on the pool, then
+        `put`s its final event with the verdict. Only a request that ended as asked (stop, length) on
+        the route it started on has receipts to check."""
+        proof = s.proof
+        if final.finish_reason not in ("stop", "length"):
+            self.recorder.recorded(proof.nonce)
+            put(final)
+            return
+        if s.place.failovers or s.place.moves:
+            self.recorder.recorded(proof.nonce)
+            final.receipt_verdict = "not verified: the route changed during the request (a failover or a move)"
+            put(final)
+            return
+        route = list(s.place.route)
+        request = pb.ReceiptRequest(
+            session_id=s.req.session_id, route_epoch=s.req.route_epoch, nonce=proof.nonce, forward=route
+        )
+
+        def work() -> None:
+            try:
+                receipt, verdict = self._collect(s.principal, request, route)
+                if proof.spot_check:
+                    if verdict == VERIFIED:
+                        receipt.spot_checks.extend(self._spot_check(route, receipt, proof.nonce))
+                    else:
+                        self.recorder.recorded(proof.nonce)
+                final.receipt_verdict = verdict
+                if proof.wanted:
+                    final.receipt = receipt.SerializeToString(deterministic=True)
+            except Exception as e:  # noqa: BLE001 - the reader gets its final event whatever failed here
+                final.receipt_verdict = f"not verified: {type(e).__name__}: {e}"
+            finally:
+                put(final)
+
+        self._pool.submit(work)
+
+    # --- receipts ------------------------------------------------------------------------------
+
+    def _keys(self, route: list[pb.Hop]) -> list[bytes | None]:
+        keys: list[bytes | None] = [self.own_key]
+        for hop in route:
+            keys.append(self.replicas.receipt_key(hop.address) if self.replicas is not None else None)
+        return keys
+
+    def _collect(self, principal: str, request: pb.ReceiptRequest, route) -> tuple[pb.RouteReceipt, str]:
+        reply = self.receipts(principal, request, time.monotonic() + RECEIPT_TIMEOUT_S)
+        receipt = pb.RouteReceipt(nonce=request.nonce, stages=reply.receipts)
+        if reply.detail:
+            verdict = f"not verified: stage {reply.stage} gave no receipt: {reply.detail}"
+        else:
+            problems = check_route(receipt, keys=self._keys(route), nonce=request.nonce)
+            verdict = VERIFIED if not problems else "not verified: " + "; ".join(problems[:4])
+        if verdict != VERIFIED:
+            with self._lock:
+                self.receipt_failures += 1
+            _log(f"a route receipt did not verify (route {[h.address for h in route]}): {verdict}")
+        if self._receipts is not None:
+            self._receipts.labels("verified" if verdict == VERIFIED else "failed").inc()
+        return receipt, verdict
+
+    # --- spot checks ---------------------------------------------------------------------------
+
+    def _spot_check(self, route: list[pb.Hop], receipt: pb.RouteReceipt, nonce: bytes) -> list[pb.SpotCheck]:
+        steps = self.recorder.recorded(nonce)
+        checks = [pb.SpotCheck(stage=i, worker=hop.address) for i, hop in enumerate(route, start=1)]
+        why = self._unreplayable(route, steps)
+        partners = [self.replicas.check_partner(hop.address) if self.replicas is not None else None for hop in route]
+        if why is None and not any(partners):
+            why = "no other replica of its layers on the same backend and numerics"
+        if why is not None:
+            return self._counted(checks, f"unchecked: {why}")
+        check_route = [p or hop for p, hop in zip(partners, route)]
+        for c, p in zip(checks, partners):
+            c.replica = p.address if p is not None else ""
+        replayed = self._replay(check_route, steps)
+        if isinstance(replayed, str):
+            return self._counted(checks, f"unchecked: {replayed}")
+        bodies, _ = stage_bodies(receipt)
+        mine, problems = stage_bodies(replayed)
+        if problems or len(mine) != len(route):
+            return self._counted(checks, "unchecked: the replicas' receipts do not verify")
+        for i, (c, orig, again) in enumerate(zip(checks, bodies[1:], mine)):
+            if again.in_chain != orig.in_chain:  # an earlier stage's rows differed: reported there
+                c.outcome = "unchecked: its input differed in the replay"
+            elif again.out_chain != orig.out_chain or again.answer_chain != orig.answer_chain:
+                c.outcome = "mismatch"
+            elif partners[i] is None:
+                c.outcome = "unchecked: replayed on the same worker (no other replica): it repeats itself"
+            else:
+                c.outcome = "equal"
+        for c in checks:
+            if c.outcome == "mismatch":
+                detail = f"its bytes differed from {c.replica or 'its own'} in a spot check"
+                _log(f"worker {c.worker} (stage {c.stage}) failed a spot check: {detail}; out of routes")
+                if self.replicas is not None:
+                    self.replicas.fail_check(c.worker, detail)
+        return self._counted(checks, None)
+
+    def _counted(self, checks: list[pb.SpotCheck], outcome: str | None) -> list[pb.SpotCheck]:
+        for c in checks:
+            if outcome is not None:
+                c.outcome = outcome
+        failed = any(c.outcome == "mismatch" for c in checks)
+        with self._lock:
+            self.spot_checks += 1
+            self.spot_check_failures += failed
+        if self._outcomes is not None:
+            label = "mismatch" if failed else "equal" if any(c.outcome == "equal" for c in checks) else "unchecked"
+            self._outcomes.labels(label).inc()
+        return checks
+
+    @staticmethod
+    def _unreplayable(route: list[pb.Hop], steps: list | None) -> str | None:
+        """Why the kept steps cannot be replayed on another replica (None: they can)."""
+        if not route:
+            return "the head has no later stage"
+        if not steps:
+            return "its steps were not kept (pushed out by newer requests)"
+        first = steps[0][1]
+        if not first.HasField("position") or first.position != 0:
+            return "the request continued its session (its first positions came from an earlier request)"
+        if any(req.HasField("prefix") and req.prefix.open_tokens for _, req in steps):
+            return "the request opened a shared prefix"
+        if any(req.HasField("sampler") and len(req.sampler.generated_digest) for _, req in steps):
+            return "the tail kept its grammar's state (a replica holds none)"
+        return None
+
+    def _replay(self, route: list[pb.Hop], steps: list) -> pb.RouteReceipt | str:
+        """Sends the kept steps as they were down `route` as a new session of the head's own, then
+        reads their receipts; the receipts, or why the replay did not complete. The session is
+        released everywhere afterwards."""
+        session_id = f"spot-check-{secrets.token_hex(8)}"
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        first, rest = route[0], route[1:]
+        try:
+            for kind, sent in steps:
+                req = pb.StepRequest()
+                req.CopyFrom(sent)
+                req.session_id, req.route_epoch, req.receipt_nonce = session_id, 1, nonce
+                req.recipe_fingerprint = first.recipe_fingerprint
+                req.ClearField("prefix")  # nothing is stored for a check
+                del req.handed_from[:]
+                req.follows = False  # sent one after another
+                [reply] = self.peers.call(first.address, [(kind, req)], rest, RECEIPT_TIMEOUT_S, False)
+                if reply.outcome != pb.OUTCOME_OK:
+                    name = pb.Outcome.Name(reply.outcome)
+                    return f"stage {reply.stage + 1} of the replay answered {name}: {reply.detail[:200]}"
+            got = self.peers.receipt(
+                first.address,
+                pb.ReceiptRequest(session_id=session_id, route_epoch=1, nonce=nonce, forward=rest),
+                RECEIPT_TIMEOUT_S,
+            )
+            if got.detail:
+                return f"stage {got.stage + 1} of the replay gave no receipt: {got.detail}"
+            return pb.RouteReceipt(nonce=nonce, stages=got.receipts)
+        except grpc.RpcError as e:
+            return f"the replay could not reach its route: {e.code().name}"
+        finally:
+            for hop in route:
+                try:
+                    self.peers.release(hop.address, session_id, 1, RECEIPT_TIMEOUT_S)
+                except grpc.RpcError:
+                    pass  # its TTL frees it
+
+    def info_fields(self) -> dict:
+        with self._lock:
+            return {
+                "spot_checks": self.spot_checks,
+                "spot_check_failures": self.spot_check_failures,
+                "receipt_failures": self.receipt_failures,
+            }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=False)
