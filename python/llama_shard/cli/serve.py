@@ -183,6 +183,7 @@ def head_options_of(args: argparse.Namespace):
         max_drafts=args.max_drafts,
         draft_model=args.draft_model,
         verify=args.draft_verify,
+        receipts=args.receipts,
         spot_check_rate=args.spot_check_rate,
     )
 

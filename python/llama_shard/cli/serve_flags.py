@@ -443,6 +443,13 @@ def _proof_flags(sv: argparse.ArgumentParser) -> None:
         "(mode 0600); default: a new key per process (shown in Info as receipt_key)",
     )
     g.add_argument(
+        "--no-receipts",
+        dest="receipts",
+        action="store_false",
+        help="a head: its requests carry no nonce, so no worker commits to their bytes and no receipt "
+        "is collected (what receipts cost is measured against this: benchmarks/bench.py --sections proofs)",
+    )
+    g.add_argument(
         "--spot-check-rate",
         type=share,
         default=0.0,

@@ -33,6 +33,7 @@ class HeadOptions:
     draft_model: str | None = None  # a small GGUF of the same vocabulary whose greedy tokens are the drafts
     verify: str = "exact"  # how the route computes a verification (VERIFY_MODES)
     mesh: MeshView | None = None  # the mesh this head plans (serve --mesh-members): members join its route
+    receipts: bool = True  # every request's route commits to its bytes and signs receipts (serve --no-receipts: off)
     spot_check_rate: float = 0.0  # the share of requests replayed on other replicas, demanding equal bytes
 
     def check(self, first_layer: int, last_layer: int) -> None:
@@ -42,6 +43,8 @@ class HeadOptions:
         if self.draft not in DRAFT_SOURCES:
             raise InvalidInputError(f"draft source {self.draft!r}: one of {', '.join(DRAFT_SOURCES)}")
         check_max_drafts(self.max_drafts)
+        if self.spot_check_rate and not self.receipts:
+            raise InvalidInputError("--spot-check-rate compares receipts: it needs them (leave out --no-receipts)")
         if not 0.0 <= self.spot_check_rate <= 1.0:
             raise InvalidInputError(f"--spot-check-rate is a share of requests in [0, 1], not {self.spot_check_rate}")
         if self.draft_model is not None and self.draft == "off":

@@ -192,19 +192,43 @@ class RouteProofs:
                 c.outcome = "unchecked: replayed on the same worker (no other replica): it repeats itself"
             else:
                 c.outcome = "equal"
-        for c in checks:
+        for i, c in enumerate(checks):
             if c.outcome == "mismatch":
-                detail = f"its bytes differed from {c.replica or 'its own'} in a spot check"
-                _log(f"worker {c.worker} (stage {c.stage}) failed a spot check: {detail}; out of routes")
-                if self.replicas is not None:
-                    self.replicas.fail_check(c.worker, detail)
+                self._blame(c, bodies[i + 1], mine[i], check_route, i, steps)
         return self._counted(checks, None)
+
+    def _blame(self, c: pb.SpotCheck, orig: pb.ReceiptBody, again: pb.ReceiptBody, route, i: int, steps) -> None:
+        """Two workers of a stage gave other bytes for the same input: a third replica of equal
+        bytes, where there is one, says which (the one it disagrees with is out of routes); without
+        one, both are (each may be the one that lies). A worker that replayed on itself is out."""
+        if not c.replica:
+            blamed = [c.worker]
+        else:
+            third = self.replicas.check_partner(c.worker, avoid=(c.replica,))
+            blamed = [c.worker, c.replica]
+            if third is not None:
+                replayed = self._replay([*route[:i], third, *route[i + 1 :]], steps)
+                bodies = stage_bodies(replayed)[0] if not isinstance(replayed, str) else []
+                if len(bodies) == len(route) and bodies[i].in_chain == orig.in_chain:
+                    same = lambda a, b: (a.out_chain, a.answer_chain) == (b.out_chain, b.answer_chain)  # noqa: E731
+                    if same(bodies[i], orig):
+                        blamed = [c.replica]
+                    elif same(bodies[i], again):
+                        blamed = [c.worker]
+                c.outcome = f"mismatch (arbitrated by {third.address}: {', '.join(blamed)} out of routes)"
+        for address in blamed:
+            detail = (
+                f"its bytes differed in a spot check of stage {c.stage} ({c.worker} against {c.replica or 'itself'})"
+            )
+            _log(f"worker {address} failed a spot check: {detail}; out of routes")
+            if self.replicas is not None:
+                self.replicas.fail_check(address, detail)
 
     def _counted(self, checks: list[pb.SpotCheck], outcome: str | None) -> list[pb.SpotCheck]:
         for c in checks:
             if outcome is not None:
                 c.outcome = outcome
-        failed = any(c.outcome == "mismatch" for c in checks)
+        failed = any(c.outcome.startswith("mismatch") for c in checks)
         with self._lock:
             self.spot_checks += 1
             self.spot_check_failures += failed

@@ -311,9 +311,9 @@ class Replicas:
             r = self._by_address.get(address)
             return r.info.receipt_key if r is not None and r.info is not None and r.info.receipt_key else None
 
-    def check_partner(self, address: str) -> pb.Hop | None:
+    def check_partner(self, address: str, avoid: tuple[str, ...] = ()) -> pb.Hop | None:
         """A usable replica of the same layers that computes the same bytes as `address` (numerics,
-        backend and kernels, model file), to replay its steps on; None: there is none."""
+        backend and kernels, model file), to replay its steps on (none of `avoid`); None: there is none."""
         with self._lock:
             r = self._by_address.get(address)
             if r is None or r.range is None or r.info is None:
@@ -322,6 +322,7 @@ class Replicas:
                 o
                 for o in self.replicas
                 if o is not r
+                and o.address not in avoid
                 and o.usable
                 and o.range == r.range
                 and (o.info.numerics, o.info.backend, o.info.kernels, o.info.model_digest)

@@ -52,14 +52,18 @@ class Head:
                 max_generate_streams(config.max_sessions, config.warm_bytes),
                 threads,
             )
-        self.proofs = RouteProofs(
-            servicer.own_receipts,
-            servicer.steps.receipts,
-            servicer.steps.node_key.public,
-            self.replicas,
-            servicer.peers,
-            options.spot_check_rate,
-            registry,
+        self.proofs = (
+            None
+            if not options.receipts
+            else RouteProofs(
+                servicer.own_receipts,
+                servicer.steps.receipts,
+                servicer.steps.node_key.public,
+                self.replicas,
+                servicer.peers,
+                options.spot_check_rate,
+                registry,
+            )
         )
         host = HeadHost(
             info=info,
@@ -137,7 +141,7 @@ class Head:
             "accepted_tokens": g.metrics.accepted_total,
             "replicas": r.info() if r is not None else [],
             "failovers": r.failovers_total if r is not None else 0,
-            **self.proofs.info_fields(),
+            **(self.proofs.info_fields() if self.proofs is not None else {}),
         }
 
     # --- the process's ---------------------------------------------------------------------------
@@ -158,4 +162,5 @@ class Head:
             self.generation.draft_model.close()
         if self.replicas is not None:
             self.replicas.stop()
-        self.proofs.close()
+        if self.proofs is not None:
+            self.proofs.close()
