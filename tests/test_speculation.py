@@ -636,10 +636,10 @@ def test_a_step_that_overtakes_the_one_before_it_waits_for_it(monkeypatch):
     import time
 
     from llama_shard.engine.hot_kv import Step
-    from llama_shard.worker import steps
-    from llama_shard.worker.steps import ORDER_GAP_MAX, SessionOrder
+    from llama_shard.worker import session_order
+    from llama_shard.worker.session_order import ORDER_GAP_MAX, SessionOrder
 
-    monkeypatch.setattr(steps, "ORDER_WAIT_S", 30.0)  # the waits below end by the steps queued, not by time
+    monkeypatch.setattr(session_order, "ORDER_WAIT_S", 30.0)  # the waits below end by the steps queued, not by time
     order = SessionOrder(cap=4, max_waiting=1)
     far = time.monotonic() + 30
     a = Step.prefill("s", 0, [1, 2, 3], None, 10)

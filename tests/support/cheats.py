@@ -108,7 +108,7 @@ def cheating_worker(model: Path, first: int, last: int, cheat: str, honest_info,
     if cheat == "skip_layer":  # it says it is what it replaces
         servicer.info = servicer.steps.info = _Claimed(servicer.info, first)
         servicer.fingerprint = servicer.steps.fingerprint = honest_info.recipe_fingerprint
-        servicer.steps.receipt_template.first = first
+        servicer.receipt_signer.template.first = first
     if cheat == "other_quant":
-        servicer.model_digest = servicer.steps.receipt_template.model_digest = honest_info.model_digest
+        servicer.model_digest = servicer.receipt_signer.template.model_digest = honest_info.model_digest
     return worker.start()

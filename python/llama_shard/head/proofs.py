@@ -48,6 +48,9 @@ class RequestProof:
         self.nonce, self.wanted, self.spot_check = nonce, wanted, spot_check
 
 
+NO_PROOF = RequestProof(b"", False, False)  # a head without receipts (serve --no-receipts)
+
+
 def _log(message: str) -> None:
     print(f"llama-shard head: {message}", file=sys.stderr, flush=True)
 
@@ -105,7 +108,7 @@ class RouteProofs:
         """Checks a finished stream's receipts (and spot-checks it when chosen) on the pool, then
         `put`s its final event with the verdict. Only a request that ended as asked (stop, length) on
         the route it started on has receipts to check."""
-        proof = s.proof
+        proof = s.out.proof
         if final.finish_reason not in ("stop", "length"):
             self.recorder.recorded(proof.nonce)
             put(final)

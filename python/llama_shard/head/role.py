@@ -58,7 +58,7 @@ class Head:
             else RouteProofs(
                 servicer.own_receipts,
                 servicer.steps.receipts,
-                servicer.steps.node_key.public,
+                servicer.receipt_signer.key.public,
                 self.replicas,
                 servicer.peers,
                 options.spot_check_rate,

@@ -40,6 +40,7 @@ from .metrics import StepMetrics
 from .options import WorkerOptions
 from .peers import MAX_FORWARD_HOPS, VISITED, Peers
 from .prefixes import PrefixNames
+from .receipts import ReceiptSigner
 from .sampling import TailSamplers
 from .steps import StepRunner
 
@@ -96,18 +97,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.moves,
             self.handed_in,
         )
-        if options.receipt_key is not None:
-            self.steps.node_key = NodeKey.load_or_create(options.receipt_key)
-        self.steps.receipt_template = pb.ReceiptBody(
-            version=RECEIPT_VERSION,
-            model_digest=self.model_digest,
-            n_layer=self.info.n_layer,
-            first=self.info.first,
-            last=self.info.last,
-            numerics=manager.config.numerics,
-            backend=f"{self.placement.text(self.info.n_owned_layers)}; {self.placement.kernels}",
-            instance_id=self.instance_id,
-        )
+        self.receipt_signer = self._receipt_signer(options.receipt_key)
         if options.n_batch < MIN_BATCH_TOKENS:
             raise InvalidInputError(
                 f"batch is {options.n_batch}: a worker computes steps of up to {MIN_BATCH_TOKENS} "
@@ -136,6 +126,22 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             sign=self.security.assertion,
             instance_id=self.instance_id,
         )
+
+    def _receipt_signer(self, key_file: str | None) -> ReceiptSigner:
+        """What this worker signs its receipts as, with the operator's key (serve --receipt-key) or
+        one of this process."""
+        key = NodeKey.load_or_create(key_file) if key_file is not None else NodeKey.generate()
+        template = pb.ReceiptBody(
+            version=RECEIPT_VERSION,
+            model_digest=self.model_digest,
+            n_layer=self.info.n_layer,
+            first=self.info.first,
+            last=self.info.last,
+            numerics=self.manager.config.numerics,
+            backend=f"{self.placement.text(self.info.n_owned_layers)}; {self.placement.kernels}",
+            instance_id=self.instance_id,
+        )
+        return ReceiptSigner(self.steps, key, template)
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -178,11 +184,13 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         principal, assertion = self._caller(context, step=True)
         remaining = context.time_remaining()
         remaining = self.max_hop_s if remaining is None else min(remaining, self.max_hop_s)
-        return self.steps.receipt(principal, self._visited(context), request, time.monotonic() + remaining, assertion)
+        return self.receipt_signer.sign(
+            principal, self._visited(context), request, time.monotonic() + remaining, assertion
+        )
 
     def own_receipts(self, principal: str, request: pb.ReceiptRequest, deadline: float) -> pb.ReceiptReply:
         """The head's generation loop's receipts (HeadHost.receipts): its own stage's, then its route's."""
-        return self.steps.receipt(principal, (), request, deadline)
+        return self.receipt_signer.sign(principal, (), request, deadline)
 
     def attach_head(self, head: HeadSlot) -> None:
         self.head = head
@@ -451,7 +459,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             draining=self.moves.draining,
             handover_sessions=self.metrics.handover_total,
             features=FEATURES,
-            receipt_key=self.steps.node_key.public,
+            receipt_key=self.receipt_signer.key.public,
             **self.head.info_fields(),
         )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from typing import NamedTuple
 
 import grpc
@@ -44,7 +43,6 @@ from ..receipts.chain import (
     rows_digest,
     tokens_digest,
 )
-from ..receipts.keys import NodeKey
 from ..structured.replay import SAMPLER_STATE_MISS
 from .admission import SessionCapRefused, SessionOwners
 from .handover import NOT_HANDED_OVER, HandedIn, SessionMoves
@@ -52,6 +50,7 @@ from .peers import MAX_FORWARD_HOPS, Peers
 from .prefixes import PREFIX_BLOCK_TOKENS, PrefixNames, block_keys
 from .sampling import SamplerStateMissing, StepSamplingChecks, TailSamplers, log_softmax_of, verify
 from .security import ServerSecurity
+from .session_order import SessionOrder
 
 
 class PrefixSteps(NamedTuple):
@@ -62,64 +61,6 @@ class PrefixSteps(NamedTuple):
     open_key: int
     store_tokens: int
     store_key: int
-
-
-#: the longest a step that starts past the end of its session's last step queued here waits for the
-#: step before it (a pipelined stream's windows travel in separate calls, which may arrive out of order)
-ORDER_WAIT_S = 1.0
-#: a step waits so only when it starts at most this far past that end (the steps a head keeps in
-#: flight: at most 4 of at most 256 tokens, generation/loops.py MAX_WINDOWS and stream.GENERATE_CHUNK),
-#: not for a position further on (answered at once, as ever)
-ORDER_GAP_MAX = 1024
-
-
-class SessionOrder:
-    """Where each session's last step queued here ends, so that a step sent while the one before it
-    was in flight (`StepRequest.follows`), which starts further on, waits (at most ORDER_WAIT_S) for
-    that step to be queued: the engine runs a session's steps in the order they were queued, and a
-    pipelined stream's next window may overtake the one before it between two workers. A session
-    this worker has not seen, a step at or before that end, or one more than ORDER_GAP_MAX past it
-    never waits, nor does any step while `max_waiting` others wait. Bounded: the least recently
-    stepped sessions are forgotten past `cap`."""
-
-    def __init__(self, cap: int, max_waiting: int):
-        self._cap, self._max_waiting = cap, max_waiting
-        self._waiting = 0
-        self._ends: OrderedDict[str, int] = OrderedDict()
-        self._cond = threading.Condition()
-
-    @staticmethod
-    def _start(step: Step) -> int | None:
-        return step.start_pos if step.kind == StepKind.PREFILL else step.expected_seq_len
-
-    def wait_turn(self, steps: list[Step], deadline: float) -> None:
-        until = min(deadline, time.monotonic() + ORDER_WAIT_S)
-        with self._cond:
-            for step in steps:
-                start = self._start(step)
-                while start is not None and self._waiting < self._max_waiting:
-                    end = self._ends.get(step.session_id)
-                    left = until - time.monotonic()
-                    if end is None or start <= end or start - end > ORDER_GAP_MAX or left <= 0:
-                        break
-                    self._waiting += 1
-                    try:
-                        self._cond.wait(left)
-                    finally:
-                        self._waiting -= 1
-
-    def queued(self, steps: list[Step]) -> None:
-        with self._cond:
-            for step in steps:
-                start = self._start(step)
-                if start is None:  # appended where the session ends: not known here
-                    self._ends.pop(step.session_id, None)
-                    continue
-                self._ends[step.session_id] = start + step.n_tokens
-                self._ends.move_to_end(step.session_id)
-            while len(self._ends) > self._cap:
-                self._ends.popitem(last=False)
-            self._cond.notify_all()
 
 
 class StepRunner:
@@ -157,8 +98,6 @@ class StepRunner:
         self.handed_in = handed_in if handed_in is not None else HandedIn(4 * config.max_sessions)
         # each request's commitments (receipt_nonce), signed by Receipt; a step is at least one token
         self.receipts = ReceiptChains(4 * config.max_sessions, 4 * config.context_tokens)
-        self.node_key = NodeKey.generate()  # ShardServicer sets the operator's (serve --receipt-key)
-        self.receipt_template = pb.ReceiptBody()  # what this worker is (ShardServicer fills it)
         self._queued = itertools.count()  # the engine's order of the steps a head records
 
     def run(
@@ -338,58 +277,6 @@ class StepRunner:
         pos = out.start_pos if isinstance(out, BoundaryBundle) else out.seq_len - n
         in_digest = rows_digest(req.hidden) if req.HasField("hidden") else tokens_digest(req.token_ids)
         return CommittedStep((step.session_id, step.route_epoch, req.receipt_nonce), pos, n, in_digest, out_digest)
-
-    def receipt(
-        self, principal: str, visited: tuple[str, ...], request: pb.ReceiptRequest, deadline: float, assertion=None
-    ) -> pb.ReceiptReply:
-        """This worker's signed receipt for a request's committed steps, then (chained like a step)
-        the later stages' in `request.forward`; a stage that has none stops the list (`detail`)."""
-        refusal = self.forward_refusal(request.forward, visited)
-        if refusal is not None:
-            return pb.ReceiptReply(detail=refusal.text)
-        if len(request.nonce) != NONCE_BYTES:
-            return pb.ReceiptReply(detail=f"a receipt's nonce is {NONCE_BYTES} bytes, got {len(request.nonce)}")
-        try:
-            key = self.security.engine_key(principal, request.session_id)
-        except LlamaShardError as e:
-            return pb.ReceiptReply(detail=str(e))
-        commitment = self.receipts.get((key, request.route_epoch, request.nonce))
-        if commitment is None or commitment.overflowed:
-            why = "committed more steps than a receipt holds" if commitment else "committed no step of this request"
-            return pb.ReceiptReply(detail=f"this worker {why} (or forgot it: it keeps the latest requests only)")
-        body = pb.ReceiptBody()
-        body.CopyFrom(self.receipt_template)
-        body.session_id, body.route_epoch, body.nonce = request.session_id, request.route_epoch, request.nonce
-        commitment.fill(body)
-        reply = pb.ReceiptReply(receipts=[self.node_key.sign(body)])
-        if not request.forward:
-            return reply
-        hop = request.forward[0]
-        nxt = pb.ReceiptRequest(
-            session_id=request.session_id,
-            route_epoch=request.route_epoch,
-            nonce=request.nonce,
-            forward=request.forward[1:],
-        )
-        try:
-            later = call_reconnecting(
-                lambda: self.peers.receipt(
-                    hop.address,
-                    nxt,
-                    max(deadline - time.monotonic(), 0.001),
-                    principal,
-                    visited + (self.worker_id,),
-                    assertion,
-                ),
-                deadline,
-            )
-        except grpc.RpcError as e:
-            return pb.ReceiptReply(
-                receipts=reply.receipts, detail=f"worker {hop.address} could not be reached: {e.code().name}", stage=1
-            )
-        reply.receipts.extend(later.receipts)
-        reply.detail, reply.stage = later.detail, later.stage + 1 if later.detail else 0
-        return reply
 
     def forward_refusal(self, forward, visited: tuple[str, ...] = ()) -> WhyNot | None:
         """Why a step cannot be served here (None: it can): a forwarding loop, or a chained call

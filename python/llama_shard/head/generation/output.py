@@ -14,6 +14,7 @@ from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_REPREFILLS, MAX_STOP_CHARS
 from ...structured.replay import SAMPLER_STATE_MISS
 from ..failover import tail_keeps_grammar
+from ..proofs import NO_PROOF
 from .host import HeadHost
 from .metrics import GenerationMetrics
 
@@ -21,7 +22,7 @@ from .metrics import GenerationMetrics
 class StreamOutput:
     """A stream's reader's side: its events, the text so far, when its tokens came, how it ends."""
 
-    __slots__ = ("events", "detokenize", "text", "t_start", "t_first", "t_last", "stop_reason", "done")
+    __slots__ = ("events", "detokenize", "text", "t_start", "t_first", "t_last", "stop_reason", "done", "proof")
 
     def __init__(self, detokenize, events=None):
         self.events = events if events is not None else queue.SimpleQueue()  # put(event): its reader's queue
@@ -32,6 +33,7 @@ class StreamOutput:
         self.t_last: float | None = None
         self.stop_reason: str | None = None  # set from the handler's thread: the loop ends the stream
         self.done = False
+        self.proof = NO_PROOF  # head/proofs.py: the request's nonce; its final event waits for its receipt
 
     def cancel(self, reason: str) -> None:
         if not self.done and self.stop_reason is None:
@@ -214,7 +216,7 @@ class Outcomes:
         final = self._final(s, reason, outcome, stage, detail, miss_reason, stop)
         self.closed(s, reason == "error")
         events = s.out.events
-        if self.host.proofs is not None and s.proof.nonce:  # the final event comes once its receipt is checked
+        if self.host.proofs is not None and s.out.proof.nonce:  # the final event comes once its receipt is checked
             self.host.proofs.settle(s, final, lambda f: events.put(pb.GenerateEvent(final=f)))
         else:
             events.put(pb.GenerateEvent(final=final))

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ...proto import shard_pb2 as pb
 from ...proto.requests import MAX_DRAFTS
 from ...worker.admission import SessionCapRefused
-from ...worker.steps import ORDER_GAP_MAX
+from ...worker.session_order import ORDER_GAP_MAX
 from ..speculation import AheadTiming, StepCost
 from .output import Outcomes
 from .positions import GENERATE_CHUNK, Window

@@ -1,7 +1,7 @@
 """One Generate stream of the head's loop, in parts: its tokens and positions (`Positions`), its
 drafts (`Drafting`), where its steps go (`Placement`), its use of shared prefixes (`PrefixUse`), what
-its reader gets (`StreamOutput`), its grammar's state at the tail (`GrammarSync`) and its request's
-proof (`RequestProof`: the nonce its receipts are under). Changed only by
+its reader gets (`StreamOutput`, with its request's `RequestProof`: the nonce its receipts are under)
+and its grammar's state at the tail (`GrammarSync`). Changed only by
 the scheduler's thread that steps it (and `cancel`, from any thread, which only sets a reason).
 
 A new feature of a stream is a part of its own (or a field of the part it belongs to), not a field
@@ -36,7 +36,6 @@ class Stream:
         "prefix",
         "out",
         "grammar",
-        "proof",
     )
 
     def __init__(
@@ -67,7 +66,8 @@ class Stream:
         self.prefix = PrefixUse()
         self.out = StreamOutput(detokenize, events)
         self.grammar = GrammarSync()  # with a grammar: whether the tail holds its state (else a replay)
-        self.proof = proof if proof is not None else RequestProof(b"", False, False)  # its receipt's nonce
+        if proof is not None:  # its receipt's nonce: how its final event is settled
+            self.out.proof = proof
 
     @property
     def done(self) -> bool:
@@ -104,7 +104,7 @@ class Stream:
             position=start,
             draft_tokens=drafts,
             row_by_row=bool(drafts) and self.drafting.row_by_row,
-            receipt_nonce=self.proof.nonce,
+            receipt_nonce=self.out.proof.nonce,
         )
         if self.place.handed_from:
             req.handed_from.extend(["", *self.place.handed_from])  # the head's own stage never changes
