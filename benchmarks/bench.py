@@ -51,7 +51,7 @@ from routes import (
 
 from llama_shard import KvBoundaryAdapter, ShardContext, ShardModel, Step, StepKind
 from llama_shard._native import grammar_problem
-from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, require_embedded_model
+from llama_shard.engine.models import compute_balanced_cut, gemma3_model_path, gguf_shape, require_embedded_model
 from llama_shard.head.openai.requests import sampling_from
 from llama_shard.proto import shard_pb2 as pb
 
@@ -1057,6 +1057,60 @@ def failover_rows(s: Shapes) -> list[Row]:
     ]
 
 
+def proofs_rows(s: Shapes) -> list[Row]:
+    """Receipts and spot checks: what they cost streams through two workers (a head and a tail, with a
+    second tail replica for the replays; the head places the streams on both tails in every run)."""
+    log("proofs: Generate streams with receipts off, on, and spot checks at 1% and 100%")
+    n, n_streams = s.n_layer, 4 if s.quick else 8
+    cut = compute_balanced_cut(s.path)
+    split = [(0, cut - 1), (cut, n - 1)]
+    kept: list[bytes] = []
+
+    def run(flags: tuple, receipts: list | None = None) -> dict:
+        return {
+            n_streams: ours_generate_streams(
+                s.path, split, 1, s.npp, s.ntg, n_streams, s.vocab, tail_replicas=2, head_flags=flags, receipts=receipts
+            )
+        }
+
+    off, on, one, every = alternate(
+        s.repeat,
+        lambda: run(("--no-receipts",)),
+        lambda: run((), kept),
+        lambda: run(("--spot-check-rate", "0.01")),
+        lambda: run(("--spot-check-rate", "1")),
+    )
+    per_token = sum(map(len, kept)) / max(1, len(kept) * (s.npp + s.ntg))
+    shape = f"{n_streams} Generate streams of {s.ntg} tokens, head 0-{cut - 1} + 2 tail replicas {cut}-{n - 1}, 1 thread each"
+    return [
+        Row(
+            "receipts on, no spot checks (vs receipts off: serve --no-receipts)",
+            on[n_streams],
+            off[n_streams],
+            "tok/s",
+            ">= 0.99",
+            f"{shape}; every request's receipt collected and checked",
+        ),
+        Row("spot checks at 1% (vs receipts off)", one[n_streams], off[n_streams], "tok/s", ">= 0.98", shape),
+        Row(
+            "spot checks at 100% (vs receipts off)",
+            every[n_streams],
+            off[n_streams],
+            "tok/s",
+            "about 0.5",
+            f"{shape}; each request replayed on the other tail once it ends",
+        ),
+        Row(
+            "a route's receipt: bytes per token of the request (vs one f32 hidden row between the workers)",
+            per_token,
+            float(4 * gguf_shape(s.path).n_embd),
+            "B/token",
+            "",
+            f"{len(kept)} receipts of 2 stages; tokens: {s.npp}-token prompts and {s.ntg} generated",
+        ),
+    ]
+
+
 SECTIONS = (
     single_session_rows,
     concurrent_rows,
@@ -1069,6 +1123,7 @@ SECTIONS = (
     speculation_rows,
     wire_rows,
     failover_rows,
+    proofs_rows,
     memory_rows,
     engine_choice_rows,
     cpu_kernel_rows,

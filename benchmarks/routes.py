@@ -331,6 +331,9 @@ def ours_generate_streams(
     worker_flags: tuple = (),
     sampling: pb.Sampling | None = None,
     http_extra: dict | None = None,
+    tail_replicas: int = 1,
+    head_flags: tuple = (),
+    receipts: list | None = None,
 ) -> float:
     """Aggregate decode tokens/s of `n_streams` Generate streams on a route of workers (`ranges`,
     each worker `threads` threads, each forwarding to the next): every stream asks for ntg tokens
@@ -340,15 +343,19 @@ def ours_generate_streams(
     /v1/completions through the head's OpenAI-compatible endpoint (one event per token);
     worker_flags: more `serve` flags for every worker (`--flash-attn off`); sampling: what the
     Generate streams ask the tail for (None: the greedy token without a sampler chain);
-    http_extra: more keys of every HTTP request (a response_format)."""
+    http_extra: more keys of every HTTP request (a response_format); tail_replicas: workers of the
+    last range (the head peers them all and places the streams on them: its own route); head_flags:
+    more flags of the head only; receipts: where each stream's receipt is appended (then asked for)."""
     context = npp + ntg + 8
     procs: list[tuple[subprocess.Popen, str]] = []
     http_port = free_port()
     try:
+        later: list[str] = []  # the next stage's workers (each one's --peer)
         for first, last in reversed(ranges):
-            peer = ("--peer", procs[-1][1]) if procs else ()
-            head = ("--http-port", str(http_port)) if http and first == 0 else ()
-            procs.append(
+            peers = tuple(f for a in later for f in ("--peer", a))
+            head = (*(("--http-port", str(http_port)) if http else ()), *head_flags) if first == 0 else ()
+            copies = tail_replicas if last == ranges[-1][1] else 1
+            started = [
                 start_worker(
                     path,
                     first,
@@ -361,18 +368,20 @@ def ours_generate_streams(
                         str(context),
                         "--budget-tokens",
                         str(n_streams * context),
-                        *peer,
+                        *peers,
                         *head,
                         *worker_flags,
                     ),
                 )
-            )
-        procs.reverse()
+                for _ in range(copies)
+            ]
+            procs[:0] = started
+            later = [a for _, a in started]
         for proc, addr in procs:
             wait_serving(proc, addr)
         rng = np.random.default_rng(11)
         prompts = [rng.integers(0, vocab, npp).tolist() for _ in range(n_streams)]
-        forward = [pb.Hop(address=addr) for _, addr in procs[1:]]
+        forward = [pb.Hop(address=addr) for _, addr in procs[1:]] if tail_replicas == 1 else []
         arrivals: list[list[float]] = [[] for _ in range(n_streams)]
         failures: list[str] = []
         ready = threading.Barrier(n_streams)
@@ -384,13 +393,20 @@ def ours_generate_streams(
                 stub = pb_grpc.ShardServiceStub(ch)
                 ready.wait()
                 req = pb.GenerateRequest(
-                    session_id=f"bench-{i}", prompt=prompts[i], max_tokens=ntg, forward=forward, sampling=sampling
+                    session_id=f"bench-{i}",
+                    prompt=prompts[i],
+                    max_tokens=ntg,
+                    forward=forward,
+                    sampling=sampling,
+                    receipt=receipts is not None,
                 )
                 for event in stub.Generate(req, timeout=600):
                     if event.HasField("token"):
                         arrivals[i].append(time.perf_counter())
                     elif event.final.finish_reason != "length":
                         failures.append(str(event.final))
+                    elif receipts is not None:
+                        receipts.append(event.final.receipt)
 
         def http_stream(i: int) -> None:
             conn = http_client.HTTPConnection("127.0.0.1", http_port, timeout=600)
