@@ -1097,7 +1097,7 @@ def proofs_rows(s: Shapes) -> list[Row]:
             every[n_streams],
             off[n_streams],
             "tok/s",
-            "about 0.5",
+            "rate x a stage's compute",
             f"{shape}; each request replayed on the other tail once it ends",
         ),
         Row(

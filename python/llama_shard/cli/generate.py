@@ -83,9 +83,10 @@ def cmd_generate_route(args: argparse.Namespace) -> int:
         if final is not None and final.drafted_tokens
         else ""
     )
+    proof = f"; receipt: {final.receipt_verdict}" if final is not None and final.receipt_verdict else ""
     status(
         f"{len(tokens)} tokens in {dt:.2f}s through {len(stages)} workers, driven by {where}{ttft}; "
-        f"{session.reprefills} re-prefill(s){drafts}"
+        f"{session.reprefills} re-prefill(s){drafts}{proof}"
     )
     session.release()
     client.close()
