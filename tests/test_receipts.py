@@ -29,7 +29,7 @@ from llama_shard.receipts.chain import Commitment
 from llama_shard.receipts.keys import NodeKey
 from llama_shard.receipts.verify import check_route
 
-from support.cheats import CHEATS, cheating_worker
+from support.cheats import CHEATS, FALSE_RECEIPT, cheating_worker
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
 TAIL = (15, 29)
@@ -246,12 +246,37 @@ def test_a_cheating_tail_is_caught_by_the_first_spot_check(embedded_model, tails
         assert first.receipt_verdict == "verified"
         assert receipt.spot_checks[0].worker == cheat_address
         assert receipt.spot_checks[0].outcome.startswith("mismatch (arbitrated by"), receipt.spot_checks
+        (tmp_path / "caught.bin").write_bytes(first.receipt)
+        done = _verify_receipt_cli(tmp_path / "caught.bin")
+        assert done.returncode == 1 and "spot check found a mismatch at stage 1" in done.stdout, done.stdout
         states = {r.address: r.state for r in route.info().replicas}
         assert states == {cheat_address: "failed-check", tails[0]: "up", tails[1]: "up"}, states
         assert (route.info().spot_checks, route.info().spot_check_failures) == (1, 1)
         again = pb.RouteReceipt()
         again.ParseFromString(route.generate(f"{cheat}-2", receipt=True).receipt)
         assert again.spot_checks[0].worker != cheat_address and again.spot_checks[0].outcome == "equal"
+    finally:
+        route.stop()
+        worker.stop()
+
+
+@pytest.mark.model
+@pytest.mark.grpc
+@pytest.mark.slow
+def test_a_worker_whose_receipt_is_at_odds_with_its_rows_fails_verification(embedded_model, tails, tmp_path):
+    """It computes honestly (the spot check finds equal bytes) but signs another input chain: the
+    head's verdict names the break, counts it, and verify-receipt refuses the receipt."""
+    with grpc.insecure_channel(tails[0]) as ch:
+        honest = pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
+    worker = cheating_worker(embedded_model, *TAIL, FALSE_RECEIPT, honest, tmp_path)
+    route = _Route(embedded_model, [worker.address])
+    try:
+        final = route.generate("false", receipt=True)
+        assert final.receipt_verdict.startswith("not verified") and "took in other rows" in final.receipt_verdict
+        assert route.info().receipt_failures == 1
+        (tmp_path / "r.bin").write_bytes(final.receipt)
+        done = _verify_receipt_cli(tmp_path / "r.bin")
+        assert done.returncode == 1 and "stage 1 took in other rows than stage 0 sent out" in done.stdout, done.stdout
     finally:
         route.stop()
         worker.stop()

@@ -26,6 +26,8 @@ from llama_shard.engine.hot_kv import BoundaryBundle, StepKind, TailOutput
 from llama_shard.local_workers import WORKER_DEFAULTS
 
 CHEATS = ("noise", "stale_row", "skip_layer", "other_quant")
+#: a worker that computes honestly and signs a receipt at odds with the rows it took in
+FALSE_RECEIPT = "false_receipt"
 NOISE = 1e-3
 
 
@@ -111,4 +113,12 @@ def cheating_worker(model: Path, first: int, last: int, cheat: str, honest_info,
         servicer.receipt_signer.template.first = first
     if cheat == "other_quant":
         servicer.model_digest = servicer.receipt_signer.template.model_digest = honest_info.model_digest
+    if cheat == FALSE_RECEIPT:
+        sign = servicer.receipt_signer.key.sign
+
+        def false_sign(body):
+            body.in_chain = bytes(32)
+            return sign(body)
+
+        servicer.receipt_signer.key.sign = false_sign
     return worker.start()

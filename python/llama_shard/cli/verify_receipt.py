@@ -1,4 +1,5 @@
-"""`llama-shard verify-receipt FILE`: checks a route's receipt offline (receipts/verify.py). The file
+"""`llama-shard verify-receipt FILE`: checks a route's receipt offline (receipts/verify.py); exit 0 when
+it verifies and no spot check in it found a mismatch, else 1. The file
 holds the receipt as GenerateFinal.receipt has it (protobuf bytes), as base64 text, or as the JSON
 an OpenAI-compatible response was saved as (its "receipt" field, at the top or under "llama_shard")."""
 
@@ -70,4 +71,8 @@ def cmd_verify_receipt(args: argparse.Namespace) -> int:
             print(f"  {p}")
         return 1
     print(f"verified: {len(receipt.stages)} stages, nonce {receipt.nonce.hex()}")
+    caught = [c for c in receipt.spot_checks if c.outcome.startswith("mismatch")]
+    if caught:  # the head's statement (not signed by the replicas): the route it ran was caught
+        print(f"but the head's spot check found a mismatch at stage {caught[0].stage} ({caught[0].worker})")
+        return 1
     return 0
