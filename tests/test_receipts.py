@@ -17,6 +17,7 @@ import base64
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -143,6 +144,10 @@ class _Route:
         wait_serving(self.proc, self.address)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.ShardServiceStub(self.channel)
+        deadline = time.monotonic() + 30  # every tail probed and up: the routes below depend on which
+        while sorted(r.state for r in self.info().replicas) != ["up"] * len(tails):
+            assert time.monotonic() < deadline, self.info().replicas
+            time.sleep(0.1)
 
     def generate(self, sid: str, n: int = 12, **kw) -> pb.GenerateFinal:
         events = list(self.stub.Generate(pb.GenerateRequest(session_id=sid, prompt=PROMPT, max_tokens=n, **kw)))

@@ -99,6 +99,7 @@ def cheating_worker(model: Path, first: int, last: int, cheat: str, honest_info,
     elif cheat == "other_quant":
         path = requantized_copy(model, first, last, tmp / "other-quant.gguf")
     argv = ["serve", "--model", str(path), "--layers", f"{loaded[0]}-{loaded[1]}", *WORKER_DEFAULTS, "--threads", "1"]
+    argv += ["--port", "0"]  # any free port (ShardWorker.address says which)
     for p in peers:
         argv += ["--peer", p]
     args = build_parser().parse_args(argv)

@@ -33,8 +33,15 @@ from ..receipts.verify import check_route, stage_bodies
 
 #: how long collecting a route's receipts, or one replayed step, may take
 RECEIPT_TIMEOUT_S = 10.0
-#: requests whose proofs are checked at once (the rest wait their turn in the pool's queue)
+#: requests whose receipts are checked at once (the rest wait their turn in the pool's queue)
 PROOF_THREADS = 2
+#: spot checks replayed at once, and waiting: past it a request chosen for one is not checked
+#: ("unchecked: the head's spot checks are behind"), so replays never hold other requests' verdicts
+CHECK_THREADS, MAX_PENDING_CHECKS = 1, 4
+#: a request's last pipelined windows may still be on their way back when it ends: each stage
+#: commits a step once the route behind it answered, so a receipt read too early can see a step at
+#: the tail that the head has not committed yet. Read again after these pauses before saying no.
+RECOLLECT_S = (0.05, 0.1, 0.2, 0.4)
 VERIFIED = "verified"
 
 
@@ -49,6 +56,13 @@ class RequestProof:
 
 
 NO_PROOF = RequestProof(b"", False, False)  # a head without receipts (serve --no-receipts)
+
+
+def _same_output(a: pb.ReceiptBody, b: pb.ReceiptBody, tail: bool) -> bool:
+    """Whether two commitments of a stage to the same input agree: the rows it sent on, and at the
+    tail the tokens it answered (every stage sees the tail's answer pass: only the tail is judged
+    by it)."""
+    return a.out_chain == b.out_chain and (not tail or a.answer_chain == b.answer_chain)
 
 
 def _log(message: str) -> None:
@@ -77,6 +91,8 @@ class RouteProofs:
         self.replicas, self.peers = replicas, peers
         self.spot_check_rate = spot_check_rate
         self._pool = ThreadPoolExecutor(PROOF_THREADS, thread_name_prefix="proofs")
+        self._checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="spot-checks")
+        self._pending_checks = 0
         self._lock = threading.Lock()
         self.spot_checks = self.spot_check_failures = self.receipt_failures = 0
         self._outcomes = (
@@ -123,21 +139,40 @@ class RouteProofs:
             session_id=s.req.session_id, route_epoch=s.req.route_epoch, nonce=proof.nonce, forward=route
         )
 
+        def answer(receipt: pb.RouteReceipt | None, verdict: str) -> None:
+            final.receipt_verdict = verdict
+            if proof.wanted and receipt is not None:
+                final.receipt = receipt.SerializeToString(deterministic=True)
+            put(final)
+
+        def check(receipt: pb.RouteReceipt, verdict: str) -> None:
+            try:
+                receipt.spot_checks.extend(self._spot_check(route, receipt, proof.nonce))
+            except Exception as e:  # noqa: BLE001 - the reader gets its final event whatever failed here
+                receipt.spot_checks.append(pb.SpotCheck(outcome=f"unchecked: {type(e).__name__}: {e}"))
+            finally:
+                self.recorder.recorded(proof.nonce)
+                with self._lock:
+                    self._pending_checks -= 1
+                answer(receipt, verdict)
+
         def work() -> None:
+            receipt, verdict = None, "not verified"
             try:
                 receipt, verdict = self._collect(s.principal, request, route)
-                if proof.spot_check:
-                    if verdict == VERIFIED:
-                        receipt.spot_checks.extend(self._spot_check(route, receipt, proof.nonce))
-                    else:
-                        self.recorder.recorded(proof.nonce)
-                final.receipt_verdict = verdict
-                if proof.wanted:
-                    final.receipt = receipt.SerializeToString(deterministic=True)
+                if proof.spot_check and verdict == VERIFIED:
+                    with self._lock:
+                        room = self._pending_checks < MAX_PENDING_CHECKS
+                        self._pending_checks += room
+                    if room:
+                        self._checks.submit(check, receipt, verdict)
+                        return
+                    checks = [pb.SpotCheck(stage=i, worker=h.address) for i, h in enumerate(route, start=1)]
+                    receipt.spot_checks.extend(self._counted(checks, "unchecked: the head's spot checks are behind"))
             except Exception as e:  # noqa: BLE001 - the reader gets its final event whatever failed here
-                final.receipt_verdict = f"not verified: {type(e).__name__}: {e}"
-            finally:
-                put(final)
+                verdict = f"not verified: {type(e).__name__}: {e}"
+            self.recorder.recorded(proof.nonce)
+            answer(receipt, verdict)
 
         self._pool.submit(work)
 
@@ -150,13 +185,17 @@ class RouteProofs:
         return keys
 
     def _collect(self, principal: str, request: pb.ReceiptRequest, route) -> tuple[pb.RouteReceipt, str]:
-        reply = self.receipts(principal, request, time.monotonic() + RECEIPT_TIMEOUT_S)
-        receipt = pb.RouteReceipt(nonce=request.nonce, stages=reply.receipts)
-        if reply.detail:
-            verdict = f"not verified: stage {reply.stage} gave no receipt: {reply.detail}"
-        else:
-            problems = check_route(receipt, keys=self._keys(route), nonce=request.nonce)
-            verdict = VERIFIED if not problems else "not verified: " + "; ".join(problems[:4])
+        for pause in (*RECOLLECT_S, None):
+            reply = self.receipts(principal, request, time.monotonic() + RECEIPT_TIMEOUT_S)
+            receipt = pb.RouteReceipt(nonce=request.nonce, stages=reply.receipts)
+            if reply.detail:
+                verdict = f"not verified: stage {reply.stage} gave no receipt: {reply.detail}"
+            else:
+                problems = check_route(receipt, keys=self._keys(route), nonce=request.nonce)
+                verdict = VERIFIED if not problems else "not verified: " + "; ".join(problems[:4])
+            if verdict == VERIFIED or pause is None:
+                break
+            time.sleep(pause)  # (a step still on its way back: RECOLLECT_S)
         if verdict != VERIFIED:
             with self._lock:
                 self.receipt_failures += 1
@@ -186,10 +225,11 @@ class RouteProofs:
         mine, problems = stage_bodies(replayed)
         if problems or len(mine) != len(route):
             return self._counted(checks, "unchecked: the replicas' receipts do not verify")
+        last = len(checks) - 1
         for i, (c, orig, again) in enumerate(zip(checks, bodies[1:], mine)):
             if again.in_chain != orig.in_chain:  # an earlier stage's rows differed: reported there
                 c.outcome = "unchecked: its input differed in the replay"
-            elif again.out_chain != orig.out_chain or again.answer_chain != orig.answer_chain:
+            elif not _same_output(orig, again, i == last):
                 c.outcome = "mismatch"
             elif partners[i] is None:
                 c.outcome = "unchecked: replayed on the same worker (no other replica): it repeats itself"
@@ -213,10 +253,10 @@ class RouteProofs:
                 replayed = self._replay([*route[:i], third, *route[i + 1 :]], steps)
                 bodies = stage_bodies(replayed)[0] if not isinstance(replayed, str) else []
                 if len(bodies) == len(route) and bodies[i].in_chain == orig.in_chain:
-                    same = lambda a, b: (a.out_chain, a.answer_chain) == (b.out_chain, b.answer_chain)  # noqa: E731
-                    if same(bodies[i], orig):
+                    tail = i == len(route) - 1
+                    if _same_output(bodies[i], orig, tail):
                         blamed = [c.replica]
-                    elif same(bodies[i], again):
+                    elif _same_output(bodies[i], again, tail):
                         blamed = [c.worker]
                 c.outcome = f"mismatch (arbitrated by {third.address}: {', '.join(blamed)} out of routes)"
         for address in blamed:
@@ -260,7 +300,7 @@ class RouteProofs:
         """Sends the kept steps as they were down `route` as a new session of the head's own, then
         reads their receipts; the receipts, or why the replay did not complete. The session is
         released everywhere afterwards."""
-        session_id = f"spot-check-{secrets.token_hex(8)}"
+        session_id = secrets.token_hex(12)  # a session like any other to the replicas
         nonce = secrets.token_bytes(NONCE_BYTES)
         first, rest = route[0], route[1:]
         try:
@@ -302,4 +342,5 @@ class RouteProofs:
             }
 
     def close(self) -> None:
+        self._checks.shutdown(wait=False, cancel_futures=False)
         self._pool.shutdown(wait=False, cancel_futures=False)

@@ -458,7 +458,8 @@ class Replicas:
             r, t = self._by_address.get(address), self._by_address.get(to)
             if r is None or t is None or r.range is None or t.range != r.range:
                 return None
-            r.state, r.last_error = ReplicaState.DOWN, "draining: handing its sessions over"
+            if r.state != ReplicaState.FAILED_CHECK:  # out for good: a drain does not bring it back
+                r.state, r.last_error = ReplicaState.DOWN, "draining: handing its sessions over"
             r.next_probe = time.monotonic() + r.backoff
             return self._hop_locked(t)
 

@@ -67,31 +67,32 @@ def chain_of(entries: list[bytes]) -> bytes:
 
 
 class Commitment:
-    """One request's committed steps on this worker (receipts.chain's entries)."""
+    """One request's committed steps on this worker: each step's three entries (input, output,
+    answer) as one 96-byte key, kept once: a step computed again with the same bytes (a retried hop,
+    a re-prefill after a miss) is one step, on every stage alike."""
 
-    __slots__ = ("ins", "outs", "answers", "first_pos", "end_pos", "overflowed")
+    __slots__ = ("steps", "first_pos", "end_pos", "overflowed")
 
     def __init__(self):
-        self.ins: list[bytes] = []
-        self.outs: list[bytes] = []
-        self.answers: list[bytes] = []
+        self.steps: set[bytes] = set()
         self.first_pos, self.end_pos = 1 << 31, 0
         self.overflowed = False
 
-    def add(self, pos: int, n: int, in_digest: bytes, out_digest: bytes, answer: list[int]) -> None:
-        self.ins.append(_entry(pos, n, in_digest))
-        self.outs.append(_entry(pos, n, out_digest))
-        self.answers.append(_entry(pos, n, tokens_digest(answer)))
+    def add(self, pos: int, n: int, in_digest: bytes, out_digest: bytes, answer: list[int]) -> bool:
+        """Adds a step; False when the same step was committed already."""
+        step = _entry(pos, n, in_digest) + _entry(pos, n, out_digest) + _entry(pos, n, tokens_digest(answer))
+        if step in self.steps:
+            return False
+        self.steps.add(step)
         self.first_pos, self.end_pos = min(self.first_pos, pos), max(self.end_pos, pos + n)
+        return True
 
     def fill(self, body: pb.ReceiptBody) -> None:
-        body.steps = len(self.ins)
-        body.first_pos, body.end_pos = (self.first_pos, self.end_pos) if self.ins else (0, 0)
-        body.in_chain, body.out_chain, body.answer_chain = (
-            chain_of(self.ins),
-            chain_of(self.outs),
-            chain_of(self.answers),
-        )
+        body.steps = len(self.steps)
+        body.first_pos, body.end_pos = (self.first_pos, self.end_pos) if self.steps else (0, 0)
+        body.in_chain = chain_of([s[:32] for s in self.steps])
+        body.out_chain = chain_of([s[32:64] for s in self.steps])
+        body.answer_chain = chain_of([s[64:] for s in self.steps])
 
 
 class CommittedStep(NamedTuple):
@@ -105,17 +106,21 @@ class CommittedStep(NamedTuple):
 
 
 class ReceiptChains:
-    """Every request's commitment on this worker, keyed (engine key, epoch, nonce); bounded: the
-    least recently used past `cap` are forgotten (their receipt is then refused), and a request
-    commits at most `max_steps` steps (then its receipt is refused: it says nothing it cannot prove).
+    """Every request's commitment on this worker, keyed (engine key, epoch, nonce). Bounded: at most
+    `cap` requests and `max_steps` steps in all (about 200 bytes each), the least recently used
+    requests forgotten first (their receipt is then refused); a request past `max_steps` on its own
+    is marked overflowed (its receipt is refused: it says nothing it cannot prove).
 
     A head also keeps the steps it sent on for the requests it will replay (`record`, `recorded`):
-    its spot checks send the very same requests to another replica."""
+    its spot checks send the very same requests to another replica; at most `max_record_bytes` of
+    them in all (a recording past it is dropped: that request is not checked)."""
 
-    def __init__(self, cap: int, max_steps: int):
-        self.cap, self.max_steps = cap, max_steps
+    def __init__(self, cap: int, max_steps: int, max_record_bytes: int = 64 << 20):
+        self.cap, self.max_steps, self.max_record_bytes = cap, max_steps, max_record_bytes
         self._commitments: OrderedDict[tuple, Commitment] = OrderedDict()
-        self._recordings: OrderedDict[bytes, list] = OrderedDict()
+        self._steps = 0  # committed steps in all
+        self._recordings: OrderedDict[bytes, list | None] = OrderedDict()  # None: dropped (too large)
+        self._record_bytes = 0
         self._lock = threading.Lock()
 
     def commit(self, step: CommittedStep, answer: list[int]) -> None:
@@ -123,48 +128,65 @@ class ReceiptChains:
             c = self._commitments.get(step.key)
             if c is None:
                 c = self._commitments[step.key] = Commitment()
-                while len(self._commitments) > self.cap:
-                    self._commitments.popitem(last=False)
             self._commitments.move_to_end(step.key)
-            if len(c.ins) >= self.max_steps:
+            if len(c.steps) >= self.max_steps:
                 c.overflowed = True
                 return
-            c.add(step.pos, step.n, step.in_digest, step.out_digest, answer)
+            if c.add(step.pos, step.n, step.in_digest, step.out_digest, answer):
+                self._steps += 1
+            while len(self._commitments) > self.cap or (self._steps > self.max_steps and len(self._commitments) > 1):
+                _, old = self._commitments.popitem(last=False)
+                self._steps -= len(old.steps)
 
-    def get(self, key: tuple) -> Commitment | None:
+    def fill(self, key: tuple, body: pb.ReceiptBody) -> str | None:
+        """Fills a receipt's body with the request's commitment; why it cannot be (None: filled)."""
         with self._lock:
-            return self._commitments.get(key)
-
-    def drop(self, key: tuple) -> None:
-        with self._lock:
-            self._commitments.pop(key, None)
+            c = self._commitments.get(key)
+            if c is None:
+                return "committed no step of this request (or forgot it: it keeps the latest requests only)"
+            if c.overflowed:
+                return "committed more steps than a receipt holds"
+            c.fill(body)
+            return None
 
     # --- a head's recordings (spot checks) --------------------------------------------------------
 
     def record(self, nonce: bytes) -> None:
-        """Keeps the steps this worker sends on under `nonce` from now on (bounded as commitments)."""
+        """Keeps the steps this worker sends on under `nonce` from now on."""
         with self._lock:
             self._recordings[nonce] = []
             while len(self._recordings) > self.cap:
-                self._recordings.popitem(last=False)
+                self._forget_locked(next(iter(self._recordings)))
 
     def recording(self, nonce: bytes) -> bool:
-        return bool(nonce) and nonce in self._recordings
+        return bool(nonce) and self._recordings.get(nonce) is not None
 
     def keep_sent(self, nonce: bytes, order: int, kind, request: pb.StepRequest) -> None:
         """A step sent on under `nonce` and answered OK; `order`: when the engine queued it here."""
+        sent = pb.StepRequest()
+        sent.CopyFrom(request)
+        del sent.forward[:]
+        size = sent.ByteSize()
         with self._lock:
             steps = self._recordings.get(nonce)
-            if steps is not None and len(steps) < self.max_steps:
-                sent = pb.StepRequest()
-                sent.CopyFrom(request)
-                del sent.forward[:]
-                steps.append((order, kind, sent))
+            if steps is None:
+                return
+            if len(steps) >= self.max_steps or self._record_bytes + size > self.max_record_bytes:
+                self._forget_locked(nonce)
+                self._recordings[nonce] = None  # dropped: this request is not checked
+                return
+            steps.append((order, kind, sent, size))
+            self._record_bytes += size
+
+    def _forget_locked(self, nonce: bytes) -> list | None:
+        steps = self._recordings.pop(nonce, None)
+        self._record_bytes -= sum(s[3] for s in steps or ())
+        return steps
 
     def recorded(self, nonce: bytes) -> list | None:
         """The (kind, StepRequest) steps sent on under `nonce` and answered OK, in the order this
         worker's engine ran them (a pipelined stream's windows may be answered out of it); forgotten
-        here. None: not recorded (or pushed out by the bound)."""
+        here. None: not recorded, dropped or pushed out by the bounds."""
         with self._lock:
-            steps = self._recordings.pop(nonce, None)
-        return None if steps is None else [(kind, req) for _, kind, req in sorted(steps, key=lambda s: s[0])]
+            steps = self._forget_locked(nonce)
+        return None if steps is None else [(kind, req) for _, kind, req, _ in sorted(steps, key=lambda s: s[0])]

@@ -36,14 +36,12 @@ class ReceiptSigner:
             key = self.steps.security.engine_key(principal, request.session_id)
         except LlamaShardError as e:
             return pb.ReceiptReply(detail=str(e))
-        commitment = self.steps.receipts.get((key, request.route_epoch, request.nonce))
-        if commitment is None or commitment.overflowed:
-            why = "committed more steps than a receipt holds" if commitment else "committed no step of this request"
-            return pb.ReceiptReply(detail=f"this worker {why} (or forgot it: it keeps the latest requests only)")
         body = pb.ReceiptBody()
         body.CopyFrom(self.template)
         body.session_id, body.route_epoch, body.nonce = request.session_id, request.route_epoch, request.nonce
-        commitment.fill(body)
+        why = self.steps.receipts.fill((key, request.route_epoch, request.nonce), body)
+        if why is not None:
+            return pb.ReceiptReply(detail=f"this worker {why}")
         reply = pb.ReceiptReply(receipts=[self.key.sign(body)])
         if not request.forward:
             return reply

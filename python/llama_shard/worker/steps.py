@@ -96,8 +96,9 @@ class StepRunner:
         self.own_addresses = frozenset()  # set by ShardWorker once bound: forwards to these are loops
         self.moves = moves if moves is not None else SessionMoves()  # a drain's sessions (handover.py)
         self.handed_in = handed_in if handed_in is not None else HandedIn(4 * config.max_sessions)
-        # each request's commitments (receipt_nonce), signed by Receipt; a step is at least one token
-        self.receipts = ReceiptChains(4 * config.max_sessions, 4 * config.context_tokens)
+        # each request's commitments (receipt_nonce), signed by Receipt: about as many steps in all as
+        # twice the tokens the KV budget holds (a step is at least one token)
+        self.receipts = ReceiptChains(4 * config.max_sessions, 2 * manager.stats()["budget_tokens"])
         self._queued = itertools.count()  # the engine's order of the steps a head records
 
     def run(
