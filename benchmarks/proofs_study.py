@@ -132,6 +132,35 @@ def caught(model: Path, tails: list[str], honest_info, cheat: str, rate: float, 
             worker.stop()
 
 
+def step_costs(n: int = 20_000) -> None:
+    """A step's receipt work on a worker, timed alone at SmolLM2's shapes (576-float rows, 49,152 logits)."""
+    import numpy as np
+
+    from llama_shard.proto.wire import encode_tensor
+    from llama_shard.receipts.chain import CommittedStep, logits_digest, rows_digest, tokens_digest
+
+    row = encode_tensor(np.random.rand(1, 576).astype(np.float32), pb.DTYPE_FLOAT32)
+    logits = np.random.rand(1, 49152).astype(np.float32)
+    chains = ReceiptChains(64, 10 * n)
+    pos = iter(range(10 * n))
+
+    def timed(f) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    costs = {
+        "a hidden row's SHA-256": timed(lambda: rows_digest(row)),
+        "49,152 logits' XXH3-128": timed(lambda: logits_digest(logits)),
+        "a token's SHA-256": timed(lambda: tokens_digest([5])),
+        "a step committed": timed(
+            lambda: chains.commit(CommittedStep(("k", 1, b"n" * 16), next(pos), 1, b"a" * 32, b"b" * 32), [7])
+        ),
+    }
+    print("a step's receipt work, timed alone: " + ", ".join(f"{k} {v:.1f} us" for k, v in costs.items()))
+
+
 def draws() -> None:
     for rate in (0.01, 0.05, 1.0):
         proofs = RouteProofs(lambda *a: None, ReceiptChains(4, 4), b"", None, None, rate)
@@ -156,6 +185,7 @@ def main() -> int:
     ap.add_argument("--live-runs", type=int, default=5, help="runs of the noise cheat at --live-rate (default 5)")
     args = ap.parse_args()
     model = require_embedded_model()
+    step_costs()
     draws()
     tails = [start_worker(model, *TAIL) for _ in range(2)]
     try:

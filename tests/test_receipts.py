@@ -285,3 +285,30 @@ def test_a_worker_whose_receipt_is_at_odds_with_its_rows_fails_verification(embe
     finally:
         route.stop()
         worker.stop()
+
+
+def test_a_receipt_key_file_is_made_private_kept_and_refused_when_open_or_foreign(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from llama_shard.errors import InvalidInputError
+    from llama_shard.worker.receipts import load_receipt_key
+
+    path = tmp_path / "receipt.pem"
+    made = load_receipt_key(str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_receipt_key(str(path)).public == made.public  # the same key across restarts
+    path.chmod(0o644)
+    with pytest.raises(InvalidInputError, match="group or others"):
+        load_receipt_key(str(path))
+    other = tmp_path / "ec.pem"
+    other.write_bytes(
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    other.chmod(0o600)
+    with pytest.raises(InvalidInputError, match="Ed25519"):
+        load_receipt_key(str(other))
+    with pytest.raises(InvalidInputError, match="regular file"):
+        load_receipt_key(str(tmp_path))

@@ -191,6 +191,9 @@ def head_options_of(args: argparse.Namespace):
 def worker_options_of(args: argparse.Namespace, security, peer_security):
     """A worker's options from the flags."""
     from ..worker.options import WorkerOptions
+    from ..worker.receipts import load_receipt_key
+
+    receipt_key = load_receipt_key(args.receipt_key) if args.receipt_key is not None else None  # before the model
 
     return WorkerOptions(
         host=args.host,
@@ -215,7 +218,7 @@ def worker_options_of(args: argparse.Namespace, security, peer_security):
         share_prefixes=args.share_prefixes,
         replicas=tuple(args.replica),
         wire_dtype=args.wire_dtype,
-        receipt_key=args.receipt_key,
+        receipt_key=receipt_key,
     )
 
 

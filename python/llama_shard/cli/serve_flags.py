@@ -440,7 +440,8 @@ def _proof_flags(sv: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=None,
         help="the Ed25519 key (PEM) this worker signs its receipts with, made there on first use "
-        "(mode 0600); default: a new key per process (shown in Info as receipt_key)",
+        "(mode 0600; read only when it is this user's and closed to group and others); default: a new "
+        "key per process (shown in Info as receipt_key)",
     )
     g.add_argument(
         "--no-receipts",

@@ -31,7 +31,7 @@ def _receipt_bytes(data: bytes) -> bytes:
     if text.startswith("{"):
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise InvalidInputError(f"the file is not JSON that names a receipt: {e}") from None
         found = doc.get("receipt") if isinstance(doc, dict) else None
         if found is None and isinstance(doc, dict) and isinstance(doc.get("llama_shard"), dict):

@@ -43,6 +43,11 @@ class HeadOptions:
         if self.draft not in DRAFT_SOURCES:
             raise InvalidInputError(f"draft source {self.draft!r}: one of {', '.join(DRAFT_SOURCES)}")
         check_max_drafts(self.max_drafts)
+        if not self.receipts and first_layer != 0:
+            raise InvalidInputError(
+                f"--no-receipts is a head's (its requests carry the nonce): layers {first_layer}-{last_layer} "
+                "sign what the head asks for"
+            )
         if self.spot_check_rate and not self.receipts:
             raise InvalidInputError("--spot-check-rate compares receipts: it needs them (leave out --no-receipts)")
         if not 0.0 <= self.spot_check_rate <= 1.0:

@@ -28,25 +28,29 @@ class NodeKey:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def load_or_create(cls, path: str | Path) -> "NodeKey":
-        """The key in `path` (PEM, PKCS#8, unencrypted), made there (mode 0600) when the file does not
-        exist; InvalidInputError for a file that holds no Ed25519 key."""
-        path = Path(path)
-        if not path.exists():
-            key = Ed25519PrivateKey.generate()
-            pem = key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(pem)
-            return cls(key)
+    def create(cls, path: str | Path) -> "NodeKey":
+        """A new key, written to `path` (PEM, PKCS#8, unencrypted; mode 0600, never over a file)."""
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise InvalidInputError(f"--receipt-key {path}: cannot create it: {e.strerror}") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        return cls(key)
+
+    @classmethod
+    def from_pem(cls, pem: bytes, where: str) -> "NodeKey":
+        """The key a PEM file's bytes hold; InvalidInputError naming `where` unless it is Ed25519."""
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
         except (ValueError, TypeError) as e:
-            raise InvalidInputError(f"--receipt-key {path}: not an unencrypted PEM private key ({e})") from None
+            raise InvalidInputError(f"--receipt-key {where}: not an unencrypted PEM private key ({e})") from None
         if not isinstance(key, Ed25519PrivateKey):
-            raise InvalidInputError(f"--receipt-key {path}: an Ed25519 key is needed, not {type(key).__name__}")
+            raise InvalidInputError(f"--receipt-key {where}: an Ed25519 key is needed, not {type(key).__name__}")
         return cls(key)
 
     def sign(self, body: pb.ReceiptBody) -> pb.StageReceipt:

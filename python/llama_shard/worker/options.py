@@ -7,6 +7,7 @@ import dataclasses
 
 from .._native import CPU_DEVICE, DEFAULT_GATHER_S, DEFAULT_PREFILL_CHUNK, HotKvConfig
 from ..proto.credentials import ClientSecurity
+from ..receipts.keys import NodeKey
 from . import DEFAULT_MAX_HOP_S
 from .security import ServerSecurity
 
@@ -37,4 +38,4 @@ class WorkerOptions:
     share_prefixes: str = "principal"  # whose sessions share prefixes: each principal's own, or "all"
     replicas: tuple[str, ...] = ()  # workers of this one's range it hands its sessions to when drained
     wire_dtype: str = "f32"  # a head: its own route's hidden rows (WIRE_DTYPES) when a request names none
-    receipt_key: str | None = None  # a file with the Ed25519 key receipts are signed with (None: one per process)
+    receipt_key: NodeKey | None = None  # the key receipts are signed with (serve --receipt-key; None: one per process)

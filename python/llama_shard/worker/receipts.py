@@ -4,6 +4,7 @@ commitments, keys and checks; this is where a worker signs)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -13,6 +14,18 @@ from ..proto import shard_pb2 as pb
 from ..proto.wire import call_reconnecting
 from ..receipts.chain import NONCE_BYTES
 from ..receipts.keys import NodeKey
+from .security import read_private_file
+
+#: the largest receipt key file read (an Ed25519 PEM is 119 bytes)
+MAX_KEY_FILE_BYTES = 4096
+
+
+def load_receipt_key(path: str) -> NodeKey:
+    """serve --receipt-key: the key in `path`, read as a secret is (this user's regular file, closed
+    to group and others), or a new one made there when there is no file; InvalidInputError else."""
+    if not os.path.lexists(path):
+        return NodeKey.create(path)
+    return NodeKey.from_pem(read_private_file(path, "--receipt-key", 1, MAX_KEY_FILE_BYTES), path)
 
 
 class ReceiptSigner:

@@ -127,10 +127,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             instance_id=self.instance_id,
         )
 
-    def _receipt_signer(self, key_file: str | None) -> ReceiptSigner:
+    def _receipt_signer(self, key: NodeKey | None) -> ReceiptSigner:
         """What this worker signs its receipts as, with the operator's key (serve --receipt-key) or
         one of this process."""
-        key = NodeKey.load_or_create(key_file) if key_file is not None else NodeKey.generate()
+        key = key if key is not None else NodeKey.generate()
         template = pb.ReceiptBody(
             version=RECEIPT_VERSION,
             model_digest=self.model_digest,

@@ -226,17 +226,11 @@ class StepRunner:
             else:
                 ready.append(entry)
         steps = [step for _, step, _, _ in ready]
-        queued_at: dict[int, int] = {}  # id(step) -> its place in this worker's engine order
-
-        def queued(qsteps) -> None:
-            for st in qsteps:  # before order.queued lets a session's next step in
-                queued_at[id(st)] = next(self._queued)
-            self.order.queued(qsteps)
-
+        queued, queued_at = self._on_queued(ready, items)
         outs = self.adapter.step_many(steps, queued) if steps else []
         computed = []
         commits: dict[int, CommittedStep] = {}  # steps of a request with a nonce: committed once answered OK
-        orders = {i: queued_at.get(id(step), 0) for i, step, _, _ in ready}
+        orders = {i: queued_at[id(step)] for i, step, _, _ in ready if id(step) in queued_at}
         for (i, step, params, prefix), out in zip(ready, outs):
             if prefix is not None and prefix.store_tokens and isinstance(out, (BoundaryBundle, TailOutput)):
                 try:
@@ -272,6 +266,22 @@ class StepRunner:
             if replies[i].outcome == pb.OUTCOME_OK:
                 self.receipts.commit(commit, [] if replies[i].HasField("hidden") else answer_of(replies[i]))
         return replies
+
+    def _on_queued(self, ready: list, items: list[tuple]):
+        """The engine's on_queued for these steps: the sessions' order, and where a head records steps
+        for a spot check, their place in this worker's engine order (filled in the dict returned)."""
+        recorded = {id(step) for i, step, _, _ in ready if self.receipts.recording(items[i][1].receipt_nonce)}
+        queued_at: dict[int, int] = {}
+        if not recorded:
+            return self.order.queued, queued_at
+
+        def queued(qsteps) -> None:
+            for st in qsteps:  # before order.queued lets a session's next step in
+                if id(st) in recorded:
+                    queued_at[id(st)] = next(self._queued)
+            self.order.queued(qsteps)
+
+        return queued, queued_at
 
     def _committed(self, step: Step, req, out, out_digest: bytes) -> CommittedStep:
         n = step.n_tokens
