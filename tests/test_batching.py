@@ -118,7 +118,13 @@ def _decode_all(adapter, n_steps, threads: bool):
     tokens = {i: [o.token_id] for i, o in outs.items()}
     logits = {i: [o.logits] for i, o in outs.items()}
 
+    # the threads start their decodes together (else, on a tiny model, each can finish before the
+    # next one starts and there is nothing to batch)
+    start = threading.Barrier(len(PROMPTS)) if threads else None
+
     def run(i):
+        if start is not None:
+            start.wait(60)
         for _ in range(n_steps - 1):
             o = adapter.decode(f"s{i}", 0, token_ids=[tokens[i][-1]])
             assert isinstance(o, TailOutput), o
