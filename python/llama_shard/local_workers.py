@@ -12,6 +12,7 @@ reports.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -44,9 +45,11 @@ def start_worker(
     extra: tuple[str, ...] = (),
     port: int | None = None,
     defaults: tuple[str, ...] = WORKER_DEFAULTS,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Starts a worker for layers first..last; returns the process and its address. `extra` serve
-    flags come after `defaults`, so they win (argparse keeps the last)."""
+    flags come after `defaults`, so they win (argparse keeps the last); `env`: variables added to
+    this process's environment (LLAMA_SHARD_CPU_VARIANT, say)."""
     port = port or free_port()
     cmd = [
         sys.executable,
@@ -64,7 +67,9 @@ def start_worker(
         *defaults,
         *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     return proc, f"127.0.0.1:{port}"
 
 

@@ -9,7 +9,9 @@ checks"):
 - at `spot_check_rate`, it also keeps the steps it sent to its first later stage and replays them,
   as they were, on a route of other replicas of the same layers, numerics and backend, then demands
   that each replica's commitments equal the route's: equal bytes, not a tolerance. A worker whose
-  bytes differ is out of routes (Replicas.fail_check) and counted.
+  bytes differ is out of routes (Replicas.fail_check) and counted. Where a stage's only other
+  replica runs other kernels, the replay goes stage by stage instead (head/row_checks.py) and that
+  stage is held to a tolerance.
 
 The work runs on a small pool of its own, after the stream's last token: a stream's scheduler never
 waits for a receipt, and a reader gets its final event once its receipt is checked."""
@@ -30,6 +32,7 @@ from prometheus_client import Counter
 from ..proto import shard_pb2 as pb
 from ..receipts.chain import NONCE_BYTES, ReceiptChains
 from ..receipts.verify import check_route, stage_bodies
+from .row_checks import RowReplay, StageRows
 
 #: how long collecting a route's receipts, or one replayed step, may take
 RECEIPT_TIMEOUT_S = 10.0
@@ -98,7 +101,7 @@ class RouteProofs:
         self._outcomes = (
             Counter(
                 "llama_shard_spot_checks",
-                "Requests the head replayed on other replicas, by outcome (equal, mismatch, unchecked)",
+                "Requests the head replayed on other replicas, by outcome (equal, close, mismatch, unchecked)",
                 ["outcome"],
                 registry=registry,
             )
@@ -211,10 +214,16 @@ class RouteProofs:
         checks = [pb.SpotCheck(stage=i, worker=hop.address) for i, hop in enumerate(route, start=1)]
         why = self._unreplayable(route, steps)
         partners = [self.replicas.check_partner(hop.address) if self.replicas is not None else None for hop in route]
-        if why is None and not any(partners):
-            why = "no other replica of its layers on the same backend and numerics"
+        others = [
+            self.replicas.check_partner(hop.address, exact=False) if p is None and self.replicas is not None else None
+            for hop, p in zip(route, partners)
+        ]
+        if why is None and not any(partners) and not any(others):
+            why = "no other replica of its layers and numerics"
         if why is not None:
             return self._counted(checks, f"unchecked: {why}")
+        if any(others):  # a stage held to a tolerance: replayed stage by stage (head/row_checks.py)
+            return self._row_check(route, receipt, steps, partners, others, checks)
         check_route = [p or hop for p, hop in zip(partners, route)]
         for c, p in zip(checks, partners):
             c.replica = p.address if p is not None else ""
@@ -259,10 +268,78 @@ class RouteProofs:
                     elif _same_output(bodies[i], again, tail):
                         blamed = [c.worker]
                 c.outcome = f"mismatch (arbitrated by {third.address}: {', '.join(blamed)} out of routes)"
-        for address in blamed:
-            detail = (
-                f"its bytes differed in a spot check of stage {c.stage} ({c.worker} against {c.replica or 'itself'})"
+        self._take_out(
+            blamed,
+            f"its bytes differed in a spot check of stage {c.stage} ({c.worker} against {c.replica or 'itself'})",
+        )
+
+    def _row_check(self, route, receipt, steps, partners, others, checks: list[pb.SpotCheck]) -> list[pb.SpotCheck]:
+        """The spot check of a route where a stage's only other replica computes on other kernels."""
+        bodies, problems = stage_bodies(receipt)
+        if problems or len(bodies) != len(route) + 1:
+            return self._counted(checks, "unchecked: the route's receipt does not verify")
+        last = len(route) - 1
+        stages = [
+            StageRows(hop, p or o, p is not None, i == last)
+            for i, (hop, p, o) in enumerate(zip(route, partners, others))
+        ]
+        for c, stage in zip(checks, stages):
+            c.replica = stage.partner.address if stage.partner is not None else ""
+        replay = RowReplay(self.peers, RECEIPT_TIMEOUT_S)
+        why = replay.run(stages, steps, bodies[0].numerics)
+        if why is not None:
+            return self._counted(checks, f"unchecked: {why}")
+        for c, stage, orig in zip(checks, stages, bodies[1:]):
+            again = pb.ReceiptBody()
+            stage.commitment.fill(again)
+            if again.in_chain != orig.in_chain:  # an earlier stage's rows differed: reported there
+                c.outcome = "unchecked: its input differed in the replay"
+            elif not _same_output(orig, again, stage.tail):
+                what = "rows" if again.out_chain != orig.out_chain else "tokens"
+                c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
+                self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")
+            elif stage.partner is None:
+                c.outcome = "unchecked: no other replica of its layers and numerics"
+            elif not stage.compared:
+                c.outcome = f"unchecked: {stage.stopped}"
+            else:
+                if not stage.exact:
+                    c.max_error, c.tolerance = stage.closeness.max_error, stage.tolerance
+                agrees = stage.agrees()
+                c.outcome = ("equal" if stage.exact else "close") if agrees else "mismatch"
+                if stage.stopped:
+                    c.outcome += f" (compared until {stage.stopped})"
+                elif stage.parted:  # sampled near a tie: its cells follow the route's rows all the same
+                    c.outcome += f" (its replica's tokens parted at {stage.parted} of {stage.compared} steps)"
+                if not agrees:
+                    self._arbitrate(c, stage, replay)
+        return self._counted(checks, None)
+
+    def _arbitrate(self, c: pb.SpotCheck, stage: StageRows, replay: RowReplay) -> None:
+        """A worker and its partner disagree in a row check: a third replica says which (the one it
+        disagrees with is out of routes); without one, both are."""
+        blamed = [c.worker, c.replica]
+        third = self.replicas.check_partner(c.worker, avoid=(c.replica,)) or self.replicas.check_partner(
+            c.worker, avoid=(c.replica,), exact=False
+        )
+        if third is not None:
+            exact = (
+                self.replicas.same_kernels(third.address, c.worker),
+                self.replicas.same_kernels(third.address, c.replica),
             )
+            with_worker, with_partner = replay.third_agrees(stage, third, exact)
+            if with_worker != with_partner:
+                blamed = [c.replica] if with_worker else [c.worker]
+            c.outcome += f" (arbitrated by {third.address}: {', '.join(blamed)} out of routes)"
+        how = (
+            "bytes differed"
+            if stage.exact
+            else f"rows differed past the tolerance ({c.max_error:.3g} > {c.tolerance:.3g})"
+        )
+        self._take_out(blamed, f"its {how} in a spot check of stage {c.stage} ({c.worker} against {c.replica})")
+
+    def _take_out(self, addresses: list[str], detail: str) -> None:
+        for address in addresses:
             _log(f"worker {address} failed a spot check: {detail}; out of routes")
             if self.replicas is not None:
                 self.replicas.fail_check(address, detail)
@@ -276,7 +353,8 @@ class RouteProofs:
             self.spot_checks += 1
             self.spot_check_failures += failed
         if self._outcomes is not None:
-            label = "mismatch" if failed else "equal" if any(c.outcome == "equal" for c in checks) else "unchecked"
+            passed = [c.outcome.split(" ")[0] for c in checks if c.outcome.startswith(("equal", "close"))]
+            label = "mismatch" if failed else "close" if "close" in passed else "equal" if passed else "unchecked"
             self._outcomes.labels(label).inc()
         return checks
 

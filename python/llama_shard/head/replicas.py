@@ -258,9 +258,11 @@ class Replicas:
             r = self._by_address.get(address)
             return r.info.receipt_key if r is not None and r.info is not None and r.info.receipt_key else None
 
-    def check_partner(self, address: str, avoid: tuple[str, ...] = ()) -> pb.Hop | None:
-        """A usable replica of the same layers that computes the same bytes as `address` (numerics,
-        backend and kernels, model file), to replay its steps on (none of `avoid`); None: there is none."""
+    def check_partner(self, address: str, avoid: tuple[str, ...] = (), exact: bool = True) -> pb.Hop | None:
+        """A usable replica of the same layers and model file as `address`, to replay its steps on
+        (none of `avoid`); None: there is none. `exact`: one that computes the same bytes (the same
+        numerics, backend and kernels); else one of the same numerics on other kernels or another
+        backend (compared within a tolerance: receipts/tolerance.py)."""
         with self._lock:
             r = self._by_address.get(address)
             if r is None or r.range is None or r.info is None:
@@ -272,12 +274,21 @@ class Replicas:
                 and o.address not in avoid
                 and o.usable
                 and o.range == r.range
-                and (o.info.numerics, o.info.backend, o.info.kernels, o.info.model_digest)
-                == (r.info.numerics, r.info.backend, r.info.kernels, r.info.model_digest)
+                and o.info is not None
+                and (o.info.numerics, o.info.model_digest) == (r.info.numerics, r.info.model_digest)
+                and ((o.info.backend, o.info.kernels) == (r.info.backend, r.info.kernels)) == exact
             ]
             if not same:
                 return None
             return self._hop_locked(min(same, key=lambda o: (o.load(), o.order)))
+
+    def same_kernels(self, a: str, b: str) -> bool:
+        """Whether the replicas at `a` and `b` compute on the same backend and kernels."""
+        with self._lock:
+            ra, rb = self._by_address.get(a), self._by_address.get(b)
+            if ra is None or rb is None or ra.info is None or rb.info is None:
+                return False
+            return (ra.info.backend, ra.info.kernels) == (rb.info.backend, rb.info.kernels)
 
     def fail_check(self, address: str, why: str) -> None:
         """The replica at `address` gave other bytes than a replica in a spot check: no new route

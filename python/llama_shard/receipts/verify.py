@@ -87,5 +87,6 @@ def describe(receipt: pb.RouteReceipt) -> list[str]:
             f"{b.first_pos}-{b.end_pos}, {b.numerics} on {b.backend}, key {receipt.stages[i].public_key.hex()[:16]}"
         )
     for c in receipt.spot_checks:
-        lines.append(f"spot check of stage {c.stage} ({c.worker}) on {c.replica or 'no replica'}: {c.outcome}")
+        error = f"; largest row error {c.max_error:.3g} (tolerance {c.tolerance:.3g})" if c.tolerance else ""
+        lines.append(f"spot check of stage {c.stage} ({c.worker}) on {c.replica or 'no replica'}: {c.outcome}{error}")
     return lines

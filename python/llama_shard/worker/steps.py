@@ -460,10 +460,8 @@ class StepRunner:
             raise InvalidInputError(f"a draft token is outside the vocabulary (0..{self.info.n_vocab - 1})")
         if tokens is not None and tokens[-n_drafts:] != list(req.draft_tokens):
             raise InvalidInputError("the drafts must be the step's last token ids")
-        if req.logprobs or req.top_logprobs or req.return_logits:
-            raise InvalidInputError(
-                "a step with drafts returns its tokens, not logprobs or logits; send it without drafts"
-            )
+        if req.logprobs or req.top_logprobs:
+            raise InvalidInputError("a step with drafts returns its tokens, not logprobs; send it without drafts")
 
     def _parse_prefix(self, req, step: Step, scope, own_loop: bool) -> PrefixSteps | None:
         """(open tokens, its local key, store tokens, its local key) for a step's prefix plan, or None;
@@ -547,8 +545,8 @@ class StepRunner:
                 logprob, top = log_softmax_of(out.logits, token, req.top_logprobs)
                 reply.logprob = logprob
                 reply.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
-            if req.return_logits:  # n_vocab floats per step: only when asked
-                reply.logits.CopyFrom(encode_tensor(out.logits.reshape(1, -1)))
+            if req.return_logits:  # n_vocab floats per row computed (a verification's: each row): only when asked
+                reply.logits.CopyFrom(encode_tensor(rows))
             return reply
         assert isinstance(out, BoundaryBundle)
         return pb.StepReply(
