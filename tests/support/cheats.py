@@ -7,7 +7,8 @@ engine's outputs, or whose claims about itself, are changed:
 - "skip_layer": it loads one layer fewer than it says (first + 1 .. last) and claims the whole range
   (its Info, recipe fingerprint and receipts say first .. last);
 - "other_quant": it loads another quantization of the same model (its layers' Q4_1 weights brought
-  down to Q4_0's precision) and claims the original file's digest.
+  down to Q4_0's precision) and claims the original file's digest;
+- "other_tokens" (a tail): it answers the token after the one its logits give.
 
 Each cheat keeps the honest worker's receipts honest about what it did: what a receipt alone cannot
 show, a spot check must."""
@@ -24,10 +25,13 @@ from llama_shard.cli.parser import build_parser
 from llama_shard.cli.serve import serve_config, serve_security, worker_options_of
 from llama_shard.engine.hot_kv import BoundaryBundle, StepKind, TailOutput
 from llama_shard.local_workers import WORKER_DEFAULTS
+from llama_shard.proto import shard_pb2 as pb
 
 CHEATS = ("noise", "stale_row", "skip_layer", "other_quant")
 #: a worker that computes honestly and signs a receipt at odds with the rows it took in
 FALSE_RECEIPT = "false_receipt"
+#: a tail that computes honestly and answers the token after the one its logits give
+OTHER_TOKENS = "other_tokens"
 NOISE = 1e-3
 
 
@@ -114,6 +118,18 @@ def cheating_worker(model: Path, first: int, last: int, cheat: str, honest_info,
         servicer.receipt_signer.template.first = first
     if cheat == "other_quant":
         servicer.model_digest = servicer.receipt_signer.template.model_digest = honest_info.model_digest
+    if cheat == OTHER_TOKENS:
+        honest_reply, n_vocab = servicer.steps._reply, servicer.info.n_vocab
+
+        def other_tokens(req, out, params=None, key=None):
+            reply = honest_reply(req, out, params, key)
+            if reply.outcome == pb.OUTCOME_OK and isinstance(out, TailOutput):
+                reply.token_id = (reply.token_id + 1) % n_vocab
+                if len(reply.tokens):
+                    reply.tokens[-1] = reply.token_id
+            return reply
+
+        servicer.steps._reply = other_tokens
     if cheat == FALSE_RECEIPT:
         sign = servicer.receipt_signer.key.sign
 

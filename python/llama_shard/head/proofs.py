@@ -288,49 +288,59 @@ class RouteProofs:
         replay = RowReplay(self.peers, RECEIPT_TIMEOUT_S)
         why = replay.run(stages, steps, bodies[0].numerics)
         if why is not None:
-            return self._counted(checks, f"unchecked: {why}")
+            for c, stage in zip(checks, stages):
+                if stage.worker_failed:  # its own answer contradicted itself: it alone is out
+                    c.outcome = f"mismatch: its worker's answer contradicted itself: {stage.worker_failed}"
+                    self._take_out([c.worker], f"its answer contradicted itself in a spot check of stage {c.stage}")
+                else:
+                    c.outcome = f"unchecked: {why}"
+            return self._counted(checks, None)
         for c, stage, orig in zip(checks, stages, bodies[1:]):
             again = pb.ReceiptBody()
             stage.commitment.fill(again)
             if again.in_chain != orig.in_chain:  # an earlier stage's rows differed: reported there
                 c.outcome = "unchecked: its input differed in the replay"
             elif not _same_output(orig, again, stage.tail):
-                what = "rows" if again.out_chain != orig.out_chain else "tokens"
-                c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
-                self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")
+                self._not_repeated(c, "rows" if again.out_chain != orig.out_chain else "tokens")
             elif stage.partner is None:
                 c.outcome = "unchecked: no other replica of its layers and numerics"
+            elif stage.partner_failed:
+                c.outcome = f"mismatch: {stage.partner_failed}"
+                self._take_out([c.replica], f"its answer contradicted itself in a spot check of stage {c.stage}")
             elif not stage.compared:
                 c.outcome = f"unchecked: {stage.stopped}"
             else:
-                if not stage.exact:
-                    c.max_error, c.tolerance = stage.closeness.max_error, stage.tolerance
-                agrees = stage.agrees()
-                c.outcome = ("equal" if stage.exact else "close") if agrees else "mismatch"
-                if stage.stopped:
-                    c.outcome += f" (compared until {stage.stopped})"
-                elif stage.parted:  # sampled near a tie: its cells follow the route's rows all the same
-                    c.outcome += f" (its replica's tokens parted at {stage.parted} of {stage.compared} steps)"
-                if not agrees:
-                    self._arbitrate(c, stage, replay)
+                self._compared(c, stage, replay)
         return self._counted(checks, None)
 
-    def _arbitrate(self, c: pb.SpotCheck, stage: StageRows, replay: RowReplay) -> None:
-        """A worker and its partner disagree in a row check: a third replica says which (the one it
-        disagrees with is out of routes); without one, both are."""
-        blamed = [c.worker, c.replica]
+    def _not_repeated(self, c: pb.SpotCheck, what: str) -> None:
+        """A route's worker did not repeat what it committed to: out alone on a CPU, whose rows are
+        the same bytes batched or alone (shown: docs/benchmarks.md); elsewhere not known, so counted."""
+        if self.replicas is not None and not self.replicas.on_cpu(c.worker):
+            c.outcome = f"unchecked: its worker did not repeat the {what} it committed (off the CPU: not known to)"
+            return
+        c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
+        self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")
+
+    def _compared(self, c: pb.SpotCheck, stage: StageRows, replay: RowReplay) -> None:
+        if not stage.exact:
+            c.max_error, c.tolerance = stage.closeness.max_error, stage.tolerance
+        agrees = stage.agrees()
+        c.outcome = ("equal" if stage.exact else "close") if agrees else "mismatch"
+        if stage.stopped:
+            c.outcome += f" (compared until {stage.stopped})"
+        elif stage.parted:  # sampled near a tie: its cells follow the route's rows all the same
+            c.outcome += f" (its replica's tokens parted at {stage.parted} of {stage.compared} steps)"
+        if agrees:
+            return
+        blamed, found = [c.worker, c.replica], "no third replica to arbitrate"
         third = self.replicas.check_partner(c.worker, avoid=(c.replica,)) or self.replicas.check_partner(
             c.worker, avoid=(c.replica,), exact=False
         )
         if third is not None:
-            exact = (
-                self.replicas.same_kernels(third.address, c.worker),
-                self.replicas.same_kernels(third.address, c.replica),
-            )
-            with_worker, with_partner = replay.third_agrees(stage, third, exact)
-            if with_worker != with_partner:
-                blamed = [c.replica] if with_worker else [c.worker]
-            c.outcome += f" (arbitrated by {third.address}: {', '.join(blamed)} out of routes)"
+            exact = tuple(self.replicas.same_kernels(third.address, a) for a in (c.worker, c.replica))
+            blamed, found = replay.arbitrate(stage, third, exact)
+        c.outcome += f" ({found}: {', '.join(blamed)} out of routes)"
         how = (
             "bytes differed"
             if stage.exact

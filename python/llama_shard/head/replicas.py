@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
+from .._native import is_cpu_device
 from ..errors import InvalidInputError, Why, WhyNot
 from ..proto import shard_pb2 as pb
 from ..proto.requests import FEATURE_HANDED_FROM
@@ -289,6 +290,12 @@ class Replicas:
             if ra is None or rb is None or ra.info is None or rb.info is None:
                 return False
             return (ra.info.backend, ra.info.kernels) == (rb.info.backend, rb.info.kernels)
+
+    def on_cpu(self, address: str) -> bool:
+        """Whether the replica at `address` computes its layers on the CPU."""
+        with self._lock:
+            r = self._by_address.get(address)
+            return r is not None and r.info is not None and is_cpu_device(r.info.device)
 
     def fail_check(self, address: str, why: str) -> None:
         """The replica at `address` gave other bytes than a replica in a spot check: no new route

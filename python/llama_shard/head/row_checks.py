@@ -1,21 +1,23 @@
-"""Spot checks across kernels or backends: a stage whose only other replica computes on other
-kernels (a CPU of another variant, a GPU) cannot be held to equal bytes, so its rows are compared
-within a tolerance (receipts/tolerance.py).
+"""Spot checks across kernels: a stage whose only other replica computes on other kernels (a CPU of
+another variant, a GPU) cannot be held to equal bytes, so its rows are compared within a tolerance
+(receipts/tolerance.py).
 
 The head replays the kept steps stage by stage, unchained, as a new session of its own:
 
-- each stage's own worker first, on the very inputs the route gave it, answering its rows (the tail:
-  its logit rows) to the head. From them the head computes the worker's commitment again and
-  demands it equal what the worker signed in its receipt: the rows it answers now are the rows it
-  sent then, so it cannot answer the check with other rows than the route's. Its rows are the next
-  stage's inputs, so every stage is checked on its own inputs, and one stage's kernel noise never
-  reaches another's;
+- each stage's own worker first, on the very inputs the route gave it (at the positions the route
+  gave, never its own say), answering its rows (the tail: its logit rows) to the head. From them the
+  head computes the worker's commitment again and demands it equal what the worker signed in its
+  receipt: the rows it answers now are the rows it sent then. The tail's tokens must follow from its
+  own logit rows (the head draws them again with the step's sampler state). Its rows are the next
+  stage's inputs, so each stage is judged on its own inputs and kernel noise never crosses stages;
 - then the stage's partner, on the same inputs: a replica of the same kernels must give equal bytes;
   one of other kernels must come within the tolerance on every row.
 
-A worker that does not repeat its own commitment is out of routes alone. A stage whose worker and
-partner disagree is arbitrated by a third replica where there is one (the one it disagrees with is
-out), else both are out, as for exact checks (head/proofs.py)."""
+A worker whose answer contradicts itself (a length it was not given, rows that do not decode, tokens
+its rows do not give) or that does not repeat its commitment fails alone; one that does not answer
+at all leaves the request unchecked (a worker under load may refuse: counted, not blamed). A worker
+and partner that disagree are arbitrated by a third replica (`arbitrate`), each of the two held to
+repeating its first answers."""
 
 from __future__ import annotations
 
@@ -25,11 +27,17 @@ import secrets
 import grpc
 import numpy as np
 
+from .._native import MAX_CONTEXT_TOKENS
 from ..errors import LlamaShardError
 from ..proto import shard_pb2 as pb
 from ..proto.wire import decode_tensor
 from ..receipts.chain import Commitment, answer_of, logits_digest, rows_digest, tokens_digest
 from ..receipts.tolerance import HIDDEN_TOLERANCE, LOGITS_TOLERANCE, Closeness
+from ..worker.sampling import StepSamplingChecks, TailSamplers, verify
+
+
+class ReplyProblem(Exception):
+    """A replayed step's OK answer that contradicts itself or its step: the answerer's fault."""
 
 
 @dataclasses.dataclass
@@ -42,13 +50,21 @@ class StageRows:
     tail: bool
     commitment: Commitment = dataclasses.field(default_factory=Commitment)
     closeness: Closeness = dataclasses.field(default_factory=Closeness)
-    # the requests it was given, to replay on a third replica (hidden rows or tokens: small; the
-    # answers, logit rows of n_vocab floats at a tail, are not kept but asked again)
+    # with a partner, for a third replica: the requests it was given (hidden rows or tokens), and
+    # the digests of each side's answers (each must repeat them); the rows themselves (a tail's:
+    # n_vocab floats each) are not kept but asked again
     inputs: list = dataclasses.field(default_factory=list)
-    compared: int = 0  # steps its partner answered
-    differs: bool = False  # an exact partner's bytes (or answers) differed
-    stopped: str = ""  # why the partner's replay stopped early
+    worker_digests: list = dataclasses.field(default_factory=list)
+    partner_digests: list = dataclasses.field(default_factory=list)
+    differs: bool = False  # an exact partner's bytes (or tokens) differed
+    worker_failed: str = ""  # its worker's answer contradicted itself (the stage's mismatch)
+    partner_failed: str = ""  # its partner's did
+    stopped: str = ""  # why the partner's replay stopped early (it did not answer)
     parted: int = 0  # a tail of other kernels: steps whose tokens differed (near ties)
+
+    @property
+    def compared(self) -> int:
+        return len(self.partner_digests)
 
     @property
     def tolerance(self) -> float:
@@ -58,17 +74,24 @@ class StageRows:
         return not self.differs if self.exact else self.closeness.within(self.tolerance)
 
 
-def _rows_of(reply: pb.StepReply) -> np.ndarray:
-    t = reply.hidden if reply.HasField("hidden") else reply.logits
-    if len(t.shape) != 2:
-        raise LlamaShardError("a replayed step answered no rows")
-    return decode_tensor(t, t.shape[1], t.shape[0])
-
-
-def _out_digest(reply: pb.StepReply) -> bytes:
-    if reply.HasField("hidden"):
-        return rows_digest(reply.hidden)
-    return logits_digest(_rows_of(reply))
+def _answer(reply: pb.StepReply, req: pb.StepRequest, tail: bool) -> tuple[np.ndarray, bytes]:
+    """A replayed step's rows and the digest of its answer (rows, and a tail's tokens), or
+    ReplyProblem."""
+    n = len(req.token_ids) if not req.HasField("hidden") else req.hidden.shape[0]
+    if reply.seq_len != req.position + n:
+        raise ReplyProblem(
+            f"it answered a length of {reply.seq_len} for positions {req.position}..{req.position + n - 1}"
+        )
+    t = reply.logits if tail else reply.hidden
+    want = len(req.draft_tokens) + 1 if tail else n
+    if len(t.shape) != 2 or t.shape[0] != want:
+        raise ReplyProblem(f"it answered rows of shape {list(t.shape)}, not {want} rows")
+    try:
+        rows = decode_tensor(t, t.shape[1], t.shape[0])
+    except LlamaShardError as e:
+        raise ReplyProblem(f"its rows do not decode: {e}") from None
+    digest = logits_digest(rows) if tail else rows_digest(t)
+    return rows, digest + (tokens_digest(answer_of(reply)) if tail else b"")
 
 
 def _next_request(sent: pb.StepRequest, rows: pb.Tensor, position: int, numerics: str) -> pb.StepRequest:
@@ -95,6 +118,7 @@ class RowReplay:
     def __init__(self, peers, timeout_s: float):
         self.peers, self.timeout_s = peers, timeout_s
         self.session_id = secrets.token_hex(12)  # a session like any other to the workers
+        self._checks = self._samplers = None  # the tail's sampler, drawn again here (made on first use)
 
     def _call(self, hop: pb.Hop, kind, req: pb.StepRequest) -> pb.StepReply:
         mine = pb.StepRequest()
@@ -104,21 +128,22 @@ class RowReplay:
         return reply
 
     def run(self, stages: list[StageRows], steps: list, numerics: str) -> str | None:
-        """Replays `steps` (the (kind, StepRequest) the head sent its first later stage) through
-        `stages`; None, or why the replay of the route's own workers did not complete (a partner that
-        stops is noted on its stage). Every session it opened is released."""
+        """Replays `steps` (the (kind, StepRequest) the head sent its first later stage, each at an
+        explicit position) through `stages`; None, or why the replay of the route's own workers did
+        not complete (a worker whose answer contradicted itself is marked on its stage; a partner
+        that stops, on its). Every session it opened is released."""
         try:
             for kind, sent in steps:
                 why = self._step(stages, kind, sent, numerics)
                 if why is not None:
                     return why
             return None
-        except grpc.RpcError as e:
-            return f"the replay could not reach a worker: {e.code().name}"
         finally:
             self.release([h for s in stages for h in (s.hop, s.partner) if h is not None])
 
     def _step(self, stages: list[StageRows], kind, sent: pb.StepRequest, numerics: str) -> str | None:
+        if not sent.HasField("position"):  # (a step a worker forwards always has one)
+            return "a kept step has no explicit position"
         req = pb.StepRequest()
         req.CopyFrom(sent)
         req.receipt_nonce = b""  # nothing is committed for a check
@@ -128,63 +153,112 @@ class RowReplay:
         done = []  # (stage, position, n, in digest, out digest)
         for i, stage in enumerate(stages):
             req.return_logits = stage.tail
-            reply = self._call(stage.hop, kind, req)
+            try:
+                reply = self._call(stage.hop, kind, req)
+            except grpc.RpcError as e:
+                return f"stage {i + 1}'s worker did not answer its replay: {e.code().name}"
             if reply.outcome != pb.OUTCOME_OK:
-                return (
-                    f"stage {i + 1}'s worker answered its replay {pb.Outcome.Name(reply.outcome)}: {reply.detail[:200]}"
-                )
-            n = len(req.token_ids) if not req.HasField("hidden") else req.hidden.shape[0]
-            position = reply.seq_len - n
+                name = pb.Outcome.Name(reply.outcome)
+                return f"stage {i + 1}'s worker answered its replay {name}: {reply.detail[:200]}"
+            try:
+                rows, digest = _answer(reply, req, stage.tail)
+                if stage.tail and answer_of(reply) != self._drawn(req, rows):
+                    raise ReplyProblem("its tokens are not the ones its logit rows give with the step's sampler")
+            except ReplyProblem as e:
+                stage.worker_failed = str(e)
+                return f"stage {i + 1}'s worker contradicted itself"
+            n = reply.seq_len - req.position
             in_digest = rows_digest(req.hidden) if req.HasField("hidden") else tokens_digest(req.token_ids)
-            rows = _rows_of(reply)
-            done.append((stage, position, n, in_digest, _out_digest(reply)))
-            stage.inputs.append((kind, pb.StepRequest.FromString(req.SerializeToString())))
-            if stage.partner is not None and not stage.stopped:
-                self._partner(stage, kind, req, reply, rows)
+            out_digest = digest[:-32] if stage.tail else digest
+            done.append((stage, req.position, n, in_digest, out_digest))
+            if stage.partner is not None and not (stage.stopped or stage.partner_failed):
+                stage.inputs.append((kind, pb.StepRequest.FromString(req.SerializeToString())))
+                stage.worker_digests.append(digest)
+                self._partner(stage, kind, req, reply, rows, digest)
             if stage.tail:
                 answer = answer_of(reply)
                 for s, pos, k, ind, outd in done:  # every stage commits the tail's answer to a step
                     s.commitment.add(pos, k, ind, outd, answer)
                 return None
-            req = _next_request(sent, reply.hidden, position, numerics)
+            req = _next_request(sent, reply.hidden, req.position, numerics)
         return "the route has no tail"
 
-    def _partner(self, stage: StageRows, kind, req, reply: pb.StepReply, rows: np.ndarray) -> None:
-        got = self._call(stage.partner, kind, req)
-        if got.outcome != pb.OUTCOME_OK:
-            stage.stopped = f"its replica answered {pb.Outcome.Name(got.outcome)} at step {len(stage.inputs)}"
+    def _drawn(self, req: pb.StepRequest, rows: np.ndarray) -> list[int]:
+        """The tokens a tail's logit rows give for `req`, as the tail draws them (worker/steps.py,
+        _reply): greedy, or its sampler rebuilt from the step's state."""
+        drafts = list(req.draft_tokens)
+        if not req.HasField("sampler"):
+            return verify(rows, drafts, lambda row: int(np.argmax(row)))
+        if self._samplers is None:
+            n_vocab = rows.shape[1]
+            self._checks = StepSamplingChecks(n_vocab, MAX_CONTEXT_TOKENS, 1)
+            self._samplers = TailSamplers(n_vocab, MAX_CONTEXT_TOKENS, 1)
+        key = (self.session_id, 1)
+        try:
+            return self._samplers.sample_rows(key, self._checks.params(key, req), req.sampler, rows, drafts)
+        except LlamaShardError as e:
+            raise ReplyProblem(f"its step's sampler state does not draw: {e}") from None
+
+    def _partner(self, stage: StageRows, kind, req, reply: pb.StepReply, rows: np.ndarray, digest: bytes) -> None:
+        step = len(stage.inputs)
+        try:
+            got = self._call(stage.partner, kind, req)
+        except grpc.RpcError as e:
+            stage.stopped = f"its replica did not answer step {step}: {e.code().name}"
             return
-        theirs = _rows_of(got)
-        stage.compared += 1
+        if got.outcome != pb.OUTCOME_OK:
+            stage.stopped = f"its replica answered {pb.Outcome.Name(got.outcome)} at step {step}"
+            return
+        try:
+            theirs, their_digest = _answer(got, req, stage.tail)
+        except ReplyProblem as e:
+            stage.partner_failed = f"its replica's answer to step {step} contradicted itself: {e}"
+            return
+        stage.partner_digests.append(their_digest)
         if stage.exact:
-            same_answer = not stage.tail or answer_of(got) == answer_of(reply)
-            stage.differs |= _out_digest(got) != _out_digest(reply) or not same_answer
+            stage.differs |= their_digest != digest
         else:  # (its tokens may part at a near tie: its cells come from the route's rows all the same)
             stage.closeness.add(rows, theirs, centered=stage.tail)
             stage.parted += stage.tail and answer_of(got) != answer_of(reply)
 
-    def third_agrees(self, stage: StageRows, third: pb.Hop, exact: tuple[bool, bool]) -> tuple[bool, bool]:
-        """Replays the stage's inputs on `third`, its worker and its partner again, in step: (the
-        third agrees with the worker, with the partner), each by equal bytes where they share
-        kernels (`exact`: with the worker, with the partner), else within the tolerance."""
+    def arbitrate(self, stage: StageRows, third: pb.Hop, exact: tuple[bool, bool]) -> tuple[list[str], str]:
+        """Replays the stage's compared steps on its worker, its partner and `third`, in step: each of
+        the two must repeat its first answers (one that does not is the one out), and the third says
+        which of them it agrees with (by equal bytes where they share kernels, `exact`: with the
+        worker, with the partner; else within the tolerance). (Those out, what was found.)"""
         self.session_id = secrets.token_hex(12)  # a fresh session on each of the three
         hops = (stage.hop, stage.partner, third)
+        names = (stage.hop.address, stage.partner.address)
         close = (Closeness(), Closeness())
         same = [True, True]
         try:
-            for kind, req in stage.inputs[: stage.compared]:
-                replies = [self._call(hop, kind, req) for hop in hops]
-                if any(r.outcome != pb.OUTCOME_OK for r in replies):
-                    return False, False
-                worker, partner, mine = (_rows_of(r) for r in replies)
-                for k, theirs in enumerate((worker, partner)):
-                    close[k].add(theirs, mine, centered=stage.tail)
-                    same[k] &= np.array_equal(theirs, mine)
-        except grpc.RpcError:
-            return False, False
+            for k, (kind, req) in enumerate(stage.inputs[: stage.compared]):
+                answers = []
+                for who, (hop, first) in enumerate(
+                    zip(hops, (stage.worker_digests[k], stage.partner_digests[k], None))
+                ):
+                    try:
+                        got = self._call(hop, kind, req)
+                        if got.outcome != pb.OUTCOME_OK:
+                            raise ReplyProblem(f"answered {pb.Outcome.Name(got.outcome)}")
+                        rows, digest = _answer(got, req, stage.tail)
+                    except (grpc.RpcError, ReplyProblem) as e:
+                        if who == 2:  # the third: no arbitration
+                            return list(names), f"{third.address} could not arbitrate ({e})"
+                        return [names[who]], f"{names[who]} did not repeat its answers ({e})"
+                    if first is not None and digest != first:
+                        return [names[who]], f"{names[who]} did not repeat its answers"
+                    answers.append((rows, digest))
+                mine = answers[2]
+                for who in (0, 1):
+                    close[who].add(answers[who][0], mine[0], centered=stage.tail)
+                    same[who] &= answers[who][1] == mine[1]
         finally:
             self.release(list(hops))
-        return tuple(same[k] if exact[k] else close[k].within(stage.tolerance) for k in (0, 1))
+        agree = [same[w] if exact[w] else close[w].within(stage.tolerance) for w in (0, 1)]
+        if agree[0] != agree[1]:
+            return [names[1] if agree[0] else names[0]], f"arbitrated by {third.address}"
+        return list(names), f"arbitrated by {third.address}: it agrees with {'both' if agree[0] else 'neither'}"
 
     def release(self, hops: list[pb.Hop]) -> None:
         for hop in hops:
