@@ -64,6 +64,8 @@ def test_a_replayed_answer_that_contradicts_its_step_is_the_answerers_fault():
         pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7, hidden=encode_tensor(rows[:1])),
         pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7, hidden=pb.Tensor(shape=[2, 8], data=b"\0" * 5)),
         pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7, hidden=encode_tensor(rows * np.nan)),
+        pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7, hidden=encode_tensor(rows[:, :4])),  # another width
+        pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7, hidden=encode_tensor(rows, pb.DTYPE_FLOAT16)),
         pb.StepReply(outcome=pb.OUTCOME_OK, seq_len=7),  # a tail without its logit rows
     ):
         with pytest.raises(ReplyProblem):

@@ -315,8 +315,10 @@ class RouteProofs:
 
     def _not_repeated(self, c: pb.SpotCheck, what: str) -> None:
         """A route's worker did not repeat what it committed to: out alone on a CPU, whose rows are
-        the same bytes batched or alone (shown: docs/benchmarks.md); elsewhere not known, so counted."""
-        if self.replicas is not None and not self.replicas.on_cpu(c.worker):
+        the same bytes batched or alone (shown: docs/benchmarks.md); elsewhere not known, so counted.
+        Tokens other than those it committed, from the rows it committed, are its own doing anywhere
+        (a tail draws them from its rows and the step's sampler state alone)."""
+        if what == "rows" and self.replicas is not None and not self.replicas.on_cpu(c.worker):
             c.outcome = f"unchecked: its worker did not repeat the {what} it committed (off the CPU: not known to)"
             return
         c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
@@ -339,7 +341,8 @@ class RouteProofs:
         )
         if third is not None:
             exact = tuple(self.replicas.same_kernels(third.address, a) for a in (c.worker, c.replica))
-            blamed, found = replay.arbitrate(stage, third, exact)
+            repeats = tuple(self.replicas.on_cpu(a) for a in (c.worker, c.replica))
+            blamed, found = replay.arbitrate(stage, third, exact, repeats)
         c.outcome += f" ({found}: {', '.join(blamed)} out of routes)"
         how = (
             "bytes differed"

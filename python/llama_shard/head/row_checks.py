@@ -84,8 +84,13 @@ def _answer(reply: pb.StepReply, req: pb.StepRequest, tail: bool) -> tuple[np.nd
         )
     t = reply.logits if tail else reply.hidden
     want = len(req.draft_tokens) + 1 if tail else n
-    if len(t.shape) != 2 or t.shape[0] != want:
+    if len(t.shape) != 2 or t.shape[0] != want or t.shape[1] < 1:
         raise ReplyProblem(f"it answered rows of shape {list(t.shape)}, not {want} rows")
+    dtype = pb.DTYPE_FLOAT32 if tail else req.reply_dtype
+    if t.dtype != dtype:
+        raise ReplyProblem(f"it answered rows of type {t.dtype}, not {dtype}")
+    if not tail and req.HasField("hidden") and t.shape[1] != req.hidden.shape[1]:
+        raise ReplyProblem(f"it answered rows of {t.shape[1]} columns, not the model's {req.hidden.shape[1]}")
     try:
         rows = decode_tensor(t, t.shape[1], t.shape[0])
     except LlamaShardError as e:
@@ -162,8 +167,8 @@ class RowReplay:
                 return f"stage {i + 1}'s worker answered its replay {name}: {reply.detail[:200]}"
             try:
                 rows, digest = _answer(reply, req, stage.tail)
-                if stage.tail and answer_of(reply) != self._drawn(req, rows):
-                    raise ReplyProblem("its tokens are not the ones its logit rows give with the step's sampler")
+                if stage.tail:
+                    self._check_tokens(reply, req, rows, 1)
             except ReplyProblem as e:
                 stage.worker_failed = str(e)
                 return f"stage {i + 1}'s worker contradicted itself"
@@ -183,21 +188,30 @@ class RowReplay:
             req = _next_request(sent, reply.hidden, req.position, numerics)
         return "the route has no tail"
 
-    def _drawn(self, req: pb.StepRequest, rows: np.ndarray) -> list[int]:
+    def _drawn(self, req: pb.StepRequest, rows: np.ndarray, who: int) -> list[int] | None:
         """The tokens a tail's logit rows give for `req`, as the tail draws them (worker/steps.py,
-        _reply): greedy, or its sampler rebuilt from the step's state."""
+        _reply): greedy, or its sampler rebuilt from the step's state; None where the head cannot
+        draw them (a grammar needs the tail's vocabulary; a state the head's check refuses is the
+        head's own problem, not the tail's). `who`: 1 the worker, 2 its partner (samplers apart)."""
         drafts = list(req.draft_tokens)
         if not req.HasField("sampler"):
             return verify(rows, drafts, lambda row: int(np.argmax(row)))
+        if req.sampler.params.grammar:
+            return None
         if self._samplers is None:
             n_vocab = rows.shape[1]
-            self._checks = StepSamplingChecks(n_vocab, MAX_CONTEXT_TOKENS, 1)
-            self._samplers = TailSamplers(n_vocab, MAX_CONTEXT_TOKENS, 1)
-        key = (self.session_id, 1)
+            self._checks = StepSamplingChecks(n_vocab, MAX_CONTEXT_TOKENS, 2)
+            self._samplers = TailSamplers(n_vocab, MAX_CONTEXT_TOKENS, 2)
+        key = (self.session_id, who)
         try:
             return self._samplers.sample_rows(key, self._checks.params(key, req), req.sampler, rows, drafts)
-        except LlamaShardError as e:
-            raise ReplyProblem(f"its step's sampler state does not draw: {e}") from None
+        except LlamaShardError:
+            return None
+
+    def _check_tokens(self, reply: pb.StepReply, req: pb.StepRequest, rows: np.ndarray, who: int) -> None:
+        drawn = self._drawn(req, rows, who)
+        if drawn is not None and answer_of(reply) != drawn:
+            raise ReplyProblem("its tokens are not the ones its logit rows give with the step's sampler")
 
     def _partner(self, stage: StageRows, kind, req, reply: pb.StepReply, rows: np.ndarray, digest: bytes) -> None:
         step = len(stage.inputs)
@@ -211,6 +225,8 @@ class RowReplay:
             return
         try:
             theirs, their_digest = _answer(got, req, stage.tail)
+            if stage.tail:
+                self._check_tokens(got, req, theirs, 2)
         except ReplyProblem as e:
             stage.partner_failed = f"its replica's answer to step {step} contradicted itself: {e}"
             return
@@ -221,11 +237,15 @@ class RowReplay:
             stage.closeness.add(rows, theirs, centered=stage.tail)
             stage.parted += stage.tail and answer_of(got) != answer_of(reply)
 
-    def arbitrate(self, stage: StageRows, third: pb.Hop, exact: tuple[bool, bool]) -> tuple[list[str], str]:
-        """Replays the stage's compared steps on its worker, its partner and `third`, in step: each of
-        the two must repeat its first answers (one that does not is the one out), and the third says
-        which of them it agrees with (by equal bytes where they share kernels, `exact`: with the
-        worker, with the partner; else within the tolerance). (Those out, what was found.)"""
+    def arbitrate(
+        self, stage: StageRows, third: pb.Hop, exact: tuple[bool, bool], repeats: tuple[bool, bool]
+    ) -> tuple[list[str], str]:
+        """Replays the stage's compared steps on its worker, its partner and `third`, in step, and says
+        who is out and what was found. Each of the two must give a well-formed answer and, where it
+        repeats to the bit (`repeats`: on a CPU), its first answers (one that does not is the one
+        out); the third then says which of them it agrees with (by equal bytes where they share
+        kernels, `exact`: with the worker, with the partner; else within the tolerance). A refusal
+        (a busy or unreachable worker) decides nothing: both are out, as with no third."""
         self.session_id = secrets.token_hex(12)  # a fresh session on each of the three
         hops = (stage.hop, stage.partner, third)
         names = (stage.hop.address, stage.partner.address)
@@ -239,14 +259,17 @@ class RowReplay:
                 ):
                     try:
                         got = self._call(hop, kind, req)
-                        if got.outcome != pb.OUTCOME_OK:
-                            raise ReplyProblem(f"answered {pb.Outcome.Name(got.outcome)}")
+                    except grpc.RpcError as e:
+                        return list(names), f"not arbitrated: {hop.address} did not answer ({e.code().name})"
+                    if got.outcome != pb.OUTCOME_OK:
+                        return list(names), f"not arbitrated: {hop.address} answered {pb.Outcome.Name(got.outcome)}"
+                    try:
                         rows, digest = _answer(got, req, stage.tail)
-                    except (grpc.RpcError, ReplyProblem) as e:
-                        if who == 2:  # the third: no arbitration
-                            return list(names), f"{third.address} could not arbitrate ({e})"
-                        return [names[who]], f"{names[who]} did not repeat its answers ({e})"
-                    if first is not None and digest != first:
+                    except ReplyProblem as e:
+                        if who == 2:
+                            return list(names), f"not arbitrated: {third.address}'s answer contradicted itself"
+                        return [names[who]], f"{names[who]}'s answer contradicted itself ({e})"
+                    if who < 2 and repeats[who] and digest != first:
                         return [names[who]], f"{names[who]} did not repeat its answers"
                     answers.append((rows, digest))
                 mine = answers[2]
