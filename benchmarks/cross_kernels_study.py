@@ -31,6 +31,8 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the cheats are the tests' own: no install reaches them
 
+from proofs_study import PROMPTS, log  # noqa: E402  (the same prompts as the exact checks' study)
+
 from llama_shard.engine.models import require_embedded_model  # noqa: E402
 from llama_shard.local_workers import start_worker, stop_worker, wait_serving  # noqa: E402
 from llama_shard.proto import shard_pb2 as pb  # noqa: E402
@@ -41,16 +43,6 @@ from llama_shard.receipts.verify import stage_bodies  # noqa: E402
 from support.cheats import CHEATS, cheating_worker  # noqa: E402
 
 STAGES = ((0, 9), (10, 19), (20, 29))
-PROMPTS = [
-    [1, 504, 3458, 282, 4649, 314],
-    [1, 11442, 2020, 253, 655, 28],
-    [1, 1073, 28709, 5012, 30, 198],
-    [1, 378, 1341, 4093, 14032, 359],
-]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def start_head(model: Path, peers: list[str], rate: float = 1.0):
@@ -106,7 +98,7 @@ def honest(model: Path, other: str, steps: int, n_streams: int = 4, n_tokens: in
         with grpc.insecure_channel(head[1]) as ch:
             stub = pb_grpc.ShardServiceStub(ch)
             round_ = 0
-            while compared < steps or round_ < rounds:
+            while (round_ < rounds) if rounds else (compared < steps):
 
                 def one(i: int, round_: int = round_) -> None:
                     nonlocal compared, requests, parted

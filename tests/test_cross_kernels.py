@@ -194,8 +194,11 @@ def test_a_cheating_tail_is_caught_against_replicas_of_other_kernels(embedded_mo
     try:
         [check] = route.generate(f"{cheat}-1")[1].spot_checks
         assert check.worker == worker.address, check  # the first route takes the first peer
-        if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed
-            assert check.outcome == "mismatch: its worker did not repeat the rows it committed", check
+        if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed (counted,
+            # not blamed: honest workers were seen not to repeat in long sessions)
+            assert check.outcome == "unchecked: its worker did not repeat the rows it committed", check
+            assert all(r.state == "up" for r in route.info().replicas)
+            return
         elif cheat == OTHER_TOKENS:  # its tokens are not its logits'
             assert check.outcome.startswith("mismatch: its worker's answer contradicted itself"), check
         else:  # a third replica of other kernels says which of the two is wrong

@@ -314,12 +314,13 @@ class RouteProofs:
         return self._counted(checks, None)
 
     def _not_repeated(self, c: pb.SpotCheck, what: str) -> None:
-        """A route's worker did not repeat what it committed to: out alone on a CPU, whose rows are
-        the same bytes batched or alone (shown: docs/benchmarks.md); elsewhere not known, so counted.
-        Tokens other than those it committed, from the rows it committed, are its own doing anywhere
-        (a tail draws them from its rows and the step's sampler state alone)."""
-        if what == "rows" and self.replicas is not None and not self.replicas.on_cpu(c.worker):
-            c.outcome = f"unchecked: its worker did not repeat the {what} it committed (off the CPU: not known to)"
+        """A route's worker did not repeat what it committed to. Other tokens from the rows it
+        committed are its own doing (a tail draws them from its rows and the step's sampler state
+        alone): out. Other rows are counted, not blamed: honest CPU workers were seen not to repeat
+        their rows in sessions of 448 tokens (docs/benchmarks.md, "Across kernels"; not explained)."""
+        if what == "rows":
+            c.outcome = f"unchecked: its worker did not repeat the {what} it committed"
+            _log(f"worker {c.worker} did not repeat its committed rows in a spot check of stage {c.stage}")
             return
         c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
         self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")

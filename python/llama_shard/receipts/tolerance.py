@@ -11,7 +11,7 @@ against haswell kernels): honest replicas' largest error was 0.045 (centred logi
 0.043; sessions of up to 454 positions), about half the bound; the cheats that change the computation (a
 skipped layer, another quantization, a stale row) gave no row under 0.138, and no request's largest
 under 0.27. Noise of 1e-3 is about 1e-4 of a row: across kernels it is not seen (a replica of the
-same kernels sees it; a worker that cannot repeat its own committed rows is caught either way).
+same kernels sees it).
 Other pairs (a GPU, AMX) and longer sessions are not measured here.
 """
 
