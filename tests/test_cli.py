@@ -80,6 +80,42 @@ def test_serve_reports_bad_flags_and_a_busy_port_clearly(synthetic_model):
     assert env_res.returncode == 2 and "LLAMA_SHARD_MAX_SESSIONS" in env_res.stderr
 
 
+def test_a_second_worker_on_a_port_a_worker_serves_fails_to_start_and_the_first_answers_alone(synthetic_model):
+    """gRPC sets SO_REUSEPORT unless told not to: a second worker bound beside the first and took a
+    share of its connections (a spot check's replay then reached the other process). Now each worker
+    holds its port alone, and a second start on it names the port."""
+    import grpc
+
+    from llama_shard.local_workers import start_worker, stop_worker, wait_serving
+    from llama_shard.proto import shard_pb2 as pb
+    from llama_shard.proto import shard_pb2_grpc as pb_grpc
+
+    proc, address = start_worker(synthetic_model, 0, 2)
+    try:
+        wait_serving(proc, address)
+        port = address.rsplit(":", 1)[1]
+        try:  # one that binds serves on: stopped here
+            res = subprocess.run(
+                [sys.executable, "-m", "llama_shard.cli", "serve", "--model", str(synthetic_model), "--layers", "3-5"]
+                + ["--port", port],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a second worker started serving on port {port}, a port a worker serves")
+        assert res.returncode == 2 and f"cannot bind 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+        assert "in use by another process" in res.stderr
+        ranges = set()
+        for _ in range(8):  # a new connection each: with a shared port some would reach the other process
+            with grpc.insecure_channel(address) as ch:
+                info = pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
+                ranges.add((info.first, info.last))
+        assert ranges == {(0, 2)}
+    finally:
+        stop_worker(proc)
+
+
 def test_inspect_prints_the_memory_plan(synthetic_model):
     res = run_cli(
         "inspect",

@@ -369,3 +369,27 @@ def test_a_member_declared_dead_joins_again_as_a_new_one(embedded_model, source,
         thread.join(30)
         server.stop(None)
     assert outcome == [0]
+
+
+def test_a_mesh_heads_port_is_its_own():
+    """A mesh head's first server shares its port with the head's worker (SO_REUSEPORT), so it first
+    checks that no other process listens there: a second head, or any server, fails to bind."""
+    import socket
+
+    from llama_shard.mesh.service import MeshServicer, mesh_server
+    from llama_shard.worker.security import ServerSecurity
+
+    servicer = MeshServicer(None, ServerSecurity())
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}: .*in use by another process"):
+            mesh_server(servicer, ServerSecurity(), "127.0.0.1", port)
+    server, bound = mesh_server(servicer, ServerSecurity(), "127.0.0.1", port)  # free again: bound
+    try:
+        assert bound == port
+        with pytest.raises(OSError, match="in use by another process"):
+            mesh_server(servicer, ServerSecurity(), "127.0.0.1", port)  # a second head on it
+    finally:
+        server.stop(None)

@@ -30,11 +30,21 @@ from ._native import CPU_DEVICE
 WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-tokens", "2048", "--device", CPU_DEVICE)
 
 
+#: the ports free_port handed out (the kernel may hand the same free port out twice in a row, and
+#: the worker given it binds only seconds later: a second one would then fail to bind)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port that is free now (for a worker started next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now (for a worker started next), never one this process was
+    handed before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def start_worker(

@@ -37,7 +37,7 @@ from .proto import shard_pb2_grpc as pb_grpc
 from .worker.admission import AdmitRequests
 from .worker.metrics import EngineCollector
 from .worker.options import WorkerOptions
-from .worker.peers import SERVER_KEEPALIVE_OPTIONS
+from .worker.peers import SERVER_KEEPALIVE_OPTIONS, server_port_options
 from .worker.servicer import ShardServicer
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
@@ -54,8 +54,10 @@ class ShardWorker:
         options: WorkerOptions | None = None,
         head_options: HeadOptions | None = None,
         services: tuple = (),
+        share_port: bool = False,
     ):
-        """`services`: functions that add a gRPC service beside ShardService (a mesh head's MeshService)."""
+        """`services`: functions that add a gRPC service beside ShardService (a mesh head's MeshService);
+        `share_port`: bind beside the mesh head's own server on its port (server_port_options)."""
         options = options or WorkerOptions()  # a fresh one each: the options are mutable
         head_options = head_options or HeadOptions()
         self.options = options
@@ -84,7 +86,7 @@ class ShardWorker:
         # HTTP endpoint 429, counting its requests in flight)
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
-        self.server = self._grpc_server(config)
+        self.server = self._grpc_server(config, share_port)
         for add_service in services:
             add_service(self.server)
         self.port = self._bind()
@@ -97,7 +99,7 @@ class ShardWorker:
             self.http.mesh = head_options.mesh
         self._stopped = threading.Event()
 
-    def _grpc_server(self, config: HotKvStateConfig) -> grpc.Server:
+    def _grpc_server(self, config: HotKvStateConfig, share_port: bool) -> grpc.Server:
         """The gRPC server with the shard service and the health service, not bound yet."""
         server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
@@ -110,6 +112,7 @@ class ShardWorker:
                 ("grpc.max_receive_message_length", self.servicer.bounds.request),
                 ("grpc.max_send_message_length", self.options.max_message_bytes),  # logits can outweigh any request
                 *SERVER_KEEPALIVE_OPTIONS,
+                *server_port_options(share_port),  # a port in use fails the bind (_bind)
             ],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             interceptors=[self.admission],
@@ -130,9 +133,9 @@ class ShardWorker:
                 else self.server.add_insecure_port(address)
             )
         except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
-            raise OSError(f"cannot bind {options.host}:{options.port}: {e}") from None
+            raise OSError(f"cannot bind {options.host}:{options.port}: {e} (in use by another process?)") from None
         if port == 0:
-            raise OSError(f"cannot bind {options.host}:{options.port}")
+            raise OSError(f"cannot bind {options.host}:{options.port} (in use by another process?)")
         self.servicer.steps.own_addresses = frozenset(
             f"{h}:{port}" for h in {options.host, "127.0.0.1", "localhost", "[::1]", socket.gethostname()}
         )

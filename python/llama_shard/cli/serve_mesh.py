@@ -105,8 +105,9 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
     config, _ = serve_config(args, mesh.head_range)
     options = dataclasses.replace(worker_options_of(args, security, peer_security), port=port, peers=tuple(serving))
     head_options.mesh = mesh
-    # the head worker binds the same port beside the mesh's server (gRPC sets SO_REUSEPORT) and serves
-    # MeshService too; the mesh's server stops once it serves: members never find the port closed
+    # the head worker binds the same port beside the mesh's server (both set SO_REUSEPORT, alone of
+    # llama-shard's servers: server_port_options) and serves MeshService too; the mesh's server stops
+    # once it serves: members never find the port closed
     worker = ShardWorker(
         path,
         mesh.head_range,
@@ -114,6 +115,7 @@ def serve_mesh_head(args: argparse.Namespace) -> int:
         options,
         head_options,
         services=(lambda s: pb_grpc.add_MeshServiceServicer_to_server(servicer, s),),
+        share_port=True,
     )
     mesh.attach(worker.head.admit_member)
     worker.start()

@@ -39,6 +39,14 @@ SERVER_KEEPALIVE_OPTIONS = [
 ]
 
 
+def server_port_options(share: bool = False) -> list[tuple[str, int]]:
+    """A server's port of its own: gRPC sets SO_REUSEPORT on Linux unless told not to, and then a
+    second server bound to a port in use does not fail but takes a share of its connections (two
+    workers on one address, each caller reaching either). `share`: only a mesh head's two servers,
+    which hand its port from one to the other (cli/serve_mesh.py); its first checks the port is free."""
+    return [("grpc.so_reuseport", 1 if share else 0)]
+
+
 class Peers:
     """The workers this one may forward chained steps to (serve --peer), one channel each, opened
     on first use. Addresses are compared exactly as the operator wrote them. `sign`: this worker's
