@@ -2,15 +2,16 @@
 route, and how fast each dishonest worker of tests/support/cheats.py is caught.
 
 - honest: a head and two tail replicas (one thread each) at --spot-check-rate 1: streams of greedy
-  and seeded requests, every one replayed on the other tail, until at least --steps replayed steps;
-  prints the spot checks' outcomes (a false alarm is a mismatch here);
+  and seeded requests, every one replayed on the other tail, until at least --steps replayed steps
+  (then 4,000 more for each longer --tokens); prints the spot checks' outcomes (a false alarm is a
+  mismatch here);
 - each cheat served as the tail the head routes to, with two honest replicas: requests until its
   first mismatch at rate 1 (--runs runs with other prompts), and at --live-rate (runs of requests
   until caught, a new head each run);
 - the head's draw of the requests it checks, counted over 100,000 draws at 1%, 5% and 100%, and the
   probability of catching a worker that cheats on every request within n requests, 1 - (1 - r)^n.
 
-    python benchmarks/proofs_study.py [--steps 10000] [--runs 3] [--live-rate 0.05]
+    python benchmarks/proofs_study.py [--steps 10000] [--runs 3] [--live-rate 0.05] [--tokens 128 448]
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per cheat at rate 1 (default 3)")
     ap.add_argument("--live-rate", type=float, default=0.05, help="the rate of the live runs (default 0.05)")
     ap.add_argument("--live-runs", type=int, default=5, help="runs of the noise cheat at --live-rate (default 5)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[128, 448],
+        help="tokens per honest request: the first for --steps (8 streams), each other for 4,000 more steps "
+        "(4 streams; longer sessions, past the first 256 cells) (default 128 448)",
+    )
     args = ap.parse_args()
     model = require_embedded_model()
     step_costs()
@@ -205,7 +214,9 @@ def main() -> int:
         print(
             f"cheat noise, rate {args.live_rate:g}: caught at request {live} (expected 1/rate = {1 / args.live_rate:.0f})"
         )
-        honest(model, addresses, args.steps)
+        honest(model, addresses, args.steps, n_tokens=args.tokens[0])
+        for n in args.tokens[1:]:
+            honest(model, addresses, 4000, n_streams=4, n_tokens=n)
     finally:
         for proc, _ in tails:
             stop_worker(proc)

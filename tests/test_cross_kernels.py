@@ -8,7 +8,8 @@ by stage, its worker held to its own commitment and its partner to the tolerance
   each): every request of an honest route is "close", within the tolerance and above 0 (the kernels
   do round differently), and no replica is taken out.
 - Each cheat of tests/support/cheats.py served as the tail, with two honest replicas of other
-  kernels beside it, is caught by the first request's spot check, and only the cheat is out.
+  kernels beside it, is caught by the first request's spot check, and only the cheat is out; fresh
+  noise (its replays never repeat what it committed) by its third check (head/strikes.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from llama_shard import cpu_backend
 from llama_shard.head.row_checks import ReplyProblem, _answer
+from llama_shard.head.strikes import STRIKES_OUT, Strikes
 from llama_shard.local_workers import free_port, start_worker, stop_worker, wait_serving
 from llama_shard.proto import shard_pb2 as pb
 from llama_shard.proto import shard_pb2_grpc as pb_grpc
@@ -31,6 +33,17 @@ from support.cheats import CHEATS, OTHER_TOKENS, cheating_worker
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
 TAIL = (15, 29)
+
+
+def test_a_worker_is_out_at_its_third_miss_among_its_last_checks_and_old_misses_slide_out():
+    strikes = Strikes(window=5, limit=3, max_workers=2)
+    assert [strikes.record("a", m) for m in (True, False, True)] == [1, 1, 2]
+    assert not strikes.out(2) and strikes.out(3)
+    assert [strikes.record("a", False) for _ in range(3)] == [2, 2, 1]  # the first miss slid out
+    assert strikes.record("a", True) == 2
+    strikes.record("b", True), strikes.record("c", True)  # "a", checked least recently, is forgotten
+    assert strikes.record("a", True) == 1
+    assert (STRIKES_OUT, Strikes().window) == (3, 20)
 
 
 def test_a_row_error_is_relative_centred_for_logits_and_never_passes_what_it_cannot_compare():
@@ -194,11 +207,21 @@ def test_a_cheating_tail_is_caught_against_replicas_of_other_kernels(embedded_mo
     try:
         [check] = route.generate(f"{cheat}-1")[1].spot_checks
         assert check.worker == worker.address, check  # the first route takes the first peer
-        if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed (counted,
-            # not blamed: honest workers were seen not to repeat in long sessions)
-            assert check.outcome == "unchecked: its worker did not repeat the rows it committed", check
-            assert all(r.state == "up" for r in route.info().replicas)
-            return
+        if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed (a strike,
+            # out at the third: one miss was seen from an honest worker once)
+            checks = [check]
+            for k in range(2, 12):
+                if len(checks) == STRIKES_OUT:
+                    break
+                assert all(r.state == "up" for r in route.info().replicas)
+                checks += [
+                    c for c in route.generate(f"{cheat}-strike-{k}")[1].spot_checks if c.worker == worker.address
+                ]
+            said = "unchecked: its worker did not repeat the rows it committed"
+            assert [c.outcome for c in checks[:-1]] == [
+                f"{said} (strike {k} of {STRIKES_OUT} in its last 20 checks)" for k in (1, 2)
+            ], checks
+            assert checks[-1].outcome == "mismatch: its worker did not repeat the rows it committed (3 times)"
         elif cheat == OTHER_TOKENS:  # its tokens are not its logits'
             assert check.outcome.startswith("mismatch: its worker's answer contradicted itself"), check
         else:  # a third replica of other kernels says which of the two is wrong

@@ -33,6 +33,7 @@ from ..proto import shard_pb2 as pb
 from ..receipts.chain import NONCE_BYTES, ReceiptChains
 from ..receipts.verify import check_route, stage_bodies
 from .row_checks import RowReplay, StageRows
+from .strikes import Strikes
 
 #: how long collecting a route's receipts, or one replayed step, may take
 RECEIPT_TIMEOUT_S = 10.0
@@ -98,6 +99,7 @@ class RouteProofs:
         self._pending_checks = 0
         self._lock = threading.Lock()
         self.spot_checks = self.spot_check_failures = self.receipt_failures = 0
+        self.strikes = Strikes()  # CPU workers whose replays did not repeat their committed rows
         self._outcomes = (
             Counter(
                 "llama_shard_spot_checks",
@@ -300,9 +302,13 @@ class RouteProofs:
             stage.commitment.fill(again)
             if again.in_chain != orig.in_chain:  # an earlier stage's rows differed: reported there
                 c.outcome = "unchecked: its input differed in the replay"
-            elif not _same_output(orig, again, stage.tail):
+                continue
+            if not _same_output(orig, again, stage.tail):
                 self._not_repeated(c, "rows" if again.out_chain != orig.out_chain else "tokens")
-            elif stage.partner is None:
+                continue
+            if self._repeats(c.worker):
+                self.strikes.record(c.worker, False)  # it repeated: its window of checks slides on
+            if stage.partner is None:
                 c.outcome = "unchecked: no other replica of its layers and numerics"
             elif stage.partner_failed:
                 c.outcome = f"mismatch: {stage.partner_failed}"
@@ -313,14 +319,27 @@ class RouteProofs:
                 self._compared(c, stage, replay)
         return self._counted(checks, None)
 
+    def _repeats(self, worker: str) -> bool:
+        """Whether `worker` is held to repeating its rows: a CPU's are the same bytes batched or alone."""
+        return self.replicas is not None and self.replicas.on_cpu(worker)
+
     def _not_repeated(self, c: pb.SpotCheck, what: str) -> None:
         """A route's worker did not repeat what it committed to. Other tokens from the rows it
         committed are its own doing (a tail draws them from its rows and the step's sampler state
-        alone): out. Other rows are counted, not blamed: honest CPU workers were seen not to repeat
-        their rows in sessions of 448 tokens (docs/benchmarks.md, "Across kernels"; not explained)."""
+        alone): out. Other rows are a strike against a CPU worker (head/strikes.py: out at the
+        third among its last checks); off the CPU rows are not known to repeat: counted."""
         if what == "rows":
             c.outcome = f"unchecked: its worker did not repeat the {what} it committed"
+            if not self._repeats(c.worker):
+                c.outcome += " (off the CPU: not known to)"
+                return
+            misses = self.strikes.record(c.worker, True)
             _log(f"worker {c.worker} did not repeat its committed rows in a spot check of stage {c.stage}")
+            if not self.strikes.out(misses):
+                c.outcome += f" (strike {misses} of {self.strikes.limit} in its last {self.strikes.window} checks)"
+                return
+            c.outcome = f"mismatch: its worker did not repeat the {what} it committed ({misses} times)"
+            self._take_out([c.worker], f"it did not repeat its committed rows in {misses} spot checks")
             return
         c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
         self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")

@@ -7,7 +7,7 @@ Replicas of one build, backend and kernels are held to equal bytes instead (head
 kernels round differently in every dot product, so their rows differ a little, and the errors grow
 with the layers a stage holds and the positions behind a row. The bounds come from pairs measured by
 `benchmarks/cross_kernels_study.py` (docs/benchmarks.md, "Across kernels"; SmolLM2-135M Q4_1, zen4
-against haswell kernels): honest replicas' largest error was 0.045 (centred logit rows; hidden rows
+against haswell kernels): honest replicas' largest error was 0.049 (centred logit rows; hidden rows
 0.043; sessions of up to 454 positions), about half the bound; the cheats that change the computation (a
 skipped layer, another quantization, a stale row) gave no row under 0.138, and no request's largest
 under 0.27. Noise of 1e-3 is about 1e-4 of a row: across kernels it is not seen (a replica of the
