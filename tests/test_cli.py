@@ -106,6 +106,12 @@ def test_a_second_worker_on_a_port_a_worker_serves_fails_to_start_and_the_first_
             pytest.fail(f"a second worker started serving on port {port}, a port a worker serves")
         assert res.returncode == 2 and f"cannot bind 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
         assert "in use by another process" in res.stderr
+        # by name: where localhost names [::1] too, gRPC would bind that alone and start (check_port_free
+        # tries each address first; here localhost may name 127.0.0.1 only)
+        res = run_cli(
+            "serve", "--model", str(synthetic_model), "--layers", "3-5", "--host", "localhost", "--port", port
+        )
+        assert res.returncode == 2 and f"cannot bind localhost:{port}" in res.stderr, res.stderr[-2000:]
         ranges = set()
         for _ in range(8):  # a new connection each: with a shared port some would reach the other process
             with grpc.insecure_channel(address) as ch:

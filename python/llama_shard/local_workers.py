@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ WORKER_DEFAULTS = ("--max-sessions", "8", "--context-tokens", "512", "--budget-t
 #: the ports free_port handed out (the kernel may hand the same free port out twice in a row, and
 #: the worker given it binds only seconds later: a second one would then fail to bind)
 _handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
 
 def free_port() -> int:
@@ -42,9 +44,10 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def start_worker(

@@ -37,7 +37,7 @@ from .proto import shard_pb2_grpc as pb_grpc
 from .worker.admission import AdmitRequests
 from .worker.metrics import EngineCollector
 from .worker.options import WorkerOptions
-from .worker.peers import SERVER_KEEPALIVE_OPTIONS, server_port_options
+from .worker.peers import SERVER_KEEPALIVE_OPTIONS, check_port_free, server_port_options
 from .worker.servicer import ShardServicer
 
 SERVICE_NAME = "llama_shard.v1.ShardService"
@@ -86,6 +86,7 @@ class ShardWorker:
         # HTTP endpoint 429, counting its requests in flight)
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
+        self.share_port = share_port
         self.server = self._grpc_server(config, share_port)
         for add_service in services:
             add_service(self.server)
@@ -125,6 +126,8 @@ class ShardWorker:
         """The port bound (OSError when it cannot be); a step forwarded to it is a loop."""
         options = self.options
         credentials = options.security.server_credentials()
+        if not self.share_port:  # (a mesh head's worker binds beside its own mesh server)
+            check_port_free(options.host, options.port)
         try:
             address = f"{options.host}:{options.port}"
             port = (

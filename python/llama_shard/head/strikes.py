@@ -3,9 +3,10 @@ committed to in its receipt (head/row_checks.py).
 
 A CPU worker computes a row to the same bytes batched or alone (patch 0010's attention, dense
 matrix products), so an honest one repeats its commitment; one that adds fresh noise to its rows
-cannot. One miss is not blamed at once: a miss has been seen from honest workers once (an earlier
-study's 448-token run; its cause not found, and not seen again in 90 long requests since), so a
-worker is out only when its replays miss `STRIKES_OUT` times among its last `STRIKE_WINDOW` checks.
+cannot. One miss is not blamed at once: honest workers missed 3 times in two earlier runs of the
+study (docs/benchmarks.md, "Across kernels"; cause not found, not seen in 62 requests of 448 tokens
+since), so a worker is out only when its replays miss `STRIKES_OUT` times among its last
+`STRIKE_WINDOW` checks. Whether a worker computes on the CPU is its own `Info.device`'s say.
 Bounded: at most `MAX_WORKERS` workers remembered, the least recently checked forgotten first."""
 
 from __future__ import annotations

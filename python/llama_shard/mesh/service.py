@@ -6,14 +6,12 @@ principal PERMISSION_DENIED. A fetch outside the member's ranges is PERMISSION_D
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 
 from ..errors import WhyNot
 from ..proto import shard_pb2 as pb
 from ..proto import shard_pb2_grpc as pb_grpc
-from ..worker.peers import server_port_options
+from ..worker.peers import check_port_free, server_port_options
 from ..worker.security import ServerSecurity
 from .coordinator import Mesh
 
@@ -47,32 +45,18 @@ def mesh_server(servicer: MeshServicer, security: ServerSecurity, host: str, por
     """A server of MeshService alone, bound (a head before its own range is planned): (server, port)."""
     from concurrent import futures
 
-    _check_port_free(host, port)  # it shares its port with the head's worker (server_port_options): no one else may
+    check_port_free(host, port)  # it shares its port with the head's worker (server_port_options): no one else may
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="mesh-rpc"), options=server_port_options(True)
     )
     pb_grpc.add_MeshServiceServicer_to_server(servicer, server)
     credentials = security.server_credentials()
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as e:  # grpcio raises RuntimeError when the address cannot be bound
+        raise OSError(f"cannot bind {address}: {e}") from None
     if bound == 0:
         raise OSError(f"cannot bind {address}")
     server.start()
     return server, bound
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """OSError when another process listens on host:port (a bind without SO_REUSEPORT fails there)."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as e:
-        raise OSError(f"cannot bind {host}:{port}: {e}") from None
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no listener
-            try:
-                s.bind(sockaddr)
-            except OSError as e:
-                raise OSError(f"cannot bind {host}:{port}: {e.strerror} (in use by another process?)") from None

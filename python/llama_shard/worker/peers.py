@@ -3,6 +3,8 @@ carries (the workers it passed through; the principal it is sent for, with the h
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 
@@ -45,6 +47,29 @@ def server_port_options(share: bool = False) -> list[tuple[str, int]]:
     workers on one address, each caller reaching either). `share`: only a mesh head's two servers,
     which hand its port from one to the other (cli/serve_mesh.py); its first checks the port is free."""
     return [("grpc.so_reuseport", 1 if share else 0)]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """OSError naming host:port when another process listens on an address it names. gRPC binds every
+    address a name resolves to and starts where only some bind (`localhost` beside a worker on
+    127.0.0.1 would take [::1] alone), so each is tried first here. An address this machine cannot
+    bind at all (no IPv6) is gRPC's to skip; only one in use is refused."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # a name that does not resolve: gRPC's bind says so
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+                )  # a closed connection's TIME_WAIT is no listener
+                s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(f"cannot bind {host}:{port}: {e.strerror} (in use by another process?)") from None
 
 
 class Peers:
