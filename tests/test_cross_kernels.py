@@ -208,7 +208,7 @@ def test_a_cheating_tail_is_caught_against_replicas_of_other_kernels(embedded_mo
         [check] = route.generate(f"{cheat}-1")[1].spot_checks
         assert check.worker == worker.address, check  # the first route takes the first peer
         if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed (a strike,
-            # out at the third: one miss was seen from an honest worker once)
+            # out at the third: honest workers were seen to miss, 3 times in two runs)
             checks = [check]
             for k in range(2, 12):
                 if len(checks) == STRIKES_OUT:

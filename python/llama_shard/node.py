@@ -86,8 +86,8 @@ class ShardWorker:
         # HTTP endpoint 429, counting its requests in flight)
         self.max_concurrent_rpcs = options.max_concurrent_rpcs or max(64, 4 * config.max_sessions)
         self.admission = AdmitRequests(max_in_flight_bytes=self.servicer.bounds.in_flight)
-        self.share_port = share_port
-        self.server = self._grpc_server(config, share_port)
+        self.share_port = share_port  # a mesh head's worker binds beside its own mesh server
+        self.server = self._grpc_server(config)
         for add_service in services:
             add_service(self.server)
         self.port = self._bind()
@@ -100,7 +100,7 @@ class ShardWorker:
             self.http.mesh = head_options.mesh
         self._stopped = threading.Event()
 
-    def _grpc_server(self, config: HotKvStateConfig, share_port: bool) -> grpc.Server:
+    def _grpc_server(self, config: HotKvStateConfig) -> grpc.Server:
         """The gRPC server with the shard service and the health service, not bound yet."""
         server = grpc.server(
             # a Generate stream holds a handler thread for its life: room for every stream beside the steps
@@ -113,7 +113,7 @@ class ShardWorker:
                 ("grpc.max_receive_message_length", self.servicer.bounds.request),
                 ("grpc.max_send_message_length", self.options.max_message_bytes),  # logits can outweigh any request
                 *SERVER_KEEPALIVE_OPTIONS,
-                *server_port_options(share_port),  # a port in use fails the bind (_bind)
+                *server_port_options(self.share_port),  # a port in use fails the bind (_bind)
             ],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             interceptors=[self.admission],
@@ -126,7 +126,7 @@ class ShardWorker:
         """The port bound (OSError when it cannot be); a step forwarded to it is a loop."""
         options = self.options
         credentials = options.security.server_credentials()
-        if not self.share_port:  # (a mesh head's worker binds beside its own mesh server)
+        if not self.share_port:
             check_port_free(options.host, options.port)
         try:
             address = f"{options.host}:{options.port}"

@@ -23,6 +23,8 @@ MAX_WORKERS = 1024
 
 
 class Strikes:
+    """Each worker's last `window` checks (missed or not); `out` at `limit` misses among them."""
+
     def __init__(self, window: int = STRIKE_WINDOW, limit: int = STRIKES_OUT, max_workers: int = MAX_WORKERS):
         assert window >= limit >= 1 and max_workers >= 1
         self.window, self.limit, self.max_workers = window, limit, max_workers

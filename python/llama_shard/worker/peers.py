@@ -63,9 +63,8 @@ def check_port_free(host: str, port: int) -> None:
     for family, kind, proto, _, sockaddr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
-                s.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-                )  # a closed connection's TIME_WAIT is no listener
+                # SO_REUSEADDR: a closed connection's TIME_WAIT is no listener
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(sockaddr)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
