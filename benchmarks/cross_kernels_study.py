@@ -3,7 +3,8 @@ on other CPU kernels land from each other, the false alarms of the tolerance (re
 and how far each dishonest worker of tests/support/cheats.py lands.
 
 - honest: a head (layers 0-9) and two later stages (10-19, 20-29), each held by a worker on this
-  CPU's kernels and one on --other-variant's (LLAMA_SHARD_CPU_VARIANT), one thread each, at
+  CPU's kernels and one on --other-variant's (LLAMA_SHARD_CPU_VARIANT) or on --other-device (a
+  GPU; lavapipe, a Vulkan driver on the CPU, where there is none), one thread each, at
   --spot-check-rate 1: every request is replayed stage by stage on both and each stage's largest
   relative row error printed (hidden rows at stage 1, logit rows at the tail), until at least
   --steps steps were compared; a false alarm is a mismatch here;
@@ -14,11 +15,14 @@ and how far each dishonest worker of tests/support/cheats.py lands.
   error;
 
     python benchmarks/cross_kernels_study.py [--steps 5000] [--other-variant haswell] [--runs 3]
+    python benchmarks/cross_kernels_study.py --other-device Vulkan0   # CPU against Vulkan
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +47,26 @@ from llama_shard.receipts.verify import stage_bodies  # noqa: E402
 from support.cheats import CHEATS, cheating_worker  # noqa: E402
 
 STAGES = ((0, 9), (10, 19), (20, 29))
+
+
+@dataclasses.dataclass(frozen=True)
+class Other:
+    """Where the other replicas compute: another CPU variant's kernels, or a device."""
+
+    label: str
+    env: dict
+    extra: tuple = ()
+
+    @staticmethod
+    def of(variant: str, device: str | None) -> Other:
+        if device is None:
+            return Other(variant, {"LLAMA_SHARD_CPU_VARIANT": variant})
+        # lavapipe is listed only where GGML_VK_VISIBLE_DEVICES names it (tests/test_devices.py)
+        visible = {"GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+        return Other(f"device {device}", visible, ("--device", device))
+
+    def start(self, model, first: int, last: int, extra: tuple = ()):
+        return start_worker(model, first, last, extra=(*extra, *self.extra), env=self.env)
 
 
 def start_head(model: Path, peers: list[str], rate: float = 1.0):
@@ -80,11 +104,10 @@ def _summary(errors: list[float]) -> str:
     return f"{len(errors)} requests: median {statistics.median(errors):.4f}, p99 {q[98]:.4f}, max {max(errors):.4f}"
 
 
-def honest(model: Path, other: str, steps: int, n_streams: int = 4, n_tokens: int = 96, rounds: int = 0) -> None:
-    variant = {"LLAMA_SHARD_CPU_VARIANT": other}
-    workers = [start_worker(model, *STAGES[2]), start_worker(model, *STAGES[2], env=variant)]
-    tails = [f for _, a in workers for f in ("--peer", a)]  # the middle stage forwards to either
-    workers += [start_worker(model, *STAGES[1], extra=tails), start_worker(model, *STAGES[1], extra=tails, env=variant)]
+def honest(model: Path, other: Other, steps: int, n_streams: int = 4, n_tokens: int = 96, rounds: int = 0) -> None:
+    workers = [start_worker(model, *STAGES[2]), other.start(model, *STAGES[2])]
+    tails = tuple(f for _, a in workers for f in ("--peer", a))  # the middle stage forwards to either
+    workers += [start_worker(model, *STAGES[1], extra=tails), other.start(model, *STAGES[1], tails)]
     head = None
     try:
         for proc, address in workers:
@@ -125,7 +148,7 @@ def honest(model: Path, other: str, steps: int, n_streams: int = 4, n_tokens: in
                 log(f"  honest across kernels: {requests} requests, {compared} steps compared, {outcomes}")
         mismatches = sum(v for k, v in outcomes.items() if k.startswith("mismatch"))
         print(
-            f"honest route across kernels ({other} against this CPU's), rate 1: {requests} requests ({n_streams} at "
+            f"honest route across kernels ({other.label} against this CPU's), rate 1: {requests} requests ({n_streams} at "
             f"once; greedy, seeded, drafts; {n_tokens} tokens), {compared} steps compared on both stages in "
             f"{time.perf_counter() - t0:.0f} s: {outcomes}; false alarms: {mismatches}; tails' tokens parted "
             f"at a near tie in {parted} checks"
@@ -141,26 +164,25 @@ def honest(model: Path, other: str, steps: int, n_streams: int = 4, n_tokens: in
             stop_worker(proc)
 
 
-def _cheat_route(model: Path, other: str, cheat: str, stage: int, honest_info, tmp: Path) -> tuple:
+def _cheat_route(model: Path, other: Other, cheat: str, stage: int, honest_info, tmp: Path) -> tuple:
     """(head, the cheat, the processes to stop): the cheat on `stage` (1: layers 10-19, 2: 20-29),
     an honest worker on --other-variant's kernels beside it, one honest worker of this CPU's kernels
     on the other stage."""
-    variant = {"LLAMA_SHARD_CPU_VARIANT": other}
     if stage == 2:
         worker = cheating_worker(model, *STAGES[2], cheat, honest_info, tmp)
-        partner = start_worker(model, *STAGES[2], env=variant)
+        partner = other.start(model, *STAGES[2])
         other_stage = start_worker(model, *STAGES[1], extra=("--peer", worker.address, "--peer", partner[1]))
     else:
         other_stage = start_worker(model, *STAGES[2])
         worker = cheating_worker(model, *STAGES[1], cheat, honest_info, tmp, peers=(other_stage[1],))
-        partner = start_worker(model, *STAGES[1], extra=("--peer", other_stage[1]), env=variant)
+        partner = other.start(model, *STAGES[1], ("--peer", other_stage[1]))
     for proc, address in (partner, other_stage):
         wait_serving(proc, address)
     head = start_head(model, [other_stage[1], worker.address, partner[1]])
     return head, worker, [head[0], partner[0], other_stage[0]]
 
 
-def cheats(model: Path, other: str, runs: int) -> None:
+def cheats(model: Path, other: Other, runs: int) -> None:
     for stage in (1, 2):
         honest = start_worker(model, *STAGES[stage])  # what the cheats claim to be (not in the routes)
         try:
@@ -188,10 +210,10 @@ def cheats(model: Path, other: str, runs: int) -> None:
                             stop_worker(proc)
                         worker.stop()
             rows = "logit" if stage == 2 else "hidden"
-            print(f"cheat {cheat} at stage {stage}, against {other}: (outcome, largest {rows}-row error) {seen}")
+            print(f"cheat {cheat} at stage {stage}, against {other.label}: (outcome, largest {rows}-row error) {seen}")
 
 
-def row_distances(model: Path, other: str, n_steps: int = 48) -> None:
+def row_distances(model: Path, other: Other, n_steps: int = 48) -> None:
     """Row by row, outside any route: the rows of layers 10-19 and the logit rows of 20-29 on this
     CPU's kernels against --other-variant's, another quantization, one layer fewer, the previous
     position's row and N(0, 1e-3) noise; each measure's spread over 4 prompts x n_steps positions
@@ -205,19 +227,20 @@ def row_distances(model: Path, other: str, n_steps: int = 48) -> None:
 
     tmp = Path(tempfile.mkdtemp())
     quant = requantized_copy(model, 10, 29, tmp / "other-quant.gguf")
-    variant = {"LLAMA_SHARD_CPU_VARIANT": other}
     specs = {
-        "source": (model, 0, 9, None),
-        "mid": (model, 10, 19, None),
-        "mid other kernels": (model, 10, 19, variant),
-        "mid other quantization": (quant, 10, 19, None),
-        "mid one layer fewer": (model, 11, 19, None),
-        "tail": (model, 20, 29, None),
-        "tail other kernels": (model, 20, 29, variant),
-        "tail other quantization": (quant, 20, 29, None),
-        "tail one layer fewer": (model, 21, 29, None),
+        "source": (model, 0, 9, False),
+        "mid": (model, 10, 19, False),
+        "mid other kernels": (model, 10, 19, True),
+        "mid other quantization": (quant, 10, 19, False),
+        "mid one layer fewer": (model, 11, 19, False),
+        "tail": (model, 20, 29, False),
+        "tail other kernels": (model, 20, 29, True),
+        "tail other quantization": (quant, 20, 29, False),
+        "tail one layer fewer": (model, 21, 29, False),
     }
-    workers = {k: start_worker(m, f, last, env=e) for k, (m, f, last, e) in specs.items()}
+    workers = {
+        k: other.start(m, f, last) if theirs else start_worker(m, f, last) for k, (m, f, last, theirs) in specs.items()
+    }
     try:
         for proc, address in workers.values():
             wait_serving(proc, address)
@@ -262,7 +285,7 @@ def row_distances(model: Path, other: str, n_steps: int = 48) -> None:
     finally:
         for proc, _ in workers.values():
             stop_worker(proc)
-    print(f"row errors against this CPU's kernels ({4 * n_steps} positions; {other} as the other kernels):")
+    print(f"row errors against this CPU's kernels ({4 * n_steps} positions; {other.label} as the other kernels):")
     for (what, measure), errors in sorted(measures.items()):
         e = sorted(errors)
         print(f"  {what:42s} {measure:8s} min {e[0]:.4g}  median {e[len(e) // 2]:.4g}  max {e[-1]:.4g}")
@@ -272,6 +295,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5000, help="honest steps to compare (default 5,000)")
     ap.add_argument("--other-variant", default="haswell", help="the other replicas' CPU kernels (default haswell)")
+    ap.add_argument("--other-device", help="the other replicas on this device instead (Vulkan0, say)")
     ap.add_argument("--runs", type=int, default=3, help="requests per cheat, each on a new head (default 3)")
     ap.add_argument(
         "--tokens",
@@ -280,15 +304,19 @@ def main() -> int:
         default=[96, 448],
         help="tokens per request: the first for --steps, each other for 8 requests (default 96 448)",
     )
+    ap.add_argument("--streams", type=int, default=4, help="requests at once on the honest route (default 4)")
     ap.add_argument("--skip-cheats", action="store_true")
+    ap.add_argument("--skip-rows", action="store_true", help="skip the row-by-row measures")
     args = ap.parse_args()
     model = require_embedded_model()
-    row_distances(model, args.other_variant)
+    other = Other.of(args.other_variant, args.other_device)
+    if not args.skip_rows:
+        row_distances(model, other)
     if not args.skip_cheats:
-        cheats(model, args.other_variant, args.runs)
-    honest(model, args.other_variant, args.steps, n_tokens=args.tokens[0])
+        cheats(model, other, args.runs)
+    honest(model, other, args.steps, n_streams=args.streams, n_tokens=args.tokens[0])
     for n in args.tokens[1:]:  # longer sessions: the errors grow with the positions behind a row
-        honest(model, args.other_variant, 1, n_streams=2, n_tokens=n, rounds=4)
+        honest(model, other, 1, n_streams=2, n_tokens=n, rounds=4)
     return 0
 
 

@@ -9,7 +9,10 @@ by stage, its worker held to its own commitment and its partner to the tolerance
   do round differently), and no replica is taken out.
 - Each cheat of tests/support/cheats.py served as the tail, with two honest replicas of other
   kernels beside it, is caught by the first request's spot check, and only the cheat is out; fresh
-  noise (its replays never repeat what it committed) by its third check (head/strikes.py).
+  noise (its replays never repeat what it committed), and a worker that refuses every replay, by
+  its third check (head/strikes.py).
+- Strikes, without workers: off the CPU a miss only counts; a refusal by a worker that still answers
+  Info is struck, one that does not answer or drains is not.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from llama_shard.proto import shard_pb2_grpc as pb_grpc
 from llama_shard.proto.wire import encode_tensor
 from llama_shard.receipts.tolerance import HIDDEN_TOLERANCE, LOGITS_TOLERANCE, Closeness, row_errors
 
-from support.cheats import CHEATS, OTHER_TOKENS, cheating_worker
+from support.cheats import CHEATS, OTHER_TOKENS, REFUSE_REPLAYS, cheating_worker
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
 TAIL = (15, 29)
@@ -200,15 +203,16 @@ def _honest_info(model) -> pb.InfoReply:
 @pytest.mark.model
 @pytest.mark.grpc
 @pytest.mark.slow
-@pytest.mark.parametrize("cheat", (*CHEATS, OTHER_TOKENS))
+@pytest.mark.parametrize("cheat", (*CHEATS, OTHER_TOKENS, REFUSE_REPLAYS))
 def test_a_cheating_tail_is_caught_against_replicas_of_other_kernels(embedded_model, other_tails, tmp_path, cheat):
     worker = cheating_worker(embedded_model, *TAIL, cheat, _honest_info(embedded_model), tmp_path)
     route = _Route(embedded_model, TAIL[0], [worker.address, *other_tails])
     try:
         [check] = route.generate(f"{cheat}-1")[1].spot_checks
         assert check.worker == worker.address, check  # the first route takes the first peer
-        if cheat == "noise":  # fresh noise each time: it cannot repeat what it committed (a strike,
-            # out at the third: honest workers were seen to miss, 3 times in two runs)
+        if cheat in ("noise", REFUSE_REPLAYS):  # fresh noise each time: it cannot repeat what it
+            # committed; or no answer to its replays, twice each: a strike, out at the third (honest
+            # workers were seen to miss, 3 times in two runs)
             checks = [check]
             for k in range(2, 12):
                 if len(checks) == STRIKES_OUT:
@@ -217,11 +221,17 @@ def test_a_cheating_tail_is_caught_against_replicas_of_other_kernels(embedded_mo
                 checks += [
                     c for c in route.generate(f"{cheat}-strike-{k}")[1].spot_checks if c.worker == worker.address
                 ]
-            said = "unchecked: its worker did not repeat the rows it committed"
+            said, did = (
+                ("unchecked: its worker did not repeat the rows it committed", "did not repeat the rows it committed")
+                if cheat == "noise"
+                else ("unchecked: stage 1's worker answered its replay OUTCOME_BUDGET_EXCEEDED", "refused its replay")
+            )
             assert [c.outcome for c in checks[:-1]] == [
-                f"{said} (strike {k} of {STRIKES_OUT} in its last 20 checks)" for k in (1, 2)
+                f"{said}{': the KV budget is full' if cheat == REFUSE_REPLAYS else ''} "
+                f"(strike {k} of {STRIKES_OUT} in its last 20 checks)"
+                for k in (1, 2)
             ], checks
-            assert checks[-1].outcome == "mismatch: its worker did not repeat the rows it committed (3 times)"
+            assert checks[-1].outcome == f"mismatch: its worker {did} (3 times)"
         elif cheat == OTHER_TOKENS:  # its tokens are not its logits'
             assert check.outcome.startswith("mismatch: its worker's answer contradicted itself"), check
         else:  # a third replica of other kernels says which of the two is wrong
@@ -262,3 +272,64 @@ def test_a_dishonest_partner_cannot_frame_an_honest_worker(embedded_model, tmp_p
         cheat.stop()
         for proc, _ in (mine, honest):
             stop_worker(proc)
+
+
+class _Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class _Peers:
+    """What a head's proofs ask a worker after it refused a replay: its Info (None: no answer)."""
+
+    def __init__(self):
+        self.answer: pb.InfoReply | None = None
+
+    def info(self, address: str, timeout: float) -> pb.InfoReply:
+        if self.answer is None:
+            raise _Unreachable()
+        return self.answer
+
+
+class _Replicas:
+    def __init__(self):
+        self.cpu, self.taken_out = True, []
+
+    def on_cpu(self, address: str) -> bool:
+        return self.cpu
+
+    def fail_check(self, address: str, why: str) -> None:
+        self.taken_out.append(address)
+
+
+def test_a_refusal_is_struck_only_while_its_worker_answers_and_off_the_cpu_other_rows_only_count():
+    from llama_shard.head.proofs import RouteProofs
+
+    peers, replicas = _Peers(), _Replicas()
+    proofs = RouteProofs(None, None, b"", replicas, peers)
+    hop = pb.Hop(address="w:1", recipe_fingerprint="r1")
+    try:
+
+        def refused() -> str:
+            c = pb.SpotCheck(stage=1, worker=hop.address)
+            proofs._refused(c, hop, "stage 1's worker answered its replay OUTCOME_BUDGET_EXCEEDED")
+            return c.outcome
+
+        said = "unchecked: stage 1's worker answered its replay OUTCOME_BUDGET_EXCEEDED"
+        assert refused() == f"{said} (its Info does not answer either: UNAVAILABLE; not blamed)"
+        peers.answer = pb.InfoReply(draining=True, recipe_fingerprint="r1")
+        assert refused().endswith("(it drains or restarted with another recipe; not blamed)")
+        peers.answer = pb.InfoReply(recipe_fingerprint="r2")
+        assert refused().endswith("(it drains or restarted with another recipe; not blamed)")
+        peers.answer = pb.InfoReply(recipe_fingerprint="r1")  # up, as it was for the route: refusing
+        assert refused() == f"{said} (strike 1 of {STRIKES_OUT} in its last 20 checks)"
+        replicas.cpu = False  # off the CPU, rows that differ from its commitment only count...
+        c = pb.SpotCheck(stage=1, worker=hop.address)
+        proofs._not_repeated(c, "rows")
+        assert c.outcome == "unchecked: its worker did not repeat the rows it committed (off the CPU: not known to)"
+        assert refused() == f"{said} (strike 2 of {STRIKES_OUT} in its last 20 checks)"  # ...refusals do not
+        assert replicas.taken_out == []
+        assert refused() == "mismatch: its worker refused its replay (3 times)"
+        assert replicas.taken_out == [hop.address]
+    finally:
+        proofs.close()

@@ -8,7 +8,9 @@ engine's outputs, or whose claims about itself, are changed:
   (its Info, recipe fingerprint and receipts say first .. last);
 - "other_quant": it loads another quantization of the same model (its layers' Q4_1 weights brought
   down to Q4_0's precision) and claims the original file's digest;
-- "other_tokens" (a tail): it answers the token after the one its logits give.
+- "other_tokens" (a tail): it answers the token after the one its logits give;
+- "refuse_replays": it computes live steps honestly and refuses every step that carries no receipt
+  nonce (a spot check's row replay), as a full worker would (OUTCOME_BUDGET_EXCEEDED).
 
 Each cheat keeps the honest worker's receipts honest about what it did: what a receipt alone cannot
 show, a spot check must."""
@@ -32,6 +34,8 @@ CHEATS = ("noise", "stale_row", "skip_layer", "other_quant")
 FALSE_RECEIPT = "false_receipt"
 #: a tail that computes honestly and answers the token after the one its logits give
 OTHER_TOKENS = "other_tokens"
+#: a worker that tells a spot check's replays apart (no receipt nonce) and refuses them
+REFUSE_REPLAYS = "refuse_replays"
 NOISE = 1e-3
 
 
@@ -118,6 +122,15 @@ def cheating_worker(model: Path, first: int, last: int, cheat: str, honest_info,
         servicer.receipt_signer.template.first = first
     if cheat == "other_quant":
         servicer.model_digest = servicer.receipt_signer.template.model_digest = honest_info.model_digest
+    if cheat == REFUSE_REPLAYS:
+        honest_reply = servicer.steps._reply
+
+        def refuse_replays(req, out, params=None, key=None):
+            if req.receipt_nonce:
+                return honest_reply(req, out, params, key)
+            return pb.StepReply(outcome=pb.OUTCOME_BUDGET_EXCEEDED, detail="the KV budget is full")
+
+        servicer.steps._reply = refuse_replays
     if cheat == OTHER_TOKENS:
         honest_reply, n_vocab = servicer.steps._reply, servicer.info.n_vocab
 

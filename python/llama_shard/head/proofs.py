@@ -46,6 +46,9 @@ CHECK_THREADS, MAX_PENDING_CHECKS = 1, 4
 #: commits a step once the route behind it answered, so a receipt read too early can see a step at
 #: the tail that the head has not committed yet. Read again after these pauses before saying no.
 RECOLLECT_S = (0.05, 0.1, 0.2, 0.4)
+#: a route's worker that refused its row replay is asked once more after this pause (a step of its
+#: replay may meet a full queue, or its session an eviction, on a loaded worker)
+REFUSED_PAUSE_S = 1.0
 VERIFIED = "verified"
 
 
@@ -99,7 +102,7 @@ class RouteProofs:
         self._pending_checks = 0
         self._lock = threading.Lock()
         self.spot_checks = self.spot_check_failures = self.receipt_failures = 0
-        self.strikes = Strikes()  # CPU workers whose replays did not repeat their committed rows
+        self.strikes = Strikes()  # workers that refused their row replays, or (a CPU's) did not repeat their rows
         self._outcomes = (
             Counter(
                 "llama_shard_spot_checks",
@@ -281,19 +284,25 @@ class RouteProofs:
         if problems or len(bodies) != len(route) + 1:
             return self._counted(checks, "unchecked: the route's receipt does not verify")
         last = len(route) - 1
-        stages = [
-            StageRows(hop, p or o, p is not None, i == last)
-            for i, (hop, p, o) in enumerate(zip(route, partners, others))
-        ]
+        for attempt in (1, 2):  # a worker that refused is asked once more (REFUSED_PAUSE_S)
+            stages = [
+                StageRows(hop, p or o, p is not None, i == last)
+                for i, (hop, p, o) in enumerate(zip(route, partners, others))
+            ]
+            replay = RowReplay(self.peers, RECEIPT_TIMEOUT_S)
+            why = replay.run(stages, steps, bodies[0].numerics)
+            if why is None or attempt == 2 or not any(stage.refused for stage in stages):
+                break
+            time.sleep(REFUSED_PAUSE_S)
         for c, stage in zip(checks, stages):
             c.replica = stage.partner.address if stage.partner is not None else ""
-        replay = RowReplay(self.peers, RECEIPT_TIMEOUT_S)
-        why = replay.run(stages, steps, bodies[0].numerics)
         if why is not None:
-            for c, stage in zip(checks, stages):
+            for c, hop, stage in zip(checks, route, stages):
                 if stage.worker_failed:  # its own answer contradicted itself: it alone is out
                     c.outcome = f"mismatch: its worker's answer contradicted itself: {stage.worker_failed}"
                     self._take_out([c.worker], f"its answer contradicted itself in a spot check of stage {c.stage}")
+                elif stage.refused:
+                    self._refused(c, hop, stage.refused)
                 else:
                     c.outcome = f"unchecked: {why}"
             return self._counted(checks, None)
@@ -306,8 +315,7 @@ class RouteProofs:
             if not _same_output(orig, again, stage.tail):
                 self._not_repeated(c, "rows" if again.out_chain != orig.out_chain else "tokens")
                 continue
-            if self._repeats(c.worker):
-                self.strikes.record(c.worker, False)  # it repeated: its window of checks slides on
+            self.strikes.record(c.worker, False)  # it answered and repeated: its window of checks slides on
             if stage.partner is None:
                 c.outcome = "unchecked: no other replica of its layers and numerics"
             elif stage.partner_failed:
@@ -332,17 +340,39 @@ class RouteProofs:
             c.outcome = f"unchecked: its worker did not repeat the {what} it committed"
             if not self._repeats(c.worker):
                 c.outcome += " (off the CPU: not known to)"
+                self.strikes.record(c.worker, False)  # it answered: its window slides on
                 return
-            misses = self.strikes.record(c.worker, True)
-            _log(f"worker {c.worker} did not repeat its committed rows in a spot check of stage {c.stage}")
-            if not self.strikes.out(misses):
-                c.outcome += f" (strike {misses} of {self.strikes.limit} in its last {self.strikes.window} checks)"
-                return
-            c.outcome = f"mismatch: its worker did not repeat the {what} it committed ({misses} times)"
-            self._take_out([c.worker], f"it did not repeat its committed rows in {misses} spot checks")
+            self._strike(c, f"did not repeat the {what} it committed")
             return
         c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
         self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")
+
+    def _refused(self, c: pb.SpotCheck, hop: pb.Hop, why: str) -> None:
+        """A route's worker refused its row replay twice (`why`: the last refusal). A worker that
+        still answers Info as it did for the route (not draining, the same recipe) is struck
+        (head/strikes.py): refusing every replay would otherwise keep a cheat unchecked for free.
+        One that does not answer, drains or restarted with another recipe is not blamed."""
+        c.outcome = f"unchecked: {why}"
+        try:
+            info = self.peers.info(c.worker, RECEIPT_TIMEOUT_S)
+        except grpc.RpcError as e:
+            c.outcome += f" (its Info does not answer either: {e.code().name}; not blamed)"
+            return
+        if info.draining or (hop.recipe_fingerprint and info.recipe_fingerprint != hop.recipe_fingerprint):
+            c.outcome += " (it drains or restarted with another recipe; not blamed)"
+            return
+        self._strike(c, "refused its replay")
+
+    def _strike(self, c: pb.SpotCheck, what: str) -> None:
+        """One strike against `c.worker` for `what` it did (head/strikes.py): `c.outcome` says
+        which strike, or at the limit the mismatch that takes the worker out of routes."""
+        misses = self.strikes.record(c.worker, True)
+        _log(f"worker {c.worker} {what} in a spot check of stage {c.stage}")
+        if not self.strikes.out(misses):
+            c.outcome += f" (strike {misses} of {self.strikes.limit} in its last {self.strikes.window} checks)"
+            return
+        c.outcome = f"mismatch: its worker {what} ({misses} times)"
+        self._take_out([c.worker], f"it {what} in {misses} spot checks")
 
     def _compared(self, c: pb.SpotCheck, stage: StageRows, replay: RowReplay) -> None:
         if not stage.exact:

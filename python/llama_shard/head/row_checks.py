@@ -14,8 +14,11 @@ The head replays the kept steps stage by stage, unchained, as a new session of i
   one of other kernels must come within the tolerance on every row.
 
 A worker whose answer contradicts itself (a length it was not given, rows that do not decode, tokens
-its rows do not give) or that does not repeat its commitment fails alone; one that does not answer
-at all leaves the request unchecked (a worker under load may refuse: counted, not blamed). A worker
+its rows do not give) or that does not repeat its commitment fails alone. One that refuses its
+replay (any outcome but OK, or no answer) is marked `refused` on its stage: the head replays once
+more and then, where the worker still answers Info, strikes it (head/proofs.py): a cheat that tells
+replays apart cannot refuse them all for free, and an honest one under load refuses rarely (its
+budget evicts idle sessions first; docs/benchmarks.md, "Across kernels"). A worker
 and partner that disagree are arbitrated by a third replica (`arbitrate`), each of the two held to
 repeating its first answers."""
 
@@ -60,6 +63,7 @@ class StageRows:
     worker_failed: str = ""  # its worker's answer contradicted itself (the stage's mismatch)
     partner_failed: str = ""  # its partner's did
     stopped: str = ""  # why the partner's replay stopped early (it did not answer)
+    refused: str = ""  # why its worker did not answer its replay (refused it, or did not answer at all)
     parted: int = 0  # a tail of other kernels: steps whose tokens differed (near ties)
 
     @property
@@ -161,10 +165,12 @@ class RowReplay:
             try:
                 reply = self._call(stage.hop, kind, req)
             except grpc.RpcError as e:
-                return f"stage {i + 1}'s worker did not answer its replay: {e.code().name}"
+                stage.refused = f"stage {i + 1}'s worker did not answer its replay: {e.code().name}"
+                return stage.refused
             if reply.outcome != pb.OUTCOME_OK:
                 name = pb.Outcome.Name(reply.outcome)
-                return f"stage {i + 1}'s worker answered its replay {name}: {reply.detail[:200]}"
+                stage.refused = f"stage {i + 1}'s worker answered its replay {name}: {reply.detail[:200]}"
+                return stage.refused
             try:
                 rows, digest = _answer(reply, req, stage.tail)
                 if stage.tail:

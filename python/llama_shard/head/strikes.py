@@ -1,5 +1,10 @@
-"""Strikes against a route's worker that does not repeat, in a spot check's replay, the rows it
-committed to in its receipt (head/row_checks.py).
+"""Strikes against a route's worker that, in a spot check's row replay (head/row_checks.py),
+refuses to answer (twice, while it answers Info), or, on a CPU, does not repeat the rows it
+committed to in its receipt.
+
+A worker can tell a replay from live traffic (a session without a nonce or a next stage), so one
+that refused them freely would never be checked; an honest worker refuses rarely (a full queue, or
+its replay session evicted under load: docs/benchmarks.md, "Across kernels"), and is asked again.
 
 A CPU worker computes a row to the same bytes batched or alone (patch 0010's attention, dense
 matrix products), so an honest one repeats its commitment; one that adds fresh noise to its rows
@@ -32,8 +37,8 @@ class Strikes:
         self._lock = threading.Lock()
 
     def record(self, worker: str, missed: bool) -> int:
-        """Records one check of `worker` (`missed`: it did not repeat its commitment); returns its
-        misses among its last `window` checks."""
+        """Records one check of `worker` (`missed`: it refused it, or did not repeat its
+        commitment); returns its misses among its last `window` checks."""
         with self._lock:
             last = self._by_worker.pop(worker, None)
             if last is None:
