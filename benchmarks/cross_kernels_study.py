@@ -104,10 +104,16 @@ def _summary(errors: list[float]) -> str:
     return f"{len(errors)} requests: median {statistics.median(errors):.4f}, p99 {q[98]:.4f}, max {max(errors):.4f}"
 
 
-def honest(model: Path, other: Other, steps: int, n_streams: int = 4, n_tokens: int = 96, rounds: int = 0) -> None:
-    workers = [start_worker(model, *STAGES[2]), other.start(model, *STAGES[2])]
+def honest(
+    model: Path, other: Other, steps: int, n_streams: int = 4, n_tokens: int = 96, rounds: int = 0, flags: tuple = ()
+) -> None:
+    """`flags`: the later stages' workers' own serve flags (a smaller --budget-tokens, say)."""
+    workers = [start_worker(model, *STAGES[2], extra=flags), other.start(model, *STAGES[2], flags)]
     tails = tuple(f for _, a in workers for f in ("--peer", a))  # the middle stage forwards to either
-    workers += [start_worker(model, *STAGES[1], extra=tails), other.start(model, *STAGES[1], tails)]
+    workers += [
+        start_worker(model, *STAGES[1], extra=(*flags, *tails)),
+        other.start(model, *STAGES[1], (*flags, *tails)),
+    ]
     head = None
     try:
         for proc, address in workers:
@@ -155,6 +161,11 @@ def honest(model: Path, other: Other, steps: int, n_streams: int = 4, n_tokens: 
         )
         print(f"  stage 1 (layers 10-19, hidden rows; tolerance {HIDDEN_TOLERANCE}): {_summary(errors[1])}")
         print(f"  stage 2 (layers 20-29, logit rows; tolerance {LOGITS_TOLERANCE}): {_summary(errors[2])}")
+        evicted = []  # how hard the later workers' KV budgets were pressed (replays evict, and are evicted)
+        for _, address in workers:
+            with grpc.insecure_channel(address) as ch:
+                evicted.append(pb_grpc.ShardServiceStub(ch).Info(pb.InfoRequest(), timeout=10).evictions_lru)
+        print(f"  the later stages' workers' LRU evictions: {evicted}")
     finally:
         if head is not None:
             said = stop_worker(head[0])[1].splitlines()
@@ -305,6 +316,7 @@ def main() -> int:
         help="tokens per request: the first for --steps, each other for 8 requests (default 96 448)",
     )
     ap.add_argument("--streams", type=int, default=4, help="requests at once on the honest route (default 4)")
+    ap.add_argument("--budget-tokens", type=int, help="the honest route's later workers' KV budget (default 2,048)")
     ap.add_argument("--skip-cheats", action="store_true")
     ap.add_argument("--skip-rows", action="store_true", help="skip the row-by-row measures")
     args = ap.parse_args()
@@ -314,9 +326,10 @@ def main() -> int:
         row_distances(model, other)
     if not args.skip_cheats:
         cheats(model, other, args.runs)
-    honest(model, other, args.steps, n_streams=args.streams, n_tokens=args.tokens[0])
+    flags = ("--budget-tokens", str(args.budget_tokens)) if args.budget_tokens else ()
+    honest(model, other, args.steps, n_streams=args.streams, n_tokens=args.tokens[0], flags=flags)
     for n in args.tokens[1:]:  # longer sessions: the errors grow with the positions behind a row
-        honest(model, other, 1, n_streams=2, n_tokens=n, rounds=4)
+        honest(model, other, 1, n_streams=2, n_tokens=n, rounds=4, flags=flags)
     return 0
 
 
