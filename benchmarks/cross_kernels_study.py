@@ -97,6 +97,14 @@ def generate(stub, sid: str, prompt: list[int], n: int, kind: int) -> pb.RouteRe
     return r
 
 
+def _label(outcome: str) -> str:
+    """An outcome without its figures, but saying whether a miss was struck or only counted."""
+    label = outcome.split(" (")[0]
+    if "(off the CPU" in outcome:
+        return label + " (off the CPU: counted)"
+    return label + (" (struck)" if "(strike" in outcome else "")
+
+
 def _summary(errors: list[float]) -> str:
     if not errors:
         return "none"
@@ -135,7 +143,7 @@ def honest(
                     with lock:
                         requests += 1
                         for c in r.spot_checks:
-                            label = c.outcome.split(" (")[0]
+                            label = f"stage {c.stage}: {_label(c.outcome)}"
                             outcomes[label] = outcomes.get(label, 0) + 1
                             parted += "parted" in c.outcome
                             if c.outcome.startswith(("close", "mismatch")) and c.tolerance:
@@ -152,7 +160,7 @@ def honest(
                 if requests < round_ * n_streams:
                     raise RuntimeError("a request failed (above)")
                 log(f"  honest across kernels: {requests} requests, {compared} steps compared, {outcomes}")
-        mismatches = sum(v for k, v in outcomes.items() if k.startswith("mismatch"))
+        mismatches = sum(v for k, v in outcomes.items() if "mismatch" in k)
         print(
             f"honest route across kernels ({other.label} against this CPU's), rate 1: {requests} requests ({n_streams} at "
             f"once; greedy, seeded, drafts; {n_tokens} tokens), {compared} steps compared on both stages in "
