@@ -306,34 +306,76 @@ class _Replicas:
         self.taken_out.append(address)
 
 
-def test_a_refusal_is_struck_only_while_its_worker_answers_and_off_the_cpu_other_rows_only_count():
+def test_a_refusal_is_struck_unless_its_worker_restarted_or_its_input_came_from_a_replay():
+    """After its second refusal: a worker whose Info answers, or does not, is struck (a cheat could
+    fail its Info after each refusal); one that restarted since the request, or whose refusal its
+    replayed input can cause, is not. Off the CPU, rows that differ from its commitment only count."""
     from llama_shard.head.proofs import RouteProofs
+    from llama_shard.head.row_checks import StageRows
 
     peers, replicas = _Peers(), _Replicas()
     proofs = RouteProofs(None, None, b"", replicas, peers)
     hop = pb.Hop(address="w:1", recipe_fingerprint="r1")
+    said = "unchecked: stage 2's worker answered its replay OUTCOME_INTERNAL"
     try:
 
-        def refused() -> str:
-            c = pb.SpotCheck(stage=1, worker=hop.address)
-            proofs._refused(c, hop, "stage 1's worker answered its replay OUTCOME_BUDGET_EXCEEDED")
+        def refused(fed_by_replay: bool = False) -> str:
+            c = pb.SpotCheck(stage=2, worker=hop.address)
+            stage = StageRows(hop, None, False, True, refused=said[len("unchecked: ") :], refusal="OUTCOME_INTERNAL")
+            proofs._refused(c, stage, fed_by_replay, "instance-1")
             return c.outcome
 
-        said = "unchecked: stage 1's worker answered its replay OUTCOME_BUDGET_EXCEEDED"
-        assert refused() == f"{said} (its Info does not answer either: UNAVAILABLE; not blamed)"
-        peers.answer = pb.InfoReply(draining=True, recipe_fingerprint="r1")
-        assert refused().endswith("(it drains or restarted with another recipe; not blamed)")
-        peers.answer = pb.InfoReply(recipe_fingerprint="r2")
-        assert refused().endswith("(it drains or restarted with another recipe; not blamed)")
-        peers.answer = pb.InfoReply(recipe_fingerprint="r1")  # up, as it was for the route: refusing
-        assert refused() == f"{said} (strike 1 of {STRIKES_OUT} in its last 20 checks)"
+        assert refused(fed_by_replay=True) == f"{said} (its input came from the replay of the stage before; not blamed)"
+        peers.answer = pb.InfoReply(instance_id="instance-2")
+        assert refused() == f"{said} (it restarted since the request; not blamed)"
+        assert replicas.taken_out == []
+        peers.answer = None  # no answer excuses nothing
+        assert (
+            refused()
+            == f"{said} (its Info does not answer either: UNAVAILABLE) (strike 1 of {STRIKES_OUT} in its last 20 checks)"
+        )
         replicas.cpu = False  # off the CPU, rows that differ from its commitment only count...
         c = pb.SpotCheck(stage=1, worker=hop.address)
         proofs._not_repeated(c, "rows")
         assert c.outcome == "unchecked: its worker did not repeat the rows it committed (off the CPU: not known to)"
-        assert refused() == f"{said} (strike 2 of {STRIKES_OUT} in its last 20 checks)"  # ...refusals do not
+        peers.answer = pb.InfoReply(instance_id="instance-1", draining=True)  # ...refusals do not
+        assert refused() == f"{said} (strike 2 of {STRIKES_OUT} in its last 20 checks)"
         assert replicas.taken_out == []
         assert refused() == "mismatch: its worker refused its replay (3 times)"
         assert replicas.taken_out == [hop.address]
+    finally:
+        proofs.close()
+
+
+def test_a_row_replay_refused_is_asked_again_and_only_a_stage_refused_both_times_can_be_blamed(monkeypatch):
+    """The replay runs once more after a refusal; a stage is blamed only when its worker refused both
+    times (the first replay may have stopped before a later stage was ever asked)."""
+    from llama_shard.head import proofs as proofs_module
+    from llama_shard.head.row_checks import RowReplay
+
+    attempts: list[set[int]] = []  # which stages refuse, attempt by attempt
+
+    def run(self, stages, steps, numerics):
+        mine = attempts.pop(0)
+        for i in sorted(mine)[:1]:  # a replay stops at its first refusal
+            stages[i].refused, stages[i].refusal = f"stage {i + 1} refused", "OUTCOME_BUDGET_EXCEEDED"
+            return stages[i].refused
+        return None
+
+    monkeypatch.setattr(RowReplay, "run", run)
+    monkeypatch.setattr(proofs_module, "REFUSED_PAUSE_S", 0.0)
+    proofs = proofs_module.RouteProofs(None, None, b"", _Replicas(), _Peers())
+    route = [pb.Hop(address=f"w:{i}") for i in (1, 2)]
+    try:
+        for plan, blamed in (
+            ([set(), {0}], set()),  # answered the first time: never asked again
+            ([{0}, set()], set()),  # refused once, then answered
+            ([{0}, {1}], set()),  # stage 2 was never asked the first time
+            ([{1}, {1}], {1}),
+        ):
+            attempts[:] = plan
+            _, stages, why, refused = proofs._replay_rows(route, [], [None, None], route[::-1], "n")
+            assert refused == blamed and (why is None) == (not any(s.refused for s in stages)), plan
+            assert len(attempts) == (1 if plan[0] == set() else 0), plan
     finally:
         proofs.close()

@@ -32,6 +32,7 @@ from prometheus_client import Counter
 from ..proto import shard_pb2 as pb
 from ..receipts.chain import NONCE_BYTES, ReceiptChains
 from ..receipts.verify import check_route, stage_bodies
+from ..worker import DEFAULT_MAX_HOP_S
 from .row_checks import RowReplay, StageRows
 from .strikes import Strikes
 
@@ -49,6 +50,11 @@ RECOLLECT_S = (0.05, 0.1, 0.2, 0.4)
 #: a route's worker that refused its row replay is asked once more after this pause (a step of its
 #: replay may meet a full queue, or its session an eviction, on a loaded worker)
 REFUSED_PAUSE_S = 1.0
+#: a row replay's step may take as long as a live chained step may hold a worker (a long prefill on
+#: a slow worker must not time out into a refusal)
+REPLAY_STEP_S = DEFAULT_MAX_HOP_S
+#: refusals a stage's input can cause (rows from the replay of the stage before, not yet checked)
+INPUT_REFUSALS = ("OUTCOME_INVALID_ARGUMENT", "OUTCOME_INTERNAL")
 VERIFIED = "verified"
 
 
@@ -283,26 +289,16 @@ class RouteProofs:
         bodies, problems = stage_bodies(receipt)
         if problems or len(bodies) != len(route) + 1:
             return self._counted(checks, "unchecked: the route's receipt does not verify")
-        last = len(route) - 1
-        for attempt in (1, 2):  # a worker that refused is asked once more (REFUSED_PAUSE_S)
-            stages = [
-                StageRows(hop, p or o, p is not None, i == last)
-                for i, (hop, p, o) in enumerate(zip(route, partners, others))
-            ]
-            replay = RowReplay(self.peers, RECEIPT_TIMEOUT_S)
-            why = replay.run(stages, steps, bodies[0].numerics)
-            if why is None or attempt == 2 or not any(stage.refused for stage in stages):
-                break
-            time.sleep(REFUSED_PAUSE_S)
+        replay, stages, why, refused_before = self._replay_rows(route, steps, partners, others, bodies[0].numerics)
         for c, stage in zip(checks, stages):
             c.replica = stage.partner.address if stage.partner is not None else ""
         if why is not None:
-            for c, hop, stage in zip(checks, route, stages):
+            for i, (c, stage, orig) in enumerate(zip(checks, stages, bodies[1:])):
                 if stage.worker_failed:  # its own answer contradicted itself: it alone is out
                     c.outcome = f"mismatch: its worker's answer contradicted itself: {stage.worker_failed}"
                     self._take_out([c.worker], f"its answer contradicted itself in a spot check of stage {c.stage}")
-                elif stage.refused:
-                    self._refused(c, hop, stage.refused)
+                elif stage.refused and i in refused_before:
+                    self._refused(c, stage, i > 0, orig.instance_id)
                 else:
                     c.outcome = f"unchecked: {why}"
             return self._counted(checks, None)
@@ -327,6 +323,26 @@ class RouteProofs:
                 self._compared(c, stage, replay)
         return self._counted(checks, None)
 
+    def _replay_rows(self, route, steps, partners, others, numerics: str) -> tuple:
+        """Replays the route's stages (RowReplay); where a worker refused, all of it once more after
+        REFUSED_PAUSE_S. Returns the last replay and its stages, why it did not complete (None: it
+        did) and the stages whose worker refused the first time as well (the only ones a refusal can
+        blame)."""
+        last, refused_before = len(route) - 1, set()
+        for attempt in (1, 2):
+            stages = [
+                StageRows(hop, p or o, p is not None, i == last)
+                for i, (hop, p, o) in enumerate(zip(route, partners, others))
+            ]
+            replay = RowReplay(self.peers, REPLAY_STEP_S)
+            why = replay.run(stages, steps, numerics)
+            refused = {i for i, stage in enumerate(stages) if stage.refused}
+            if why is None or not refused or attempt == 2:
+                return replay, stages, why, refused_before & refused
+            refused_before = refused
+            time.sleep(REFUSED_PAUSE_S)
+        raise AssertionError("unreachable")
+
     def _repeats(self, worker: str) -> bool:
         """Whether `worker` is held to repeating its rows: a CPU's are the same bytes batched or alone."""
         return self.replicas is not None and self.replicas.on_cpu(worker)
@@ -347,20 +363,27 @@ class RouteProofs:
         c.outcome = f"mismatch: its worker did not repeat the {what} it committed"
         self._take_out([c.worker], f"it did not repeat its committed {what} in a spot check of stage {c.stage}")
 
-    def _refused(self, c: pb.SpotCheck, hop: pb.Hop, why: str) -> None:
-        """A route's worker refused its row replay twice (`why`: the last refusal). A worker that
-        still answers Info as it did for the route (not draining, the same recipe) is struck
-        (head/strikes.py): refusing every replay would otherwise keep a cheat unchecked for free.
-        One that does not answer, drains or restarted with another recipe is not blamed."""
-        c.outcome = f"unchecked: {why}"
+    def _refused(self, c: pb.SpotCheck, stage: StageRows, fed_by_replay: bool, instance_id: str) -> None:
+        """A route's worker refused its row replay twice (`stage.refused`: the last refusal). It is
+        struck (head/strikes.py): a worker can tell a replay apart, and refusing them all would
+        otherwise keep a cheat unchecked for free. Not blamed: a worker that restarted since it
+        signed the request (its Info names another instance than `instance_id`), and one whose
+        refusal its input can cause where that input is the replay of the stage before
+        (`fed_by_replay`: rows not checked yet). A worker that drains, or whose Info does not answer,
+        is struck too: a cheat could say as much after each refusal."""
+        c.outcome = f"unchecked: {stage.refused}"
+        if fed_by_replay and stage.refusal in INPUT_REFUSALS:
+            c.outcome += " (its input came from the replay of the stage before; not blamed)"
+            return
         try:
             info = self.peers.info(c.worker, RECEIPT_TIMEOUT_S)
-        except grpc.RpcError as e:
-            c.outcome += f" (its Info does not answer either: {e.code().name}; not blamed)"
-            return
-        if info.draining or (hop.recipe_fingerprint and info.recipe_fingerprint != hop.recipe_fingerprint):
-            c.outcome += " (it drains or restarted with another recipe; not blamed)"
-            return
+        except Exception as e:  # noqa: BLE001 - no answer at all excuses nothing
+            code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
+            c.outcome += f" (its Info does not answer either: {code})"
+        else:
+            if instance_id and info.instance_id and info.instance_id != instance_id:
+                c.outcome += " (it restarted since the request; not blamed)"
+                return
         self._strike(c, "refused its replay")
 
     def _strike(self, c: pb.SpotCheck, what: str) -> None:

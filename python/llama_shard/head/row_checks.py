@@ -38,6 +38,14 @@ from ..receipts.chain import Commitment, answer_of, logits_digest, rows_digest, 
 from ..receipts.tolerance import HIDDEN_TOLERANCE, LOGITS_TOLERANCE, Closeness
 from ..worker.sampling import StepSamplingChecks, TailSamplers, verify
 
+#: a release's bound (a worker that does not answer one frees the session at its TTL)
+RELEASE_S = 10.0
+
+
+def outcome_name(outcome: int) -> str:
+    """An answer's outcome by name; a number the wire does not define, as a number (never raises)."""
+    return pb.Outcome.Name(outcome) if outcome in pb.Outcome.values() else f"outcome {outcome}"
+
 
 class ReplyProblem(Exception):
     """A replayed step's OK answer that contradicts itself or its step: the answerer's fault."""
@@ -64,6 +72,7 @@ class StageRows:
     partner_failed: str = ""  # its partner's did
     stopped: str = ""  # why the partner's replay stopped early (it did not answer)
     refused: str = ""  # why its worker did not answer its replay (refused it, or did not answer at all)
+    refusal: str = ""  # the refusal's outcome (OUTCOME_...) or the call's status (DEADLINE_EXCEEDED, ...)
     parted: int = 0  # a tail of other kernels: steps whose tokens differed (near ties)
 
     @property
@@ -165,11 +174,12 @@ class RowReplay:
             try:
                 reply = self._call(stage.hop, kind, req)
             except grpc.RpcError as e:
-                stage.refused = f"stage {i + 1}'s worker did not answer its replay: {e.code().name}"
+                stage.refusal = e.code().name
+                stage.refused = f"stage {i + 1}'s worker did not answer its replay: {stage.refusal}"
                 return stage.refused
             if reply.outcome != pb.OUTCOME_OK:
-                name = pb.Outcome.Name(reply.outcome)
-                stage.refused = f"stage {i + 1}'s worker answered its replay {name}: {reply.detail[:200]}"
+                stage.refusal = outcome_name(reply.outcome)
+                stage.refused = f"stage {i + 1}'s worker answered its replay {stage.refusal}: {reply.detail[:200]}"
                 return stage.refused
             try:
                 rows, digest = _answer(reply, req, stage.tail)
@@ -227,7 +237,7 @@ class RowReplay:
             stage.stopped = f"its replica did not answer step {step}: {e.code().name}"
             return
         if got.outcome != pb.OUTCOME_OK:
-            stage.stopped = f"its replica answered {pb.Outcome.Name(got.outcome)} at step {step}"
+            stage.stopped = f"its replica answered {outcome_name(got.outcome)} at step {step}"
             return
         try:
             theirs, their_digest = _answer(got, req, stage.tail)
@@ -268,7 +278,7 @@ class RowReplay:
                     except grpc.RpcError as e:
                         return list(names), f"not arbitrated: {hop.address} did not answer ({e.code().name})"
                     if got.outcome != pb.OUTCOME_OK:
-                        return list(names), f"not arbitrated: {hop.address} answered {pb.Outcome.Name(got.outcome)}"
+                        return list(names), f"not arbitrated: {hop.address} answered {outcome_name(got.outcome)}"
                     try:
                         rows, digest = _answer(got, req, stage.tail)
                     except ReplyProblem as e:
@@ -292,6 +302,6 @@ class RowReplay:
     def release(self, hops: list[pb.Hop]) -> None:
         for hop in hops:
             try:
-                self.peers.release(hop.address, self.session_id, 1, self.timeout_s)
+                self.peers.release(hop.address, self.session_id, 1, min(self.timeout_s, RELEASE_S))
             except grpc.RpcError:
                 pass  # its TTL frees it

@@ -1,6 +1,6 @@
 """Strikes against a route's worker that, in a spot check's row replay (head/row_checks.py),
-refuses to answer (twice, while it answers Info), or, on a CPU, does not repeat the rows it
-committed to in its receipt.
+refuses to answer twice (unless it restarted since the request), or, on a CPU, does not repeat the
+rows it committed to in its receipt.
 
 A worker can tell a replay from live traffic (a session without a nonce or a next stage), so one
 that refused them freely would never be checked; an honest worker refuses rarely (a full queue, or
