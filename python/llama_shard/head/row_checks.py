@@ -16,7 +16,8 @@ The head replays the kept steps stage by stage, unchained, as a new session of i
 A worker whose answer contradicts itself (a length it was not given, rows that do not decode, tokens
 its rows do not give) or that does not repeat its commitment fails alone. One that refuses its
 replay (any outcome but OK, or no answer) is marked `refused` on its stage: the head replays once
-more and then, where the worker still answers Info, strikes it (head/proofs.py): a cheat that tells
+more and strikes a worker that refused both times, unless it restarted since the request
+(head/proofs.py, `RouteProofs._refused`): a cheat that tells
 replays apart cannot refuse them all for free, and an honest one under load refuses rarely (its
 budget evicts idle sessions first; docs/benchmarks.md, "Across kernels"). A worker
 and partner that disagree are arbitrated by a third replica (`arbitrate`), each of the two held to
