@@ -3,6 +3,10 @@
 # no Python in the code under test), from the build directory scripts/install.sh left behind.
 # Tests marked slow (10 s or more each: routes of real workers, chaos, soaks, studies) are left out;
 # `--slow` runs only them (CI runs both), `--all` everything. Other arguments go to pytest.
+# Test files run on two pytest processes (pytest-xdist, a file's tests together so its module fixtures
+# start once): most of a test's time is its workers' start-up, gRPC waits and one-thread steps, so a
+# second file beside it nearly halves the lanes on 2 cores. LLAMA_SHARD_TEST_JOBS sets the count
+# (1: one process, as before; more than 2 oversubscribes workers whose thread pools spin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +22,10 @@ export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
 PROGRESS=$(mktemp)
 trap 'rm -f "$PROGRESS"' EXIT
 set +e
-LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider "${LANE[@]}" tests "$@"
+JOBS=${LLAMA_SHARD_TEST_JOBS:-$(( $(nproc) < 2 ? 1 : 2 ))}
+PARALLEL=()
+[ "$JOBS" -le 1 ] || PARALLEL=(-n "$JOBS" --dist loadfile)
+LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "${LANE[@]}" tests "$@"
 rc=$?
 set -e
 if [ "$rc" -gt 128 ]; then
