@@ -24,7 +24,8 @@ trap 'rm -f "$PROGRESS"' EXIT
 set +e
 JOBS=${LLAMA_SHARD_TEST_JOBS:-$(( $(nproc) < 2 ? 1 : 2 ))}
 PARALLEL=()
-[ "$JOBS" -le 1 ] || PARALLEL=(-n "$JOBS" --dist loadfile)
+# (-p no:benchmark: a pytest-benchmark installed on the machine fails a parallel run with its warning)
+[ "$JOBS" -le 1 ] || PARALLEL=(-n "$JOBS" --dist loadfile -p no:benchmark)
 LLAMA_SHARD_TEST_PROGRESS="$PROGRESS" "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "${LANE[@]}" tests "$@"
 rc=$?
 set -e
