@@ -23,6 +23,7 @@ PROGRESS=$(mktemp)
 trap 'rm -f "$PROGRESS"' EXIT
 set +e
 JOBS=${LLAMA_SHARD_TEST_JOBS:-$(( $(nproc) < 2 ? 1 : 2 ))}
+"$PY" -c "import xdist" 2> /dev/null || JOBS=1  # an install without the test extras' pytest-xdist
 PARALLEL=()
 # (-p no:benchmark: a pytest-benchmark installed on the machine fails a parallel run with its warning)
 [ "$JOBS" -le 1 ] || PARALLEL=(-n "$JOBS" --dist loadfile -p no:benchmark)
