@@ -18,7 +18,8 @@ case "${1:-}" in
 esac
 export LLAMA_SHARD_REQUIRE_MODEL=${LLAMA_SHARD_REQUIRE_MODEL:-1}
 # tests import the installed package (python/ is not on sys.path). A pytest killed by a signal
-# names the signal and the test it was running (tests/conftest.py writes it to this file).
+# names the signal and the test it was running (tests/conftest.py writes it to this file). On two
+# processes, xdist itself names the test of a worker that crashed, and fails it.
 PROGRESS=$(mktemp)
 trap 'rm -f "$PROGRESS"' EXIT
 set +e
